@@ -1,0 +1,33 @@
+# Two entry points on a fresh machine: `make demo` and `make test`.
+# Both create .venv and install on first use.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# torch is pinned here, installed first, so pip takes the CPU build already on the
+# machine instead of resolving an open range to the newest CUDA build (several GB).
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test test-min bench lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q $(TORCH_PIN) -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/broadcast.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check raysync actors tests benchmarks examples
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,217 @@
+"""WeightHubActor: raysync's control plane, an async Ray actor.
+
+Called by the learner (``submit`` through :class:`raysync.HubHandle`), by receivers
+(``register``, ``ack``, ``latest``) and by anyone watching (``status``, ``wait_for``).
+It never opens a transport payload: it validates specs, assigns versions, forwards
+payloads to receivers and collects their acks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from raysync.errors import (
+    BroadcastError,
+    HubClosedError,
+    TransportUnavailableError,
+    UnknownModelError,
+)
+from raysync.hub_state import HubState, ReceiverEntry
+from raysync.messages import (
+    Ack,
+    AckStatus,
+    BroadcastReport,
+    BroadcastRequest,
+    BroadcastTicket,
+    HubStatus,
+    Registration,
+    Update,
+    Welcome,
+)
+from raysync.transports import get_transport
+
+logger = logging.getLogger(__name__)
+
+#: Reports kept per model for ``wait_for`` after the broadcast finished.
+_REPORTS_KEPT = 256
+
+
+class WeightHubActor:
+    """See module docstring. Created through :meth:`raysync.WeightHub.remote`."""
+
+    def __init__(self, transport: str, default_timeout_s: float) -> None:
+        availability = get_transport(transport).availability()
+        if not availability.available:
+            raise TransportUnavailableError(
+                f"transport {transport!r} is not available: {availability.reason}"
+            )
+        self._transport = transport
+        self._default_timeout_s = default_timeout_s
+        self._state = HubState()
+        self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
+        self._pending_acks: dict[tuple[str, str, int], asyncio.Future[Ack]] = {}
+        self._closed = False
+        self._model_known = asyncio.Event()
+
+    # -- learner -------------------------------------------------------------------------
+    async def submit(self, request: BroadcastRequest) -> BroadcastReport | BroadcastTicket:
+        """Validate, version and deliver one broadcast (see ``HubHandle.broadcast``)."""
+        if self._closed:
+            raise HubClosedError("the hub is shutting down and accepts no more broadcasts")
+        started = time.perf_counter()
+        timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
+        if request.model is None and not self._state.models:
+            await self._wait_for_first_model(timeout_s)
+        model = self._state.resolve_model(request.model)
+        self._state.check_broadcast(model, request.spec)
+        targets = self._state.targets(model, request.workers)
+        update = self._state.publish(model, request.spec, self._transport, request.payload)
+        task = asyncio.create_task(
+            self._deliver_all(update, targets, timeout_s, started, request.learner_seconds)
+        )
+        reports = self._reports.setdefault(model, OrderedDict())
+        reports[update.version] = task
+        while len(reports) > _REPORTS_KEPT:
+            reports.popitem(last=False)
+        if not request.wait:
+            return BroadcastTicket(model, update.version)
+        report = await task
+        if report.failed and request.raise_on_failure:
+            raise BroadcastError(report)
+        return report
+
+    async def wait_for(
+        self,
+        ticket: BroadcastTicket,
+        raise_on_failure: bool = True,
+    ) -> BroadcastReport:
+        """The report of a ``wait=False`` broadcast, once it is complete."""
+        task = self._reports.get(ticket.model, {}).get(ticket.version)
+        if task is None:
+            raise KeyError(
+                f"no report for version {ticket.version} of model {ticket.model!r}: "
+                f"it is unknown or older than the last {_REPORTS_KEPT} broadcasts"
+            )
+        report = await asyncio.shield(task)
+        if report.failed and raise_on_failure:
+            raise BroadcastError(report)
+        return report
+
+    async def _wait_for_first_model(self, timeout_s: float) -> None:
+        """A broadcast that names no model, before any receiver registered one, is for
+        the model the first receiver registers (the usual start-up race)."""
+        try:
+            await asyncio.wait_for(self._model_known.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise UnknownModelError(
+                f"no receiver registered a model within {timeout_s:g} s; pass model=... to "
+                "broadcast before any receiver exists"
+            ) from None
+
+    # -- receivers -------------------------------------------------------------------------
+    async def register(self, registration: Registration) -> Welcome:
+        """Add a receiver; answer with the latest version of each of its models it lacks."""
+        latest = self._state.register(registration)
+        self._model_known.set()
+        logger.info("registered %s (%s)", registration.worker, registration.actor)
+        return Welcome(self._transport, latest)
+
+    async def unregister(self, worker: str, token: str) -> None:
+        self._state.drop(worker, token)
+
+    async def ack(self, ack: Ack) -> None:
+        """An acknowledgement sent after the delivery call returned (deferred applies)."""
+        if ack.status is not AckStatus.FAILED:
+            self._state.record(ack.worker, ack.model, ack.version)
+        future = self._pending_acks.get((ack.worker, ack.model, ack.version))
+        if future is not None and not future.done():
+            future.set_result(ack)
+
+    async def latest(self, model: str, have_version: int = 0) -> Update | None:
+        """Pull mode: the latest update of ``model`` if newer than ``have_version``."""
+        update = self._state.latest(model)
+        if update is None or update.version <= have_version:
+            return None
+        return update
+
+    # -- anyone ----------------------------------------------------------------------------
+    async def status(self) -> HubStatus:
+        return HubStatus(
+            transport=self._transport,
+            versions={m: s.version for m, s in sorted(self._state.models.items())},
+            receivers=self._state.statuses(),
+        )
+
+    def transport_name(self) -> str:
+        return self._transport
+
+    async def close(self) -> None:
+        """Refuse new broadcasts and wait for those in flight."""
+        self._closed = True
+        tasks = [t for reports in self._reports.values() for t in reports.values()]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- delivery --------------------------------------------------------------------------
+    async def _deliver_all(
+        self,
+        update: Update,
+        targets: list[ReceiverEntry],
+        timeout_s: float,
+        started: float,
+        learner_seconds: float,
+    ) -> BroadcastReport:
+        deadline = time.monotonic() + timeout_s
+        outcomes = await asyncio.gather(
+            *(self._deliver_one(entry, update, deadline, timeout_s) for entry in targets)
+        )
+        acked = tuple(sorted(w for w, error in outcomes if error is None))
+        failed = {w: error for w, error in outcomes if error is not None}
+        return BroadcastReport(
+            model=update.model,
+            version=update.version,
+            acked=acked,
+            failed=failed,
+            bytes=update.spec.nbytes,
+            seconds=learner_seconds + time.perf_counter() - started,
+            transport=update.transport,
+        )
+
+    async def _deliver_one(
+        self, entry: ReceiverEntry, update: Update, deadline: float, timeout_s: float
+    ) -> tuple[str, str | None]:
+        """Deliver to one receiver; return (worker, None) on success or (worker, reason)."""
+        registration = entry.registration
+        key = (registration.worker, update.model, update.version)
+        deferred_ack = asyncio.get_running_loop().create_future()
+        self._pending_acks[key] = deferred_ack
+        try:
+            ref = registration.handle._raysync_deliver.remote(update)
+            ack = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
+            if ack is None:  # applied later, at the receiver's next safe point
+                ack = await asyncio.wait_for(deferred_ack, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return registration.worker, (
+                f"{registration.actor} did not apply version {update.version} of model "
+                f"{update.model!r} within the {timeout_s:g} s timeout"
+            )
+        except RayActorError as err:
+            self._state.drop(registration.worker, registration.token)
+            return registration.worker, (
+                f"{registration.actor} died before applying version {update.version} of model "
+                f"{update.model!r}; dropped from the registry until it registers again "
+                f"({type(err).__name__}: {err})"
+            )
+        except RayError as err:
+            return registration.worker, f"{registration.actor} raised while receiving: {err}"
+        finally:
+            self._pending_acks.pop(key, None)
+        if ack.status is AckStatus.FAILED:
+            return registration.worker, f"{registration.actor} failed to apply: {ack.error}"
+        self._state.record(registration.worker, update.model, update.version)
+        return registration.worker, None

@@ -1,0 +1,51 @@
+"""raysync: move weights from a learner to many Ray actors, fast, with acks and versions."""
+
+from raysync.errors import (
+    BroadcastError,
+    HubClosedError,
+    InvalidWeightsError,
+    ModelPathError,
+    RaySyncError,
+    SpecMismatchError,
+    TransportUnavailableError,
+    UnknownModelError,
+    UnknownWorkerError,
+)
+from raysync.hub_handle import HubHandle, HubLauncher, WeightHub, get_hub
+from raysync.messages import (
+    BroadcastReport,
+    BroadcastTicket,
+    DeliveryMode,
+    HubStatus,
+    ReceiverStatus,
+)
+from raysync.receiver import WeightReceiver, weight_receiver
+from raysync.spec import TensorSpec, WeightSpec
+from raysync.transports import available_transports, known_transports
+
+__all__ = [
+    "BroadcastError",
+    "BroadcastReport",
+    "BroadcastTicket",
+    "DeliveryMode",
+    "HubClosedError",
+    "HubHandle",
+    "HubLauncher",
+    "HubStatus",
+    "InvalidWeightsError",
+    "ModelPathError",
+    "RaySyncError",
+    "ReceiverStatus",
+    "SpecMismatchError",
+    "TensorSpec",
+    "TransportUnavailableError",
+    "UnknownModelError",
+    "UnknownWorkerError",
+    "WeightHub",
+    "WeightReceiver",
+    "WeightSpec",
+    "available_transports",
+    "get_hub",
+    "known_transports",
+    "weight_receiver",
+]

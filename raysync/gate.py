@@ -1,0 +1,159 @@
+"""ApplyGate: the safe point at which a receiver's model changes version.
+
+Runs in the receiver process. User methods of a receiver actor are *readers*; applying
+an update is the *writer*. A write waits until no user method is running, and user
+methods that start while a write is waiting wait for it, so user code never sees a
+model that mixes two versions. This covers every way Ray runs actor methods:
+
+* default actors (one method at a time): a delivery never overlaps a user method, the
+  gate is uncontended;
+* threaded actors (``max_concurrency > 1``): the delivery thread blocks until running
+  user methods return, new ones wait for the write;
+* async actors: deliveries run on the event loop thread while user coroutines may be
+  parked at an ``await``. The write cannot block the loop, so it is *deferred*: the
+  last user coroutine to finish applies it, and the ack is sent then.
+
+A long-running user method (``while True: collect()``) opens safe points itself with
+:meth:`safe_point`; nested calls and :meth:`write` from inside a user method (pull
+mode) account for the caller's own read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+#: How many reads the current thread or task holds (re-entrant user methods).
+_held: contextvars.ContextVar[int] = contextvars.ContextVar("raysync_gate_held", default=0)
+
+
+class Deferred:
+    """Returned by :meth:`ApplyGate.write` when the write will run later (async actors)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DEFERRED"
+
+
+DEFERRED = Deferred()
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class ApplyGate:
+    """Readers/writer gate between user methods and weight applies (see module doc)."""
+
+    def __init__(self, finish_deferred: Callable[[Any], None]) -> None:
+        """``finish_deferred(result)`` receives what a deferred write returned."""
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writers_waiting = 0
+        self._writing = False
+        self._deferred: list[Callable[[], Any]] = []
+        self._finish_deferred = finish_deferred
+        self._drained: asyncio.Event | None = None
+
+    # -- readers: user methods -------------------------------------------------------
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Hold the model steady for a synchronous user method."""
+        held = _held.get()
+        if held or _on_event_loop():
+            # Nested call, or sync code on an async actor's loop: no apply can run on
+            # this thread until it returns.
+            yield
+            return
+        with self._cond:
+            while self._writing or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        token = _held.set(1)
+        try:
+            yield
+        finally:
+            _held.reset(token)
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def reading_async(self) -> AsyncIterator[None]:
+        """Hold the model steady for an async user method (async actors)."""
+        held = _held.get()
+        if not held:
+            while self._deferred:
+                await self._drained_event().wait()
+        self._readers += 1
+        token = _held.set(held + 1)
+        try:
+            yield
+        finally:
+            _held.reset(token)
+            self._readers -= 1
+            self._run_deferred_if_idle()
+
+    def safe_point(self) -> None:
+        """Let waiting writes through from inside a long-running user method."""
+        held = _held.get()
+        if _on_event_loop():
+            self._run_deferred_if_idle(own=held)
+            return
+        with self._cond:
+            if not (self._writers_waiting or self._writing):
+                return
+            self._readers -= held
+            self._cond.notify_all()
+            while self._writers_waiting or self._writing:
+                self._cond.wait()
+            self._readers += held
+
+    # -- the writer: applying an update -------------------------------------------------
+    def write(self, apply: Callable[[], Any]) -> Any:
+        """Run ``apply`` when no user method is running; return its result or DEFERRED."""
+        held = _held.get()
+        if _on_event_loop():
+            if self._readers - held == 0 and not self._deferred:
+                return apply()
+            self._deferred.append(apply)
+            return DEFERRED
+        with self._cond:
+            self._readers -= held
+            self._writers_waiting += 1
+            self._cond.notify_all()
+            while self._readers or self._writing:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writing = True
+        try:
+            return apply()
+        finally:
+            with self._cond:
+                self._writing = False
+                self._readers += held
+                self._cond.notify_all()
+
+    def _run_deferred_if_idle(self, own: int = 0) -> None:
+        if self._readers - own or not self._deferred:
+            return
+        pending, self._deferred = self._deferred, []
+        for apply in pending:
+            self._finish_deferred(apply())
+        if self._drained is not None:
+            self._drained.set()
+            self._drained = None
+
+    def _drained_event(self) -> asyncio.Event:
+        if self._drained is None:
+            self._drained = asyncio.Event()
+        return self._drained

@@ -1,0 +1,160 @@
+"""The learner's side of raysync: :class:`WeightHub` creates the hub actor and returns a
+:class:`HubHandle`; ``HubHandle.broadcast.remote(weights)`` flattens and checks the
+weights, hands their bytes to the transport *in the learner process*, and sends the
+hub only the spec and the transport's payload.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from raysync import weights as weights_mod
+from raysync.errors import TransportUnavailableError
+from raysync.messages import BroadcastRequest
+from raysync.spec import WeightSpec
+from raysync.transports import DEFAULT_TRANSPORT, TransportSender, get_transport
+
+#: Default seconds a broadcast waits for every receiver's ack.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class _Broadcast:
+    """``hub.broadcast`` — call ``.remote(weights, ...)`` like any Ray actor method."""
+
+    def __init__(self, handle: HubHandle) -> None:
+        self._handle = handle
+
+    def remote(
+        self,
+        weights: weights_mod.Weights,
+        *,
+        model: str | None = None,
+        workers: Sequence[str] | None = None,
+        timeout_s: float | None = None,
+        wait: bool = True,
+        raise_on_failure: bool = True,
+    ) -> ray.ObjectRef:
+        """Broadcast a new version of ``model``; return the ack future.
+
+        Called in the learner process. ``weights`` is an nn.Module, a TensorDict or a
+        (nested) state_dict. ``model`` defaults to the only model the hub knows
+        (``"default"`` if it knows none). ``workers`` restricts the broadcast to those
+        worker ids. ``timeout_s`` bounds the wait for acks (default: the hub's).
+
+        The returned ObjectRef resolves to a :class:`~raysync.BroadcastReport` when every
+        targeted receiver applied the version; if any failed, ``ray.get`` raises
+        :class:`~raysync.BroadcastError` (whose ``report`` says who and why) unless
+        ``raise_on_failure=False``. With ``wait=False`` it resolves at once to a
+        :class:`~raysync.BroadcastTicket` for ``hub.wait_for.remote(ticket)``.
+
+        Raises :class:`~raysync.InvalidWeightsError` here, before anything is sent, for
+        weights that are not contiguous tensors; a spec mismatch with the hub's model,
+        an unknown model or an unknown worker raise from ``ray.get`` of the result,
+        also before any receiver is touched.
+        """
+        started = time.perf_counter()
+        tensors = weights_mod.flatten(weights, what="broadcast weights")
+        spec = WeightSpec.of(tensors)
+        payload = self._handle._sender.send(tensors, spec)
+        request = BroadcastRequest(
+            model=model,
+            spec=spec,
+            payload=payload,
+            workers=None if workers is None else tuple(workers),
+            timeout_s=timeout_s,
+            wait=wait,
+            raise_on_failure=raise_on_failure,
+            learner_seconds=time.perf_counter() - started,
+        )
+        return self._handle.actor.submit.remote(request)
+
+
+class HubHandle:
+    """A picklable handle on a hub actor, with learner-side ``broadcast``.
+
+    Every other hub method is the actor's own, called the Ray way:
+    ``hub.status.remote()``, ``hub.wait_for.remote(ticket)``, ``hub.close.remote()``.
+    Pass a HubHandle (or the hub's name) to receivers' ``connect_hub``.
+    """
+
+    def __init__(self, actor: ActorHandle, transport: str) -> None:
+        self.actor = actor
+        self.transport = transport
+
+    @property
+    def broadcast(self) -> _Broadcast:
+        return _Broadcast(self)
+
+    @cached_property
+    def _sender(self) -> TransportSender:
+        """The transport's learner half, opened in the first process that broadcasts."""
+        return get_transport(self.transport).open_sender(self.actor)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("actor", "transport"):
+            raise AttributeError(name)
+        return getattr(self.actor, name)
+
+    def __reduce__(self):
+        return (HubHandle, (self.actor, self.transport))
+
+    def __repr__(self) -> str:
+        return f"HubHandle({self.actor._actor_id.hex()}, transport={self.transport!r})"
+
+
+class WeightHub:
+    """Creates the hub actor: ``WeightHub.remote(...)`` or ``WeightHub.options(...).remote(...)``.
+
+    Called from the Ray job that owns the hub (usually the learner's driver).
+    """
+
+    @staticmethod
+    def options(**actor_options: Any) -> HubLauncher:
+        """Ray actor options for the hub: ``name``, ``namespace``, ``lifetime``,
+        ``max_restarts``, ``scheduling_strategy``, resources, ... (``num_cpus`` defaults to 0)."""
+        return HubLauncher(actor_options)
+
+    @staticmethod
+    def remote(
+        *, transport: str = DEFAULT_TRANSPORT, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> HubHandle:
+        """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
+        return HubLauncher({}).remote(transport=transport, timeout_s=timeout_s)
+
+
+class HubLauncher:
+    """``WeightHub.options(...)``: actor options waiting for ``.remote(...)``."""
+
+    def __init__(self, actor_options: dict[str, Any]) -> None:
+        self._actor_options = {"num_cpus": 0, **actor_options}
+
+    def remote(
+        self, *, transport: str = DEFAULT_TRANSPORT, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> HubHandle:
+        """Start the hub actor. ``transport`` names the data path (see
+        :func:`raysync.transports.known_transports`); ``timeout_s`` is the default ack
+        timeout of a broadcast. Raises ``ValueError`` for an unknown transport and
+        :class:`~raysync.TransportUnavailableError` if it cannot run here."""
+        from actors.hub import WeightHubActor
+
+        availability = get_transport(transport).availability()
+        if not availability.available:
+            raise TransportUnavailableError(
+                f"transport {transport!r} is not available: {availability.reason}"
+            )
+        actor = ray.remote(WeightHubActor).options(**self._actor_options).remote(
+            transport, timeout_s
+        )
+        return HubHandle(actor, transport)
+
+
+def get_hub(name: str, namespace: str | None = None) -> HubHandle:
+    """A HubHandle on the named hub actor (``WeightHub.options(name=...)``)."""
+    actor = ray.get_actor(name, namespace=namespace)
+    return HubHandle(actor, ray.get(actor.transport_name.remote()))

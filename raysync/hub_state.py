@@ -1,0 +1,166 @@
+"""The hub's bookkeeping: models, specs, versions, receivers. Plain Python, no Ray calls.
+
+Owned by the hub actor (``actors/hub.py``) and only touched from its event loop, so
+each method runs without interruption: version assignment and registration are
+totally ordered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raysync.errors import UnknownModelError, UnknownWorkerError
+from raysync.messages import (
+    DeliveryMode,
+    Registration,
+    ReceiverStatus,
+    Update,
+)
+from raysync.spec import WeightSpec
+
+#: The model id used when a receiver passes a single model path.
+DEFAULT_MODEL = "default"
+
+
+@dataclass
+class ModelState:
+    spec: WeightSpec | None = None
+    version: int = 0
+    latest: Update | None = None
+
+
+@dataclass
+class ReceiverEntry:
+    registration: Registration
+    versions: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def worker(self) -> str:
+        return self.registration.worker
+
+
+class HubState:
+    def __init__(self) -> None:
+        self.models: dict[str, ModelState] = {}
+        self.receivers: dict[str, ReceiverEntry] = {}
+
+    # -- models ------------------------------------------------------------------------
+    def resolve_model(self, model: str | None) -> str:
+        """The model a broadcast is for: ``model`` itself, or the only one the hub knows."""
+        if model is not None:
+            return model
+        if not self.models:
+            return DEFAULT_MODEL
+        if len(self.models) == 1:
+            return next(iter(self.models))
+        raise UnknownModelError(
+            f"the hub holds several models ({', '.join(sorted(self.models))}); "
+            "pass model=... to broadcast"
+        )
+
+    def check_broadcast(self, model: str, spec: WeightSpec) -> None:
+        """Raise SpecMismatchError if ``spec`` disagrees with what the hub knows for ``model``."""
+        known = self.models.get(model)
+        if known is not None and known.spec is not None:
+            known.spec.check_matches(
+                spec, expected=f"the hub's spec of model {model!r}", got="the broadcast"
+            )
+
+    def publish(self, model: str, spec: WeightSpec, transport: str, payload: object) -> Update:
+        """Assign the next version of ``model`` and make it the latest."""
+        state = self.models.setdefault(model, ModelState())
+        state.spec = spec
+        state.version += 1
+        state.latest = Update(model, state.version, spec, transport, payload)
+        return state.latest
+
+    def latest(self, model: str) -> Update | None:
+        if model not in self.models:
+            raise UnknownModelError(
+                f"unknown model {model!r}; the hub knows: {', '.join(sorted(self.models)) or 'none'}"
+            )
+        return self.models[model].latest
+
+    # -- receivers -----------------------------------------------------------------------
+    def register(self, registration: Registration) -> dict[str, Update]:
+        """Add (or replace) a receiver; return the latest updates it does not hold yet.
+
+        Raises SpecMismatchError, naming the actor, if one of its models disagrees with
+        the hub's spec; the registry is unchanged then.
+        """
+        for model, spec in registration.specs.items():
+            known = self.models.get(model)
+            if known is not None and known.spec is not None:
+                known.spec.check_matches(
+                    spec,
+                    expected=f"the hub's spec of model {model!r}",
+                    got=f"receiver {registration.worker} ({registration.actor}) model {model!r}",
+                )
+        for model, spec in registration.specs.items():
+            state = self.models.setdefault(model, ModelState())
+            if state.spec is None:
+                state.spec = spec
+        self.receivers[registration.worker] = ReceiverEntry(
+            registration, dict(registration.versions)
+        )
+        return {
+            model: self.models[model].latest
+            for model in registration.specs
+            if self.models[model].latest is not None
+            and self.models[model].latest.version > registration.versions.get(model, 0)
+        }
+
+    def drop(self, worker: str, token: str) -> bool:
+        """Forget ``worker`` if its current registration is ``token``; True if dropped."""
+        entry = self.receivers.get(worker)
+        if entry is not None and entry.registration.token == token:
+            del self.receivers[worker]
+            return True
+        return False
+
+    def targets(self, model: str, workers: tuple[str, ...] | None) -> list[ReceiverEntry]:
+        """Receivers a broadcast of ``model`` goes to: all push receivers, or ``workers``."""
+        if workers is None:
+            return [
+                entry
+                for entry in self.receivers.values()
+                if model in entry.registration.specs
+                and entry.registration.mode is DeliveryMode.PUSH
+            ]
+        chosen = []
+        for worker in workers:
+            entry = self.receivers.get(worker)
+            if entry is None:
+                raise UnknownWorkerError(
+                    f"unknown worker {worker!r}; registered workers: "
+                    f"{', '.join(sorted(self.receivers)) or 'none'}"
+                )
+            if model not in entry.registration.specs:
+                raise UnknownModelError(
+                    f"worker {worker!r} does not hold model {model!r} "
+                    f"(it holds: {', '.join(sorted(entry.registration.specs))})"
+                )
+            chosen.append(entry)
+        return chosen
+
+    def record(self, worker: str, model: str, version: int) -> None:
+        """Remember that ``worker`` holds ``version`` of ``model`` (or a newer one)."""
+        entry = self.receivers.get(worker)
+        if entry is not None and version > entry.versions.get(model, 0):
+            entry.versions[model] = version
+
+    def statuses(self) -> tuple[ReceiverStatus, ...]:
+        out = []
+        for worker in sorted(self.receivers):
+            entry = self.receivers[worker]
+            versions = {m: entry.versions.get(m, 0) for m in sorted(entry.registration.specs)}
+            out.append(
+                ReceiverStatus(
+                    worker=worker,
+                    actor=entry.registration.actor,
+                    mode=entry.registration.mode,
+                    versions=versions,
+                    lag={m: self.models[m].version - v for m, v in versions.items()},
+                )
+            )
+        return tuple(out)

@@ -1,0 +1,131 @@
+"""Typed messages between the learner, the hub actor and receivers.
+
+Every message is a frozen dataclass. Transport payloads travel inside them untouched:
+an ``ObjectRef`` nested in a dataclass is passed by Ray as a reference, never resolved
+by the hub.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from raysync.spec import WeightSpec
+
+
+class DeliveryMode(enum.Enum):
+    """How a receiver gets new versions."""
+
+    PUSH = "push"  #: the hub sends every broadcast; the receiver is in every ack
+    PULL = "pull"  #: the receiver asks for the latest version when it wants it
+
+
+class AckStatus(enum.Enum):
+    APPLIED = "applied"  #: the receiver now holds exactly this version
+    SUPERSEDED = "superseded"  #: the receiver already held this version or a newer one
+    FAILED = "failed"  #: the receiver could not apply it; ``Ack.error`` says why
+
+
+@dataclass(frozen=True)
+class BroadcastRequest:
+    """Learner -> hub: one broadcast, data already handed to the transport."""
+
+    model: str | None
+    spec: WeightSpec
+    payload: Any
+    workers: tuple[str, ...] | None
+    timeout_s: float | None
+    wait: bool
+    raise_on_failure: bool
+    learner_seconds: float  #: time the learner spent packing and handing off the data
+
+
+@dataclass(frozen=True)
+class Update:
+    """Hub -> receiver: version ``version`` of ``model``, readable through ``payload``."""
+
+    model: str
+    version: int
+    spec: WeightSpec
+    transport: str
+    payload: Any
+
+
+@dataclass(frozen=True)
+class Ack:
+    """Receiver -> hub: the outcome of one update on one receiver."""
+
+    worker: str
+    model: str
+    version: int
+    status: AckStatus
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Receiver -> hub: who I am, which models I hold and at which versions."""
+
+    worker: str
+    handle: Any  #: the receiver's ActorHandle
+    actor: str  #: "ClassName(actor_id)" for messages
+    node_id: str
+    specs: dict[str, WeightSpec]
+    versions: dict[str, int]
+    mode: DeliveryMode
+    token: str  #: unique per registration, so a restarted actor's entry is not dropped by the old one's failure
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Hub -> receiver, in answer to a Registration."""
+
+    transport: str
+    latest: dict[str, Update]  #: per model, the latest update newer than what the receiver holds
+
+
+@dataclass(frozen=True)
+class BroadcastTicket:
+    """What a ``wait=False`` broadcast resolves to: pass it to ``hub.wait_for``."""
+
+    model: str
+    version: int
+
+
+@dataclass(frozen=True)
+class BroadcastReport:
+    """The outcome of one broadcast, once every targeted receiver acked or failed.
+
+    ``acked`` lists workers that hold this version or a newer one; ``failed`` maps each
+    other worker to the reason (a traceback for errors raised in the receiver).
+    ``seconds`` covers the learner's hand-off and the wait for the last ack.
+    """
+
+    model: str
+    version: int
+    acked: tuple[str, ...]
+    failed: dict[str, str]
+    bytes: int
+    seconds: float
+    transport: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass(frozen=True)
+class ReceiverStatus:
+    worker: str
+    actor: str
+    mode: DeliveryMode
+    versions: dict[str, int]  #: per model, the last version this receiver acked
+    lag: dict[str, int]  #: per model, how many versions it is behind the latest
+
+
+@dataclass(frozen=True)
+class HubStatus:
+    transport: str
+    versions: dict[str, int]  #: per model, the latest version broadcast
+    receivers: tuple[ReceiverStatus, ...] = field(default_factory=tuple)

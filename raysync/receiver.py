@@ -1,0 +1,329 @@
+"""The receiver side: :class:`WeightReceiver`, a mixin for Ray actor classes.
+
+Everything here runs in the receiver actor's process. ``connect_hub`` (usually from
+``__init__``) registers the actor's models with the hub and applies the latest version
+at once; afterwards the hub calls ``_raysync_deliver`` for every broadcast. Each update
+is fetched from the transport outside the safe point, then copied into the model's own
+tensors in place when no user method is running (see :mod:`raysync.gate`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import traceback
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from raysync import model_path, weights
+from raysync.errors import RaySyncError, UnknownModelError
+from raysync.gate import DEFERRED, ApplyGate
+from raysync.hub_handle import HubHandle, get_hub
+from raysync.hub_state import DEFAULT_MODEL
+from raysync.messages import Ack, AckStatus, DeliveryMode, Registration, Update
+from raysync.spec import WeightSpec
+from raysync.transports import TransportReceiver, get_transport
+
+logger = logging.getLogger(__name__)
+
+#: Default seconds ``connect_hub`` and ``pull_weights`` wait for the hub.
+HUB_CALL_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _HeldModel:
+    """One model of this receiver: where it lives on the actor and which version it holds."""
+
+    model_id: str
+    path: str
+    version: int = 0
+
+
+class _ReceiverCore:
+    """The receiver's connection to one hub; lives at ``actor._raysync_core``."""
+
+    def __init__(
+        self,
+        owner: WeightReceiver,
+        hub: HubHandle,
+        models: dict[str, _HeldModel],
+        worker: str,
+        mode: DeliveryMode,
+    ) -> None:
+        self.owner = owner
+        self.hub = hub
+        self.models = models
+        self.worker = worker
+        self.mode = mode
+        self.token = uuid.uuid4().hex
+        self.gate = ApplyGate(finish_deferred=self._send_ack)
+        self.transport: TransportReceiver = get_transport(hub.transport).open_receiver()
+        context = ray.get_runtime_context()
+        self.actor_name = f"{type(owner).__name__}({context.get_actor_id()})"
+        self.handle = context.current_actor
+        self.node_id = context.get_node_id()
+
+    # -- registration -------------------------------------------------------------------
+    def registration(self) -> Registration:
+        return Registration(
+            worker=self.worker,
+            handle=self.handle,
+            actor=self.actor_name,
+            node_id=self.node_id,
+            specs={m: self.spec_of(m) for m in self.models},
+            versions={m: held.version for m, held in self.models.items()},
+            mode=self.mode,
+            token=self.token,
+        )
+
+    def spec_of(self, model_id: str) -> WeightSpec:
+        return WeightSpec.of(self.destination(model_id).tensors)
+
+    def destination(self, model_id: str) -> weights.Destination:
+        held = self.models[model_id]
+        target = model_path.resolve(self.owner, held.path)
+        return weights.destinations(target, what=f"model {model_id!r} at self.{held.path}")
+
+    # -- updates ------------------------------------------------------------------------
+    def receive(self, update: Update) -> Ack | None:
+        """Fetch and apply ``update``; None if the apply waits for a safe point."""
+        held = self.models.get(update.model)
+        if held is None:
+            return self._ack(update, AckStatus.FAILED, f"{self.actor_name} does not hold model {update.model!r}")
+        if update.version <= held.version:
+            return self._ack(update, AckStatus.SUPERSEDED)
+        try:
+            staged = self.transport.fetch(update.payload, update.spec)
+        except Exception:
+            return self._ack(update, AckStatus.FAILED, traceback.format_exc())
+        result = self.gate.write(functools.partial(self._apply, update, staged))
+        return None if result is DEFERRED else result
+
+    def _apply(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
+        """Copy ``staged`` into the model in place. Runs at the safe point."""
+        held = self.models[update.model]
+        if update.version <= held.version:
+            return self._ack(update, AckStatus.SUPERSEDED)
+        try:
+            destination = self.destination(update.model)
+            WeightSpec.of(destination.tensors).check_matches(
+                update.spec,
+                expected=f"{self.actor_name} model {update.model!r}",
+                got=f"update version {update.version}",
+            )
+            with torch.no_grad():
+                for name, source in zip(update.spec.names, staged, strict=True):
+                    destination.tensors[name].copy_(source)
+            if destination.commit is not None:
+                destination.commit()
+        except Exception:
+            return self._ack(update, AckStatus.FAILED, traceback.format_exc())
+        held.version = update.version
+        try:
+            self.owner.on_weights_applied(update.model, update.version)
+        except Exception:
+            return self._ack(
+                update,
+                AckStatus.FAILED,
+                f"version {update.version} was applied, but on_weights_applied raised:\n"
+                + traceback.format_exc(),
+            )
+        return self._ack(update, AckStatus.APPLIED)
+
+    def _ack(self, update: Update, status: AckStatus, error: str | None = None) -> Ack:
+        return Ack(self.worker, update.model, update.version, status, error)
+
+    def _send_ack(self, ack: Ack) -> None:
+        """Acks of applies that ran after their delivery call returned."""
+        self.hub.actor.ack.remote(ack)
+
+
+class WeightReceiver:
+    """Mixin for Ray actor classes whose models a :class:`~raysync.WeightHub` keeps fresh.
+
+    Subclass it (or decorate the class with :func:`weight_receiver`) and call
+    :meth:`connect_hub` in ``__init__``. Every public method the class defines becomes a
+    *reader*: a new version is applied only while none of them runs, so user code
+    never sees a model that mixes two versions, under threaded and async actors too.
+    A method that runs for a long time lets updates in with :meth:`weights_safe_point`.
+    Sync generator methods are not guarded.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in dir(cls):
+            if name.startswith("_") or name in _MIXIN_NAMES:
+                continue
+            raw = inspect.getattr_static(cls, name)
+            if not inspect.isfunction(raw) or getattr(raw, "__raysync_guarded__", False):
+                continue
+            if inspect.isgeneratorfunction(raw) or inspect.isasyncgenfunction(raw):
+                continue
+            setattr(cls, name, _guard(raw))
+
+    def connect_hub(
+        self,
+        hub: HubHandle | str,
+        models: Mapping[str, str] | str,
+        *,
+        worker_id: str | None = None,
+        mode: DeliveryMode | str = DeliveryMode.PUSH,
+        namespace: str | None = None,
+        timeout_s: float = HUB_CALL_TIMEOUT_S,
+    ) -> None:
+        """Register this actor's models with ``hub`` and apply the latest versions now.
+
+        ``hub`` is a HubHandle or a named hub's name (looked up in ``namespace``).
+        ``models`` maps model ids to attribute paths on ``self`` (``{"policy":
+        "policy", "critic": "nets.critic", "obs_norm": "env.transform[0]"}``); a single
+        path means model id ``"default"``. ``worker_id`` names this receiver in reports
+        (default: the actor id). ``mode="pull"`` leaves this receiver out of
+        broadcasts; it calls :meth:`pull_weights` when it wants the latest version.
+
+        Raises :class:`~raysync.SpecMismatchError` if a model disagrees with the hub's
+        spec, :class:`~raysync.ModelPathError` if a path does not resolve. Calling it
+        again re-registers (after a restart this is what ``__init__`` does anyway).
+        """
+        handle = get_hub(hub, namespace) if isinstance(hub, str) else hub
+        paths = {DEFAULT_MODEL: models} if isinstance(models, str) else dict(models)
+        if not paths:
+            raise ValueError("connect_hub needs at least one model path")
+        previous = self.__dict__.get("_raysync_core")
+        held = {
+            m: _HeldModel(m, path, previous.models[m].version if previous and m in previous.models else 0)
+            for m, path in paths.items()
+        }
+        core = _ReceiverCore(
+            self,
+            handle,
+            held,
+            worker=worker_id or ray.get_runtime_context().get_actor_id(),
+            mode=DeliveryMode(mode),
+        )
+        welcome = ray.get(handle.actor.register.remote(core.registration()), timeout=timeout_s)
+        self._raysync_core = core
+        for update in welcome.latest.values():
+            ack = core.receive(update)
+            if ack is not None:
+                if ack.status is AckStatus.FAILED:
+                    raise RaySyncError(
+                        f"{core.actor_name} could not apply version {update.version} of model "
+                        f"{update.model!r} while connecting: {ack.error}"
+                    )
+                core._send_ack(ack)
+
+    def weights_version(self, model: str | None = None) -> int:
+        """The version of ``model`` this actor holds (0: none received yet)."""
+        core = self._raysync_connected()
+        return core.models[_one_model(core, model)].version
+
+    def pull_weights(
+        self, model: str | None = None, *, timeout_s: float = HUB_CALL_TIMEOUT_S
+    ) -> dict[str, int]:
+        """Fetch and apply the latest version of ``model`` (default: every model) if newer.
+
+        Returns the versions held afterwards. Safe to call from inside a user method:
+        the caller's own read is released while the update is applied.
+        """
+        core = self._raysync_connected()
+        chosen = [_one_model(core, model)] if model is not None else list(core.models)
+        for model_id in chosen:
+            update = ray.get(
+                core.hub.actor.latest.remote(model_id, core.models[model_id].version),
+                timeout=timeout_s,
+            )
+            if update is None:
+                continue
+            ack = core.receive(update)
+            if ack is not None:
+                if ack.status is AckStatus.FAILED:
+                    raise RaySyncError(
+                        f"{core.actor_name} could not apply version {update.version} of "
+                        f"model {model_id!r}: {ack.error}"
+                    )
+                core._send_ack(ack)
+        return {m: core.models[m].version for m in chosen}
+
+    def weights_safe_point(self) -> None:
+        """Apply updates waiting for this method to finish, now. For long-running methods."""
+        self._raysync_connected().gate.safe_point()
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        """Hook: runs after each version is applied, still at the safe point. Override it.
+
+        An exception raised here reaches the learner as this worker's failure.
+        """
+
+    def _raysync_deliver(self, update: Update) -> Ack | None:
+        """Called by the hub for each broadcast; the Ack, or None if it comes later."""
+        core = self.__dict__.get("_raysync_core")
+        if core is None:
+            return Ack(
+                "?",
+                update.model,
+                update.version,
+                AckStatus.FAILED,
+                f"{type(self).__name__} received an update before connect_hub finished",
+            )
+        return core.receive(update)
+
+    def _raysync_connected(self) -> _ReceiverCore:
+        core = self.__dict__.get("_raysync_core")
+        if core is None:
+            raise RaySyncError(f"{type(self).__name__} has not called connect_hub yet")
+        return core
+
+
+_MIXIN_NAMES = frozenset(n for n in vars(WeightReceiver) if not n.startswith("__"))
+
+
+def _one_model(core: _ReceiverCore, model: str | None) -> str:
+    if model is None:
+        if len(core.models) == 1:
+            return next(iter(core.models))
+        raise UnknownModelError(
+            f"this receiver holds several models ({', '.join(sorted(core.models))}); name one"
+        )
+    if model not in core.models:
+        raise UnknownModelError(
+            f"this receiver holds no model {model!r} (it holds: {', '.join(sorted(core.models))})"
+        )
+    return model
+
+
+def _guard(method: Any) -> Any:
+    """Wrap a user method so it runs as a reader of the receiver's ApplyGate."""
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def guarded_async(self: WeightReceiver, *args: Any, **kwargs: Any) -> Any:
+            core = self.__dict__.get("_raysync_core")
+            if core is None:
+                return await method(self, *args, **kwargs)
+            async with core.gate.reading_async():
+                return await method(self, *args, **kwargs)
+
+        guarded_async.__raysync_guarded__ = True
+        return guarded_async
+
+    @functools.wraps(method)
+    def guarded(self: WeightReceiver, *args: Any, **kwargs: Any) -> Any:
+        core = self.__dict__.get("_raysync_core")
+        if core is None:
+            return method(self, *args, **kwargs)
+        with core.gate.reading():
+            return method(self, *args, **kwargs)
+
+    guarded.__raysync_guarded__ = True
+    return guarded
+
+
+def weight_receiver(cls: type) -> type:
+    """Class decorator form of :class:`WeightReceiver`: ``@ray.remote @weight_receiver class C``."""
+    return type(cls.__name__, (cls, WeightReceiver), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})

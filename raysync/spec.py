@@ -1,0 +1,124 @@
+"""WeightSpec: the names, shapes and dtypes that make up one model's weights.
+
+The learner computes a spec for every broadcast, each receiver computes one for its
+model when it registers, and the hub compares them. A spec is small (no tensor data),
+hashable and cheap to compare, so the hub can check every broadcast before any
+receiver is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from raysync.errors import SpecMismatchError
+
+#: How many entries of each side a mismatch message lists before it elides the rest.
+_MESSAGE_ENTRIES = 12
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor: its shape and dtype (its device is each process's own)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"shape {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """The ordered (sorted by name) set of tensors of one model."""
+
+    tensors: tuple[TensorSpec, ...]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> WeightSpec:
+        """The spec of a flat ``name -> tensor`` mapping (see :func:`raysync.weights.flatten`)."""
+        return cls(
+            tuple(
+                TensorSpec(name, tuple(t.shape), t.dtype)
+                for name, t in sorted(tensors.items())
+            )
+        )
+
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    @cached_property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def summary(self) -> str:
+        """A short human-readable listing, for error messages."""
+        lines = [f"{t.name}: {t.describe()}" for t in self.tensors[:_MESSAGE_ENTRIES]]
+        if len(self.tensors) > _MESSAGE_ENTRIES:
+            lines.append(f"... and {len(self.tensors) - _MESSAGE_ENTRIES} more")
+        return f"{len(self.tensors)} tensors, {self.nbytes} bytes: {{" + ", ".join(lines) + "}"
+
+    def check_matches(self, other: WeightSpec, *, expected: str, got: str) -> None:
+        """Raise :class:`SpecMismatchError` unless ``other`` equals this spec.
+
+        ``expected`` and ``got`` name the two sides in the message (for example
+        ``"hub spec of model 'policy'"`` and ``"broadcast"``). The message names the
+        first offending key with both sides' shape and dtype, then both specs.
+        """
+        if other == self:
+            return
+        mine = {t.name: t for t in self.tensors}
+        theirs = {t.name: t for t in other.tensors}
+        problems = []
+        missing = sorted(mine.keys() - theirs.keys())
+        extra = sorted(theirs.keys() - mine.keys())
+        if missing:
+            problems.append(f"missing key(s) in {got}: {_keys(missing)}")
+        if extra:
+            problems.append(f"unexpected key(s) in {got}: {_keys(extra)}")
+        for name in sorted(mine.keys() & theirs.keys()):
+            a, b = mine[name], theirs[name]
+            if a.shape != b.shape:
+                problems.append(
+                    f"key {name!r}: {expected} has {a.describe()}, {got} has {b.describe()} "
+                    "(shape differs)"
+                )
+            elif a.dtype != b.dtype:
+                problems.append(
+                    f"key {name!r}: {expected} has {a.describe()}, {got} has {b.describe()} "
+                    "(dtype differs)"
+                )
+        head = "; ".join(problems[:_MESSAGE_ENTRIES])
+        if len(problems) > _MESSAGE_ENTRIES:
+            head += f"; ... and {len(problems) - _MESSAGE_ENTRIES} more problem(s)"
+        raise SpecMismatchError(
+            f"{got} does not match {expected}: {head}\n"
+            f"  {expected}: {self.summary()}\n"
+            f"  {got}: {other.summary()}"
+        )
+
+
+def _keys(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_MESSAGE_ENTRIES])
+    if len(names) > _MESSAGE_ENTRIES:
+        shown += f", ... ({len(names)} in all)"
+    return shown

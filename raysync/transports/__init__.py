@@ -1,0 +1,54 @@
+"""Registry of transports by name. Modules are imported only when a name is used."""
+
+from __future__ import annotations
+
+import importlib
+
+from raysync.transports.base import (
+    Availability,
+    Transport,
+    TransportError,
+    TransportReceiver,
+    TransportSender,
+)
+
+#: name -> "module:Class"; the module is imported on first use of the name.
+_REGISTRY: dict[str, str] = {
+    "object_store": "raysync.transports.object_store:ObjectStoreTransport",
+}
+
+DEFAULT_TRANSPORT = "object_store"
+
+
+def known_transports() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get_transport(name: str) -> type[Transport]:
+    """The transport class registered as ``name``; ``ValueError`` lists the known ones."""
+    try:
+        target = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown transport {name!r}; known transports: {', '.join(known_transports())}"
+        ) from None
+    module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def available_transports() -> tuple[str, ...]:
+    """Names of the transports that can run in this process."""
+    return tuple(n for n in _REGISTRY if get_transport(n).availability().available)
+
+
+__all__ = [
+    "Availability",
+    "DEFAULT_TRANSPORT",
+    "Transport",
+    "TransportError",
+    "TransportReceiver",
+    "TransportSender",
+    "available_transports",
+    "get_transport",
+    "known_transports",
+]

@@ -1,0 +1,111 @@
+"""Turn the containers users hold (nn.Module, TensorDict, state_dict) into flat tensors.
+
+Two directions, one naming scheme (nested keys joined with ``"."``, as in
+``nn.Module.state_dict()``):
+
+* the learner process calls :func:`flatten` on what it broadcasts (read only);
+* a receiver process calls :func:`destinations` on its own model to get the tensors
+  an update is copied into, in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from raysync.errors import InvalidWeightsError
+
+#: What ``broadcast`` accepts and what a receiver's model path may point at.
+Weights = Union[torch.nn.Module, TensorDictBase, Mapping[str, Any]]
+
+
+def flatten(weights: Weights, *, what: str = "weights") -> dict[str, torch.Tensor]:
+    """Flat, name-sorted ``name -> tensor`` view of ``weights`` (no copy).
+
+    Raises :class:`InvalidWeightsError` naming the key for a non-tensor leaf, a
+    non-contiguous tensor, or an empty model. Called in the learner process.
+    """
+    tensors = _flat_tensors(weights, what)
+    if not tensors:
+        raise InvalidWeightsError(f"{what} hold no tensors: nothing to broadcast")
+    for name, tensor in tensors.items():
+        if not tensor.is_contiguous():
+            raise InvalidWeightsError(
+                f"{what}: key {name!r} is a non-contiguous view (shape {tuple(tensor.shape)}, "
+                f"stride {tensor.stride()}); pass tensor.contiguous() instead"
+            )
+    return {name: tensors[name].detach() for name in sorted(tensors)}
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a receiver writes an update: tensors that share storage with its model.
+
+    ``commit`` is called after the copy for models that are only reachable through
+    ``state_dict()`` / ``load_state_dict()``; for modules, TensorDicts and plain dicts
+    the copy itself is the update and ``commit`` is ``None``.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    commit: Callable[[], None] | None = None
+
+
+def destinations(model: Any, *, what: str) -> Destination:
+    """The in-place write targets of a receiver's model. Called in the receiver process."""
+    if isinstance(model, (torch.nn.Module, TensorDictBase, Mapping)):
+        return Destination(_flat_tensors(model, what))
+    if callable(getattr(model, "state_dict", None)) and callable(
+        getattr(model, "load_state_dict", None)
+    ):
+        state = model.state_dict()
+        return Destination(
+            _flat_tensors(state, what), commit=lambda: model.load_state_dict(state)
+        )
+    raise InvalidWeightsError(
+        f"{what} is a {type(model).__name__}: expected an nn.Module, a TensorDict, a "
+        "mapping of tensors (state_dict) or an object with state_dict()/load_state_dict()"
+    )
+
+
+def _flat_tensors(weights: Any, what: str) -> dict[str, torch.Tensor]:
+    if isinstance(weights, torch.nn.Module):
+        weights = TensorDict.from_module(weights, use_state_dict=True)
+    if isinstance(weights, TensorDictBase):
+        out = {}
+        for key, value in weights.flatten_keys(".").items(include_nested=True, leaves_only=True):
+            if not isinstance(value, torch.Tensor):
+                raise InvalidWeightsError(
+                    f"{what}: key {key!r} is a {type(value).__name__}, not a tensor"
+                )
+            out[key] = value
+        return out
+    if isinstance(weights, Mapping):
+        out = {}
+        _flatten_mapping(weights, "", out, what)
+        return out
+    raise InvalidWeightsError(
+        f"{what} is a {type(weights).__name__}: expected an nn.Module, a TensorDict or a "
+        "mapping of tensors (state_dict)"
+    )
+
+
+def _flatten_mapping(
+    mapping: Mapping[str, Any], prefix: str, out: MutableMapping[str, torch.Tensor], what: str
+) -> None:
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            out[name] = value
+        elif isinstance(value, TensorDictBase):
+            for sub, tensor in _flat_tensors(value, what).items():
+                out[f"{name}.{sub}"] = tensor
+        elif isinstance(value, Mapping):
+            _flatten_mapping(value, f"{name}.", out, what)
+        else:
+            raise InvalidWeightsError(
+                f"{what}: key {name!r} is a {type(value).__name__}, not a tensor"
+            )
