@@ -1,0 +1,55 @@
+"""One Ray cluster for the whole session, and helpers that clean up after each test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+import torch
+
+# Two cores on CI: a larger logical CPU count lets many small actors coexist;
+# receivers in the tests also ask for num_cpus=0.
+_CLUSTER_CPUS = 32
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(
+        num_cpus=_CLUSTER_CPUS,
+        include_dashboard=False,
+        object_store_memory=1 << 30,
+        log_to_driver=True,
+    )
+    try:
+        yield ray.get_runtime_context()
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def actors(ray_cluster):
+    """A list the test appends actor handles to; every one is killed after the test."""
+    created: list = []
+    yield created
+    for handle in created:
+        actor = getattr(handle, "actor", handle)
+        try:
+            ray.kill(actor)
+        except Exception:  # already dead: that is what some tests are about
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; none here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

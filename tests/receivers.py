@@ -1,0 +1,211 @@
+"""Receiver actor classes shared by the tests (module level so Ray can pickle them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+import torch
+from tensordict import TensorDict
+
+from raysync import WeightReceiver, weight_receiver
+
+
+def make_policy() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+
+
+def make_probe_model(width: int = 256, layers: int = 8) -> torch.nn.Module:
+    """Big enough that copying it takes a while, so a torn read would be seen."""
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def filled(model: torch.nn.Module, value: float) -> dict[str, torch.Tensor]:
+    """A state_dict of ``model``'s spec with every element equal to ``value``."""
+    return {k: torch.full_like(v, value) for k, v in model.state_dict().items()}
+
+
+def state_of(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class _Inspect:
+    """Methods every test receiver offers."""
+
+    def state(self, path: str = "policy") -> dict[str, torch.Tensor]:
+        obj = self
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, TensorDict):
+            return {k: v.clone() for k, v in obj.flatten_keys(".").items()}
+        if isinstance(obj, dict):
+            return {k: v.clone() for k, v in obj.items()}
+        return state_of(obj)
+
+    def version(self, model: str | None = None) -> int:
+        return self.weights_version(model)
+
+    def data_ptrs(self, path: str = "policy") -> dict[str, int]:
+        return {k: v.data_ptr() for k, v in getattr(self, path).state_dict().items()}
+
+
+@ray.remote(num_cpus=0)
+class Collector(WeightReceiver, _Inspect):
+    """The README's collector: one policy."""
+
+    def __init__(self, hub, worker_id=None, mode="push", model_factory=make_policy):
+        self.policy = model_factory()
+        self.applied: list[tuple[str, int]] = []
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=worker_id, mode=mode)
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        self.applied.append((model, version))
+
+    def applied_versions(self) -> list[tuple[str, int]]:
+        return list(self.applied)
+
+    def pull(self) -> dict[str, int]:
+        return self.pull_weights()
+
+
+class _Env:
+    def __init__(self) -> None:
+        self.transform = [torch.nn.BatchNorm1d(8), torch.nn.Identity()]
+
+
+class _Nets:
+    def __init__(self) -> None:
+        self.critic = torch.nn.Linear(8, 1)
+
+
+@ray.remote(num_cpus=0)
+class MultiModel(WeightReceiver, _Inspect):
+    """Several models behind attribute paths, items and non-Module containers."""
+
+    def __init__(self, hub):
+        self.policy = make_policy()
+        self.nets = _Nets()
+        self.env = _Env()
+        self.td = TensorDict({"a": torch.zeros(3), "b": {"c": torch.zeros(2, 2)}}, [])
+        self.sd = {"w": torch.zeros(4), "b": torch.zeros(1)}
+        self.connect_hub(
+            hub,
+            models={
+                "policy": "policy",
+                "critic": "nets.critic",
+                "obs_norm": "env.transform[0]",
+                "td": "td",
+                "sd": "sd",
+            },
+        )
+
+    def norm_state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.env.transform[0])
+
+
+@ray.remote(num_cpus=0)
+class FailingHook(WeightReceiver, _Inspect):
+    def __init__(self, hub):
+        self.policy = make_policy()
+        self.connect_hub(hub, models={"policy": "policy"})
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        if version >= 2:
+            raise RuntimeError(f"hook refuses version {version}")
+
+
+@ray.remote(num_cpus=0)
+class SlowHook(WeightReceiver, _Inspect):
+    def __init__(self, hub, delay_s: float):
+        self.policy = make_policy()
+        self.delay_s = delay_s
+        self.connect_hub(hub, models={"policy": "policy"})
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        if version >= 2:
+            time.sleep(self.delay_s)
+
+
+@ray.remote(num_cpus=0)
+class WrongModel(WeightReceiver):
+    """Its policy's last layer has 3 outputs instead of 2."""
+
+    def __init__(self, hub):
+        self.policy = torch.nn.Sequential(
+            torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3)
+        )
+        self.connect_hub(hub, models={"policy": "policy"})
+
+    def ping(self) -> str:
+        return "pong"
+
+
+def _uniform_read(model: torch.nn.Module, split: bool = False):
+    values = [float(p.view(-1)[0]) for p in model.parameters()]
+    ok = all(bool((p == values[0]).all()) for p in model.parameters())
+    return ok, values[0]
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class ThreadedProbe(WeightReceiver):
+    """Threaded actor: reads its whole model in a loop while updates land."""
+
+    def __init__(self, hub):
+        self.model = make_probe_model()
+        self.connect_hub(hub, models={"probe": "model"})
+
+    def probe(self, seconds: float, safe_points: bool) -> dict:
+        torn, seen, reads = 0, set(), 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ok, value = _uniform_read(self.model)
+            torn += not ok
+            seen.add(value)
+            reads += 1
+            if safe_points:
+                self.weights_safe_point()
+        return {"torn": torn, "seen": sorted(seen), "reads": reads}
+
+
+@ray.remote(num_cpus=0)
+class AsyncProbe(WeightReceiver):
+    """Async actor: each read spans an await, so a write in between would tear it."""
+
+    def __init__(self, hub):
+        self.model = make_probe_model()
+        self.connect_hub(hub, models={"probe": "model"})
+
+    async def probe(self, seconds: float, safe_points: bool) -> dict:
+        torn, seen, reads = 0, set(), 0
+        end = time.monotonic() + seconds
+        params = list(self.model.parameters())
+        half = len(params) // 2
+        while time.monotonic() < end:
+            first = [float(p.view(-1)[0]) for p in params[:half]]
+            await asyncio.sleep(0.001)
+            second = [float(p.view(-1)[0]) for p in params[half:]]
+            values = first + second
+            torn += len(set(values)) != 1
+            seen.add(values[0])
+            reads += 1
+            if safe_points:
+                self.weights_safe_point()
+        return {"torn": torn, "seen": sorted(seen), "reads": reads}
+
+    async def version_async(self) -> int:
+        return self.weights_version()
+
+
+@ray.remote(num_cpus=0)
+@weight_receiver
+class Decorated:
+    def __init__(self, hub):
+        self.policy = make_policy()
+        self.connect_hub(hub, "policy")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)
+
+    def version(self) -> int:
+        return self.weights_version()

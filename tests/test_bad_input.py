@@ -1,0 +1,171 @@
+"""Bad input is refused with a message naming the cause, before any receiver changes."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from raysync import (
+    InvalidWeightsError,
+    ModelPathError,
+    SpecMismatchError,
+    UnknownModelError,
+    UnknownWorkerError,
+    WeightHub,
+)
+from tests.receivers import Collector, WrongModel, make_policy, state_of
+from tests.test_core import assert_same, ready, start
+
+
+def _good() -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in make_policy().state_dict().items()}
+
+
+def _missing():
+    w = _good()
+    del w["2.bias"]
+    return w
+
+
+def _extra():
+    w = _good()
+    w["3.weight"] = torch.zeros(2)
+    return w
+
+
+def _wrong_shape():
+    w = _good()
+    w["0.weight"] = torch.zeros(8, 64)
+    return w
+
+
+def _wrong_dtype():
+    w = _good()
+    w["0.bias"] = w["0.bias"].double()
+    return w
+
+
+def _non_tensor():
+    w = _good()
+    w["0.bias"] = [0.0] * 64
+    return w
+
+
+def _non_contiguous():
+    w = _good()
+    w["0.weight"] = torch.zeros(8, 64).t()
+    return w
+
+
+# (weights factory, error type, raised where, words the message must contain)
+SPEC_ERRORS = {
+    "missing key": (_missing, SpecMismatchError, ["missing key", "'2.bias'"]),
+    "extra key": (_extra, SpecMismatchError, ["unexpected key", "'3.weight'"]),
+    "wrong shape": (_wrong_shape, SpecMismatchError, ["'0.weight'", "(64, 8)", "(8, 64)"]),
+    "wrong dtype": (_wrong_dtype, SpecMismatchError, ["'0.bias'", "float32", "float64"]),
+}
+LEARNER_ERRORS = {
+    "non-tensor leaf": (_non_tensor, InvalidWeightsError, ["'0.bias'", "list"]),
+    "non-contiguous": (_non_contiguous, InvalidWeightsError, ["'0.weight'", "non-contiguous"]),
+    "empty": (dict, InvalidWeightsError, ["no tensors"]),
+    "not weights": (lambda: "weights.pt", InvalidWeightsError, ["str"]),
+}
+
+
+@pytest.fixture
+def hub_with_receiver(actors):
+    hub = start(actors, WeightHub)
+    collector = start(actors, Collector, hub, worker_id="w0")
+    ready([collector])
+    v1 = make_policy()
+    ray.get(hub.broadcast.remote(v1))
+    return hub, collector, state_of(v1)
+
+
+def _untouched(hub, collector, v1_state) -> None:
+    assert ray.get(collector.version.remote()) == 1
+    assert_same(ray.get(collector.state.remote()), v1_state)
+    assert ray.get(hub.status.remote()).versions == {"policy": 1}
+
+
+@pytest.mark.parametrize("case", SPEC_ERRORS, ids=list(SPEC_ERRORS))
+def test_spec_mismatch_rejected_by_hub(case, hub_with_receiver):
+    hub, collector, v1_state = hub_with_receiver
+    make, error, words = SPEC_ERRORS[case]
+    with pytest.raises(error) as info:
+        ray.get(hub.broadcast.remote(make()))
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} not in {message}"
+    assert "hub's spec of model 'policy'" in message
+    _untouched(hub, collector, v1_state)
+    # The channel is not jammed: the next valid broadcast goes through.
+    assert ray.get(hub.broadcast.remote(make_policy())).version == 2
+
+
+@pytest.mark.parametrize("case", LEARNER_ERRORS, ids=list(LEARNER_ERRORS))
+def test_invalid_weights_rejected_in_learner(case, hub_with_receiver):
+    hub, collector, v1_state = hub_with_receiver
+    make, error, words = LEARNER_ERRORS[case]
+    with pytest.raises(error) as info:
+        hub.broadcast.remote(make())
+    for word in words:
+        assert word in str(info.value)
+    _untouched(hub, collector, v1_state)
+
+
+def test_unknown_model(hub_with_receiver):
+    hub, collector, v1_state = hub_with_receiver
+    with pytest.raises(SpecMismatchError):
+        ray.get(hub.broadcast.remote({"x": torch.zeros(2)}, model="policy"))
+    with pytest.raises(UnknownModelError, match="unknown model 'critic'"):
+        ray.get(hub.latest.remote("critic"))
+    _untouched(hub, collector, v1_state)
+
+
+def test_unknown_worker(hub_with_receiver):
+    hub, collector, v1_state = hub_with_receiver
+    with pytest.raises(UnknownWorkerError, match="unknown worker 'nobody'.*w0"):
+        ray.get(hub.broadcast.remote(make_policy(), workers=["w0", "nobody"]))
+    _untouched(hub, collector, v1_state)
+
+
+def test_ambiguous_default_model(actors):
+    hub = start(actors, WeightHub)
+    ray.get(hub.broadcast.remote({"a": torch.zeros(1)}, model="one"))
+    ray.get(hub.broadcast.remote({"a": torch.zeros(1)}, model="two"))
+    with pytest.raises(UnknownModelError, match="several models.*one, two"):
+        ray.get(hub.broadcast.remote({"a": torch.zeros(1)}))
+
+
+def test_receiver_with_mismatching_model_fails_registration(hub_with_receiver, actors):
+    hub, collector, v1_state = hub_with_receiver
+    wrong = start(actors, WrongModel, hub)
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ray.get(wrong.ping.remote())
+    message = str(info.value)
+    assert "SpecMismatchError" in message and "WrongModel" in message
+    assert "'2.weight'" in message and "(2, 64)" in message and "(3, 64)" in message
+    assert {r.worker for r in ray.get(hub.status.remote()).receivers} == {"w0"}
+    _untouched(hub, collector, v1_state)
+
+
+def test_bad_model_path_fails_registration(actors):
+    hub = start(actors, WeightHub)
+
+    @ray.remote(num_cpus=0)
+    class BadPath(Collector.__ray_actor_class__):
+        def __init__(self, hub):
+            self.policy = make_policy()
+            self.connect_hub(hub, models={"policy": "nets[0].policy"})
+
+    receiver = start(actors, BadPath, hub)
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ray.get(receiver.version.remote())
+    assert ModelPathError.__name__ in str(info.value) and "nets[0].policy" in str(info.value)
+
+
+def test_unknown_transport_lists_known_ones(ray_cluster):
+    with pytest.raises(ValueError, match="unknown transport 'carrier_pigeon'.*object_store"):
+        WeightHub.remote(transport="carrier_pigeon")

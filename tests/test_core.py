@@ -1,0 +1,309 @@
+"""Core behaviour against a real Ray cluster: delivery, versions, receivers, failures."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+from tensordict import TensorDict
+
+from raysync import (
+    BroadcastError,
+    BroadcastReport,
+    BroadcastTicket,
+    DeliveryMode,
+    WeightHub,
+    get_hub,
+)
+from tests.receivers import (
+    Collector,
+    Decorated,
+    FailingHook,
+    MultiModel,
+    SlowHook,
+    make_policy,
+    state_of,
+)
+
+
+def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        assert actual[key].dtype == expected[key].dtype, key
+        assert torch.equal(actual[key], expected[key]), f"{key} differs"
+
+
+def start(actors, cls, *args, **kwargs):
+    handle = cls.remote(*args, **kwargs)
+    actors.append(handle)
+    return handle
+
+
+def ready(receivers) -> None:
+    ray.get([r.__ray_ready__.remote() for r in receivers])
+
+
+class TestBroadcast:
+    def test_readme_example_bitwise_every_version(self, actors):
+        hub = start(actors, WeightHub)
+        collectors = [start(actors, Collector, hub) for _ in range(4)]
+        ready(collectors)
+        learner = make_policy()
+        for step in range(1, 4):
+            with torch.no_grad():
+                for p in learner.parameters():
+                    p.add_(torch.randn_like(p))
+            report = ray.get(hub.broadcast.remote(learner))
+            assert isinstance(report, BroadcastReport)
+            assert report.version == step
+            assert report.model == "policy"
+            assert len(report.acked) == 4 and report.failed == {}
+            assert report.bytes == sum(t.numel() * 4 for t in learner.state_dict().values())
+            assert report.seconds > 0
+            for c in collectors:
+                assert_same(ray.get(c.state.remote()), state_of(learner))
+                assert ray.get(c.version.remote()) == step
+
+    def test_accepts_module_tensordict_and_state_dict(self, actors):
+        hub = start(actors, WeightHub)
+        collector = start(actors, Collector, hub)
+        ready([collector])
+        learner = make_policy()
+        inputs = [
+            learner,
+            TensorDict.from_module(learner),
+            {k: v.clone() + 1 for k, v in learner.state_dict().items()},
+        ]
+        for version, weights in enumerate(inputs, start=1):
+            ray.get(hub.broadcast.remote(weights))
+            expected = (
+                weights if isinstance(weights, dict) else state_of(learner)
+            )
+            assert_same(ray.get(collector.state.remote()), expected)
+            assert ray.get(collector.version.remote()) == version
+
+    def test_applies_in_place_without_reallocating(self, actors):
+        hub = start(actors, WeightHub)
+        collector = start(actors, Collector, hub)
+        ready([collector])
+        before = ray.get(collector.data_ptrs.remote())
+        for _ in range(2):
+            ray.get(hub.broadcast.remote(make_policy()))
+        assert ray.get(collector.data_ptrs.remote()) == before
+
+    def test_dtypes_bf16_int_bool(self, actors):
+        hub = start(actors, WeightHub)
+        weights = {
+            "bf16": torch.randn(5, 3).to(torch.bfloat16),
+            "i64": torch.arange(7),
+            "flag": torch.tensor([True, False, True]),
+            "scalar": torch.tensor(3.5, dtype=torch.float64),
+        }
+
+        @ray.remote(num_cpus=0)
+        class Mixed(Collector.__ray_actor_class__):  # same helpers, different model
+            def __init__(self, hub):
+                self.sd = {k: torch.zeros_like(v) for k, v in weights.items()}
+                self.applied = []
+                self.connect_hub(hub, models={"mixed": "sd"})
+
+        receiver = start(actors, Mixed, hub)
+        ready([receiver])
+        ray.get(hub.broadcast.remote(weights))
+        assert_same(ray.get(receiver.state.remote("sd")), weights)
+
+    def test_version_increases_per_model_and_status_reports_lag(self, actors):
+        hub = start(actors, WeightHub)
+        push = start(actors, Collector, hub, worker_id="push")
+        pull = start(actors, Collector, hub, worker_id="pull", mode="pull")
+        ready([push, pull])
+        versions = [ray.get(hub.broadcast.remote(make_policy())).version for _ in range(3)]
+        assert versions == [1, 2, 3]
+        status = ray.get(hub.status.remote())
+        assert status.versions == {"policy": 3}
+        by_worker = {r.worker: r for r in status.receivers}
+        assert by_worker["push"].versions == {"policy": 3} and by_worker["push"].lag == {"policy": 0}
+        assert by_worker["pull"].mode is DeliveryMode.PULL
+        assert by_worker["pull"].lag == {"policy": 3}
+
+
+class TestReceivers:
+    def test_late_join_gets_latest_version_at_once(self, actors):
+        hub = start(actors, WeightHub)
+        first = start(actors, Collector, hub)
+        ready([first])
+        learner = make_policy()
+        ray.get(hub.broadcast.remote(make_policy()))
+        ray.get(hub.broadcast.remote(learner))
+        late = start(actors, Collector, hub)
+        # connect_hub ran in __init__: the first call already sees version 2.
+        assert ray.get(late.version.remote()) == 2
+        assert_same(ray.get(late.state.remote()), state_of(learner))
+        assert ray.get(late.applied_versions.remote()) == [("policy", 2)]
+
+    def test_broadcast_before_any_receiver_registers(self, actors):
+        hub = start(actors, WeightHub)
+        learner = make_policy()
+        ray.get(hub.broadcast.remote(learner, model="policy"))
+        late = start(actors, Collector, hub)
+        assert ray.get(late.version.remote()) == 1
+        assert_same(ray.get(late.state.remote()), state_of(learner))
+
+    def test_subset_broadcast_leaves_others_alone(self, actors):
+        hub = start(actors, WeightHub)
+        a = start(actors, Collector, hub, worker_id="a")
+        b = start(actors, Collector, hub, worker_id="b")
+        ready([a, b])
+        v1 = make_policy()
+        ray.get(hub.broadcast.remote(v1))
+        v2 = make_policy()
+        report = ray.get(hub.broadcast.remote(v2, workers=["b"]))
+        assert report.acked == ("b",)
+        assert_same(ray.get(a.state.remote()), state_of(v1))
+        assert_same(ray.get(b.state.remote()), state_of(v2))
+        assert ray.get(a.version.remote()) == 1 and ray.get(b.version.remote()) == 2
+
+    def test_pull_mode(self, actors):
+        hub = start(actors, WeightHub)
+        puller = start(actors, Collector, hub, worker_id="puller", mode="pull")
+        ready([puller])
+        learner = make_policy()
+        report = ray.get(hub.broadcast.remote(learner))
+        assert report.acked == ()  # pull receivers are not pushed to
+        assert ray.get(puller.version.remote()) == 0
+        assert ray.get(puller.pull.remote()) == {"policy": 1}
+        assert_same(ray.get(puller.state.remote()), state_of(learner))
+        assert ray.get(puller.pull.remote()) == {"policy": 1}  # nothing newer: no-op
+        lag = {r.worker: r.lag for r in ray.get(hub.status.remote()).receivers}
+        assert lag["puller"] == {"policy": 0}
+
+    def test_multi_model_and_model_paths(self, actors):
+        hub = start(actors, WeightHub)
+        multi = start(actors, MultiModel, hub)
+        ready([multi])
+        norm = torch.nn.BatchNorm1d(8)
+        with torch.no_grad():
+            norm.running_mean.add_(3.0)
+            norm.weight.mul_(2.0)
+        norm.num_batches_tracked += 5
+        updates = {
+            "policy": make_policy(),
+            "critic": torch.nn.Linear(8, 1),
+            "obs_norm": norm,
+            "td": TensorDict({"a": torch.ones(3), "b": {"c": torch.full((2, 2), 7.0)}}, []),
+            "sd": {"w": torch.arange(4.0), "b": torch.tensor([9.0])},
+        }
+        for model, weights in updates.items():
+            report = ray.get(hub.broadcast.remote(weights, model=model))
+            assert report.model == model and report.version == 1
+        assert_same(ray.get(multi.state.remote("policy")), state_of(updates["policy"]))
+        assert_same(ray.get(multi.state.remote("nets.critic")), state_of(updates["critic"]))
+        assert_same(ray.get(multi.norm_state.remote()), state_of(norm))
+        assert_same(
+            ray.get(multi.state.remote("td")), dict(updates["td"].flatten_keys(".").items())
+        )
+        assert_same(ray.get(multi.state.remote("sd")), updates["sd"])
+        assert ray.get(hub.status.remote()).versions == {
+            m: 1 for m in sorted(updates)
+        }
+
+    def test_decorator_form_and_named_hub(self, actors):
+        hub = start(actors, WeightHub.options(name="raysync-test-hub"))
+        receiver = start(actors, Decorated, "raysync-test-hub")
+        ready([receiver])
+        learner = make_policy()
+        same_hub = get_hub("raysync-test-hub")
+        ray.get(same_hub.broadcast.remote(learner))
+        assert_same(ray.get(receiver.state.remote()), state_of(learner))
+        assert ray.get(hub.status.remote()).versions == {"default": 1}
+
+    def test_stale_and_duplicate_updates_are_skipped(self, actors):
+        hub = start(actors, WeightHub)
+        collector = start(actors, Collector, hub)
+        ready([collector])
+        ray.get(hub.broadcast.remote(make_policy()))
+        old = ray.get(hub.latest.remote("policy"))
+        newest = make_policy()
+        ray.get(hub.broadcast.remote(newest))
+        # Re-deliver version 1 (stale) and version 2 (duplicate) by hand.
+        stale = ray.get(collector._raysync_deliver.remote(old))
+        duplicate = ray.get(
+            collector._raysync_deliver.remote(ray.get(hub.latest.remote("policy")))
+        )
+        assert stale.status.value == "superseded" and duplicate.status.value == "superseded"
+        assert ray.get(collector.version.remote()) == 2
+        assert_same(ray.get(collector.state.remote()), state_of(newest))
+        assert ray.get(collector.applied_versions.remote()) == [("policy", 1), ("policy", 2)]
+
+
+class TestAsyncAcks:
+    def test_fire_and_forget_then_wait_for(self, actors):
+        hub = start(actors, WeightHub)
+        collector = start(actors, Collector, hub)
+        ready([collector])
+        tickets = [ray.get(hub.broadcast.remote(make_policy(), wait=False)) for _ in range(3)]
+        assert tickets == [BroadcastTicket("policy", v) for v in (1, 2, 3)]
+        reports = ray.get([hub.wait_for.remote(t) for t in tickets])
+        assert [r.version for r in reports] == [1, 2, 3]
+        assert all(len(r.acked) == 1 for r in reports)
+        assert ray.get(collector.version.remote()) == 3
+
+
+class TestFailures:
+    def test_receiver_error_travels_back_with_traceback(self, actors):
+        hub = start(actors, WeightHub)
+        good = start(actors, Collector, hub, worker_id="good")
+        bad = start(actors, FailingHook, hub)
+        ready([good, bad])
+        ray.get(hub.broadcast.remote(make_policy()))
+        with pytest.raises(BroadcastError) as info:
+            ray.get(hub.broadcast.remote(make_policy()))
+        report = info.value.report
+        assert report.acked == ("good",)
+        (worker, reason), = report.failed.items()
+        assert "hook refuses version 2" in reason and "Traceback" in reason
+        assert "FailingHook" in reason
+        assert "FailingHook" in str(info.value)
+
+    def test_report_instead_of_raise(self, actors):
+        hub = start(actors, WeightHub)
+        bad = start(actors, FailingHook, hub)
+        ready([bad])
+        ray.get(hub.broadcast.remote(make_policy()))
+        report = ray.get(hub.broadcast.remote(make_policy(), raise_on_failure=False))
+        assert report.acked == () and len(report.failed) == 1 and not report.ok
+
+    def test_killed_receiver_fails_others_ack_and_it_is_dropped(self, actors):
+        hub = start(actors, WeightHub)
+        survivors = [start(actors, Collector, hub, worker_id=f"ok{i}") for i in range(2)]
+        victim = start(actors, SlowHook, hub, 30.0)
+        ready([*survivors, victim])
+        victim_id = victim._actor_id.hex()
+        ray.get(hub.broadcast.remote(make_policy()))
+        learner = make_policy()
+        ref = hub.broadcast.remote(learner, timeout_s=20, raise_on_failure=False)
+        time.sleep(1.0)  # the victim is now sleeping inside its update
+        ray.kill(victim)
+        report = ray.get(ref, timeout=20)
+        assert report.acked == ("ok0", "ok1")
+        assert "died" in report.failed[victim_id] and "SlowHook" in report.failed[victim_id]
+        for s in survivors:
+            assert_same(ray.get(s.state.remote()), state_of(learner))
+        workers = {r.worker for r in ray.get(hub.status.remote()).receivers}
+        assert workers == {"ok0", "ok1"}
+        report = ray.get(hub.broadcast.remote(make_policy()))
+        assert report.acked == ("ok0", "ok1") and report.failed == {}
+
+    def test_slow_receiver_times_out_without_delaying_others(self, actors):
+        hub = start(actors, WeightHub)
+        fast = start(actors, Collector, hub, worker_id="fast")
+        slow = start(actors, SlowHook, hub, 5.0)
+        ready([fast, slow])
+        ray.get(hub.broadcast.remote(make_policy()))
+        report = ray.get(hub.broadcast.remote(make_policy(), timeout_s=1.0, raise_on_failure=False))
+        assert report.acked == ("fast",)
+        (reason,) = report.failed.values()
+        assert "within the 1 s timeout" in reason and "SlowHook" in reason
+        assert ray.get(fast.version.remote()) == 2
