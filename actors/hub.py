@@ -9,6 +9,7 @@ payloads to receivers and collects their acks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -52,6 +53,7 @@ class WeightHubActor:
                 f"transport {transport!r} is not available: {availability.reason}"
             )
         self._transport = transport
+        self._planner = get_transport(transport).open_hub(ray.get_runtime_context().current_actor)
         self._default_timeout_s = default_timeout_s
         self._state = HubState()
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
@@ -119,11 +121,24 @@ class WeightHubActor:
         """Add a receiver; answer with the latest version of each of its models it lacks."""
         latest = self._state.register(registration)
         self._model_known.set()
+        entry = self._state.receivers[registration.worker]
+        try:
+            info = await self._planner.receiver_joined(entry.info)
+            for model, update in latest.items():
+                payloads = await self._planner.plan(update, [entry.info])
+                latest[model] = dataclasses.replace(update, payload=payloads[entry.worker])
+        except BaseException:
+            self._drop(registration.worker, registration.token)
+            raise
         logger.info("registered %s (%s)", registration.worker, registration.actor)
-        return Welcome(self._transport, latest)
+        return Welcome(self._transport, info, latest)
 
     async def unregister(self, worker: str, token: str) -> None:
-        self._state.drop(worker, token)
+        self._drop(worker, token)
+
+    def _drop(self, worker: str, token: str) -> None:
+        if self._state.drop(worker, token):
+            asyncio.get_running_loop().create_task(self._planner.receiver_left(worker))
 
     async def ack(self, ack: Ack) -> None:
         """An acknowledgement sent after the delivery call returned (deferred applies)."""
@@ -156,6 +171,7 @@ class WeightHubActor:
         self._closed = True
         tasks = [t for reports in self._reports.values() for t in reports.values()]
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._planner.close()
 
     # -- delivery --------------------------------------------------------------------------
     async def _deliver_all(
@@ -167,9 +183,25 @@ class WeightHubActor:
         learner_seconds: float,
     ) -> BroadcastReport:
         deadline = time.monotonic() + timeout_s
-        outcomes = await asyncio.gather(
-            *(self._deliver_one(entry, update, deadline, timeout_s) for entry in targets)
-        )
+        try:
+            payloads = await asyncio.wait_for(
+                self._planner.plan(update, [entry.info for entry in targets]), timeout_s
+            )
+        except Exception as err:
+            reason = f"transport {update.transport!r} could not plan the delivery: {err!r}"
+            outcomes = [(entry.worker, reason) for entry in targets]
+        else:
+            outcomes = await asyncio.gather(
+                *(
+                    self._deliver_one(
+                        entry,
+                        dataclasses.replace(update, payload=payloads[entry.worker]),
+                        deadline,
+                        timeout_s,
+                    )
+                    for entry in targets
+                )
+            )
         acked = tuple(sorted(w for w, error in outcomes if error is None))
         failed = {w: error for w, error in outcomes if error is not None}
         return BroadcastReport(
@@ -201,7 +233,7 @@ class WeightHubActor:
                 f"{update.model!r} within the {timeout_s:g} s timeout"
             )
         except RayActorError as err:
-            self._state.drop(registration.worker, registration.token)
+            self._drop(registration.worker, registration.token)
             return registration.worker, (
                 f"{registration.actor} died before applying version {update.version} of model "
                 f"{update.model!r}; dropped from the registry until it registers again "

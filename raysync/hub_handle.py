@@ -148,8 +148,8 @@ class HubLauncher:
             raise TransportUnavailableError(
                 f"transport {transport!r} is not available: {availability.reason}"
             )
-        actor = ray.remote(WeightHubActor).options(**self._actor_options).remote(
-            transport, timeout_s
+        actor = (
+            ray.remote(WeightHubActor).options(**self._actor_options).remote(transport, timeout_s)
         )
         return HubHandle(actor, transport)
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from raysync.errors import UnknownModelError, UnknownWorkerError
 from raysync.messages import (
     DeliveryMode,
-    Registration,
     ReceiverStatus,
+    Registration,
     Update,
 )
 from raysync.spec import WeightSpec
+from raysync.transports.base import ReceiverInfo
 
 #: The model id used when a receiver passes a single model path.
 DEFAULT_MODEL = "default"
@@ -37,6 +38,11 @@ class ReceiverEntry:
     @property
     def worker(self) -> str:
         return self.registration.worker
+
+    @property
+    def info(self) -> ReceiverInfo:
+        r = self.registration
+        return ReceiverInfo(worker=r.worker, actor=r.actor, node_id=r.node_id, handle=r.handle)
 
 
 class HubState:
@@ -77,7 +83,8 @@ class HubState:
     def latest(self, model: str) -> Update | None:
         if model not in self.models:
             raise UnknownModelError(
-                f"unknown model {model!r}; the hub knows: {', '.join(sorted(self.models)) or 'none'}"
+                f"unknown model {model!r}; the hub knows: "
+                f"{', '.join(sorted(self.models)) or 'none'}"
             )
         return self.models[model].latest
 

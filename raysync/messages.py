@@ -74,7 +74,8 @@ class Registration:
     specs: dict[str, WeightSpec]
     versions: dict[str, int]
     mode: DeliveryMode
-    token: str  #: unique per registration, so a restarted actor's entry is not dropped by the old one's failure
+    #: Unique per registration: a restarted actor's entry is not dropped for the old one's death.
+    token: str
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Welcome:
     """Hub -> receiver, in answer to a Registration."""
 
     transport: str
+    transport_info: Any  #: connection details from the transport's planner, for open_receiver
     latest: dict[str, Update]  #: per model, the latest update newer than what the receiver holds
 
 

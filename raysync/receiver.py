@@ -36,6 +36,12 @@ logger = logging.getLogger(__name__)
 HUB_CALL_TIMEOUT_S = 60.0
 
 
+@dataclass(frozen=True)
+class _Identity:
+    worker: str
+    actor: str  #: "ClassName(actor_id)"
+
+
 @dataclass
 class _HeldModel:
     """One model of this receiver: where it lives on the actor and which version it holds."""
@@ -53,49 +59,28 @@ class _ReceiverCore:
         owner: WeightReceiver,
         hub: HubHandle,
         models: dict[str, _HeldModel],
-        worker: str,
-        mode: DeliveryMode,
+        identity: _Identity,
+        transport: TransportReceiver,
     ) -> None:
         self.owner = owner
         self.hub = hub
         self.models = models
-        self.worker = worker
-        self.mode = mode
-        self.token = uuid.uuid4().hex
+        self.worker = identity.worker
+        self.actor_name = identity.actor
+        self.transport = transport
         self.gate = ApplyGate(finish_deferred=self._send_ack)
-        self.transport: TransportReceiver = get_transport(hub.transport).open_receiver()
-        context = ray.get_runtime_context()
-        self.actor_name = f"{type(owner).__name__}({context.get_actor_id()})"
-        self.handle = context.current_actor
-        self.node_id = context.get_node_id()
-
-    # -- registration -------------------------------------------------------------------
-    def registration(self) -> Registration:
-        return Registration(
-            worker=self.worker,
-            handle=self.handle,
-            actor=self.actor_name,
-            node_id=self.node_id,
-            specs={m: self.spec_of(m) for m in self.models},
-            versions={m: held.version for m, held in self.models.items()},
-            mode=self.mode,
-            token=self.token,
-        )
-
-    def spec_of(self, model_id: str) -> WeightSpec:
-        return WeightSpec.of(self.destination(model_id).tensors)
 
     def destination(self, model_id: str) -> weights.Destination:
-        held = self.models[model_id]
-        target = model_path.resolve(self.owner, held.path)
-        return weights.destinations(target, what=f"model {model_id!r} at self.{held.path}")
+        return _destination(self.owner, self.models[model_id])
 
     # -- updates ------------------------------------------------------------------------
     def receive(self, update: Update) -> Ack | None:
         """Fetch and apply ``update``; None if the apply waits for a safe point."""
         held = self.models.get(update.model)
         if held is None:
-            return self._ack(update, AckStatus.FAILED, f"{self.actor_name} does not hold model {update.model!r}")
+            return self._ack(
+                update, AckStatus.FAILED, f"{self.actor_name} does not hold model {update.model!r}"
+            )
         if update.version <= held.version:
             return self._ack(update, AckStatus.SUPERSEDED)
         try:
@@ -142,6 +127,27 @@ class _ReceiverCore:
     def _send_ack(self, ack: Ack) -> None:
         """Acks of applies that ran after their delivery call returned."""
         self.hub.actor.ack.remote(ack)
+
+
+def _destination(owner: Any, held: _HeldModel) -> weights.Destination:
+    target = model_path.resolve(owner, held.path)
+    return weights.destinations(target, what=f"model {held.model_id!r} at self.{held.path}")
+
+
+def _registration(
+    owner: Any, held: dict[str, _HeldModel], identity: _Identity, mode: DeliveryMode
+) -> Registration:
+    context = ray.get_runtime_context()
+    return Registration(
+        worker=identity.worker,
+        handle=context.current_actor,
+        actor=identity.actor,
+        node_id=context.get_node_id(),
+        specs={m: WeightSpec.of(_destination(owner, h).tensors) for m, h in held.items()},
+        versions={m: h.version for m, h in held.items()},
+        mode=mode,
+        token=uuid.uuid4().hex,
+    )
 
 
 class WeightReceiver:
@@ -196,17 +202,19 @@ class WeightReceiver:
             raise ValueError("connect_hub needs at least one model path")
         previous = self.__dict__.get("_raysync_core")
         held = {
-            m: _HeldModel(m, path, previous.models[m].version if previous and m in previous.models else 0)
+            m: _HeldModel(
+                m, path, previous.models[m].version if previous and m in previous.models else 0
+            )
             for m, path in paths.items()
         }
-        core = _ReceiverCore(
-            self,
-            handle,
-            held,
-            worker=worker_id or ray.get_runtime_context().get_actor_id(),
-            mode=DeliveryMode(mode),
-        )
-        welcome = ray.get(handle.actor.register.remote(core.registration()), timeout=timeout_s)
+        actor_id = ray.get_runtime_context().get_actor_id()
+        identity = _Identity(worker_id or actor_id, f"{type(self).__name__}({actor_id})")
+        registration = _registration(self, held, identity, DeliveryMode(mode))
+        welcome = ray.get(handle.actor.register.remote(registration), timeout=timeout_s)
+        transport = get_transport(welcome.transport).open_receiver(welcome.transport_info)
+        if previous is not None:
+            previous.transport.close()
+        core = _ReceiverCore(self, handle, held, identity, transport)
         self._raysync_core = core
         for update in welcome.latest.values():
             ack = core.receive(update)
@@ -326,4 +334,8 @@ def _guard(method: Any) -> Any:
 
 def weight_receiver(cls: type) -> type:
     """Class decorator form of :class:`WeightReceiver`: ``@ray.remote @weight_receiver class C``."""
-    return type(cls.__name__, (cls, WeightReceiver), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return type(
+        cls.__name__,
+        (cls, WeightReceiver),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
+    )

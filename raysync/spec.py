@@ -53,10 +53,7 @@ class WeightSpec:
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> WeightSpec:
         """The spec of a flat ``name -> tensor`` mapping (see :func:`raysync.weights.flatten`)."""
         return cls(
-            tuple(
-                TensorSpec(name, tuple(t.shape), t.dtype)
-                for name, t in sorted(tensors.items())
-            )
+            tuple(TensorSpec(name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items()))
         )
 
     @cached_property

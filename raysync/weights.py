@@ -20,7 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from raysync.errors import InvalidWeightsError
 
 #: What ``broadcast`` accepts and what a receiver's model path may point at.
-Weights = Union[torch.nn.Module, TensorDictBase, Mapping[str, Any]]
+Weights = Union[torch.nn.Module, TensorDictBase, Mapping[str, Any]]  # noqa: UP007 (runtime alias)
 
 
 def flatten(weights: Weights, *, what: str = "weights") -> dict[str, torch.Tensor]:
@@ -62,9 +62,7 @@ def destinations(model: Any, *, what: str) -> Destination:
         getattr(model, "load_state_dict", None)
     ):
         state = model.state_dict()
-        return Destination(
-            _flat_tensors(state, what), commit=lambda: model.load_state_dict(state)
-        )
+        return Destination(_flat_tensors(state, what), commit=lambda: model.load_state_dict(state))
     raise InvalidWeightsError(
         f"{what} is a {type(model).__name__}: expected an nn.Module, a TensorDict, a "
         "mapping of tensors (state_dict) or an object with state_dict()/load_state_dict()"

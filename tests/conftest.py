@@ -41,6 +41,25 @@ def actors(ray_cluster):
             pass
 
 
+def _transport_params():
+    from raysync.transports import get_transport, known_transports
+
+    params = []
+    for name in known_transports():
+        availability = get_transport(name).availability()
+        marks = [getattr(pytest.mark, name)] if name in ("nixl",) else []
+        if not availability.available:
+            marks.append(pytest.mark.skip(reason=f"{name} unavailable: {availability.reason}"))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+@pytest.fixture(params=_transport_params())
+def transport(request) -> str:
+    """Each transport registered in raysync; unavailable ones are skipped with the reason."""
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

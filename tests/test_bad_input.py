@@ -15,7 +15,7 @@ from raysync import (
     WeightHub,
 )
 from tests.receivers import Collector, WrongModel, make_policy, state_of
-from tests.test_core import assert_same, ready, start
+from tests.test_core import assert_same, ready, start, start_hub
 
 
 def _good() -> dict[str, torch.Tensor]:
@@ -74,8 +74,8 @@ LEARNER_ERRORS = {
 
 
 @pytest.fixture
-def hub_with_receiver(actors):
-    hub = start(actors, WeightHub)
+def hub_with_receiver(actors, transport):
+    hub = start_hub(actors, transport)
     collector = start(actors, Collector, hub, worker_id="w0")
     ready([collector])
     v1 = make_policy()
@@ -131,8 +131,8 @@ def test_unknown_worker(hub_with_receiver):
     _untouched(hub, collector, v1_state)
 
 
-def test_ambiguous_default_model(actors):
-    hub = start(actors, WeightHub)
+def test_ambiguous_default_model(actors, transport):
+    hub = start_hub(actors, transport)
     ray.get(hub.broadcast.remote({"a": torch.zeros(1)}, model="one"))
     ray.get(hub.broadcast.remote({"a": torch.zeros(1)}, model="two"))
     with pytest.raises(UnknownModelError, match="several models.*one, two"):
@@ -151,8 +151,8 @@ def test_receiver_with_mismatching_model_fails_registration(hub_with_receiver, a
     _untouched(hub, collector, v1_state)
 
 
-def test_bad_model_path_fails_registration(actors):
-    hub = start(actors, WeightHub)
+def test_bad_model_path_fails_registration(actors, transport):
+    hub = start_hub(actors, transport)
 
     @ray.remote(num_cpus=0)
     class BadPath(Collector.__ray_actor_class__):

@@ -41,13 +41,19 @@ def start(actors, cls, *args, **kwargs):
     return handle
 
 
+def start_hub(actors, transport: str, **actor_options):
+    hub = WeightHub.options(**actor_options).remote(transport=transport)
+    actors.append(hub)
+    return hub
+
+
 def ready(receivers) -> None:
     ray.get([r.__ray_ready__.remote() for r in receivers])
 
 
 class TestBroadcast:
-    def test_readme_example_bitwise_every_version(self, actors):
-        hub = start(actors, WeightHub)
+    def test_readme_example_bitwise_every_version(self, actors, transport):
+        hub = start_hub(actors, transport)
         collectors = [start(actors, Collector, hub) for _ in range(4)]
         ready(collectors)
         learner = make_policy()
@@ -66,8 +72,8 @@ class TestBroadcast:
                 assert_same(ray.get(c.state.remote()), state_of(learner))
                 assert ray.get(c.version.remote()) == step
 
-    def test_accepts_module_tensordict_and_state_dict(self, actors):
-        hub = start(actors, WeightHub)
+    def test_accepts_module_tensordict_and_state_dict(self, actors, transport):
+        hub = start_hub(actors, transport)
         collector = start(actors, Collector, hub)
         ready([collector])
         learner = make_policy()
@@ -78,14 +84,12 @@ class TestBroadcast:
         ]
         for version, weights in enumerate(inputs, start=1):
             ray.get(hub.broadcast.remote(weights))
-            expected = (
-                weights if isinstance(weights, dict) else state_of(learner)
-            )
+            expected = weights if isinstance(weights, dict) else state_of(learner)
             assert_same(ray.get(collector.state.remote()), expected)
             assert ray.get(collector.version.remote()) == version
 
-    def test_applies_in_place_without_reallocating(self, actors):
-        hub = start(actors, WeightHub)
+    def test_applies_in_place_without_reallocating(self, actors, transport):
+        hub = start_hub(actors, transport)
         collector = start(actors, Collector, hub)
         ready([collector])
         before = ray.get(collector.data_ptrs.remote())
@@ -93,8 +97,8 @@ class TestBroadcast:
             ray.get(hub.broadcast.remote(make_policy()))
         assert ray.get(collector.data_ptrs.remote()) == before
 
-    def test_dtypes_bf16_int_bool(self, actors):
-        hub = start(actors, WeightHub)
+    def test_dtypes_bf16_int_bool(self, actors, transport):
+        hub = start_hub(actors, transport)
         weights = {
             "bf16": torch.randn(5, 3).to(torch.bfloat16),
             "i64": torch.arange(7),
@@ -114,8 +118,8 @@ class TestBroadcast:
         ray.get(hub.broadcast.remote(weights))
         assert_same(ray.get(receiver.state.remote("sd")), weights)
 
-    def test_version_increases_per_model_and_status_reports_lag(self, actors):
-        hub = start(actors, WeightHub)
+    def test_version_increases_per_model_and_status_reports_lag(self, actors, transport):
+        hub = start_hub(actors, transport)
         push = start(actors, Collector, hub, worker_id="push")
         pull = start(actors, Collector, hub, worker_id="pull", mode="pull")
         ready([push, pull])
@@ -124,14 +128,16 @@ class TestBroadcast:
         status = ray.get(hub.status.remote())
         assert status.versions == {"policy": 3}
         by_worker = {r.worker: r for r in status.receivers}
-        assert by_worker["push"].versions == {"policy": 3} and by_worker["push"].lag == {"policy": 0}
+        assert by_worker["push"].versions == {"policy": 3} and by_worker["push"].lag == {
+            "policy": 0
+        }
         assert by_worker["pull"].mode is DeliveryMode.PULL
         assert by_worker["pull"].lag == {"policy": 3}
 
 
 class TestReceivers:
-    def test_late_join_gets_latest_version_at_once(self, actors):
-        hub = start(actors, WeightHub)
+    def test_late_join_gets_latest_version_at_once(self, actors, transport):
+        hub = start_hub(actors, transport)
         first = start(actors, Collector, hub)
         ready([first])
         learner = make_policy()
@@ -143,16 +149,16 @@ class TestReceivers:
         assert_same(ray.get(late.state.remote()), state_of(learner))
         assert ray.get(late.applied_versions.remote()) == [("policy", 2)]
 
-    def test_broadcast_before_any_receiver_registers(self, actors):
-        hub = start(actors, WeightHub)
+    def test_broadcast_before_any_receiver_registers(self, actors, transport):
+        hub = start_hub(actors, transport)
         learner = make_policy()
         ray.get(hub.broadcast.remote(learner, model="policy"))
         late = start(actors, Collector, hub)
         assert ray.get(late.version.remote()) == 1
         assert_same(ray.get(late.state.remote()), state_of(learner))
 
-    def test_subset_broadcast_leaves_others_alone(self, actors):
-        hub = start(actors, WeightHub)
+    def test_subset_broadcast_leaves_others_alone(self, actors, transport):
+        hub = start_hub(actors, transport)
         a = start(actors, Collector, hub, worker_id="a")
         b = start(actors, Collector, hub, worker_id="b")
         ready([a, b])
@@ -165,8 +171,8 @@ class TestReceivers:
         assert_same(ray.get(b.state.remote()), state_of(v2))
         assert ray.get(a.version.remote()) == 1 and ray.get(b.version.remote()) == 2
 
-    def test_pull_mode(self, actors):
-        hub = start(actors, WeightHub)
+    def test_pull_mode(self, actors, transport):
+        hub = start_hub(actors, transport)
         puller = start(actors, Collector, hub, worker_id="puller", mode="pull")
         ready([puller])
         learner = make_policy()
@@ -179,8 +185,8 @@ class TestReceivers:
         lag = {r.worker: r.lag for r in ray.get(hub.status.remote()).receivers}
         assert lag["puller"] == {"policy": 0}
 
-    def test_multi_model_and_model_paths(self, actors):
-        hub = start(actors, WeightHub)
+    def test_multi_model_and_model_paths(self, actors, transport):
+        hub = start_hub(actors, transport)
         multi = start(actors, MultiModel, hub)
         ready([multi])
         norm = torch.nn.BatchNorm1d(8)
@@ -205,12 +211,10 @@ class TestReceivers:
             ray.get(multi.state.remote("td")), dict(updates["td"].flatten_keys(".").items())
         )
         assert_same(ray.get(multi.state.remote("sd")), updates["sd"])
-        assert ray.get(hub.status.remote()).versions == {
-            m: 1 for m in sorted(updates)
-        }
+        assert ray.get(hub.status.remote()).versions == {m: 1 for m in sorted(updates)}
 
-    def test_decorator_form_and_named_hub(self, actors):
-        hub = start(actors, WeightHub.options(name="raysync-test-hub"))
+    def test_decorator_form_and_named_hub(self, actors, transport):
+        hub = start_hub(actors, transport, name="raysync-test-hub")
         receiver = start(actors, Decorated, "raysync-test-hub")
         ready([receiver])
         learner = make_policy()
@@ -219,8 +223,8 @@ class TestReceivers:
         assert_same(ray.get(receiver.state.remote()), state_of(learner))
         assert ray.get(hub.status.remote()).versions == {"default": 1}
 
-    def test_stale_and_duplicate_updates_are_skipped(self, actors):
-        hub = start(actors, WeightHub)
+    def test_stale_and_duplicate_updates_are_skipped(self, actors, transport):
+        hub = start_hub(actors, transport)
         collector = start(actors, Collector, hub)
         ready([collector])
         ray.get(hub.broadcast.remote(make_policy()))
@@ -229,9 +233,7 @@ class TestReceivers:
         ray.get(hub.broadcast.remote(newest))
         # Re-deliver version 1 (stale) and version 2 (duplicate) by hand.
         stale = ray.get(collector._raysync_deliver.remote(old))
-        duplicate = ray.get(
-            collector._raysync_deliver.remote(ray.get(hub.latest.remote("policy")))
-        )
+        duplicate = ray.get(collector._raysync_deliver.remote(ray.get(hub.latest.remote("policy"))))
         assert stale.status.value == "superseded" and duplicate.status.value == "superseded"
         assert ray.get(collector.version.remote()) == 2
         assert_same(ray.get(collector.state.remote()), state_of(newest))
@@ -239,8 +241,8 @@ class TestReceivers:
 
 
 class TestAsyncAcks:
-    def test_fire_and_forget_then_wait_for(self, actors):
-        hub = start(actors, WeightHub)
+    def test_fire_and_forget_then_wait_for(self, actors, transport):
+        hub = start_hub(actors, transport)
         collector = start(actors, Collector, hub)
         ready([collector])
         tickets = [ray.get(hub.broadcast.remote(make_policy(), wait=False)) for _ in range(3)]
@@ -252,8 +254,8 @@ class TestAsyncAcks:
 
 
 class TestFailures:
-    def test_receiver_error_travels_back_with_traceback(self, actors):
-        hub = start(actors, WeightHub)
+    def test_receiver_error_travels_back_with_traceback(self, actors, transport):
+        hub = start_hub(actors, transport)
         good = start(actors, Collector, hub, worker_id="good")
         bad = start(actors, FailingHook, hub)
         ready([good, bad])
@@ -262,21 +264,21 @@ class TestFailures:
             ray.get(hub.broadcast.remote(make_policy()))
         report = info.value.report
         assert report.acked == ("good",)
-        (worker, reason), = report.failed.items()
+        ((_, reason),) = report.failed.items()
         assert "hook refuses version 2" in reason and "Traceback" in reason
         assert "FailingHook" in reason
         assert "FailingHook" in str(info.value)
 
-    def test_report_instead_of_raise(self, actors):
-        hub = start(actors, WeightHub)
+    def test_report_instead_of_raise(self, actors, transport):
+        hub = start_hub(actors, transport)
         bad = start(actors, FailingHook, hub)
         ready([bad])
         ray.get(hub.broadcast.remote(make_policy()))
         report = ray.get(hub.broadcast.remote(make_policy(), raise_on_failure=False))
         assert report.acked == () and len(report.failed) == 1 and not report.ok
 
-    def test_killed_receiver_fails_others_ack_and_it_is_dropped(self, actors):
-        hub = start(actors, WeightHub)
+    def test_killed_receiver_fails_others_ack_and_it_is_dropped(self, actors, transport):
+        hub = start_hub(actors, transport)
         survivors = [start(actors, Collector, hub, worker_id=f"ok{i}") for i in range(2)]
         victim = start(actors, SlowHook, hub, 30.0)
         ready([*survivors, victim])
@@ -296,8 +298,8 @@ class TestFailures:
         report = ray.get(hub.broadcast.remote(make_policy()))
         assert report.acked == ("ok0", "ok1") and report.failed == {}
 
-    def test_slow_receiver_times_out_without_delaying_others(self, actors):
-        hub = start(actors, WeightHub)
+    def test_slow_receiver_times_out_without_delaying_others(self, actors, transport):
+        hub = start_hub(actors, transport)
         fast = start(actors, Collector, hub, worker_id="fast")
         slow = start(actors, SlowHook, hub, 5.0)
         ready([fast, slow])

@@ -6,8 +6,10 @@ import importlib
 
 from raysync.transports.base import (
     Availability,
+    ReceiverInfo,
     Transport,
     TransportError,
+    TransportPlanner,
     TransportReceiver,
     TransportSender,
 )
@@ -42,10 +44,12 @@ def available_transports() -> tuple[str, ...]:
 
 
 __all__ = [
-    "Availability",
     "DEFAULT_TRANSPORT",
+    "Availability",
+    "ReceiverInfo",
     "Transport",
     "TransportError",
+    "TransportPlanner",
     "TransportReceiver",
     "TransportSender",
     "available_transports",

@@ -4,18 +4,26 @@ A transport moves one version's tensors from the learner to receivers; the hub o
 forwards the small, picklable *payload* the transport hands it. Lifecycle, with the
 process that calls each method:
 
-1. learner process, once per hub handle: ``sender = Transport.open_sender(hub_actor)``.
-2. learner process, each broadcast: ``payload = sender.send(tensors, spec)`` — the data
+1. hub process, once, when the hub starts: ``planner = Transport.open_hub(hub_actor)``.
+   The planner may start the Ray actors that own the transport's resources (segments,
+   agents, process groups); ``planner.close()`` stops them.
+2. hub process, each registration: ``info = await planner.receiver_joined(receiver)``;
+   ``info`` (connection details, picklable) reaches the receiver in its Welcome.
+   ``await planner.receiver_left(worker)`` when a receiver dies or leaves.
+3. learner process, once per hub handle: ``sender = Transport.open_sender(hub_actor)``.
+4. learner process, each broadcast: ``payload = sender.send(tensors, spec)`` — the data
    leaves the learner here (or is made readable by receivers). ``tensors`` is the
    flat, name-sorted mapping from :func:`raysync.weights.flatten`.
-3. hub process: puts ``payload`` into an :class:`~raysync.messages.Update` for each
-   targeted receiver and keeps the latest one for receivers that join later. The hub
-   never opens a payload, so it never imports a transport's heavy dependency.
-4. receiver process, once: ``receiver = Transport.open_receiver()``.
-5. receiver process, each update, *outside* the safe point:
+5. hub process, each broadcast: ``payloads = await planner.plan(update, targets)`` maps
+   each targeted worker to the payload it reads (default: the learner's payload for
+   all). This is where a transport relays per node. The hub keeps the latest update
+   for receivers that join later and never opens a payload itself, so it never
+   imports a transport's heavy dependency unless the planner does.
+6. receiver process, once per registration: ``receiver = Transport.open_receiver(info)``.
+7. receiver process, each update, *outside* the safe point:
    ``staged = receiver.fetch(payload, spec)`` returns one read-only tensor per spec
    entry, in spec order (views of staged data; any device).
-6. receiver process, at the safe point: the receiver mixin copies ``staged`` into the
+8. receiver process, at the safe point: the receiver mixin copies ``staged`` into the
    model's own tensors in place, then acknowledges.
 
 Acknowledgement: the receiver's delivery call resolves to an :class:`~raysync.messages.Ack`
@@ -63,6 +71,35 @@ class TransportSender(ABC):
         """Release what the sender holds. Default: nothing to release."""
 
 
+@dataclass(frozen=True)
+class ReceiverInfo:
+    """What a planner knows of a receiver (hub process)."""
+
+    worker: str
+    actor: str  #: "ClassName(actor_id)", for messages
+    node_id: str
+    handle: Any  #: the receiver's ActorHandle
+
+
+class TransportPlanner:
+    """Hub-side half of a transport (hub process). The default forwards the learner's
+    payload to every receiver and needs no connection details."""
+
+    async def receiver_joined(self, receiver: ReceiverInfo) -> Any:
+        """Connection details for ``receiver`` (passed to ``open_receiver``). Default: None."""
+        return None
+
+    async def receiver_left(self, worker: str) -> None:
+        """``worker`` died or unregistered. Default: nothing to tear down."""
+
+    async def plan(self, update: Any, targets: Sequence[ReceiverInfo]) -> Mapping[str, Any]:
+        """Per targeted worker, the payload it reads. Default: the learner's payload."""
+        return {receiver.worker: update.payload for receiver in targets}
+
+    async def close(self) -> None:
+        """Stop what the planner started. Default: nothing."""
+
+
 class TransportReceiver(ABC):
     """Receiver-side half of a transport. One per receiver actor."""
 
@@ -92,11 +129,16 @@ class Transport(ABC):
         """Can this transport run here? Cheap; imports optional dependencies lazily."""
 
     @classmethod
+    def open_hub(cls, hub: Any) -> TransportPlanner:
+        """Called in the hub process with its own ActorHandle. Default: forward as is."""
+        return TransportPlanner()
+
+    @classmethod
     @abstractmethod
     def open_sender(cls, hub: Any) -> TransportSender:
         """Called in the learner process with the hub's ActorHandle."""
 
     @classmethod
     @abstractmethod
-    def open_receiver(cls) -> TransportReceiver:
-        """Called in a receiver process when it registers with a hub."""
+    def open_receiver(cls, info: Any) -> TransportReceiver:
+        """Called in a receiver process when it registers, with its planner's ``info``."""

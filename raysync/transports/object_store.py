@@ -83,5 +83,5 @@ class ObjectStoreTransport(Transport):
         return ObjectStoreSender()
 
     @classmethod
-    def open_receiver(cls) -> ObjectStoreReceiver:
+    def open_receiver(cls, info: Any) -> ObjectStoreReceiver:
         return ObjectStoreReceiver()
