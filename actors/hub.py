@@ -30,6 +30,7 @@ from raysync.messages import (
     BroadcastReport,
     BroadcastRequest,
     BroadcastTicket,
+    HubConfig,
     HubStatus,
     Registration,
     Update,
@@ -46,15 +47,18 @@ _REPORTS_KEPT = 256
 class WeightHubActor:
     """See module docstring. Created through :meth:`raysync.WeightHub.remote`."""
 
-    def __init__(self, transport: str, default_timeout_s: float) -> None:
-        availability = get_transport(transport).availability()
+    def __init__(self, config: HubConfig) -> None:
+        availability = get_transport(config.transport).availability()
         if not availability.available:
             raise TransportUnavailableError(
-                f"transport {transport!r} is not available: {availability.reason}"
+                f"transport {config.transport!r} is not available: {availability.reason}"
             )
-        self._transport = transport
-        self._planner = get_transport(transport).open_hub(ray.get_runtime_context().current_actor)
-        self._default_timeout_s = default_timeout_s
+        self._config = config
+        self._transport = config.transport
+        self._planner = get_transport(config.transport).open_hub(
+            ray.get_runtime_context().current_actor
+        )
+        self._default_timeout_s = config.default_timeout_s
         self._state = HubState()
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
         self._pending_acks: dict[tuple[str, str, int], asyncio.Future[Ack]] = {}
@@ -64,6 +68,11 @@ class WeightHubActor:
     # -- learner -------------------------------------------------------------------------
     async def submit(self, request: BroadcastRequest) -> BroadcastReport | BroadcastTicket:
         """Validate, version and deliver one broadcast (see ``HubHandle.broadcast``)."""
+        if not isinstance(request, BroadcastRequest):
+            raise TypeError(
+                f"submit takes the BroadcastRequest that HubHandle.broadcast builds, not a "
+                f"{type(request).__name__}; get a handle with raysync.get_hub(name)"
+            )
         if self._closed:
             raise HubClosedError("the hub is shutting down and accepts no more broadcasts")
         started = time.perf_counter()
@@ -72,8 +81,11 @@ class WeightHubActor:
             await self._wait_for_first_model(timeout_s)
         model = self._state.resolve_model(request.model)
         self._state.check_broadcast(model, request.spec)
+        self._state.check_version(model, request.version)
         targets = self._state.targets(model, request.workers)
-        update = self._state.publish(model, request.spec, self._transport, request.payload)
+        update = self._state.publish(
+            model, request.spec, self._transport, request.payload, request.version
+        )
         task = asyncio.create_task(
             self._deliver_all(update, targets, timeout_s, started, request.learner_seconds)
         )
@@ -163,8 +175,8 @@ class WeightHubActor:
             receivers=self._state.statuses(),
         )
 
-    def transport_name(self) -> str:
-        return self._transport
+    def config(self) -> HubConfig:
+        return self._config
 
     async def close(self) -> None:
         """Refuse new broadcasts and wait for those in flight."""

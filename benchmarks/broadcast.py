@@ -20,10 +20,13 @@ Measured in the same run, for every (size, N receivers, tensor count) cell:
   cell's ``n_tensors``, though the floor always copies one flat buffer).
 
 Per cell: a hub and N receivers are started, every method gets ``--warmup`` untimed
-runs, the script waits for the CPU to go quiet (start-up and anything else running on
-the machine skew the numbers; the reading is kept as ``cpu_busy_before``), then
-``--repeats`` timed rounds run the three methods in a rotating order; the median is
-reported and ``ratio_to_floor`` divides by the same cell's floor. After every broadcast
+runs, then ``--repeats`` timed rounds run the three methods in a rotating order; the
+median is reported and ``ratio_to_floor`` divides by the same cell's floor. The machine
+may be shared (and Ray's own start-up is busy), so each timed sample waits for the CPU
+to go quiet first and is retaken (``--retries``) if processes outside this benchmark's
+process tree used more than ``--max-foreign`` of the CPU during it; each row's
+``noise`` lists, per sample, the CPU busy before it, the foreign share during it
+(from /proc; null where it cannot be told) and the retakes. After every broadcast
 each receiver's tensors are probed to check that this version really landed. The actors
 are killed between cells so at most one cell's models are in memory.
 
@@ -54,6 +57,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
@@ -63,6 +67,7 @@ from pathlib import Path  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+import raysync  # noqa: E402
 from raysync import WeightHub, WeightReceiver  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -123,8 +128,11 @@ class BenchReceiver(WeightReceiver):
         self.model = make_state_dict(spec, fill=0.0)
         self.connect_hub(hub, models={"m": "model"})
 
-    def ready(self) -> int:
-        return torch.get_num_threads()
+    def ready(self) -> str:
+        """Where this worker imported raysync from (must be where the driver did)."""
+        import raysync
+
+        return str(Path(raysync.__file__).parent)
 
     def apply_baseline(self, refs: list) -> int:
         """The hand-written receiver: get the put state_dict, copy it in place."""
@@ -165,32 +173,82 @@ class Floor:
         return time.perf_counter() - t0
 
 
-def cpu_busy(interval_s: float) -> float | None:
-    """Fraction of all cores busy over ``interval_s`` (Linux /proc/stat; None elsewhere)."""
+def _proc_stat() -> tuple[int, int]:
+    """(total, busy) clock ticks of all cores since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total, total - fields[3] - fields[4]  # minus idle and iowait
 
-    def read() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
 
+def _proc_ticks(pid: int) -> tuple[int, int] | None:
+    """(parent pid, utime + stime ticks) of one process, None if it is gone."""
     try:
-        total0, idle0 = read()
-        time.sleep(interval_s)
-        total1, idle1 = read()
-    except (OSError, ValueError, IndexError):
-        time.sleep(interval_s)
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    return int(fields[1]), int(fields[11]) + int(fields[12])
 
 
-def wait_quiet(threshold: float, timeout_s: float) -> float | None:
-    """Wait (up to ``timeout_s``) until the machine is idle: worker start-up, killed
-    actors and anything else running here skew every method. Returns the last reading."""
-    deadline = time.monotonic() + timeout_s
-    busy = cpu_busy(0.5)
-    while busy is not None and busy > threshold and time.monotonic() < deadline:
-        busy = cpu_busy(0.5)
-    return busy
+class CpuMeter:
+    """Splits the machine's CPU time into this benchmark's process tree (the driver, and
+    Ray's raylet, hub and receivers, all started under it) and everything else. The
+    machine may be shared; another job's CPU use during a sample skews every method."""
+
+    def __init__(self) -> None:
+        self.available = os.path.exists("/proc/stat")
+
+    def snapshot(self, pids: set[int] | None = None):
+        """(total, busy, mine, pids) now; ``pids`` defaults to the current process tree."""
+        if not self.available:
+            return None
+        procs = {}
+        for entry in os.listdir("/proc") if pids is None else pids:
+            if isinstance(entry, int) or entry.isdigit():
+                info = _proc_ticks(int(entry))
+                if info is not None:
+                    procs[int(entry)] = info
+        if pids is None:
+            pids, frontier = {os.getpid()}, [os.getpid()]
+            children: dict[int, list[int]] = {}
+            for pid, (ppid, _) in procs.items():
+                children.setdefault(ppid, []).append(pid)
+            while frontier:
+                kids = children.get(frontier.pop(), [])
+                pids.update(kids)
+                frontier.extend(kids)
+        total, busy = _proc_stat()
+        return total, busy, {p: procs[p][1] for p in pids if p in procs}, pids
+
+    def foreign(self, before, after) -> float | None:
+        """Fraction of all cores that processes outside the tree used between snapshots."""
+        if before is None or after is None or after[0] <= before[0]:
+            return None
+        mine = sum(t - before[2][p] for p, t in after[2].items() if p in before[2])
+        return max(0.0, (after[1] - before[1] - mine) / (after[0] - before[0]))
+
+    def busy(self, interval_s: float) -> float | None:
+        """Fraction of all cores busy (anyone's) over ``interval_s``."""
+        if not self.available:
+            time.sleep(interval_s)
+            return None
+        total0, busy0 = _proc_stat()
+        time.sleep(interval_s)
+        total1, busy1 = _proc_stat()
+        return (busy1 - busy0) / max(1, total1 - total0)
+
+    def wait_quiet(self, threshold: float, timeout_s: float) -> float | None:
+        """Wait (up to ``timeout_s``) until at most ``threshold`` of the CPU is busy;
+        returns the last reading."""
+        deadline = time.monotonic() + timeout_s
+        busy = self.busy(0.25)
+        while busy is not None and busy > threshold and time.monotonic() < deadline:
+            busy = self.busy(0.25)
+        return busy
+
+
+METER = CpuMeter()
 
 
 def check_landed(receivers, value: int, method: str) -> None:
@@ -207,13 +265,18 @@ def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tens
     receivers = [BenchReceiver.remote(hub, spec, threads) for _ in range(cell.n)]
     floor = Floor(cell.size)
     try:
-        ray.get([r.ready.remote() for r in receivers])
+        mine = str(Path(raysync.__file__).parent)
+        for theirs in ray.get([r.ready.remote() for r in receivers]):
+            if theirs != mine:
+                raise RuntimeError(f"receivers import raysync from {theirs}, the driver {mine}")
         samples: dict[str, list[float]] = {m: [] for m in METHODS}
+        noise: dict[str, list[dict]] = {m: [] for m in METHODS}
         report_seconds: list[float] = []
         counter = 0
+        last_report_seconds = 0.0
 
-        def one(method: str, timed: bool) -> None:
-            nonlocal counter
+        def one(method: str) -> float:
+            nonlocal counter, last_report_seconds
             if method == "floor":
                 elapsed = floor.run(cell.n)
             else:
@@ -225,8 +288,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tens
                     elapsed = time.perf_counter() - t0
                     if len(report.acked) != cell.n or report.bytes != cell.size:
                         raise RuntimeError(f"raysync report is off: {report}")
-                    if timed:
-                        report_seconds.append(report.seconds)
+                    last_report_seconds = report.seconds
                 else:
                     t0 = time.perf_counter()
                     ref = ray.put(weights)
@@ -234,19 +296,32 @@ def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tens
                     elapsed = time.perf_counter() - t0
                     del ref
                 check_landed(receivers, counter, method)
-            if timed:
-                samples[method].append(elapsed)
+            return elapsed
+
+        def timed(method: str) -> None:
+            """One sample, taken when the machine is quiet; retaken (up to --retries
+            times) if other processes used more than --max-foreign of the CPU during it."""
+            for attempt in range(args.retries + 1):
+                busy = METER.wait_quiet(args.quiet_threshold, args.sample_quiet_timeout_s)
+                before = METER.snapshot()
+                elapsed = one(method)
+                foreign = METER.foreign(before, METER.snapshot(before[3] if before else None))
+                if foreign is None or foreign <= args.max_foreign or attempt == args.retries:
+                    break
+            samples[method].append(elapsed)
+            noise[method].append(dict(busy_before=busy, foreign_during=foreign, retries=attempt))
+            if method == "raysync":
+                report_seconds.append(last_report_seconds)
 
         for method in METHODS:
             for _ in range(args.warmup):
-                one(method, timed=False)
-        busy = wait_quiet(args.quiet_threshold, args.quiet_timeout_s)
+                one(method)
+        busy = METER.wait_quiet(args.quiet_threshold, args.quiet_timeout_s)
         for k in range(args.repeats):
             # rotate the order so no method always runs first (or right after another)
-            order = METHODS[k % 3 :] + METHODS[: k % 3]
-            for method in order:
-                one(method, timed=True)
-        return samples, report_seconds, threads, busy
+            for method in METHODS[k % 3 :] + METHODS[: k % 3]:
+                timed(method)
+        return samples, noise, report_seconds, threads, busy
     finally:
         for r in receivers:
             ray.kill(r)
@@ -323,6 +398,18 @@ def plot(rows: list[dict], tensor_counts: list[int], path: Path) -> None:
     plt.close(fig)
 
 
+def git_head(path: Path) -> str | None:
+    """The commit checked out where ``path`` lives, with ``-dirty`` for local changes."""
+    try:
+        head = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--", "."],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
 # -- main ------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -347,16 +434,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="torch threads per receiver actor (default 0: max(1, cores // N))",
     )
-    p.add_argument("--settle-s", type=float, default=10.0,
-                   help="after a cell, wait up to this long for the killed actors to go quiet")
+    p.add_argument("--settle-s", type=float,
+                   help="after a cell, wait up to this long for the machine to go quiet "
+                   "(default 10; --quick: 2)")
     p.add_argument("--quiet-threshold", type=float, default=0.25,
-                   help="before timing a cell, wait until at most this fraction of CPU is busy")
-    p.add_argument("--quiet-timeout-s", type=float, default=60.0)
+                   help="'quiet': at most this fraction of all cores busy")
+    p.add_argument("--quiet-timeout-s", type=float,
+                   help="longest wait for quiet before a cell's timed runs (default 60; "
+                   "--quick: 5)")
+    p.add_argument("--sample-quiet-timeout-s", type=float,
+                   help="longest wait for quiet before each timed sample (default 5; "
+                   "--quick: 1)")
+    p.add_argument("--max-foreign", type=float, default=0.25,
+                   help="retake a sample if other processes used more of the CPU than this")
+    p.add_argument("--retries", type=int,
+                   help="retakes per sample at most (default 2; --quick: 0)")
     args = p.parse_args(argv)
     quick = {"sizes": [16 * 2**20], "receivers": [1, 2], "tensors": [16, 1000],
-             "warmup": 1, "repeats": 1}
+             "warmup": 1, "repeats": 1, "settle_s": 2.0, "quiet_timeout_s": 5.0,
+             "sample_quiet_timeout_s": 1.0, "retries": 0}
     full = {"sizes": [64 * 2**20, 256 * 2**20, 2**30], "receivers": [1, 4],
-            "tensors": [16, 1000], "warmup": 1, "repeats": 3}
+            "tensors": [16, 1000], "warmup": 1, "repeats": 3, "settle_s": 10.0,
+            "quiet_timeout_s": 60.0, "sample_quiet_timeout_s": 5.0, "retries": 2}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -397,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
                 weights = make_state_dict(spec, fill=1.0)
                 for n in ns:
                     cell = Cell(size, n, n_tensors)
-                    samples, report_seconds, threads, busy = run_cell(cell, args, weights, spec)
+                    samples, noise, report_seconds, threads, busy = run_cell(
+                        cell, args, weights, spec
+                    )
                     receiver_threads[n] = threads
                     floor_s = median(samples["floor"])
                     for method in METHODS:
@@ -405,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                         row = dict(method=method, size_bytes=size, n_receivers=n,
                                    n_tensors=n_tensors, seconds=sec, samples=samples[method],
                                    ratio_to_floor=sec / floor_s, floor_seconds=floor_s,
-                                   cpu_busy_before=busy)
+                                   cpu_busy_before_cell=busy, noise=noise[method])
                         if method == "raysync":
                             row["hub_report_seconds"] = report_seconds
                         rows.append(row)
@@ -417,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"({median(samples['baseline']) / floor_s:.2f}x)"
                           + ("" if busy is None else f"  [cpu busy before: {busy:.0%}]"),
                           flush=True)
-                    wait_quiet(args.quiet_threshold, args.settle_s)
+                    METER.wait_quiet(args.quiet_threshold, args.settle_s)
                 del weights
                 gc.collect()  # the cell's floor buffers and actors are gone too
     finally:
@@ -450,6 +551,11 @@ def main(argv: list[str] | None = None) -> int:
             "ray": ray.__version__,
             "torch": torch.__version__,
         },
+        "raysync": {
+            "module": str(Path(raysync.__file__).parent),
+            "git_head": git_head(Path(raysync.__file__).parent),
+        },
+        "argv": sys.argv[1:],
         "total_seconds": time.time() - started,
         "rows": rows,
     }

@@ -54,6 +54,14 @@ class TransportUnavailableError(RaySyncError, RuntimeError):
     """A transport was chosen that cannot run here; the message says why."""
 
 
+class StaleVersionError(RaySyncError, ValueError):
+    """A broadcast asked for a version not above the model's current one."""
+
+
+class HubNotFoundError(RaySyncError, LookupError):
+    """No hub of that name appeared within the timeout."""
+
+
 class HubClosedError(RaySyncError, RuntimeError):
     """The hub is shutting down and accepts no more broadcasts."""
 

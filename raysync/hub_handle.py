@@ -15,8 +15,8 @@ import ray
 from ray.actor import ActorHandle
 
 from raysync import weights as weights_mod
-from raysync.errors import TransportUnavailableError
-from raysync.messages import BroadcastRequest
+from raysync.errors import HubNotFoundError, TransportUnavailableError
+from raysync.messages import BroadcastRequest, HubConfig
 from raysync.spec import WeightSpec
 from raysync.transports import DEFAULT_TRANSPORT, TransportSender, get_transport
 
@@ -35,6 +35,7 @@ class _Broadcast:
         weights: weights_mod.Weights,
         *,
         model: str | None = None,
+        version: int | None = None,
         workers: Sequence[str] | None = None,
         timeout_s: float | None = None,
         wait: bool = True,
@@ -44,8 +45,10 @@ class _Broadcast:
 
         Called in the learner process. ``weights`` is an nn.Module, a TensorDict or a
         (nested) state_dict. ``model`` defaults to the only model the hub knows
-        (``"default"`` if it knows none). ``workers`` restricts the broadcast to those
-        worker ids. ``timeout_s`` bounds the wait for acks (default: the hub's).
+        (``"default"`` if it knows none). ``version`` sets the version explicitly (for
+        example the training step); it must be above the current one. ``workers``
+        restricts the broadcast to those worker ids. ``timeout_s`` bounds the wait for
+        acks (default: the hub's).
 
         The returned ObjectRef resolves to a :class:`~raysync.BroadcastReport` when every
         targeted receiver applied the version; if any failed, ``ray.get`` raises
@@ -54,16 +57,21 @@ class _Broadcast:
         :class:`~raysync.BroadcastTicket` for ``hub.wait_for.remote(ticket)``.
 
         Raises :class:`~raysync.InvalidWeightsError` here, before anything is sent, for
-        weights that are not contiguous tensors; a spec mismatch with the hub's model,
-        an unknown model or an unknown worker raise from ``ray.get`` of the result,
-        also before any receiver is touched.
+        weights that are not contiguous tensors with data (or that hold NaN/Inf when
+        the hub was started with ``reject_nonfinite=True``). A spec mismatch, a stale
+        version, an unknown model or an unknown worker raise from ``ray.get`` of the
+        result, also before any receiver is touched.
         """
         started = time.perf_counter()
-        tensors = weights_mod.flatten(weights, what="broadcast weights")
+        config = self._handle.config
+        tensors = weights_mod.flatten(
+            weights, what="broadcast weights", reject_nonfinite=config.reject_nonfinite
+        )
         spec = WeightSpec.of(tensors)
         payload = self._handle._sender.send(tensors, spec)
         request = BroadcastRequest(
             model=model,
+            version=version,
             spec=spec,
             payload=payload,
             workers=None if workers is None else tuple(workers),
@@ -83,9 +91,13 @@ class HubHandle:
     Pass a HubHandle (or the hub's name) to receivers' ``connect_hub``.
     """
 
-    def __init__(self, actor: ActorHandle, transport: str) -> None:
+    def __init__(self, actor: ActorHandle, config: HubConfig) -> None:
         self.actor = actor
-        self.transport = transport
+        self.config = config
+
+    @property
+    def transport(self) -> str:
+        return self.config.transport
 
     @property
     def broadcast(self) -> _Broadcast:
@@ -97,12 +109,12 @@ class HubHandle:
         return get_transport(self.transport).open_sender(self.actor)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("actor", "transport"):
+        if name.startswith("__") or name in ("actor", "config"):
             raise AttributeError(name)
         return getattr(self.actor, name)
 
     def __reduce__(self):
-        return (HubHandle, (self.actor, self.transport))
+        return (HubHandle, (self.actor, self.config))
 
     def __repr__(self) -> str:
         return f"HubHandle({self.actor._actor_id.hex()}, transport={self.transport!r})"
@@ -122,10 +134,15 @@ class WeightHub:
 
     @staticmethod
     def remote(
-        *, transport: str = DEFAULT_TRANSPORT, timeout_s: float = DEFAULT_TIMEOUT_S
+        *,
+        transport: str = DEFAULT_TRANSPORT,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reject_nonfinite: bool = False,
     ) -> HubHandle:
         """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
-        return HubLauncher({}).remote(transport=transport, timeout_s=timeout_s)
+        return HubLauncher({}).remote(
+            transport=transport, timeout_s=timeout_s, reject_nonfinite=reject_nonfinite
+        )
 
 
 class HubLauncher:
@@ -135,12 +152,20 @@ class HubLauncher:
         self._actor_options = {"num_cpus": 0, **actor_options}
 
     def remote(
-        self, *, transport: str = DEFAULT_TRANSPORT, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        *,
+        transport: str = DEFAULT_TRANSPORT,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reject_nonfinite: bool = False,
     ) -> HubHandle:
-        """Start the hub actor. ``transport`` names the data path (see
-        :func:`raysync.transports.known_transports`); ``timeout_s`` is the default ack
-        timeout of a broadcast. Raises ``ValueError`` for an unknown transport and
-        :class:`~raysync.TransportUnavailableError` if it cannot run here."""
+        """Start the hub actor.
+
+        ``transport`` names the data path (see :func:`raysync.known_transports`);
+        ``timeout_s`` is the default ack timeout of a broadcast; ``reject_nonfinite``
+        makes every broadcast check its tensors for NaN/Inf in the learner. Raises
+        ``ValueError`` for an unknown transport and
+        :class:`~raysync.TransportUnavailableError` if it cannot run here.
+        """
         from actors.hub import WeightHubActor
 
         availability = get_transport(transport).availability()
@@ -148,13 +173,32 @@ class HubLauncher:
             raise TransportUnavailableError(
                 f"transport {transport!r} is not available: {availability.reason}"
             )
-        actor = (
-            ray.remote(WeightHubActor).options(**self._actor_options).remote(transport, timeout_s)
-        )
-        return HubHandle(actor, transport)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        config = HubConfig(transport, timeout_s, reject_nonfinite)
+        actor = ray.remote(WeightHubActor).options(**self._actor_options).remote(config)
+        return HubHandle(actor, config)
 
 
-def get_hub(name: str, namespace: str | None = None) -> HubHandle:
-    """A HubHandle on the named hub actor (``WeightHub.options(name=...)``)."""
-    actor = ray.get_actor(name, namespace=namespace)
-    return HubHandle(actor, ray.get(actor.transport_name.remote()))
+def get_hub(
+    name: str, namespace: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> HubHandle:
+    """A HubHandle on the named hub actor (``WeightHub.options(name=...)``).
+
+    Waits up to ``timeout_s`` for a hub of that name to exist (receivers may start
+    before the hub), then raises :class:`~raysync.HubNotFoundError`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+            break
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise HubNotFoundError(
+                    f"no hub named {name!r} in namespace {namespace!r} appeared within "
+                    f"{timeout_s:g} s"
+                ) from None
+            time.sleep(0.2)
+    config = ray.get(actor.config.remote(), timeout=max(1.0, deadline - time.monotonic()))
+    return HubHandle(actor, config)

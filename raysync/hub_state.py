@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raysync.errors import UnknownModelError, UnknownWorkerError
+from raysync.errors import StaleVersionError, UnknownModelError, UnknownWorkerError
 from raysync.messages import (
     DeliveryMode,
     ReceiverStatus,
@@ -72,11 +72,28 @@ class HubState:
                 spec, expected=f"the hub's spec of model {model!r}", got="the broadcast"
             )
 
-    def publish(self, model: str, spec: WeightSpec, transport: str, payload: object) -> Update:
-        """Assign the next version of ``model`` and make it the latest."""
+    def check_version(self, model: str, version: int | None) -> None:
+        """Raise StaleVersionError unless ``version`` is None or above the current one."""
+        current = self.models[model].version if model in self.models else 0
+        if version is not None and version <= current:
+            raise StaleVersionError(
+                f"version {version} of model {model!r} is not above the current version "
+                f"{current}; versions only go up"
+            )
+
+    def publish(
+        self,
+        model: str,
+        spec: WeightSpec,
+        transport: str,
+        payload: object,
+        version: int | None = None,
+    ) -> Update:
+        """Make this the latest version of ``model``: ``version``, or the next one."""
+        self.check_version(model, version)
         state = self.models.setdefault(model, ModelState())
         state.spec = spec
-        state.version += 1
+        state.version = state.version + 1 if version is None else version
         state.latest = Update(model, state.version, spec, transport, payload)
         return state.latest
 
@@ -127,6 +144,8 @@ class HubState:
 
     def targets(self, model: str, workers: tuple[str, ...] | None) -> list[ReceiverEntry]:
         """Receivers a broadcast of ``model`` goes to: all push receivers, or ``workers``."""
+        if workers is not None and not workers:
+            raise UnknownWorkerError("workers=[] names no receiver; pass None for all of them")
         if workers is None:
             return [
                 entry

@@ -28,10 +28,20 @@ class AckStatus(enum.Enum):
 
 
 @dataclass(frozen=True)
+class HubConfig:
+    """How a hub was started; the learner-side handle needs it too."""
+
+    transport: str
+    default_timeout_s: float  #: ack timeout of a broadcast that sets none
+    reject_nonfinite: bool  #: refuse weights holding NaN or Inf (checked in the learner)
+
+
+@dataclass(frozen=True)
 class BroadcastRequest:
     """Learner -> hub: one broadcast, data already handed to the transport."""
 
     model: str | None
+    version: int | None  #: explicit version (e.g. the training step); None: the next one
     spec: WeightSpec
     payload: Any
     workers: tuple[str, ...] | None

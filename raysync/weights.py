@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from raysync.errors import InvalidWeightsError
 
@@ -23,22 +23,38 @@ from raysync.errors import InvalidWeightsError
 Weights = Union[torch.nn.Module, TensorDictBase, Mapping[str, Any]]  # noqa: UP007 (runtime alias)
 
 
-def flatten(weights: Weights, *, what: str = "weights") -> dict[str, torch.Tensor]:
+def flatten(
+    weights: Weights, *, what: str = "weights", reject_nonfinite: bool = False
+) -> dict[str, torch.Tensor]:
     """Flat, name-sorted ``name -> tensor`` view of ``weights`` (no copy).
 
     Raises :class:`InvalidWeightsError` naming the key for a non-tensor leaf, a
-    non-contiguous tensor, or an empty model. Called in the learner process.
+    non-contiguous tensor, a tensor without data (``meta`` device), NaN/Inf when
+    ``reject_nonfinite``, or an empty model. Called in the learner process.
     """
     tensors = _flat_tensors(weights, what)
     if not tensors:
         raise InvalidWeightsError(f"{what} hold no tensors: nothing to broadcast")
+    tensors = {name: tensors[name] for name in sorted(tensors)}
     for name, tensor in tensors.items():
+        if tensor.device.type == "meta":
+            raise InvalidWeightsError(
+                f"{what}: key {name!r} is on the meta device and holds no data "
+                f"(shape {tuple(tensor.shape)}); materialize the model first"
+            )
+        if reject_nonfinite and (tensor.is_floating_point() or tensor.is_complex()):
+            bad = int(tensor.numel() - torch.isfinite(tensor).sum())
+            if bad:
+                raise InvalidWeightsError(
+                    f"{what}: key {name!r} holds {bad} NaN/Inf value(s) of "
+                    f"{tensor.numel()} (the hub rejects non-finite weights)"
+                )
         if not tensor.is_contiguous():
             raise InvalidWeightsError(
                 f"{what}: key {name!r} is a non-contiguous view (shape {tuple(tensor.shape)}, "
                 f"stride {tensor.stride()}); pass tensor.contiguous() instead"
             )
-    return {name: tensors[name].detach() for name in sorted(tensors)}
+    return {name: tensor.detach() for name, tensor in tensors.items()}
 
 
 @dataclass(frozen=True)
@@ -74,7 +90,10 @@ def _flat_tensors(weights: Any, what: str) -> dict[str, torch.Tensor]:
         weights = TensorDict.from_module(weights, use_state_dict=True)
     if isinstance(weights, TensorDictBase):
         out = {}
-        for key, value in weights.flatten_keys(".").items(include_nested=True, leaves_only=True):
+        for key, value in weights.items(
+            include_nested=True, leaves_only=True, is_leaf=_leaf_or_non_tensor
+        ):
+            key = key if isinstance(key, str) else ".".join(key)
             if not isinstance(value, torch.Tensor):
                 raise InvalidWeightsError(
                     f"{what}: key {key!r} is a {type(value).__name__}, not a tensor"
@@ -89,6 +108,11 @@ def _flat_tensors(weights: Any, what: str) -> dict[str, torch.Tensor]:
         f"{what} is a {type(weights).__name__}: expected an nn.Module, a TensorDict or a "
         "mapping of tensors (state_dict)"
     )
+
+
+def _leaf_or_non_tensor(cls: type) -> bool:
+    """TensorDict leaf test that also stops at NonTensorData, so it can be refused."""
+    return not issubclass(cls, TensorDictBase) or issubclass(cls, (NonTensorData, NonTensorStack))
 
 
 def _flatten_mapping(

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import ray
 import torch
+from tensordict import NonTensorData, TensorDict
 
 from raysync import (
+    HubClosedError,
     InvalidWeightsError,
     ModelPathError,
     SpecMismatchError,
+    StaleVersionError,
     UnknownModelError,
     UnknownWorkerError,
     WeightHub,
@@ -34,7 +38,7 @@ def _extra():
     return w
 
 
-def _wrong_shape():
+def _wrong_shape():  # transposed
     w = _good()
     w["0.weight"] = torch.zeros(8, 64)
     return w
@@ -58,24 +62,94 @@ def _non_contiguous():
     return w
 
 
-# (weights factory, error type, raised where, words the message must contain)
+def _with(key, value):
+    def make():
+        w = _good()
+        w[key] = value
+        return w
+
+    return make
+
+
+def _poisoned(value):
+    def make():
+        w = _good()
+        w["2.weight"][0, 5] = value
+        return w
+
+    return make
+
+
+# (weights factory, error type, words the message must contain)
 SPEC_ERRORS = {
     "missing key": (_missing, SpecMismatchError, ["missing key", "'2.bias'"]),
     "extra key": (_extra, SpecMismatchError, ["unexpected key", "'3.weight'"]),
     "wrong shape": (_wrong_shape, SpecMismatchError, ["'0.weight'", "(64, 8)", "(8, 64)"]),
     "wrong dtype": (_wrong_dtype, SpecMismatchError, ["'0.bias'", "float32", "float64"]),
+    "bf16 for fp32": (
+        _with("2.weight", torch.zeros(2, 64, dtype=torch.bfloat16)),
+        SpecMismatchError,
+        ["'2.weight'", "bfloat16", "dtype differs"],
+    ),
+    "scalar for vector": (
+        _with("2.bias", torch.tensor(0.0)),
+        SpecMismatchError,
+        ["'2.bias'", "shape ()", "shape (2,)"],
+    ),
+    "flattened weight": (
+        _with("0.weight", torch.zeros(512)),
+        SpecMismatchError,
+        ["'0.weight'", "(512,)", "shape differs"],
+    ),
+    "nested extra key": (
+        _with("extra", {"inner": torch.zeros(1)}),
+        SpecMismatchError,
+        ["'extra.inner'"],
+    ),
+    "renamed key": (
+        lambda: {("layer." + k): v for k, v in _good().items()},
+        SpecMismatchError,
+        ["missing key", "unexpected key", "'layer.0.weight'"],
+    ),
 }
 LEARNER_ERRORS = {
     "non-tensor leaf": (_non_tensor, InvalidWeightsError, ["'0.bias'", "list"]),
     "non-contiguous": (_non_contiguous, InvalidWeightsError, ["'0.weight'", "non-contiguous"]),
     "empty": (dict, InvalidWeightsError, ["no tensors"]),
     "not weights": (lambda: "weights.pt", InvalidWeightsError, ["str"]),
+    "pickled garbage": (
+        lambda: b"\x80\x04\x95garbage",
+        InvalidWeightsError,
+        ["bytes", "expected an nn.Module"],
+    ),
+    "None leaf": (_with("0.bias", None), InvalidWeightsError, ["'0.bias'", "NoneType"]),
+    "int leaf": (_with("0.bias", 3), InvalidWeightsError, ["'0.bias'", "int"]),
+    "numpy leaf": (_with("0.bias", np.zeros(64)), InvalidWeightsError, ["'0.bias'", "ndarray"]),
+    "NaN": (_poisoned(float("nan")), InvalidWeightsError, ["'2.weight'", "1 NaN/Inf"]),
+    "Inf": (_poisoned(float("inf")), InvalidWeightsError, ["'2.weight'", "1 NaN/Inf"]),
+    "meta device": (
+        lambda: make_policy().to("meta"),
+        InvalidWeightsError,
+        ["meta device", "'0.bias'"],
+    ),
+    "empty module": (torch.nn.Module, InvalidWeightsError, ["no tensors"]),
+    "empty TensorDict": (lambda: TensorDict({}, []), InvalidWeightsError, ["no tensors"]),
+    "non-tensor in TensorDict": (
+        lambda: TensorDict({"w": torch.zeros(2), "tag": NonTensorData("v1")}, []),
+        InvalidWeightsError,
+        ["'tag'"],
+    ),
+    "strided slice": (
+        _with("0.weight", torch.zeros(64, 16)[:, ::2]),
+        InvalidWeightsError,
+        ["'0.weight'", "non-contiguous", "stride"],
+    ),
 }
 
 
 @pytest.fixture
 def hub_with_receiver(actors, transport):
-    hub = start_hub(actors, transport)
+    hub = start_hub(actors, transport, reject_nonfinite=True)
     collector = start(actors, Collector, hub, worker_id="w0")
     ready([collector])
     v1 = make_policy()
@@ -169,3 +243,51 @@ def test_bad_model_path_fails_registration(actors, transport):
 def test_unknown_transport_lists_known_ones(ray_cluster):
     with pytest.raises(ValueError, match="unknown transport 'carrier_pigeon'.*object_store"):
         WeightHub.remote(transport="carrier_pigeon")
+
+
+@pytest.mark.parametrize(
+    ("version", "words"),
+    [(1, "version 1 of model 'policy' is not above the current version 1"), (0, "version 0")],
+    ids=["equal to current", "lower than current"],
+)
+def test_stale_explicit_version(version, words, hub_with_receiver):
+    hub, collector, v1_state = hub_with_receiver
+    with pytest.raises(StaleVersionError, match=words):
+        ray.get(hub.broadcast.remote(make_policy(), version=version))
+    _untouched(hub, collector, v1_state)
+    report = ray.get(hub.broadcast.remote(make_policy(), version=100))
+    assert report.version == 100
+    assert ray.get(collector.version.remote()) == 100
+
+
+def test_empty_worker_list(hub_with_receiver):
+    hub, collector, v1_state = hub_with_receiver
+    with pytest.raises(UnknownWorkerError, match="names no receiver"):
+        ray.get(hub.broadcast.remote(make_policy(), workers=[]))
+    _untouched(hub, collector, v1_state)
+
+
+def test_garbage_sent_to_the_actor_directly(hub_with_receiver):
+    hub, collector, v1_state = hub_with_receiver
+    with pytest.raises(TypeError, match="BroadcastRequest.*get_hub"):
+        ray.get(hub.actor.submit.remote(b"\x80\x04garbage"))
+    _untouched(hub, collector, v1_state)
+    assert ray.get(hub.broadcast.remote(make_policy())).version == 2
+
+
+def test_broadcast_while_shutting_down(hub_with_receiver):
+    hub, collector, v1_state = hub_with_receiver
+    ray.get(hub.close.remote())
+    with pytest.raises(HubClosedError, match="shutting down"):
+        ray.get(hub.broadcast.remote(make_policy()))
+    _untouched(hub, collector, v1_state)
+
+
+def test_nonfinite_allowed_unless_configured(actors, transport):
+    hub = start_hub(actors, transport)
+    collector = start(actors, Collector, hub)
+    ready([collector])
+    weights = _poisoned(float("nan"))()
+    ray.get(hub.broadcast.remote(weights))
+    got = ray.get(collector.state.remote())
+    assert torch.isnan(got["2.weight"][0, 5]) and torch.equal(got["0.weight"], weights["0.weight"])

@@ -41,8 +41,8 @@ def start(actors, cls, *args, **kwargs):
     return handle
 
 
-def start_hub(actors, transport: str, **actor_options):
-    hub = WeightHub.options(**actor_options).remote(transport=transport)
+def start_hub(actors, transport: str, actor_options: dict | None = None, **launch):
+    hub = WeightHub.options(**(actor_options or {})).remote(transport=transport, **launch)
     actors.append(hub)
     return hub
 
@@ -214,7 +214,7 @@ class TestReceivers:
         assert ray.get(hub.status.remote()).versions == {m: 1 for m in sorted(updates)}
 
     def test_decorator_form_and_named_hub(self, actors, transport):
-        hub = start_hub(actors, transport, name="raysync-test-hub")
+        hub = start_hub(actors, transport, {"name": "raysync-test-hub"})
         receiver = start(actors, Decorated, "raysync-test-hub")
         ready([receiver])
         learner = make_policy()
