@@ -1,9 +1,16 @@
 """WeightHubActor: raysync's control plane, an async Ray actor.
 
 Called by the learner (``submit`` through :class:`raysync.HubHandle`), by receivers
-(``register``, ``ack``, ``latest``) and by anyone watching (``status``, ``wait_for``).
-It never opens a transport payload: it validates specs, assigns versions, forwards
-payloads to receivers and collects their acks.
+(``register``, ``heartbeat``, ``ack``, ``latest``) and by anyone watching (``status``,
+``wait_for``). It never opens a transport payload: it validates specs, assigns
+versions, forwards payloads to receivers and collects their acks.
+
+Restarts (``max_restarts``): each model's version counter and spec are written to
+Ray's GCS key-value store on every broadcast and read back when Ray restarts the
+actor, so versions never go backwards. Receivers notice that the new incarnation does
+not know them (their heartbeat) and register again by themselves. The weights
+themselves are not kept by the hub: receivers keep the version they hold, and the
+learner's next broadcast brings everyone forward (late joiners wait for it).
 """
 
 from __future__ import annotations
@@ -11,11 +18,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import pickle
 import time
+import uuid
 from collections import OrderedDict
 
 import ray
 from ray.exceptions import RayActorError, RayError
+from ray.experimental import internal_kv
 
 from raysync.errors import (
     BroadcastError,
@@ -40,6 +50,9 @@ from raysync.transports import get_transport
 
 logger = logging.getLogger(__name__)
 
+#: GCS key-value namespace of the hubs' restart snapshots.
+_KV_NAMESPACE = "raysync"
+
 #: Reports kept per model for ``wait_for`` after the broadcast finished.
 _REPORTS_KEPT = 256
 
@@ -60,6 +73,14 @@ class WeightHubActor:
         )
         self._default_timeout_s = config.default_timeout_s
         self._state = HubState()
+        self._boot_id = uuid.uuid4().hex
+        context = ray.get_runtime_context()
+        self._snapshot_key = f"hub/{context.get_actor_id()}".encode()
+        if context.was_current_actor_reconstructed:
+            saved = internal_kv._internal_kv_get(self._snapshot_key, namespace=_KV_NAMESPACE)
+            if saved is not None:
+                self._state.restore(pickle.loads(saved))
+                logger.warning("hub restarted; model versions restored: %s", self._state.snapshot())
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
         self._pending_acks: dict[tuple[str, str, int], asyncio.Future[Ack]] = {}
         self._closed = False
@@ -86,6 +107,7 @@ class WeightHubActor:
         update = self._state.publish(
             model, request.spec, self._transport, request.payload, request.version
         )
+        self._save_snapshot()
         task = asyncio.create_task(
             self._deliver_all(update, targets, timeout_s, started, request.learner_seconds)
         )
@@ -145,8 +167,20 @@ class WeightHubActor:
         logger.info("registered %s (%s)", registration.worker, registration.actor)
         return Welcome(self._transport, info, latest)
 
+    async def heartbeat(self, worker: str, token: str) -> bool:
+        """A receiver's check that this hub still knows it; False means register again."""
+        return self._state.knows(worker, token)
+
     async def unregister(self, worker: str, token: str) -> None:
         self._drop(worker, token)
+
+    def _save_snapshot(self) -> None:
+        internal_kv._internal_kv_put(
+            self._snapshot_key,
+            pickle.dumps(self._state.snapshot()),
+            overwrite=True,
+            namespace=_KV_NAMESPACE,
+        )
 
     def _drop(self, worker: str, token: str) -> None:
         if self._state.drop(worker, token):
@@ -171,6 +205,7 @@ class WeightHubActor:
     async def status(self) -> HubStatus:
         return HubStatus(
             transport=self._transport,
+            boot_id=self._boot_id,
             versions={m: s.version for m, s in sorted(self._state.models.items())},
             receivers=self._state.statuses(),
         )
@@ -184,6 +219,7 @@ class WeightHubActor:
         tasks = [t for reports in self._reports.values() for t in reports.values()]
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._planner.close()
+        internal_kv._internal_kv_del(self._snapshot_key, namespace=_KV_NAMESPACE)
 
     # -- delivery --------------------------------------------------------------------------
     async def _deliver_all(

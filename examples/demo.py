@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--transport", default="object_store")
     args = parser.parse_args()
 
-    ray.init(num_cpus=max(8, args.receivers + 2), include_dashboard=False)
+    ray.init(address="local", num_cpus=max(8, args.receivers + 2), include_dashboard=False)
     try:
         hub = WeightHub.remote(transport=args.transport)
         workers = [

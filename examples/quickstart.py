@@ -21,7 +21,7 @@ class Collector(WeightReceiver):  # the mixin; @weight_receiver is the decorator
 
 
 if __name__ == "__main__":
-    ray.init(include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)
     hub = WeightHub.remote()  # launched from the Ray job (driver)
     collectors = [Collector.remote(hub) for _ in range(4)]
     learner_policy = make_policy()  # same architecture, trained on the driver

@@ -124,6 +124,9 @@ class HubState:
             state = self.models.setdefault(model, ModelState())
             if state.spec is None:
                 state.spec = spec
+            # A receiver may hold a version this hub never saw (the hub restarted and
+            # lost its counters): the next broadcast must still go above it.
+            state.version = max(state.version, registration.versions.get(model, 0))
         self.receivers[registration.worker] = ReceiverEntry(
             registration, dict(registration.versions)
         )
@@ -133,6 +136,18 @@ class HubState:
             if self.models[model].latest is not None
             and self.models[model].latest.version > registration.versions.get(model, 0)
         }
+
+    def knows(self, worker: str, token: str) -> bool:
+        entry = self.receivers.get(worker)
+        return entry is not None and entry.registration.token == token
+
+    def snapshot(self) -> dict[str, tuple[int, WeightSpec | None]]:
+        """What must survive a hub restart: each model's version and spec."""
+        return {model: (state.version, state.spec) for model, state in self.models.items()}
+
+    def restore(self, snapshot: dict[str, tuple[int, WeightSpec | None]]) -> None:
+        for model, (version, spec) in snapshot.items():
+            self.models[model] = ModelState(spec=spec, version=version)
 
     def drop(self, worker: str, token: str) -> bool:
         """Forget ``worker`` if its current registration is ``token``; True if dropped."""

@@ -139,5 +139,6 @@ class ReceiverStatus:
 @dataclass(frozen=True)
 class HubStatus:
     transport: str
+    boot_id: str  #: new each time the hub actor starts (Ray restarts included)
     versions: dict[str, int]  #: per model, the latest version broadcast
     receivers: tuple[ReceiverStatus, ...] = field(default_factory=tuple)

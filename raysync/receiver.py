@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 import traceback
 import uuid
 from collections.abc import Mapping, Sequence
@@ -20,20 +21,23 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import GetTimeoutError, RayError
 
 from raysync import model_path, weights
 from raysync.errors import RaySyncError, UnknownModelError
 from raysync.gate import DEFERRED, ApplyGate
 from raysync.hub_handle import HubHandle, get_hub
 from raysync.hub_state import DEFAULT_MODEL
-from raysync.messages import Ack, AckStatus, DeliveryMode, Registration, Update
+from raysync.messages import Ack, AckStatus, DeliveryMode, Registration, Update, Welcome
 from raysync.spec import WeightSpec
-from raysync.transports import TransportReceiver, get_transport
+from raysync.transports import TransportError, get_transport
 
 logger = logging.getLogger(__name__)
 
 #: Default seconds ``connect_hub`` and ``pull_weights`` wait for the hub.
 HUB_CALL_TIMEOUT_S = 60.0
+#: Default seconds between a receiver's checks that its hub still knows it.
+HEARTBEAT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -60,33 +64,80 @@ class _ReceiverCore:
         hub: HubHandle,
         models: dict[str, _HeldModel],
         identity: _Identity,
-        transport: TransportReceiver,
+        mode: DeliveryMode,
+        welcome: Welcome,
+        token: str,
     ) -> None:
         self.owner = owner
         self.hub = hub
         self.models = models
+        self.identity = identity
         self.worker = identity.worker
         self.actor_name = identity.actor
-        self.transport = transport
+        self.mode = mode
+        self.token = token
+        self.transport = get_transport(welcome.transport).open_receiver(welcome.transport_info)
         self.gate = ApplyGate(finish_deferred=self._send_ack)
+        self.watch: _HubWatch | None = None
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        self.transport.close()
+
+    def apply_now(self, update: Update, during: str) -> None:
+        """Apply ``update`` from a user-facing call (connect, pull); raise if it fails.
+
+        A transport failure raises TransportError itself, anything else RaySyncError.
+        """
+        ack = self._stage_and_apply(update)
+        if ack is None:  # deferred to the next safe point; acked from there
+            return
+        if ack.status is AckStatus.FAILED:
+            raise RaySyncError(
+                f"{self.actor_name} could not apply version {update.version} of model "
+                f"{update.model!r} {during}: {ack.error}"
+            )
+        self._send_ack(ack)
+
+    def reattach(self, timeout_s: float) -> None:
+        """Register again with the same hub (it restarted or dropped us). Watch thread.
+
+        Newer versions the hub holds are delivered through this actor's own method
+        queue, so they are applied at a safe point like any broadcast.
+        """
+        registration = _registration(self.owner, self.models, self.identity, self.mode)
+        welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
+        self.token = registration.token
+        self.transport.close()
+        self.transport = get_transport(welcome.transport).open_receiver(welcome.transport_info)
+        logger.info("%s re-registered with its hub", self.actor_name)
+        handle = ray.get_runtime_context().current_actor
+        for update in welcome.latest.values():
+            ack = ray.get(handle._raysync_deliver.remote(update), timeout=timeout_s)
+            if ack is not None:
+                self._send_ack(ack)
 
     def destination(self, model_id: str) -> weights.Destination:
         return _destination(self.owner, self.models[model_id])
 
     # -- updates ------------------------------------------------------------------------
     def receive(self, update: Update) -> Ack | None:
-        """Fetch and apply ``update``; None if the apply waits for a safe point."""
-        held = self.models.get(update.model)
-        if held is None:
-            return self._ack(
-                update, AckStatus.FAILED, f"{self.actor_name} does not hold model {update.model!r}"
-            )
-        if update.version <= held.version:
-            return self._ack(update, AckStatus.SUPERSEDED)
+        """Fetch and apply ``update``; None if the apply waits for a safe point.
+
+        Never raises: a failure becomes a FAILED ack carrying the traceback.
+        """
         try:
-            staged = self.transport.fetch(update.payload, update.spec)
+            return self._stage_and_apply(update)
         except Exception:
             return self._ack(update, AckStatus.FAILED, traceback.format_exc())
+
+    def _stage_and_apply(self, update: Update) -> Ack | None:
+        if update.model not in self.models:
+            raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
+        if update.version <= self.models[update.model].version:
+            return self._ack(update, AckStatus.SUPERSEDED)
+        staged = self.transport.fetch(update.payload, update.spec)
         result = self.gate.write(functools.partial(self._apply, update, staged))
         return None if result is DEFERRED else result
 
@@ -132,6 +183,40 @@ class _ReceiverCore:
 def _destination(owner: Any, held: _HeldModel) -> weights.Destination:
     target = model_path.resolve(owner, held.path)
     return weights.destinations(target, what=f"model {held.model_id!r} at self.{held.path}")
+
+
+class _HubWatch(threading.Thread):
+    """Receiver-side watchdog: re-registers when the hub no longer knows this receiver.
+
+    That happens after the hub actor restarted (its registry is rebuilt from
+    receivers) or after it dropped this receiver as dead by mistake. Runs in a daemon
+    thread of the receiver process, one heartbeat call every ``interval_s``. A hub that
+    does not answer (restarting) is simply asked again at the next beat.
+    """
+
+    def __init__(self, core: _ReceiverCore, interval_s: float) -> None:
+        super().__init__(name=f"raysync-hub-watch-{core.worker}", daemon=True)
+        self._core = core
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def run(self) -> None:
+        core = self._core
+        call_timeout = max(4 * self._interval_s, 5.0)
+        while not self._stopped.wait(self._interval_s):
+            try:
+                known = ray.get(
+                    core.hub.actor.heartbeat.remote(core.worker, core.token), timeout=call_timeout
+                )
+                if not known:
+                    core.reattach(call_timeout)
+            except (RayError, GetTimeoutError) as err:
+                logger.debug("hub unreachable from %s, retrying: %s", core.actor_name, err)
+            except RaySyncError as err:
+                logger.error("%s cannot re-register with its hub: %s", core.actor_name, err)
 
 
 def _registration(
@@ -182,6 +267,7 @@ class WeightReceiver:
         mode: DeliveryMode | str = DeliveryMode.PUSH,
         namespace: str | None = None,
         timeout_s: float = HUB_CALL_TIMEOUT_S,
+        heartbeat_s: float | None = HEARTBEAT_S,
     ) -> None:
         """Register this actor's models with ``hub`` and apply the latest versions now.
 
@@ -195,8 +281,12 @@ class WeightReceiver:
         Raises :class:`~raysync.SpecMismatchError` if a model disagrees with the hub's
         spec, :class:`~raysync.ModelPathError` if a path does not resolve. Calling it
         again re-registers (after a restart this is what ``__init__`` does anyway).
+
+        Every ``heartbeat_s`` seconds a daemon thread checks that the hub still knows
+        this receiver and registers again if not (the hub restarted); ``None`` turns
+        that off. ``timeout_s`` bounds every wait on the hub here.
         """
-        handle = get_hub(hub, namespace) if isinstance(hub, str) else hub
+        handle = get_hub(hub, namespace, timeout_s=timeout_s) if isinstance(hub, str) else hub
         paths = {DEFAULT_MODEL: models} if isinstance(models, str) else dict(models)
         if not paths:
             raise ValueError("connect_hub needs at least one model path")
@@ -211,20 +301,28 @@ class WeightReceiver:
         identity = _Identity(worker_id or actor_id, f"{type(self).__name__}({actor_id})")
         registration = _registration(self, held, identity, DeliveryMode(mode))
         welcome = ray.get(handle.actor.register.remote(registration), timeout=timeout_s)
-        transport = get_transport(welcome.transport).open_receiver(welcome.transport_info)
         if previous is not None:
-            previous.transport.close()
-        core = _ReceiverCore(self, handle, held, identity, transport)
+            previous.close()
+        core = _ReceiverCore(
+            self, handle, held, identity, registration.mode, welcome, registration.token
+        )
         self._raysync_core = core
         for update in welcome.latest.values():
-            ack = core.receive(update)
-            if ack is not None:
-                if ack.status is AckStatus.FAILED:
-                    raise RaySyncError(
-                        f"{core.actor_name} could not apply version {update.version} of model "
-                        f"{update.model!r} while connecting: {ack.error}"
-                    )
-                core._send_ack(ack)
+            try:
+                core.apply_now(update, "while connecting")
+            except TransportError as err:
+                # The data of the latest version is gone (its learner died): stay
+                # registered at the version held; the next broadcast brings this actor up.
+                logger.warning(
+                    "%s could not fetch version %d of model %r while connecting: %s",
+                    core.actor_name,
+                    update.version,
+                    update.model,
+                    err,
+                )
+        if heartbeat_s is not None:
+            core.watch = _HubWatch(core, heartbeat_s)
+            core.watch.start()
 
     def weights_version(self, model: str | None = None) -> int:
         """The version of ``model`` this actor holds (0: none received yet)."""
@@ -246,16 +344,8 @@ class WeightReceiver:
                 core.hub.actor.latest.remote(model_id, core.models[model_id].version),
                 timeout=timeout_s,
             )
-            if update is None:
-                continue
-            ack = core.receive(update)
-            if ack is not None:
-                if ack.status is AckStatus.FAILED:
-                    raise RaySyncError(
-                        f"{core.actor_name} could not apply version {update.version} of "
-                        f"model {model_id!r}: {ack.error}"
-                    )
-                core._send_ack(ack)
+            if update is not None:
+                core.apply_now(update, "on pull")
         return {m: core.models[m].version for m in chosen}
 
     def weights_safe_point(self) -> None:
@@ -268,6 +358,10 @@ class WeightReceiver:
         An exception raised here reaches the learner as this worker's failure.
         """
 
+    # Never retried on a restarted incarnation, whatever the actor's max_task_retries:
+    # the hub must see the death (the new incarnation gets the latest version when it
+    # registers again).
+    @ray.method(max_task_retries=0)
     def _raysync_deliver(self, update: Update) -> Ack | None:
         """Called by the hub for each broadcast; the Ack, or None if it comes later."""
         core = self.__dict__.get("_raysync_core")

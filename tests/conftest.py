@@ -17,6 +17,7 @@ _CLUSTER_CPUS = 32
 def ray_cluster():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(
+        address="local",  # always a fresh cluster, never one left running on the machine
         num_cpus=_CLUSTER_CPUS,
         include_dashboard=False,
         object_store_memory=1 << 30,

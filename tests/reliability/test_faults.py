@@ -1,0 +1,210 @@
+"""Real faults: kill receivers, the hub and the learner; nothing is lost, nothing hangs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import ray
+import torch
+
+from raysync import BroadcastError, HubNotFoundError, WeightReceiver
+from tests.receivers import Collector, make_policy, state_of
+from tests.test_core import assert_same, ready, start, start_hub
+
+HEARTBEAT_S = 0.3
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
+class Restartable(WeightReceiver):
+    """Sleeps inside every update after the first, so a kill lands mid-broadcast."""
+
+    def __init__(self, hub, name: str, delay_s: float = 0.0):
+        self.policy = make_policy()
+        self.delay_s = delay_s
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=name, heartbeat_s=HEARTBEAT_S)
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        if self.delay_s and version > 1:
+            time.sleep(self.delay_s)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)
+
+    def version(self) -> int:
+        return self.weights_version()
+
+
+@ray.remote(num_cpus=0)
+class Learner:
+    """A learner in its own process, so that it can be killed."""
+
+    def __init__(self, hub):
+        self.hub = hub
+        self.policy = make_policy()
+
+    def step(self, seed: int) -> int:
+        torch.manual_seed(seed)
+        self.policy = make_policy()
+        return ray.get(self.hub.broadcast.remote(self.policy)).version
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)
+
+    def many(self, count: int, seed: int) -> list[int]:
+        torch.manual_seed(seed)
+        refs = [self.hub.broadcast.remote(make_policy(), wait=False) for _ in range(count)]
+        return [t.version for t in ray.get(refs)]
+
+
+def test_rotating_victim_killed_mid_broadcast_20_times(actors, transport):
+    hub = start_hub(actors, transport)
+    receivers = [start(actors, Restartable, hub, f"r{i}", 0.4) for i in range(3)]
+    ready(receivers)
+    ray.get(hub.broadcast.remote(make_policy()))
+    for round_ in range(20):
+        victim = round_ % 3
+        learner = make_policy()
+        ref = hub.broadcast.remote(learner, timeout_s=30, raise_on_failure=False)
+        time.sleep(0.15)  # every receiver is now inside its 0.4 s update
+        ray.kill(receivers[victim], no_restart=False)
+        report = ray.get(ref, timeout=60)
+        survivors = [f"r{i}" for i in range(3) if i != victim]
+        assert report.acked == tuple(survivors), report
+        assert set(report.failed) == {f"r{victim}"}
+        assert "died" in report.failed[f"r{victim}"]
+        assert "Restartable" in report.failed[f"r{victim}"]
+        for i in range(3):
+            if i != victim:
+                assert_same(ray.get(receivers[i].state.remote()), state_of(learner))
+        # Restarted by Ray, it registered again from __init__ and holds the latest version,
+        # without anyone calling it for that.
+        assert ray.get(receivers[victim].version.remote(), timeout=60) == report.version
+        assert_same(ray.get(receivers[victim].state.remote()), state_of(learner))
+
+
+def test_hub_restart_receivers_reattach_versions_never_go_back(actors, transport):
+    hub = start_hub(
+        actors, transport, {"name": "restarting-hub", "max_restarts": 2, "max_task_retries": 0}
+    )
+    receivers = [start(actors, Restartable, "restarting-hub", f"r{i}") for i in range(2)]
+    ready(receivers)
+    for _ in range(3):
+        ray.get(hub.broadcast.remote(make_policy()))
+    first_boot = ray.get(hub.status.remote()).boot_id
+    ray.kill(hub.actor, no_restart=False)
+    # Receivers notice the new incarnation does not know them and register again.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            status = ray.get(hub.status.remote(), timeout=10)
+            restarted = status.boot_id != first_boot
+            if restarted and {r.worker for r in status.receivers} == {"r0", "r1"}:
+                break
+        except ray.exceptions.RayActorError:
+            pass  # still restarting
+        assert time.monotonic() < deadline, "receivers did not re-register within 60 s"
+        time.sleep(0.2)
+    assert status.versions == {"policy": 3}  # restored, not reset to 0
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert report.version == 4 and report.acked == ("r0", "r1")
+    for r in receivers:
+        assert ray.get(r.version.remote()) == 4
+        assert_same(ray.get(r.state.remote()), state_of(learner))
+
+
+def test_learner_dies_receivers_keep_last_good_version(actors, transport):
+    hub = start_hub(actors, transport)
+    collector = start(actors, Collector, hub)
+    ready([collector])
+    learner = start(actors, Learner, hub)
+    assert ray.get(learner.step.remote(1)) == 1
+    expected = ray.get(learner.weights.remote())
+    ray.kill(learner)
+    obs = torch.randn(3, 8)
+    for _ in range(3):  # still serving, on version 1
+        assert_same(ray.get(collector.state.remote()), expected)
+        assert ray.get(collector.version.remote()) == 1
+    ray.get(collector.__ray_ready__.remote())
+    # A new learner takes over; versions continue.
+    successor = start(actors, Learner, hub)
+    assert ray.get(successor.step.remote(2)) == 2
+    assert_same(ray.get(collector.state.remote()), ray.get(successor.weights.remote()))
+    del obs
+
+
+def test_two_learners_at_once_versions_totally_ordered(actors, transport):
+    hub = start_hub(actors, transport)
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    learners = [start(actors, Learner, hub) for _ in range(2)]
+    ready(learners)
+    versions = ray.get([learner.many.remote(10, seed) for seed, learner in enumerate(learners)])
+    assert sorted(versions[0] + versions[1]) == list(range(1, 21))
+    last = ray.get(hub.wait_for.remote(ray.get(hub.broadcast.remote(make_policy(), wait=False))))
+    assert last.version == 21
+    for c in collectors:
+        assert ray.get(c.version.remote()) == 21
+
+
+def test_connect_to_missing_hub_fails_within_its_timeout(ray_cluster, actors):
+    @ray.remote(num_cpus=0)
+    class Lonely(WeightReceiver):
+        def __init__(self):
+            self.policy = make_policy()
+            self.connect_hub("no-such-hub", "policy", timeout_s=1.0)
+
+        def ping(self) -> str:
+            return "pong"
+
+    started = time.monotonic()
+    lonely = start(actors, Lonely)
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ray.get(lonely.ping.remote(), timeout=60)
+    assert HubNotFoundError.__name__ in str(info.value) and "no-such-hub" in str(info.value)
+    assert time.monotonic() - started < 60
+
+
+def test_dead_hub_makes_broadcast_fail_not_hang(actors, transport):
+    hub = start_hub(actors, transport)
+    collector = start(actors, Collector, hub)
+    ready([collector])
+    ray.kill(hub.actor)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(hub.broadcast.remote(make_policy()), timeout=60)
+    assert ray.get(collector.version.remote()) == 0  # it keeps serving
+
+
+def test_no_new_cluster_from_handles_collected_after_shutdown():
+    """A hub handle garbage-collected after ray.shutdown() must not start a new cluster."""
+    script = textwrap.dedent(
+        """
+        import gc, ray, torch
+        from raysync import WeightHub
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        hub = WeightHub.remote()
+        ref = hub.broadcast.remote({"w": torch.zeros(4)}, model="m")
+        ray.get(ref)
+        ray.shutdown()
+        del hub, ref
+        gc.collect()
+        print("initialized after shutdown:", ray.is_initialized())
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, check=True
+    )
+    assert "initialized after shutdown: False" in out.stdout, out.stdout + out.stderr
+
+
+def test_failure_report_raises_by_default(actors, transport):
+    hub = start_hub(actors, transport)
+    victim = start(actors, Collector, hub, worker_id="victim")
+    ready([victim])
+    ray.kill(victim)
+    with pytest.raises(BroadcastError, match="victim"):
+        ray.get(hub.broadcast.remote(make_policy(), timeout_s=10))
