@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import ray
@@ -24,6 +25,17 @@ def make_probe_model(width: int = 256, layers: int = 8) -> torch.nn.Module:
 def filled(model: torch.nn.Module, value: float) -> dict[str, torch.Tensor]:
     """A state_dict of ``model``'s spec with every element equal to ``value``."""
     return {k: torch.full_like(v, value) for k, v in model.state_dict().items()}
+
+
+def process_stats(self) -> dict:
+    """Runs inside any actor through ``__ray_call__``: its own fds, threads and RSS."""
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": int(status["Threads"]),
+        "rss_mb": int(status["VmRSS"].split()[0]) / 1024,
+    }
 
 
 def state_of(model) -> dict[str, torch.Tensor]:
