@@ -21,6 +21,7 @@ import logging
 import pickle
 import time
 import uuid
+import warnings
 from collections import OrderedDict
 
 import ray
@@ -76,7 +77,10 @@ class WeightHubActor:
         self._boot_id = uuid.uuid4().hex
         context = ray.get_runtime_context()
         self._snapshot_key = f"hub/{context.get_actor_id()}".encode()
-        if context.was_current_actor_reconstructed:
+        with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
+            warnings.simplefilter("ignore")
+            restarted = context.was_current_actor_reconstructed
+        if restarted:
             saved = internal_kv._internal_kv_get(self._snapshot_key, namespace=_KV_NAMESPACE)
             if saved is not None:
                 self._state.restore(pickle.loads(saved))
