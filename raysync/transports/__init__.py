@@ -18,6 +18,7 @@ from raysync.transports.base import (
 _REGISTRY: dict[str, str] = {
     "object_store": "raysync.transports.object_store:ObjectStoreTransport",
     "distributed": "raysync.transports.distributed:DistributedTransport",
+    "rpc": "raysync.transports.rpc:RpcTransport",
 }
 
 DEFAULT_TRANSPORT = "object_store"
