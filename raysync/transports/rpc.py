@@ -77,8 +77,10 @@ from raysync.transports.object_store import (
 TIMEOUT_ENV = "RAYSYNC_RPC_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 30.0
 SCHEME = "raysync-rpc"
-#: Versions a receiver's inbox keeps per hub before dropping the oldest unread one.
-_INBOX_DEPTH = 4
+#: When a receiver takes version #n from its inbox, versions older than #(n - this) that
+#: landed but were never taken (superseded: their delivery skipped them) are dropped.
+#: Deliveries of a threaded receiver may run out of order, hence a window, not "< n".
+_INBOX_WINDOW = 4
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,12 @@ def node_ip() -> str:
 
 # -- receiver inbox ---------------------------------------------------------------------
 class _Inbox:
-    """Per process: versions that landed by RPC, until ``fetch`` takes them."""
+    """Per process: versions that landed by RPC, until ``fetch`` takes them.
+
+    Every pushed version is kept until its delivery takes it (or a version more than
+    ``_INBOX_WINDOW`` newer is taken): a receiver kept busy for many broadcasts holds
+    each of them here, as it would hold their object-store references otherwise.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -227,10 +234,7 @@ class _Inbox:
 
     def put(self, key: str, seq: int, tensors: list[torch.Tensor]) -> None:
         with self._cond:
-            versions = self._landed.setdefault(key, {})
-            versions[seq] = tensors
-            while len(versions) > _INBOX_DEPTH:
-                del versions[min(versions)]
+            self._landed.setdefault(key, {})[seq] = tensors
             self._cond.notify_all()
 
     def take(self, key: str, seq: int, timeout_s: float) -> list[torch.Tensor]:
@@ -246,6 +250,8 @@ class _Inbox:
                         "this receiver"
                     )
                 self._cond.wait(remaining)
+            for stale in [s for s in versions if s < seq - _INBOX_WINDOW]:
+                del versions[stale]
             return versions.pop(seq)
 
 
