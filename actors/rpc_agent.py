@@ -2,8 +2,8 @@
 
 Started by :class:`raysync.transports.rpc.RpcPlanner` in the hub process, one per hub,
 and killed with it. It owns the rendezvous (a ``TCPStore`` master on a socket bound to
-its node's IP, free port, random key prefix), hands out ranks and RPC names (never
-reused, so a restarted receiver is a new member), and the RPC agent of its process.
+its node's IP, free port, random key prefix), hands out ranks and RPC names (one per receiver
+actor, never given to another), and the RPC agent of its process.
 
 Repairing membership: torch's dynamic RPC groups list their members in the store, and
 every joiner calls every listed member, so a member that died without leaving would

@@ -5,10 +5,10 @@ Processes and roles:
 * **learner process** — :class:`RpcSender` puts the version's tensors into the object
   store, exactly like the ``object_store`` transport; it never joins the RPC group.
 * **hub process** — :class:`RpcPlanner` starts one :class:`actors.rpc_agent.RpcAgentActor`
-  per hub. When a receiver registers, the agent admits it (a fresh rank and RPC name,
-  never reused) and the receiver gets the rendezvous URL in its Welcome. Per delivery
-  the planner numbers the version and hands the agent one job; it waits for nothing,
-  so a slow receiver never delays the others.
+  per hub. When a receiver registers, the agent admits it (a rank and RPC name of its
+  own, never given to another actor) and the receiver gets the rendezvous URL in its
+  Welcome. Per delivery the planner numbers the version and hands the agent one job; it
+  waits for nothing, so a slow receiver never delays the others.
 * **RPC agent** (rank 0, the sender) — reads the learner's object-store copy (zero-copy
   on its node) and calls ``rpc_async(receiver, _land, (hub key, seq, tensors))`` once
   per target; TensorPipe moves the tensors (same-host shared-memory/CMA channels, TCP
@@ -23,11 +23,18 @@ Processes and roles:
   :class:`TransportError` from ``fetch`` at the timeout.
 
 Membership is repaired, not rebuilt: TensorPipe's dynamic membership lets receivers join
-a running group, a dead or departed receiver is just dropped from the agent's list
-(its RPCs fail alone; nobody else waits for it), and a restarted receiver joins again
-under a new rank. RPC state is per process: a receiver process can be in the group of
-one RPC hub at a time (``open_receiver`` for a second one raises). Pull mode reads the
-learner's object-store copy directly.
+a running group; a dead receiver's RPCs fail alone (nobody else waits for it), and the
+agent takes it off torch's member list (see :mod:`actors.rpc_agent`), because every
+joiner calls every listed member and would otherwise fail. RPC state is per process and,
+in practice, once per process (a second ``init_rpc`` in the same process gets another
+store prefix and ``dist_autograd`` refuses a new rank): a receiver process joins the
+group of the first RPC hub it registers with and stays in it until it exits;
+re-registering with that hub keeps its rank, another RPC hub is refused. An actor that
+Ray restarts under the same actor id is admitted under its old name and cannot join
+again (known limitation). Pull mode reads the learner's object-store copy directly.
+
+Memory: every version pushed to a receiver waits in its inbox until its delivery takes
+it, so a receiver kept busy for many broadcasts holds each of them meanwhile.
 
 Settings, read in the hub process (``WeightHub.options(runtime_env={"env_vars": ...})``):
 ``RAYSYNC_RPC_TIMEOUT_S``, the timeout of the rendezvous, of every RPC and of the wait
