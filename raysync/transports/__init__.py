@@ -17,6 +17,8 @@ from raysync.transports.base import (
 #: name -> "module:Class"; the module is imported on first use of the name.
 _REGISTRY: dict[str, str] = {
     "object_store": "raysync.transports.object_store:ObjectStoreTransport",
+    "distributed": "raysync.transports.distributed:DistributedTransport",
+    "rpc": "raysync.transports.rpc:RpcTransport",
 }
 
 DEFAULT_TRANSPORT = "object_store"

@@ -1,0 +1,155 @@
+"""ProcessGroupActor: rank 0 of a hub's torch.distributed group, and its rendezvous.
+
+Started by :class:`raysync.transports.distributed.DistributedPlanner` in the hub
+process, one per hub, and killed with it. It owns
+
+* the rendezvous: a ``TCPStore`` master on a socket this actor binds to its node's IP
+  and a free port the OS picks (handed to the store as ``master_listen_fd``, so the
+  store does not listen on every interface), for the actor's lifetime; each generation
+  uses its own random key prefix under it;
+* rank 0 of the current generation: a ``ProcessGroupGloo``/``ProcessGroupNCCL``
+  object, never the process's default group;
+* the send buffer: the learner's object-store copy packed behind a header, reused while
+  its size stays the same.
+
+``broadcast`` runs one collective in a worker thread (the event loop stays free for
+``describe``) and returns ``None`` or the reason it failed. A failure shuts the
+group down at once, so members still blocked in it fail fast instead of waiting out
+their timeout; the planner then starts a new generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import warnings
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from raysync.packing import PackedLayout
+from raysync.transports.distributed import (
+    HEADER_BYTES,
+    BroadcastJob,
+    Generation,
+    GroupSettings,
+    StoreAddress,
+    header,
+    join_group,
+    node_ip,
+    run_broadcast,
+    staging_device,
+)
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """What ``describe`` reports: the current generation and how collectives went."""
+
+    address: StoreAddress
+    generation: int  #: 0 before the first collective
+    members: tuple[str, ...]
+    collectives: int  #: collectives completed, all generations
+    failures: tuple[str, ...]  #: why collectives failed, oldest first (last 16)
+
+
+class ProcessGroupActor:
+    """See module docstring. Async actor; collectives run one at a time in a thread."""
+
+    def __init__(self, settings: GroupSettings) -> None:
+        import torch.distributed as dist
+
+        self._settings = settings
+        host = node_ip()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=settings.timeout,
+            master_listen_fd=listener.detach(),  # the store closes it
+        )
+        self._address = StoreAddress(host, port)
+        self._lock = threading.Lock()
+        self._generation: Generation | None = None
+        self._group = None
+        self._buffer: torch.Tensor | None = None
+        self._collectives = 0
+        self._failures: list[str] = []
+
+    async def store_address(self) -> StoreAddress:
+        return self._address
+
+    async def broadcast(self, job: BroadcastJob) -> str | None:
+        """Run collective ``job.seq`` of ``job.generation`` as rank 0; None or why not."""
+        return await asyncio.to_thread(self._broadcast, job)
+
+    async def describe(self) -> GroupStatus:
+        generation = self._generation
+        return GroupStatus(
+            address=self._address,
+            generation=0 if generation is None else generation.number,
+            members=() if generation is None else generation.members,
+            collectives=self._collectives,
+            failures=tuple(self._failures),
+        )
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close)
+
+    # -- worker thread ---------------------------------------------------------------------
+    def _broadcast(self, job: BroadcastJob) -> str | None:
+        with self._lock:
+            generation = job.generation
+            try:
+                if self._generation != generation:
+                    self._leave()
+                    self._generation = generation
+                    self._group = join_group(generation, 0, self._store)
+                if self._group is None:
+                    raise RuntimeError("the group broke in an earlier collective")
+                buffer = self._pack(job)
+                run_broadcast(self._group, buffer, generation.settings)
+            except Exception as err:
+                self._leave()
+                reason = (
+                    f"collective {job.seq} of generation {generation.number} (version "
+                    f"{job.version} of model {job.model!r} to {', '.join(generation.members)}) "
+                    f"failed on rank 0: {err}"
+                )
+                self._failures = [*self._failures[-15:], reason]
+                return reason
+            self._collectives += 1
+            return None
+
+    def _pack(self, job: BroadcastJob) -> torch.Tensor:
+        layout = PackedLayout.of(job.spec, HEADER_BYTES)
+        device = staging_device(job.generation.settings)
+        buffer = self._buffer
+        if buffer is None or buffer.numel() != layout.nbytes or buffer.device != device:
+            buffer = self._buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        arrays = ray.get(job.source.ref, timeout=job.generation.settings.timeout_s)
+        with warnings.catch_warnings():
+            # Read-only views of the object store; we only read from them.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            layout.pack([torch.from_numpy(a) for a in arrays], buffer)
+        buffer[:HEADER_BYTES].copy_(header(job.generation.number, job.seq, layout.nbytes))
+        return buffer
+
+    def _leave(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.shutdown()
+
+    def _close(self) -> None:
+        with self._lock:
+            self._leave()
+            self._generation = None
+            self._buffer = None

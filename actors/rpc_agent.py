@@ -1,0 +1,223 @@
+"""RpcAgentActor: rank 0 of a hub's torch RPC group; sends every version with rpc_async.
+
+Started by :class:`raysync.transports.rpc.RpcPlanner` in the hub process, one per hub,
+and killed with it. It owns the rendezvous (a ``TCPStore`` master on a socket bound to
+its node's IP, free port, random key prefix), hands out ranks and RPC names (one per receiver
+actor, never given to another), and the RPC agent of its process.
+
+Repairing membership: torch's dynamic RPC groups list their members in the store, and
+every joiner calls every listed member, so a member that died without leaving would
+make every later join fail (and leave the group's join token held). The agent removes
+such members from the list itself: when the hub reports a receiver gone (``forget``)
+and, before admitting a new one, any listed member that does not answer a ping.
+
+``send`` runs in a worker thread: read the learner's object-store copy, one
+``rpc_async`` per target (after waiting, within the timeout, for a receiver that was
+just admitted to finish joining), then wait for every future. Its result maps each
+target to ``None`` or why its RPC failed; failures are kept for ``describe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import warnings
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from raysync.transports.rpc import (
+    RpcJob,
+    RpcMember,
+    RpcSettings,
+    _land,
+    _ping,
+    init_rpc,
+    node_ip,
+    open_master_store,
+    rpc_name,
+)
+
+#: Keys torch's dynamic RPC membership keeps in the store (torch/csrc/distributed/rpc/
+#: agent_utils.cpp and torch/distributed/rpc/_utils.py).
+_MEMBER_LIST_KEY = "names/_ALL_WORKER_INFOS"  #: "name-rank,name-rank,"
+_TOKEN_KEY = "RpcGroupManagementToken"
+_PING_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    actor: str
+    member: RpcMember
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    url: str
+    members: dict[str, str]  #: worker id -> RPC name
+    sent: int  #: RPCs that landed
+    failures: tuple[str, ...]  #: why RPCs failed, oldest first (last 16)
+
+
+class RpcAgentActor:
+    """See module docstring. Async actor; sends run in threads."""
+
+    def __init__(self, key: str, settings: RpcSettings) -> None:
+        self._key = key
+        self._settings = settings
+        self._url, self._master = open_master_store(node_ip(), settings.timeout_s)
+        init_rpc(rpc_name(key, 0), 0, self._url, settings)
+        self._name = rpc_name(key, 0)
+        self._ranks = itertools.count(1)
+        self._members: dict[str, _Admitted] = {}
+        self._sent = 0
+        self._failures: list[str] = []
+
+    async def admit(self, worker: str, actor: str) -> RpcMember:
+        """``worker``'s rank and RPC name: the same as before for the same actor (a
+        receiver process is in the group for life), a fresh one otherwise."""
+        known = self._members.get(worker)
+        if known is not None and known.actor == actor:
+            return known.member
+        await asyncio.to_thread(self._prune)
+        rank = next(self._ranks)
+        member = RpcMember(self._url, self._key, rpc_name(self._key, rank), rank, self._settings)
+        self._members[worker] = _Admitted(actor, member)
+        return member
+
+    async def forget(self, worker: str) -> None:
+        """``worker`` left or died: no more sends, and off the group's member list."""
+        gone = self._members.pop(worker, None)
+        if gone is not None:
+            await asyncio.to_thread(self._unlist, {gone.member.name})
+
+    async def send(self, job: RpcJob) -> dict[str, str | None]:
+        return await asyncio.to_thread(self._send, job)
+
+    async def describe(self) -> AgentStatus:
+        members = {w: a.member.name for w, a in self._members.items()}
+        return AgentStatus(self._url, members, self._sent, tuple(self._failures))
+
+    async def close(self) -> None:
+        import torch.distributed.rpc as rpc
+
+        await asyncio.to_thread(rpc.shutdown, graceful=False)
+
+    # -- worker threads --------------------------------------------------------------------
+    def _send(self, job: RpcJob) -> dict[str, str | None]:
+        import torch.distributed.rpc as rpc
+
+        deadline = time.monotonic() + self._settings.timeout_s
+        outcomes: dict[str, str | None] = {}
+        try:
+            arrays = ray.get(job.source.ref, timeout=self._settings.timeout_s)
+        except Exception as err:
+            return self._fail(job, dict.fromkeys(job.workers, f"could not read the update: {err}"))
+        with warnings.catch_warnings():
+            # Read-only views of the object store; RPC only reads them.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensors = [torch.from_numpy(a) for a in arrays]
+        futures = {}
+        for worker in job.workers:
+            admitted = self._members.get(worker)
+            if admitted is None:
+                outcomes[worker] = "not a member of the RPC group (it left or died)"
+                continue
+            name = admitted.member.name
+            try:
+                self._wait_joined(name, deadline)
+                futures[worker] = rpc.rpc_async(
+                    name,
+                    _land,
+                    args=(self._key, job.seq, tensors),
+                    timeout=max(0.1, deadline - time.monotonic()),
+                )
+            except Exception as err:
+                outcomes[worker] = f"could not send to {name}: {err}"
+        for worker, future in futures.items():
+            try:
+                future.wait()
+            except Exception as err:
+                outcomes[worker] = f"RPC to {worker} failed: {err}"
+            else:
+                outcomes[worker] = None
+                self._sent += 1
+        return self._fail(job, outcomes)
+
+    def _fail(self, job: RpcJob, outcomes: dict[str, str | None]) -> dict[str, str | None]:
+        for worker, reason in outcomes.items():
+            if reason is not None:
+                self._failures = [
+                    *self._failures[-15:],
+                    f"version {job.version} of model {job.model!r} to {worker}: {reason}",
+                ]
+        return outcomes
+
+    def _wait_joined(self, name: str, deadline: float) -> None:
+        """A receiver admitted a moment ago may still be inside ``init_rpc``."""
+        import torch.distributed.rpc as rpc
+
+        while True:
+            try:
+                rpc.get_worker_info(name)
+                return
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    # -- membership repair (worker threads) -------------------------------------------------
+    def _group_store(self):
+        import torch.distributed.rpc as rpc
+
+        return rpc.api._get_current_rpc_agent().store
+
+    def _listed(self) -> list[str]:
+        """The group's member list as the store has it: "name-rank" entries."""
+        store = self._group_store()
+        if not store.check([_MEMBER_LIST_KEY]):
+            return []
+        return [e for e in store.get(_MEMBER_LIST_KEY).decode().split(",") if e]
+
+    def _prune(self) -> None:
+        """Unlist members that do not answer (died without leaving the group)."""
+        import torch.distributed.rpc as rpc
+
+        dead = set()
+        for entry in self._listed():
+            name = entry.rsplit("-", 1)[0]
+            if name == self._name:
+                continue
+            try:
+                rpc.rpc_sync(name, _ping, timeout=_PING_TIMEOUT_S)
+            except Exception:
+                dead.add(name)
+        if dead:
+            self._unlist(dead)
+
+    def _unlist(self, names: set[str]) -> None:
+        """Remove ``names`` from the member list, holding the group's join token (taken
+        over if one of them died holding it)."""
+        store = self._group_store()
+        mine = f"Token_for_{self._name}_leave"
+        orphaned = {f"Token_for_{n}_{op}" for n in names for op in ("join", "leave")}
+        deadline = time.monotonic() + self._settings.timeout_s
+        while True:
+            holder = store.compare_set(_TOKEN_KEY, "", mine).decode()
+            if holder == mine:
+                break
+            if holder in orphaned:
+                store.compare_set(_TOKEN_KEY, holder, mine)
+                store.set(holder, "Done")  # wakes joiners waiting on the dead holder
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the RPC group's join token stayed with {holder}")
+            time.sleep(0.01)
+        try:
+            kept = [e for e in self._listed() if e.rsplit("-", 1)[0] not in names]
+            store.set(_MEMBER_LIST_KEY, "".join(f"{e}," for e in kept))
+        finally:
+            store.set(_TOKEN_KEY, "")
+            store.set(mine, "Done")

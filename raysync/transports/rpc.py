@@ -1,0 +1,411 @@
+"""torch.distributed.rpc as the data path: the agent pushes each version with ``rpc_async``.
+
+Processes and roles:
+
+* **learner process** — :class:`RpcSender` puts the version's tensors into the object
+  store, exactly like the ``object_store`` transport; it never joins the RPC group.
+* **hub process** — :class:`RpcPlanner` starts one :class:`actors.rpc_agent.RpcAgentActor`
+  per hub. When a receiver registers, the agent admits it (a rank and RPC name of its
+  own, never given to another actor) and the receiver gets the rendezvous URL in its
+  Welcome. Per delivery the planner numbers the version and hands the agent one job; it
+  waits for nothing, so a slow receiver never delays the others.
+* **RPC agent** (rank 0, the sender) — reads the learner's object-store copy (zero-copy
+  on its node) and calls ``rpc_async(receiver, _land, (hub key, seq, tensors))`` once
+  per target; TensorPipe moves the tensors (same-host shared-memory/CMA channels, TCP
+  across nodes). Each RPC future completes when the tensors are in the receiver's
+  memory; its failures are kept for ``describe``.
+* **receiver process** — joins the group in ``open_receiver`` (``init_rpc`` with
+  dynamic membership, ``world_size=None``). ``_land`` runs on the receiver's RPC thread
+  pool, independent of what the actor is doing, and parks the tensors in a per-process
+  inbox; ``fetch`` (inside the delivery call) waits for its version there, with a
+  timeout, and returns views of the landed tensors. So the receiver's ack resolves
+  once the RPC has landed *and* the copy is applied; an RPC that never lands raises
+  :class:`TransportError` from ``fetch`` at the timeout.
+
+Membership is repaired, not rebuilt: TensorPipe's dynamic membership lets receivers join
+a running group; a dead receiver's RPCs fail alone (nobody else waits for it), and the
+agent takes it off torch's member list (see :mod:`actors.rpc_agent`), because every
+joiner calls every listed member and would otherwise fail. RPC state is per process and,
+in practice, once per process (a second ``init_rpc`` in the same process gets another
+store prefix and ``dist_autograd`` refuses a new rank): a receiver process joins the
+group of the first RPC hub it registers with and stays in it until it exits;
+re-registering with that hub keeps its rank, another RPC hub is refused. An actor that
+Ray restarts under the same actor id is admitted under its old name and cannot join
+again (known limitation). Pull mode reads the learner's object-store copy directly.
+
+Memory: every version pushed to a receiver waits in its inbox until its delivery takes
+it, so a receiver kept busy for many broadcasts holds each of them meanwhile.
+
+Settings, read in the hub process (``WeightHub.options(runtime_env={"env_vars": ...})``):
+``RAYSYNC_RPC_TIMEOUT_S``, the timeout of the rendezvous, of every RPC and of the wait
+in ``fetch`` (default 30).
+
+Addresses: the rendezvous ``TCPStore`` listens on a socket the agent binds to its node's
+IP on a free port (never ``0.0.0.0``), under a random key prefix, for the hub's
+lifetime. TensorPipe listens on the interface that carries the node's IP
+(``TP_SOCKET_IFNAME``, set here unless the user set it). Neither authenticates its
+peers: run on a trusted cluster network.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raysync.spec import WeightSpec
+from raysync.transports.base import (
+    Availability,
+    ReceiverInfo,
+    Transport,
+    TransportError,
+    TransportPlanner,
+    TransportReceiver,
+)
+from raysync.transports.object_store import (
+    ObjectStorePayload,
+    ObjectStoreReceiver,
+    ObjectStoreSender,
+)
+
+TIMEOUT_ENV = "RAYSYNC_RPC_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 30.0
+SCHEME = "raysync-rpc"
+#: When a receiver takes version #n from its inbox, versions older than #(n - this) that
+#: landed but were never taken (superseded: their delivery skipped them) are dropped.
+#: Deliveries of a threaded receiver may run out of order, hence a window, not "< n".
+_INBOX_WINDOW = 4
+
+
+@dataclass(frozen=True)
+class RpcSettings:
+    timeout_s: float
+
+    @classmethod
+    def from_env(cls) -> RpcSettings:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        if timeout_s <= 0:
+            raise ValueError(f"{TIMEOUT_ENV} must be positive, got {timeout_s:g}")
+        return cls(timeout_s)
+
+
+@dataclass(frozen=True)
+class RpcMember:
+    """Hub -> receiver (its transport info): how to join the hub's RPC group."""
+
+    url: str  #: ``raysync-rpc://<node ip>:<port>/<random prefix>``
+    key: str  #: this hub's key in receivers' inboxes
+    name: str  #: this receiver's RPC name
+    rank: int
+    settings: RpcSettings
+
+
+@dataclass(frozen=True)
+class RpcJob:
+    """Hub -> agent: send version ``version`` of ``model`` as ``seq`` to ``workers``."""
+
+    seq: int
+    model: str
+    version: int
+    workers: tuple[str, ...]
+    source: ObjectStorePayload
+
+
+@dataclass(frozen=True)
+class RpcPayload:
+    """Hub -> receiver: the version lands in your inbox under (``key``, ``seq``)."""
+
+    key: str
+    seq: int
+    timeout_s: float
+
+
+def rpc_name(key: str, rank: int) -> str:
+    return f"raysync_{key[:12]}_{rank}"
+
+
+# -- rendezvous -------------------------------------------------------------------------
+#: Master stores made by agents in this process, by URL (the handler hands them out).
+_MASTER_STORES: dict[str, Any] = {}
+
+
+def open_master_store(host: str, timeout_s: float) -> tuple[str, Any]:
+    """A TCPStore master bound to ``host`` on a free port; returns (url, store)."""
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        master_listen_fd=listener.detach(),  # the store closes it
+    )
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    base = f"{SCHEME}://{netloc}/{uuid.uuid4().hex}"
+    _MASTER_STORES[base] = store
+    return f"{base}?timeout_s={timeout_s:g}", store
+
+
+def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
+    """torch's rendezvous handler for ``raysync-rpc://`` URLs (see ``init_rpc``)."""
+    import torch.distributed as dist
+
+    parsed = urlparse(url)
+    query = parse_qs(parsed.query)
+    rank = int(query["rank"][0])
+    world_size = int(query.get("world_size", ["-1"])[0])
+    base = parsed._replace(query="").geturl()
+    store = _MASTER_STORES.get(base)
+    if store is None:
+        timeout_s = float(query.get("timeout_s", [DEFAULT_TIMEOUT_S])[0])
+        store = dist.TCPStore(
+            parsed.hostname,
+            parsed.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    yield dist.PrefixStore(parsed.path.strip("/") + "/", store), rank, world_size
+
+
+def _register_rendezvous() -> None:
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    register_rendezvous_handler(SCHEME, _rendezvous)
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface that carries IPv4 address ``ip`` (Linux)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(raw[20:24]) == ip:
+                return name
+    finally:
+        probe.close()
+    return None
+
+
+def init_rpc(name: str, rank: int, url: str, settings: RpcSettings) -> None:
+    """Join the RPC group at ``url`` as ``name`` (dynamic membership); raises on timeout."""
+    import torch.distributed.rpc as rpc
+
+    host = node_ip()
+    interface = interface_of(host)
+    if interface is not None:
+        os.environ.setdefault("TP_SOCKET_IFNAME", interface)
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=url, rpc_timeout=settings.timeout_s, num_worker_threads=8
+    )
+    rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
+
+
+def node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+# -- receiver inbox ---------------------------------------------------------------------
+class _Inbox:
+    """Per process: versions that landed by RPC, until ``fetch`` takes them.
+
+    Every pushed version is kept until its delivery takes it (or a version more than
+    ``_INBOX_WINDOW`` newer is taken): a receiver kept busy for many broadcasts holds
+    each of them here, as it would hold their object-store references otherwise.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._landed: dict[str, dict[int, list[torch.Tensor]]] = {}
+
+    def put(self, key: str, seq: int, tensors: list[torch.Tensor]) -> None:
+        with self._cond:
+            self._landed.setdefault(key, {})[seq] = tensors
+            self._cond.notify_all()
+
+    def take(self, key: str, seq: int, timeout_s: float) -> list[torch.Tensor]:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            versions = self._landed.setdefault(key, {})
+            while seq not in versions:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportError(
+                        f"version #{seq} of RPC hub {key[:12]} did not land within "
+                        f"{timeout_s:g} s; the RPC agent may have died or could not reach "
+                        "this receiver"
+                    )
+                self._cond.wait(remaining)
+            for stale in [s for s in versions if s < seq - _INBOX_WINDOW]:
+                del versions[stale]
+            return versions.pop(seq)
+
+
+_INBOX = _Inbox()
+
+
+def _ping() -> bool:
+    """The agent's liveness probe of a listed member (runs on its RPC thread pool)."""
+    return True
+
+
+def _land(key: str, seq: int, tensors: list[torch.Tensor]) -> int:
+    """Runs on the receiver's RPC thread pool when the agent's ``rpc_async`` arrives."""
+    _INBOX.put(key, seq, tensors)
+    return seq
+
+
+class _Membership:
+    """This process's place in one RPC group.
+
+    torch RPC is per process and, in practice, once per process: a second ``init_rpc``
+    gets a different store prefix and ``dist_autograd`` refuses a new rank. So a
+    receiver process joins the first RPC hub it registers with and stays in its group
+    until it exits; registering again with the same hub reuses the membership, another
+    RPC hub is refused.
+    """
+
+    lock = threading.Lock()
+    member: RpcMember | None = None
+
+    @classmethod
+    def join(cls, member: RpcMember) -> RpcMember:
+        with cls.lock:
+            if cls.member is None:
+                init_rpc(member.name, member.rank, member.url, member.settings)
+                cls.member = member
+            elif cls.member.key != member.key:
+                raise TransportError(
+                    f"this process already belongs to the RPC group of another hub "
+                    f"({cls.member.url}); torch RPC allows one group per process"
+                )
+            elif cls.member.name != member.name:
+                raise TransportError(
+                    f"this process is {cls.member.name} in the hub's RPC group, the hub "
+                    f"admitted it as {member.name}"
+                )
+            return cls.member
+
+
+# -- learner ----------------------------------------------------------------------------
+class RpcSender(ObjectStoreSender):
+    """The learner's hand-off is the object store's: one put, read by the agent."""
+
+
+# -- hub --------------------------------------------------------------------------------
+class RpcPlanner(TransportPlanner):
+    """Runs in the hub process: admits receivers to the agent's group, numbers versions."""
+
+    def __init__(self, hub: Any) -> None:
+        from actors.rpc_agent import RpcAgentActor
+
+        self._settings = RpcSettings.from_env()
+        self._key = uuid.uuid4().hex
+        self._actor = (
+            ray.remote(RpcAgentActor)
+            .options(
+                num_cpus=0,
+                name=f"raysync-rpc-agent-{hub._actor_id.hex()}",
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    ray.get_runtime_context().get_node_id(), soft=True
+                ),
+            )
+            .remote(self._key, self._settings)
+        )
+        self._seq = 0
+
+    async def receiver_joined(self, receiver: ReceiverInfo) -> RpcMember:
+        return await self._actor.admit.remote(receiver.worker, receiver.actor)
+
+    async def receiver_left(self, worker: str) -> None:
+        await self._actor.forget.remote(worker)
+
+    async def plan(self, update: Any, targets: Sequence[ReceiverInfo]) -> Mapping[str, Any]:
+        if not targets:
+            return {}
+        self._seq += 1
+        workers = tuple(t.worker for t in targets)
+        job = RpcJob(self._seq, update.model, update.version, workers, update.payload)
+        self._actor.send.remote(job)  # its outcome is the receivers' to report
+        return {
+            worker: RpcPayload(self._key, job.seq, self._settings.timeout_s) for worker in workers
+        }
+
+    async def close(self) -> None:
+        try:
+            await self._actor.close.remote()
+        finally:
+            ray.kill(self._actor)
+
+
+# -- receiver ---------------------------------------------------------------------------
+class RpcReceiver(TransportReceiver):
+    def __init__(self, member: RpcMember) -> None:
+        self._member = _Membership.join(member)
+        self._pull = ObjectStoreReceiver()
+
+    def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        if isinstance(payload, ObjectStorePayload):  # pull mode: the learner's copy
+            return self._pull.fetch(payload, spec)
+        tensors = _INBOX.take(payload.key, payload.seq, payload.timeout_s)
+        if len(tensors) != len(spec):
+            raise TransportError(
+                f"version #{payload.seq} landed with {len(tensors)} tensors, the update's "
+                f"spec has {len(spec)}"
+            )
+        return [
+            raw.view(entry.dtype).view(entry.shape)
+            for raw, entry in zip(tensors, spec.tensors, strict=True)
+        ]
+
+
+class RpcTransport(Transport):
+    name = "rpc"
+
+    @classmethod
+    def availability(cls) -> Availability:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return Availability(False, "this torch build has no torch.distributed")
+        import torch.distributed.rpc as rpc
+
+        if not rpc.is_available():
+            return Availability(False, "this torch build has no torch.distributed.rpc")
+        return Availability(True)
+
+    @classmethod
+    def open_hub(cls, hub: Any) -> RpcPlanner:
+        return RpcPlanner(hub)
+
+    @classmethod
+    def open_sender(cls, hub: Any) -> RpcSender:
+        return RpcSender()
+
+    @classmethod
+    def open_receiver(cls, info: RpcMember) -> RpcReceiver:
+        return RpcReceiver(info)
+
+
+_register_rendezvous()

@@ -1,0 +1,205 @@
+"""The ``distributed`` transport: one collective per version, groups that follow membership.
+
+Real processes and real failures: receivers are killed with ``ray.kill`` or kept busy
+in a user method, and the hub must still answer within its timeout.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from actors.process_group import GroupStatus
+from raysync import WeightHub, WeightReceiver
+from raysync.transports.distributed import BACKEND_ENV, TIMEOUT_ENV
+from tests.receivers import Collector, make_policy, state_of
+from tests.test_core import ready, start
+
+#: Short collective timeout: a member that never enters fails the collective fast.
+_TIMEOUT_S = 4
+
+
+def start_dist_hub(actors, backend: str = "gloo"):
+    env = {BACKEND_ENV: backend, TIMEOUT_ENV: str(_TIMEOUT_S)}
+    hub = WeightHub.options(runtime_env={"env_vars": env}).remote(transport="distributed")
+    actors.append(hub)
+    return hub
+
+
+def group_status(hub) -> GroupStatus:
+    actor = ray.get_actor(f"raysync-process-group-{hub.actor._actor_id.hex()}")
+    return ray.get(actor.describe.remote())
+
+
+def assert_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for key, want in expected.items():
+        got = actual[key]
+        assert got.dtype == want.dtype and got.shape == want.shape, key
+        got_bytes = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        want_bytes = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(got_bytes, want_bytes), f"{key}: bytes differ"
+
+
+def special_values() -> dict[str, torch.Tensor]:
+    """Values an arithmetic comparison would get wrong: NaN, -0.0, inf, subnormals."""
+    return {
+        "f32": torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45, 3.0]),
+        "bf16": torch.randn(33, 7).to(torch.bfloat16),
+        "f16": torch.randn(5).half(),
+        "i8": torch.arange(-5, 5, dtype=torch.int8),
+        "i64": torch.arange(3, dtype=torch.int64) * (1 << 40),
+        "flag": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+    }
+
+
+@ray.remote(num_cpus=0)
+class Holder(WeightReceiver):
+    """A receiver of an arbitrary state_dict, with a busy method that blocks deliveries."""
+
+    def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str):
+        self.sd = {k: torch.zeros_like(v) for k, v in template.items()}
+        self.connect_hub(hub, models={"m": "sd"}, worker_id=worker_id)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.sd.items()}
+
+    def version(self) -> int:
+        return self.weights_version()
+
+    def busy(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_bitwise_every_version_one_generation(actors):
+    hub = start_dist_hub(actors)
+    template = special_values()
+    holders = [start(actors, Holder, hub, template, f"w{i}") for i in range(3)]
+    ready(holders)
+    for version in range(1, 4):
+        weights = special_values()
+        report = ray.get(hub.broadcast.remote(weights))
+        assert report.version == version and report.acked == ("w0", "w1", "w2")
+        for holder in holders:
+            assert_bitwise(ray.get(holder.state.remote()), weights)
+    status = group_status(hub)
+    # Same members every time: one generation carried all three collectives.
+    assert status.generation == 1 and status.members == ("w0", "w1", "w2")
+    assert status.collectives == 3 and status.failures == ()
+
+
+def test_new_receiver_joins_and_the_group_is_re_formed(actors):
+    hub = start_dist_hub(actors)
+    first = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(first)
+    v1 = make_policy()
+    ray.get(hub.broadcast.remote(v1))
+    before = group_status(hub)
+    assert before.members == ("c0", "c1")
+
+    late = start(actors, Collector, hub, worker_id="late")
+    # It caught up on version 1 while registering (through a group of its own).
+    assert ray.get(late.version.remote()) == 1
+    assert_bitwise(ray.get(late.state.remote()), state_of(v1))
+
+    v2 = make_policy()
+    report = ray.get(hub.broadcast.remote(v2))
+    assert report.acked == ("c0", "c1", "late") and report.failed == {}
+    after = group_status(hub)
+    assert after.members == ("c0", "c1", "late")
+    assert after.generation > before.generation
+    for c in [*first, late]:
+        assert_bitwise(ray.get(c.state.remote()), state_of(v2))
+
+
+def test_killed_receiver_fails_and_the_next_broadcast_reaches_the_others(actors):
+    hub = start_dist_hub(actors)
+    survivors = [start(actors, Collector, hub, worker_id=f"ok{i}") for i in range(2)]
+    victim = start(actors, Collector, hub, worker_id="victim")
+    ready([*survivors, victim])
+    ray.get(hub.broadcast.remote(make_policy()))
+    assert group_status(hub).members == ("ok0", "ok1", "victim")
+
+    ray.kill(victim)
+    # The hub does not know yet: the broadcast goes to the old group, whose collective
+    # breaks. The victim is reported dead; a survivor may lose this version too (a
+    # broken collective fails every member that had not got the data yet).
+    report = ray.get(hub.broadcast.remote(make_policy(), raise_on_failure=False), timeout=60)
+    assert "victim" in report.failed and "died" in report.failed["victim"]
+    for worker in set(report.failed) - {"victim"}:
+        assert "collective" in report.failed[worker], report.failed[worker]
+    assert set(report.acked) | set(report.failed) == {"ok0", "ok1", "victim"}
+
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert report.acked == ("ok0", "ok1") and report.failed == {}
+    for s in survivors:
+        assert_bitwise(ray.get(s.state.remote()), state_of(learner))
+    status = group_status(hub)
+    assert status.members == ("ok0", "ok1")
+
+
+def test_member_that_never_enters_does_not_hang_the_hub(actors):
+    hub = start_dist_hub(actors)
+    template = {"w": torch.zeros(2048, 1024)}  # 8 MB: more than a socket buffer holds
+    holders = [start(actors, Holder, hub, template, f"h{i}") for i in range(2)]
+    busy = start(actors, Holder, hub, template, "busy")
+    ready([*holders, busy])
+    ray.get(hub.broadcast.remote({"w": torch.randn(2048, 1024)}))
+
+    blocked = busy.busy.remote(3 * _TIMEOUT_S)  # one method at a time: no delivery gets in
+    ref = hub.broadcast.remote(
+        {"w": torch.randn(2048, 1024)}, timeout_s=2 * _TIMEOUT_S, raise_on_failure=False
+    )
+    report = ray.get(ref, timeout=60)  # the hub answers; a hang would fail here
+    assert "busy" in report.failed
+    ray.get(blocked)
+
+    # Whatever that collective left behind, the next version reaches every member.
+    weights = {"w": torch.randn(2048, 1024)}
+    report = ray.get(hub.broadcast.remote(weights), timeout=60)
+    assert report.acked == ("busy", "h0", "h1")
+    for h in [*holders, busy]:
+        assert_bitwise(ray.get(h.state.remote()), weights)
+
+
+def test_pull_mode_reads_the_learner_copy(actors):
+    hub = start_dist_hub(actors)
+    puller = start(actors, Collector, hub, worker_id="puller", mode="pull")
+    ready([puller])
+    learner = make_policy()
+    ray.get(hub.broadcast.remote(learner))
+    assert ray.get(puller.pull.remote()) == {"policy": 1}
+    assert_bitwise(ray.get(puller.state.remote()), state_of(learner))
+    assert group_status(hub).generation == 0  # no collective was needed
+
+
+@ray.remote(num_cpus=0, num_gpus=1)
+class GpuHolder(WeightReceiver):
+    def __init__(self, hub, template: dict[str, torch.Tensor]):
+        self.sd = {k: torch.zeros_like(v, device="cuda") for k, v in template.items()}
+        self.connect_hub(hub, models={"m": "sd"})
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.cpu() for k, v in self.sd.items()}
+
+
+@pytest.mark.gpu
+def test_nccl_broadcast_bitwise(actors):
+    if ray.cluster_resources().get("GPU", 0) < 3:
+        pytest.skip("nccl needs one GPU for rank 0 and one per receiver (3 here)")
+    hub = start_dist_hub(actors, backend="nccl")
+    template = special_values()
+    holders = [start(actors, GpuHolder, hub, template) for _ in range(2)]
+    ready(holders)
+    for _ in range(2):
+        weights = special_values()
+        report = ray.get(hub.broadcast.remote(weights))
+        assert report.failed == {}
+        for holder in holders:
+            assert_bitwise(ray.get(holder.state.remote()), weights)

@@ -1,0 +1,124 @@
+"""The ``rpc`` transport: rpc_async pushes, dynamic membership repaired around dead members.
+
+Real processes and real failures: receivers are killed with ``ray.kill`` or kept busy
+in a user method; the hub must answer within its timeout and the group must keep
+admitting new receivers.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from actors.rpc_agent import AgentStatus
+from raysync import WeightHub
+from raysync.transports.rpc import TIMEOUT_ENV
+from tests.receivers import Collector, make_policy, state_of
+from tests.test_core import ready, start
+from tests.test_distributed import Holder, assert_bitwise, special_values
+
+_TIMEOUT_S = 10
+
+
+def start_rpc_hub(actors):
+    env = {TIMEOUT_ENV: str(_TIMEOUT_S)}
+    hub = WeightHub.options(runtime_env={"env_vars": env}).remote(transport="rpc")
+    actors.append(hub)
+    return hub
+
+
+def agent_status(hub) -> AgentStatus:
+    actor = ray.get_actor(f"raysync-rpc-agent-{hub.actor._actor_id.hex()}")
+    return ray.get(actor.describe.remote())
+
+
+def test_bitwise_every_version(actors):
+    hub = start_rpc_hub(actors)
+    template = special_values()
+    holders = [start(actors, Holder, hub, template, f"w{i}") for i in range(3)]
+    ready(holders)
+    for version in range(1, 4):
+        weights = special_values()
+        report = ray.get(hub.broadcast.remote(weights))
+        assert report.version == version and report.acked == ("w0", "w1", "w2")
+        for holder in holders:
+            assert_bitwise(ray.get(holder.state.remote()), weights)
+    status = agent_status(hub)
+    assert sorted(status.members) == ["w0", "w1", "w2"]
+    assert status.sent == 9 and status.failures == ()
+
+
+def test_killed_receiver_fails_and_the_next_broadcast_reaches_the_others(actors):
+    hub = start_rpc_hub(actors)
+    survivors = [start(actors, Collector, hub, worker_id=f"ok{i}") for i in range(2)]
+    victim = start(actors, Collector, hub, worker_id="victim")
+    ready([*survivors, victim])
+    ray.get(hub.broadcast.remote(make_policy()))
+
+    ray.kill(victim)
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, raise_on_failure=False), timeout=60)
+    # Each receiver has its own RPC: the dead one fails alone.
+    assert report.acked == ("ok0", "ok1")
+    assert "died" in report.failed["victim"]
+    for s in survivors:
+        assert_bitwise(ray.get(s.state.remote()), state_of(learner))
+
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert report.acked == ("ok0", "ok1") and report.failed == {}
+    assert sorted(agent_status(hub).members) == ["ok0", "ok1"]
+
+
+def test_receiver_joins_after_an_unnoticed_death(actors):
+    """A member that died between broadcasts is still on torch's member list, and a
+    joiner calls every listed member: the agent must unlist it or the join fails."""
+    hub = start_rpc_hub(actors)
+    first = start(actors, Collector, hub, worker_id="first")
+    doomed = start(actors, Collector, hub, worker_id="doomed")
+    ready([first, doomed])
+    ray.get(hub.broadcast.remote(make_policy()))
+    ray.kill(doomed)  # the hub learns of it only at the next broadcast
+
+    late = start(actors, Collector, hub, worker_id="late")
+    assert ray.get(late.version.remote(), timeout=60) == 1
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, raise_on_failure=False), timeout=60)
+    assert report.acked == ("first", "late")
+    assert "died" in report.failed["doomed"]
+    for c in (first, late):
+        assert_bitwise(ray.get(c.state.remote()), state_of(learner))
+
+
+def test_busy_receiver_times_out_alone_and_catches_up(actors):
+    hub = start_rpc_hub(actors)
+    template = {"w": torch.zeros(2048, 1024)}  # 8 MB
+    holders = [start(actors, Holder, hub, template, f"h{i}") for i in range(2)]
+    busy = start(actors, Holder, hub, template, "busy")
+    ready([*holders, busy])
+
+    blocked = busy.busy.remote(6.0)  # one method at a time: its delivery waits
+    weights = {"w": torch.randn(2048, 1024)}
+    report = ray.get(
+        hub.broadcast.remote(weights, timeout_s=3.0, raise_on_failure=False), timeout=60
+    )
+    assert report.acked == ("h0", "h1")
+    assert "within the 3 s timeout" in report.failed["busy"]
+    ray.get(blocked)
+
+    weights = {"w": torch.randn(2048, 1024)}
+    report = ray.get(hub.broadcast.remote(weights), timeout=60)
+    assert report.acked == ("busy", "h0", "h1")
+    for h in [*holders, busy]:
+        assert_bitwise(ray.get(h.state.remote()), weights)
+
+
+def test_pull_mode_reads_the_learner_copy(actors):
+    hub = start_rpc_hub(actors)
+    puller = start(actors, Collector, hub, worker_id="puller", mode="pull")
+    ready([puller])
+    learner = make_policy()
+    ray.get(hub.broadcast.remote(learner))
+    assert ray.get(puller.pull.remote()) == {"policy": 1}
+    assert_bitwise(ray.get(puller.state.remote()), state_of(learner))
+    assert agent_status(hub).sent == 0
