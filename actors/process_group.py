@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from raysync.packing import PackedLayout
+from raysync.layout import PackedLayout
 from raysync.transports.distributed import (
     HEADER_BYTES,
     BroadcastJob,

@@ -251,6 +251,31 @@ class CpuMeter:
 METER = CpuMeter()
 
 
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def wait_for_memory(needed: int, timeout_s: float) -> None:
+    """Wait (up to ``timeout_s``) for ``needed`` bytes plus 2 GiB of headroom to be free:
+    Ray's memory monitor kills workers near the limit, whoever else uses the memory."""
+    deadline = time.monotonic() + timeout_s
+    free = mem_available()
+    while free is not None and free < needed + 2**31 and time.monotonic() < deadline:
+        time.sleep(1.0)
+        free = mem_available()
+    if free is not None and free < needed + 2**31:
+        print(f"warning: {free / 2**30:.1f} GiB available, this cell wants about "
+              f"{needed / 2**30:.1f} GiB; Ray's memory monitor may kill receivers", flush=True)
+
+
 def check_landed(receivers, value: int, method: str) -> None:
     for probe in ray.get([r.probe.remote() for r in receivers]):
         if any(v != value for v in probe):
@@ -487,8 +512,57 @@ def main(argv: list[str] | None = None) -> int:
         log_to_driver=True,
     )
     rows: list[dict] = []
+    errors: list[dict] = []
     receiver_threads: dict[int, int] = {}
     started = time.time()
+    order = {m: i for i, m in enumerate(("floor", "raysync", "baseline"))}
+
+    def write(complete: bool) -> None:
+        """Written after every cell, so a run that dies part-way keeps what it measured."""
+        rows.sort(key=lambda r: (r["n_tensors"], r["n_receivers"], r["size_bytes"],
+                                 order[r["method"]]))
+        result = {
+            "complete": complete,
+            "config": {
+                "sizes_bytes": sizes,
+                "receivers": ns,
+                "tensor_counts": tensor_counts,
+                "dtype": str(DTYPE),
+                "warmup": args.warmup,
+                "repeats": args.repeats,
+                "statistic": "median of the timed repeats",
+                "floor": "(N+1) x dst.copy_(src) of one flat buffer in one process, measured "
+                "inside each cell (so its n_tensors is the cell's, not the floor's layout)",
+                "ratio_to_floor": "seconds / the floor's median in the same cell",
+                "floor_threads": args.floor_threads,
+                "receiver_threads_by_n": receiver_threads,
+                "object_store_memory_bytes": int(args.object_store_gb * 2**30),
+                "gbps_definition": "size_bytes * n_receivers / seconds / 1e9",
+                "noise_control": {
+                    "quiet_threshold": args.quiet_threshold,
+                    "max_foreign": args.max_foreign,
+                    "retries": args.retries,
+                },
+            },
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "ray": ray.__version__,
+                "torch": torch.__version__,
+            },
+            "raysync": {
+                "module": str(Path(raysync.__file__).parent),
+                "git_head": git_head(Path(raysync.__file__).parent),
+            },
+            "argv": sys.argv[1:],
+            "total_seconds": time.time() - started,
+            "errors": errors,
+            "rows": rows,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
     try:
         for size in sizes:
             for n_tensors in tensor_counts:
@@ -496,9 +570,26 @@ def main(argv: list[str] | None = None) -> int:
                 weights = make_state_dict(spec, fill=1.0)
                 for n in ns:
                     cell = Cell(size, n, n_tensors)
-                    samples, noise, report_seconds, threads, busy = run_cell(
-                        cell, args, weights, spec
-                    )
+                    # the driver holds the weights and the floor's two buffers; each receiver
+                    # its model; the object store up to two versions (raysync's, baseline's)
+                    wait_for_memory(size * (n + 4), args.quiet_timeout_s)
+                    for attempt in range(2):
+                        try:
+                            samples, noise, report_seconds, threads, busy = run_cell(
+                                cell, args, weights, spec
+                            )
+                            break
+                        except ray.exceptions.RayError as err:
+                            # typically Ray's memory monitor killing a receiver on a busy host
+                            errors.append(dict(size_bytes=size, n_receivers=n,
+                                               n_tensors=n_tensors, attempt=attempt,
+                                               error=f"{type(err).__name__}: {err}"[:2000]))
+                            print(f"cell {fmt_size(size)} {n_tensors} tensors N={n} failed "
+                                  f"({type(err).__name__}); "
+                                  + ("retrying" if attempt == 0 else "skipping"), flush=True)
+                            METER.wait_quiet(args.quiet_threshold, args.settle_s)
+                    else:
+                        continue
                     receiver_threads[n] = threads
                     floor_s = median(samples["floor"])
                     for method in METHODS:
@@ -518,54 +609,20 @@ def main(argv: list[str] | None = None) -> int:
                           f"({median(samples['baseline']) / floor_s:.2f}x)"
                           + ("" if busy is None else f"  [cpu busy before: {busy:.0%}]"),
                           flush=True)
+                    write(complete=False)
                     METER.wait_quiet(args.quiet_threshold, args.settle_s)
                 del weights
                 gc.collect()  # the cell's floor buffers and actors are gone too
     finally:
         ray.shutdown()
 
-    order = {m: i for i, m in enumerate(("floor", "raysync", "baseline"))}
-    rows.sort(key=lambda r: (r["n_tensors"], r["n_receivers"], r["size_bytes"],
-                             order[r["method"]]))
-    result = {
-        "config": {
-            "sizes_bytes": sizes,
-            "receivers": ns,
-            "tensor_counts": tensor_counts,
-            "dtype": str(DTYPE),
-            "warmup": args.warmup,
-            "repeats": args.repeats,
-            "statistic": "median of the timed repeats",
-            "floor": "(N+1) x dst.copy_(src) of one flat buffer in one process, measured "
-            "inside each cell (so its n_tensors is the cell's, not the floor's layout)",
-            "ratio_to_floor": "seconds / the floor's median in the same cell",
-            "floor_threads": args.floor_threads,
-            "receiver_threads_by_n": receiver_threads,
-            "object_store_memory_bytes": int(args.object_store_gb * 2**30),
-            "gbps_definition": "size_bytes * n_receivers / seconds / 1e9",
-        },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "ray": ray.__version__,
-            "torch": torch.__version__,
-        },
-        "raysync": {
-            "module": str(Path(raysync.__file__).parent),
-            "git_head": git_head(Path(raysync.__file__).parent),
-        },
-        "argv": sys.argv[1:],
-        "total_seconds": time.time() - started,
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write(complete=not errors)
     plot(rows, tensor_counts, args.plot)
     print_table(rows)
+    if errors:
+        print(f"\n{len(errors)} failed cell attempt(s); see 'errors' in {args.out}")
     print(f"\nwrote {args.out} and {args.plot} in {time.time() - started:.0f}s")
-    return 0
-
+    return 0 if not errors else 1
 
 if __name__ == "__main__":
     sys.exit(main())

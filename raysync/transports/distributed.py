@@ -15,7 +15,7 @@ Processes and roles:
 * **process-group actor** (rank 0, the source) — owns the rendezvous (a ``TCPStore``
   bound to its node's IP) and, per delivery, reads the learner's object-store copy
   (zero-copy on its node), packs it behind a 64-byte header into one uint8 buffer
-  (:mod:`raysync.packing`) and runs **one** ``broadcast`` to the whole group.
+  (:mod:`raysync.layout`) and runs **one** ``broadcast`` to the whole group.
 * **receiver process** — :class:`DistributedReceiver` joins the generation named in
   its payload (rendezvous, then a barrier), enters the same ``broadcast`` inside
   ``fetch`` with a fresh buffer, checks the header and returns views of the buffer.
@@ -78,7 +78,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysync.packing import PackedLayout
+from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
@@ -377,7 +377,7 @@ class DistributedReceiver(TransportReceiver):
                 f"rank {payload.rank} received a buffer for (generation, collective, bytes) "
                 f"= {tuple(got[1:])}, expected {tuple(expected[1:])}: the group is out of step"
             )
-        return layout.unpack(buffer)
+        return layout.views(buffer)
 
     def _wait_for_turn(self, payload: GroupPayload, deadline: float) -> None:
         """Collectives run in sequence order; a threaded actor may be handed them out
