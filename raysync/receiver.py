@@ -78,17 +78,26 @@ class _ReceiverCore:
         """Fetch and apply ``update``; None if the apply waits for a safe point."""
         held = self.models.get(update.model)
         if held is None:
+            self.transport.release(update.payload)
             return self._ack(
                 update, AckStatus.FAILED, f"{self.actor_name} does not hold model {update.model!r}"
             )
         if update.version <= held.version:
+            self.transport.release(update.payload)
             return self._ack(update, AckStatus.SUPERSEDED)
         try:
             staged = self.transport.fetch(update.payload, update.spec)
         except Exception:
+            self.transport.release(update.payload)
             return self._ack(update, AckStatus.FAILED, traceback.format_exc())
-        result = self.gate.write(functools.partial(self._apply, update, staged))
+        result = self.gate.write(functools.partial(self._apply_and_release, update, staged))
         return None if result is DEFERRED else result
+
+    def _apply_and_release(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
+        try:
+            return self._apply(update, staged)
+        finally:
+            self.transport.release(update.payload)
 
     def _apply(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
         """Copy ``staged`` into the model in place. Runs at the safe point."""
@@ -243,7 +252,9 @@ class WeightReceiver:
         chosen = [_one_model(core, model)] if model is not None else list(core.models)
         for model_id in chosen:
             update = ray.get(
-                core.hub.actor.latest.remote(model_id, core.models[model_id].version),
+                core.hub.actor.latest.remote(
+                    model_id, core.models[model_id].version, worker=core.worker
+                ),
                 timeout=timeout_s,
             )
             if update is None:
