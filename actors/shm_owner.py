@@ -25,6 +25,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 
+import numpy as np
 import ray
 import torch
 
@@ -133,7 +134,7 @@ class ShmOwner:
             data = await refs[0]
             slot = self._assign(segment)
             write_seq(segment.buffer, 0)
-            segment.buffer[HEADER_BYTES:].copy_(torch.from_numpy(data))
+            np.copyto(segment.buffer[HEADER_BYTES:].numpy(), data)
             write_seq(segment.buffer, slot.seq)
         finally:
             segment.holds.discard(RELAYING)
