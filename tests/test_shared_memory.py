@@ -212,3 +212,16 @@ def test_hub_close_frees_every_segment(actors):
     # freed them. None was ever linked into /dev/shm.
     _wait_until(lambda: all(_segments_in(p) == 0 for p in receiver_pids), what="receivers unmapped")
     assert _our_dev_shm() == []
+
+
+def test_killed_hub_takes_its_owner_and_segments_with_it(actors):
+    hub = start_hub(actors, TRANSPORT)
+    receiver = start(actors, Recorder, hub, "r0")
+    ready([receiver])
+    ray.get(hub.broadcast.remote(filled(make_probe_model(width=64, layers=4), 1.0)))
+    owner_pid = ray.get(hub.latest.remote("probe")).payload.slot.pid
+    assert _segments_in(owner_pid) > 0
+    ray.kill(hub.actor)
+    # The owner fate-shares with the hub that created it: its process and descriptors go.
+    _wait_until(lambda: _segments_in(owner_pid) == 0, what="owner gone with the hub")
+    assert _our_dev_shm() == []

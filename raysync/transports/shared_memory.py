@@ -42,6 +42,7 @@ import mmap
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,34 +108,43 @@ class SharedMemoryReceiverInfo:
     worker: str  #: the receiver's worker id, named in its holds
 
 
-def _open(slot: Slot) -> torch.Tensor:
-    """Map ``slot``'s segment (read-write, shared) as a uint8 tensor; check its token."""
+def _open(slot: Slot, writable: bool) -> torch.Tensor:
+    """Map ``slot``'s segment (shared; read-only for readers) as a uint8 tensor, page
+    tables filled up front; check its token."""
     path = f"/proc/{slot.pid}/fd/{slot.fd}"
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     except OSError as err:
         raise TransportError(
             f"cannot open shared-memory segment {path} of the owner on node {slot.node_id} "
             f"({err.strerror}); the owner may have died or runs as another user"
         ) from err
     try:
-        segment = mmap.mmap(fd, slot.nbytes)
+        segment = mmap.mmap(
+            fd,
+            slot.nbytes,
+            flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+            prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
+        )
     finally:
         os.close(fd)
-    buffer = torch.frombuffer(segment, dtype=torch.uint8)
-    if bytes(segment[:TOKEN_BYTES]) != slot.token:
+    if segment[:TOKEN_BYTES] != slot.token:
         raise TransportError(
             f"{path} is not the shared-memory segment it should be (token mismatch); "
             f"the owner on node {slot.node_id} may have been replaced"
         )
-    return buffer
+    with warnings.catch_warnings():
+        # Readers map the segment read-only and only ever read from it.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(segment, dtype=torch.uint8)
 
 
 class _Mappings:
     """Segments this process has mapped, by token. Mappings of a replaced owner (another
     pid) are dropped when the new owner's first segment is mapped."""
 
-    def __init__(self) -> None:
+    def __init__(self, writable: bool) -> None:
+        self._writable = writable
         self._buffers: dict[bytes, tuple[int, torch.Tensor]] = {}
 
     def buffer(self, slot: Slot) -> torch.Tensor:
@@ -142,7 +152,7 @@ class _Mappings:
         if known is not None:
             return known[1]
         self._buffers = {t: e for t, e in self._buffers.items() if e[0] == slot.pid}
-        buffer = _open(slot)
+        buffer = _open(slot, self._writable)
         self._buffers[slot.token] = (slot.pid, buffer)
         return buffer
 
@@ -164,7 +174,7 @@ class SharedMemorySender(TransportSender):
     def __init__(self, hub: Any) -> None:
         self._hub = hub
         self._name = owner_name(hub._actor_id.hex(), ray.get_runtime_context().get_node_id())
-        self._mappings = _Mappings()
+        self._mappings = _Mappings(writable=True)
         ray.get(hub.__ray_ready__.remote(), timeout=OWNER_WAIT_S)
         self._owner = self._find_owner()
 
@@ -217,7 +227,7 @@ class SharedMemoryReceiver(TransportReceiver):
     def __init__(self, info: SharedMemoryReceiverInfo) -> None:
         self._worker = info.worker
         self._node_id = ray.get_runtime_context().get_node_id()
-        self._mappings = _Mappings()
+        self._mappings = _Mappings(writable=False)
 
     def fetch(self, payload: SharedMemoryPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
         slot = payload.slot
@@ -325,7 +335,14 @@ class SharedMemoryPlanner(TransportPlanner):
             relayed = {}
             if update.version > version:
                 self._latest[update.model] = (update.version, relayed)
-        await held
+        try:
+            await held
+        except RayActorError as err:
+            raise TransportError(
+                f"version {update.version} of model {update.model!r} was lost with the "
+                f"shared-memory owner on the learner's node {source.slot.node_id}, which died; "
+                "the hub restarts the owner, and the next broadcast is readable again"
+            ) from err
         payloads = {r.worker: source for r in targets if r.node_id == source.slot.node_id}
         if by_node:
             export = None
