@@ -44,6 +44,8 @@ class _Segment:
     token: bytes
     seq: int = 0  #: the version written into it (0: none yet)
     holds: set[tuple[str, ...]] = field(default_factory=set)
+    #: workers whose release of ``seq`` came before the hub's hold for them
+    released: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -82,13 +84,14 @@ class ShmOwner:
         return self._assign(segment)
 
     # -- hub's planner -------------------------------------------------------------------
-    async def deliver(self, seq: int, model: str, workers: tuple[str, ...]) -> Slot:
+    async def deliver(self, pid: int, seq: int, model: str, workers: tuple[str, ...]) -> Slot:
         """Hold version ``seq`` of ``model`` for ``workers`` and as the latest of ``model``.
 
         The hub plans versions in the order the learner submitted them, so a ``PENDING``
-        slot older than ``seq`` holds a version the hub refused: it is freed.
+        slot older than ``seq`` holds a version the hub refused: it is freed. ``pid``
+        names the owner the slot came from: a restarted owner knows none of its slots.
         """
-        segment = self._by_seq.get(seq)
+        segment = self._by_seq.get(seq) if pid == self._pid else None
         if segment is None:
             raise TransportError(
                 f"version (sequence {seq}) of model {model!r} is no longer in shared memory "
@@ -98,7 +101,7 @@ class ShmOwner:
             if other.seq < seq:
                 other.holds.discard(PENDING)
         segment.holds.discard(PENDING)
-        segment.holds.update(("worker", w) for w in workers)
+        segment.holds.update(("worker", w) for w in workers if w not in segment.released)
         latest = self._latest.get(model, 0)
         if seq > latest:
             previous = self._by_seq.get(latest)
@@ -109,9 +112,9 @@ class ShmOwner:
         await self._notify()
         return self._slot(segment)
 
-    async def export(self, seq: int) -> list[ray.ObjectRef]:
+    async def export(self, pid: int, seq: int) -> list[ray.ObjectRef]:
         """Put version ``seq`` into the object store once, for other nodes' owners."""
-        segment = self._by_seq.get(seq)
+        segment = self._by_seq.get(seq) if pid == self._pid else None
         if segment is None or not segment.holds:
             raise TransportError(
                 f"sequence {seq} is not held on node {self._node_id}; cannot export it"
@@ -139,19 +142,25 @@ class ShmOwner:
         finally:
             segment.holds.discard(RELAYING)
         self._relays += 1
-        return await self.deliver(slot.seq, model, workers)
+        return await self.deliver(self._pid, slot.seq, model, workers)
 
-    async def release(self, seq: int, worker: str) -> None:
-        """``worker`` is done with version ``seq`` (copied or skipped it)."""
-        segment = self._by_seq.get(seq)
-        if segment is not None:
+    async def release(self, pid: int, seq: int, worker: str) -> None:
+        """``worker`` is done with version ``seq`` (copied or skipped it). It may come
+        before the hub's hold for it (the hub does not wait for its holds to land)."""
+        segment = self._by_seq.get(seq) if pid == self._pid else None
+        if segment is None:
+            return
+        if ("worker", worker) in segment.holds:
             segment.holds.discard(("worker", worker))
             await self._notify()
+        else:
+            segment.released.add(worker)
 
     async def drop_worker(self, worker: str) -> None:
         """``worker`` died, left or re-registered: it holds nothing any more."""
         for segment in self._by_seq.values():
             segment.holds.discard(("worker", worker))
+            segment.released.discard(worker)
         await self._notify()
 
     async def stats(self) -> OwnerStats:
@@ -217,6 +226,7 @@ class ShmOwner:
     def _assign(self, segment: _Segment) -> Slot:
         """Give ``segment`` the next sequence number (its previous version is gone)."""
         self._by_seq.pop(segment.seq, None)
+        segment.released.clear()
         segment.seq = self._next_seq
         self._next_seq += 1
         self._by_seq[segment.seq] = segment

@@ -3,10 +3,11 @@
 
 Measured in the same run, for every (size, N receivers, tensor count) cell:
 
-* ``raysync``  -- ``ray.get(hub.broadcast.remote(weights, model="m"))`` with the
-  ``object_store`` transport, timed on the learner (``perf_counter`` around the call and
-  the get). Receivers are ``WeightReceiver`` actors that apply into their own
-  preallocated tensors, in place.
+* ``raysync/<transport>`` -- ``ray.get(hub.broadcast.remote(weights, model="m"))``, one
+  hub per transport in ``--transports`` (default: every transport available here), timed
+  on the learner (``perf_counter`` around the call and the get). Receivers are
+  ``WeightReceiver`` actors that apply into their own preallocated tensors, in place;
+  each hub has its own N receivers, so a cell holds (transports x N + 1) models.
 * ``baseline`` -- what a user could write by hand: one ``ray.put(state_dict)`` per
   broadcast with Ray's opt-in zero-copy torch serializer
   (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``, set here before ``import ray`` and passed to
@@ -64,9 +65,10 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from raysync import WeightHub, WeightReceiver  # noqa: E402
+from raysync.transports import available_transports  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-METHODS = ("raysync", "baseline", "floor")
+BASELINES = ("baseline", "floor")
 DTYPE = torch.float32
 _UNITS = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}
 
@@ -200,16 +202,26 @@ def check_landed(receivers, value: int, method: str) -> None:
             raise RuntimeError(f"{method}: a receiver holds {bad}, expected version tag {value}")
 
 
+def raysync_method(transport: str) -> str:
+    return f"raysync/{transport}"
+
+
 def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tensor], spec):
-    """Start a hub and N receivers; time floor, raysync and baseline; tear them down."""
+    """Start a hub and N receivers per transport; time floor, raysync and baseline; tear
+    them down."""
     threads = args.receiver_threads or max(1, (os.cpu_count() or 1) // cell.n)
-    hub = WeightHub.remote(transport="object_store")
-    receivers = [BenchReceiver.remote(hub, spec, threads) for _ in range(cell.n)]
+    hubs = {raysync_method(t): WeightHub.remote(transport=t) for t in args.transports}
+    receivers_of = {
+        m: [BenchReceiver.remote(hub, spec, threads) for _ in range(cell.n)]
+        for m, hub in hubs.items()
+    }
+    methods = (*hubs, *BASELINES)
+    receivers = receivers_of[methods[0]]  # the baseline's (any hub's receivers will do)
     floor = Floor(cell.size)
     try:
-        ray.get([r.ready.remote() for r in receivers])
-        samples: dict[str, list[float]] = {m: [] for m in METHODS}
-        report_seconds: list[float] = []
+        ray.get([r.ready.remote() for rs in receivers_of.values() for r in rs])
+        samples: dict[str, list[float]] = {m: [] for m in methods}
+        report_seconds: dict[str, list[float]] = {m: [] for m in hubs}
         counter = 0
 
         def one(method: str, timed: bool) -> None:
@@ -219,38 +231,40 @@ def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tens
             else:
                 counter += 1
                 tag(weights, counter)
-                if method == "raysync":
+                if method in hubs:
                     t0 = time.perf_counter()
-                    report = ray.get(hub.broadcast.remote(weights, model="m"))
+                    report = ray.get(hubs[method].broadcast.remote(weights, model="m"))
                     elapsed = time.perf_counter() - t0
                     if len(report.acked) != cell.n or report.bytes != cell.size:
-                        raise RuntimeError(f"raysync report is off: {report}")
+                        raise RuntimeError(f"{method} report is off: {report}")
                     if timed:
-                        report_seconds.append(report.seconds)
+                        report_seconds[method].append(report.seconds)
                 else:
                     t0 = time.perf_counter()
                     ref = ray.put(weights)
                     ray.get([r.apply_baseline.remote([ref]) for r in receivers])
                     elapsed = time.perf_counter() - t0
                     del ref
-                check_landed(receivers, counter, method)
+                check_landed(receivers_of.get(method, receivers), counter, method)
             if timed:
                 samples[method].append(elapsed)
 
-        for method in METHODS:
+        for method in methods:
             for _ in range(args.warmup):
                 one(method, timed=False)
         busy = wait_quiet(args.quiet_threshold, args.quiet_timeout_s)
         for k in range(args.repeats):
             # rotate the order so no method always runs first (or right after another)
-            order = METHODS[k % 3 :] + METHODS[: k % 3]
+            order = methods[k % len(methods) :] + methods[: k % len(methods)]
             for method in order:
                 one(method, timed=True)
         return samples, report_seconds, threads, busy
     finally:
-        for r in receivers:
-            ray.kill(r)
-        ray.kill(hub.actor)
+        for rs in receivers_of.values():
+            for r in rs:
+                ray.kill(r)
+        for hub in hubs.values():
+            ray.kill(hub.actor)
 
 
 # -- output -----------------------------------------------------------------------------
@@ -258,7 +272,7 @@ def print_table(rows: list[dict]) -> None:
     print()
     print("GB/s = size_bytes * N / seconds / 1e9 (bytes delivered to receivers per second)")
     header = (
-        f"{'method':<9} {'MB':>7} {'tensors':>7} {'N':>3} {'seconds':>9} {'GB/s':>7} "
+        f"{'method':<22} {'MB':>7} {'tensors':>7} {'N':>3} {'seconds':>9} {'GB/s':>7} "
         f"{'x floor':>8}"
     )
     print(header)
@@ -266,7 +280,7 @@ def print_table(rows: list[dict]) -> None:
     for row in rows:
         gbps = row["size_bytes"] * row["n_receivers"] / row["seconds"] / 1e9
         print(
-            f"{row['method']:<9} {row['size_bytes'] / 2**20:>7g} {row['n_tensors']:>7} "
+            f"{row['method']:<22} {row['size_bytes'] / 2**20:>7g} {row['n_tensors']:>7} "
             f"{row['n_receivers']:>3} {row['seconds']:>9.4f} {gbps:>7.2f} "
             f"{row['ratio_to_floor']:>8.2f}"
         )
@@ -279,7 +293,11 @@ def plot(rows: list[dict], tensor_counts: list[int], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"raysync": "tab:blue", "baseline": "tab:orange", "floor": "tab:gray"}
+    palette = ["tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    methods = sorted({r["method"] for r in rows} - set(BASELINES)) + list(BASELINES)
+    colors = {"baseline": "tab:orange", "floor": "tab:gray"}
+    for i, m in enumerate(m for m in methods if m not in colors):
+        colors[m] = palette[i % len(palette)]
     ns = sorted({r["n_receivers"] for r in rows})
     markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
     styles = ["-", "--", ":", "-."]
@@ -287,7 +305,7 @@ def plot(rows: list[dict], tensor_counts: list[int], path: Path) -> None:
         1, len(tensor_counts), figsize=(6.5 * len(tensor_counts), 5), squeeze=False
     )
     for ax, n_tensors in zip(axes[0], tensor_counts, strict=True):
-        for method in METHODS:
+        for method in methods:
             for i, n in enumerate(ns):
                 pts = sorted(
                     (r["size_bytes"], r["seconds"])
@@ -316,7 +334,7 @@ def plot(rows: list[dict], tensor_counts: list[int], path: Path) -> None:
         ax.set_title(f"{n_tensors}-tensor float32 state_dict")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("raysync object_store vs hand-written ray.put vs (N+1) memcpy floor")
+    fig.suptitle("raysync per transport vs hand-written ray.put vs (N+1) memcpy floor")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -327,6 +345,9 @@ def plot(rows: list[dict], tensor_counts: list[int], path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", type=parse_size, help="default: 64MB 256MB 1GB")
+    p.add_argument(
+        "--transports", nargs="+", help="raysync transports; default: every one available"
+    )
     p.add_argument("--receivers", nargs="+", type=int, help="N values; default: 1 4")
     p.add_argument("--tensors", nargs="+", type=int, help="tensor counts; default: 16 1000")
     p.add_argument("--warmup", type=int, help="untimed runs per method and cell; default 1")
@@ -364,6 +385,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = RESULTS_DIR / ("broadcast_quick.json" if args.quick else "broadcast.json")
     if args.plot is None:
         args.plot = args.out.with_suffix(".png")
+    if args.transports is None:
+        args.transports = list(available_transports())
     if args.repeats < 1 or args.warmup < 0 or min(args.receivers) < 1:
         p.error("need --repeats >= 1, --warmup >= 0 and N >= 1")
     return args
@@ -400,21 +423,20 @@ def main(argv: list[str] | None = None) -> int:
                     samples, report_seconds, threads, busy = run_cell(cell, args, weights, spec)
                     receiver_threads[n] = threads
                     floor_s = median(samples["floor"])
-                    for method in METHODS:
+                    for method in samples:
                         sec = median(samples[method])
                         row = dict(method=method, size_bytes=size, n_receivers=n,
                                    n_tensors=n_tensors, seconds=sec, samples=samples[method],
                                    ratio_to_floor=sec / floor_s, floor_seconds=floor_s,
                                    cpu_busy_before=busy)
-                        if method == "raysync":
-                            row["hub_report_seconds"] = report_seconds
+                        if method in report_seconds:
+                            row["hub_report_seconds"] = report_seconds[method]
                         rows.append(row)
                     print(f"[{time.time() - started:6.1f}s] {fmt_size(size)} {n_tensors} tensors "
                           f"N={n}: floor {floor_s:.4f}s, "
-                          f"raysync {median(samples['raysync']):.4f}s "
-                          f"({median(samples['raysync']) / floor_s:.2f}x), "
-                          f"baseline {median(samples['baseline']):.4f}s "
-                          f"({median(samples['baseline']) / floor_s:.2f}x)"
+                          + ", ".join(f"{m} {median(samples[m]):.4f}s "
+                                      f"({median(samples[m]) / floor_s:.2f}x)"
+                                      for m in samples if m != "floor")
                           + ("" if busy is None else f"  [cpu busy before: {busy:.0%}]"),
                           flush=True)
                     wait_quiet(args.quiet_threshold, args.settle_s)
@@ -423,14 +445,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
 
-    order = {m: i for i, m in enumerate(("floor", "raysync", "baseline"))}
     rows.sort(key=lambda r: (r["n_tensors"], r["n_receivers"], r["size_bytes"],
-                             order[r["method"]]))
+                             r["method"] != "floor", r["method"] == "baseline", r["method"]))
     result = {
         "config": {
             "sizes_bytes": sizes,
             "receivers": ns,
             "tensor_counts": tensor_counts,
+            "transports": args.transports,
             "dtype": str(DTYPE),
             "warmup": args.warmup,
             "repeats": args.repeats,

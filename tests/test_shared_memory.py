@@ -147,8 +147,9 @@ def test_back_to_back_broadcasts_never_tear_a_lagging_reader(actors):
         torn = [(v, lo, hi) for v, lo, hi in seen if not lo == hi == float(v)]
         assert torn == [], f"versions applied with another version's bytes: {torn}"
     assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
-    # Every receiver released every version; only the latest stays held for late joiners.
-    _wait_until(lambda: _holds(hub) == ("latest/probe",), what="holds released")
+    # Every receiver released every version; the latest stays held for late joiners
+    # (and the learner may hold the slot it asked for ahead).
+    _wait_until(lambda: set(_holds(hub)) - {"pending"} == {"latest/probe"}, what="holds released")
 
 
 def test_killed_receiver_releases_its_holds(actors):

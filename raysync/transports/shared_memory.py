@@ -38,6 +38,7 @@ the order in which one learner submits.
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import os
 import sys
@@ -62,6 +63,8 @@ from raysync.transports.base import (
     TransportReceiver,
     TransportSender,
 )
+
+logger = logging.getLogger(__name__)
 
 #: Namespace of the owner actors (named per hub and node, looked up by the learner).
 OWNER_NAMESPACE = "raysync"
@@ -97,15 +100,15 @@ class Slot:
 
 @dataclass(frozen=True)
 class SharedMemoryPayload:
-    """A version in a slot, and the owner to release it to."""
+    """A version in a slot (plain data: no actor handle to pass per update)."""
 
-    owner: Any  #: ActorHandle of the slot's owner
     slot: Slot
 
 
 @dataclass(frozen=True)
 class SharedMemoryReceiverInfo:
     worker: str  #: the receiver's worker id, named in its holds
+    owner: str  #: name of the owner on the receiver's node, to release slots to
 
 
 def _open(slot: Slot, writable: bool) -> torch.Tensor:
@@ -177,6 +180,9 @@ class SharedMemorySender(TransportSender):
         self._mappings = _Mappings(writable=True)
         ray.get(hub.__ray_ready__.remote(), timeout=OWNER_WAIT_S)
         self._owner = self._find_owner()
+        #: The slot asked for right after the previous send, by size: the owner's answer
+        #: is usually back before the next send needs it.
+        self._next: tuple[int, ray.ObjectRef] | None = None
 
     def _find_owner(self) -> Any:
         """This node's owner; waits while the hub restarts one that died."""
@@ -192,6 +198,23 @@ class SharedMemorySender(TransportSender):
                         "and restarts those that die; is the hub alive?"
                     ) from None
                 time.sleep(0.2)
+
+    def _slot(self, nbytes: int) -> tuple[Slot, torch.Tensor]:
+        """A slot of ``nbytes`` and its mapping: the one asked for ahead if it fits.
+
+        A slot asked for ahead but not used (another size came) stays held until the hub
+        plans a newer version, which frees it (see ``ShmOwner.deliver``)."""
+        ahead, self._next = self._next, None
+        if ahead is not None and ahead[0] == nbytes:
+            try:
+                slot = ray.get(ahead[1])
+                return slot, self._mappings.buffer(slot)
+            except RayActorError:
+                pass  # the owner died before answering: ask the one the hub restarts
+            except TransportError:
+                pass  # the owner died after answering, or had no free slot: ask again
+        slot = self._acquire(nbytes)
+        return slot, self._mappings.buffer(slot)
 
     def _acquire(self, nbytes: int) -> Slot:
         """A slot from this node's owner; if the owner died, from the one the hub restarts."""
@@ -210,12 +233,12 @@ class SharedMemorySender(TransportSender):
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> SharedMemoryPayload:
         layout = Layout.of(spec)
-        slot = self._acquire(layout.nbytes)
-        buffer = self._mappings.buffer(slot)
+        slot, buffer = self._slot(layout.nbytes)
         write_seq(buffer, 0)
         layout.pack(tensors, buffer)
         write_seq(buffer, slot.seq)
-        return SharedMemoryPayload(self._owner, slot)
+        self._next = (layout.nbytes, self._owner.acquire.remote(layout.nbytes, SLOT_WAIT_S))
+        return SharedMemoryPayload(slot)
 
     def close(self) -> None:
         self._mappings.clear()
@@ -226,6 +249,8 @@ class SharedMemoryReceiver(TransportReceiver):
 
     def __init__(self, info: SharedMemoryReceiverInfo) -> None:
         self._worker = info.worker
+        self._owner_name = info.owner
+        self._owner: tuple[int, Any] | None = None  #: (pid, handle) of the owner last used
         self._node_id = ray.get_runtime_context().get_node_id()
         self._mappings = _Mappings(writable=False)
 
@@ -253,7 +278,15 @@ class SharedMemoryReceiver(TransportReceiver):
         return layout.views(buffer)
 
     def release(self, payload: SharedMemoryPayload) -> None:
-        payload.owner.release.remote(payload.slot.seq, self._worker)
+        slot = payload.slot
+        if self._owner is None or self._owner[0] != slot.pid:
+            try:
+                handle = ray.get_actor(self._owner_name, namespace=OWNER_NAMESPACE)
+            except ValueError:
+                return  # the owner died, and its holds with it
+            self._owner = (slot.pid, handle)
+        # The owner ignores it if it is not the slot's owner (it was restarted meanwhile).
+        self._owner[1].release.remote(slot.pid, slot.seq, self._worker)
 
     def close(self) -> None:
         self._mappings.clear()
@@ -311,7 +344,7 @@ class SharedMemoryPlanner(TransportPlanner):
     async def receiver_joined(self, receiver: ReceiverInfo) -> SharedMemoryReceiverInfo:
         # A (re)joining worker holds nothing yet: drop what a former incarnation held.
         await self._owner(receiver.node_id).drop_worker.remote(receiver.worker)
-        return SharedMemoryReceiverInfo(receiver.worker)
+        return SharedMemoryReceiverInfo(receiver.worker, owner_name(self._hub_id, receiver.node_id))
 
     async def receiver_left(self, worker: str) -> None:
         for owner in list(self._owners.values()):
@@ -322,45 +355,64 @@ class SharedMemoryPlanner(TransportPlanner):
 
     async def plan(self, update: Any, targets: Sequence[ReceiverInfo]) -> Mapping[str, Any]:
         source: SharedMemoryPayload = update.payload
+        slot = source.slot
         by_node: dict[str, list[str]] = {}
         for receiver in targets:
             by_node.setdefault(receiver.node_id, []).append(receiver.worker)
-        # The learner's node first, before any await: the hub plans in submission order,
-        # and the owner frees slots of versions the hub refused by that order.
-        held = source.owner.deliver.remote(
-            source.slot.seq, update.model, tuple(by_node.pop(source.slot.node_id, ()))
+        owner = self._owners.get(slot.node_id)
+        if owner is None:
+            raise TransportError(
+                f"version {update.version} of model {update.model!r} was lost with the "
+                f"shared-memory owner on the learner's node {slot.node_id}, which died; "
+                "the next broadcast is readable again"
+            )
+        # Not awaited, so receivers start reading at once: the learner's PENDING hold
+        # keeps the slot until the owner gets this, and a receiver's release that
+        # arrives first is remembered. Sent before any await, so the owner sees the
+        # hub's planning order (which frees slots of versions the hub refused).
+        held = owner.deliver.remote(
+            slot.pid, slot.seq, update.model, tuple(by_node.pop(slot.node_id, ()))
         )
+        asyncio.get_running_loop().create_task(self._confirm(held, update))
+        payloads = {r.worker: source for r in targets if r.node_id == slot.node_id}
+        if not by_node:
+            return payloads
         version, relayed = self._latest.get(update.model, (0, {}))
         if version != update.version:
             relayed = {}
             if update.version > version:
                 self._latest[update.model] = (update.version, relayed)
+        missing = [node_id for node_id in by_node if node_id not in relayed]
+        export = await owner.export.remote(slot.pid, slot.seq) if missing else None
+
+        async def to_node(node_id: str, workers: tuple[str, ...]) -> None:
+            node_owner = self._owner(node_id)
+            known = relayed.get(node_id)
+            if known is not None:
+                node_slot = await node_owner.deliver.remote(
+                    known.slot.pid, known.slot.seq, update.model, workers
+                )
+            else:
+                node_slot = await node_owner.relay.remote(
+                    export, slot.nbytes, update.model, workers, SLOT_WAIT_S
+                )
+            relayed[node_id] = SharedMemoryPayload(node_slot)
+            payloads.update({w: relayed[node_id] for w in workers})
+
+        await asyncio.gather(*(to_node(n, tuple(ws)) for n, ws in by_node.items()))
+        return payloads
+
+    async def _confirm(self, held: ray.ObjectRef, update: Any) -> None:
+        """Log a hold the owner refused; its receivers fail on the slot's sequence check."""
         try:
             await held
-        except RayActorError as err:
-            raise TransportError(
-                f"version {update.version} of model {update.model!r} was lost with the "
-                f"shared-memory owner on the learner's node {source.slot.node_id}, which died; "
-                "the hub restarts the owner, and the next broadcast is readable again"
-            ) from err
-        payloads = {r.worker: source for r in targets if r.node_id == source.slot.node_id}
-        if by_node:
-            export = None
-            for node_id, workers in by_node.items():
-                owner = self._owner(node_id)
-                known = relayed.get(node_id)
-                if known is not None:
-                    slot = await owner.deliver.remote(known.slot.seq, update.model, tuple(workers))
-                else:
-                    if export is None:
-                        export = await source.owner.export.remote(source.slot.seq)
-                    slot = await owner.relay.remote(
-                        export, source.slot.nbytes, update.model, tuple(workers), SLOT_WAIT_S
-                    )
-                node_payload = SharedMemoryPayload(owner, slot)
-                relayed[node_id] = node_payload
-                payloads.update({w: node_payload for w in workers})
-        return payloads
+        except (RayActorError, TransportError) as err:
+            logger.warning(
+                "shared-memory owner could not hold version %d of model %r: %s",
+                update.version,
+                update.model,
+                err,
+            )
 
     async def close(self) -> None:
         self._closed = True
