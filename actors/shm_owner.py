@@ -219,6 +219,9 @@ class ShmOwner:
         token = secrets.token_bytes(TOKEN_BYTES)
         fd = os.memfd_create("raysync-segment", os.MFD_CLOEXEC)
         os.ftruncate(fd, nbytes)
+        # Allocate (and zero) every page now, in the owner, ahead of the first write:
+        # the learner asks for its next slot ahead, so this is off the broadcast's path.
+        os.posix_fallocate(fd, 0, nbytes)
         buffer = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
         buffer[:TOKEN_BYTES] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
         return _Segment(fd, buffer, token)
