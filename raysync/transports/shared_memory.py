@@ -13,7 +13,8 @@ Who does what:
   packs the version into it once (:class:`raysync.packing.Layout`: 64-byte aligned
   offsets after a 64-byte header), and hands the hub a :class:`SharedMemoryPayload`.
 * **Hub** (:class:`SharedMemoryPlanner`): groups the targets by node. On the learner's
-  node it asks the owner to hold the slot for them; for every other node it has the
+  node it asks the owner to hold the slot for them (without waiting for the answer:
+  the learner's own hold covers the slot until then); for every other node it has the
   learner's owner put the slot into the object store *once* and that node's owner
   relay it into a slot of its own (one transfer per node, not per receiver).
 * **Receiver** (:class:`SharedMemoryReceiver`): maps each segment once and returns
@@ -30,6 +31,11 @@ at most ``MAX_SLOTS`` slots per model size per node, after which the learner wai
 a release (``SLOT_WAIT_S``) and then fails naming the receivers that hold them. Each
 slot's header also carries the sequence number written into it; a receiver checks it
 and raises :class:`TransportError` rather than read a slot that holds anything else.
+
+Memory: the learner asks for its next slot right after each send, so at steady state
+an owner keeps three slots per model size (latest, in flight, next), up to
+``MAX_SLOTS`` while receivers lag. Segments are allocated when created, off the path
+of a broadcast.
 
 One learner process per hub: slots are ordered by the hub's planning order, which is
 the order in which one learner submits.
@@ -175,7 +181,6 @@ class SharedMemorySender(TransportSender):
     """Learner side: write each version once into a slot of this node's owner."""
 
     def __init__(self, hub: Any) -> None:
-        self._hub = hub
         self._name = owner_name(hub._actor_id.hex(), ray.get_runtime_context().get_node_id())
         self._mappings = _Mappings(writable=True)
         ray.get(hub.__ray_ready__.remote(), timeout=OWNER_WAIT_S)
