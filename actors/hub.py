@@ -198,12 +198,19 @@ class WeightHubActor:
         if future is not None and not future.done():
             future.set_result(ack)
 
-    async def latest(self, model: str, have_version: int = 0) -> Update | None:
-        """Pull mode: the latest update of ``model`` if newer than ``have_version``."""
+    async def latest(
+        self, model: str, have_version: int = 0, worker: str | None = None
+    ) -> Update | None:
+        """Pull mode: the latest update of ``model`` if newer than ``have_version``,
+        planned for ``worker`` (a registered receiver) if given, else the learner's payload."""
         update = self._state.latest(model)
         if update is None or update.version <= have_version:
             return None
-        return update
+        entry = self._state.receivers.get(worker) if worker is not None else None
+        if entry is None:
+            return update
+        payloads = await self._planner.plan(update, [entry.info])
+        return dataclasses.replace(update, payload=payloads[entry.worker])
 
     # -- anyone ----------------------------------------------------------------------------
     async def status(self) -> HubStatus:

@@ -133,13 +133,27 @@ class _ReceiverCore:
             return self._ack(update, AckStatus.FAILED, traceback.format_exc())
 
     def _stage_and_apply(self, update: Update) -> Ack | None:
-        if update.model not in self.models:
-            raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
-        if update.version <= self.models[update.model].version:
+        """Fetch ``update`` and apply it at the safe point. The transport's hold on the
+        payload is released on every path, once nothing reads the staged data."""
+        held = self.models.get(update.model)
+        if held is None or update.version <= held.version:
+            self.transport.release(update.payload)
+            if held is None:
+                raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
             return self._ack(update, AckStatus.SUPERSEDED)
-        staged = self.transport.fetch(update.payload, update.spec)
-        result = self.gate.write(functools.partial(self._apply, update, staged))
+        try:
+            staged = self.transport.fetch(update.payload, update.spec)
+        except BaseException:
+            self.transport.release(update.payload)
+            raise
+        result = self.gate.write(functools.partial(self._apply_and_release, update, staged))
         return None if result is DEFERRED else result
+
+    def _apply_and_release(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
+        try:
+            return self._apply(update, staged)
+        finally:
+            self.transport.release(update.payload)
 
     def _apply(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
         """Copy ``staged`` into the model in place. Runs at the safe point."""
@@ -341,7 +355,9 @@ class WeightReceiver:
         chosen = [_one_model(core, model)] if model is not None else list(core.models)
         for model_id in chosen:
             update = ray.get(
-                core.hub.actor.latest.remote(model_id, core.models[model_id].version),
+                core.hub.actor.latest.remote(
+                    model_id, core.models[model_id].version, worker=core.worker
+                ),
                 timeout=timeout_s,
             )
             if update is not None:

@@ -19,6 +19,7 @@ _REGISTRY: dict[str, str] = {
     "object_store": "raysync.transports.object_store:ObjectStoreTransport",
     "distributed": "raysync.transports.distributed:DistributedTransport",
     "rpc": "raysync.transports.rpc:RpcTransport",
+    "shared_memory": "raysync.transports.shared_memory:SharedMemoryTransport",
 }
 
 DEFAULT_TRANSPORT = "object_store"

@@ -25,6 +25,10 @@ process that calls each method:
    entry, in spec order (views of staged data; any device).
 8. receiver process, at the safe point: the receiver mixin copies ``staged`` into the
    model's own tensors in place, then acknowledges.
+9. receiver process, once per payload it was handed (fetched, or skipped as stale):
+   ``receiver.release(payload)`` when nothing reads ``staged`` any more — after the copy,
+   which may run long after ``fetch`` (deferred safe points). A transport that reuses
+   buffers (shared-memory slots) frees them here.
 
 Acknowledgement: the receiver's delivery call resolves to an :class:`~raysync.messages.Ack`
 once the copy is done, so a transport whose ``fetch`` returns when the data is local
@@ -106,6 +110,9 @@ class TransportReceiver(ABC):
     @abstractmethod
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         """Bring one version here; return read-only tensors in spec order."""
+
+    def release(self, payload: Any) -> None:
+        """The staged tensors of ``payload`` are no longer read. Default: nothing to free."""
 
     def close(self) -> None:
         """Release what the receiver holds. Default: nothing to release."""

@@ -1,0 +1,250 @@
+"""ShmOwner: owns the shared-memory segments of one hub on one node (an async Ray actor).
+
+Started by :class:`raysync.transports.shared_memory.SharedMemoryPlanner` on every
+node, named :func:`~raysync.transports.shared_memory.owner_name` so the learner finds
+the one on its node. It creates segments (anonymous memfds, see the transport's module
+docstring), hands out slots, and keeps the *holds* that decide when a slot may be
+rewritten:
+
+* ``PENDING``: the learner is writing it, or wrote it and the hub has not planned it yet;
+* ``("worker", id)``: a receiver the version was planned for has not released it yet;
+* ``("latest", model)``: the newest version of ``model`` here, for late joiners;
+* ``RELAYING``: the owner itself is copying a relayed version in.
+
+A slot with no hold may be given out again. Only this actor's event loop touches the
+holds, so each method sees and leaves them consistent. ``close`` (the planner calls it
+when the hub closes) closes every segment; if the actor dies instead, its process's
+descriptors close with it and the kernel frees the memory once receivers unmap it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+import ray
+import torch
+
+from raysync.layout import HEADER_BYTES
+from raysync.transports.base import TransportError
+from raysync.transports.shared_memory import TOKEN_BYTES, Slot, write_seq
+
+PENDING = ("pending",)
+RELAYING = ("relaying",)
+
+
+@dataclass
+class _Segment:
+    fd: int
+    buffer: torch.Tensor  #: uint8 view of the whole mapping
+    token: bytes
+    seq: int = 0  #: the version written into it (0: none yet)
+    holds: set[tuple[str, ...]] = field(default_factory=set)
+    #: workers whose release of ``seq`` came before the hub's hold for them
+    released: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class OwnerStats:
+    """What an owner did, for tests and benchmarks."""
+
+    node_id: str
+    segments: int  #: segments it holds now
+    segment_bytes: int  #: their total size
+    relays: int  #: versions it received from another node through the object store
+    exports: int  #: versions it put into the object store for other nodes
+    holds: tuple[str, ...]  #: every hold on its slots, e.g. "worker/w0", "latest/policy"
+
+
+class ShmOwner:
+    """See module docstring."""
+
+    def __init__(self, node_id: str, max_slots: int) -> None:
+        self._node_id = node_id
+        self._pid = os.getpid()
+        self._max_slots = max_slots
+        self._pools: dict[int, list[_Segment]] = {}  #: by segment size
+        self._by_seq: dict[int, _Segment] = {}
+        self._latest: dict[str, int] = {}  #: model -> seq of its latest version here
+        self._next_seq = 1
+        self._released = asyncio.Condition()
+        self._closed = asyncio.Event()
+        self._relays = 0
+        self._exports = 0
+
+    # -- learner -------------------------------------------------------------------------
+    async def acquire(self, nbytes: int, timeout_s: float) -> Slot:
+        """A slot of ``nbytes`` for the learner's next version, held ``PENDING``."""
+        segment = await self._free_segment(nbytes, timeout_s)
+        segment.holds.add(PENDING)
+        return self._assign(segment)
+
+    # -- hub's planner -------------------------------------------------------------------
+    async def deliver(self, pid: int, seq: int, model: str, workers: tuple[str, ...]) -> Slot:
+        """Hold version ``seq`` of ``model`` for ``workers`` and as the latest of ``model``.
+
+        The hub plans versions in the order the learner submitted them, so a ``PENDING``
+        slot older than ``seq`` holds a version the hub refused: it is freed. ``pid``
+        names the owner the slot came from: a restarted owner knows none of its slots.
+        """
+        segment = self._by_seq.get(seq) if pid == self._pid else None
+        if segment is None:
+            raise TransportError(
+                f"version (sequence {seq}) of model {model!r} is no longer in shared memory "
+                f"on node {self._node_id}: a newer version superseded it and its slot was reused"
+            )
+        for other in self._by_seq.values():
+            if other.seq < seq:
+                other.holds.discard(PENDING)
+        segment.holds.discard(PENDING)
+        segment.holds.update(("worker", w) for w in workers if w not in segment.released)
+        latest = self._latest.get(model, 0)
+        if seq > latest:
+            previous = self._by_seq.get(latest)
+            if previous is not None:
+                previous.holds.discard(("latest", model))
+            self._latest[model] = seq
+            segment.holds.add(("latest", model))
+        await self._notify()
+        return self._slot(segment)
+
+    async def export(self, pid: int, seq: int) -> list[ray.ObjectRef]:
+        """Put version ``seq`` into the object store once, for other nodes' owners."""
+        segment = self._by_seq.get(seq) if pid == self._pid else None
+        if segment is None or not segment.holds:
+            raise TransportError(
+                f"sequence {seq} is not held on node {self._node_id}; cannot export it"
+            )
+        self._exports += 1
+        return [ray.put(segment.buffer[HEADER_BYTES:].numpy())]
+
+    async def relay(
+        self,
+        refs: list[ray.ObjectRef],
+        nbytes: int,
+        model: str,
+        workers: tuple[str, ...],
+        timeout_s: float,
+    ) -> Slot:
+        """Copy an exported version into a slot here; hold it like :meth:`deliver`."""
+        segment = await self._free_segment(nbytes, timeout_s)
+        segment.holds.add(RELAYING)
+        try:
+            data = await refs[0]
+            slot = self._assign(segment)
+            write_seq(segment.buffer, 0)
+            np.copyto(segment.buffer[HEADER_BYTES:].numpy(), data)
+            write_seq(segment.buffer, slot.seq)
+        finally:
+            segment.holds.discard(RELAYING)
+        self._relays += 1
+        return await self.deliver(self._pid, slot.seq, model, workers)
+
+    async def release(self, pid: int, seq: int, worker: str) -> None:
+        """``worker`` is done with version ``seq`` (copied or skipped it). It may come
+        before the hub's hold for it (the hub does not wait for its holds to land)."""
+        segment = self._by_seq.get(seq) if pid == self._pid else None
+        if segment is None:
+            return
+        if ("worker", worker) in segment.holds:
+            segment.holds.discard(("worker", worker))
+            await self._notify()
+        else:
+            segment.released.add(worker)
+
+    async def drop_worker(self, worker: str) -> None:
+        """``worker`` died, left or re-registered: it holds nothing any more."""
+        for segment in self._by_seq.values():
+            segment.holds.discard(("worker", worker))
+            segment.released.discard(worker)
+        await self._notify()
+
+    async def stats(self) -> OwnerStats:
+        segments = [s for pool in self._pools.values() for s in pool]
+        return OwnerStats(
+            node_id=self._node_id,
+            segments=len(segments),
+            segment_bytes=sum(s.buffer.numel() for s in segments),
+            relays=self._relays,
+            exports=self._exports,
+            holds=tuple(sorted("/".join(h) for s in segments for h in s.holds)),
+        )
+
+    async def closed(self) -> None:
+        """Returns once :meth:`close` ran; the planner watches it to notice a death."""
+        await self._closed.wait()
+
+    async def close(self) -> None:
+        """Close every segment (receivers' existing mappings stay valid until unmapped)."""
+        for pool in self._pools.values():
+            for segment in pool:
+                os.close(segment.fd)
+        self._pools.clear()
+        self._by_seq.clear()
+        self._closed.set()
+
+    # -- slots ---------------------------------------------------------------------------
+    async def _free_segment(self, nbytes: int, timeout_s: float) -> _Segment:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pool = self._pools.setdefault(nbytes, [])
+        async with self._released:
+            while True:
+                for segment in pool:
+                    if not segment.holds:
+                        return segment
+                if len(pool) < self._max_slots:
+                    segment = self._create(nbytes)
+                    pool.append(segment)
+                    return segment
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    holders = sorted({"/".join(h) for s in pool for h in s.holds})
+                    raise TransportError(
+                        f"all {len(pool)} shared-memory slots of {nbytes} bytes on node "
+                        f"{self._node_id} stayed held for {timeout_s:g} s by: "
+                        f"{', '.join(holders)}; a receiver that never reaches a safe point "
+                        "holds the versions it was sent"
+                    )
+                try:
+                    await asyncio.wait_for(self._released.wait(), remaining)
+                except asyncio.TimeoutError:
+                    continue
+
+    def _create(self, nbytes: int) -> _Segment:
+        token = secrets.token_bytes(TOKEN_BYTES)
+        fd = os.memfd_create("raysync-segment", os.MFD_CLOEXEC)
+        os.ftruncate(fd, nbytes)
+        # Allocate (and zero) every page now, in the owner, ahead of the first write:
+        # the learner asks for its next slot ahead, so this is off the broadcast's path.
+        os.posix_fallocate(fd, 0, nbytes)
+        buffer = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
+        buffer[:TOKEN_BYTES] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+        return _Segment(fd, buffer, token)
+
+    def _assign(self, segment: _Segment) -> Slot:
+        """Give ``segment`` the next sequence number (its previous version is gone)."""
+        self._by_seq.pop(segment.seq, None)
+        segment.released.clear()
+        segment.seq = self._next_seq
+        self._next_seq += 1
+        self._by_seq[segment.seq] = segment
+        return self._slot(segment)
+
+    def _slot(self, segment: _Segment) -> Slot:
+        return Slot(
+            self._node_id,
+            self._pid,
+            segment.fd,
+            segment.token,
+            segment.buffer.numel(),
+            segment.seq,
+        )
+
+    async def _notify(self) -> None:
+        async with self._released:
+            self._released.notify_all()

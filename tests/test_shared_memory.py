@@ -1,0 +1,228 @@
+"""The shared-memory transport on one node: bitwise delivery, no tearing under lag,
+holds released, failures of receivers and owners, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+import torch
+
+from raysync import WeightReceiver
+from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_name
+from tests.receivers import Collector, SlowHook, filled, make_policy, make_probe_model, state_of
+from tests.test_core import assert_same, ready, start, start_hub
+
+TRANSPORT = "shared_memory"
+#: What the kernel calls our segments in /proc/<pid>/fd and /proc/<pid>/maps.
+SEGMENT = "memfd:raysync-segment"
+
+
+@ray.remote(num_cpus=0)
+class Recorder(WeightReceiver):
+    """Records, at each apply, the smallest and largest element of its whole model."""
+
+    def __init__(self, hub, worker_id: str, delay_s: float = 0.0):
+        self.model = make_probe_model(width=64, layers=4)
+        self.delay_s = delay_s
+        self.seen: list[tuple[int, float, float]] = []
+        self.connect_hub(hub, models={"probe": "model"}, worker_id=worker_id)
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        flat = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        self.seen.append((version, float(flat.min()), float(flat.max())))
+        time.sleep(self.delay_s)
+
+    def record(self) -> list[tuple[int, float, float]]:
+        return list(self.seen)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _owner(hub):
+    node_id = ray.get_runtime_context().get_node_id()
+    return ray.get_actor(owner_name(hub.actor._actor_id.hex(), node_id), namespace=OWNER_NAMESPACE)
+
+
+def _wait_until(condition, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def _holds(hub) -> tuple[str, ...]:
+    return ray.get(_owner(hub).stats.remote()).holds
+
+
+def _segments_in(pid: int) -> int:
+    """How many of our segments process ``pid`` has open or mapped (0 if it is gone)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+        with open(f"/proc/{pid}/maps") as maps:
+            mapped = sum(SEGMENT in line for line in maps)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    opened = 0
+    for fd in fds:
+        try:
+            opened += SEGMENT in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+    return opened + mapped
+
+
+def _our_dev_shm() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if "raysync" in name]
+
+
+def test_bitwise_mixed_dtypes_every_version_one_write_per_node(actors):
+    hub = start_hub(actors, TRANSPORT)
+    receivers = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
+    ready(receivers)
+    learner = make_policy()
+    for _ in range(3):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(torch.randn_like(p))
+        report = ray.get(hub.broadcast.remote(learner))
+        assert report.acked == ("c0", "c1", "c2") and report.transport == TRANSPORT
+        for r in receivers:
+            assert_same(ray.get(r.state.remote()), state_of(learner))
+    # Every receiver read the one slot the learner wrote: all got the same payload.
+    latest = ray.get(hub.latest.remote("policy"))
+    stats = ray.get(_owner(hub).stats.remote())
+    assert stats.relays == 0 and stats.exports == 0  # one node: nothing crossed nodes
+    assert 1 <= stats.segments <= MAX_SLOTS, stats
+    assert latest.payload.slot.seq == 3  # three versions, three writes on this node
+
+    mixed = {
+        "bf16": torch.randn(5, 3).to(torch.bfloat16),
+        "f64": torch.randn(7, dtype=torch.float64),
+        "i64": torch.arange(9),
+        "i8": torch.tensor([-3, 4], dtype=torch.int8),
+        "flag": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    }
+
+    @ray.remote(num_cpus=0)
+    class Mixed(Collector.__ray_actor_class__):
+        def __init__(self, hub):
+            self.sd = {k: torch.zeros_like(v) for k, v in mixed.items()}
+            self.applied = []
+            self.connect_hub(hub, models={"mixed": "sd"})
+
+    receiver = start(actors, Mixed, hub)
+    ready([receiver])
+    ray.get(hub.broadcast.remote(mixed, model="mixed"))
+    assert_same(ray.get(receiver.state.remote("sd")), mixed)
+
+
+def test_back_to_back_broadcasts_never_tear_a_lagging_reader(actors):
+    """wait=False broadcasts faster than one receiver applies them: every version each
+    receiver applies is exactly that version's bytes, although the learner writes far
+    more versions than there are slots. The lagging receiver holds the slots it was
+    sent, so the learner waits for a slot instead of overwriting one being read."""
+    hub = start_hub(actors, TRANSPORT)
+    template = make_probe_model(width=64, layers=4)
+    fast = start(actors, Recorder, hub, "fast")
+    lagging = start(actors, Recorder, hub, "lagging", 0.3)
+    ready([fast, lagging])
+    versions = range(1, 3 * MAX_SLOTS + 1)
+    tickets = [
+        ray.get(hub.broadcast.remote(filled(template, float(v)), wait=False)) for v in versions
+    ]
+    reports = ray.get([hub.wait_for.remote(t) for t in tickets])
+    assert all(r.acked == ("fast", "lagging") for r in reports), reports
+    for receiver in (fast, lagging):
+        seen = ray.get(receiver.record.remote())
+        assert [v for v, _, _ in seen] == list(versions)
+        torn = [(v, lo, hi) for v, lo, hi in seen if not lo == hi == float(v)]
+        assert torn == [], f"versions applied with another version's bytes: {torn}"
+    assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
+    # Every receiver released every version; the latest stays held for late joiners
+    # (and the learner may hold the slot it asked for ahead).
+    _wait_until(lambda: set(_holds(hub)) - {"pending"} == {"latest/probe"}, what="holds released")
+
+
+def test_killed_receiver_releases_its_holds(actors):
+    hub = start_hub(actors, TRANSPORT)
+    survivors = [start(actors, Collector, hub, worker_id=f"ok{i}") for i in range(2)]
+    victim = start(actors, SlowHook, hub, 30.0)
+    ready([*survivors, victim])
+    victim_id = victim._actor_id.hex()
+    ray.get(hub.broadcast.remote(make_policy()))
+    ref = hub.broadcast.remote(make_policy(), timeout_s=20, raise_on_failure=False)
+    _wait_until(lambda: f"worker/{victim_id}" in _holds(hub), what="victim holds version 2")
+    ray.kill(victim)
+    report = ray.get(ref, timeout=30)
+    assert report.acked == ("ok0", "ok1") and "died" in report.failed[victim_id]
+    _wait_until(lambda: f"worker/{victim_id}" not in _holds(hub), what="victim's hold dropped")
+    # More versions than slots still flow: nothing the victim held is lost.
+    learner = make_policy()
+    for _ in range(MAX_SLOTS + 1):
+        report = ray.get(hub.broadcast.remote(learner))
+        assert report.acked == ("ok0", "ok1")
+    for s in survivors:
+        assert_same(ray.get(s.state.remote()), state_of(learner))
+
+
+def test_killed_owner_is_restarted_and_leaves_nothing(actors):
+    hub = start_hub(actors, TRANSPORT)
+    receivers = [start(actors, Recorder, hub, f"r{i}") for i in range(2)]
+    ready(receivers)
+    template = make_probe_model(width=64, layers=4)
+    ray.get(hub.broadcast.remote(filled(template, 1.0)))
+    owner = _owner(hub)
+    owner_pid = ray.get(hub.latest.remote("probe")).payload.slot.pid
+    assert _segments_in(owner_pid) > 0
+    ray.kill(owner)
+    # The owner's process and with it every descriptor of its segments are gone.
+    _wait_until(lambda: _segments_in(owner_pid) == 0, what="dead owner's segments closed")
+    # The hub restarts the owner; the learner finds the new one and delivery goes on.
+    report = ray.get(hub.broadcast.remote(filled(template, 2.0)))
+    assert report.acked == ("r0", "r1")
+    assert ray.get(hub.latest.remote("probe")).payload.slot.pid != owner_pid
+    for r in receivers:
+        assert ray.get(r.record.remote())[-1] == (2, 2.0, 2.0)
+    assert _our_dev_shm() == []
+
+
+def test_hub_close_frees_every_segment(actors):
+    hub = start_hub(actors, TRANSPORT)
+    receivers = [start(actors, Recorder, hub, f"r{i}") for i in range(2)]
+    ready(receivers)
+    template = make_probe_model(width=64, layers=4)
+    for v in (1.0, 2.0):
+        ray.get(hub.broadcast.remote(filled(template, v)))
+    owner_pid = ray.get(hub.latest.remote("probe")).payload.slot.pid
+    receiver_pids = ray.get([r.pid.remote() for r in receivers])
+    assert _segments_in(owner_pid) > 0 and all(_segments_in(p) > 0 for p in receiver_pids)
+    ray.get(hub.close.remote())
+    _wait_until(lambda: _segments_in(owner_pid) == 0, what="owner's segments closed")
+    for r in receivers:
+        ray.kill(r)
+    # Once the readers are gone too, no process of ours maps a segment: the kernel has
+    # freed them. None was ever linked into /dev/shm.
+    _wait_until(lambda: all(_segments_in(p) == 0 for p in receiver_pids), what="receivers unmapped")
+    assert _our_dev_shm() == []
+
+
+def test_killed_hub_takes_its_owner_and_segments_with_it(actors):
+    hub = start_hub(actors, TRANSPORT)
+    receiver = start(actors, Recorder, hub, "r0")
+    ready([receiver])
+    ray.get(hub.broadcast.remote(filled(make_probe_model(width=64, layers=4), 1.0)))
+    owner_pid = ray.get(hub.latest.remote("probe")).payload.slot.pid
+    assert _segments_in(owner_pid) > 0
+    ray.kill(hub.actor)
+    # The owner fate-shares with the hub that created it: its process and descriptors go.
+    _wait_until(lambda: _segments_in(owner_pid) == 0, what="owner gone with the hub")
+    assert _our_dev_shm() == []
