@@ -49,7 +49,7 @@ _PING_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True)
 class _Admitted:
-    actor: str
+    process: str  #: the admitted receiver process (Ray worker id)
     member: RpcMember
 
 
@@ -75,16 +75,19 @@ class RpcAgentActor:
         self._sent = 0
         self._failures: list[str] = []
 
-    async def admit(self, worker: str, actor: str) -> RpcMember:
-        """``worker``'s rank and RPC name: the same as before for the same actor (a
-        receiver process is in the group for life), a fresh one otherwise."""
+    async def admit(self, worker: str, process: str) -> RpcMember:
+        """``worker``'s rank and RPC name: the same as before for the same process (a
+        receiver process is in the group for life), a fresh one for a new process (a
+        new receiver, or one Ray restarted: its old name is taken off the list)."""
         known = self._members.get(worker)
-        if known is not None and known.actor == actor:
+        if known is not None and known.process == process:
             return known.member
+        if known is not None:
+            await asyncio.to_thread(self._unlist, {known.member.name})
         await asyncio.to_thread(self._prune)
         rank = next(self._ranks)
         member = RpcMember(self._url, self._key, rpc_name(self._key, rank), rank, self._settings)
-        self._members[worker] = _Admitted(actor, member)
+        self._members[worker] = _Admitted(process, member)
         return member
 
     async def forget(self, worker: str) -> None:

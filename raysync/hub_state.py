@@ -42,7 +42,9 @@ class ReceiverEntry:
     @property
     def info(self) -> ReceiverInfo:
         r = self.registration
-        return ReceiverInfo(worker=r.worker, actor=r.actor, node_id=r.node_id, handle=r.handle)
+        return ReceiverInfo(
+            worker=r.worker, actor=r.actor, node_id=r.node_id, process=r.process, handle=r.handle
+        )
 
 
 class HubState:

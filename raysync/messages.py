@@ -81,6 +81,7 @@ class Registration:
     handle: Any  #: the receiver's ActorHandle
     actor: str  #: "ClassName(actor_id)" for messages
     node_id: str
+    process: str  #: Ray worker id of the receiver's process (new after a restart)
     specs: dict[str, WeightSpec]
     versions: dict[str, int]
     mode: DeliveryMode

@@ -242,6 +242,7 @@ def _registration(
         handle=context.current_actor,
         actor=identity.actor,
         node_id=context.get_node_id(),
+        process=context.get_worker_id(),
         specs={m: WeightSpec.of(_destination(owner, h).tensors) for m, h in held.items()},
         versions={m: h.version for m, h in held.items()},
         mode=mode,

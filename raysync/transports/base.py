@@ -82,6 +82,7 @@ class ReceiverInfo:
     worker: str
     actor: str  #: "ClassName(actor_id)", for messages
     node_id: str
+    process: str  #: Ray worker id of the receiver's process: new after an actor restart
     handle: Any  #: the receiver's ActorHandle
 
 

@@ -30,8 +30,8 @@ in practice, once per process (a second ``init_rpc`` in the same process gets an
 store prefix and ``dist_autograd`` refuses a new rank): a receiver process joins the
 group of the first RPC hub it registers with and stays in it until it exits;
 re-registering with that hub keeps its rank, another RPC hub is refused. An actor that
-Ray restarts under the same actor id is admitted under its old name and cannot join
-again (known limitation). Pull mode reads the learner's object-store copy directly.
+Ray restarts is a new process: it is admitted under a new rank and name, and its old
+name is taken off the member list. Pull mode reads the learner's object-store copy directly.
 
 Memory: every version pushed to a receiver waits in its inbox until its delivery takes
 it, so a receiver kept busy for many broadcasts holds each of them meanwhile.
@@ -336,7 +336,7 @@ class RpcPlanner(TransportPlanner):
         self._seq = 0
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> RpcMember:
-        return await self._actor.admit.remote(receiver.worker, receiver.actor)
+        return await self._actor.admit.remote(receiver.worker, receiver.process)
 
     async def receiver_left(self, worker: str) -> None:
         await self._actor.forget.remote(worker)
