@@ -91,7 +91,14 @@ class _ReceiverCore:
         return None if result is DEFERRED else result
 
     def _apply(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
-        """Copy ``staged`` into the model in place. Runs at the safe point."""
+        """Copy ``staged`` into the model in place, then hand ``staged`` back to the
+        transport. Runs at the safe point."""
+        try:
+            return self._copy_in(update, staged)
+        finally:
+            self.transport.release(staged)
+
+    def _copy_in(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
         held = self.models[update.model]
         if update.version <= held.version:
             return self._ack(update, AckStatus.SUPERSEDED)

@@ -17,6 +17,7 @@ from raysync.transports.base import (
 #: name -> "module:Class"; the module is imported on first use of the name.
 _REGISTRY: dict[str, str] = {
     "object_store": "raysync.transports.object_store:ObjectStoreTransport",
+    "nixl": "raysync.transports.nixl:NixlTransport",
 }
 
 DEFAULT_TRANSPORT = "object_store"

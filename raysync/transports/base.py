@@ -13,7 +13,10 @@ process that calls each method:
 3. learner process, once per hub handle: ``sender = Transport.open_sender(hub_actor)``.
 4. learner process, each broadcast: ``payload = sender.send(tensors, spec)`` — the data
    leaves the learner here (or is made readable by receivers). ``tensors`` is the
-   flat, name-sorted mapping from :func:`raysync.weights.flatten`.
+   flat, name-sorted mapping from :func:`raysync.weights.flatten`. Right after, the
+   learner hands the payload to the hub and tells the sender
+   ``sender.submitted(payload, result)``: ``result`` is the broadcast's ack future, so a
+   sender that reuses its memory knows when receivers are done with a version.
 5. hub process, each broadcast: ``payloads = await planner.plan(update, targets)`` maps
    each targeted worker to the payload it reads (default: the learner's payload for
    all). This is where a transport relays per node. The hub keeps the latest update
@@ -24,7 +27,9 @@ process that calls each method:
    ``staged = receiver.fetch(payload, spec)`` returns one read-only tensor per spec
    entry, in spec order (views of staged data; any device).
 8. receiver process, at the safe point: the receiver mixin copies ``staged`` into the
-   model's own tensors in place, then acknowledges.
+   model's own tensors in place, then acknowledges, then calls
+   ``receiver.release(staged)``: until then ``staged`` must stay unchanged (several
+   fetched updates may wait for the same safe point).
 
 Acknowledgement: the receiver's delivery call resolves to an :class:`~raysync.messages.Ack`
 once the copy is done, so a transport whose ``fetch`` returns when the data is local
@@ -67,6 +72,10 @@ class TransportSender(ABC):
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> Any:
         """Make this version readable by receivers; return the payload the hub forwards."""
 
+    def submitted(self, payload: Any, result: Any) -> None:
+        """``payload`` went to the hub; ``result`` is the ObjectRef ``broadcast`` returned
+        (a report, or a ticket with ``wait=False``). Default: nothing to track."""
+
     def close(self) -> None:
         """Release what the sender holds. Default: nothing to release."""
 
@@ -106,6 +115,10 @@ class TransportReceiver(ABC):
     @abstractmethod
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         """Bring one version here; return read-only tensors in spec order."""
+
+    def release(self, staged: Sequence[torch.Tensor]) -> None:
+        """``staged`` (from ``fetch``) was applied or dropped; its memory may be reused.
+        Default: nothing to reuse."""
 
     def close(self) -> None:
         """Release what the receiver holds. Default: nothing to release."""
