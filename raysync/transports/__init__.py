@@ -18,6 +18,7 @@ from raysync.transports.base import (
 _REGISTRY: dict[str, str] = {
     "object_store": "raysync.transports.object_store:ObjectStoreTransport",
     "nixl": "raysync.transports.nixl:NixlTransport",
+    "rdt": "raysync.transports.rdt:RdtTransport",
 }
 
 DEFAULT_TRANSPORT = "object_store"

@@ -413,7 +413,8 @@ class NixlReceiver(TransportReceiver):
 
 
 @functools.cache
-def _availability() -> Availability:
+def nixl_availability() -> Availability:
+    """Can nixl run here: the package imports and an agent with UCX starts (once per process)."""
     try:
         _new_agent("probe")
     except ImportError as err:
@@ -433,7 +434,7 @@ class NixlTransport(Transport):
     @classmethod
     def availability(cls) -> Availability:
         """Imports nixl and creates one UCX agent (once per process)."""
-        return _availability()
+        return nixl_availability()
 
     @classmethod
     def open_sender(cls, hub: Any) -> NixlSender:
