@@ -80,7 +80,9 @@ class _Broadcast:
             raise_on_failure=raise_on_failure,
             learner_seconds=time.perf_counter() - started,
         )
-        return self._handle.actor.submit.remote(request)
+        result = self._handle.actor.submit.remote(request)
+        self._handle._sender.submitted(payload, result)
+        return result
 
 
 class HubHandle:

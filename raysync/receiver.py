@@ -137,23 +137,24 @@ class _ReceiverCore:
         payload is released on every path, once nothing reads the staged data."""
         held = self.models.get(update.model)
         if held is None or update.version <= held.version:
-            self.transport.release(update.payload)
+            self.transport.release(update.payload, None)
             if held is None:
                 raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
             return self._ack(update, AckStatus.SUPERSEDED)
         try:
             staged = self.transport.fetch(update.payload, update.spec)
         except BaseException:
-            self.transport.release(update.payload)
+            self.transport.release(update.payload, None)
             raise
         result = self.gate.write(functools.partial(self._apply_and_release, update, staged))
         return None if result is DEFERRED else result
 
     def _apply_and_release(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
+        """Apply, then hand ``staged`` back to the transport. Runs at the safe point."""
         try:
             return self._apply(update, staged)
         finally:
-            self.transport.release(update.payload)
+            self.transport.release(update.payload, staged)
 
     def _apply(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
         """Copy ``staged`` into the model in place. Runs at the safe point."""

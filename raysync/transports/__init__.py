@@ -20,6 +20,8 @@ _REGISTRY: dict[str, str] = {
     "distributed": "raysync.transports.distributed:DistributedTransport",
     "rpc": "raysync.transports.rpc:RpcTransport",
     "shared_memory": "raysync.transports.shared_memory:SharedMemoryTransport",
+    "nixl": "raysync.transports.nixl:NixlTransport",
+    "rdt": "raysync.transports.rdt:RdtTransport",
 }
 
 DEFAULT_TRANSPORT = "object_store"

@@ -13,7 +13,10 @@ process that calls each method:
 3. learner process, once per hub handle: ``sender = Transport.open_sender(hub_actor)``.
 4. learner process, each broadcast: ``payload = sender.send(tensors, spec)`` — the data
    leaves the learner here (or is made readable by receivers). ``tensors`` is the
-   flat, name-sorted mapping from :func:`raysync.weights.flatten`.
+   flat, name-sorted mapping from :func:`raysync.weights.flatten`. Right after, the
+   learner hands the payload to the hub and tells the sender
+   ``sender.submitted(payload, result)``: ``result`` is the broadcast's ack future, so a
+   sender that reuses its memory knows when receivers are done with a version.
 5. hub process, each broadcast: ``payloads = await planner.plan(update, targets)`` maps
    each targeted worker to the payload it reads (default: the learner's payload for
    all). This is where a transport relays per node. The hub keeps the latest update
@@ -25,10 +28,12 @@ process that calls each method:
    entry, in spec order (views of staged data; any device).
 8. receiver process, at the safe point: the receiver mixin copies ``staged`` into the
    model's own tensors in place, then acknowledges.
-9. receiver process, once per payload it was handed (fetched, or skipped as stale):
-   ``receiver.release(payload)`` when nothing reads ``staged`` any more — after the copy,
-   which may run long after ``fetch`` (deferred safe points). A transport that reuses
-   buffers (shared-memory slots) frees them here.
+9. receiver process, once for every payload it was handed:
+   ``receiver.release(payload, staged)`` when nothing reads ``staged`` any more —
+   after the copy, which may run long after ``fetch`` (several fetched updates may
+   wait for one safe point), or at once with ``staged=None`` when the update was
+   skipped as stale or its fetch failed. Until then ``staged`` must stay unchanged.
+   A transport that reuses buffers (shared-memory slots, NIXL staging) frees them here.
 
 Acknowledgement: the receiver's delivery call resolves to an :class:`~raysync.messages.Ack`
 once the copy is done, so a transport whose ``fetch`` returns when the data is local
@@ -71,6 +76,10 @@ class TransportSender(ABC):
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> Any:
         """Make this version readable by receivers; return the payload the hub forwards."""
 
+    def submitted(self, payload: Any, result: Any) -> None:
+        """``payload`` went to the hub; ``result`` is the ObjectRef ``broadcast`` returned
+        (a report, or a ticket with ``wait=False``). Default: nothing to track."""
+
     def close(self) -> None:
         """Release what the sender holds. Default: nothing to release."""
 
@@ -112,8 +121,9 @@ class TransportReceiver(ABC):
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         """Bring one version here; return read-only tensors in spec order."""
 
-    def release(self, payload: Any) -> None:
-        """The staged tensors of ``payload`` are no longer read. Default: nothing to free."""
+    def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
+        """Nothing reads ``staged`` (of ``payload``; None if never fetched) any more.
+        Default: nothing to free."""
 
     def close(self) -> None:
         """Release what the receiver holds. Default: nothing to release."""

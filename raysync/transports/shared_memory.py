@@ -282,7 +282,7 @@ class SharedMemoryReceiver(TransportReceiver):
             )
         return layout.views(buffer)
 
-    def release(self, payload: SharedMemoryPayload) -> None:
+    def release(self, payload: SharedMemoryPayload, staged: Sequence[torch.Tensor] | None) -> None:
         slot = payload.slot
         if self._owner is None or self._owner[0] != slot.pid:
             try:

@@ -1,0 +1,97 @@
+"""Actors for tests/test_nixl.py (a module of their own so Ray workers can import them)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import ray
+import torch
+
+from raysync import WeightReceiver
+from tests.receivers import Collector, make_policy, state_of
+
+#: Big enough that one READ takes tens of milliseconds, so kills land mid-transfer.
+_BIG_NUMEL = 32 << 20  # 128 MB of float32
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha1()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@ray.remote(num_cpus=0)
+class HashingCollector(WeightReceiver):
+    """Records a digest of its whole model at every apply: a torn apply shows up as a
+    digest the learner never broadcast."""
+
+    def __init__(self, hub, model_factory=make_policy):
+        self.policy = model_factory()
+        self.digests: dict[int, str] = {}
+        self.connect_hub(hub, models={"policy": "policy"})
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        self.digests[version] = digest(self.policy.state_dict())
+
+    def seen(self) -> dict[int, str]:
+        return dict(self.digests)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)
+
+
+def big_model() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(_BIG_NUMEL), "b": torch.zeros(3)}
+
+
+@ray.remote(num_cpus=0)
+class BigCollector(WeightReceiver):
+    def __init__(self, hub, worker_id=None):
+        self.sd = big_model()
+        self.connect_hub(hub, models={"big": "sd"}, worker_id=worker_id)
+
+    def summary(self) -> tuple[int, float, float]:
+        w = self.sd["w"]
+        return self.weights_version(), float(w.min()), float(w.max())
+
+
+@ray.remote(num_cpus=0)
+class Learner:
+    """A learner in its own process, so a test can kill it with its registered buffers."""
+
+    def __init__(self, hub):
+        self.hub = hub
+        self.weights = big_model()
+
+    def broadcast(self, value: float, timeout_s: float):
+        self.weights["w"].fill_(value)
+        return ray.get(
+            self.hub.broadcast.remote(self.weights, model="big", wait=False, timeout_s=timeout_s)
+        )
+
+
+# The same actors declared for Ray's NIXL tensor transport (transport "rdt"). Ray reads
+# enable_tensor_transport from the class decorator only (.options() ignores it).
+_RDT = {"num_cpus": 0, "enable_tensor_transport": True}
+
+
+@ray.remote(**_RDT)
+class RdtCollector(Collector.__ray_actor_class__):
+    pass
+
+
+@ray.remote(**_RDT)
+class RdtHashingCollector(HashingCollector.__ray_actor_class__):
+    pass
+
+
+@ray.remote(**_RDT)
+class RdtBigCollector(BigCollector.__ray_actor_class__):
+    pass
+
+
+@ray.remote(**_RDT)
+class RdtLearner(Learner.__ray_actor_class__):
+    pass

@@ -1,0 +1,252 @@
+"""The NIXL transport: buffer reuse, re-handshakes, and peers killed mid-read."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+from raysync import BroadcastReport, TransportUnavailableError, WeightHub
+from raysync.spec import WeightSpec
+from raysync.transports import TransportError
+from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
+from tests.nixl_actors import BigCollector, HashingCollector, Learner, big_model, digest
+from tests.receivers import Collector, make_policy, state_of
+from tests.test_core import assert_same, ready, start, start_hub
+
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(
+        not NixlTransport.availability().available,
+        reason=f"nixl unavailable: {NixlTransport.availability().reason}",
+    ),
+]
+
+
+def _wait_restarted(handle, timeout_s: float = 60.0) -> None:
+    """Until the restarted actor answers (its __init__ has reconnected to the hub)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+            return
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _report(hub, ticket, timeout_s: float) -> BroadcastReport:
+    return ray.get(hub.wait_for.remote(ticket, raise_on_failure=False), timeout=timeout_s)
+
+
+# -- the sender and receiver halves in one process (no Ray) ------------------------------
+
+
+def _weights(value: float) -> dict[str, torch.Tensor]:
+    return {
+        "a": torch.full((1000,), value),
+        "b": torch.full((3, 5), value, dtype=torch.float64),
+        "c": torch.tensor([True, False]),
+        "d": torch.arange(7, dtype=torch.int16) + int(value),
+    }
+
+
+def test_overwritten_buffer_is_detected_never_returned():
+    """The stamp rule: a payload whose buffer was written again fails; the latest reads."""
+    sender, receiver = NixlSender(hub=None), NixlReceiver()
+    try:
+        spec = WeightSpec.of(_weights(0.0))
+        payloads = [sender.send(_weights(float(v)), spec) for v in (1, 2, 3)]
+        # Buffers alternate: version 3 went into version 1's buffer.
+        assert payloads[2].region == payloads[0].region != payloads[1].region
+        with pytest.raises(TransportError, match="overwrote its buffer"):
+            receiver.fetch(payloads[0], spec)
+        for payload, value in ((payloads[1], 2.0), (payloads[2], 3.0)):
+            staged = receiver.fetch(payload, spec)
+            assert_same(dict(zip(spec.names, staged, strict=True)), _weights(value))
+            receiver.release(payload, staged)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_staged_data_is_kept_until_released():
+    """Two fetched updates waiting for one safe point do not share a staging buffer."""
+    sender, receiver = NixlSender(hub=None), NixlReceiver()
+    try:
+        spec = WeightSpec.of(_weights(0.0))
+        first_payload = sender.send(_weights(1.0), spec)
+        first = receiver.fetch(first_payload, spec)
+        second = receiver.fetch(sender.send(_weights(2.0), spec), spec)
+        assert_same(dict(zip(spec.names, first, strict=True)), _weights(1.0))
+        assert_same(dict(zip(spec.names, second, strict=True)), _weights(2.0))
+        receiver.release(first_payload, first)
+        third = receiver.fetch(sender.send(_weights(3.0), spec), spec)
+        assert third[0].data_ptr() == first[0].data_ptr()  # the released buffer is reused
+        assert_same(dict(zip(spec.names, second, strict=True)), _weights(2.0))
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_unavailable_nixl_fails_fast_with_one_line(ray_cluster, monkeypatch):
+    from raysync.transports import nixl
+
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # "import nixl._api" now fails
+    nixl.nixl_availability.cache_clear()
+    try:
+        availability = NixlTransport.availability()
+        assert not availability.available
+        assert "nixl package is not installed" in availability.reason
+        assert "\n" not in availability.reason
+        with pytest.raises(TransportUnavailableError, match="'nixl' is not available"):
+            WeightHub.remote(transport="nixl")
+    finally:
+        nixl.nixl_availability.cache_clear()
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+
+def test_back_to_back_broadcasts_never_tear(actors):
+    """Many broadcasts in flight over two buffers: every applied version is bitwise one
+    the learner sent, and every receiver ends on the last."""
+    hub = start_hub(actors, "nixl")
+    receivers = [start(actors, HashingCollector, hub) for _ in range(3)]
+    ready(receivers)
+    sent: dict[int, str] = {}
+    tickets = []
+    for _ in range(16):
+        weights = state_of(make_policy())
+        ticket = ray.get(hub.broadcast.remote(weights, wait=False))
+        sent[ticket.version] = digest(weights)
+        tickets.append(ticket)
+    reports = [_report(hub, t, 60) for t in tickets]
+    assert all(r.failed == {} for r in reports), [r.failed for r in reports if r.failed]
+    last = max(sent)
+    for receiver in receivers:
+        seen = ray.get(receiver.seen.remote())
+        assert max(seen) == last
+        for version, applied in seen.items():
+            assert applied == sent[version], f"version {version} applied torn or wrong data"
+        assert digest(ray.get(receiver.state.remote())) == sent[last]
+
+
+def test_restarted_and_new_receivers_handshake_again(actors):
+    hub = start_hub(actors, "nixl")
+    restarting = start(actors, Collector.options(max_restarts=1), hub, worker_id="r")
+    ready([restarting])
+    learner = make_policy()
+    ray.get(hub.broadcast.remote(learner))
+    ray.kill(restarting, no_restart=False)
+    _wait_restarted(restarting)
+    late = start(actors, Collector, hub, worker_id="late")
+    # Both come up with a fresh agent and read the latest version from the same buffer.
+    assert_same(ray.get(restarting.state.remote()), state_of(learner))
+    assert_same(ray.get(late.state.remote()), state_of(learner))
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.mul_(-1)
+    report = ray.get(hub.broadcast.remote(learner))
+    assert report.acked == ("late", "r")
+    for receiver in (restarting, late):
+        assert_same(ray.get(receiver.state.remote()), state_of(learner))
+
+
+def test_new_spec_registers_new_buffers_and_receivers_follow(actors):
+    """A second model (a new spec) makes the learner register memory again; receivers
+    load its metadata again and keep reading both models."""
+    from tests.receivers import MultiModel
+
+    hub = start_hub(actors, "nixl")
+    receiver = start(actors, MultiModel, hub)
+    ready([receiver])
+    for _ in range(2):
+        policy, critic = make_policy(), torch.nn.Linear(8, 1)
+        ray.get(hub.broadcast.remote(policy, model="policy"))
+        ray.get(hub.broadcast.remote(critic, model="critic"))
+    assert_same(ray.get(receiver.state.remote("policy")), state_of(policy))
+    assert_same(ray.get(receiver.state.remote("nets.critic")), state_of(critic))
+
+
+def test_killed_learner_mid_read_fails_the_broadcast_within_the_timeout(actors):
+    hub = start_hub(actors, "nixl")
+    receivers = [start(actors, BigCollector, hub) for _ in range(2)]
+    ready(receivers)
+    learner = Learner.remote(hub)
+    actors.append(learner)
+    first = ray.get(learner.broadcast.remote(1.0, 30))
+    assert _report(hub, first, 45).ok  # version 1 everywhere: connections are up
+    ticket = ray.get(learner.broadcast.remote(2.0, 30))
+    ray.kill(learner)
+    report = _report(hub, ticket, 45)
+    assert report.failed, f"the kill landed after every read finished: {report}"
+    for worker, reason in report.failed.items():
+        assert "TransportError" in reason and "learner agent raysync-learner-" in reason, (
+            worker,
+            reason,
+        )
+    for receiver in receivers:
+        version, low, high = ray.get(receiver.summary.remote())
+        assert (version, low, high) in ((1, 1.0, 1.0), (2, 2.0, 2.0))  # never torn
+    # A new learner (the driver) reaches every receiver: they forgot the dead agent.
+    weights = big_model()
+    weights["w"].fill_(3.0)
+    report = ray.get(hub.broadcast.remote(weights, model="big"))
+    assert len(report.acked) == 2
+    assert all(ray.get(r.summary.remote()) == (3, 3.0, 3.0) for r in receivers)
+
+
+def test_killed_receiver_mid_read_leaves_the_others_and_the_learner_fine(actors):
+    hub = start_hub(actors, "nixl")
+    doomed = start(actors, BigCollector, hub, worker_id="doomed")
+    survivor = start(actors, BigCollector, hub, worker_id="survivor")
+    ready([doomed, survivor])
+    weights = big_model()
+    weights["w"].fill_(1.0)
+    ticket = ray.get(hub.broadcast.remote(weights, model="big", wait=False, timeout_s=30))
+    ray.kill(doomed)
+    report = _report(hub, ticket, 45)
+    assert report.acked == ("survivor",)
+    assert "doomed" in report.failed
+    assert ray.get(survivor.summary.remote()) == (1, 1.0, 1.0)
+    weights["w"].fill_(2.0)
+    report = ray.get(hub.broadcast.remote(weights, model="big"))
+    assert report.acked == ("survivor",) and report.failed == {}
+    assert ray.get(survivor.summary.remote()) == (2, 2.0, 2.0)
+
+
+# -- GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_weights_are_registered_as_vram_and_read_bitwise():
+    sender, receiver = NixlSender(hub=None), NixlReceiver()
+    try:
+        weights = {k: v.cuda() for k, v in _weights(1.5).items()}
+        spec = WeightSpec.of(weights)
+        payload = sender.send(weights, spec)
+        assert payload.region.mem_type == "VRAM"
+        staged = receiver.fetch(payload, spec)
+        assert all(t.is_cuda for t in staged)
+        assert_same(dict(zip(spec.names, staged, strict=True)), weights)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.gpu
+def test_gpu_learner_to_gpu_receivers(actors):
+    hub = start_hub(actors, "nixl")
+    receivers = [start(actors, Collector.options(num_gpus=0.1), hub) for _ in range(2)]
+    ready(receivers)
+    learner = make_policy().cuda()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert len(report.acked) == 2
+    expected = {k: v.cpu() for k, v in state_of(learner).items()}
+    for receiver in receivers:
+        assert_same({k: v.cpu() for k, v in ray.get(receiver.state.remote()).items()}, expected)

@@ -1,0 +1,105 @@
+"""The rdt transport (Ray's NIXL tensor transport): delivery, the actor requirement, kills."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from raysync.transports.rdt import RdtTransport
+from tests.nixl_actors import (
+    Learner,
+    RdtBigCollector,
+    RdtCollector,
+    RdtHashingCollector,
+    RdtLearner,
+    big_model,
+    digest,
+)
+from tests.receivers import Collector, make_policy, state_of
+from tests.test_core import assert_same, ready, start, start_hub
+
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(
+        not RdtTransport.availability().available,
+        reason=f"rdt unavailable: {RdtTransport.availability().reason}",
+    ),
+]
+
+
+def _report(hub, ticket, timeout_s: float):
+    return ray.get(hub.wait_for.remote(ticket, raise_on_failure=False), timeout=timeout_s)
+
+
+def test_receiver_without_tensor_transport_is_refused_with_what_to_add(actors):
+    hub = start_hub(actors, "rdt")
+    plain = start(actors, Collector, hub)
+    with pytest.raises(ray.exceptions.RayActorError, match="enable_tensor_transport=True"):
+        ray.get(plain.__ray_ready__.remote())
+
+
+def test_learner_actor_without_tensor_transport_is_refused(actors):
+    hub = start_hub(actors, "rdt")
+    learner = start(actors, Learner, hub)
+    with pytest.raises(ray.exceptions.RayTaskError, match="enable_tensor_transport=True"):
+        ray.get(learner.broadcast.remote(1.0, 10))
+
+
+def test_every_version_bitwise_late_join_and_pull(actors):
+    hub = start_hub(actors, "rdt")
+    push = [start(actors, RdtCollector, hub) for _ in range(2)]
+    pull = start(actors, RdtCollector, hub, worker_id="pull", mode="pull")
+    ready([*push, pull])
+    learner = make_policy()
+    for step in range(1, 4):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(torch.randn_like(p))
+        report = ray.get(hub.broadcast.remote(learner))
+        assert report.version == step and len(report.acked) == 2
+        for receiver in push:
+            assert_same(ray.get(receiver.state.remote()), state_of(learner))
+    late = start(actors, RdtCollector, hub)
+    assert_same(ray.get(late.state.remote()), state_of(learner))
+    assert ray.get(pull.pull.remote()) == {"policy": 3}
+    assert_same(ray.get(pull.state.remote()), state_of(learner))
+
+
+def test_back_to_back_broadcasts_never_tear(actors):
+    hub = start_hub(actors, "rdt")
+    receivers = [start(actors, RdtHashingCollector, hub) for _ in range(2)]
+    ready(receivers)
+    sent, tickets = {}, []
+    for _ in range(10):
+        weights = state_of(make_policy())
+        ticket = ray.get(hub.broadcast.remote(weights, wait=False))
+        sent[ticket.version] = digest(weights)
+        tickets.append(ticket)
+    reports = [ray.get(hub.wait_for.remote(t, raise_on_failure=False), timeout=60) for t in tickets]
+    assert all(r.failed == {} for r in reports), [r.failed for r in reports if r.failed]
+    for receiver in receivers:
+        seen = ray.get(receiver.seen.remote())
+        assert max(seen) == max(sent)
+        assert all(sent[v] == d for v, d in seen.items())
+
+
+def test_killed_learner_fails_the_broadcast_within_the_timeout(actors):
+    hub = start_hub(actors, "rdt")
+    receivers = [start(actors, RdtBigCollector, hub) for _ in range(2)]
+    ready(receivers)
+    learner = start(actors, RdtLearner, hub)
+    first = ray.get(learner.broadcast.remote(1.0, 30))
+    assert _report(hub, first, 45).ok  # version 1 everywhere: connections are up
+    ticket = ray.get(learner.broadcast.remote(2.0, 30))
+    ray.kill(learner)
+    report = _report(hub, ticket, 45)
+    for receiver in receivers:
+        version, low, high = ray.get(receiver.summary.remote())
+        assert (version, low, high) in ((1, 1.0, 1.0), (2, 2.0, 2.0))
+    assert report.failed or len(report.acked) == 2
+    for reason in report.failed.values():
+        assert "TransportError" in reason, reason
+    weights = big_model()
+    weights["w"].fill_(3.0)
+    assert len(ray.get(hub.broadcast.remote(weights, model="big")).acked) == 2
