@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # machine instead of resolving an open range to the newest CUDA build (several GB).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-min bench lint clean
+.PHONY: demo test test-all bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+
+# Also the long runs: soak, and the fault runs through every transport.
+test-all: $(STAMP)
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/broadcast.py

@@ -42,13 +42,19 @@ def actors(ray_cluster):
             pass
 
 
-def _transport_params():
-    from raysync.transports import get_transport, known_transports
+def transport_params(*, heavy: bool = False):
+    """One pytest param per registered transport, skipped (with the reason) where it
+    cannot run. ``heavy=True`` marks every transport but the default ``slow``: long fault
+    and soak runs go through the default transport in CI and through all of them
+    with ``make test-all`` (``-m "not gpu"``)."""
+    from raysync.transports import DEFAULT_TRANSPORT, get_transport, known_transports
 
     params = []
     for name in known_transports():
         availability = get_transport(name).availability()
         marks = [pytest.mark.nixl] if name in ("nixl", "rdt") else []
+        if heavy and name != DEFAULT_TRANSPORT:
+            marks.append(pytest.mark.slow)
         if name == "rdt":
             marks.append(
                 pytest.mark.skip(
@@ -62,7 +68,7 @@ def _transport_params():
     return params
 
 
-@pytest.fixture(params=_transport_params())
+@pytest.fixture(params=transport_params())
 def transport(request) -> str:
     """Each transport registered in raysync; unavailable ones are skipped with the reason."""
     return request.param

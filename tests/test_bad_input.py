@@ -18,6 +18,7 @@ from raysync import (
     UnknownWorkerError,
     WeightHub,
 )
+from raysync.transports import DEFAULT_TRANSPORT
 from tests.receivers import Collector, WrongModel, make_policy, state_of
 from tests.test_core import assert_same, ready, start, start_hub
 
@@ -163,6 +164,10 @@ def _untouched(hub, collector, v1_state) -> None:
     assert ray.get(hub.status.remote()).versions == {"policy": 1}
 
 
+# Bad input is refused in the learner or the hub, before any transport is used: every
+# case runs through the default transport, and one case of each kind through every
+# transport (the *_every_transport tests below).
+@pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])
 @pytest.mark.parametrize("case", SPEC_ERRORS, ids=list(SPEC_ERRORS))
 def test_spec_mismatch_rejected_by_hub(case, hub_with_receiver):
     hub, collector, v1_state = hub_with_receiver
@@ -178,6 +183,7 @@ def test_spec_mismatch_rejected_by_hub(case, hub_with_receiver):
     assert ray.get(hub.broadcast.remote(make_policy())).version == 2
 
 
+@pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])
 @pytest.mark.parametrize("case", LEARNER_ERRORS, ids=list(LEARNER_ERRORS))
 def test_invalid_weights_rejected_in_learner(case, hub_with_receiver):
     hub, collector, v1_state = hub_with_receiver
@@ -187,6 +193,14 @@ def test_invalid_weights_rejected_in_learner(case, hub_with_receiver):
     for word in words:
         assert word in str(info.value)
     _untouched(hub, collector, v1_state)
+
+
+def test_wrong_shape_every_transport(hub_with_receiver):
+    test_spec_mismatch_rejected_by_hub("wrong shape", hub_with_receiver)
+
+
+def test_non_tensor_leaf_every_transport(hub_with_receiver):
+    test_invalid_weights_rejected_in_learner("non-tensor leaf", hub_with_receiver)
 
 
 def test_unknown_model(hub_with_receiver):

@@ -11,6 +11,7 @@ import pytest
 import ray
 from ray._private.internal_api import memory_summary
 
+from tests.conftest import transport_params
 from tests.receivers import Collector, make_policy, process_stats
 from tests.test_core import ready, start, start_hub
 
@@ -69,6 +70,7 @@ def _soak(actors, transport, broadcasts: int) -> None:
         assert a["rss_mb"] <= b["rss_mb"] + 64, (b, a)
 
 
+@pytest.mark.parametrize("transport", transport_params(heavy=True))
 def test_soak_short(actors, transport):
     _soak(actors, transport, broadcasts=400)
 
