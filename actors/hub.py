@@ -209,8 +209,8 @@ class WeightHubActor:
         entry = self._state.receivers.get(worker) if worker is not None else None
         if entry is None:
             return update
-        payloads = await self._planner.plan(update, [entry.info])
-        return dataclasses.replace(update, payload=payloads[entry.worker])
+        payload = await self._planner.plan_pull(update, entry.info)
+        return dataclasses.replace(update, payload=payload)
 
     # -- anyone ----------------------------------------------------------------------------
     async def status(self) -> HubStatus:
@@ -223,6 +223,9 @@ class WeightHubActor:
 
     def config(self) -> HubConfig:
         return self._config
+
+    def closed(self) -> bool:
+        return self._closed
 
     async def close(self) -> None:
         """Refuse new broadcasts and wait for those in flight."""

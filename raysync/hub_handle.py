@@ -15,10 +15,10 @@ import ray
 from ray.actor import ActorHandle
 
 from raysync import weights as weights_mod
-from raysync.errors import HubNotFoundError, TransportUnavailableError
+from raysync.errors import HubClosedError, HubNotFoundError, TransportUnavailableError
 from raysync.messages import BroadcastRequest, HubConfig
 from raysync.spec import WeightSpec
-from raysync.transports import DEFAULT_TRANSPORT, TransportSender, get_transport
+from raysync.transports import DEFAULT_TRANSPORT, TransportError, TransportSender, get_transport
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
@@ -68,7 +68,15 @@ class _Broadcast:
             weights, what="broadcast weights", reject_nonfinite=config.reject_nonfinite
         )
         spec = WeightSpec.of(tensors)
-        payload = self._handle._sender.send(tensors, spec)
+        try:
+            payload = self._handle._sender.send(tensors, spec)
+        except TransportError as err:
+            # A closed hub has stopped its transport: say that, not what broke below it.
+            if ray.get(self._handle.actor.closed.remote()):
+                raise HubClosedError(
+                    "the hub is shutting down and accepts no more broadcasts"
+                ) from err
+            raise
         request = BroadcastRequest(
             model=model,
             version=version,

@@ -110,6 +110,12 @@ class TransportPlanner:
         """Per targeted worker, the payload it reads. Default: the learner's payload."""
         return {receiver.worker: update.payload for receiver in targets}
 
+    async def plan_pull(self, update: Any, receiver: ReceiverInfo) -> Any:
+        """The payload ``receiver`` reads when it pulls ``update`` outside a broadcast.
+        Default: the learner's payload, read directly (transports whose sender leaves a
+        copy any receiver can read)."""
+        return update.payload
+
     async def close(self) -> None:
         """Stop what the planner started. Default: nothing."""
 

@@ -358,6 +358,10 @@ class SharedMemoryPlanner(TransportPlanner):
             except RayActorError:
                 continue  # its watch restarts it; a new owner holds nothing
 
+    async def plan_pull(self, update: Any, receiver: ReceiverInfo) -> Any:
+        """A puller reads its own node's copy, held for it like a broadcast's target."""
+        return (await self.plan(update, [receiver]))[receiver.worker]
+
     async def plan(self, update: Any, targets: Sequence[ReceiverInfo]) -> Mapping[str, Any]:
         source: SharedMemoryPayload = update.payload
         slot = source.slot
