@@ -24,22 +24,30 @@ runs, then ``--repeats`` timed rounds run the three methods in a rotating order;
 median is reported and ``ratio_to_floor`` divides by the same cell's floor. The machine
 may be shared (and Ray's own start-up is busy), so each timed sample waits for the CPU
 to go quiet first and is retaken (``--retries``) if processes outside this benchmark's
-process tree used more than ``--max-foreign`` of the CPU during it; each row's
-``noise`` lists, per sample, the CPU busy before it, the foreign share during it
-(from /proc; null where it cannot be told) and the retakes. After every broadcast
-each receiver's tensors are probed to check that this version really landed. The actors
-are killed between cells so at most one cell's models are in memory.
+process tree used more than ``--max-foreign`` of the CPU during it (the least
+disturbed attempt is kept); each row's ``noise`` lists, per sample, the CPU busy before
+it, the foreign share during it (from /proc; null where it cannot be told) and the
+attempts taken. After every broadcast each receiver's tensors are probed to check that
+this version really landed. The actors are killed between cells so at most one cell's
+models are in memory; the JSON is rewritten after every cell (``"complete": false``
+until the end), so a run that dies part-way keeps what it measured.
+
+Threads: the floor uses ``--floor-threads`` (default: all cores); each receiver actor
+``--receiver-threads`` torch threads (default ``max(1, cores // N)``, so N receivers
+together use the cores the floor uses; Ray would otherwise pin a ``num_cpus=0`` actor
+to ``OMP_NUM_THREADS=1``). The learner's put is Ray's own copy.
 
 Sizes accept KB/MB/GB suffixes as powers of 1024 (``64MB`` = 64 MiB). "GB/s" in the
 table is delivered bandwidth, ``bytes * N / seconds / 1e9``, for every method.
 
 Writes JSON (``--out``, default ``benchmarks/results/broadcast.json``; ``--quick``
 defaults to ``broadcast_quick.json`` so it does not overwrite a full run) and a PNG plot
-next to it (``--plot`` to override).
+next to it (``--plot`` to override); ``--replot JSON`` only redraws and reprints.
 
-    .venv/bin/python benchmarks/broadcast.py --quick        # ~1 min
+    .venv/bin/python benchmarks/broadcast.py --quick        # ~1 min on an idle machine
     .venv/bin/python benchmarks/broadcast.py                # 64MB,256MB,1GB x N=1,4
     .venv/bin/python benchmarks/broadcast.py --sizes 128MB --receivers 1 2 8 --repeats 5
+    .venv/bin/python benchmarks/broadcast.py --replot benchmarks/results/broadcast.json
 """
 
 from __future__ import annotations
@@ -272,8 +280,11 @@ def wait_for_memory(needed: int, timeout_s: float) -> None:
         time.sleep(1.0)
         free = mem_available()
     if free is not None and free < needed + 2**31:
-        print(f"warning: {free / 2**30:.1f} GiB available, this cell wants about "
-              f"{needed / 2**30:.1f} GiB; Ray's memory monitor may kill receivers", flush=True)
+        print(
+            f"warning: {free / 2**30:.1f} GiB available, this cell wants about "
+            f"{needed / 2**30:.1f} GiB; Ray's memory monitor may kill receivers",
+            flush=True,
+        )
 
 
 def check_landed(receivers, value: int, method: str) -> None:
@@ -325,18 +336,24 @@ def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tens
 
         def timed(method: str) -> None:
             """One sample, taken when the machine is quiet; retaken (up to --retries
-            times) if other processes used more than --max-foreign of the CPU during it."""
-            for attempt in range(args.retries + 1):
+            times) if other processes used more than --max-foreign of the CPU during it,
+            keeping the attempt they disturbed least."""
+            attempts = []
+            for _ in range(args.retries + 1):
                 busy = METER.wait_quiet(args.quiet_threshold, args.sample_quiet_timeout_s)
                 before = METER.snapshot()
                 elapsed = one(method)
                 foreign = METER.foreign(before, METER.snapshot(before[3] if before else None))
-                if foreign is None or foreign <= args.max_foreign or attempt == args.retries:
+                attempts.append((foreign or 0.0, elapsed, busy, foreign, last_report_seconds))
+                if foreign is None or foreign <= args.max_foreign:
                     break
+            _, elapsed, busy, foreign, reported = min(attempts, key=lambda a: a[0])
             samples[method].append(elapsed)
-            noise[method].append(dict(busy_before=busy, foreign_during=foreign, retries=attempt))
+            noise[method].append(
+                dict(busy_before=busy, foreign_during=foreign, attempts=len(attempts))
+            )
             if method == "raysync":
-                report_seconds.append(last_report_seconds)
+                report_seconds.append(reported)
 
         for method in METHODS:
             for _ in range(args.warmup):
@@ -358,8 +375,7 @@ def print_table(rows: list[dict]) -> None:
     print()
     print("GB/s = size_bytes * N / seconds / 1e9 (bytes delivered to receivers per second)")
     header = (
-        f"{'method':<9} {'MB':>7} {'tensors':>7} {'N':>3} {'seconds':>9} {'GB/s':>7} "
-        f"{'x floor':>8}"
+        f"{'method':<9} {'MB':>7} {'tensors':>7} {'N':>3} {'seconds':>9} {'GB/s':>7} {'x floor':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -410,6 +426,9 @@ def plot(rows: list[dict], tensor_counts: list[int], path: Path) -> None:
                     label=f"{method} N={n}",
                 )
         ax.set_xscale("log", base=2)
+        ticks = sorted({r["size_bytes"] / 2**20 for r in rows})
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
         ax.set_yscale("log")
         ax.set_xlabel("broadcast size (MiB)")
         ax.set_ylabel("seconds (median, learner wall time)")
@@ -426,10 +445,19 @@ def plot(rows: list[dict], tensor_counts: list[int], path: Path) -> None:
 def git_head(path: Path) -> str | None:
     """The commit checked out where ``path`` lives, with ``-dirty`` for local changes."""
     try:
-        head = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--", "."],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(path), "status", "--porcelain", "--", "."],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("-dirty" if dirty else "")
@@ -446,6 +474,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="16MB, N=1 2, 1 repeat (~1 min)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/broadcast.json)")
     p.add_argument("--plot", type=Path, help="PNG path (default: --out with .png)")
+    p.add_argument(
+        "--replot",
+        type=Path,
+        metavar="JSON",
+        help="only redraw the plot and reprint the table of an earlier run's JSON",
+    )
     p.add_argument("--object-store-gb", type=float, default=6.0)
     p.add_argument(
         "--floor-threads",
@@ -459,35 +493,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="torch threads per receiver actor (default 0: max(1, cores // N))",
     )
-    p.add_argument("--settle-s", type=float,
-                   help="after a cell, wait up to this long for the machine to go quiet "
-                   "(default 10; --quick: 2)")
-    p.add_argument("--quiet-threshold", type=float, default=0.25,
-                   help="'quiet': at most this fraction of all cores busy")
-    p.add_argument("--quiet-timeout-s", type=float,
-                   help="longest wait for quiet before a cell's timed runs (default 60; "
-                   "--quick: 5)")
-    p.add_argument("--sample-quiet-timeout-s", type=float,
-                   help="longest wait for quiet before each timed sample (default 5; "
-                   "--quick: 1)")
-    p.add_argument("--max-foreign", type=float, default=0.25,
-                   help="retake a sample if other processes used more of the CPU than this")
-    p.add_argument("--retries", type=int,
-                   help="retakes per sample at most (default 2; --quick: 0)")
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        help="after a cell, wait up to this long for the machine to go quiet "
+        "(default 10; --quick: 2)",
+    )
+    p.add_argument(
+        "--quiet-threshold",
+        type=float,
+        default=0.25,
+        help="'quiet': at most this fraction of all cores busy",
+    )
+    p.add_argument(
+        "--quiet-timeout-s",
+        type=float,
+        help="longest wait for quiet before a cell's timed runs (default 60; --quick: 5)",
+    )
+    p.add_argument(
+        "--sample-quiet-timeout-s",
+        type=float,
+        help="longest wait for quiet before each timed sample (default 5; --quick: 1)",
+    )
+    p.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.25,
+        help="retake a sample if other processes used more of the CPU than this",
+    )
+    p.add_argument("--retries", type=int, help="retakes per sample at most (default 2; --quick: 0)")
     args = p.parse_args(argv)
-    quick = {"sizes": [16 * 2**20], "receivers": [1, 2], "tensors": [16, 1000],
-             "warmup": 1, "repeats": 1, "settle_s": 2.0, "quiet_timeout_s": 5.0,
-             "sample_quiet_timeout_s": 1.0, "retries": 0}
-    full = {"sizes": [64 * 2**20, 256 * 2**20, 2**30], "receivers": [1, 4],
-            "tensors": [16, 1000], "warmup": 1, "repeats": 3, "settle_s": 10.0,
-            "quiet_timeout_s": 60.0, "sample_quiet_timeout_s": 5.0, "retries": 2}
+    quick = {
+        "sizes": [16 * 2**20],
+        "receivers": [1, 2],
+        "tensors": [16, 1000],
+        "warmup": 1,
+        "repeats": 1,
+        "settle_s": 2.0,
+        "quiet_timeout_s": 5.0,
+        "sample_quiet_timeout_s": 1.0,
+        "retries": 0,
+    }
+    full = {
+        "sizes": [64 * 2**20, 256 * 2**20, 2**30],
+        "receivers": [1, 4],
+        "tensors": [16, 1000],
+        "warmup": 1,
+        "repeats": 3,
+        "settle_s": 10.0,
+        "quiet_timeout_s": 60.0,
+        "sample_quiet_timeout_s": 5.0,
+        "retries": 2,
+    }
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.out is None:
         args.out = RESULTS_DIR / ("broadcast_quick.json" if args.quick else "broadcast.json")
     if args.plot is None:
-        args.plot = args.out.with_suffix(".png")
+        args.plot = (args.replot or args.out).with_suffix(".png")
     if args.repeats < 1 or args.warmup < 0 or min(args.receivers) < 1:
         p.error("need --repeats >= 1, --warmup >= 0 and N >= 1")
     return args
@@ -495,6 +559,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot is not None:
+        data = json.loads(args.replot.read_text())
+        plot(data["rows"], data["config"]["tensor_counts"], args.plot)
+        print_table(data["rows"])
+        print(f"\nwrote {args.plot}")
+        return 0
     warnings.filterwarnings("ignore", category=UserWarning, message=".*[Zz]ero-copy.*")
     torch.set_num_threads(args.floor_threads)
     sizes, ns, tensor_counts = sorted(args.sizes), sorted(set(args.receivers)), args.tensors
@@ -505,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     ray.init(
+        # always a fresh local instance: ray.init() alone would join a cluster that
+        # `ray start` left running on this machine (and refuse num_cpus)
+        address="local",
         num_cpus=16,
         include_dashboard=False,
         object_store_memory=int(args.object_store_gb * 2**30),
@@ -519,8 +592,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def write(complete: bool) -> None:
         """Written after every cell, so a run that dies part-way keeps what it measured."""
-        rows.sort(key=lambda r: (r["n_tensors"], r["n_receivers"], r["size_bytes"],
-                                 order[r["method"]]))
+        rows.sort(
+            key=lambda r: (r["n_tensors"], r["n_receivers"], r["size_bytes"], order[r["method"]])
+        )
         result = {
             "complete": complete,
             "config": {
@@ -581,12 +655,21 @@ def main(argv: list[str] | None = None) -> int:
                             break
                         except ray.exceptions.RayError as err:
                             # typically Ray's memory monitor killing a receiver on a busy host
-                            errors.append(dict(size_bytes=size, n_receivers=n,
-                                               n_tensors=n_tensors, attempt=attempt,
-                                               error=f"{type(err).__name__}: {err}"[:2000]))
-                            print(f"cell {fmt_size(size)} {n_tensors} tensors N={n} failed "
-                                  f"({type(err).__name__}); "
-                                  + ("retrying" if attempt == 0 else "skipping"), flush=True)
+                            errors.append(
+                                dict(
+                                    size_bytes=size,
+                                    n_receivers=n,
+                                    n_tensors=n_tensors,
+                                    attempt=attempt,
+                                    error=f"{type(err).__name__}: {err}"[:2000],
+                                )
+                            )
+                            print(
+                                f"cell {fmt_size(size)} {n_tensors} tensors N={n} failed "
+                                f"({type(err).__name__}); "
+                                + ("retrying" if attempt == 0 else "skipping"),
+                                flush=True,
+                            )
                             METER.wait_quiet(args.quiet_threshold, args.settle_s)
                     else:
                         continue
@@ -594,21 +677,31 @@ def main(argv: list[str] | None = None) -> int:
                     floor_s = median(samples["floor"])
                     for method in METHODS:
                         sec = median(samples[method])
-                        row = dict(method=method, size_bytes=size, n_receivers=n,
-                                   n_tensors=n_tensors, seconds=sec, samples=samples[method],
-                                   ratio_to_floor=sec / floor_s, floor_seconds=floor_s,
-                                   cpu_busy_before_cell=busy, noise=noise[method])
+                        row = dict(
+                            method=method,
+                            size_bytes=size,
+                            n_receivers=n,
+                            n_tensors=n_tensors,
+                            seconds=sec,
+                            samples=samples[method],
+                            ratio_to_floor=sec / floor_s,
+                            floor_seconds=floor_s,
+                            cpu_busy_before_cell=busy,
+                            noise=noise[method],
+                        )
                         if method == "raysync":
                             row["hub_report_seconds"] = report_seconds
                         rows.append(row)
-                    print(f"[{time.time() - started:6.1f}s] {fmt_size(size)} {n_tensors} tensors "
-                          f"N={n}: floor {floor_s:.4f}s, "
-                          f"raysync {median(samples['raysync']):.4f}s "
-                          f"({median(samples['raysync']) / floor_s:.2f}x), "
-                          f"baseline {median(samples['baseline']):.4f}s "
-                          f"({median(samples['baseline']) / floor_s:.2f}x)"
-                          + ("" if busy is None else f"  [cpu busy before: {busy:.0%}]"),
-                          flush=True)
+                    print(
+                        f"[{time.time() - started:6.1f}s] {fmt_size(size)} {n_tensors} tensors "
+                        f"N={n}: floor {floor_s:.4f}s, "
+                        f"raysync {median(samples['raysync']):.4f}s "
+                        f"({median(samples['raysync']) / floor_s:.2f}x), "
+                        f"baseline {median(samples['baseline']):.4f}s "
+                        f"({median(samples['baseline']) / floor_s:.2f}x)"
+                        + ("" if busy is None else f"  [cpu busy before: {busy:.0%}]"),
+                        flush=True,
+                    )
                     write(complete=False)
                     METER.wait_quiet(args.quiet_threshold, args.settle_s)
                 del weights
@@ -623,6 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{len(errors)} failed cell attempt(s); see 'errors' in {args.out}")
     print(f"\nwrote {args.out} and {args.plot} in {time.time() - started:.0f}s")
     return 0 if not errors else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())
