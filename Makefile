@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not gpu and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu and not slow" --durations=25 $(PYTEST_ARGS)
 
 # Also the long runs: soak, and the fault runs through every transport.
 test-all: $(STAMP)
