@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -21,16 +22,25 @@ HEARTBEAT_S = 0.3
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class Restartable(WeightReceiver):
-    """Sleeps inside every update after the first, so a kill lands mid-broadcast."""
+    """With ``stall_dir``, an update whose ``<stall_dir>/stall-<name>`` file exists stalls
+    in the receiver's update path after touching ``<stall_dir>/inside-<name>``, so the
+    test kills it mid-broadcast (the file outlives the process: the restarted
+    incarnation stalls too until the test removes it)."""
 
-    def __init__(self, hub, name: str, delay_s: float = 0.0):
+    def __init__(self, hub, name: str, stall_dir: str | None = None):
         self.policy = make_policy()
-        self.delay_s = delay_s
+        self.name = name
+        self.stall_dir = stall_dir
         self.connect_hub(hub, models={"policy": "policy"}, worker_id=name, heartbeat_s=HEARTBEAT_S)
 
     def on_weights_applied(self, model: str, version: int) -> None:
-        if self.delay_s and version > 1:
-            time.sleep(self.delay_s)
+        if self.stall_dir is None:
+            return
+        stall = Path(self.stall_dir, f"stall-{self.name}")
+        if stall.exists():
+            Path(self.stall_dir, f"inside-{self.name}").touch()
+            while stall.exists():
+                time.sleep(0.01)
 
     def state(self) -> dict[str, torch.Tensor]:
         return state_of(self.policy)
@@ -62,18 +72,21 @@ class Learner:
 
 
 @pytest.mark.parametrize("transport", transport_params(heavy=True))
-def test_rotating_victim_killed_mid_broadcast_20_times(actors, transport):
+def test_rotating_victim_killed_mid_broadcast_20_times(actors, transport, tmp_path):
     hub = start_hub(actors, transport)
-    receivers = [start(actors, Restartable, hub, f"r{i}", 0.4) for i in range(3)]
+    receivers = [start(actors, Restartable, hub, f"r{i}", str(tmp_path)) for i in range(3)]
     ready(receivers)
     ray.get(hub.broadcast.remote(make_policy()))
     for round_ in range(20):
         victim = round_ % 3
+        stall, inside = tmp_path / f"stall-r{victim}", tmp_path / f"inside-r{victim}"
+        stall.touch()
         learner = make_policy()
         ref = hub.broadcast.remote(learner, timeout_s=30, raise_on_failure=False)
-        time.sleep(0.15)  # every receiver is now inside its 0.4 s update
+        _wait_for_file(inside)  # the victim is inside its update: the kill lands mid-broadcast
         ray.kill(receivers[victim], no_restart=False)
-        report = ray.get(ref, timeout=60)
+        report = ray.get(ref, timeout=60)  # the stall outlives the kill: it cannot ack
+        stall.unlink()  # let the restarted incarnation apply the latest version
         survivors = [f"r{i}" for i in range(3) if i != victim]
         assert report.acked == tuple(survivors), report
         assert set(report.failed) == {f"r{victim}"}
@@ -86,6 +99,14 @@ def test_rotating_victim_killed_mid_broadcast_20_times(actors, transport):
         # without anyone calling it for that.
         assert ray.get(receivers[victim].version.remote(), timeout=60) == report.version
         assert_same(ray.get(receivers[victim].state.remote()), state_of(learner))
+        inside.unlink()  # touched again by the restarted incarnation's first apply
+
+
+def _wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
+        time.sleep(0.01)
 
 
 def test_hub_restart_receivers_reattach_versions_never_go_back(actors, transport, request):
