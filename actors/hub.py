@@ -5,9 +5,9 @@ Called by the learner (``submit`` through :class:`raysync.HubHandle`), by receiv
 ``wait_for``). It never opens a transport payload: it validates specs, assigns
 versions, forwards payloads to receivers and collects their acks.
 
-Restarts (``max_restarts``): each model's version counter and spec are written to
-Ray's GCS key-value store on every broadcast and read back when Ray restarts the
-actor, so versions never go backwards. Receivers notice that the new incarnation does
+Restarts (``max_restarts``): each model's version counter and spec are kept in
+Ray's GCS key-value store (:mod:`raysync.hub_snapshot`) and read back when Ray
+restarts the actor, so versions never go backwards. Receivers notice that the new incarnation does
 not know them (their heartbeat) and register again by themselves. The weights
 themselves are not kept by the hub: receivers keep the version they hold, and the
 learner's next broadcast brings everyone forward (late joiners wait for it).
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import pickle
 import time
 import uuid
 import warnings
@@ -26,7 +25,6 @@ from collections import OrderedDict
 
 import ray
 from ray.exceptions import RayActorError, RayError
-from ray.experimental import internal_kv
 
 from raysync.errors import (
     BroadcastError,
@@ -34,6 +32,7 @@ from raysync.errors import (
     TransportUnavailableError,
     UnknownModelError,
 )
+from raysync.hub_snapshot import HubSnapshot
 from raysync.hub_state import HubState, ReceiverEntry
 from raysync.messages import (
     Ack,
@@ -47,12 +46,10 @@ from raysync.messages import (
     Update,
     Welcome,
 )
+from raysync.spec import WeightSpec
 from raysync.transports import get_transport
 
 logger = logging.getLogger(__name__)
-
-#: GCS key-value namespace of the hubs' restart snapshots.
-_KV_NAMESPACE = "raysync"
 
 #: Reports kept per model for ``wait_for`` after the broadcast finished.
 _REPORTS_KEPT = 256
@@ -76,15 +73,13 @@ class WeightHubActor:
         self._state = HubState()
         self._boot_id = uuid.uuid4().hex
         context = ray.get_runtime_context()
-        self._snapshot_key = f"hub/{context.get_actor_id()}".encode()
+        self._snapshot = HubSnapshot(context.get_actor_id())
         with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
             warnings.simplefilter("ignore")
             restarted = context.was_current_actor_reconstructed
         if restarted:
-            saved = internal_kv._internal_kv_get(self._snapshot_key, namespace=_KV_NAMESPACE)
-            if saved is not None:
-                self._state.restore(pickle.loads(saved))
-                logger.warning("hub restarted; model versions restored: %s", self._state.snapshot())
+            self._state.restore(*self._snapshot.load())
+            logger.warning("hub restarted; model versions restored: %s", self._state.versions())
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
         self._pending_acks: dict[tuple[str, str, int], asyncio.Future[Ack]] = {}
         self._closed = False
@@ -111,9 +106,11 @@ class WeightHubActor:
         update = self._state.publish(
             model, request.spec, self._transport, request.payload, request.version
         )
-        self._save_snapshot()
+        self._snapshot.save(self._state.versions(), self._state.specs())
         task = asyncio.create_task(
-            self._deliver_all(update, targets, timeout_s, started, request.learner_seconds)
+            self._deliver_all(
+                update, request.spec, targets, timeout_s, started, request.learner_seconds
+            )
         )
         reports = self._reports.setdefault(model, OrderedDict())
         reports[update.version] = task
@@ -163,7 +160,7 @@ class WeightHubActor:
         try:
             info = await self._planner.receiver_joined(entry.info)
             for model, update in latest.items():
-                payloads = await self._planner.plan(update, [entry.info])
+                payloads = await self._planner.plan(update, self._state.spec(model), [entry.info])
                 latest[model] = dataclasses.replace(update, payload=payloads[entry.worker])
         except BaseException:
             self._drop(registration.worker, registration.token)
@@ -177,14 +174,6 @@ class WeightHubActor:
 
     async def unregister(self, worker: str, token: str) -> None:
         self._drop(worker, token)
-
-    def _save_snapshot(self) -> None:
-        internal_kv._internal_kv_put(
-            self._snapshot_key,
-            pickle.dumps(self._state.snapshot()),
-            overwrite=True,
-            namespace=_KV_NAMESPACE,
-        )
 
     def _drop(self, worker: str, token: str) -> None:
         if self._state.drop(worker, token):
@@ -209,7 +198,7 @@ class WeightHubActor:
         entry = self._state.receivers.get(worker) if worker is not None else None
         if entry is None:
             return update
-        payload = await self._planner.plan_pull(update, entry.info)
+        payload = await self._planner.plan_pull(update, self._state.spec(model), entry.info)
         return dataclasses.replace(update, payload=payload)
 
     # -- anyone ----------------------------------------------------------------------------
@@ -233,12 +222,13 @@ class WeightHubActor:
         tasks = [t for reports in self._reports.values() for t in reports.values()]
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._planner.close()
-        internal_kv._internal_kv_del(self._snapshot_key, namespace=_KV_NAMESPACE)
+        self._snapshot.delete()
 
     # -- delivery --------------------------------------------------------------------------
     async def _deliver_all(
         self,
         update: Update,
+        spec: WeightSpec,
         targets: list[ReceiverEntry],
         timeout_s: float,
         started: float,
@@ -247,7 +237,7 @@ class WeightHubActor:
         deadline = time.monotonic() + timeout_s
         try:
             payloads = await asyncio.wait_for(
-                self._planner.plan(update, [entry.info for entry in targets]), timeout_s
+                self._planner.plan(update, spec, [entry.info for entry in targets]), timeout_s
             )
         except Exception as err:
             reason = f"transport {update.transport!r} could not plan the delivery: {err!r}"
@@ -271,7 +261,7 @@ class WeightHubActor:
             version=update.version,
             acked=acked,
             failed=failed,
-            bytes=update.spec.nbytes,
+            bytes=spec.nbytes,
             seconds=learner_seconds + time.perf_counter() - started,
             transport=update.transport,
         )

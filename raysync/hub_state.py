@@ -96,8 +96,14 @@ class HubState:
         state = self.models.setdefault(model, ModelState())
         state.spec = spec
         state.version = state.version + 1 if version is None else version
-        state.latest = Update(model, state.version, spec, transport, payload)
+        state.latest = Update(model, state.version, spec.digest, transport, payload)
         return state.latest
+
+    def spec(self, model: str) -> WeightSpec:
+        """The spec of ``model``, known once a receiver registered it or it was broadcast."""
+        spec = self.models[model].spec
+        assert spec is not None, f"model {model!r} has no spec yet"
+        return spec
 
     def latest(self, model: str) -> Update | None:
         if model not in self.models:
@@ -143,13 +149,16 @@ class HubState:
         entry = self.receivers.get(worker)
         return entry is not None and entry.registration.token == token
 
-    def snapshot(self) -> dict[str, tuple[int, WeightSpec | None]]:
-        """What must survive a hub restart: each model's version and spec."""
-        return {model: (state.version, state.spec) for model, state in self.models.items()}
+    def versions(self) -> dict[str, int]:
+        """Each model's latest version (with :meth:`specs`, what survives a hub restart)."""
+        return {model: state.version for model, state in self.models.items()}
 
-    def restore(self, snapshot: dict[str, tuple[int, WeightSpec | None]]) -> None:
-        for model, (version, spec) in snapshot.items():
-            self.models[model] = ModelState(spec=spec, version=version)
+    def specs(self) -> dict[str, WeightSpec]:
+        return {m: state.spec for m, state in self.models.items() if state.spec is not None}
+
+    def restore(self, versions: dict[str, int], specs: dict[str, WeightSpec]) -> None:
+        for model, version in versions.items():
+            self.models[model] = ModelState(spec=specs.get(model), version=version)
 
     def drop(self, worker: str, token: str) -> bool:
         """Forget ``worker`` if its current registration is ``token``; True if dropped."""

@@ -1,0 +1,55 @@
+"""Where a hub's model versions and specs survive a restart of its actor.
+
+Ray's GCS key-value store holds them under the actor's id, which a restarted actor
+keeps. Called from the hub actor's process only: versions are written on every
+broadcast (a few bytes), a model's spec only when it is new or changed (a 1000-tensor
+spec pickles to ~45 KB, too much to write again on every broadcast).
+"""
+
+from __future__ import annotations
+
+import pickle
+
+from ray.experimental import internal_kv
+
+from raysync.spec import WeightSpec
+
+#: GCS key-value namespace of the hubs' restart snapshots.
+KV_NAMESPACE = "raysync"
+
+
+class HubSnapshot:
+    """The restart snapshot of the hub actor ``actor_id``."""
+
+    def __init__(self, actor_id: str) -> None:
+        self._prefix = f"hub/{actor_id}/"
+        self._saved_digests: dict[str, str] = {}
+
+    def save(self, versions: dict[str, int], specs: dict[str, WeightSpec]) -> None:
+        for model, spec in specs.items():
+            if self._saved_digests.get(model) != spec.digest:
+                self._put(f"spec/{model}", pickle.dumps(spec))
+                self._saved_digests[model] = spec.digest
+        self._put("versions", pickle.dumps(versions))
+
+    def load(self) -> tuple[dict[str, int], dict[str, WeightSpec]]:
+        """The saved versions and specs; empty if this hub never saved any."""
+        raw = internal_kv._internal_kv_get(self._prefix + "versions", namespace=KV_NAMESPACE)
+        versions: dict[str, int] = pickle.loads(raw) if raw is not None else {}
+        specs = {}
+        for model in versions:
+            raw = internal_kv._internal_kv_get(
+                self._prefix + f"spec/{model}", namespace=KV_NAMESPACE
+            )
+            if raw is not None:
+                specs[model] = pickle.loads(raw)
+                self._saved_digests[model] = specs[model].digest
+        return versions, specs
+
+    def delete(self) -> None:
+        internal_kv._internal_kv_del(self._prefix, del_by_prefix=True, namespace=KV_NAMESPACE)
+
+    def _put(self, key: str, value: bytes) -> None:
+        internal_kv._internal_kv_put(
+            self._prefix + key, value, overwrite=True, namespace=KV_NAMESPACE
+        )
