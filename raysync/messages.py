@@ -53,11 +53,15 @@ class BroadcastRequest:
 
 @dataclass(frozen=True)
 class Update:
-    """Hub -> receiver: version ``version`` of ``model``, readable through ``payload``."""
+    """Hub -> receiver: version ``version`` of ``model``, readable through ``payload``.
+
+    The receiver already holds the spec (it registered it, the hub checked it), so the
+    update names it by :attr:`WeightSpec.digest` only.
+    """
 
     model: str
     version: int
-    spec: WeightSpec
+    spec_digest: str
     transport: str
     payload: Any
 

@@ -24,7 +24,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayError
 
 from raysync import model_path, weights
-from raysync.errors import RaySyncError, UnknownModelError
+from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.gate import DEFERRED, ApplyGate
 from raysync.hub_handle import HubHandle, get_hub
 from raysync.hub_state import DEFAULT_MODEL
@@ -48,11 +48,32 @@ class _Identity:
 
 @dataclass
 class _HeldModel:
-    """One model of this receiver: where it lives on the actor and which version it holds."""
+    """One model of this receiver: where it lives on the actor and which version it holds.
+
+    Its write targets and spec are built once and reused while the model's tensors
+    stay where they are (see :func:`raysync.weights.storage_fingerprint`): walking a
+    1000-parameter module costs more than copying a small one.
+    """
 
     model_id: str
     path: str
     version: int = 0
+    _cached: tuple[Any, weights.Destination, WeightSpec] | None = None
+
+    def destination(self, owner: Any) -> tuple[weights.Destination, WeightSpec]:
+        """The model's write targets and their spec, as the model is now."""
+        target = model_path.resolve(owner, self.path)
+        fingerprint = weights.storage_fingerprint(target)
+        if fingerprint is not None and self._cached is not None:
+            cached_fingerprint, destination, spec = self._cached
+            if cached_fingerprint == fingerprint:
+                return destination, spec
+        destination = weights.destinations(
+            target, what=f"model {self.model_id!r} at self.{self.path}"
+        )
+        spec = WeightSpec.of(destination.tensors)
+        self._cached = None if fingerprint is None else (fingerprint, destination, spec)
+        return destination, spec
 
 
 class _ReceiverCore:
@@ -118,9 +139,6 @@ class _ReceiverCore:
             if ack is not None:
                 self._send_ack(ack)
 
-    def destination(self, model_id: str) -> weights.Destination:
-        return _destination(self.owner, self.models[model_id])
-
     # -- updates ------------------------------------------------------------------------
     def receive(self, update: Update) -> Ack | None:
         """Fetch and apply ``update``; None if the apply waits for a safe point.
@@ -142,7 +160,9 @@ class _ReceiverCore:
                 raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
             return self._ack(update, AckStatus.SUPERSEDED)
         try:
-            staged = self.transport.fetch(update.payload, update.spec)
+            _, spec = held.destination(self.owner)
+            _check_digest(spec, update, self.actor_name)
+            staged = self.transport.fetch(update.payload, spec)
         except BaseException:
             self.transport.release(update.payload, None)
             raise
@@ -162,15 +182,11 @@ class _ReceiverCore:
         if update.version <= held.version:
             return self._ack(update, AckStatus.SUPERSEDED)
         try:
-            destination = self.destination(update.model)
-            WeightSpec.of(destination.tensors).check_matches(
-                update.spec,
-                expected=f"{self.actor_name} model {update.model!r}",
-                got=f"update version {update.version}",
-            )
+            destination, spec = held.destination(self.owner)
+            _check_digest(spec, update, self.actor_name)
+            targets = [destination.tensors[name] for name in spec.names]
             with torch.no_grad():
-                for name, source in zip(update.spec.names, staged, strict=True):
-                    destination.tensors[name].copy_(source)
+                torch._foreach_copy_(targets, list(staged))
             if destination.commit is not None:
                 destination.commit()
         except Exception:
@@ -195,9 +211,14 @@ class _ReceiverCore:
         self.hub.actor.ack.remote(ack)
 
 
-def _destination(owner: Any, held: _HeldModel) -> weights.Destination:
-    target = model_path.resolve(owner, held.path)
-    return weights.destinations(target, what=f"model {held.model_id!r} at self.{held.path}")
+def _check_digest(spec: WeightSpec, update: Update, actor: str) -> None:
+    """Raise SpecMismatchError unless ``update`` is for a model shaped like ``spec``."""
+    if spec.digest != update.spec_digest:
+        raise SpecMismatchError(
+            f"update version {update.version} of model {update.model!r} has spec digest "
+            f"{update.spec_digest}, but {actor}'s model now has {spec.digest} (was it "
+            f"replaced after connect_hub?): {spec.summary()}"
+        )
 
 
 class _HubWatch(threading.Thread):
@@ -244,7 +265,7 @@ def _registration(
         actor=identity.actor,
         node_id=context.get_node_id(),
         process=context.get_worker_id(),
-        specs={m: WeightSpec.of(_destination(owner, h).tensors) for m, h in held.items()},
+        specs={m: h.destination(owner)[1] for m, h in held.items()},
         versions={m: h.version for m, h in held.items()},
         mode=mode,
         token=uuid.uuid4().hex,

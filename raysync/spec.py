@@ -8,6 +8,7 @@ receiver is touched.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -63,6 +64,16 @@ class WeightSpec:
     @cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @cached_property
+    def digest(self) -> str:
+        """A short content hash of names, shapes and dtypes.
+
+        Updates carry it instead of the spec: a receiver compares it with the spec it
+        registered, so a 1000-tensor spec is not sent to every receiver on every broadcast.
+        """
+        text = "\n".join(f"{t.name}|{t.shape}|{t.dtype}" for t in self.tensors)
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
     def __len__(self) -> int:
         return len(self.tensors)

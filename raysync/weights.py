@@ -85,6 +85,20 @@ def destinations(model: Any, *, what: str) -> Destination:
     )
 
 
+def storage_fingerprint(model: Any) -> tuple[Any, ...] | None:
+    """What an nn.Module's cached :class:`Destination` stays valid for: the module and
+    the address and shape of each parameter and buffer. ``None`` for other models,
+    whose destinations are cheap to rebuild (no module walk). Called in the receiver.
+
+    ``module.to(...)``, a replaced parameter or a resized buffer changes it, so an
+    update is never copied into tensors the model no longer uses.
+    """
+    if not isinstance(model, torch.nn.Module):
+        return None
+    tensors = [*model.parameters(), *model.buffers()]
+    return (id(model), *((t.data_ptr(), t.shape) for t in tensors))
+
+
 def _flat_tensors(weights: Any, what: str) -> dict[str, torch.Tensor]:
     if isinstance(weights, torch.nn.Module):
         weights = TensorDict.from_module(weights, use_state_dict=True)

@@ -17,7 +17,7 @@ process that calls each method:
    learner hands the payload to the hub and tells the sender
    ``sender.submitted(payload, result)``: ``result`` is the broadcast's ack future, so a
    sender that reuses its memory knows when receivers are done with a version.
-5. hub process, each broadcast: ``payloads = await planner.plan(update, targets)`` maps
+5. hub process, each broadcast: ``payloads = await planner.plan(update, spec, targets)`` maps
    each targeted worker to the payload it reads (default: the learner's payload for
    all). This is where a transport relays per node. The hub keeps the latest update
    for receivers that join later and never opens a payload itself, so it never
@@ -106,11 +106,17 @@ class TransportPlanner:
     async def receiver_left(self, worker: str) -> None:
         """``worker`` died or unregistered. Default: nothing to tear down."""
 
-    async def plan(self, update: Any, targets: Sequence[ReceiverInfo]) -> Mapping[str, Any]:
-        """Per targeted worker, the payload it reads. Default: the learner's payload."""
+    async def plan(
+        self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
+    ) -> Mapping[str, Any]:
+        """Per targeted worker, the payload it reads. Default: the learner's payload.
+
+        ``update`` is the :class:`~raysync.messages.Update` of one version, ``spec`` its
+        model's spec (updates carry only its digest).
+        """
         return {receiver.worker: update.payload for receiver in targets}
 
-    async def plan_pull(self, update: Any, receiver: ReceiverInfo) -> Any:
+    async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """The payload ``receiver`` reads when it pulls ``update`` outside a broadcast.
         Default: the learner's payload, read directly (transports whose sender leaves a
         copy any receiver can read)."""

@@ -279,7 +279,9 @@ class DistributedPlanner(TransportPlanner):
         if self._generation is not None and worker in self._generation.members:
             self._generation = None
 
-    async def plan(self, update: Any, targets: Sequence[ReceiverInfo]) -> Mapping[str, Any]:
+    async def plan(
+        self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
+    ) -> Mapping[str, Any]:
         if not targets:
             return {}
         async with self._lock:
@@ -310,9 +312,7 @@ class DistributedPlanner(TransportPlanner):
                 self._next_seq = 0
             seq = self._next_seq
             self._next_seq += 1
-            job = BroadcastJob(
-                generation, seq, update.model, update.version, update.spec, update.payload
-            )
+            job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
             self._last_job = self._actor.broadcast.remote(job)
             return {
                 worker: GroupPayload(generation, generation.rank_of(worker), seq)

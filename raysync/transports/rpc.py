@@ -341,7 +341,9 @@ class RpcPlanner(TransportPlanner):
     async def receiver_left(self, worker: str) -> None:
         await self._actor.forget.remote(worker)
 
-    async def plan(self, update: Any, targets: Sequence[ReceiverInfo]) -> Mapping[str, Any]:
+    async def plan(
+        self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
+    ) -> Mapping[str, Any]:
         if not targets:
             return {}
         self._seq += 1

@@ -358,11 +358,13 @@ class SharedMemoryPlanner(TransportPlanner):
             except RayActorError:
                 continue  # its watch restarts it; a new owner holds nothing
 
-    async def plan_pull(self, update: Any, receiver: ReceiverInfo) -> Any:
+    async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """A puller reads its own node's copy, held for it like a broadcast's target."""
-        return (await self.plan(update, [receiver]))[receiver.worker]
+        return (await self.plan(update, spec, [receiver]))[receiver.worker]
 
-    async def plan(self, update: Any, targets: Sequence[ReceiverInfo]) -> Mapping[str, Any]:
+    async def plan(
+        self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
+    ) -> Mapping[str, Any]:
         source: SharedMemoryPayload = update.payload
         slot = source.slot
         by_node: dict[str, list[str]] = {}
