@@ -97,6 +97,31 @@ class TestBroadcast:
             ray.get(hub.broadcast.remote(make_policy()))
         assert ray.get(collector.data_ptrs.remote()) == before
 
+    def test_model_changed_after_connect(self, actors, transport):
+        """Receivers reuse their write targets while the module's tensors stay put: a
+        parameter replaced after connect_hub still gets the update, and a model whose
+        spec changed fails that worker with both digests, not a silent no-op."""
+        hub = start_hub(actors, transport)
+        replaced, retyped = (
+            start(actors, Collector, hub, "replaced"),
+            start(actors, Collector, hub, "retyped"),
+        )
+        ready([replaced, retyped])
+        ray.get(hub.broadcast.remote(make_policy()))
+        new_parameter = torch.nn.Parameter(torch.zeros(64, 8))  # new storage
+        ray.get(
+            replaced.__ray_call__.remote(
+                lambda self: setattr(self.policy[0], "weight", new_parameter)
+            )
+        )
+        ray.get(retyped.__ray_call__.remote(lambda self: self.policy.double()))
+        learner = make_policy()
+        report = ray.get(hub.broadcast.remote(learner, raise_on_failure=False))
+        assert report.acked == ("replaced",)
+        assert_same(ray.get(replaced.state.remote()), state_of(learner))
+        assert "spec digest" in report.failed["retyped"]
+        assert "float64" in report.failed["retyped"]
+
     def test_dtypes_bf16_int_bool(self, actors, transport):
         hub = start_hub(actors, transport)
         weights = {
