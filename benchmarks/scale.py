@@ -4,9 +4,12 @@
 With a small model the data path is negligible, so the latency measures what grows
 with N: the hub's per-receiver delivery call, the ack, and Ray's scheduling. Receivers
 are ``num_cpus=0`` actors, started in batches; each row is the median of
-``--repeats`` broadcasts once all N receivers are registered. Also records the pickled
-size of an ``Update`` control message (spec included) for 16 and 1000 tensors, which is
-what the hub sends each receiver per broadcast.
+``--repeats`` broadcasts once all N receivers are registered. Each row also records the
+receivers' memory (PSS, which counts shared library pages once, summed over their
+processes) and the machine's available memory; the run stops adding receivers below
+``--min-free-gb``. Also records the pickled size of an ``Update`` control message (it
+carries the spec's digest, not the spec) for 16 and 1000 tensors, which is what the
+hub sends each receiver per broadcast.
 
 Writes ``benchmarks/results/scale.json`` and ``scale.png``.
 
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("--receivers", nargs="+", type=int, default=[1, 4, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
+    parser.add_argument("--min-free-gb", type=float, default=2.0)
     args = parser.parse_args()
 
     ray.init(address="local", num_cpus=8, include_dashboard=False)
@@ -59,6 +63,9 @@ def main() -> None:
         learner = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
         receivers: list = []
         for n in sorted(args.receivers):
+            if _available_gb() < args.min_free_gb:
+                print(f"stopping before N={n}: under {args.min_free_gb} GB available")
+                break
             while len(receivers) < n:
                 batch = min(8, n - len(receivers))
                 new = [SmallReceiver.remote(hub, f"r{len(receivers) + i}") for i in range(batch)]
@@ -78,24 +85,43 @@ def main() -> None:
                 "seconds_median": statistics.median(samples),
                 "seconds_p90": sorted(samples)[int(0.9 * (len(samples) - 1))],
                 "report_seconds_median": statistics.median(hub_seconds),
+                "receivers_pss_gb": _pss_gb(receivers),
+                "machine_available_gb": _available_gb(),
                 "samples": samples,
             }
             rows.append(row)
             print(
                 f"N={n:>4}  median {row['seconds_median'] * 1e3:7.1f} ms  "
                 f"p90 {row['seconds_p90'] * 1e3:7.1f} ms  "
-                f"per receiver {row['seconds_median'] / n * 1e3:6.2f} ms"
+                f"per receiver {row['seconds_median'] / n * 1e3:6.2f} ms  "
+                f"receivers' PSS {row['receivers_pss_gb']:.1f} GB, "
+                f"{row['machine_available_gb']:.1f} GB left"
             )
     finally:
         ray.shutdown()
 
     messages = {n: update_message_bytes(n) for n in (16, 1000)}
-    print(f"Update message bytes (pickled, spec included): {messages}")
+    print(f"Update message bytes (pickled, spec digest): {messages}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps({"rows": rows, "update_message_bytes": messages}, indent=2) + "\n"
     )
     _plot(rows, args.out.with_suffix(".png"))
+
+
+def _pss_kb(self) -> int:
+    """Runs in a receiver through ``__ray_call__``: its own proportional set size."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+
+
+def _pss_gb(receivers: list) -> float:
+    return sum(ray.get([r.__ray_call__.remote(_pss_kb) for r in receivers])) / 2**20
+
+
+def _available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 2**20
 
 
 def _plot(rows: list[dict], path: Path) -> None:
