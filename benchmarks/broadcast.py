@@ -1,87 +1,134 @@
 #!/usr/bin/env python
-"""Broadcast time vs bytes and number of receivers: raysync vs a memcpy floor vs Ray by hand.
+"""Broadcast time vs bytes and number of receivers, for every raysync transport, against
+floors measured in the same run.
 
-Measured in the same run, for every (size, N receivers, tensor count) cell:
+A *cell* is (transport, size, N receivers, tensor count). In every cell a hub
+(``WeightHub.remote(transport=...)``) and N ``WeightReceiver`` actors are started, and
+these *methods* are timed side by side, so all of them see the same machine:
 
-* ``raysync``  -- ``ray.get(hub.broadcast.remote(weights, model="m"))`` with the
-  ``object_store`` transport, timed on the learner (``perf_counter`` around the call and
-  the get). Receivers are ``WeightReceiver`` actors that apply into their own
-  preallocated tensors, in place.
-* ``baseline`` -- what a user could write by hand: one ``ray.put(state_dict)`` per
-  broadcast with Ray's opt-in zero-copy torch serializer
-  (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``, set here before ``import ray`` and passed to
-  workers through ``runtime_env``); each receiver ``ray.get``s the ref (passed nested in a
-  list so Ray does not resolve it) and ``copy_``s every tensor into its own preallocated
-  tensors; the learner waits for all receivers. Timed from the put to the last receiver.
+* ``raysync``  -- ``ray.get(hub.broadcast.remote(weights, model="m"))``, timed on the
+  learner (the driver) from the call until every receiver acked. Receivers apply into
+  their own preallocated tensors (views of one flat buffer per receiver), in place.
 * ``floor``    -- N+1 memcpys of the same bytes in one process (``dst.copy_(src)`` of one
-  flat buffer, N+1 times, with ``--floor-threads`` torch threads): one copy into shared
-  memory plus one copy out per receiver, with no Ray at all. It is measured inside every
-  cell, next to the two others, so all three see the same machine (its rows carry the
-  cell's ``n_tensors``, though the floor always copies one flat buffer).
+  flat buffer, N+1 times, with ``--floor-threads`` torch threads): one copy out of the
+  learner plus one copy into each receiver, with no Ray at all. Every cell has one.
+* ``raw_read`` -- nixl cells only: the floor of a one-sided data path. The floor's
+  source buffer is registered with a ``nixl_agent`` (UCX) in the driver; each receiver
+  registers its model's flat buffer with an agent of its own and prepares one READ of
+  the whole source into it (``prep_xfer_dlist`` + ``make_prepped_xfer("READ")``) once.
+  Timed from the driver: all N receivers post their READ at once and poll it
+  (``transfer``, then ``check_xfer_state``) until the last is done. No packing, no
+  staging, no copy into the model, no control plane. The agents run without nixl's
+  default progress thread, which busy-polls a core for as long as an agent lives: the
+  readers poll their READs, and the driver progresses the source's agent by hand
+  (every millisecond) while they read. The time ends at the last READ's completion by
+  the readers' clock (the machine's monotonic clock), not when Ray returns.
+* ``baseline`` -- object_store cells only (``--no-baseline`` drops it): what a user could
+  write by hand with plain Ray: one ``ray.put`` of the state_dict as NumPy views
+  (``tensor.numpy()``, Ray's zero-copy path), each receiver ``ray.get``s the ref (passed
+  nested in a list so Ray does not resolve it) and ``copy_``s every array into its own
+  tensors; timed from the put to the last receiver. No process-global serializer
+  setting is needed, so every transport runs in Ray's default configuration.
 
-Per cell: a hub and N receivers are started, every method gets ``--warmup`` untimed
-runs, then ``--repeats`` timed rounds run the three methods in a rotating order; the
-median is reported and ``ratio_to_floor`` divides by the same cell's floor. The machine
-may be shared (and Ray's own start-up is busy), so each timed sample waits for the CPU
-to go quiet first and is retaken (``--retries``) if processes outside this benchmark's
-process tree used more than ``--max-foreign`` of the CPU during it (the least
-disturbed attempt is kept); each row's ``noise`` lists, per sample, the CPU busy before
-it, the foreign share during it (from /proc; null where it cannot be told) and the
-attempts taken. After every broadcast each receiver's tensors are probed to check that
-this version really landed. The actors are killed between cells so at most one cell's
-models are in memory; the JSON is rewritten after every cell (``"complete": false``
-until the end), so a run that dies part-way keeps what it measured.
+Each method gets ``--warmup`` untimed runs (default 3: they form the transports'
+connections and groups, and transports that rotate buffers -- nixl and rdt two,
+shared_memory three slots -- have then read each of them once), then ``--repeats`` timed
+rounds in a rotating order; the median is reported, ``ratio_to_floor`` divides it by the
+same cell's floor and, in nixl cells, ``ratio_to_raw_read`` by the same cell's raw READ.
+The machine may be shared (and Ray's own start-up is busy), so each timed sample waits
+for the CPU to go quiet first -- quiet apart from what the cell's own processes use with
+nothing timed, measured once after the warm-up (``own_cpu_while_idle``: a transport's
+background threads show there, and every method of the cell pays for them) -- and is
+retaken (``--retries``) if processes outside this benchmark's process tree used more
+than ``--max-foreign`` of the CPU during it (the least disturbed attempt is kept); each
+row's ``noise`` lists, per sample, the CPU busy before it, the foreign share during it
+(from /proc; null where it cannot be told) and the attempts taken. After every broadcast
+and raw READ each receiver is probed to check that this version really landed.
+
+Memory: before a cell, its memory is estimated from the transport's design (learner-side
+copies and per-receiver staging, see ``MEMORY``); a cell that would not fit in
+MemAvailable minus ``--memory-reserve-gb`` (Ray's memory monitor kills workers near
+the limit) waits up to ``--quiet-timeout-s`` for memory and is then skipped with a row
+saying why. Rows record the estimate and the measured peak (the drop in MemAvailable
+during the cell). The actors are killed and the learner's transport buffers released
+between cells; the JSON is rewritten after every cell (``"complete": false`` until the
+end), so a run that dies part-way keeps what it measured. Cells run transport by
+transport, in registry order: Ray's NIXL agent, which the first rdt broadcast creates
+in the driver, lives (and spins) until the driver exits, so rdt goes last.
 
 Threads: the floor uses ``--floor-threads`` (default: all cores); each receiver actor
 ``--receiver-threads`` torch threads (default ``max(1, cores // N)``, so N receivers
 together use the cores the floor uses; Ray would otherwise pin a ``num_cpus=0`` actor
-to ``OMP_NUM_THREADS=1``). The learner's put is Ray's own copy.
+to ``OMP_NUM_THREADS=1``).
 
 Sizes accept KB/MB/GB suffixes as powers of 1024 (``64MB`` = 64 MiB). "GB/s" in the
 table is delivered bandwidth, ``bytes * N / seconds / 1e9``, for every method.
 
 Writes JSON (``--out``, default ``benchmarks/results/broadcast.json``; ``--quick``
 defaults to ``broadcast_quick.json`` so it does not overwrite a full run) and a PNG plot
-next to it (``--plot`` to override); ``--replot JSON`` only redraws and reprints.
+next to it (``--plot`` to override): seconds vs bytes, one line per transport, a panel
+per N. Prints a per-row table, a Markdown table (ratio to the floor) for the README and
+the issue's targets. ``--replot JSON`` only redraws and reprints.
 
-    .venv/bin/python benchmarks/broadcast.py --quick        # ~1 min on an idle machine
-    .venv/bin/python benchmarks/broadcast.py                # 64MB,256MB,1GB x N=1,4
-    .venv/bin/python benchmarks/broadcast.py --sizes 128MB --receivers 1 2 8 --repeats 5
+    .venv/bin/python benchmarks/broadcast.py --quick     # 4 and 16 MB, N=1 2 (~5 min)
+    .venv/bin/python benchmarks/broadcast.py             # every transport, 64MB..1GB x N=1..8
+    .venv/bin/python benchmarks/broadcast.py --transports nixl rdt --sizes 256MB --receivers 1 4
     .venv/bin/python benchmarks/broadcast.py --replot benchmarks/results/broadcast.json
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import json
 import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-# Must be set before ``import ray`` (raysync imports ray) for the baseline's zero-copy
-# torch serializer in the driver; workers get it through ``runtime_env`` below. raysync's
-# object_store transport puts NumPy views, so it takes the same path with or without it.
-ZERO_COPY_ENV = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
-os.environ[ZERO_COPY_ENV] = "1"
+import ray
+import torch
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import ray  # noqa: E402
-import torch  # noqa: E402
-
-import raysync  # noqa: E402
-from raysync import WeightHub, WeightReceiver  # noqa: E402
+import raysync
+from raysync import RaySyncError, WeightHub, WeightReceiver
+from raysync.transports import available_transports, get_transport, known_transports
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-METHODS = ("raysync", "baseline", "floor")
 DTYPE = torch.float32
 _UNITS = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}
+GiB = 2**30
+
+#: Methods in the order rows are listed and rounds start.
+METHOD_ORDER = ("floor", "raw_read", "raysync", "baseline")
+
+#: Memory a cell adds, in units of the model size, beyond what the driver already holds
+#: (the weights and the floor's two buffers): (learner side, per receiver *besides* its
+#: own model). From each transport's design; rows record the measured peak next to it.
+MEMORY = {
+    "object_store": (2, 0),  # the put copy, two versions alive; receivers read it in place
+    "shared_memory": (3, 0),  # latest + in flight + next slot; receivers map them
+    "distributed": (3, 1),  # put copy x2 + rank 0's packed buffer; a receive buffer each
+    "rpc": (2, 1),  # put copy x2; the landed tensors in each receiver's inbox
+    "nixl": (2, 1),  # the learner's registered pair; a staging buffer each
+    "rdt": (2, 1),  # the learner's registered pair; a staging buffer each
+}
+#: The baseline's put (learner side). The raw READ needs nothing more: its source is the
+#: floor's, its destination each receiver's model.
+MEMORY_BASELINE = 1
+#: Resident memory of one Ray worker that imported torch and raysync (hub, helpers, receivers).
+PROCESS_BYTES = GiB // 4
+#: Helper actors per hub besides the receivers (the hub, an owner / group / agent actor).
+HELPER_ACTORS = 2
 
 
 def parse_size(text: str) -> int:
@@ -100,9 +147,19 @@ def parse_size(text: str) -> int:
 
 
 def fmt_size(nbytes: int) -> str:
-    if nbytes >= 2**30 and nbytes % 2**30 == 0:
-        return f"{nbytes // 2**30} GB"
+    if nbytes >= GiB and nbytes % GiB == 0:
+        return f"{nbytes // GiB} GB"
     return f"{nbytes / 2**20:g} MB"
+
+
+def default_repeats(size: int) -> int:
+    """Timed rounds per cell when ``--repeats`` is not given: fewer for big models, whose
+    samples are long (and steadier) and whose cells dominate the run time."""
+    if size <= 64 * 2**20:
+        return 5
+    if size <= 256 * 2**20:
+        return 3
+    return 2
 
 
 # -- models -----------------------------------------------------------------------------
@@ -126,14 +183,103 @@ def tag(weights: dict[str, torch.Tensor], value: int) -> None:
         tensor[0] = value
 
 
-@ray.remote(num_cpus=0)
-class BenchReceiver(WeightReceiver):
-    """Holds one preallocated model; raysync applies into it, and so does ``apply_baseline``."""
+# -- raw NIXL READ ------------------------------------------------------------------------
+#: Seconds one raw READ may take before the receiver gives up.
+RAW_READ_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RawSource:
+    """A registered buffer in the driver, as a reader addresses it (plain ints and bytes)."""
+
+    agent: str
+    metadata: bytes
+    address: int
+    nbytes: int
+
+
+def _nixl_agent(role: str) -> Any:
+    """A NIXL agent with the UCX backend and no progress thread: nixl's default one
+    busy-polls a core for as long as the agent lives, idle or not. Readers progress
+    their READs by polling them; the driver progresses the source's while they read
+    (``RawReadSource.read``)."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(
+        f"bench-raw-{role}-{uuid.uuid4().hex[:12]}",
+        nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
+    )
+
+
+class RawReadSource:
+    """The driver's side of the raw READ floor: per nixl cell, an agent with the floor's
+    source buffer registered."""
+
+    def __init__(self) -> None:
+        self.agent = None
+        self._registered = None
+
+    def register(self, buffer: torch.Tensor) -> RawSource:
+        self.agent = _nixl_agent("source")
+        self._registered = self.agent.register_memory(buffer)
+        nbytes = buffer.numel() * buffer.element_size()
+        return RawSource(
+            self.agent.name, self.agent.get_agent_metadata(), buffer.data_ptr(), nbytes
+        )
+
+    def read(self, receivers: list, timeout_s: float) -> tuple[float, list[float]]:
+        """Every receiver READs the whole source at once. Returns the seconds from the
+        calls until the last READ was done (by the receivers' ``perf_counter``, the
+        machine's monotonic clock, so Ray's return trip is not counted) and element 0 of
+        what each read. Meanwhile this process progresses the source's agent, which has
+        no progress thread: a first READ connects and needs the source to answer, and
+        later ones were seen to need it too now and then."""
+        started = time.perf_counter()
+        refs = [r.raw_read.remote() for r in receivers]
+        pending, deadline = refs, time.monotonic() + timeout_s
+        while pending:
+            self.agent.get_new_notifs()  # progresses the agent's UCX worker
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.001)
+            ray.get(done)  # a reader's error, at once
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"raw NIXL READs not done within {timeout_s:g} s")
+        results = ray.get(refs)
+        return max(t for t, _ in results) - started, [v for _, v in results]
+
+    def close(self) -> None:
+        if self._registered is not None:
+            self.agent.deregister_memory(self._registered)
+        self.agent = self._registered = None
+
+
+@dataclass
+class RawReader:
+    """A receiver's side of the raw READ floor: its agent and the prepared READ."""
+
+    agent: Any
+    registered: Any  #: the model's flat buffer, registered
+    xfer: Any  #: the prepared READ of the whole source into it
+
+
+# -- receivers ---------------------------------------------------------------------------
+class _BenchReceiver(WeightReceiver):
+    """Holds one preallocated model; raysync applies into it, and so does ``apply_baseline``.
+    In nixl cells it also hosts a raw NIXL reader (an agent of its own, used only there)."""
 
     def __init__(self, hub, spec: list[tuple[str, int]], threads: int) -> None:
         torch.set_num_threads(threads)
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        self.model = make_state_dict(spec, fill=0.0)
+        # The model: views of one flat buffer (every page touched), so that the raw READ
+        # can land in the very memory the broadcast writes, with no buffer of its own.
+        self.flat = torch.empty(sum(numel for _, numel in spec), dtype=DTYPE).fill_(0.0)
+        self.model = dict(
+            zip(
+                [name for name, _ in spec],
+                self.flat.split([numel for _, numel in spec]),
+                strict=True,
+            )
+        )
+        self.raw: RawReader | None = None
         self.connect_hub(hub, models={"m": "model"})
 
     def ready(self) -> str:
@@ -143,23 +289,87 @@ class BenchReceiver(WeightReceiver):
         return str(Path(raysync.__file__).parent)
 
     def apply_baseline(self, refs: list) -> int:
-        """The hand-written receiver: get the put state_dict, copy it in place."""
+        """The hand-written receiver: get the put arrays, copy them in place."""
         state = ray.get(refs[0])
         with torch.no_grad():
-            for name, source in state.items():
-                self.model[name].copy_(source)
+            for name, array in state.items():
+                self.model[name].copy_(torch.from_numpy(array))
         return len(state)
 
     def probe(self) -> list[float]:
         return [float(t[0]) for t in self.model.values()]
 
+    def raw_setup(self, source: RawSource) -> None:
+        """Register the model's flat buffer and prepare one READ of the whole source into it
+        (the next broadcast overwrites what the READs leave there)."""
+        nbytes = self.flat.numel() * self.flat.element_size()
+        if nbytes != source.nbytes:
+            raise ValueError(f"the raw READ source has {source.nbytes} bytes, the model {nbytes}")
+        agent = _nixl_agent("reader")
+        registered = agent.register_memory(self.flat)
+        agent.add_remote_agent(source.metadata)
+        local = agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", [(self.flat.data_ptr(), nbytes, 0)], "DRAM"
+        )
+        remote = agent.prep_xfer_dlist(source.agent, [(source.address, nbytes, 0)], "DRAM")
+        xfer = agent.make_prepped_xfer("READ", local, [0], remote, [0])
+        self.raw = RawReader(agent, registered, xfer)
+
+    def raw_read(self) -> tuple[float, float]:
+        """Post the prepared READ and poll it until done: when (``perf_counter``) and
+        element 0 (the source's tag)."""
+        agent, xfer = self.raw.agent, self.raw.xfer
+        started = time.monotonic()
+        state = agent.transfer(xfer)
+        while state == "PROC":
+            if time.monotonic() - started > RAW_READ_TIMEOUT_S:
+                raise TimeoutError(f"raw NIXL READ not done after {RAW_READ_TIMEOUT_S:g} s")
+            time.sleep(0)
+            state = agent.check_xfer_state(xfer)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ ended in state {state}")
+        return time.perf_counter(), float(self.flat[0])
+
+
+BenchReceiver = ray.remote(num_cpus=0)(_BenchReceiver)
+
+
+# Ray reads enable_tensor_transport from the class decorator only (not .options()); the
+# rdt transport needs it on every receiver. The other transports run without it.
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class RdtBenchReceiver(_BenchReceiver):
+    pass
+
 
 # -- measurements ---------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class Cell:
+    transport: str
     size: int
     n: int
     n_tensors: int
+
+    def describe(self) -> str:
+        return f"{self.transport} {fmt_size(self.size)} x{self.n_tensors} N={self.n}"
+
+
+def cell_methods(cell: Cell, args: argparse.Namespace) -> tuple[str, ...]:
+    methods = ["floor", "raysync"]
+    if cell.transport == "nixl":
+        methods.append("raw_read")
+    if cell.transport == "object_store" and args.baseline:
+        methods.append("baseline")
+    return tuple(m for m in METHOD_ORDER if m in methods)
+
+
+def memory_estimate(cell: Cell, args: argparse.Namespace) -> int:
+    """Bytes this cell adds to what the driver holds (see ``MEMORY``)."""
+    learner, per_receiver = MEMORY[cell.transport]
+    methods = cell_methods(cell, args)
+    learner += MEMORY_BASELINE if "baseline" in methods else 0
+    per_receiver += 1  # its model
+    data = cell.size * (learner + cell.n * per_receiver)
+    return data + PROCESS_BYTES * (cell.n + HELPER_ACTORS)
 
 
 def median(xs: list[float]) -> float:
@@ -167,7 +377,8 @@ def median(xs: list[float]) -> float:
 
 
 class Floor:
-    """N+1 copies of one flat ``size``-byte buffer in this process: the no-Ray floor."""
+    """N+1 copies of one flat ``size``-byte buffer in this process: the no-Ray floor.
+    ``src`` is also the raw READ's source in nixl cells."""
 
     def __init__(self, size: int) -> None:
         numel = size // DTYPE.itemsize
@@ -236,6 +447,18 @@ class CpuMeter:
         mine = sum(t - before[2][p] for p, t in after[2].items() if p in before[2])
         return max(0.0, (after[1] - before[1] - mine) / (after[0] - before[0]))
 
+    def own_share(self, interval_s: float) -> float | None:
+        """Fraction of all cores this benchmark's process tree used over ``interval_s``."""
+        before = self.snapshot()
+        time.sleep(interval_s)
+        if before is None:
+            return None
+        after = self.snapshot(before[3])
+        if after[0] <= before[0]:
+            return None
+        mine = sum(t - before[2][p] for p, t in after[2].items() if p in before[2])
+        return mine / (after[0] - before[0])
+
     def busy(self, interval_s: float) -> float | None:
         """Fraction of all cores busy (anyone's) over ``interval_s``."""
         if not self.available:
@@ -271,42 +494,114 @@ def mem_available() -> int | None:
     return None
 
 
-def wait_for_memory(needed: int, timeout_s: float) -> None:
-    """Wait (up to ``timeout_s``) for ``needed`` bytes plus 2 GiB of headroom to be free:
-    Ray's memory monitor kills workers near the limit, whoever else uses the memory."""
+def wait_for_memory(needed: int, reserve: int, timeout_s: float) -> str | None:
+    """Wait (up to ``timeout_s``) until ``needed`` bytes fit in MemAvailable minus
+    ``reserve``; None if they do, else why the cell is skipped."""
     deadline = time.monotonic() + timeout_s
     free = mem_available()
-    while free is not None and free < needed + 2**31 and time.monotonic() < deadline:
+    while free is not None and free - reserve < needed and time.monotonic() < deadline:
         time.sleep(1.0)
         free = mem_available()
-    if free is not None and free < needed + 2**31:
-        print(
-            f"warning: {free / 2**30:.1f} GiB available, this cell wants about "
-            f"{needed / 2**30:.1f} GiB; Ray's memory monitor may kill receivers",
-            flush=True,
-        )
+    if free is None or free - reserve >= needed:
+        return None
+    return (
+        f"needs about {needed / GiB:.1f} GiB (estimate), {free / GiB:.1f} GiB available "
+        f"minus a {reserve / GiB:.1f} GiB reserve"
+    )
 
 
-def check_landed(receivers, value: int, method: str) -> None:
-    for probe in ray.get([r.probe.remote() for r in receivers]):
+class MemoryWatch:
+    """The largest drop in MemAvailable while a cell runs (a thread reads /proc/meminfo
+    every 0.1 s). Another job's memory counts too: an indication, not an account."""
+
+    def __init__(self) -> None:
+        self.start = mem_available()
+        self.low = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            free = mem_available()
+            if free is not None and self.low is not None:
+                self.low = min(self.low, free)
+
+    def __enter__(self) -> MemoryWatch:
+        if self.start is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def peak(self) -> int | None:
+        return None if self.start is None else self.start - self.low
+
+
+def check_landed(values: list[list[float]], value: int, method: str) -> None:
+    for probe in values:
         if any(v != value for v in probe):
             bad = sorted(set(probe) - {value})[:3]
             raise RuntimeError(f"{method}: a receiver holds {bad}, expected version tag {value}")
 
 
-def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tensor], spec):
-    """Start a hub and N receivers; time floor, raysync and baseline; tear them down."""
+@dataclass
+class CellResult:
+    methods: tuple[str, ...]
+    samples: dict[str, list[float]]
+    noise: dict[str, list[dict]]
+    report_seconds: list[float]
+    threads: int
+    busy: float | None
+    own_idle: float | None
+
+
+def teardown(hub, receivers: list, timeout_s: float) -> None:
+    """Kill the receivers, close and kill the hub (its helper actors go with it) and
+    release the learner half of the transport held in this process."""
+    for r in receivers:
+        ray.kill(r)
+    try:
+        ray.get(hub.close.remote(), timeout=timeout_s)
+    except ray.exceptions.RayError as err:
+        print(f"  (hub close: {type(err).__name__}; killing it)", flush=True)
+    ray.kill(hub.actor)
+    # HubHandle has no public close: without this the driver would keep every cell's
+    # learner buffers (shared-memory mappings, NIXL and RDT registrations) until the
+    # handle is garbage collected, and RDT's registrations not even then.
+    sender = vars(hub).pop("_sender", None)
+    if sender is not None:
+        sender.close()
+
+
+def run_cell(
+    cell: Cell,
+    args: argparse.Namespace,
+    weights: dict[str, torch.Tensor],
+    spec: list[tuple[str, int]],
+    floor: Floor,
+    raw_source: RawReadSource | None,
+) -> CellResult:
+    """Start a hub and N receivers; time the cell's methods; tear them down."""
     threads = args.receiver_threads or max(1, (os.cpu_count() or 1) // cell.n)
-    hub = WeightHub.remote(transport="object_store")
-    receivers = [BenchReceiver.remote(hub, spec, threads) for _ in range(cell.n)]
-    floor = Floor(cell.size)
+    methods = cell_methods(cell, args)
+    timeout = args.call_timeout_s
+    hub = WeightHub.remote(transport=cell.transport)
+    receiver_class = RdtBenchReceiver if cell.transport == "rdt" else BenchReceiver
+    receivers = [receiver_class.remote(hub, spec, threads) for _ in range(cell.n)]
     try:
         mine = str(Path(raysync.__file__).parent)
-        for theirs in ray.get([r.ready.remote() for r in receivers]):
+        for theirs in ray.get([r.ready.remote() for r in receivers], timeout=timeout):
             if theirs != mine:
                 raise RuntimeError(f"receivers import raysync from {theirs}, the driver {mine}")
-        samples: dict[str, list[float]] = {m: [] for m in METHODS}
-        noise: dict[str, list[dict]] = {m: [] for m in METHODS}
+        if "raw_read" in methods:
+            source = raw_source.register(floor.src)
+            ray.get([r.raw_setup.remote(source) for r in receivers], timeout=timeout)
+        samples: dict[str, list[float]] = {m: [] for m in methods}
+        noise: dict[str, list[dict]] = {m: [] for m in methods}
         report_seconds: list[float] = []
         counter = 0
         last_report_seconds = 0.0
@@ -314,24 +609,29 @@ def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tens
         def one(method: str) -> float:
             nonlocal counter, last_report_seconds
             if method == "floor":
-                elapsed = floor.run(cell.n)
-            else:
-                counter += 1
-                tag(weights, counter)
-                if method == "raysync":
-                    t0 = time.perf_counter()
-                    report = ray.get(hub.broadcast.remote(weights, model="m"))
-                    elapsed = time.perf_counter() - t0
-                    if len(report.acked) != cell.n or report.bytes != cell.size:
-                        raise RuntimeError(f"raysync report is off: {report}")
-                    last_report_seconds = report.seconds
-                else:
-                    t0 = time.perf_counter()
-                    ref = ray.put(weights)
-                    ray.get([r.apply_baseline.remote([ref]) for r in receivers])
-                    elapsed = time.perf_counter() - t0
-                    del ref
-                check_landed(receivers, counter, method)
+                return floor.run(cell.n)
+            counter += 1
+            if method == "raw_read":
+                floor.src[0] = counter
+                elapsed, got = raw_source.read(receivers, timeout)
+                check_landed([[v] for v in got], counter, method)
+                return elapsed
+            tag(weights, counter)
+            if method == "raysync":
+                t0 = time.perf_counter()
+                report = ray.get(hub.broadcast.remote(weights, model="m"), timeout=timeout)
+                elapsed = time.perf_counter() - t0
+                if len(report.acked) != cell.n or report.bytes != cell.size:
+                    raise RuntimeError(f"raysync report is off: {report}")
+                last_report_seconds = report.seconds
+            else:  # baseline
+                t0 = time.perf_counter()
+                ref = ray.put({name: t.numpy() for name, t in weights.items()})
+                ray.get([r.apply_baseline.remote([ref]) for r in receivers], timeout=timeout)
+                elapsed = time.perf_counter() - t0
+                del ref
+            probes = ray.get([r.probe.remote() for r in receivers], timeout=timeout)
+            check_landed(probes, counter, f"{cell.transport} {method}")
             return elapsed
 
         def timed(method: str) -> None:
@@ -340,7 +640,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tens
             keeping the attempt they disturbed least."""
             attempts = []
             for _ in range(args.retries + 1):
-                busy = METER.wait_quiet(args.quiet_threshold, args.sample_quiet_timeout_s)
+                busy = METER.wait_quiet(quiet, args.sample_quiet_timeout_s)
                 before = METER.snapshot()
                 elapsed = one(method)
                 foreign = METER.foreign(before, METER.snapshot(before[3] if before else None))
@@ -355,91 +655,444 @@ def run_cell(cell: Cell, args: argparse.Namespace, weights: dict[str, torch.Tens
             if method == "raysync":
                 report_seconds.append(reported)
 
-        for method in METHODS:
+        for method in methods:
             for _ in range(args.warmup):
                 one(method)
-        busy = METER.wait_quiet(args.quiet_threshold, args.quiet_timeout_s)
-        for k in range(args.repeats):
+        # What the cell's own processes use with nothing timed (a transport's background
+        # threads, say): "quiet" means quiet apart from that, which every method pays.
+        own_idle = METER.own_share(1.0)
+        quiet = args.quiet_threshold + (own_idle or 0.0)
+        busy = METER.wait_quiet(quiet, args.quiet_timeout_s)
+        for k in range(args.repeats or default_repeats(cell.size)):
             # rotate the order so no method always runs first (or right after another)
-            for method in METHODS[k % 3 :] + METHODS[: k % 3]:
+            shift = k % len(methods)
+            for method in methods[shift:] + methods[:shift]:
                 timed(method)
-        return samples, noise, report_seconds, threads, busy
+        return CellResult(methods, samples, noise, report_seconds, threads, busy, own_idle)
     finally:
-        for r in receivers:
-            ray.kill(r)
-        ray.kill(hub.actor)
+        teardown(hub, receivers, timeout_s=30.0)
+        if raw_source is not None:
+            raw_source.close()
+        gc.collect()  # the learner half's NIXL agent, if any, stops spinning when collected
+
+
+def cell_rows(cell: Cell, result: CellResult, estimate: int, peak: int | None) -> list[dict]:
+    floor_s = median(result.samples["floor"])
+    raw_s = median(result.samples["raw_read"]) if "raw_read" in result.samples else None
+    rows = []
+    for method in result.methods:
+        sec = median(result.samples[method])
+        row = dict(
+            transport=cell.transport,
+            method=method,
+            size_bytes=cell.size,
+            n_receivers=cell.n,
+            n_tensors=cell.n_tensors,
+            seconds=sec,
+            samples=result.samples[method],
+            ratio_to_floor=sec / floor_s,
+            floor_seconds=floor_s,
+        )
+        if raw_s is not None:
+            row.update(ratio_to_raw_read=sec / raw_s, raw_read_seconds=raw_s)
+        if method == "raysync":
+            row["hub_report_seconds"] = result.report_seconds
+        row.update(
+            receiver_threads=result.threads,
+            cpu_busy_before_cell=result.busy,
+            own_cpu_while_idle=result.own_idle,
+            memory_estimate_bytes=estimate,
+            memory_peak_bytes=peak,
+            noise=result.noise[method],
+        )
+        rows.append(row)
+    return rows
+
+
+def skipped_row(cell: Cell, reason: str, estimate: int) -> dict:
+    return dict(
+        transport=cell.transport,
+        method="raysync",
+        size_bytes=cell.size,
+        n_receivers=cell.n,
+        n_tensors=cell.n_tensors,
+        skipped=reason,
+        memory_estimate_bytes=estimate,
+    )
+
+
+def measure_cell(
+    cell: Cell,
+    args: argparse.Namespace,
+    weights: dict[str, torch.Tensor],
+    spec: list[tuple[str, int]],
+    floor: Floor,
+    raw_source: RawReadSource | None,
+    errors: list[dict],
+    progress: Callable[[], str],
+) -> list[dict]:
+    """The rows of one cell: measured, or one row saying why it was skipped. A failed
+    cell is tried once more; its errors go to ``errors``. Prints one progress line,
+    starting with ``progress()``."""
+    started = time.monotonic()
+    estimate = memory_estimate(cell, args)
+    reason = wait_for_memory(estimate, int(args.memory_reserve_gb * GiB), args.quiet_timeout_s)
+    if reason is not None:
+        print(f"{progress()}{cell.describe()}: skipped, {reason}", flush=True)
+        return [skipped_row(cell, reason, estimate)]
+    for attempt in range(2):
+        try:
+            with MemoryWatch() as watch:
+                result = run_cell(cell, args, weights, spec, floor, raw_source)
+            break
+        except (ray.exceptions.RayError, RaySyncError, RuntimeError) as err:
+            # Ray's memory monitor killing a receiver on a busy host, a transport failing,
+            # a call past --call-timeout-s, data that did not land
+            errors.append(
+                dict(
+                    transport=cell.transport,
+                    size_bytes=cell.size,
+                    n_receivers=cell.n,
+                    n_tensors=cell.n_tensors,
+                    attempt=attempt,
+                    error=f"{type(err).__name__}: {err}"[:2000],
+                    traceback=traceback.format_exc()[-4000:],
+                )
+            )
+            print(
+                f"{progress()}{cell.describe()} failed ({type(err).__name__}: {str(err)[:300]}); "
+                + ("retrying" if attempt == 0 else "skipping"),
+                flush=True,
+            )
+            METER.wait_quiet(args.quiet_threshold, args.settle_s)
+    else:
+        return [skipped_row(cell, f"failed twice: {errors[-1]['error']}", estimate)]
+    rows = cell_rows(cell, result, estimate, watch.peak)
+    parts = [
+        f"{r['method']} {r['seconds']:.4f}s"
+        + ("" if r["method"] == "floor" else f" ({r['ratio_to_floor']:.2f}x)")
+        for r in rows
+    ]
+    if "raw_read" in result.methods:
+        (mine,) = [r for r in rows if r["method"] == "raysync"]
+        parts.append(f"nixl/READ {mine['ratio_to_raw_read']:.2f}x")
+    extra = [] if result.busy is None else [f"cpu busy before {result.busy:.0%}"]
+    if result.own_idle is not None and result.own_idle > 0.1:
+        cores = result.own_idle * (os.cpu_count() or 1)
+        extra.append(f"its processes busy {cores:.1f} cores while idle")
+    if watch.peak is not None:
+        extra.append(f"mem peak {watch.peak / GiB:.1f} GiB, est {estimate / GiB:.1f}")
+    print(
+        f"{progress()}{cell.describe()} ({time.monotonic() - started:.0f}s): "
+        + ", ".join(parts)
+        + (f"  [{'; '.join(extra)}]" if extra else ""),
+        flush=True,
+    )
+    return rows
 
 
 # -- output -----------------------------------------------------------------------------
+def transport_rank(name: str) -> int:
+    known = known_transports()
+    return known.index(name) if name in known else len(known)
+
+
+def row_key(row: dict) -> tuple:
+    return (
+        row["n_tensors"],
+        row["n_receivers"],
+        row["size_bytes"],
+        transport_rank(row["transport"]),
+        METHOD_ORDER.index(row["method"]),
+    )
+
+
+def load_rows(data: dict) -> list[dict]:
+    """The rows of a JSON this script wrote; runs from before it covered every transport
+    measured object_store only and have no ``transport`` field."""
+    rows = data["rows"]
+    for row in rows:
+        row.setdefault("transport", "object_store")
+    return rows
+
+
+def measured(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "skipped" not in r]
+
+
 def print_table(rows: list[dict]) -> None:
     print()
     print("GB/s = size_bytes * N / seconds / 1e9 (bytes delivered to receivers per second)")
     header = (
-        f"{'method':<9} {'MB':>7} {'tensors':>7} {'N':>3} {'seconds':>9} {'GB/s':>7} {'x floor':>8}"
+        f"{'transport':<13} {'method':<9} {'MB':>6} {'tensors':>7} {'N':>2} {'seconds':>9} "
+        f"{'GB/s':>6} {'x floor':>7} {'x READ':>6}"
     )
     print(header)
     print("-" * len(header))
-    for row in rows:
+    for row in sorted(rows, key=row_key):
+        head = (
+            f"{row['transport']:<13} {row['method']:<9} {row['size_bytes'] / 2**20:>6g} "
+            f"{row['n_tensors']:>7} {row['n_receivers']:>2}"
+        )
+        if "skipped" in row:
+            print(f"{head} skipped: {row['skipped']}")
+            continue
         gbps = row["size_bytes"] * row["n_receivers"] / row["seconds"] / 1e9
+        raw = row.get("ratio_to_raw_read")
         print(
-            f"{row['method']:<9} {row['size_bytes'] / 2**20:>7g} {row['n_tensors']:>7} "
-            f"{row['n_receivers']:>3} {row['seconds']:>9.4f} {gbps:>7.2f} "
-            f"{row['ratio_to_floor']:>8.2f}"
+            f"{head} {row['seconds']:>9.4f} {gbps:>6.2f} {row['ratio_to_floor']:>7.2f} "
+            + (f"{raw:>6.2f}" if raw is not None else f"{'':>6}")
         )
     sys.stdout.flush()
 
 
-def plot(rows: list[dict], tensor_counts: list[int], path: Path) -> None:
+def markdown_table(rows: list[dict]) -> str:
+    """Ratio to the floor per transport, N and size (per tensor count): the README table."""
+    lines = []
+    sizes = sorted({r["size_bytes"] for r in rows})
+    by_key = {}
+    for r in measured(rows):
+        by_key[(r["n_tensors"], r["n_receivers"], r["size_bytes"], r["transport"], r["method"])] = r
+    skipped = {
+        (r["n_tensors"], r["n_receivers"], r["size_bytes"], r["transport"])
+        for r in rows
+        if "skipped" in r
+    }
+    transports = sorted({r["transport"] for r in rows}, key=transport_rank)
+    for n_tensors in sorted({r["n_tensors"] for r in rows}):
+        lines.append(
+            f"\n{n_tensors}-tensor float32 model: raysync's time / the floor's "
+            "(N+1 memcpys) in the same cell; floor row in seconds"
+        )
+        lines.append("| transport | N | " + " | ".join(fmt_size(s) for s in sizes) + " |")
+        lines.append("|---|---|" + "---|" * len(sizes))
+        for n in sorted({r["n_receivers"] for r in rows if r["n_tensors"] == n_tensors}):
+            floors = []
+            for s in sizes:
+                fs = [
+                    r["floor_seconds"]
+                    for r in measured(rows)
+                    if (r["n_tensors"], r["n_receivers"], r["size_bytes"]) == (n_tensors, n, s)
+                    and r["method"] == "floor"
+                ]
+                floors.append(f"{median(fs):.3f} s" if fs else "")
+            lines.append(f"| floor | {n} | " + " | ".join(floors) + " |")
+            entries = [(t, "raysync", t) for t in transports]
+            if any(r["method"] == "baseline" for r in rows):
+                entries.insert(1, ("object_store", "baseline", "ray.put by hand"))
+            if "nixl" in transports:
+                entries.append(("nixl", "raw_read", "raw NIXL READ"))
+            for transport, method, label in entries:
+                cells = []
+                for s in sizes:
+                    r = by_key.get((n_tensors, n, s, transport, method))
+                    if r is not None:
+                        cells.append(f"{r['ratio_to_floor']:.2f}")
+                    elif (n_tensors, n, s, transport) in skipped:
+                        cells.append("skipped")
+                    else:
+                        cells.append("")
+                lines.append(f"| {label} | {n} | " + " | ".join(cells) + " |")
+        if "nixl" in transports:
+            lines.append(
+                f"\n{n_tensors}-tensor model: nixl's time / the raw NIXL READ's in the same cell"
+            )
+            lines.append("| N | " + " | ".join(fmt_size(s) for s in sizes) + " |")
+            lines.append("|---|" + "---|" * len(sizes))
+            for n in sorted({r["n_receivers"] for r in rows if r["n_tensors"] == n_tensors}):
+                cells = []
+                for s in sizes:
+                    r = by_key.get((n_tensors, n, s, "nixl", "raysync"))
+                    cells.append(f"{r['ratio_to_raw_read']:.2f}" if r else "")
+                lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets on one node, judged on the medians of this run."""
+    got = {
+        (r["transport"], r["size_bytes"], r["n_receivers"], r["n_tensors"]): r
+        for r in measured(rows)
+        if r["method"] == "raysync"
+    }
+
+    def cells(transport: str, where=lambda size, n: True):
+        return sorted((k, r) for k, r in got.items() if k[0] == transport and where(k[1], k[2]))
+
+    def label(key) -> str:
+        return f"{fmt_size(key[1])} x{key[3]} N={key[2]}"
+
+    targets = []
+
+    def judge(name: str, checked: list[tuple[Any, bool, str]]) -> None:
+        failures = [f"{label(k)}: {why}" for k, ok, why in checked if not ok]
+        targets.append(
+            dict(
+                target=name,
+                cells=len(checked),
+                ok=None if not checked else not failures,
+                failures=failures,
+            )
+        )
+
+    shm_vs_os = []
+    for key, r in cells("shared_memory"):
+        other = got.get(("object_store", *key[1:]))
+        if other is not None:
+            ok = r["seconds"] <= other["seconds"]
+            shm_vs_os.append((key, ok, f"{r['seconds']:.4f} s vs {other['seconds']:.4f} s"))
+    judge("shared_memory at or below object_store in every cell", shm_vs_os)
+    judge(
+        "shared_memory within 1.1x of the floor at N=4",
+        [
+            (k, r["ratio_to_floor"] <= 1.1, f"{r['ratio_to_floor']:.2f}x")
+            for k, r in cells("shared_memory", lambda size, n: n == 4)
+        ],
+    )
+    judge(
+        "distributed (gloo) within 2x of the floor in every cell",
+        [
+            (k, r["ratio_to_floor"] <= 2.0, f"{r['ratio_to_floor']:.2f}x")
+            for k, r in cells("distributed")
+        ],
+    )
+    judge(
+        "nixl within 1.25x of the raw READ at 256 MB and 1 GB, N=1 and 4",
+        [
+            (k, r["ratio_to_raw_read"] <= 1.25, f"{r['ratio_to_raw_read']:.2f}x")
+            for k, r in cells("nixl", lambda size, n: size in (256 * 2**20, GiB) and n in (1, 4))
+        ],
+    )
+    return targets
+
+
+def print_targets(targets: list[dict]) -> None:
+    print("\nTargets (one node, medians of this run):")
+    for t in targets:
+        verdict = {None: "not measured", True: "met", False: "MISSED"}[t["ok"]]
+        print(f"  {verdict:<12} {t['target']} ({t['cells']} cells)")
+        for failure in t["failures"]:
+            print(f"               {failure}")
+    sys.stdout.flush()
+
+
+COLORS = {
+    "object_store": "tab:blue",
+    "shared_memory": "tab:green",
+    "distributed": "tab:red",
+    "rpc": "tab:brown",
+    "nixl": "tab:purple",
+    "rdt": "tab:cyan",
+}
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Seconds vs bytes, log-log: a panel per N (a row of panels per tensor count), one
+    line per transport, the floor (median of the cells' floors) in gray, the raw NIXL
+    READ and the hand-written baseline dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"raysync": "tab:blue", "baseline": "tab:orange", "floor": "tab:gray"}
+    data = measured(rows)
     ns = sorted({r["n_receivers"] for r in rows})
-    markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
-    styles = ["-", "--", ":", "-."]
+    tensor_counts = sorted({r["n_tensors"] for r in rows})
+    transports = sorted({r["transport"] for r in rows}, key=transport_rank)
     fig, axes = plt.subplots(
-        1, len(tensor_counts), figsize=(6.5 * len(tensor_counts), 5), squeeze=False
+        len(tensor_counts),
+        len(ns),
+        figsize=(max(4.6 * len(ns), 9.0), 4.2 * len(tensor_counts) + 1.0),
+        squeeze=False,
+        sharey=True,
     )
-    for ax, n_tensors in zip(axes[0], tensor_counts, strict=True):
-        for method in METHODS:
-            for i, n in enumerate(ns):
+    ticks = sorted({r["size_bytes"] / 2**20 for r in rows})
+    lines = [(f"{t}", t, "raysync", "-") for t in transports]
+    lines.append(("ray.put by hand", "object_store", "baseline", ":"))
+    lines.append(("raw NIXL READ", "nixl", "raw_read", "--"))
+    for row_axes, n_tensors in zip(axes, tensor_counts, strict=True):
+        for ax, n in zip(row_axes, ns, strict=True):
+            here = [r for r in data if r["n_receivers"] == n and r["n_tensors"] == n_tensors]
+            floors: dict[int, list[float]] = {}
+            for r in here:
+                if r["method"] == "floor":
+                    floors.setdefault(r["size_bytes"], []).append(r["seconds"])
+            if floors:
+                xs = sorted(floors)
+                ax.plot(
+                    [x / 2**20 for x in xs],
+                    [median(floors[x]) for x in xs],
+                    color="gray",
+                    linewidth=3,
+                    marker="o",
+                    alpha=0.5,
+                    label="floor: (N+1) memcpy",
+                )
+            for i, (label, transport, method, style) in enumerate(lines):
                 pts = sorted(
                     (r["size_bytes"], r["seconds"])
-                    for r in rows
-                    if r["method"] == method
-                    and r["n_receivers"] == n
-                    and r["n_tensors"] == n_tensors
+                    for r in here
+                    if r["transport"] == transport and r["method"] == method
                 )
                 if not pts:
                     continue
-                xs = [p[0] / 2**20 for p in pts]
-                ys = [p[1] for p in pts]
                 ax.plot(
-                    xs,
-                    ys,
-                    color=colors[method],
-                    linestyle=styles[i % len(styles)],
-                    marker=markers[i % len(markers)],
-                    alpha=0.6 if method == "floor" else 1.0,
-                    label=f"{method} N={n}",
+                    [p[0] / 2**20 for p in pts],
+                    [p[1] for p in pts],
+                    color=COLORS.get(transport, "black"),
+                    linestyle=style,
+                    marker=MARKERS[i % len(MARKERS)],
+                    alpha=0.7 if method != "raysync" else 1.0,
+                    label=label,
                 )
-        ax.set_xscale("log", base=2)
-        ticks = sorted({r["size_bytes"] / 2**20 for r in rows})
-        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-        ax.minorticks_off()
-        ax.set_yscale("log")
-        ax.set_xlabel("broadcast size (MiB)")
-        ax.set_ylabel("seconds (median, learner wall time)")
-        ax.set_title(f"{n_tensors}-tensor float32 state_dict")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("raysync object_store vs hand-written ray.put vs (N+1) memcpy floor")
-    fig.tight_layout()
+            for r in rows:
+                if "skipped" in r and (r["n_receivers"], r["n_tensors"]) == (n, n_tensors):
+                    ax.annotate(
+                        f"{r['transport']}: skipped",
+                        (r["size_bytes"] / 2**20, 0),
+                        xycoords=("data", "axes fraction"),
+                        xytext=(0, 4 + 9 * transport_rank(r["transport"])),
+                        textcoords="offset points",
+                        fontsize=6,
+                        ha="center",
+                        color=COLORS.get(r["transport"], "black"),
+                    )
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.minorticks_off()
+            ax.set_yscale("log")
+            ax.set_xlabel("broadcast size (MiB)")
+            ax.set_title(f"N={n} receivers, {n_tensors} tensors")
+            ax.grid(True, which="both", alpha=0.3)
+        row_axes[0].set_ylabel("seconds (median, learner wall time)")
+    handles, labels = {}, []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in handles:
+                handles[lab] = h
+                labels.append(lab)
+    fig.legend(
+        [handles[lab] for lab in labels],
+        labels,
+        loc="lower center",
+        ncol=min(len(labels), 4),
+        fontsize=8,
+    )
+    fig.suptitle("raysync broadcast per transport; floors measured in the same cells")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report(rows: list[dict], plot_path: Path) -> list[dict]:
+    plot(rows, plot_path)
+    print_table(rows)
+    print(markdown_table(rows))
+    targets = check_targets(rows)
+    print_targets(targets)
+    return targets
 
 
 def git_head(path: Path) -> str | None:
@@ -466,21 +1119,50 @@ def git_head(path: Path) -> str | None:
 # -- main ------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        choices=known_transports(),
+        help="default: every transport available here",
+    )
     p.add_argument("--sizes", nargs="+", type=parse_size, help="default: 64MB 256MB 1GB")
-    p.add_argument("--receivers", nargs="+", type=int, help="N values; default: 1 4")
-    p.add_argument("--tensors", nargs="+", type=int, help="tensor counts; default: 16 1000")
-    p.add_argument("--warmup", type=int, help="untimed runs per method and cell; default 1")
-    p.add_argument("--repeats", type=int, help="timed runs per method and cell; default 3")
-    p.add_argument("--quick", action="store_true", help="16MB, N=1 2, 1 repeat (~1 min)")
+    p.add_argument("--receivers", nargs="+", type=int, help="N values; default: 1 2 4 8")
+    p.add_argument("--tensors", nargs="+", type=int, help="tensor counts; default: 16")
+    p.add_argument("--warmup", type=int, help="untimed runs per method and cell; default 3")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="timed runs per method and cell; default by size: 5 up to 64 MB, 3 up to "
+        "256 MB, 2 above",
+    )
+    p.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the hand-written ray.put baseline in object_store cells (default: yes)",
+    )
+    p.add_argument("--quick", action="store_true", help="4MB 16MB, N=1 2, 1 repeat (~5 min)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/broadcast.json)")
     p.add_argument("--plot", type=Path, help="PNG path (default: --out with .png)")
     p.add_argument(
         "--replot",
         type=Path,
         metavar="JSON",
-        help="only redraw the plot and reprint the table of an earlier run's JSON",
+        help="only redraw the plot and reprint the tables of an earlier run's JSON",
     )
     p.add_argument("--object-store-gb", type=float, default=6.0)
+    p.add_argument(
+        "--memory-reserve-gb",
+        type=float,
+        default=2.5,
+        help="skip a cell whose estimate does not fit in MemAvailable minus this",
+    )
+    p.add_argument(
+        "--call-timeout-s",
+        type=float,
+        default=300.0,
+        help="longest wait for any one call to the actors (a hang fails the cell)",
+    )
     p.add_argument(
         "--floor-threads",
         type=int,
@@ -508,7 +1190,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quiet-timeout-s",
         type=float,
-        help="longest wait for quiet before a cell's timed runs (default 60; --quick: 5)",
+        help="longest wait for quiet (and for memory) before a cell's timed runs "
+        "(default 60; --quick: 5)",
     )
     p.add_argument(
         "--sample-quiet-timeout-s",
@@ -524,10 +1207,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, help="retakes per sample at most (default 2; --quick: 0)")
     args = p.parse_args(argv)
     quick = {
-        "sizes": [16 * 2**20],
+        "sizes": [4 * 2**20, 16 * 2**20],
         "receivers": [1, 2],
-        "tensors": [16, 1000],
-        "warmup": 1,
+        "tensors": [16],
+        "warmup": 3,
         "repeats": 1,
         "settle_s": 2.0,
         "quiet_timeout_s": 5.0,
@@ -535,11 +1218,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "retries": 0,
     }
     full = {
-        "sizes": [64 * 2**20, 256 * 2**20, 2**30],
-        "receivers": [1, 4],
-        "tensors": [16, 1000],
-        "warmup": 1,
-        "repeats": 3,
+        "sizes": [64 * 2**20, 256 * 2**20, GiB],
+        "receivers": [1, 2, 4, 8],
+        "tensors": [16],
+        "warmup": 3,
+        "repeats": None,  # by size, see default_repeats
         "settle_s": 10.0,
         "quiet_timeout_s": 60.0,
         "sample_quiet_timeout_s": 5.0,
@@ -552,26 +1235,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.out = RESULTS_DIR / ("broadcast_quick.json" if args.quick else "broadcast.json")
     if args.plot is None:
         args.plot = (args.replot or args.out).with_suffix(".png")
-    if args.repeats < 1 or args.warmup < 0 or min(args.receivers) < 1:
-        p.error("need --repeats >= 1, --warmup >= 0 and N >= 1")
+    if (args.repeats is not None and args.repeats < 1) or args.warmup < 0:
+        p.error("need --repeats >= 1 and --warmup >= 0")
+    if min(args.receivers) < 1 or min(args.tensors) < 1:
+        p.error("need N >= 1 and tensor counts >= 1")
     return args
+
+
+def choose_transports(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The transports to run, in registry order, and why any asked for cannot run here."""
+    if args.transports is None:
+        return list(available_transports()), {}
+    chosen, unavailable = [], {}
+    for name in known_transports():
+        if name in args.transports:
+            availability = get_transport(name).availability()
+            if availability.available:
+                chosen.append(name)
+            else:
+                unavailable[name] = availability.reason
+    return chosen, unavailable
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot is not None:
-        data = json.loads(args.replot.read_text())
-        plot(data["rows"], data["config"]["tensor_counts"], args.plot)
-        print_table(data["rows"])
+        rows = load_rows(json.loads(args.replot.read_text()))
+        report(rows, args.plot)
         print(f"\nwrote {args.plot}")
         return 0
-    warnings.filterwarnings("ignore", category=UserWarning, message=".*[Zz]ero-copy.*")
     torch.set_num_threads(args.floor_threads)
+    transports, unavailable = choose_transports(args)
+    for name, reason in unavailable.items():
+        print(f"warning: transport {name} is not available here, left out: {reason}")
+    if not transports:
+        print("no transport to run")
+        return 2
     sizes, ns, tensor_counts = sorted(args.sizes), sorted(set(args.receivers)), args.tensors
+    cells = [
+        Cell(t, size, n, n_tensors)
+        for t in transports
+        for size in sizes
+        for n_tensors in tensor_counts
+        for n in ns
+    ]
+    repeats = args.repeats or {fmt_size(s): default_repeats(s) for s in sizes}
     print(
-        f"sizes={[fmt_size(s) for s in sizes]} N={ns} tensors={tensor_counts} "
-        f"warmup={args.warmup} repeats={args.repeats} floor_threads={args.floor_threads} "
-        f"cpus={os.cpu_count()}",
+        f"transports={transports} sizes={[fmt_size(s) for s in sizes]} N={ns} "
+        f"tensors={tensor_counts} warmup={args.warmup} repeats={repeats} "
+        f"floor_threads={args.floor_threads} cpus={os.cpu_count()}: {len(cells)} cells",
         flush=True,
     )
     ray.init(
@@ -580,37 +1292,41 @@ def main(argv: list[str] | None = None) -> int:
         address="local",
         num_cpus=16,
         include_dashboard=False,
-        object_store_memory=int(args.object_store_gb * 2**30),
-        runtime_env={"env_vars": {ZERO_COPY_ENV: "1"}},
+        object_store_memory=int(args.object_store_gb * GiB),
         log_to_driver=True,
     )
     rows: list[dict] = []
     errors: list[dict] = []
-    receiver_threads: dict[int, int] = {}
     started = time.time()
-    order = {m: i for i, m in enumerate(("floor", "raysync", "baseline"))}
+    raw_source = RawReadSource() if "nixl" in transports else None
 
     def write(complete: bool) -> None:
         """Written after every cell, so a run that dies part-way keeps what it measured."""
-        rows.sort(
-            key=lambda r: (r["n_tensors"], r["n_receivers"], r["size_bytes"], order[r["method"]])
-        )
+        rows.sort(key=row_key)
         result = {
             "complete": complete,
             "config": {
+                "transports": transports,
+                "unavailable": unavailable,
                 "sizes_bytes": sizes,
                 "receivers": ns,
                 "tensor_counts": tensor_counts,
                 "dtype": str(DTYPE),
                 "warmup": args.warmup,
-                "repeats": args.repeats,
+                "repeats": repeats,
                 "statistic": "median of the timed repeats",
                 "floor": "(N+1) x dst.copy_(src) of one flat buffer in one process, measured "
                 "inside each cell (so its n_tensors is the cell's, not the floor's layout)",
+                "raw_read": "nixl cells: N actors each post one prepared NIXL (UCX) READ of "
+                "the floor's source buffer, registered in the driver, into a registered "
+                "buffer of their own; timed from the driver until all are done",
+                "baseline": "object_store cells: one ray.put of the state_dict as NumPy "
+                "views, each receiver ray.get + copy_ into its tensors",
                 "ratio_to_floor": "seconds / the floor's median in the same cell",
+                "ratio_to_raw_read": "nixl cells: seconds / the raw READ's median in the same cell",
                 "floor_threads": args.floor_threads,
-                "receiver_threads_by_n": receiver_threads,
-                "object_store_memory_bytes": int(args.object_store_gb * 2**30),
+                "object_store_memory_bytes": int(args.object_store_gb * GiB),
+                "memory_reserve_bytes": int(args.memory_reserve_gb * GiB),
                 "gbps_definition": "size_bytes * n_receivers / seconds / 1e9",
                 "noise_control": {
                     "quiet_threshold": args.quiet_threshold,
@@ -620,6 +1336,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "machine": {
                 "cpus": os.cpu_count(),
+                "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                 "platform": platform.platform(),
                 "python": platform.python_version(),
                 "ray": ray.__version__,
@@ -632,86 +1349,46 @@ def main(argv: list[str] | None = None) -> int:
             "argv": sys.argv[1:],
             "total_seconds": time.time() - started,
             "errors": errors,
+            "targets": check_targets(rows),
             "rows": rows,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
+    index = 0
+
+    def progress() -> str:
+        return f"[{time.time() - started:6.0f}s] {index}/{len(cells)} "
+
     try:
-        for size in sizes:
-            for n_tensors in tensor_counts:
-                spec = layout(size, n_tensors)
-                weights = make_state_dict(spec, fill=1.0)
-                for n in ns:
-                    cell = Cell(size, n, n_tensors)
-                    # the driver holds the weights and the floor's two buffers; each receiver
-                    # its model; the object store up to two versions (raysync's, baseline's)
-                    wait_for_memory(size * (n + 4), args.quiet_timeout_s)
-                    for attempt in range(2):
-                        try:
-                            samples, noise, report_seconds, threads, busy = run_cell(
-                                cell, args, weights, spec
+        # Transport by transport: a transport may leave threads behind in the driver
+        # (Ray's NIXL agent, created by the first rdt broadcast, lives and spins until the
+        # driver exits), so rdt, last in the registry, runs last.
+        for transport in transports:
+            for size in sizes:
+                floor = Floor(size)
+                for n_tensors in tensor_counts:
+                    spec = layout(size, n_tensors)
+                    weights = make_state_dict(spec, fill=1.0)
+                    for n in ns:
+                        index += 1
+                        cell = Cell(transport, size, n, n_tensors)
+                        rows.extend(
+                            measure_cell(
+                                cell, args, weights, spec, floor, raw_source, errors, progress
                             )
-                            break
-                        except ray.exceptions.RayError as err:
-                            # typically Ray's memory monitor killing a receiver on a busy host
-                            errors.append(
-                                dict(
-                                    size_bytes=size,
-                                    n_receivers=n,
-                                    n_tensors=n_tensors,
-                                    attempt=attempt,
-                                    error=f"{type(err).__name__}: {err}"[:2000],
-                                )
-                            )
-                            print(
-                                f"cell {fmt_size(size)} {n_tensors} tensors N={n} failed "
-                                f"({type(err).__name__}); "
-                                + ("retrying" if attempt == 0 else "skipping"),
-                                flush=True,
-                            )
-                            METER.wait_quiet(args.quiet_threshold, args.settle_s)
-                    else:
-                        continue
-                    receiver_threads[n] = threads
-                    floor_s = median(samples["floor"])
-                    for method in METHODS:
-                        sec = median(samples[method])
-                        row = dict(
-                            method=method,
-                            size_bytes=size,
-                            n_receivers=n,
-                            n_tensors=n_tensors,
-                            seconds=sec,
-                            samples=samples[method],
-                            ratio_to_floor=sec / floor_s,
-                            floor_seconds=floor_s,
-                            cpu_busy_before_cell=busy,
-                            noise=noise[method],
                         )
-                        if method == "raysync":
-                            row["hub_report_seconds"] = report_seconds
-                        rows.append(row)
-                    print(
-                        f"[{time.time() - started:6.1f}s] {fmt_size(size)} {n_tensors} tensors "
-                        f"N={n}: floor {floor_s:.4f}s, "
-                        f"raysync {median(samples['raysync']):.4f}s "
-                        f"({median(samples['raysync']) / floor_s:.2f}x), "
-                        f"baseline {median(samples['baseline']):.4f}s "
-                        f"({median(samples['baseline']) / floor_s:.2f}x)"
-                        + ("" if busy is None else f"  [cpu busy before: {busy:.0%}]"),
-                        flush=True,
-                    )
-                    write(complete=False)
-                    METER.wait_quiet(args.quiet_threshold, args.settle_s)
-                del weights
-                gc.collect()  # the cell's floor buffers and actors are gone too
+                        write(complete=False)
+                        METER.wait_quiet(args.quiet_threshold, args.settle_s)
+                    del weights
+                    gc.collect()
+                del floor
+                gc.collect()
     finally:
         ray.shutdown()
 
     write(complete=not errors)
-    plot(rows, tensor_counts, args.plot)
-    print_table(rows)
+    report(rows, args.plot)
     if errors:
         print(f"\n{len(errors)} failed cell attempt(s); see 'errors' in {args.out}")
     print(f"\nwrote {args.out} and {args.plot} in {time.time() - started:.0f}s")
