@@ -80,7 +80,7 @@ per N. Prints a per-row table, a Markdown table (ratio to the floor) for the REA
 the issue's targets. ``--replot JSON`` only redraws and reprints.
 
     .venv/bin/python benchmarks/broadcast.py --quick     # 4 and 16 MB, N=1 2 (~5 min)
-    .venv/bin/python benchmarks/broadcast.py             # every transport, 64MB..1GB x N=1..8
+    .venv/bin/python benchmarks/broadcast.py             # 64MB..1GB x N=1..8 (~30 min)
     .venv/bin/python benchmarks/broadcast.py --transports nixl rdt --sizes 256MB --receivers 1 4
     .venv/bin/python benchmarks/broadcast.py --replot benchmarks/results/broadcast.json
 """
@@ -129,7 +129,7 @@ FLOORS = ("floor", "raw_read")
 MEMORY = {
     "object_store": (2, 0),  # the put copy, two versions alive; receivers read it in place
     "shared_memory": (3, 0),  # latest + in flight + next slot; receivers map them
-    "distributed": (3, 1),  # put copy x2 + rank 0's packed buffer; a receive buffer each
+    "distributed": (4, 1),  # put copies, rank 0's packed buffer (1 GB N=2 peaked at 11.5 GiB)
     "rpc": (2, 1),  # put copy x2; the landed tensors in each receiver's inbox
     "nixl": (2, 1),  # the learner's registered pair; a staging buffer each
     "rdt": (2, 1),  # the learner's registered pair; a staging buffer each
