@@ -1174,6 +1174,7 @@ def plot(rows: list[dict], path: Path) -> None:
                         color=COLORS.get(r["transport"], "black"),
                     )
             ax.set_xscale("log", base=2)
+            ax.set_xlim(min(ticks) / 1.5, max(ticks) * 1.5)  # the same in every panel
             ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
             ax.minorticks_off()
             ax.set_yscale("log")
@@ -1187,13 +1188,14 @@ def plot(rows: list[dict], path: Path) -> None:
             if lab not in handles:
                 handles[lab] = h
                 labels.append(lab)
-    fig.legend(
-        [handles[lab] for lab in labels],
-        labels,
-        loc="lower center",
-        ncol=min(len(labels), 4),
-        fontsize=8,
-    )
+    if labels:  # none when every cell was skipped
+        fig.legend(
+            [handles[lab] for lab in labels],
+            labels,
+            loc="lower center",
+            ncol=min(len(labels), 4),
+            fontsize=8,
+        )
     fig.suptitle("raysync broadcast per transport; floors measured in the same cells")
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
