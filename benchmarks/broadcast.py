@@ -8,20 +8,21 @@ A *cell* is (transport, size, N receivers, tensor count). Each cell starts N
 transport. These are the *methods* of a cell:
 
 * ``raysync``  -- ``ray.get(hub.broadcast.remote(weights, model="m"))``, timed on the
-  learner (the driver) from the call until every receiver acked. Receivers apply into
-  their own preallocated tensors (views of one flat buffer per receiver), in place.
+  learner (the cell's own driver process) from the call until every receiver acked.
+  Receivers apply into their own preallocated tensors (views of one flat buffer per
+  receiver), in place.
 * ``floor``    -- N+1 memcpys of the same bytes in one process (``dst.copy_(src)`` of one
   flat buffer, N+1 times, with ``--floor-threads`` torch threads): one copy out of the
   learner plus one copy into each receiver, with no Ray at all. Every cell has one.
 * ``raw_read`` -- nixl cells only: the floor of a one-sided data path. The floor's
-  source buffer is registered with a ``nixl_agent`` (UCX) in the driver; each receiver
+  source buffer is registered with a ``nixl_agent`` (UCX) in the learner; each receiver
   registers its model's flat buffer with an agent of its own and prepares one READ of
   the whole source into it (``prep_xfer_dlist`` + ``make_prepped_xfer("READ")``) once.
-  Timed from the driver: all N receivers post their READ at once and poll it
+  Timed from the learner: all N receivers post their READ at once and poll it
   (``transfer``, then ``check_xfer_state``) until the last is done. No packing, no
   staging, no copy into the model, no control plane. The agents run without nixl's
   default progress thread, which busy-polls a core for as long as an agent lives: the
-  readers poll their READs, and the driver progresses the source's agent by hand
+  readers poll their READs, and the learner progresses the source's agent by hand
   (every millisecond) while they read. The time ends at the last READ's completion by
   the readers' clock (the machine's monotonic clock), not when Ray returns.
 * ``baseline`` -- object_store cells only (``--no-baseline`` drops it): what a user could
@@ -203,7 +204,7 @@ RAW_READ_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class RawSource:
-    """A registered buffer in the driver, as a reader addresses it (plain ints and bytes)."""
+    """A registered buffer in the learner, as a reader addresses it (plain ints and bytes)."""
 
     agent: str
     metadata: bytes
@@ -214,7 +215,7 @@ class RawSource:
 def _nixl_agent(role: str) -> Any:
     """A NIXL agent with the UCX backend and no progress thread: nixl's default one
     busy-polls a core for as long as the agent lives, idle or not. Readers progress
-    their READs by polling them; the driver progresses the source's while they read
+    their READs by polling them; the learner progresses the source's while they read
     (``RawReadSource.read``)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -225,7 +226,7 @@ def _nixl_agent(role: str) -> Any:
 
 
 class RawReadSource:
-    """The driver's side of the raw READ floor: per nixl cell, an agent with the floor's
+    """The learner's side of the raw READ floor: per nixl cell, an agent with the floor's
     source buffer registered."""
 
     def __init__(self) -> None:
@@ -299,7 +300,7 @@ class _BenchReceiver(WeightReceiver):
         self.connect_hub(hub, models={"m": "model"})
 
     def ready(self) -> str:
-        """Where this worker imported raysync from (must be where the driver did)."""
+        """Where this worker imported raysync from (must be where the learner did)."""
         import raysync
 
         return str(Path(raysync.__file__).parent)
@@ -426,9 +427,10 @@ def _proc_ticks(pid: int) -> tuple[int, int] | None:
 
 
 class CpuMeter:
-    """Splits the machine's CPU time into this benchmark's process tree (the driver, and
-    Ray's raylet, hub and receivers, all started under it) and everything else. The
-    machine may be shared; another job's CPU use during a sample skews every method."""
+    """Splits the machine's CPU time into this benchmark's process tree (the main process,
+    the cells' learner processes, Ray's raylet, hub and receivers, all started under it)
+    and everything else. The machine may be shared; another job's CPU use during a sample
+    skews every method."""
 
     def __init__(self) -> None:
         self.available = os.path.exists("/proc/stat")
@@ -696,7 +698,7 @@ def run_cell(
         mine = str(Path(raysync.__file__).parent)
         for theirs in ray.get([r.ready.remote() for r in receivers], timeout=timeout):
             if theirs != mine:
-                raise RuntimeError(f"receivers import raysync from {theirs}, the driver {mine}")
+                raise RuntimeError(f"receivers import raysync from {theirs}, the learner {mine}")
         if "raw_read" in methods:
             source = raw_source.register(floor.src)
             ray.get([r.raw_setup.remote(source) for r in receivers], timeout=timeout)
