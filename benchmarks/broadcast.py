@@ -2,25 +2,27 @@
 """Broadcast time vs bytes and number of receivers, for every raysync transport, against
 floors measured in the same run.
 
-A *cell* is (transport, size, N receivers, tensor count). In every cell a hub
-(``WeightHub.remote(transport=...)``) and N ``WeightReceiver`` actors are started, and
-these *methods* are timed side by side, so all of them see the same machine:
+A *cell* is (transport, size, N receivers, tensor count). Each cell starts N
+``WeightReceiver`` actors, times the floors, then starts a hub
+(``WeightHub.remote(transport=...)``), connects the receivers to it and times the
+transport. These are the *methods* of a cell:
 
 * ``raysync``  -- ``ray.get(hub.broadcast.remote(weights, model="m"))``, timed on the
-  learner (the driver) from the call until every receiver acked. Receivers apply into
-  their own preallocated tensors (views of one flat buffer per receiver), in place.
+  learner (the cell's own driver process) from the call until every receiver acked.
+  Receivers apply into their own preallocated tensors (views of one flat buffer per
+  receiver), in place.
 * ``floor``    -- N+1 memcpys of the same bytes in one process (``dst.copy_(src)`` of one
   flat buffer, N+1 times, with ``--floor-threads`` torch threads): one copy out of the
   learner plus one copy into each receiver, with no Ray at all. Every cell has one.
 * ``raw_read`` -- nixl cells only: the floor of a one-sided data path. The floor's
-  source buffer is registered with a ``nixl_agent`` (UCX) in the driver; each receiver
+  source buffer is registered with a ``nixl_agent`` (UCX) in the learner; each receiver
   registers its model's flat buffer with an agent of its own and prepares one READ of
   the whole source into it (``prep_xfer_dlist`` + ``make_prepped_xfer("READ")``) once.
-  Timed from the driver: all N receivers post their READ at once and poll it
+  Timed from the learner: all N receivers post their READ at once and poll it
   (``transfer``, then ``check_xfer_state``) until the last is done. No packing, no
   staging, no copy into the model, no control plane. The agents run without nixl's
   default progress thread, which busy-polls a core for as long as an agent lives: the
-  readers poll their READs, and the driver progresses the source's agent by hand
+  readers poll their READs, and the learner progresses the source's agent by hand
   (every millisecond) while they read. The time ends at the last READ's completion by
   the readers' clock (the machine's monotonic clock), not when Ray returns.
 * ``baseline`` -- object_store cells only (``--no-baseline`` drops it): what a user could
@@ -30,15 +32,18 @@ these *methods* are timed side by side, so all of them see the same machine:
   tensors; timed from the put to the last receiver. No process-global serializer
   setting is needed, so every transport runs in Ray's default configuration.
 
-Each method gets ``--warmup`` untimed runs (default 3: they form the transports'
-connections and groups, and transports that rotate buffers -- nixl and rdt two,
-shared_memory three slots -- have then read each of them once), then ``--repeats`` timed
-rounds in a rotating order; the median is reported, ``ratio_to_floor`` divides it by the
-same cell's floor and, in nixl cells, ``ratio_to_raw_read`` by the same cell's raw READ.
-The machine may be shared (and Ray's own start-up is busy), so each timed sample waits
-for the CPU to go quiet first -- quiet apart from what the cell's own processes use with
-nothing timed, measured once after the warm-up (``own_cpu_while_idle``: a transport's
-background threads show there, and every method of the cell pays for them) -- and is
+The floors are timed first, before the hub exists: some transports keep threads busy for
+as long as they are connected (nixl agents, TensorPipe), and a floor timed next to them
+would carry the transport's own overhead. Within each phase every method gets
+``--warmup`` untimed runs (default 3: they form the transports' connections and groups,
+and transports that rotate buffers -- nixl and rdt two, shared_memory three slots --
+have then read each of them once), then ``--repeats`` timed rounds in a rotating order;
+the median is reported, ``ratio_to_floor`` divides it by the same cell's floor and, in
+nixl cells, ``ratio_to_raw_read`` by the same cell's raw READ. The machine may be shared
+(and Ray's own start-up is busy), so each timed sample waits for the CPU to go quiet
+first -- quiet apart from what the cell's own processes use with nothing timed, measured
+once per phase after the warm-up (``own_cpu_while_idle``: a connected transport's
+background threads show there, and every method of its phase pays for them) -- and is
 retaken (``--retries``) if processes outside this benchmark's process tree used more
 than ``--max-foreign`` of the CPU during it (the least disturbed attempt is kept); each
 row's ``noise`` lists, per sample, the CPU busy before it, the foreign share during it
@@ -50,11 +55,16 @@ copies and per-receiver staging, see ``MEMORY``); a cell that would not fit in
 MemAvailable minus ``--memory-reserve-gb`` (Ray's memory monitor kills workers near
 the limit) waits up to ``--quiet-timeout-s`` for memory and is then skipped with a row
 saying why. Rows record the estimate and the measured peak (the drop in MemAvailable
-during the cell). The actors are killed and the learner's transport buffers released
-between cells; the JSON is rewritten after every cell (``"complete": false`` until the
-end), so a run that dies part-way keeps what it measured. Cells run transport by
-transport, in registry order: Ray's NIXL agent, which the first rdt broadcast creates
-in the driver, lives (and spins) until the driver exits, so rdt goes last.
+during the cell). The JSON is rewritten after every cell (``"complete": false`` until
+the end), so a run that dies part-way keeps what it measured.
+
+Processes: the run starts one Ray instance; every cell runs in a fresh learner process
+(this script with ``--cell``, connected to that instance), which exits with the cell, and
+its actors are killed before that: a transport may leave state in the learner for as
+long as the process lives (Ray's NIXL agent, created by the first rdt broadcast,
+busy-polls a core until exit). A cell whose process fails (or outlives
+``--cell-timeout-s``) is tried once more, then skipped with a row saying why. Cells of
+the same (size, tensors, N) run back to back, transport after transport.
 
 Threads: the floor uses ``--floor-threads`` (default: all cores); each receiver actor
 ``--receiver-threads`` torch threads (default ``max(1, cores // N)``, so N receivers
@@ -71,7 +81,7 @@ per N. Prints a per-row table, a Markdown table (ratio to the floor) for the REA
 the issue's targets. ``--replot JSON`` only redraws and reprints.
 
     .venv/bin/python benchmarks/broadcast.py --quick     # 4 and 16 MB, N=1 2 (~5 min)
-    .venv/bin/python benchmarks/broadcast.py             # every transport, 64MB..1GB x N=1..8
+    .venv/bin/python benchmarks/broadcast.py             # 64MB..1GB x N=1..8 (~30 min)
     .venv/bin/python benchmarks/broadcast.py --transports nixl rdt --sizes 256MB --receivers 1 4
     .venv/bin/python benchmarks/broadcast.py --replot benchmarks/results/broadcast.json
 """
@@ -79,13 +89,14 @@ the issue's targets. ``--replot JSON`` only redraws and reprints.
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -110,14 +121,16 @@ GiB = 2**30
 
 #: Methods in the order rows are listed and rounds start.
 METHOD_ORDER = ("floor", "raw_read", "raysync", "baseline")
+#: The methods timed before the cell's hub starts.
+FLOORS = ("floor", "raw_read")
 
-#: Memory a cell adds, in units of the model size, beyond what the driver already holds
-#: (the weights and the floor's two buffers): (learner side, per receiver *besides* its
-#: own model). From each transport's design; rows record the measured peak next to it.
+#: Memory a cell needs, in units of the model size, besides the learner's weights and the
+#: floor's two buffers (3 more) and each receiver's model (1 each): (learner side, per
+#: receiver). From each transport's design; rows record the measured peak next to it.
 MEMORY = {
     "object_store": (2, 0),  # the put copy, two versions alive; receivers read it in place
     "shared_memory": (3, 0),  # latest + in flight + next slot; receivers map them
-    "distributed": (3, 1),  # put copy x2 + rank 0's packed buffer; a receive buffer each
+    "distributed": (4, 1),  # put copies, rank 0's packed buffer (1 GB N=2 peaked at 11.5 GiB)
     "rpc": (2, 1),  # put copy x2; the landed tensors in each receiver's inbox
     "nixl": (2, 1),  # the learner's registered pair; a staging buffer each
     "rdt": (2, 1),  # the learner's registered pair; a staging buffer each
@@ -127,8 +140,9 @@ MEMORY = {
 MEMORY_BASELINE = 1
 #: Resident memory of one Ray worker that imported torch and raysync (hub, helpers, receivers).
 PROCESS_BYTES = GiB // 4
-#: Helper actors per hub besides the receivers (the hub, an owner / group / agent actor).
-HELPER_ACTORS = 2
+#: Processes per cell besides the receivers: the learner, the hub, an owner / group /
+#: agent actor.
+HELPER_PROCESSES = 3
 
 
 def parse_size(text: str) -> int:
@@ -190,7 +204,7 @@ RAW_READ_TIMEOUT_S = 120.0
 
 @dataclass(frozen=True)
 class RawSource:
-    """A registered buffer in the driver, as a reader addresses it (plain ints and bytes)."""
+    """A registered buffer in the learner, as a reader addresses it (plain ints and bytes)."""
 
     agent: str
     metadata: bytes
@@ -201,7 +215,7 @@ class RawSource:
 def _nixl_agent(role: str) -> Any:
     """A NIXL agent with the UCX backend and no progress thread: nixl's default one
     busy-polls a core for as long as the agent lives, idle or not. Readers progress
-    their READs by polling them; the driver progresses the source's while they read
+    their READs by polling them; the learner progresses the source's while they read
     (``RawReadSource.read``)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -212,7 +226,7 @@ def _nixl_agent(role: str) -> Any:
 
 
 class RawReadSource:
-    """The driver's side of the raw READ floor: per nixl cell, an agent with the floor's
+    """The learner's side of the raw READ floor: per nixl cell, an agent with the floor's
     source buffer registered."""
 
     def __init__(self) -> None:
@@ -264,9 +278,10 @@ class RawReader:
 # -- receivers ---------------------------------------------------------------------------
 class _BenchReceiver(WeightReceiver):
     """Holds one preallocated model; raysync applies into it, and so does ``apply_baseline``.
-    In nixl cells it also hosts a raw NIXL reader (an agent of its own, used only there)."""
+    In nixl cells it also hosts a raw NIXL reader (an agent of its own, used only there).
+    It connects to the hub only when told (``connect``), after the floors are timed."""
 
-    def __init__(self, hub, spec: list[tuple[str, int]], threads: int) -> None:
+    def __init__(self, spec: list[tuple[str, int]], threads: int) -> None:
         torch.set_num_threads(threads)
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         # The model: views of one flat buffer (every page touched), so that the raw READ
@@ -280,10 +295,12 @@ class _BenchReceiver(WeightReceiver):
             )
         )
         self.raw: RawReader | None = None
+
+    def connect(self, hub) -> None:
         self.connect_hub(hub, models={"m": "model"})
 
     def ready(self) -> str:
-        """Where this worker imported raysync from (must be where the driver did)."""
+        """Where this worker imported raysync from (must be where the learner did)."""
         import raysync
 
         return str(Path(raysync.__file__).parent)
@@ -363,13 +380,12 @@ def cell_methods(cell: Cell, args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def memory_estimate(cell: Cell, args: argparse.Namespace) -> int:
-    """Bytes this cell adds to what the driver holds (see ``MEMORY``)."""
+    """Bytes this cell needs (see ``MEMORY``)."""
     learner, per_receiver = MEMORY[cell.transport]
-    methods = cell_methods(cell, args)
-    learner += MEMORY_BASELINE if "baseline" in methods else 0
+    learner += 3 + (MEMORY_BASELINE if "baseline" in cell_methods(cell, args) else 0)
     per_receiver += 1  # its model
     data = cell.size * (learner + cell.n * per_receiver)
-    return data + PROCESS_BYTES * (cell.n + HELPER_ACTORS)
+    return data + PROCESS_BYTES * (cell.n + HELPER_PROCESSES)
 
 
 def median(xs: list[float]) -> float:
@@ -411,15 +427,19 @@ def _proc_ticks(pid: int) -> tuple[int, int] | None:
 
 
 class CpuMeter:
-    """Splits the machine's CPU time into this benchmark's process tree (the driver, and
-    Ray's raylet, hub and receivers, all started under it) and everything else. The
-    machine may be shared; another job's CPU use during a sample skews every method."""
+    """Splits the machine's CPU time into this benchmark's process tree (the main process,
+    the cells' learner processes, Ray's raylet, hub and receivers, all started under it)
+    and everything else. The machine may be shared; another job's CPU use during a sample
+    skews every method."""
 
     def __init__(self) -> None:
         self.available = os.path.exists("/proc/stat")
+        #: The process the tree hangs from: the run's main process, which started Ray.
+        self.root = os.getpid()
 
     def snapshot(self, pids: set[int] | None = None):
-        """(total, busy, mine, pids) now; ``pids`` defaults to the current process tree."""
+        """(total, busy, mine, pids) now; ``pids`` defaults to the current process tree
+        (``root`` and its descendants)."""
         if not self.available:
             return None
         procs = {}
@@ -429,7 +449,7 @@ class CpuMeter:
                 if info is not None:
                     procs[int(entry)] = info
         if pids is None:
-            pids, frontier = {os.getpid()}, [os.getpid()]
+            pids, frontier = {self.root}, [self.root]
             children: dict[int, list[int]] = {}
             for pid, (ppid, _) in procs.items():
                 children.setdefault(ppid, []).append(pid)
@@ -554,27 +574,27 @@ class CellResult:
     samples: dict[str, list[float]]
     noise: dict[str, list[dict]]
     report_seconds: list[float]
+    #: per method: the CPU busy before its phase's timed rounds, and the share of the
+    #: cores the cell's own processes used meanwhile with nothing timed
+    busy: dict[str, float | None]
+    own_idle: dict[str, float | None]
     threads: int
-    busy: float | None
-    own_idle: float | None
+    setup_seconds: float  #: from the start of the cell until its receivers were ready
+    seconds: float  #: the whole cell, teardown included
 
 
 def teardown(hub, receivers: list, timeout_s: float) -> None:
-    """Kill the receivers, close and kill the hub (its helper actors go with it) and
-    release the learner half of the transport held in this process."""
+    """Kill the receivers, close and kill the hub (its helper actors go with it). The
+    learner half of the transport goes with this process."""
     for r in receivers:
         ray.kill(r)
+    if hub is None:
+        return
     try:
         ray.get(hub.close.remote(), timeout=timeout_s)
     except ray.exceptions.RayError as err:
         print(f"  (hub close: {type(err).__name__}; killing it)", flush=True)
     ray.kill(hub.actor)
-    # HubHandle has no public close: without this the driver would keep every cell's
-    # learner buffers (shared-memory mappings, NIXL and RDT registrations) until the
-    # handle is garbage collected, and RDT's registrations not even then.
-    sender = vars(hub).pop("_sender", None)
-    if sender is not None:
-        sender.close()
 
 
 def run_cell(
@@ -585,95 +605,125 @@ def run_cell(
     floor: Floor,
     raw_source: RawReadSource | None,
 ) -> CellResult:
-    """Start a hub and N receivers; time the cell's methods; tear them down."""
+    """Start N receivers; time the floors; start a hub, connect the receivers and time
+    the transport (and the baseline); tear everything down.
+
+    The floors go first, before the hub exists, because some transports keep threads
+    busy for as long as they are connected (nixl agents, TensorPipe): measured next to
+    them, a floor would carry the transport's own overhead.
+    """
+    started = time.perf_counter()
     threads = args.receiver_threads or max(1, (os.cpu_count() or 1) // cell.n)
     methods = cell_methods(cell, args)
     timeout = args.call_timeout_s
-    hub = WeightHub.remote(transport=cell.transport)
     receiver_class = RdtBenchReceiver if cell.transport == "rdt" else BenchReceiver
-    receivers = [receiver_class.remote(hub, spec, threads) for _ in range(cell.n)]
-    try:
-        mine = str(Path(raysync.__file__).parent)
-        for theirs in ray.get([r.ready.remote() for r in receivers], timeout=timeout):
-            if theirs != mine:
-                raise RuntimeError(f"receivers import raysync from {theirs}, the driver {mine}")
-        if "raw_read" in methods:
-            source = raw_source.register(floor.src)
-            ray.get([r.raw_setup.remote(source) for r in receivers], timeout=timeout)
-        samples: dict[str, list[float]] = {m: [] for m in methods}
-        noise: dict[str, list[dict]] = {m: [] for m in methods}
-        report_seconds: list[float] = []
-        counter = 0
-        last_report_seconds = 0.0
+    receivers = [receiver_class.remote(spec, threads) for _ in range(cell.n)]
+    hub = None
+    samples: dict[str, list[float]] = {m: [] for m in methods}
+    noise: dict[str, list[dict]] = {m: [] for m in methods}
+    busy: dict[str, float | None] = {}
+    own_idle: dict[str, float | None] = {}
+    report_seconds: list[float] = []
+    counter = 0
+    last_report_seconds = 0.0
 
-        def one(method: str) -> float:
-            nonlocal counter, last_report_seconds
-            if method == "floor":
-                return floor.run(cell.n)
-            counter += 1
-            if method == "raw_read":
-                floor.src[0] = counter
-                elapsed, got = raw_source.read(receivers, timeout)
-                check_landed([[v] for v in got], counter, method)
-                return elapsed
-            tag(weights, counter)
-            if method == "raysync":
-                t0 = time.perf_counter()
-                report = ray.get(hub.broadcast.remote(weights, model="m"), timeout=timeout)
-                elapsed = time.perf_counter() - t0
-                if len(report.acked) != cell.n or report.bytes != cell.size:
-                    raise RuntimeError(f"raysync report is off: {report}")
-                last_report_seconds = report.seconds
-            else:  # baseline
-                t0 = time.perf_counter()
-                ref = ray.put({name: t.numpy() for name, t in weights.items()})
-                ray.get([r.apply_baseline.remote([ref]) for r in receivers], timeout=timeout)
-                elapsed = time.perf_counter() - t0
-                del ref
-            probes = ray.get([r.probe.remote() for r in receivers], timeout=timeout)
-            check_landed(probes, counter, f"{cell.transport} {method}")
+    def one(method: str) -> float:
+        nonlocal counter, last_report_seconds
+        if method == "floor":
+            return floor.run(cell.n)
+        counter += 1
+        if method == "raw_read":
+            floor.src[0] = counter
+            elapsed, got = raw_source.read(receivers, timeout)
+            check_landed([[v] for v in got], counter, method)
             return elapsed
+        tag(weights, counter)
+        if method == "raysync":
+            t0 = time.perf_counter()
+            report = ray.get(hub.broadcast.remote(weights, model="m"), timeout=timeout)
+            elapsed = time.perf_counter() - t0
+            if len(report.acked) != cell.n or report.bytes != cell.size:
+                raise RuntimeError(f"raysync report is off: {report}")
+            last_report_seconds = report.seconds
+        else:  # baseline
+            t0 = time.perf_counter()
+            ref = ray.put({name: t.numpy() for name, t in weights.items()})
+            ray.get([r.apply_baseline.remote([ref]) for r in receivers], timeout=timeout)
+            elapsed = time.perf_counter() - t0
+            del ref
+        probes = ray.get([r.probe.remote() for r in receivers], timeout=timeout)
+        check_landed(probes, counter, f"{cell.transport} {method}")
+        return elapsed
 
-        def timed(method: str) -> None:
-            """One sample, taken when the machine is quiet; retaken (up to --retries
-            times) if other processes used more than --max-foreign of the CPU during it,
-            keeping the attempt they disturbed least."""
-            attempts = []
-            for _ in range(args.retries + 1):
-                busy = METER.wait_quiet(quiet, args.sample_quiet_timeout_s)
-                before = METER.snapshot()
-                elapsed = one(method)
-                foreign = METER.foreign(before, METER.snapshot(before[3] if before else None))
-                attempts.append((foreign or 0.0, elapsed, busy, foreign, last_report_seconds))
-                if foreign is None or foreign <= args.max_foreign:
-                    break
-            _, elapsed, busy, foreign, reported = min(attempts, key=lambda a: a[0])
-            samples[method].append(elapsed)
-            noise[method].append(
-                dict(busy_before=busy, foreign_during=foreign, attempts=len(attempts))
-            )
-            if method == "raysync":
-                report_seconds.append(reported)
+    def timed(method: str, quiet: float) -> None:
+        """One sample, taken when the machine is quiet (at most ``quiet`` of the CPU
+        busy); retaken (up to --retries times) if other processes used more than
+        --max-foreign of the CPU during it, keeping the attempt they disturbed least."""
+        attempts = []
+        for _ in range(args.retries + 1):
+            busy_before = METER.wait_quiet(quiet, args.sample_quiet_timeout_s)
+            before = METER.snapshot()
+            elapsed = one(method)
+            foreign = METER.foreign(before, METER.snapshot(before[3] if before else None))
+            attempts.append((foreign or 0.0, elapsed, busy_before, foreign, last_report_seconds))
+            if foreign is None or foreign <= args.max_foreign:
+                break
+        _, elapsed, busy_before, foreign, reported = min(attempts, key=lambda a: a[0])
+        samples[method].append(elapsed)
+        noise[method].append(
+            dict(busy_before=busy_before, foreign_during=foreign, attempts=len(attempts))
+        )
+        if method == "raysync":
+            report_seconds.append(reported)
 
-        for method in methods:
+    def phase(names: tuple[str, ...]) -> None:
+        """Warm-ups, then timed rounds in a rotating order (no method always runs first,
+        or right after another)."""
+        for method in names:
             for _ in range(args.warmup):
                 one(method)
         # What the cell's own processes use with nothing timed (a transport's background
         # threads, say): "quiet" means quiet apart from that, which every method pays.
-        own_idle = METER.own_share(1.0)
-        quiet = args.quiet_threshold + (own_idle or 0.0)
-        busy = METER.wait_quiet(quiet, args.quiet_timeout_s)
+        idle = METER.own_share(1.0)
+        quiet = args.quiet_threshold + (idle or 0.0)
+        busy_before = METER.wait_quiet(quiet, args.quiet_timeout_s)
+        for method in names:
+            busy[method], own_idle[method] = busy_before, idle
         for k in range(args.repeats or default_repeats(cell.size)):
-            # rotate the order so no method always runs first (or right after another)
-            shift = k % len(methods)
-            for method in methods[shift:] + methods[:shift]:
-                timed(method)
-        return CellResult(methods, samples, noise, report_seconds, threads, busy, own_idle)
+            shift = k % len(names)
+            for method in names[shift:] + names[:shift]:
+                timed(method, quiet)
+
+    try:
+        mine = str(Path(raysync.__file__).parent)
+        for theirs in ray.get([r.ready.remote() for r in receivers], timeout=timeout):
+            if theirs != mine:
+                raise RuntimeError(f"receivers import raysync from {theirs}, the learner {mine}")
+        if "raw_read" in methods:
+            source = raw_source.register(floor.src)
+            ray.get([r.raw_setup.remote(source) for r in receivers], timeout=timeout)
+        setup_seconds = time.perf_counter() - started
+        phase(tuple(m for m in methods if m in FLOORS))
+        if raw_source is not None:
+            raw_source.close()
+        hub = WeightHub.remote(transport=cell.transport)
+        ray.get([r.connect.remote(hub) for r in receivers], timeout=timeout)
+        phase(tuple(m for m in methods if m not in FLOORS))
     finally:
         teardown(hub, receivers, timeout_s=30.0)
         if raw_source is not None:
             raw_source.close()
-        gc.collect()  # the learner half's NIXL agent, if any, stops spinning when collected
+    return CellResult(
+        methods,
+        samples,
+        noise,
+        report_seconds,
+        busy,
+        own_idle,
+        threads,
+        setup_seconds,
+        time.perf_counter() - started,
+    )
 
 
 def cell_rows(cell: Cell, result: CellResult, estimate: int, peak: int | None) -> list[dict]:
@@ -699,10 +749,12 @@ def cell_rows(cell: Cell, result: CellResult, estimate: int, peak: int | None) -
             row["hub_report_seconds"] = result.report_seconds
         row.update(
             receiver_threads=result.threads,
-            cpu_busy_before_cell=result.busy,
-            own_cpu_while_idle=result.own_idle,
+            cpu_busy_before_cell=result.busy[method],
+            own_cpu_while_idle=result.own_idle[method],
             memory_estimate_bytes=estimate,
             memory_peak_bytes=peak,
+            cell_seconds=result.seconds,
+            cell_setup_seconds=result.setup_seconds,
             noise=result.noise[method],
         )
         rows.append(row)
@@ -721,13 +773,78 @@ def skipped_row(cell: Cell, reason: str, estimate: int) -> dict:
     )
 
 
+def cell_process(job_path: Path) -> int:
+    """Run one cell in this process (``--cell JOB``), as the learner: connect to the
+    run's Ray cluster, allocate the weights and the floor, time the cell and write its
+    result (or its error) where the job says."""
+    job = json.loads(job_path.read_text())
+    args = argparse.Namespace(**job["args"])
+    cell = Cell(**job["cell"])
+    METER.root = job["root_pid"]
+    torch.set_num_threads(args.floor_threads)
+    ray.init(address=job["ray_address"], log_to_driver=True)
+    spec = layout(cell.size, cell.n_tensors)
+    weights = make_state_dict(spec, fill=1.0)
+    floor = Floor(cell.size)
+    raw_source = RawReadSource() if cell.transport == "nixl" else None
+    try:
+        result = dataclasses.asdict(run_cell(cell, args, weights, spec, floor, raw_source))
+        out = {"result": result}
+    except (ray.exceptions.RayError, RaySyncError, RuntimeError) as err:
+        # Ray's memory monitor killing a receiver on a busy host, a transport failing,
+        # a call past --call-timeout-s, data that did not land
+        out = {
+            "error": f"{type(err).__name__}: {err}"[:2000],
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    Path(job["result_path"]).write_text(json.dumps(out))
+    ray.shutdown()
+    return 0
+
+
+def run_cell_process(cell: Cell, args: argparse.Namespace, workdir: Path) -> CellResult:
+    """One cell in a fresh learner process (this script with ``--cell``) connected to
+    this run's Ray cluster. Fresh, because a transport may leave state in the learner
+    for as long as the process lives: Ray's NIXL agent, created by the first rdt
+    broadcast, busy-polls a core until exit; learner buffers stay registered."""
+    job_path, result_path = workdir / "job.json", workdir / "result.json"
+    result_path.unlink(missing_ok=True)
+    job = dict(
+        cell=dataclasses.asdict(cell),
+        args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        ray_address=ray.get_runtime_context().gcs_address,
+        root_pid=os.getpid(),
+        result_path=str(result_path),
+    )
+    job_path.write_text(json.dumps(job))
+    try:
+        code = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--cell", str(job_path)],
+            timeout=args.cell_timeout_s,
+        ).returncode
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the cell did not finish within {args.cell_timeout_s:g} s") from None
+    if not result_path.exists():
+        raise RuntimeError(f"the cell's process exited with code {code} and no result")
+    out = json.loads(result_path.read_text())
+    if "error" in out:
+        raise CellError(out["error"], out["traceback"])
+    result = out["result"]
+    return CellResult(**{**result, "methods": tuple(result["methods"])})
+
+
+class CellError(RuntimeError):
+    """A cell failed in its own process; ``traceback`` is that process's."""
+
+    def __init__(self, message: str, traceback_text: str) -> None:
+        super().__init__(message)
+        self.traceback = traceback_text
+
+
 def measure_cell(
     cell: Cell,
     args: argparse.Namespace,
-    weights: dict[str, torch.Tensor],
-    spec: list[tuple[str, int]],
-    floor: Floor,
-    raw_source: RawReadSource | None,
+    workdir: Path,
     errors: list[dict],
     progress: Callable[[], str],
 ) -> list[dict]:
@@ -743,11 +860,9 @@ def measure_cell(
     for attempt in range(2):
         try:
             with MemoryWatch() as watch:
-                result = run_cell(cell, args, weights, spec, floor, raw_source)
+                result = run_cell_process(cell, args, workdir)
             break
-        except (ray.exceptions.RayError, RaySyncError, RuntimeError) as err:
-            # Ray's memory monitor killing a receiver on a busy host, a transport failing,
-            # a call past --call-timeout-s, data that did not land
+        except RuntimeError as err:
             errors.append(
                 dict(
                     transport=cell.transport,
@@ -755,12 +870,12 @@ def measure_cell(
                     n_receivers=cell.n,
                     n_tensors=cell.n_tensors,
                     attempt=attempt,
-                    error=f"{type(err).__name__}: {err}"[:2000],
-                    traceback=traceback.format_exc()[-4000:],
+                    error=str(err),
+                    traceback=getattr(err, "traceback", None),
                 )
             )
             print(
-                f"{progress()}{cell.describe()} failed ({type(err).__name__}: {str(err)[:300]}); "
+                f"{progress()}{cell.describe()} failed ({str(err)[:300]}); "
                 + ("retrying" if attempt == 0 else "skipping"),
                 flush=True,
             )
@@ -776,10 +891,12 @@ def measure_cell(
     if "raw_read" in result.methods:
         (mine,) = [r for r in rows if r["method"] == "raysync"]
         parts.append(f"nixl/READ {mine['ratio_to_raw_read']:.2f}x")
-    extra = [] if result.busy is None else [f"cpu busy before {result.busy:.0%}"]
-    if result.own_idle is not None and result.own_idle > 0.1:
-        cores = result.own_idle * (os.cpu_count() or 1)
-        extra.append(f"its processes busy {cores:.1f} cores while idle")
+    busy = result.busy["raysync"]
+    extra = [] if busy is None else [f"cpu busy before {busy:.0%}"]
+    own_idle = result.own_idle["raysync"]
+    if own_idle is not None and own_idle > 0.1:
+        cores = own_idle * (os.cpu_count() or 1)
+        extra.append(f"connected, its processes keep {cores:.1f} cores busy")
     if watch.peak is not None:
         extra.append(f"mem peak {watch.peak / GiB:.1f} GiB, est {estimate / GiB:.1f}")
     print(
@@ -1059,6 +1176,7 @@ def plot(rows: list[dict], path: Path) -> None:
                         color=COLORS.get(r["transport"], "black"),
                     )
             ax.set_xscale("log", base=2)
+            ax.set_xlim(min(ticks) / 1.5, max(ticks) * 1.5)  # the same in every panel
             ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
             ax.minorticks_off()
             ax.set_yscale("log")
@@ -1072,13 +1190,14 @@ def plot(rows: list[dict], path: Path) -> None:
             if lab not in handles:
                 handles[lab] = h
                 labels.append(lab)
-    fig.legend(
-        [handles[lab] for lab in labels],
-        labels,
-        loc="lower center",
-        ncol=min(len(labels), 4),
-        fontsize=8,
-    )
+    if labels:  # none when every cell was skipped
+        fig.legend(
+            [handles[lab] for lab in labels],
+            labels,
+            loc="lower center",
+            ncol=min(len(labels), 4),
+            fontsize=8,
+        )
     fig.suptitle("raysync broadcast per transport; floors measured in the same cells")
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1163,6 +1282,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=300.0,
         help="longest wait for any one call to the actors (a hang fails the cell)",
     )
+    p.add_argument(
+        "--cell-timeout-s",
+        type=float,
+        default=1800.0,
+        help="longest a cell's process may run before it is killed (and the cell failed)",
+    )
+    p.add_argument("--cell", type=Path, help=argparse.SUPPRESS)  # internal: run one cell
     p.add_argument(
         "--floor-threads",
         type=int,
@@ -1259,12 +1385,13 @@ def choose_transports(args: argparse.Namespace) -> tuple[list[str], dict[str, st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cell is not None:
+        return cell_process(args.cell)
     if args.replot is not None:
         rows = load_rows(json.loads(args.replot.read_text()))
         report(rows, args.plot)
         print(f"\nwrote {args.plot}")
         return 0
-    torch.set_num_threads(args.floor_threads)
     transports, unavailable = choose_transports(args)
     for name, reason in unavailable.items():
         print(f"warning: transport {name} is not available here, left out: {reason}")
@@ -1272,12 +1399,13 @@ def main(argv: list[str] | None = None) -> int:
         print("no transport to run")
         return 2
     sizes, ns, tensor_counts = sorted(args.sizes), sorted(set(args.receivers)), args.tensors
+    # The transports of one (size, tensors, N) run back to back: they see the same machine.
     cells = [
         Cell(t, size, n, n_tensors)
-        for t in transports
         for size in sizes
         for n_tensors in tensor_counts
         for n in ns
+        for t in transports
     ]
     repeats = args.repeats or {fmt_size(s): default_repeats(s) for s in sizes}
     print(
@@ -1298,7 +1426,6 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     errors: list[dict] = []
     started = time.time()
-    raw_source = RawReadSource() if "nixl" in transports else None
 
     def write(complete: bool) -> None:
         """Written after every cell, so a run that dies part-way keeps what it measured."""
@@ -1317,9 +1444,11 @@ def main(argv: list[str] | None = None) -> int:
                 "statistic": "median of the timed repeats",
                 "floor": "(N+1) x dst.copy_(src) of one flat buffer in one process, measured "
                 "inside each cell (so its n_tensors is the cell's, not the floor's layout)",
-                "raw_read": "nixl cells: N actors each post one prepared NIXL (UCX) READ of "
-                "the floor's source buffer, registered in the driver, into a registered "
-                "buffer of their own; timed from the driver until all are done",
+                "raw_read": "nixl cells: N receivers each post one prepared NIXL (UCX) READ "
+                "of the floor's source buffer, registered in the learner, into their "
+                "model's registered flat buffer; from the calls until the last is done",
+                "phases": "per cell, the floors first (no hub yet), then the transport "
+                "(and the baseline); each cell in a fresh learner process",
                 "baseline": "object_store cells: one ray.put of the state_dict as NumPy "
                 "views, each receiver ray.get + copy_ into its tensors",
                 "ratio_to_floor": "seconds / the floor's median in the same cell",
@@ -1355,35 +1484,15 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    index = 0
-
-    def progress() -> str:
-        return f"[{time.time() - started:6.0f}s] {index}/{len(cells)} "
+    def progress(index: int) -> Callable[[], str]:
+        return lambda: f"[{time.time() - started:6.0f}s] {index}/{len(cells)} "
 
     try:
-        # Transport by transport: a transport may leave threads behind in the driver
-        # (Ray's NIXL agent, created by the first rdt broadcast, lives and spins until the
-        # driver exits), so rdt, last in the registry, runs last.
-        for transport in transports:
-            for size in sizes:
-                floor = Floor(size)
-                for n_tensors in tensor_counts:
-                    spec = layout(size, n_tensors)
-                    weights = make_state_dict(spec, fill=1.0)
-                    for n in ns:
-                        index += 1
-                        cell = Cell(transport, size, n, n_tensors)
-                        rows.extend(
-                            measure_cell(
-                                cell, args, weights, spec, floor, raw_source, errors, progress
-                            )
-                        )
-                        write(complete=False)
-                        METER.wait_quiet(args.quiet_threshold, args.settle_s)
-                    del weights
-                    gc.collect()
-                del floor
-                gc.collect()
+        with tempfile.TemporaryDirectory(prefix="raysync-bench-") as workdir:
+            for index, cell in enumerate(cells, 1):
+                rows.extend(measure_cell(cell, args, Path(workdir), errors, progress(index)))
+                write(complete=False)
+                METER.wait_quiet(args.quiet_threshold, args.settle_s)
     finally:
         ray.shutdown()
 
