@@ -203,3 +203,60 @@ def test_nccl_broadcast_bitwise(actors):
         assert report.failed == {}
         for holder in holders:
             assert_bitwise(ray.get(holder.state.remote()), weights)
+
+
+
+def _kill_process_group_actor(hub) -> None:
+    """Kill rank 0's process the way a crash would; Ray restarts the actor."""
+    ray.kill(ray.get_actor(f"raysync-process-group-{hub.actor._actor_id.hex()}"), no_restart=False)
+
+
+def test_killed_process_group_actor_is_restarted_and_the_next_broadcast_arrives(actors):
+    hub = start_dist_hub(actors)
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    ray.get(hub.broadcast.remote(make_policy()))
+    before = group_status(hub)
+
+    _kill_process_group_actor(hub)
+    # The hub waits for Ray to restart rank 0, sees its store listen elsewhere and forms
+    # a new generation there: the next version reaches everyone.
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert report.acked == ("c0", "c1") and report.failed == {}
+    for c in collectors:
+        assert_bitwise(ray.get(c.state.remote()), state_of(learner))
+    after = group_status(hub)
+    assert after.address != before.address
+    assert after.members == ("c0", "c1") and after.collectives == 1
+
+
+def test_process_group_actor_killed_mid_collective_fails_that_version_only(actors):
+    hub = start_dist_hub(actors)
+    template = {"w": torch.zeros(2048, 1024)}  # 8 MB: more than a socket buffer holds
+    holders = [start(actors, Holder, hub, template, f"h{i}") for i in range(2)]
+    busy = start(actors, Holder, hub, template, "busy")
+    ready([*holders, busy])
+    ray.get(hub.broadcast.remote({"w": torch.randn(2048, 1024)}))
+
+    # "busy" keeps the collective from completing: rank 0 is inside it when it dies.
+    blocked = busy.busy.remote(2)
+    ref = hub.broadcast.remote(
+        {"w": torch.randn(2048, 1024)}, timeout_s=3 * _TIMEOUT_S, raise_on_failure=False
+    )
+    time.sleep(1)
+    _kill_process_group_actor(hub)
+    report = ray.get(ref, timeout=60)
+    ray.get(blocked)
+    assert "busy" in report.failed
+    for worker, reason in report.failed.items():
+        assert "TransportError" in reason and "process-group generation" in reason, (
+            worker,
+            reason,
+        )
+
+    weights = {"w": torch.randn(2048, 1024)}
+    report = ray.get(hub.broadcast.remote(weights), timeout=60)
+    assert report.acked == ("busy", "h0", "h1") and report.failed == {}
+    for h in [*holders, busy]:
+        assert_bitwise(ray.get(h.state.remote()), weights)

@@ -102,6 +102,8 @@ BACKENDS = ("gloo", "nccl")
 #: The header in front of every broadcast buffer: int64 words.
 HEADER_BYTES = 64
 _MAGIC = 0x7261_7973_796E_6364  # "raysyncd"
+#: How often the hub asks a restarting process-group actor whether it is back.
+_RESTART_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -249,10 +251,10 @@ class DistributedPlanner(TransportPlanner):
         from actors.process_group import ProcessGroupActor
 
         self._settings = GroupSettings.from_env()
-        hub_id = hub._actor_id.hex()
+        self._name = f"raysync-process-group-{hub._actor_id.hex()}"
         options: dict[str, Any] = {
             "num_cpus": 0,
-            "name": f"raysync-process-group-{hub_id}",
+            "name": self._name,
             "max_restarts": -1,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=True
@@ -285,18 +287,12 @@ class DistributedPlanner(TransportPlanner):
         if not targets:
             return {}
         async with self._lock:
-            try:
-                if self._store is None:
-                    self._store = await self._actor.store_address.remote()
-                last, self._last_job = self._last_job, None
-                if last is not None and await last is not None:
-                    self._generation = None  # its last collective failed: form a new one
-            except ray.exceptions.RayActorError as err:
-                self._store = self._generation = None
-                raise TransportError(
-                    f"the process-group actor of this hub died ({err}); deliveries fail until "
-                    "Ray restarts it"
-                ) from err
+            last, self._last_job = self._last_job, None
+            if last is not None and await self._collective_failed(last):
+                self._generation = None  # form a new one
+            store = await self._rank0_store()
+            if store != self._store:  # first plan, or Ray restarted rank 0: new rendezvous
+                self._store, self._generation = store, None
             members = tuple(sorted(t.worker for t in targets))
             generation = self._generation
             if generation is None or generation.members != members:
@@ -318,6 +314,34 @@ class DistributedPlanner(TransportPlanner):
                 worker: GroupPayload(generation, generation.rank_of(worker), seq)
                 for worker in members
             }
+
+    @staticmethod
+    async def _collective_failed(job: Any) -> bool:
+        """Did rank 0's collective ``job`` fail (or rank 0 die while running it)?"""
+        try:
+            return await job is not None
+        except ray.exceptions.RayActorError:
+            return True
+
+    async def _rank0_store(self) -> StoreAddress:
+        """Where rank 0's store listens now, asked every plan: a process-group actor that
+        Ray restarted listens elsewhere. One that is restarting is waited for, up to the
+        group timeout; one that is gone for good fails the delivery."""
+        deadline = time.monotonic() + self._settings.timeout_s
+        while True:
+            try:
+                return await self._actor.store_address.remote()
+            except ray.exceptions.ActorUnavailableError as err:
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"the process-group actor {self._name} did not come back within "
+                        f"{self._settings.timeout_s:g} s of dying ({err})"
+                    ) from err
+                await asyncio.sleep(_RESTART_POLL_S)
+            except ray.exceptions.RayActorError as err:
+                raise TransportError(
+                    f"the process-group actor {self._name} is dead and will not restart: {err}"
+                ) from err
 
     async def close(self) -> None:
         try:
