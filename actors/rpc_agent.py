@@ -64,14 +64,22 @@ class AgentStatus:
 class RpcAgentActor:
     """See module docstring. Async actor; sends run in threads."""
 
-    def __init__(self, key: str, settings: RpcSettings) -> None:
+    def __init__(
+        self, key: str, settings: RpcSettings, known: dict[str, tuple[str, int]] | None = None
+    ) -> None:
+        """``known``: worker -> (process, rank) of the members of the dead agent this
+        one replaces; they keep their ranks here and join when they next get a version."""
         self._key = key
         self._settings = settings
         self._url, self._master = open_master_store(node_ip(), settings.timeout_s)
         init_rpc(rpc_name(key, 0), 0, self._url, settings)
         self._name = rpc_name(key, 0)
-        self._ranks = itertools.count(1)
-        self._members: dict[str, _Admitted] = {}
+        known = known or {}
+        self._members: dict[str, _Admitted] = {
+            worker: _Admitted(process, self._member(rank))
+            for worker, (process, rank) in known.items()
+        }
+        self._ranks = itertools.count(1 + max((rank for _, rank in known.values()), default=0))
         self._sent = 0
         self._failures: list[str] = []
 
@@ -85,10 +93,19 @@ class RpcAgentActor:
         if known is not None:
             await asyncio.to_thread(self._unlist, {known.member.name})
         await asyncio.to_thread(self._prune)
-        rank = next(self._ranks)
-        member = RpcMember(self._url, self._key, rpc_name(self._key, rank), rank, self._settings)
+        member = self._member(next(self._ranks))
         self._members[worker] = _Admitted(process, member)
         return member
+
+    async def ping(self) -> None:
+        """The planner's liveness probe, before every plan."""
+
+    async def members(self) -> dict[str, RpcMember]:
+        """worker -> its place in the group."""
+        return {worker: admitted.member for worker, admitted in self._members.items()}
+
+    def _member(self, rank: int) -> RpcMember:
+        return RpcMember(self._url, self._key, rpc_name(self._key, rank), rank, self._settings)
 
     async def forget(self, worker: str) -> None:
         """``worker`` left or died: no more sends, and off the group's member list."""

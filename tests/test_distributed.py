@@ -205,7 +205,6 @@ def test_nccl_broadcast_bitwise(actors):
             assert_bitwise(ray.get(holder.state.remote()), weights)
 
 
-
 def _kill_process_group_actor(hub) -> None:
     """Kill rank 0's process the way a crash would; Ray restarts the actor."""
     ray.kill(ray.get_actor(f"raysync-process-group-{hub.actor._actor_id.hex()}"), no_restart=False)

@@ -130,3 +130,35 @@ def test_pull_mode_reads_the_learner_copy(actors):
     assert ray.get(puller.pull.remote()) == {"policy": 1}
     assert_bitwise(ray.get(puller.state.remote()), state_of(learner))
     assert agent_status(hub).sent == 0
+
+
+def test_killed_agent_is_replaced_and_its_members_follow_it(actors):
+    hub = start_rpc_hub(actors)
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    ray.get(hub.broadcast.remote(make_policy()))
+    before = agent_status(hub)
+
+    ray.kill(ray.get_actor(f"raysync-rpc-agent-{hub.actor._actor_id.hex()}"))
+    # The hub finds the agent dead at the next plan, starts a new group and re-admits
+    # every member at its rank; each receiver moves to the new group on that delivery.
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert report.acked == ("c0", "c1") and report.failed == {}
+    for c in collectors:
+        assert_bitwise(ray.get(c.state.remote()), state_of(learner))
+    after = agent_status(hub)
+    assert after.url != before.url
+    assert sorted(after.members) == ["c0", "c1"]
+    assert {int(n.rsplit("_", 1)[1]) for n in after.members.values()} == {
+        int(n.rsplit("_", 1)[1]) for n in before.members.values()
+    }
+
+    # The new group admits newcomers, and the one after that reaches all three.
+    late = start(actors, Collector, hub, worker_id="late")
+    assert ray.get(late.version.remote()) == 2
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert report.acked == ("c0", "c1", "late") and report.failed == {}
+    for c in [*collectors, late]:
+        assert_bitwise(ray.get(c.state.remote()), state_of(learner))

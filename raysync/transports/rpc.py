@@ -33,6 +33,15 @@ re-registering with that hub keeps its rank, another RPC hub is refused. An acto
 Ray restarts is a new process: it is admitted under a new rank and name, and its old
 name is taken off the member list. Pull mode reads the learner's object-store copy directly.
 
+A dead agent is replaced, not restarted: before every plan the planner pings it, and a
+dead one is succeeded by a new agent (new store, new key) that re-admits every member
+under its old rank. Each payload names the receiver's place in the current group, so a
+receiver still in the dead group leaves it (``rpc.shutdown``) and joins the new one
+inside that delivery's ``fetch``, keeping its rank (torch's distributed autograd
+holds a process to its first rank). A version in flight when the agent dies never
+lands: its receivers fail with :class:`TransportError` at the timeout; the next one
+goes through the new group.
+
 Memory: every version pushed to a receiver waits in its inbox until its delivery takes
 it, so a receiver kept busy for many broadcasts holds each of them meanwhile.
 
@@ -49,8 +58,10 @@ peers: run on a trusted cluster network.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import fcntl
+import logging
 import os
 import socket
 import struct
@@ -89,6 +100,8 @@ SCHEME = "raysync-rpc"
 #: Deliveries of a threaded receiver may run out of order, hence a window, not "< n".
 _INBOX_WINDOW = 4
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RpcSettings:
@@ -126,11 +139,13 @@ class RpcJob:
 
 @dataclass(frozen=True)
 class RpcPayload:
-    """Hub -> receiver: the version lands in your inbox under (``key``, ``seq``)."""
+    """Hub -> receiver: the version lands in your inbox under (``key``, ``seq``), sent
+    by the group ``member`` belongs to (a new one after the hub replaced a dead agent)."""
 
     key: str
     seq: int
     timeout_s: float
+    member: RpcMember
 
 
 def rpc_name(key: str, rank: int) -> str:
@@ -307,6 +322,30 @@ class _Membership:
                 )
             return cls.member
 
+    @classmethod
+    def follow(cls, member: RpcMember) -> None:
+        """Move to the group the hub started after this process's agent died: leave the
+        dead group and join ``member``'s under the same rank (torch's distributed
+        autograd, initialised by ``init_rpc``, keeps a process's first rank for life)."""
+        import torch.distributed.rpc as rpc
+
+        with cls.lock:
+            if cls.member is None or cls.member.key == member.key:
+                return
+            if cls.member.rank != member.rank:
+                raise TransportError(
+                    f"the hub moved this process from rank {cls.member.rank} to rank "
+                    f"{member.rank} of its new RPC group; torch RPC keeps a process's rank"
+                )
+            rpc.shutdown(graceful=False)
+            cls.member = None
+            # init_rpc prefixes its store keys with a per-process count of init_rpc
+            # calls; the new agent's process counts its first, so this one must too.
+            with rpc._init_counter_lock:
+                rpc._init_counter = 0
+            init_rpc(member.name, member.rank, member.url, member.settings)
+            cls.member = member
+
 
 # -- learner ----------------------------------------------------------------------------
 class RpcSender(ObjectStoreSender):
@@ -315,48 +354,91 @@ class RpcSender(ObjectStoreSender):
 
 # -- hub --------------------------------------------------------------------------------
 class RpcPlanner(TransportPlanner):
-    """Runs in the hub process: admits receivers to the agent's group, numbers versions."""
+    """Runs in the hub process: admits receivers to the agent's group, numbers versions,
+    and replaces the agent when it dies (its members follow it under the same ranks)."""
 
     def __init__(self, hub: Any) -> None:
+        self._settings = RpcSettings.from_env()
+        self._name = f"raysync-rpc-agent-{hub._actor_id.hex()}"
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._members: dict[str, RpcMember] = {}  #: worker -> its place in the group
+        self._processes: dict[str, str] = {}  #: worker -> its process (Ray worker id)
+        self._key, self._actor = self._start_agent()
+        self._seq = 0
+        self._lock = asyncio.Lock()  #: agent replacement and plans, one at a time
+
+    def _start_agent(self) -> tuple[str, Any]:
+        """A new agent (new key, new group) that re-admits every known member at its rank."""
         from actors.rpc_agent import RpcAgentActor
 
-        self._settings = RpcSettings.from_env()
-        self._key = uuid.uuid4().hex
-        self._actor = (
+        key = uuid.uuid4().hex
+        known = {w: (self._processes[w], m.rank) for w, m in self._members.items()}
+        actor = (
             ray.remote(RpcAgentActor)
             .options(
                 num_cpus=0,
-                name=f"raysync-rpc-agent-{hub._actor_id.hex()}",
-                scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    ray.get_runtime_context().get_node_id(), soft=True
-                ),
+                name=self._name,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=True),
             )
-            .remote(self._key, self._settings)
+            .remote(key, self._settings, known)
         )
-        self._seq = 0
+        return key, actor
+
+    async def _live_agent(self) -> Any:
+        """The agent, after checking it answers; a dead one is replaced (and its members
+        re-admitted to the new group, which they join on their next delivery)."""
+        try:
+            await self._actor.ping.remote()
+            return self._actor
+        except ray.exceptions.RayActorError as err:
+            logger.warning("the RPC agent %s died (%s); starting a new group", self._name, err)
+        self._key, self._actor = self._start_agent()
+        try:
+            self._members = await self._actor.members.remote()
+        except ray.exceptions.RayActorError as err:
+            raise TransportError(f"a new RPC agent {self._name} could not start: {err}") from err
+        return self._actor
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> RpcMember:
-        return await self._actor.admit.remote(receiver.worker, receiver.process)
+        async with self._lock:
+            agent = await self._live_agent()
+            member = await agent.admit.remote(receiver.worker, receiver.process)
+            self._members[receiver.worker] = member
+            self._processes[receiver.worker] = receiver.process
+            return member
 
     async def receiver_left(self, worker: str) -> None:
-        await self._actor.forget.remote(worker)
+        async with self._lock:
+            self._members.pop(worker, None)
+            self._processes.pop(worker, None)
+            try:
+                await self._actor.forget.remote(worker)
+            except ray.exceptions.RayActorError:
+                pass  # the next plan replaces the agent, without this worker
 
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
     ) -> Mapping[str, Any]:
         if not targets:
             return {}
-        self._seq += 1
-        workers = tuple(t.worker for t in targets)
-        job = RpcJob(self._seq, update.model, update.version, workers, update.payload)
-        self._actor.send.remote(job)  # its outcome is the receivers' to report
-        return {
-            worker: RpcPayload(self._key, job.seq, self._settings.timeout_s) for worker in workers
-        }
+        async with self._lock:
+            agent = await self._live_agent()
+            self._seq += 1
+            workers = tuple(t.worker for t in targets)
+            job = RpcJob(self._seq, update.model, update.version, workers, update.payload)
+            agent.send.remote(job)  # its outcome is the receivers' to report
+            return {
+                worker: RpcPayload(
+                    self._key, job.seq, self._settings.timeout_s, self._members[worker]
+                )
+                for worker in workers
+            }
 
     async def close(self) -> None:
         try:
             await self._actor.close.remote()
+        except ray.exceptions.RayActorError:
+            pass  # already dead
         finally:
             ray.kill(self._actor)
 
@@ -370,6 +452,7 @@ class RpcReceiver(TransportReceiver):
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         if isinstance(payload, ObjectStorePayload):  # pull mode: the learner's copy
             return self._pull.fetch(payload, spec)
+        _Membership.follow(payload.member)
         tensors = _INBOX.take(payload.key, payload.seq, payload.timeout_s)
         if len(tensors) != len(spec):
             raise TransportError(
