@@ -22,6 +22,7 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError
@@ -47,7 +48,7 @@ from raysync.messages import (
     Welcome,
 )
 from raysync.spec import WeightSpec
-from raysync.transports import get_transport
+from raysync.transports import Availability, TransportPlanner, get_transport
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +60,11 @@ class WeightHubActor:
     """See module docstring. Created through :meth:`raysync.WeightHub.remote`."""
 
     def __init__(self, config: HubConfig) -> None:
-        availability = get_transport(config.transport).availability()
-        if not availability.available:
-            raise TransportUnavailableError(
-                f"transport {config.transport!r} is not available: {availability.reason}"
-            )
         self._config = config
         self._transport = config.transport
-        self._planner = get_transport(config.transport).open_hub(
-            ray.get_runtime_context().current_actor
-        )
+        #: One planner per transport in use: the hub's, and any a receiver asked for.
+        self._planners: dict[str, TransportPlanner] = {}
+        self._planner(config.transport)
         self._default_timeout_s = config.default_timeout_s
         self._state = HubState()
         self._boot_id = uuid.uuid4().hex
@@ -104,12 +100,23 @@ class WeightHubActor:
         self._state.check_version(model, request.version)
         targets = self._state.targets(model, request.workers)
         update = self._state.publish(
-            model, request.spec, self._transport, request.payload, request.version
+            model,
+            request.spec,
+            self._transport,
+            request.payloads,
+            get_transport(self._transport).hand_off,
+            request.version,
         )
         self._snapshot.save(self._state.versions(), self._state.specs())
         task = asyncio.create_task(
             self._deliver_all(
-                update, request.spec, targets, timeout_s, started, request.learner_seconds
+                update,
+                request.spec,
+                request.payloads,
+                targets,
+                timeout_s,
+                started,
+                request.learner_seconds,
             )
         )
         reports = self._reports.setdefault(model, OrderedDict())
@@ -153,20 +160,31 @@ class WeightHubActor:
 
     # -- receivers -------------------------------------------------------------------------
     async def register(self, registration: Registration) -> Welcome:
-        """Add a receiver; answer with the latest version of each of its models it lacks."""
+        """Add a receiver; answer with the latest version of each of its models it lacks.
+
+        The receiver reads by the transport it asked for (``connect_hub(transport=...)``),
+        else by the hub's; a transport that cannot run here fails the registration.
+        """
+        transport = registration.transport or self._transport
+        planner = self._planner(transport, asked_by=registration.actor)
+        registration = dataclasses.replace(registration, transport=transport)
         latest = self._state.register(registration)
         self._model_known.set()
         entry = self._state.receivers[registration.worker]
         try:
-            info = await self._planner.receiver_joined(entry.info)
-            for model, update in latest.items():
-                payloads = await self._planner.plan(update, self._state.spec(model), [entry.info])
-                latest[model] = dataclasses.replace(update, payload=payloads[entry.worker])
+            info = await planner.receiver_joined(entry.info)
+            for model, update in list(latest.items()):
+                readable = self._readable(update, self._state.models[model].payloads, transport)
+                if readable is None:  # sent before anyone read by this transport: next one
+                    del latest[model]
+                    continue
+                payloads = await planner.plan(readable, self._state.spec(model), [entry.info])
+                latest[model] = dataclasses.replace(readable, payload=payloads[entry.worker])
         except BaseException:
             self._drop(registration.worker, registration.token)
             raise
-        logger.info("registered %s (%s)", registration.worker, registration.actor)
-        return Welcome(self._transport, info, latest)
+        logger.info("registered %s (%s, %s)", registration.worker, registration.actor, transport)
+        return Welcome(transport, info, latest)
 
     async def heartbeat(self, worker: str, token: str) -> bool:
         """A receiver's check that this hub still knows it; False means register again."""
@@ -176,8 +194,10 @@ class WeightHubActor:
         self._drop(worker, token)
 
     def _drop(self, worker: str, token: str) -> None:
-        if self._state.drop(worker, token):
-            asyncio.get_running_loop().create_task(self._planner.receiver_left(worker))
+        entry = self._state.receivers.get(worker)
+        if entry is not None and self._state.drop(worker, token):
+            planner = self._planners[entry.transport]
+            asyncio.get_running_loop().create_task(planner.receiver_left(worker))
 
     async def ack(self, ack: Ack) -> None:
         """An acknowledgement sent after the delivery call returned (deferred applies)."""
@@ -198,8 +218,12 @@ class WeightHubActor:
         entry = self._state.receivers.get(worker) if worker is not None else None
         if entry is None:
             return update
-        payload = await self._planner.plan_pull(update, self._state.spec(model), entry.info)
-        return dataclasses.replace(update, payload=payload)
+        readable = self._readable(update, self._state.models[model].payloads, entry.transport)
+        if readable is None:
+            return None  # sent before anyone read by this transport: the next one will be
+        planner = self._planners[entry.transport]
+        payload = await planner.plan_pull(readable, self._state.spec(model), entry.info)
+        return dataclasses.replace(readable, payload=payload)
 
     # -- anyone ----------------------------------------------------------------------------
     async def status(self) -> HubStatus:
@@ -221,7 +245,7 @@ class WeightHubActor:
         self._closed = True
         tasks = [t for reports in self._reports.values() for t in reports.values()]
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._planner.close()
+        await asyncio.gather(*(planner.close() for planner in self._planners.values()))
         self._snapshot.delete()
 
     # -- delivery --------------------------------------------------------------------------
@@ -229,31 +253,22 @@ class WeightHubActor:
         self,
         update: Update,
         spec: WeightSpec,
+        payloads: dict[str, Any],
         targets: list[ReceiverEntry],
         timeout_s: float,
         started: float,
         learner_seconds: float,
     ) -> BroadcastReport:
         deadline = time.monotonic() + timeout_s
-        try:
-            payloads = await asyncio.wait_for(
-                self._planner.plan(update, spec, [entry.info for entry in targets]), timeout_s
+        planned = await self._plan_all(update, spec, payloads, targets, timeout_s)
+        outcomes = await asyncio.gather(
+            *(
+                self._deliver_one(entry, planned[entry.worker], deadline, timeout_s)
+                if isinstance(planned[entry.worker], Update)
+                else _failed(entry.worker, planned[entry.worker])
+                for entry in targets
             )
-        except Exception as err:
-            reason = f"transport {update.transport!r} could not plan the delivery: {err!r}"
-            outcomes = [(entry.worker, reason) for entry in targets]
-        else:
-            outcomes = await asyncio.gather(
-                *(
-                    self._deliver_one(
-                        entry,
-                        dataclasses.replace(update, payload=payloads[entry.worker]),
-                        deadline,
-                        timeout_s,
-                    )
-                    for entry in targets
-                )
-            )
+        )
         acked = tuple(sorted(w for w, error in outcomes if error is None))
         failed = {w: error for w, error in outcomes if error is not None}
         return BroadcastReport(
@@ -263,8 +278,80 @@ class WeightHubActor:
             failed=failed,
             bytes=spec.nbytes,
             seconds=learner_seconds + time.perf_counter() - started,
-            transport=update.transport,
+            transport=",".join(
+                sorted({entry.transport for entry in targets} or {update.transport})
+            ),
         )
+
+    async def _plan_all(
+        self,
+        update: Update,
+        spec: WeightSpec,
+        payloads: dict[str, Any],
+        targets: list[ReceiverEntry],
+        timeout_s: float,
+    ) -> dict[str, Update | str]:
+        """Per target: the update it reads, planned by its transport, or why there is none."""
+        groups: dict[str, list[ReceiverEntry]] = {}
+        for entry in targets:
+            groups.setdefault(entry.transport, []).append(entry)
+        planned: dict[str, Update | str] = {}
+        for transport, group in groups.items():
+            readable = self._readable(update, payloads, transport)
+            if readable is None:
+                reason = (
+                    f"registered to read by transport {transport!r} after the learner handed "
+                    "this version over without it; the next version reaches it"
+                )
+                planned.update(dict.fromkeys((e.worker for e in group), reason))
+                continue
+            try:
+                payload_of = await asyncio.wait_for(
+                    self._planners[transport].plan(readable, spec, [e.info for e in group]),
+                    timeout_s,
+                )
+            except Exception as err:
+                reason = f"transport {transport!r} could not plan the delivery: {err!r}"
+                planned.update(dict.fromkeys((e.worker for e in group), reason))
+                continue
+            for entry in group:
+                planned[entry.worker] = dataclasses.replace(
+                    readable, payload=payload_of[entry.worker]
+                )
+        return planned
+
+    @staticmethod
+    def _readable(update: Update, payloads: dict[str, Any], transport: str) -> Update | None:
+        """``update`` as receivers of ``transport`` read it; None if the learner did not
+        hand it over in the form that transport reads."""
+        hand_off = get_transport(transport).hand_off
+        if hand_off not in payloads:
+            return None
+        return dataclasses.replace(update, transport=transport, payload=payloads[hand_off])
+
+    def _planner(self, transport: str, asked_by: str | None = None) -> TransportPlanner:
+        """The planner of ``transport``, opened on first use; TransportUnavailableError
+        (naming the receiver that asked for it) if it cannot run here."""
+        planner = self._planners.get(transport)
+        if planner is None:
+            try:
+                availability = get_transport(transport).availability()
+            except ValueError as err:
+                availability = Availability(False, str(err))
+            if not availability.available:
+                who = f" (asked for by {asked_by})" if asked_by else ""
+                raise TransportUnavailableError(
+                    f"transport {transport!r}{who} is not available: {availability.reason}"
+                )
+            planner = get_transport(transport).open_hub(ray.get_runtime_context().current_actor)
+            self._planners[transport] = planner
+        return planner
+
+    def transports(self) -> tuple[str, ...]:
+        """The hand-offs a broadcast must carry now: the hub's transport's and those of
+        the transports its receivers read by (called by the learner before each send)."""
+        names = {self._transport, *(e.transport for e in self._state.receivers.values())}
+        return tuple(sorted({get_transport(name).hand_off for name in names}))
 
     async def _deliver_one(
         self, entry: ReceiverEntry, update: Update, deadline: float, timeout_s: float
@@ -299,3 +386,7 @@ class WeightHubActor:
             return registration.worker, f"{registration.actor} failed to apply: {ack.error}"
         self._state.record(registration.worker, update.model, update.version)
         return registration.worker, None
+
+
+async def _failed(worker: str, reason: str) -> tuple[str, str | None]:
+    return worker, reason

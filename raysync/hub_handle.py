@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from functools import cached_property
 from typing import Any
 
 import ray
@@ -68,8 +67,13 @@ class _Broadcast:
             weights, what="broadcast weights", reject_nonfinite=config.reject_nonfinite
         )
         spec = WeightSpec.of(tensors)
+        handle = self._handle
         try:
-            payload = self._handle._sender.send(tensors, spec)
+            # The hub's transport and those its receivers chose: one hand-off each.
+            senders = {
+                name: handle._sender(name) for name in ray.get(handle.actor.transports.remote())
+            }
+            payloads = {name: sender.send(tensors, spec) for name, sender in senders.items()}
         except TransportError as err:
             # A closed hub has stopped its transport: say that, not what broke below it.
             if ray.get(self._handle.actor.closed.remote()):
@@ -81,15 +85,16 @@ class _Broadcast:
             model=model,
             version=version,
             spec=spec,
-            payload=payload,
+            payloads=payloads,
             workers=None if workers is None else tuple(workers),
             timeout_s=timeout_s,
             wait=wait,
             raise_on_failure=raise_on_failure,
             learner_seconds=time.perf_counter() - started,
         )
-        result = self._handle.actor.submit.remote(request)
-        self._handle._sender.submitted(payload, result)
+        result = handle.actor.submit.remote(request)
+        for name, sender in senders.items():
+            sender.submitted(payloads[name], result)
         return result
 
 
@@ -104,6 +109,7 @@ class HubHandle:
     def __init__(self, actor: ActorHandle, config: HubConfig) -> None:
         self.actor = actor
         self.config = config
+        self._senders: dict[str, TransportSender] = {}
 
     @property
     def transport(self) -> str:
@@ -113,13 +119,15 @@ class HubHandle:
     def broadcast(self) -> _Broadcast:
         return _Broadcast(self)
 
-    @cached_property
-    def _sender(self) -> TransportSender:
-        """The transport's learner half, opened in the first process that broadcasts."""
-        return get_transport(self.transport).open_sender(self.actor)
+    def _sender(self, hand_off: str) -> TransportSender:
+        """The learner half of transport ``hand_off``, opened in this process on first use."""
+        sender = self._senders.get(hand_off)
+        if sender is None:
+            sender = self._senders[hand_off] = get_transport(hand_off).open_sender(self.actor)
+        return sender
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("actor", "config"):
+        if name.startswith("__") or name in ("actor", "config", "_senders"):
             raise AttributeError(name)
         return getattr(self.actor, name)
 

@@ -27,7 +27,9 @@ DEFAULT_MODEL = "default"
 class ModelState:
     spec: WeightSpec | None = None
     version: int = 0
-    latest: Update | None = None
+    latest: Update | None = None  #: the latest version, as the hub's own transport reads it
+    #: The latest version's payload per hand-off transport (receivers may read by others).
+    payloads: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -38,6 +40,12 @@ class ReceiverEntry:
     @property
     def worker(self) -> str:
         return self.registration.worker
+
+    @property
+    def transport(self) -> str:
+        """The transport this receiver reads by (resolved at registration)."""
+        assert self.registration.transport is not None
+        return self.registration.transport
 
     @property
     def info(self) -> ReceiverInfo:
@@ -88,15 +96,18 @@ class HubState:
         model: str,
         spec: WeightSpec,
         transport: str,
-        payload: object,
+        payloads: dict[str, object],
+        hand_off: str,
         version: int | None = None,
     ) -> Update:
-        """Make this the latest version of ``model``: ``version``, or the next one."""
+        """Make this the latest version of ``model``: ``version``, or the next one.
+        ``payloads`` holds one payload per hand-off; ``hand_off`` is ``transport``'s."""
         self.check_version(model, version)
         state = self.models.setdefault(model, ModelState())
         state.spec = spec
         state.version = state.version + 1 if version is None else version
-        state.latest = Update(model, state.version, spec.digest, transport, payload)
+        state.latest = Update(model, state.version, spec.digest, transport, payloads[hand_off])
+        state.payloads = payloads
         return state.latest
 
     def spec(self, model: str) -> WeightSpec:
@@ -213,6 +224,7 @@ class HubState:
                     mode=entry.registration.mode,
                     versions=versions,
                     lag={m: self.models[m].version - v for m, v in versions.items()},
+                    transport=entry.transport,
                 )
             )
         return tuple(out)

@@ -43,7 +43,7 @@ class BroadcastRequest:
     model: str | None
     version: int | None  #: explicit version (e.g. the training step); None: the next one
     spec: WeightSpec
-    payload: Any
+    payloads: dict[str, Any]  #: hand-off transport name -> its payload
     workers: tuple[str, ...] | None
     timeout_s: float | None
     wait: bool
@@ -91,6 +91,8 @@ class Registration:
     mode: DeliveryMode
     #: Unique per registration: a restarted actor's entry is not dropped for the old one's death.
     token: str
+    #: The transport this receiver reads by; None: the hub's.
+    transport: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ class ReceiverStatus:
     mode: DeliveryMode
     versions: dict[str, int]  #: per model, the last version this receiver acked
     lag: dict[str, int]  #: per model, how many versions it is behind the latest
+    transport: str  #: the transport it reads by
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ HEARTBEAT_S = 5.0
 class _Identity:
     worker: str
     actor: str  #: "ClassName(actor_id)"
+    transport: str | None  #: the transport asked for; None: the hub's
 
 
 @dataclass
@@ -269,6 +270,7 @@ def _registration(
         versions={m: h.version for m, h in held.items()},
         mode=mode,
         token=uuid.uuid4().hex,
+        transport=identity.transport,
     )
 
 
@@ -302,6 +304,7 @@ class WeightReceiver:
         *,
         worker_id: str | None = None,
         mode: DeliveryMode | str = DeliveryMode.PUSH,
+        transport: str | None = None,
         namespace: str | None = None,
         timeout_s: float = HUB_CALL_TIMEOUT_S,
         heartbeat_s: float | None = HEARTBEAT_S,
@@ -314,9 +317,14 @@ class WeightReceiver:
         path means model id ``"default"``. ``worker_id`` names this receiver in reports
         (default: the actor id). ``mode="pull"`` leaves this receiver out of
         broadcasts; it calls :meth:`pull_weights` when it wants the latest version.
+        ``transport`` overrides the hub's transport for this receiver (``"shared_memory"``
+        for a worker on the learner's node of an ``object_store`` hub, say); the
+        learner then hands each version over in that form too.
 
         Raises :class:`~raysync.SpecMismatchError` if a model disagrees with the hub's
-        spec, :class:`~raysync.ModelPathError` if a path does not resolve. Calling it
+        spec, :class:`~raysync.ModelPathError` if a path does not resolve, ``ValueError``
+        for an unknown transport name and :class:`~raysync.TransportUnavailableError`
+        (from the hub) if the transport cannot run there. Calling it
         again re-registers (after a restart this is what ``__init__`` does anyway).
 
         Every ``heartbeat_s`` seconds a daemon thread checks that the hub still knows
@@ -335,7 +343,9 @@ class WeightReceiver:
             for m, path in paths.items()
         }
         actor_id = ray.get_runtime_context().get_actor_id()
-        identity = _Identity(worker_id or actor_id, f"{type(self).__name__}({actor_id})")
+        if transport is not None:
+            get_transport(transport)  # ValueError naming the known transports
+        identity = _Identity(worker_id or actor_id, f"{type(self).__name__}({actor_id})", transport)
         registration = _registration(self, held, identity, DeliveryMode(mode))
         welcome = ray.get(handle.actor.register.remote(registration), timeout=timeout_s)
         if previous is not None:

@@ -66,10 +66,12 @@ class _Inspect:
 class Collector(WeightReceiver, _Inspect):
     """The README's collector: one policy."""
 
-    def __init__(self, hub, worker_id=None, mode="push", model_factory=make_policy):
+    def __init__(self, hub, worker_id=None, mode="push", model_factory=make_policy, transport=None):
         self.policy = model_factory()
         self.applied: list[tuple[str, int]] = []
-        self.connect_hub(hub, models={"policy": "policy"}, worker_id=worker_id, mode=mode)
+        self.connect_hub(
+            hub, models={"policy": "policy"}, worker_id=worker_id, mode=mode, transport=transport
+        )
 
     def on_weights_applied(self, model: str, version: int) -> None:
         self.applied.append((model, version))

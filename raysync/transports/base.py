@@ -10,7 +10,10 @@ process that calls each method:
 2. hub process, each registration: ``info = await planner.receiver_joined(receiver)``;
    ``info`` (connection details, picklable) reaches the receiver in its Welcome.
    ``await planner.receiver_left(worker)`` when a receiver dies or leaves.
-3. learner process, once per hub handle: ``sender = Transport.open_sender(hub_actor)``.
+3. learner process, once per hub handle and hand-off in use:
+   ``sender = Transport.open_sender(hub_actor)`` of the transport named by ``hand_off``
+   (its own name unless it reuses another's learner half, as ``distributed`` and
+   ``rpc`` reuse the object store's put).
 4. learner process, each broadcast: ``payload = sender.send(tensors, spec)`` — the data
    leaves the learner here (or is made readable by receivers). ``tensors`` is the
    flat, name-sorted mapping from :func:`raysync.weights.flatten`. Right after, the
@@ -152,6 +155,14 @@ class Transport(ABC):
     one_sided: ClassVar[bool] = False
     #: Tensors may live in GPU memory end to end.
     gpu_capable: ClassVar[bool] = False
+    #: The transport whose learner half (sender and payload) this one uses: receivers
+    #: of transports with the same hand-off share one payload per version.
+    hand_off: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "hand_off" not in cls.__dict__ and "name" in cls.__dict__:
+            cls.hand_off = cls.name
 
     @classmethod
     @abstractmethod

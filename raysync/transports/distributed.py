@@ -2,7 +2,8 @@
 
 Processes and roles:
 
-* **learner process** — :class:`DistributedSender` puts the version's tensors into the
+* **learner process** — the object store's sender (``hand_off``) puts the version's
+  tensors into the
   object store, exactly like the ``object_store`` transport (one copy, no pickling). It
   never touches torch.distributed.
 * **hub process** — :class:`DistributedPlanner` starts one
@@ -238,11 +239,6 @@ def staging_device(settings: GroupSettings) -> torch.device:
     return torch.device("cpu")
 
 
-# -- learner ----------------------------------------------------------------------------
-class DistributedSender(ObjectStoreSender):
-    """The learner's hand-off is the object store's: one put, read by rank 0."""
-
-
 # -- hub --------------------------------------------------------------------------------
 class DistributedPlanner(TransportPlanner):
     """Runs in the hub process; owns generation and rank assignment (see module doc)."""
@@ -455,6 +451,7 @@ class DistributedReceiver(TransportReceiver):
 
 class DistributedTransport(Transport):
     name = "distributed"
+    hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
     gpu_capable = True
 
     @classmethod
@@ -472,8 +469,8 @@ class DistributedTransport(Transport):
         return DistributedPlanner(hub)
 
     @classmethod
-    def open_sender(cls, hub: Any) -> DistributedSender:
-        return DistributedSender()
+    def open_sender(cls, hub: Any) -> ObjectStoreSender:
+        return ObjectStoreSender()
 
     @classmethod
     def open_receiver(cls, info: Any) -> DistributedReceiver:

@@ -2,7 +2,8 @@
 
 Processes and roles:
 
-* **learner process** — :class:`RpcSender` puts the version's tensors into the object
+* **learner process** — the object store's sender (``hand_off``) puts the version's
+  tensors into the object
   store, exactly like the ``object_store`` transport; it never joins the RPC group.
 * **hub process** — :class:`RpcPlanner` starts one :class:`actors.rpc_agent.RpcAgentActor`
   per hub. When a receiver registers, the agent admits it (a rank and RPC name of its
@@ -347,11 +348,6 @@ class _Membership:
             cls.member = member
 
 
-# -- learner ----------------------------------------------------------------------------
-class RpcSender(ObjectStoreSender):
-    """The learner's hand-off is the object store's: one put, read by the agent."""
-
-
 # -- hub --------------------------------------------------------------------------------
 class RpcPlanner(TransportPlanner):
     """Runs in the hub process: admits receivers to the agent's group, numbers versions,
@@ -467,6 +463,7 @@ class RpcReceiver(TransportReceiver):
 
 class RpcTransport(Transport):
     name = "rpc"
+    hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
 
     @classmethod
     def availability(cls) -> Availability:
@@ -485,8 +482,8 @@ class RpcTransport(Transport):
         return RpcPlanner(hub)
 
     @classmethod
-    def open_sender(cls, hub: Any) -> RpcSender:
-        return RpcSender()
+    def open_sender(cls, hub: Any) -> ObjectStoreSender:
+        return ObjectStoreSender()
 
     @classmethod
     def open_receiver(cls, info: RpcMember) -> RpcReceiver:

@@ -1,0 +1,66 @@
+"""A receiver may read by another transport than its hub's (``connect_hub(transport=...)``).
+
+The learner hands each version over once per hand-off in use (``distributed`` and
+``rpc`` read the object store's put, ``shared_memory`` and ``nixl`` need their own),
+and the hub plans each receiver's delivery with its own transport's planner.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from raysync import available_transports
+from tests.receivers import Collector, make_policy, state_of
+from tests.test_core import assert_same, ready, start, start_hub
+
+
+def test_receivers_choose_their_transport_on_an_object_store_hub(actors):
+    hub = start_hub(actors, "object_store")
+    plain = start(actors, Collector, hub, worker_id="plain")
+    local = start(actors, Collector, hub, worker_id="local", transport="shared_memory")
+    group = start(actors, Collector, hub, worker_id="group", transport="distributed")
+    ready([plain, local, group])
+    # distributed reads the object store's put: two hand-offs, not three.
+    assert ray.get(hub.transports.remote()) == ("object_store", "shared_memory")
+
+    for version in (1, 2):
+        learner = make_policy()
+        report = ray.get(hub.broadcast.remote(learner))
+        assert report.version == version and report.acked == ("group", "local", "plain")
+        assert report.transport == "distributed,object_store,shared_memory"
+        for r in (plain, local, group):
+            assert_same(ray.get(r.state.remote()), state_of(learner))
+    transports = {r.worker: r.transport for r in ray.get(hub.status.remote()).receivers}
+    assert transports == {"plain": "object_store", "local": "shared_memory", "group": "distributed"}
+
+    # A late joiner reading by a transport already in use gets the latest version now.
+    late = start(actors, Collector, hub, worker_id="late", transport="shared_memory")
+    assert ray.get(late.version.remote()) == 2
+    assert_same(ray.get(late.state.remote()), state_of(learner))
+
+
+@pytest.mark.skipif("nixl" not in available_transports(), reason="nixl cannot run here")
+def test_joiner_by_a_new_transport_gets_the_next_version(actors):
+    hub = start_hub(actors, "object_store")
+    plain = start(actors, Collector, hub, worker_id="plain")
+    ready([plain])
+    ray.get(hub.broadcast.remote(make_policy()))
+    # Version 1 exists only as an object-store put: nothing a nixl reader can read.
+    newcomer = start(actors, Collector, hub, worker_id="newcomer", transport="nixl")
+    assert ray.get(newcomer.version.remote()) == 0
+    assert ray.get(hub.transports.remote()) == ("nixl", "object_store")
+
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert report.acked == ("newcomer", "plain") and report.version == 2
+    for r in (plain, newcomer):
+        assert_same(ray.get(r.state.remote()), state_of(learner))
+
+
+def test_unknown_transport_is_refused_in_connect_hub(actors):
+    hub = start_hub(actors, "object_store")
+    bad = start(actors, Collector, hub, worker_id="bad", transport="carrier_pigeon")
+    with pytest.raises(ray.exceptions.RayActorError, match="unknown transport 'carrier_pigeon'"):
+        ready([bad])
+    assert ray.get(hub.status.remote()).receivers == ()
