@@ -65,11 +65,17 @@ class RpcAgentActor:
     """See module docstring. Async actor; sends run in threads."""
 
     def __init__(
-        self, key: str, settings: RpcSettings, known: dict[str, tuple[str, int]] | None = None
+        self,
+        key: str,
+        hub: str,
+        settings: RpcSettings,
+        known: dict[str, tuple[str, int]] | None = None,
     ) -> None:
-        """``known``: worker -> (process, rank) of the members of the dead agent this
-        one replaces; they keep their ranks here and join when they next get a version."""
+        """``known``: worker -> (process, rank) of the members of an earlier agent of
+        hub ``hub`` (it died, or the hub restarted); each keeps its rank here and moves
+        to this group on its next registration or delivery."""
         self._key = key
+        self._hub = hub
         self._settings = settings
         self._url, self._master = open_master_store(node_ip(), settings.timeout_s)
         init_rpc(rpc_name(key, 0), 0, self._url, settings)
@@ -105,7 +111,9 @@ class RpcAgentActor:
         return {worker: admitted.member for worker, admitted in self._members.items()}
 
     def _member(self, rank: int) -> RpcMember:
-        return RpcMember(self._url, self._key, rpc_name(self._key, rank), rank, self._settings)
+        return RpcMember(
+            self._url, self._key, self._hub, rpc_name(self._key, rank), rank, self._settings
+        )
 
     async def forget(self, worker: str) -> None:
         """``worker`` left or died: no more sends, and off the group's member list."""

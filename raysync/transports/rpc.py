@@ -29,10 +29,10 @@ agent takes it off torch's member list (see :mod:`actors.rpc_agent`), because ev
 joiner calls every listed member and would otherwise fail. RPC state is per process and,
 in practice, once per process (a second ``init_rpc`` in the same process gets another
 store prefix and ``dist_autograd`` refuses a new rank): a receiver process joins the
-group of the first RPC hub it registers with and stays in it until it exits;
-re-registering with that hub keeps its rank, another RPC hub is refused. An actor that
-Ray restarts is a new process: it is admitted under a new rank and name, and its old
-name is taken off the member list. Pull mode reads the learner's object-store copy directly.
+group of the first RPC hub it registers with and keeps its rank in that hub's groups
+until it exits; another RPC hub is refused. An actor that Ray restarts is a new
+process: it is admitted under a new rank and name, and its old name is taken off the
+member list. Pull mode reads the learner's object-store copy directly.
 
 A dead agent is replaced, not restarted: before every plan the planner pings it, and a
 dead one is succeeded by a new agent (new store, new key) that re-admits every member
@@ -41,7 +41,9 @@ receiver still in the dead group leaves it (``rpc.shutdown``) and joins the new 
 inside that delivery's ``fetch``, keeping its rank (torch's distributed autograd
 holds a process to its first rank). A version in flight when the agent dies never
 lands: its receivers fail with :class:`TransportError` at the timeout; the next one
-goes through the new group.
+goes through the new group. A restarted hub does the same: the planner keeps every
+member's (process, rank) in Ray's GCS beside the hub's restart snapshot, its new agent
+reserves those ranks, and receivers move to the new group when they register again.
 
 Memory: every version pushed to a receiver waits in its inbox until its delivery takes
 it, so a receiver kept busy for many broadcasts holds each of them meanwhile.
@@ -64,6 +66,7 @@ import datetime
 import fcntl
 import logging
 import os
+import pickle
 import socket
 import struct
 import threading
@@ -76,8 +79,10 @@ from urllib.parse import parse_qs, urlparse
 
 import ray
 import torch
+from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
@@ -121,7 +126,8 @@ class RpcMember:
     """Hub -> receiver (its transport info): how to join the hub's RPC group."""
 
     url: str  #: ``raysync-rpc://<node ip>:<port>/<random prefix>``
-    key: str  #: this hub's key in receivers' inboxes
+    key: str  #: the group's key in receivers' inboxes (new with every agent)
+    hub: str  #: the hub's actor id: a group of the same hub may replace this one
     name: str  #: this receiver's RPC name
     rank: int
     settings: RpcSettings
@@ -307,15 +313,19 @@ class _Membership:
 
     @classmethod
     def join(cls, member: RpcMember) -> RpcMember:
+        """Join ``member``'s group, or stay in it; moves from an earlier group of the same
+        hub (its agent was replaced, or the hub restarted); refuses another hub's."""
         with cls.lock:
             if cls.member is None:
                 init_rpc(member.name, member.rank, member.url, member.settings)
                 cls.member = member
-            elif cls.member.key != member.key:
+            elif cls.member.hub != member.hub:
                 raise TransportError(
                     f"this process already belongs to the RPC group of another hub "
                     f"({cls.member.url}); torch RPC allows one group per process"
                 )
+            elif cls.member.key != member.key:
+                cls._move(member)
             elif cls.member.name != member.name:
                 raise TransportError(
                     f"this process is {cls.member.name} in the hub's RPC group, the hub "
@@ -325,27 +335,32 @@ class _Membership:
 
     @classmethod
     def follow(cls, member: RpcMember) -> None:
-        """Move to the group the hub started after this process's agent died: leave the
-        dead group and join ``member``'s under the same rank (torch's distributed
-        autograd, initialised by ``init_rpc``, keeps a process's first rank for life)."""
+        """Called with every delivery's member: move if the hub's group changed."""
+        with cls.lock:
+            if cls.member is not None and cls.member.key != member.key:
+                cls._move(member)
+
+    @classmethod
+    def _move(cls, member: RpcMember) -> None:
+        """Leave the (dead) group and join ``member``'s under the same rank: torch's
+        distributed autograd, initialised by ``init_rpc``, keeps a process's first rank
+        for life. Holds ``lock``."""
         import torch.distributed.rpc as rpc
 
-        with cls.lock:
-            if cls.member is None or cls.member.key == member.key:
-                return
-            if cls.member.rank != member.rank:
-                raise TransportError(
-                    f"the hub moved this process from rank {cls.member.rank} to rank "
-                    f"{member.rank} of its new RPC group; torch RPC keeps a process's rank"
-                )
-            rpc.shutdown(graceful=False)
-            cls.member = None
-            # init_rpc prefixes its store keys with a per-process count of init_rpc
-            # calls; the new agent's process counts its first, so this one must too.
-            with rpc._init_counter_lock:
-                rpc._init_counter = 0
-            init_rpc(member.name, member.rank, member.url, member.settings)
-            cls.member = member
+        assert cls.member is not None
+        if cls.member.rank != member.rank:
+            raise TransportError(
+                f"the hub moved this process from rank {cls.member.rank} to rank "
+                f"{member.rank} of its new RPC group; torch RPC keeps a process's rank"
+            )
+        rpc.shutdown(graceful=False)
+        cls.member = None
+        # init_rpc prefixes its store keys with a per-process count of init_rpc calls;
+        # the new agent's process counts its first, so this one must too.
+        with rpc._init_counter_lock:
+            rpc._init_counter = 0
+        init_rpc(member.name, member.rank, member.url, member.settings)
+        cls.member = member
 
 
 # -- hub --------------------------------------------------------------------------------
@@ -355,10 +370,12 @@ class RpcPlanner(TransportPlanner):
 
     def __init__(self, hub: Any) -> None:
         self._settings = RpcSettings.from_env()
-        self._name = f"raysync-rpc-agent-{hub._actor_id.hex()}"
+        self._hub = hub._actor_id.hex()
+        self._name = f"raysync-rpc-agent-{self._hub}"
         self._node_id = ray.get_runtime_context().get_node_id()
         self._members: dict[str, RpcMember] = {}  #: worker -> its place in the group
-        self._processes: dict[str, str] = {}  #: worker -> its process (Ray worker id)
+        #: worker -> (its process, its rank), kept in GCS so a restarted hub has it too.
+        self._ranks = _RankBook(self._hub)
         self._key, self._actor = self._start_agent()
         self._seq = 0
         self._lock = asyncio.Lock()  #: agent replacement and plans, one at a time
@@ -368,7 +385,7 @@ class RpcPlanner(TransportPlanner):
         from actors.rpc_agent import RpcAgentActor
 
         key = uuid.uuid4().hex
-        known = {w: (self._processes[w], m.rank) for w, m in self._members.items()}
+        known = self._ranks.load()
         actor = (
             ray.remote(RpcAgentActor)
             .options(
@@ -376,7 +393,7 @@ class RpcPlanner(TransportPlanner):
                 name=self._name,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=True),
             )
-            .remote(key, self._settings, known)
+            .remote(key, self._hub, self._settings, known)
         )
         return key, actor
 
@@ -400,13 +417,13 @@ class RpcPlanner(TransportPlanner):
             agent = await self._live_agent()
             member = await agent.admit.remote(receiver.worker, receiver.process)
             self._members[receiver.worker] = member
-            self._processes[receiver.worker] = receiver.process
+            self._ranks.set(receiver.worker, receiver.process, member.rank)
             return member
 
     async def receiver_left(self, worker: str) -> None:
         async with self._lock:
             self._members.pop(worker, None)
-            self._processes.pop(worker, None)
+            self._ranks.remove(worker)
             try:
                 await self._actor.forget.remote(worker)
             except ray.exceptions.RayActorError:
@@ -437,6 +454,34 @@ class RpcPlanner(TransportPlanner):
             pass  # already dead
         finally:
             ray.kill(self._actor)
+
+
+class _RankBook:
+    """worker -> (process, rank) of a hub's RPC members, in Ray's GCS next to the hub's
+    restart snapshot (:mod:`raysync.hub_snapshot`, deleted with it), so a restarted hub
+    gives every receiver process its rank again. Hub process only."""
+
+    def __init__(self, hub: str) -> None:
+        self._key = f"hub/{hub}/rpc-ranks"
+        raw = internal_kv._internal_kv_get(self._key, namespace=KV_NAMESPACE)
+        self._ranks: dict[str, tuple[str, int]] = {} if raw is None else pickle.loads(raw)
+
+    def load(self) -> dict[str, tuple[str, int]]:
+        return dict(self._ranks)
+
+    def set(self, worker: str, process: str, rank: int) -> None:
+        if self._ranks.get(worker) != (process, rank):
+            self._ranks[worker] = (process, rank)
+            self._save()
+
+    def remove(self, worker: str) -> None:
+        if self._ranks.pop(worker, None) is not None:
+            self._save()
+
+    def _save(self) -> None:
+        internal_kv._internal_kv_put(
+            self._key, pickle.dumps(self._ranks), overwrite=True, namespace=KV_NAMESPACE
+        )
 
 
 # -- receiver ---------------------------------------------------------------------------

@@ -109,16 +109,7 @@ def _wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def test_hub_restart_receivers_reattach_versions_never_go_back(actors, transport, request):
-    if transport == "rpc":
-        # Known limitation, not hidden: the test runs and must fail for rpc today.
-        request.applymarker(
-            pytest.mark.xfail(
-                reason="rpc: a receiver process can join one torch RPC group for life, and "
-                "a restarted hub starts a new group (raysync/transports/rpc.py docstring)",
-                strict=False,
-            )
-        )
+def test_hub_restart_receivers_reattach_versions_never_go_back(actors, transport):
     hub = start_hub(
         actors, transport, {"name": "restarting-hub", "max_restarts": 2, "max_task_retries": 0}
     )
