@@ -310,6 +310,13 @@ class WeightHubActor:
                     self._planners[transport].plan(readable, spec, [e.info for e in group]),
                     timeout_s,
                 )
+            except asyncio.TimeoutError:
+                reason = (
+                    f"transport {transport!r} could not plan the delivery within the "
+                    f"{timeout_s:g} s timeout (the hub's log says what it waited for)"
+                )
+                planned.update(dict.fromkeys((e.worker for e in group), reason))
+                continue
             except Exception as err:
                 reason = f"transport {transport!r} could not plan the delivery: {err!r}"
                 planned.update(dict.fromkeys((e.worker for e in group), reason))

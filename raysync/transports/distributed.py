@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import os
 import threading
 import time
@@ -94,6 +95,8 @@ from raysync.transports.object_store import (
     ObjectStoreReceiver,
     ObjectStoreSender,
 )
+
+logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "RAYSYNC_DISTRIBUTED_BACKEND"
 TIMEOUT_ENV = "RAYSYNC_DISTRIBUTED_TIMEOUT_S"
@@ -321,18 +324,16 @@ class DistributedPlanner(TransportPlanner):
 
     async def _rank0_store(self) -> StoreAddress:
         """Where rank 0's store listens now, asked every plan: a process-group actor that
-        Ray restarted listens elsewhere. One that is restarting is waited for, up to the
-        group timeout; one that is gone for good fails the delivery."""
-        deadline = time.monotonic() + self._settings.timeout_s
+        Ray restarted listens elsewhere. One that is restarting is waited for (the hub
+        bounds the wait by the broadcast's timeout); one gone for good fails the plan."""
+        waiting = False
         while True:
             try:
                 return await self._actor.store_address.remote()
             except ray.exceptions.ActorUnavailableError as err:
-                if time.monotonic() > deadline:
-                    raise TransportError(
-                        f"the process-group actor {self._name} did not come back within "
-                        f"{self._settings.timeout_s:g} s of dying ({err})"
-                    ) from err
+                if not waiting:
+                    logger.warning("waiting for Ray to restart %s: %s", self._name, err)
+                    waiting = True
                 await asyncio.sleep(_RESTART_POLL_S)
             except ray.exceptions.RayActorError as err:
                 raise TransportError(
