@@ -16,6 +16,11 @@ model that mixes two versions. This covers every way Ray runs actor methods:
 A long-running user method (``while True: collect()``) opens safe points itself with
 :meth:`safe_point`; nested calls and :meth:`write` from inside a user method (pull
 mode) account for the caller's own read.
+
+Deferred writes of the same key (a model) supersede each other: when a newer one is
+deferred, the older one is dropped at once (``supersede``: the receiver frees its
+staged data, so an async actor busy through many broadcasts holds one version, not
+all of them) and its outcome is decided when the newer one has run.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 #: How many reads the current thread or task holds (re-entrant user methods).
@@ -51,6 +57,16 @@ def _on_event_loop() -> bool:
     return True
 
 
+@dataclass
+class _Pending:
+    """A deferred write, and the outcomes of the older writes it superseded."""
+
+    apply: Callable[[], Any]
+    key: Hashable | None
+    supersede: Callable[[], Callable[[Any], Any]] | None
+    followers: list[Callable[[Any], Any]] = field(default_factory=list)
+
+
 class ApplyGate:
     """Readers/writer gate between user methods and weight applies (see module doc)."""
 
@@ -60,7 +76,7 @@ class ApplyGate:
         self._readers = 0
         self._writers_waiting = 0
         self._writing = False
-        self._deferred: list[Callable[[], Any]] = []
+        self._deferred: list[_Pending] = []
         self._finish_deferred = finish_deferred
         self._drained: asyncio.Event | None = None
 
@@ -119,13 +135,29 @@ class ApplyGate:
             self._readers += held
 
     # -- the writer: applying an update -------------------------------------------------
-    def write(self, apply: Callable[[], Any]) -> Any:
-        """Run ``apply`` when no user method is running; return its result or DEFERRED."""
+    def write(
+        self,
+        apply: Callable[[], Any],
+        key: Hashable | None = None,
+        supersede: Callable[[], Callable[[Any], Any]] | None = None,
+    ) -> Any:
+        """Run ``apply`` when no user method is running; return its result or DEFERRED.
+
+        A deferred write with a ``supersede`` is dropped if a newer write of the same
+        ``key`` is deferred after it: ``supersede()`` runs then and returns a function
+        that, given the newer write's result, makes this write's result (which goes to
+        ``finish_deferred`` like any deferred result).
+        """
         held = _held.get()
         if _on_event_loop():
             if self._readers - held == 0 and not self._deferred:
                 return apply()
-            self._deferred.append(apply)
+            pending = _Pending(apply, key, supersede)
+            if key is not None:
+                for older in [p for p in self._deferred if p.key == key and p.supersede]:
+                    self._deferred.remove(older)
+                    pending.followers += [older.supersede(), *older.followers]
+            self._deferred.append(pending)
             return DEFERRED
         with self._cond:
             self._readers -= held
@@ -147,8 +179,11 @@ class ApplyGate:
         if self._readers - own or not self._deferred:
             return
         pending, self._deferred = self._deferred, []
-        for apply in pending:
-            self._finish_deferred(apply())
+        for write in pending:
+            result = write.apply()
+            self._finish_deferred(result)
+            for follower in write.followers:
+                self._finish_deferred(follower(result))
         if self._drained is not None:
             self._drained.set()
             self._drained = None

@@ -15,7 +15,7 @@ import logging
 import threading
 import traceback
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,8 +167,29 @@ class _ReceiverCore:
         except BaseException:
             self.transport.release(update.payload, None)
             raise
-        result = self.gate.write(functools.partial(self._apply_and_release, update, staged))
+        result = self.gate.write(
+            functools.partial(self._apply_and_release, update, staged),
+            key=update.model,
+            supersede=functools.partial(self._superseded, update, staged),
+        )
         return None if result is DEFERRED else result
+
+    def _superseded(self, update: Update, staged: Sequence[torch.Tensor]) -> Callable[[Ack], Ack]:
+        """A newer version of the same model now waits for the same safe point: free
+        this one's staged data; its ack follows the newer one's outcome."""
+        self.transport.release(update.payload, staged)
+
+        def outcome(newer: Ack) -> Ack:
+            if newer.status is AckStatus.FAILED:
+                return self._ack(
+                    update,
+                    AckStatus.FAILED,
+                    f"superseded while waiting for a safe point by version {newer.version}, "
+                    f"which then failed: {newer.error}",
+                )
+            return self._ack(update, AckStatus.SUPERSEDED)
+
+        return outcome
 
     def _apply_and_release(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
         """Apply, then hand ``staged`` back to the transport. Runs at the safe point."""

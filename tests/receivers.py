@@ -188,7 +188,17 @@ class AsyncProbe(WeightReceiver):
 
     def __init__(self, hub):
         self.model = make_probe_model()
+        self.applied: list[int] = []
         self.connect_hub(hub, models={"probe": "model"})
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        self.applied.append(version)
+
+    async def applied_versions(self) -> list[int]:
+        return list(self.applied)
+
+    async def first_value(self) -> float:
+        return float(next(self.model.parameters()).view(-1)[0])
 
     async def probe(self, seconds: float, safe_points: bool) -> dict:
         torn, seen, reads = 0, set(), 0

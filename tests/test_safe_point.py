@@ -54,3 +54,24 @@ def test_async_actor_defers_updates_until_the_method_returns(actors, transport):
     result = _probe_while_broadcasting(actors, transport, AsyncProbe, safe_points=False)
     assert result["torn"] == 0
     assert result["seen"] == [1.0], result
+
+
+def test_busy_async_actor_skips_to_the_newest_version(actors, transport):
+    hub = start_hub(actors, transport)
+    probe = start(actors, AsyncProbe, hub)
+    ready([probe])
+    ray.get(hub.broadcast.remote(filled(_TEMPLATE, 1.0)))
+    busy = probe.probe.remote(4.0, False)
+    tickets = ray.get(
+        [hub.broadcast.remote(filled(_TEMPLATE, float(v)), wait=False) for v in range(2, 8)]
+    )
+    assert ray.get(busy)["seen"] == [1.0]
+    reports = ray.get([hub.wait_for.remote(t) for t in tickets])
+    # Every version is acknowledged (the skipped ones as superseded by a newer one) ...
+    assert all(r.failed == {} and len(r.acked) == 1 for r in reports)
+    # ... but versions that queued up behind the busy method were never applied: only
+    # the newest of them was, so the actor held one waiting version, not six.
+    applied = ray.get(probe.applied_versions.remote())
+    assert applied[0] == 1 and applied[-1] == 7 and applied == sorted(applied)
+    assert len(applied) < 7, applied
+    assert ray.get(probe.first_value.remote()) == 7.0
