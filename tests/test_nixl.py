@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -26,17 +27,23 @@ pytestmark = [
 ]
 
 
-def _wait_restarted(handle, timeout_s: float = 60.0) -> None:
-    """Until the restarted actor answers (its __init__ has reconnected to the hub)."""
+def _pid(handle) -> int:
+    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def _wait_restarted(handle, old_pid: int, timeout_s: float = 60.0) -> None:
+    """Until the restarted actor answers (its __init__ has reconnected to the hub). The
+    old process may still answer right after ``ray.kill``, so wait for a new pid."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
-            return
+            if _pid(handle) != old_pid:
+                return
         except ray.exceptions.ActorUnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the actor did not restart within {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 def _report(hub, ticket, timeout_s: float) -> BroadcastReport:
@@ -142,8 +149,9 @@ def test_restarted_and_new_receivers_handshake_again(actors):
     ready([restarting])
     learner = make_policy()
     ray.get(hub.broadcast.remote(learner))
+    old_pid = _pid(restarting)
     ray.kill(restarting, no_restart=False)
-    _wait_restarted(restarting)
+    _wait_restarted(restarting, old_pid)
     late = start(actors, Collector, hub, worker_id="late")
     # Both come up with a fresh agent and read the latest version from the same buffer.
     assert_same(ray.get(restarting.state.remote()), state_of(learner))

@@ -26,6 +26,14 @@ update. A new learner (new agent) or new registrations (new spec) make it load t
 agent metadata again; a failed or timed-out read raises :class:`TransportError` naming
 the learner's agent and forgets that agent, so a restarted learner starts clean.
 
+Progress: no agent runs nixl's own progress thread, which busy-polls a core for as long
+as the agent lives, idle or not (on a small machine a learner and a few receivers
+starve each other that way). A receiver progresses its agent while it polls its READs.
+The learner's agent is the target of those READs: the data moves without it (one-sided),
+but a receiver's first READ connects and needs the learner to answer, and an endpoint
+left idle for a while needs it again; a daemon thread progresses it every
+``_SOURCE_PROGRESS_S``, sleeping in between.
+
 GPU: CUDA weights are packed into VRAM buffers on their device, and a receiver process
 that sees a CUDA device stages in VRAM; NIXL moves the bytes the same way.
 """
@@ -37,6 +45,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +77,9 @@ REUSE_WAIT_S = 600.0
 #: Polling a READ: spin (yielding the CPU) this long, then sleep between polls.
 _SPIN_S = 0.002
 _POLL_SLEEP_S = 0.0002
+#: The learner's agent is progressed this often (seconds). It serves only connection
+#: set-up and upkeep, never the data, so it can be slow: each wake-up costs little.
+_SOURCE_PROGRESS_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -92,12 +104,16 @@ class NixlPayload:
     stamp: int  #: what the buffer's header holds while it holds this version
 
 
-def _new_agent(role: str) -> Any:
-    """A NIXL agent with the UCX backend; raises TransportError if UCX cannot start."""
-    from nixl._api import nixl_agent, nixl_agent_config
+def _new_agent(role: str, *, shared: bool = False) -> Any:
+    """A NIXL agent with the UCX backend and without nixl's progress thread (see module
+    doc); ``shared``: safe to call from several threads at once. Raises TransportError if
+    UCX cannot start."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
+    sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if shared else None
     agent = nixl_agent(
-        f"raysync-{role}-{uuid.uuid4().hex[:12]}", nixl_agent_config(backends=["UCX"])
+        f"raysync-{role}-{uuid.uuid4().hex[:12]}",
+        nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=sync),
     )
     if "UCX" not in agent.backends:
         raise TransportError(
@@ -125,6 +141,25 @@ def _stamp_of(buffer: torch.Tensor) -> int:
 # -- learner process ---------------------------------------------------------------------
 
 
+def _progress(agent: Any, stop: threading.Event) -> None:
+    """Learner process, a daemon thread: progress ``agent`` every ``_SOURCE_PROGRESS_S``
+    until ``stop`` is set (receivers connect and keep their endpoints through it)."""
+    while not stop.wait(_SOURCE_PROGRESS_S):
+        try:
+            agent.get_new_notifs()  # progresses the agent's UCX worker
+        except Exception as err:
+            logger.debug("progressing nixl agent %s failed: %s", agent.name, err)
+
+
+def _start_progress(owner: object, agent: Any) -> None:
+    """Progress ``agent`` from a daemon thread for as long as ``owner`` lives."""
+    stop = threading.Event()
+    threading.Thread(
+        target=_progress, args=(agent, stop), name="raysync-nixl-progress", daemon=True
+    ).start()
+    weakref.finalize(owner, stop.set)
+
+
 @dataclass
 class _SourceBuffer:
     tensor: torch.Tensor  #: uint8, header + packed tensors, registered
@@ -143,7 +178,8 @@ class _SourcePair:
 class NixlSender(TransportSender):
     def __init__(self, hub: Any) -> None:
         self._hub = hub
-        self._agent = _new_agent("learner")
+        self._agent = _new_agent("learner", shared=True)
+        _start_progress(self, self._agent)
         self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
         self._by_address: dict[int, _SourceBuffer] = {}
         self._registration = 0
