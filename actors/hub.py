@@ -99,6 +99,8 @@ class WeightHubActor:
         self._state.check_broadcast(model, request.spec)
         self._state.check_version(model, request.version)
         targets = self._state.targets(model, request.workers)
+        if request.workers is None:  # left out: joined by a transport the learner had not seen
+            targets = [t for t in targets if self._readable_by(request.payloads, t.transport)]
         update = self._state.publish(
             model,
             request.spec,
@@ -326,6 +328,10 @@ class WeightHubActor:
                     readable, payload=payload_of[entry.worker]
                 )
         return planned
+
+    @staticmethod
+    def _readable_by(payloads: dict[str, Any], transport: str) -> bool:
+        return get_transport(transport).hand_off in payloads
 
     @staticmethod
     def _readable(update: Update, payloads: dict[str, Any], transport: str) -> Update | None:

@@ -70,9 +70,7 @@ class _Broadcast:
         handle = self._handle
         try:
             # The hub's transport and those its receivers chose: one hand-off each.
-            senders = {
-                name: handle._sender(name) for name in ray.get(handle.actor.transports.remote())
-            }
+            senders = {name: handle._sender(name) for name in handle._hand_offs()}
             payloads = {name: sender.send(tensors, spec) for name, sender in senders.items()}
         except TransportError as err:
             # A closed hub has stopped its transport: say that, not what broke below it.
@@ -110,6 +108,7 @@ class HubHandle:
         self.actor = actor
         self.config = config
         self._senders: dict[str, TransportSender] = {}
+        self._next_hand_offs: ray.ObjectRef | None = None
 
     @property
     def transport(self) -> str:
@@ -119,6 +118,15 @@ class HubHandle:
     def broadcast(self) -> _Broadcast:
         return _Broadcast(self)
 
+    def _hand_offs(self) -> tuple[str, ...]:
+        """The hand-offs this broadcast carries, as the hub listed them when the previous
+        broadcast was sent (asked ahead, so a broadcast waits for no extra round trip).
+        A receiver that registered by a new transport since is left out of this version
+        and gets the next one."""
+        ref = self._next_hand_offs or self.actor.transports.remote()
+        self._next_hand_offs = self.actor.transports.remote()
+        return ray.get(ref)
+
     def _sender(self, hand_off: str) -> TransportSender:
         """The learner half of transport ``hand_off``, opened in this process on first use."""
         sender = self._senders.get(hand_off)
@@ -127,7 +135,7 @@ class HubHandle:
         return sender
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("actor", "config", "_senders"):
+        if name.startswith("__") or name in ("actor", "config", "_senders", "_next_hand_offs"):
             raise AttributeError(name)
         return getattr(self.actor, name)
 
