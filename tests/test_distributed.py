@@ -44,6 +44,15 @@ def assert_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
         assert torch.equal(got_bytes, want_bytes), f"{key}: bytes differ"
 
 
+def assert_policy_reaches(hub, collectors, workers: tuple[str, ...]) -> None:
+    """Broadcast a fresh policy: exactly ``workers`` ack it and hold it bit for bit."""
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert report.acked == workers and report.failed == {}
+    for c in collectors:
+        assert_bitwise(ray.get(c.state.remote()), state_of(learner))
+
+
 def special_values() -> dict[str, torch.Tensor]:
     """Values an arithmetic comparison would get wrong: NaN, -0.0, inf, subnormals."""
     return {
@@ -135,22 +144,24 @@ def test_killed_receiver_fails_and_the_next_broadcast_reaches_the_others(actors)
         assert "collective" in report.failed[worker], report.failed[worker]
     assert set(report.acked) | set(report.failed) == {"ok0", "ok1", "victim"}
 
-    learner = make_policy()
-    report = ray.get(hub.broadcast.remote(learner), timeout=60)
-    assert report.acked == ("ok0", "ok1") and report.failed == {}
-    for s in survivors:
-        assert_bitwise(ray.get(s.state.remote()), state_of(learner))
+    assert_policy_reaches(hub, survivors, ("ok0", "ok1"))
     status = group_status(hub)
     assert status.members == ("ok0", "ok1")
 
 
-def test_member_that_never_enters_does_not_hang_the_hub(actors):
+def start_two_holders_and_a_busy_one(actors):
+    """A gloo hub, holders h0 and h1 and a third one, "busy", all at version 1."""
     hub = start_dist_hub(actors)
     template = {"w": torch.zeros(2048, 1024)}  # 8 MB: more than a socket buffer holds
     holders = [start(actors, Holder, hub, template, f"h{i}") for i in range(2)]
     busy = start(actors, Holder, hub, template, "busy")
     ready([*holders, busy])
     ray.get(hub.broadcast.remote({"w": torch.randn(2048, 1024)}))
+    return hub, holders, busy
+
+
+def test_member_that_never_enters_does_not_hang_the_hub(actors):
+    hub, holders, busy = start_two_holders_and_a_busy_one(actors)
 
     blocked = busy.busy.remote(3 * _TIMEOUT_S)  # one method at a time: no delivery gets in
     ref = hub.broadcast.remote(
@@ -220,23 +231,14 @@ def test_killed_process_group_actor_is_restarted_and_the_next_broadcast_arrives(
     _kill_process_group_actor(hub)
     # The hub waits for Ray to restart rank 0, sees its store listen elsewhere and forms
     # a new generation there: the next version reaches everyone.
-    learner = make_policy()
-    report = ray.get(hub.broadcast.remote(learner), timeout=60)
-    assert report.acked == ("c0", "c1") and report.failed == {}
-    for c in collectors:
-        assert_bitwise(ray.get(c.state.remote()), state_of(learner))
+    assert_policy_reaches(hub, collectors, ("c0", "c1"))
     after = group_status(hub)
     assert after.address != before.address
     assert after.members == ("c0", "c1") and after.collectives == 1
 
 
 def test_process_group_actor_killed_mid_collective_fails_that_version_only(actors):
-    hub = start_dist_hub(actors)
-    template = {"w": torch.zeros(2048, 1024)}  # 8 MB: more than a socket buffer holds
-    holders = [start(actors, Holder, hub, template, f"h{i}") for i in range(2)]
-    busy = start(actors, Holder, hub, template, "busy")
-    ready([*holders, busy])
-    ray.get(hub.broadcast.remote({"w": torch.randn(2048, 1024)}))
+    hub, holders, busy = start_two_holders_and_a_busy_one(actors)
 
     # "busy" keeps the collective from completing: rank 0 is inside it when it dies.
     blocked = busy.busy.remote(2)

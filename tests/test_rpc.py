@@ -17,7 +17,12 @@ from raysync import WeightHub
 from raysync.transports.rpc import TIMEOUT_ENV
 from tests.receivers import Collector, make_policy, state_of
 from tests.test_core import ready, start
-from tests.test_distributed import Holder, assert_bitwise, special_values
+from tests.test_distributed import (
+    Holder,
+    assert_bitwise,
+    assert_policy_reaches,
+    special_values,
+)
 
 _TIMEOUT_S = 10
 
@@ -142,11 +147,7 @@ def test_killed_agent_is_replaced_and_its_members_follow_it(actors):
     ray.kill(ray.get_actor(f"raysync-rpc-agent-{hub.actor._actor_id.hex()}"))
     # The hub finds the agent dead at the next plan, starts a new group and re-admits
     # every member at its rank; each receiver moves to the new group on that delivery.
-    learner = make_policy()
-    report = ray.get(hub.broadcast.remote(learner), timeout=60)
-    assert report.acked == ("c0", "c1") and report.failed == {}
-    for c in collectors:
-        assert_bitwise(ray.get(c.state.remote()), state_of(learner))
+    assert_policy_reaches(hub, collectors, ("c0", "c1"))
     after = agent_status(hub)
     assert after.url != before.url
     assert sorted(after.members) == ["c0", "c1"]
@@ -157,8 +158,4 @@ def test_killed_agent_is_replaced_and_its_members_follow_it(actors):
     # The new group admits newcomers, and the one after that reaches all three.
     late = start(actors, Collector, hub, worker_id="late")
     assert ray.get(late.version.remote()) == 2
-    learner = make_policy()
-    report = ray.get(hub.broadcast.remote(learner), timeout=60)
-    assert report.acked == ("c0", "c1", "late") and report.failed == {}
-    for c in [*collectors, late]:
-        assert_bitwise(ray.get(c.state.remote()), state_of(learner))
+    assert_policy_reaches(hub, [*collectors, late], ("c0", "c1", "late"))
