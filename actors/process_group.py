@@ -26,7 +26,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 
-import ray
+import numpy as np
 import torch
 
 from raysync.layout import PackedLayout
@@ -89,7 +89,12 @@ class ProcessGroupActor:
 
     async def broadcast(self, job: BroadcastJob) -> str | None:
         """Run collective ``job.seq`` of ``job.generation`` as rank 0; None or why not."""
-        return await asyncio.to_thread(self._broadcast, job)
+        arrays: list[np.ndarray] | BaseException
+        try:  # read the learner's copy here: a blocking get would hold the event loop
+            arrays = await asyncio.wait_for(job.source.ref, job.generation.settings.timeout_s)
+        except Exception as err:
+            arrays = err  # the collective fails with it, so members stop waiting at once
+        return await asyncio.to_thread(self._broadcast, job, arrays)
 
     async def describe(self) -> GroupStatus:
         generation = self._generation
@@ -105,7 +110,7 @@ class ProcessGroupActor:
         await asyncio.to_thread(self._close)
 
     # -- worker thread ---------------------------------------------------------------------
-    def _broadcast(self, job: BroadcastJob) -> str | None:
+    def _broadcast(self, job: BroadcastJob, arrays: list[np.ndarray] | BaseException) -> str | None:
         with self._lock:
             generation = job.generation
             try:
@@ -115,7 +120,7 @@ class ProcessGroupActor:
                     self._group = join_group(generation, 0, self._store)
                 if self._group is None:
                     raise RuntimeError("the group broke in an earlier collective")
-                buffer = self._pack(job)
+                buffer = self._pack(job, arrays)
                 run_broadcast(self._group, buffer, generation.settings)
             except Exception as err:
                 self._leave()
@@ -129,13 +134,14 @@ class ProcessGroupActor:
             self._collectives += 1
             return None
 
-    def _pack(self, job: BroadcastJob) -> torch.Tensor:
+    def _pack(self, job: BroadcastJob, arrays: list[np.ndarray] | BaseException) -> torch.Tensor:
+        if isinstance(arrays, BaseException):
+            raise RuntimeError(f"could not read the learner's copy: {arrays!r}") from arrays
         layout = PackedLayout.of(job.spec, HEADER_BYTES)
         device = staging_device(job.generation.settings)
         buffer = self._buffer
         if buffer is None or buffer.numel() != layout.nbytes or buffer.device != device:
             buffer = self._buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-        arrays = ray.get(job.source.ref, timeout=job.generation.settings.timeout_s)
         with warnings.catch_warnings():
             # Read-only views of the object store; we only read from them.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

@@ -25,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import ray
+import numpy as np
 import torch
 
 from raysync.transports.rpc import (
@@ -122,7 +122,12 @@ class RpcAgentActor:
             await asyncio.to_thread(self._unlist, {gone.member.name})
 
     async def send(self, job: RpcJob) -> dict[str, str | None]:
-        return await asyncio.to_thread(self._send, job)
+        try:  # read the learner's copy here: a blocking get would hold the event loop
+            arrays = await asyncio.wait_for(job.source.ref, self._settings.timeout_s)
+        except Exception as err:
+            reason = f"could not read the update: {err!r}"
+            return self._fail(job, dict.fromkeys(job.workers, reason))
+        return await asyncio.to_thread(self._send, job, arrays)
 
     async def describe(self) -> AgentStatus:
         members = {w: a.member.name for w, a in self._members.items()}
@@ -134,15 +139,11 @@ class RpcAgentActor:
         await asyncio.to_thread(rpc.shutdown, graceful=False)
 
     # -- worker threads --------------------------------------------------------------------
-    def _send(self, job: RpcJob) -> dict[str, str | None]:
+    def _send(self, job: RpcJob, arrays: list[np.ndarray]) -> dict[str, str | None]:
         import torch.distributed.rpc as rpc
 
         deadline = time.monotonic() + self._settings.timeout_s
         outcomes: dict[str, str | None] = {}
-        try:
-            arrays = ray.get(job.source.ref, timeout=self._settings.timeout_s)
-        except Exception as err:
-            return self._fail(job, dict.fromkeys(job.workers, f"could not read the update: {err}"))
         with warnings.catch_warnings():
             # Read-only views of the object store; RPC only reads them.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
