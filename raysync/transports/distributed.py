@@ -3,9 +3,8 @@
 Processes and roles:
 
 * **learner process** — the object store's sender (``hand_off``) puts the version's
-  tensors into the
-  object store, exactly like the ``object_store`` transport (one copy, no pickling). It
-  never touches torch.distributed.
+  tensors into the object store, exactly like the ``object_store`` transport (one
+  copy, no pickling). It never touches torch.distributed.
 * **hub process** — :class:`DistributedPlanner` starts one
   :class:`actors.process_group.ProcessGroupActor` per hub and decides, for every
   delivery, which *generation* of the process group carries it: the members are the

@@ -3,8 +3,8 @@
 Processes and roles:
 
 * **learner process** — the object store's sender (``hand_off``) puts the version's
-  tensors into the object
-  store, exactly like the ``object_store`` transport; it never joins the RPC group.
+  tensors into the object store, exactly like the ``object_store`` transport; it never
+  joins the RPC group.
 * **hub process** — :class:`RpcPlanner` starts one :class:`actors.rpc_agent.RpcAgentActor`
   per hub. When a receiver registers, the agent admits it (a rank and RPC name of its
   own, never given to another actor) and the receiver gets the rendezvous URL in its
