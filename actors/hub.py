@@ -337,10 +337,10 @@ class WeightHubActor:
     def _readable(update: Update, payloads: dict[str, Any], transport: str) -> Update | None:
         """``update`` as receivers of ``transport`` read it; None if the learner did not
         hand it over in the form that transport reads."""
-        hand_off = get_transport(transport).hand_off
-        if hand_off not in payloads:
+        if not WeightHubActor._readable_by(payloads, transport):
             return None
-        return dataclasses.replace(update, transport=transport, payload=payloads[hand_off])
+        payload = payloads[get_transport(transport).hand_off]
+        return dataclasses.replace(update, transport=transport, payload=payload)
 
     def _planner(self, transport: str, asked_by: str | None = None) -> TransportPlanner:
         """The planner of ``transport``, opened on first use; TransportUnavailableError
