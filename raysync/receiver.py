@@ -30,7 +30,12 @@ from raysync.hub_handle import HubHandle, get_hub
 from raysync.hub_state import DEFAULT_MODEL
 from raysync.messages import Ack, AckStatus, DeliveryMode, Registration, Update, Welcome
 from raysync.spec import WeightSpec
-from raysync.transports import TransportError, get_transport
+from raysync.transports import (
+    TransportError,
+    TransportReceiver,
+    get_transport,
+    known_transports,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,17 @@ class _Identity:
     worker: str
     actor: str  #: "ClassName(actor_id)"
     transport: str | None  #: the transport asked for; None: the hub's
+    zero_copy: bool  #: models take staged versions as their own tensors (no copy)
+
+
+@dataclass(frozen=True)
+class _Adopted:
+    """The staged version a zero-copy model's tensors live in; handed back to its
+    transport once the model moves on to a newer one."""
+
+    transport: TransportReceiver
+    payload: Any
+    staged: Sequence[torch.Tensor]
 
 
 @dataclass
@@ -59,6 +75,7 @@ class _HeldModel:
     model_id: str
     path: str
     version: int = 0
+    adopted: _Adopted | None = None
     _cached: tuple[Any, weights.Destination, WeightSpec] | None = None
 
     def destination(self, owner: Any) -> tuple[weights.Destination, WeightSpec]:
@@ -192,25 +209,31 @@ class _ReceiverCore:
         return outcome
 
     def _apply_and_release(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
-        """Apply, then hand ``staged`` back to the transport. Runs at the safe point."""
+        """Apply, then hand ``staged`` back to the transport unless the model took it
+        over (zero copy). Runs at the safe point."""
+        held = self.models[update.model]
         try:
             return self._apply(update, staged)
         finally:
-            self.transport.release(update.payload, staged)
+            if held.adopted is None or held.adopted.staged is not staged:
+                self.transport.release(update.payload, staged)
 
     def _apply(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
-        """Copy ``staged`` into the model in place. Runs at the safe point."""
+        """Write ``staged`` into the model: point its tensors at it (zero copy) or copy
+        it in place. Runs at the safe point."""
         held = self.models[update.model]
         if update.version <= held.version:
             return self._ack(update, AckStatus.SUPERSEDED)
         try:
             destination, spec = held.destination(self.owner)
             _check_digest(spec, update, self.actor_name)
-            targets = [destination.tensors[name] for name in spec.names]
-            with torch.no_grad():
-                torch._foreach_copy_(targets, list(staged))
-            if destination.commit is not None:
-                destination.commit()
+            adopted = self.identity.zero_copy and self._adopt(held, spec, update, staged)
+            if not adopted:
+                targets = [destination.tensors[name] for name in spec.names]
+                with torch.no_grad():
+                    torch._foreach_copy_(targets, list(staged))
+                if destination.commit is not None:
+                    destination.commit()
         except Exception:
             return self._ack(update, AckStatus.FAILED, traceback.format_exc())
         held.version = update.version
@@ -224,6 +247,28 @@ class _ReceiverCore:
                 + traceback.format_exc(),
             )
         return self._ack(update, AckStatus.APPLIED)
+
+    def _adopt(
+        self, held: _HeldModel, spec: WeightSpec, update: Update, staged: Sequence[torch.Tensor]
+    ) -> bool:
+        """Make ``staged`` the model's own memory: each of its tensors (same Python
+        object, so optimizers and hooks keep theirs) now views the staged version.
+        False, with nothing changed, when a tensor cannot be replaced that way (the
+        model is then copied into as usual); the version it leaves goes back to its
+        transport."""
+        own = weights.own_tensors(model_path.resolve(self.owner, held.path), spec.names)
+        if own is None:
+            return False
+        pairs = [(own[name], view) for name, view in zip(spec.names, staged, strict=True)]
+        if any(t.device != v.device or t.dtype != v.dtype or t.shape != v.shape for t, v in pairs):
+            return False
+        with torch.no_grad():
+            for tensor, view in pairs:
+                tensor.data = view
+        previous, held.adopted = held.adopted, _Adopted(self.transport, update.payload, staged)
+        if previous is not None:
+            previous.transport.release(previous.payload, previous.staged)
+        return True
 
     def _ack(self, update: Update, status: AckStatus, error: str | None = None) -> Ack:
         return Ack(self.worker, update.model, update.version, status, error)
@@ -326,6 +371,7 @@ class WeightReceiver:
         worker_id: str | None = None,
         mode: DeliveryMode | str = DeliveryMode.PUSH,
         transport: str | None = None,
+        zero_copy: bool = False,
         namespace: str | None = None,
         timeout_s: float = HUB_CALL_TIMEOUT_S,
         heartbeat_s: float | None = HEARTBEAT_S,
@@ -341,6 +387,16 @@ class WeightReceiver:
         ``transport`` overrides the hub's transport for this receiver (``"shared_memory"``
         for a worker on the learner's node of an ``object_store`` hub, say); the
         learner then hands each version over in that form too.
+
+        ``zero_copy=True`` applies a version by making the transport's staged copy the
+        model's own memory (``param.data = view``) instead of copying it: no copy at
+        the safe point. Parameters and buffers stay the same Python objects (optimizers
+        and hooks keep working), but their storage changes at every update, so nothing
+        may keep raw pointers across updates (CUDA graphs, ``data_ptr()``, a flat buffer
+        the model's tensors were views of, a tensor taken with ``.data``). It needs a
+        transport whose staged data is this receiver's own (``nixl``); a model that
+        cannot be rebound (reached only through ``state_dict()``, on another device
+        than the staged data) is copied into as usual.
 
         Raises :class:`~raysync.SpecMismatchError` if a model disagrees with the hub's
         spec, :class:`~raysync.ModelPathError` if a path does not resolve, ``ValueError``
@@ -364,9 +420,16 @@ class WeightReceiver:
             for m, path in paths.items()
         }
         actor_id = ray.get_runtime_context().get_actor_id()
-        if transport is not None:
-            get_transport(transport)  # ValueError naming the known transports
-        identity = _Identity(worker_id or actor_id, f"{type(self).__name__}({actor_id})", transport)
+        chosen = get_transport(transport or handle.transport)  # ValueError: unknown name
+        if zero_copy and not chosen.private_staging:
+            raise ValueError(
+                f"zero_copy needs a transport whose staged data is the receiver's own; "
+                f"{chosen.name!r} shares it (those that qualify: "
+                f"{', '.join(n for n in known_transports() if get_transport(n).private_staging)})"
+            )
+        identity = _Identity(
+            worker_id or actor_id, f"{type(self).__name__}({actor_id})", transport, zero_copy
+        )
         registration = _registration(self, held, identity, DeliveryMode(mode))
         welcome = ray.get(handle.actor.register.remote(registration), timeout=timeout_s)
         if previous is not None:

@@ -85,6 +85,35 @@ def destinations(model: Any, *, what: str) -> Destination:
     )
 
 
+def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+    """The tensor objects ``model`` itself holds under ``names`` (parameters and buffers
+    of an nn.Module, leaves of a TensorDict or a mapping), whose storage a zero-copy
+    receiver replaces with ``tensor.data = view``. Called in the receiver process.
+
+    ``None`` when replacing would not reach the model: it is only reachable through
+    ``state_dict()``, a name is not a parameter or buffer (state_dict hooks), or a
+    container builds its leaves on each access (a lazily stacked TensorDict).
+    """
+    if isinstance(model, torch.nn.Module):
+
+        def collect() -> dict[str, torch.Tensor]:
+            found = dict(model.named_parameters(remove_duplicate=False))
+            found.update(model.named_buffers(remove_duplicate=False))
+            return found
+
+    elif isinstance(model, (TensorDictBase, Mapping)):
+
+        def collect() -> dict[str, torch.Tensor]:
+            return _flat_tensors(model, "model")
+
+    else:
+        return None
+    first, again = collect(), collect()
+    if any(name not in first or first[name] is not again.get(name) for name in names):
+        return None
+    return {name: first[name] for name in names}
+
+
 def storage_fingerprint(model: Any) -> tuple[Any, ...] | None:
     """What an nn.Module's cached :class:`Destination` stays valid for: the module and
     the address and shape of each parameter and buffer. ``None`` for other models,

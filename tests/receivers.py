@@ -66,11 +66,24 @@ class _Inspect:
 class Collector(WeightReceiver, _Inspect):
     """The README's collector: one policy."""
 
-    def __init__(self, hub, worker_id=None, mode="push", model_factory=make_policy, transport=None):
+    def __init__(
+        self,
+        hub,
+        worker_id=None,
+        mode="push",
+        model_factory=make_policy,
+        transport=None,
+        zero_copy=False,
+    ):
         self.policy = model_factory()
         self.applied: list[tuple[str, int]] = []
         self.connect_hub(
-            hub, models={"policy": "policy"}, worker_id=worker_id, mode=mode, transport=transport
+            hub,
+            models={"policy": "policy"},
+            worker_id=worker_id,
+            mode=mode,
+            transport=transport,
+            zero_copy=zero_copy,
         )
 
     def on_weights_applied(self, model: str, version: int) -> None:
@@ -165,9 +178,9 @@ def _uniform_read(model: torch.nn.Module, split: bool = False):
 class ThreadedProbe(WeightReceiver):
     """Threaded actor: reads its whole model in a loop while updates land."""
 
-    def __init__(self, hub):
+    def __init__(self, hub, zero_copy=False):
         self.model = make_probe_model()
-        self.connect_hub(hub, models={"probe": "model"})
+        self.connect_hub(hub, models={"probe": "model"}, zero_copy=zero_copy)
 
     def probe(self, seconds: float, safe_points: bool) -> dict:
         torn, seen, reads = 0, set(), 0

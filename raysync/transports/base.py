@@ -19,7 +19,10 @@ process that calls each method:
    flat, name-sorted mapping from :func:`raysync.weights.flatten`. Right after, the
    learner hands the payload to the hub and tells the sender
    ``sender.submitted(payload, result)``: ``result`` is the broadcast's ack future, so a
-   sender that reuses its memory knows when receivers are done with a version.
+   sender that reuses its memory knows when receivers are done with a version. A
+   sender may also finish writing the data in ``submitted`` (its receivers then wait
+   for it), so the write overlaps the hub's planning and the first reads; the learner
+   may change its weights once ``submitted`` returns.
 5. hub process, each broadcast: ``payloads = await planner.plan(update, spec, targets)`` maps
    each targeted worker to the payload it reads (default: the learner's payload for
    all). This is where a transport relays per node. The hub keeps the latest update
@@ -30,12 +33,16 @@ process that calls each method:
    ``staged = receiver.fetch(payload, spec)`` returns one read-only tensor per spec
    entry, in spec order (views of staged data; any device).
 8. receiver process, at the safe point: the receiver mixin copies ``staged`` into the
-   model's own tensors in place, then acknowledges.
+   model's own tensors in place, then acknowledges. A zero-copy receiver of a
+   ``private_staging`` transport instead points the model's tensors at ``staged``
+   (``tensor.data = view``): no copy, and ``staged`` stays the model's memory until a
+   newer version replaces it.
 9. receiver process, once for every payload it was handed:
    ``receiver.release(payload, staged)`` when nothing reads ``staged`` any more —
    after the copy, which may run long after ``fetch`` (several fetched updates may
    wait for one safe point), or at once with ``staged=None`` when the update was
-   skipped as stale or its fetch failed. Until then ``staged`` must stay unchanged.
+   skipped as stale or its fetch failed; for a version a zero-copy model took over,
+   when the model moves on to a newer one. Until then ``staged`` must stay unchanged.
    A transport that reuses buffers (shared-memory slots, NIXL staging) frees them here.
 
 Acknowledgement: the receiver's delivery call resolves to an :class:`~raysync.messages.Ack`
@@ -155,6 +162,10 @@ class Transport(ABC):
     one_sided: ClassVar[bool] = False
     #: Tensors may live in GPU memory end to end.
     gpu_capable: ClassVar[bool] = False
+    #: ``fetch`` returns tensors in memory of this receiver alone, writable, that the
+    #: transport leaves untouched until ``release``: a zero-copy receiver's model may
+    #: take them as its own tensors instead of copying them.
+    private_staging: ClassVar[bool] = False
     #: The transport whose learner half (sender and payload) this one uses: receivers
     #: of transports with the same hand-off share one payload per version.
     hand_off: ClassVar[str]

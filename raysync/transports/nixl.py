@@ -468,6 +468,7 @@ class NixlTransport(Transport):
     name = "nixl"
     one_sided = True
     gpu_capable = True
+    private_staging = True
 
     @classmethod
     def availability(cls) -> Availability:

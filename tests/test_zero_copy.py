@@ -1,0 +1,113 @@
+"""Zero-copy receivers: the model takes the transport's staged version as its memory."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from tensordict import TensorDict
+
+from raysync import WeightReceiver
+from raysync.transports.nixl import NixlTransport
+from tests.receivers import ThreadedProbe, filled, make_policy, make_probe_model, state_of
+from tests.test_core import assert_same, ready, start, start_hub
+
+_nixl = pytest.mark.skipif(
+    not NixlTransport.availability().available,
+    reason=f"nixl unavailable: {NixlTransport.availability().reason}",
+)
+
+
+@ray.remote(num_cpus=0)
+class Trainer(WeightReceiver):
+    """A zero-copy worker that also keeps an optimizer and a TensorDict model."""
+
+    def __init__(self, hub):
+        self.policy = make_policy()
+        self.optimizer = torch.optim.SGD(self.policy.parameters(), lr=0.1)
+        self.td = TensorDict({"a": torch.zeros(5), "n": {"b": torch.zeros(2, 3)}}, [])
+        self.connect_hub(hub, models={"policy": "policy", "td": "td"}, zero_copy=True)
+
+    def identities(self) -> dict[str, int]:
+        """Python object ids: the model's tensors, and those the optimizer steps."""
+        own = {f"policy.{k}": id(v) for k, v in self.policy.named_parameters()}
+        own.update({f"td.{k}": id(v) for k, v in self.td.flatten_keys(".").items()})
+        own["optimizer"] = tuple(id(p) for p in self.optimizer.param_groups[0]["params"])
+        own["policy_params"] = tuple(id(p) for p in self.policy.parameters())
+        return own
+
+    def storage(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.policy.parameters())
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)
+
+    def td_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.td.flatten_keys(".").items()}
+
+    def train_step(self) -> float:
+        """One SGD step on the live parameters (they are this worker's own memory)."""
+        loss = self.policy(torch.ones(1, 8)).sum()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return float(loss)
+
+
+@_nixl
+def test_zero_copy_model_lives_in_staged_buffers_and_keeps_its_tensors(actors):
+    hub = start_hub(actors, "nixl")
+    worker = start(actors, Trainer, hub)
+    ready([worker])
+    before = ray.get(worker.identities.remote())
+    assert before["optimizer"] == before["policy_params"]
+    storages = set()
+    for step in range(1, 6):
+        learner = make_policy()
+        td = TensorDict({"a": torch.full((5,), float(step)), "n": {"b": torch.rand(2, 3)}}, [])
+        ray.get(hub.broadcast.remote(learner, model="policy"))
+        ray.get(hub.broadcast.remote(td, model="td"))
+        assert_same(ray.get(worker.policy_state.remote()), state_of(learner))
+        assert_same(ray.get(worker.td_state.remote()), {"a": td["a"], "n.b": td["n", "b"]})
+        storages.add(ray.get(worker.storage.remote()))
+    # Same tensor objects throughout (the optimizer still steps the model's parameters),
+    # now living in the transport's buffers: two of them, used in turn.
+    assert ray.get(worker.identities.remote()) == before
+    assert len(storages) == 2, storages
+    # The worker may write its parameters (they are its own), and the next version
+    # replaces what it wrote.
+    ray.get(worker.train_step.remote())
+    trained = ray.get(worker.policy_state.remote())
+    assert any(not torch.equal(trained[k], v) for k, v in state_of(learner).items())
+    ray.get(hub.broadcast.remote(learner, model="policy"))
+    assert_same(ray.get(worker.policy_state.remote()), state_of(learner))
+
+
+@_nixl
+def test_zero_copy_threaded_reader_never_sees_a_torn_model(actors):
+    hub = start_hub(actors, "nixl")
+    probe = start(actors, ThreadedProbe, hub, zero_copy=True)
+    ready([probe])
+    template = make_probe_model()
+    ray.get(hub.broadcast.remote(filled(template, 1.0)))
+    result_ref = probe.probe.remote(4.0, True)
+    tickets = ray.get(
+        [hub.broadcast.remote(filled(template, float(v)), wait=False) for v in range(2, 14)]
+    )
+    result = ray.get(result_ref)
+    reports = ray.get([hub.wait_for.remote(t) for t in tickets])
+    assert all(r.failed == {} for r in reports)
+    assert result["torn"] == 0
+    assert len(result["seen"]) > 1, result
+
+
+def test_zero_copy_is_refused_where_staged_data_is_shared(actors):
+    """The object store hands out read-only views every reader of a node shares."""
+    from tests.receivers import Collector
+
+    hub = start_hub(actors, "object_store")
+    collector = start(actors, Collector, hub, zero_copy=True)
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ready([collector])
+    message = str(info.value)
+    assert "zero_copy" in message and "'object_store'" in message and "nixl" in message
