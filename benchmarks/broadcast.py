@@ -10,7 +10,8 @@ transport. These are the *methods* of a cell:
 * ``raysync``  -- ``ray.get(hub.broadcast.remote(weights, model="m"))``, timed on the
   learner (the cell's own driver process) from the call until every receiver acked.
   Receivers apply into their own preallocated tensors (views of one flat buffer per
-  receiver), in place.
+  receiver), in place; in ``nixl_zero_copy`` cells they connect with ``zero_copy=True``
+  and take each staged version as their model's memory instead (no copy).
 * ``floor``    -- N+1 memcpys of the same bytes in one process (``dst.copy_(src)`` of one
   flat buffer, N+1 times, with ``--floor-threads`` torch threads): one copy out of the
   learner plus one copy into each receiver, with no Ray at all. Every cell has one.
@@ -124,6 +125,25 @@ METHOD_ORDER = ("floor", "raw_read", "raysync", "baseline")
 #: The methods timed before the cell's hub starts.
 FLOORS = ("floor", "raw_read")
 
+#: Benchmark-only names for a transport run in a receiver mode: name -> (transport,
+#: extra ``connect_hub`` arguments). Listed (and ranked) right after their transport.
+VARIANTS = {"nixl_zero_copy": ("nixl", {"zero_copy": True})}
+
+
+def hub_transport(name: str) -> str:
+    """The raysync transport a cell's name runs (itself, or its variant's)."""
+    return VARIANTS[name][0] if name in VARIANTS else name
+
+
+def bench_transports() -> tuple[str, ...]:
+    """Every name a cell may run: the registry's transports, each followed by its variants."""
+    names: list[str] = []
+    for name in known_transports():
+        names.append(name)
+        names.extend(v for v, (base, _) in VARIANTS.items() if base == name)
+    return tuple(names)
+
+
 #: Memory a cell needs, in units of the model size, besides the learner's weights and the
 #: floor's two buffers (3 more) and each receiver's model (1 each): (learner side, per
 #: receiver). From each transport's design; rows record the measured peak next to it.
@@ -133,6 +153,7 @@ MEMORY = {
     "distributed": (4, 1),  # put copies, rank 0's packed buffer (1 GB N=2 peaked at 11.5 GiB)
     "rpc": (2, 1),  # put copy x2; the landed tensors in each receiver's inbox
     "nixl": (2, 1),  # the learner's registered pair; a staging buffer each
+    "nixl_zero_copy": (2, 2),  # two staging buffers each, one of them the model's memory
     "rdt": (2, 1),  # the learner's registered pair; a staging buffer each
 }
 #: The baseline's put (learner side). The raw READ needs nothing more: its source is the
@@ -296,8 +317,8 @@ class _BenchReceiver(WeightReceiver):
         )
         self.raw: RawReader | None = None
 
-    def connect(self, hub) -> None:
-        self.connect_hub(hub, models={"m": "model"})
+    def connect(self, hub, options: dict) -> None:
+        self.connect_hub(hub, models={"m": "model"}, **options)
 
     def ready(self) -> str:
         """Where this worker imported raysync from (must be where the learner did)."""
@@ -372,7 +393,7 @@ class Cell:
 
 def cell_methods(cell: Cell, args: argparse.Namespace) -> tuple[str, ...]:
     methods = ["floor", "raysync"]
-    if cell.transport == "nixl":
+    if hub_transport(cell.transport) == "nixl":
         methods.append("raw_read")
     if cell.transport == "object_store" and args.baseline:
         methods.append("baseline")
@@ -706,8 +727,9 @@ def run_cell(
         phase(tuple(m for m in methods if m in FLOORS))
         if raw_source is not None:
             raw_source.close()
-        hub = WeightHub.remote(transport=cell.transport)
-        ray.get([r.connect.remote(hub) for r in receivers], timeout=timeout)
+        hub = WeightHub.remote(transport=hub_transport(cell.transport))
+        options = VARIANTS[cell.transport][1] if cell.transport in VARIANTS else {}
+        ray.get([r.connect.remote(hub, options) for r in receivers], timeout=timeout)
         phase(tuple(m for m in methods if m not in FLOORS))
     finally:
         teardown(hub, receivers, timeout_s=30.0)
@@ -786,7 +808,7 @@ def cell_process(job_path: Path) -> int:
     spec = layout(cell.size, cell.n_tensors)
     weights = make_state_dict(spec, fill=1.0)
     floor = Floor(cell.size)
-    raw_source = RawReadSource() if cell.transport == "nixl" else None
+    raw_source = RawReadSource() if hub_transport(cell.transport) == "nixl" else None
     try:
         result = dataclasses.asdict(run_cell(cell, args, weights, spec, floor, raw_source))
         out = {"result": result}
@@ -910,7 +932,7 @@ def measure_cell(
 
 # -- output -----------------------------------------------------------------------------
 def transport_rank(name: str) -> int:
-    known = known_transports()
+    known = bench_transports()
     return known.index(name) if name in known else len(known)
 
 
@@ -1010,18 +1032,20 @@ def markdown_table(rows: list[dict]) -> str:
                     else:
                         cells.append("")
                 lines.append(f"| {label} | {n} | " + " | ".join(cells) + " |")
-        if "nixl" in transports:
+        nixl_modes = [t for t in transports if hub_transport(t) == "nixl"]
+        if nixl_modes:
             lines.append(
                 f"\n{n_tensors}-tensor model: nixl's time / the raw NIXL READ's in the same cell"
             )
-            lines.append("| N | " + " | ".join(fmt_size(s) for s in sizes) + " |")
-            lines.append("|---|" + "---|" * len(sizes))
-            for n in sorted({r["n_receivers"] for r in rows if r["n_tensors"] == n_tensors}):
-                cells = []
-                for s in sizes:
-                    r = by_key.get((n_tensors, n, s, "nixl", "raysync"))
-                    cells.append(f"{r['ratio_to_raw_read']:.2f}" if r else "")
-                lines.append(f"| {n} | " + " | ".join(cells) + " |")
+            lines.append("| mode | N | " + " | ".join(fmt_size(s) for s in sizes) + " |")
+            lines.append("|---|---|" + "---|" * len(sizes))
+            for mode in nixl_modes:
+                for n in sorted({r["n_receivers"] for r in rows if r["n_tensors"] == n_tensors}):
+                    cells = []
+                    for s in sizes:
+                        r = by_key.get((n_tensors, n, s, mode, "raysync"))
+                        cells.append(f"{r['ratio_to_raw_read']:.2f}" if r else "")
+                    lines.append(f"| {mode} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -1073,13 +1097,14 @@ def check_targets(rows: list[dict]) -> list[dict]:
             for k, r in cells("distributed")
         ],
     )
-    judge(
-        "nixl within 1.25x of the raw READ at 256 MB and 1 GB, N=1 and 4",
-        [
-            (k, r["ratio_to_raw_read"] <= 1.25, f"{r['ratio_to_raw_read']:.2f}x")
-            for k, r in cells("nixl", lambda size, n: size in (256 * 2**20, GiB) and n in (1, 4))
-        ],
-    )
+    for mode in ("nixl", "nixl_zero_copy"):
+        judge(
+            f"{mode} within 1.25x of the raw READ at 256 MB and 1 GB, N=1 and 4",
+            [
+                (k, r["ratio_to_raw_read"] <= 1.25, f"{r['ratio_to_raw_read']:.2f}x")
+                for k, r in cells(mode, lambda size, n: size in (256 * 2**20, GiB) and n in (1, 4))
+            ],
+        )
     return targets
 
 
@@ -1099,6 +1124,7 @@ COLORS = {
     "distributed": "tab:red",
     "rpc": "tab:brown",
     "nixl": "tab:purple",
+    "nixl_zero_copy": "tab:pink",
     "rdt": "tab:cyan",
 }
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
@@ -1241,8 +1267,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--transports",
         nargs="+",
-        choices=known_transports(),
-        help="default: every transport available here",
+        choices=bench_transports(),
+        help="default: every transport available here, and each one's variants ("
+        + ", ".join(VARIANTS)
+        + ")",
     )
     p.add_argument("--sizes", nargs="+", type=parse_size, help="default: 64MB 256MB 1GB")
     p.add_argument("--receivers", nargs="+", type=int, help="N values; default: 1 2 4 8")
@@ -1370,12 +1398,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def choose_transports(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """The transports to run, in registry order, and why any asked for cannot run here."""
+    available = set(available_transports())
     if args.transports is None:
-        return list(available_transports()), {}
+        return [t for t in bench_transports() if hub_transport(t) in available], {}
     chosen, unavailable = [], {}
-    for name in known_transports():
+    for name in bench_transports():
         if name in args.transports:
-            availability = get_transport(name).availability()
+            availability = get_transport(hub_transport(name)).availability()
             if availability.available:
                 chosen.append(name)
             else:

@@ -10,7 +10,8 @@ the spec, so both sides compute it and only the spec travels.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import bisect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +64,39 @@ class PackedLayout:
             if flat.dtype != torch.uint8:
                 flat = flat.view(torch.uint8)
             buffer[offset : offset + entry.nbytes].copy_(flat)
+
+    def byte_views(
+        self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The bytes of ``tensors`` (as in :meth:`pack`) as flat uint8 views, spec order."""
+        sources = (
+            [tensors[entry.name] for entry in self.spec.tensors]
+            if isinstance(tensors, Mapping)
+            else tensors
+        )
+        flat = [source.reshape(-1) for source in sources]
+        return [t if t.dtype == torch.uint8 else t.view(torch.uint8) for t in flat]
+
+    def pack_range(
+        self,
+        sources: Sequence[torch.Tensor],
+        buffer: torch.Tensor,
+        start: int,
+        end: int,
+        copy: Callable[[torch.Tensor, torch.Tensor], None] = torch.Tensor.copy_,
+    ) -> None:
+        """Copy the bytes that fall in ``[start, end)`` of this layout from ``sources``
+        (:meth:`byte_views`) into the same bytes of ``buffer``, a whole buffer of this
+        layout: a version written piece by piece, with readers following behind.
+        ``copy(destination, source)`` moves each piece."""
+        first = max(bisect.bisect_right(self.offsets, start) - 1, 0)
+        for index in range(first, len(self.offsets)):
+            offset = self.offsets[index]
+            if offset >= end:
+                break
+            low, high = max(start, offset), min(end, offset + self.spec.tensors[index].nbytes)
+            if low < high:
+                copy(buffer[low:high], sources[index][low - offset : high - offset])
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """One tensor per spec entry, in spec order, viewing the uint8 ``buffer`` (no copy)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import sys
 import time
@@ -62,12 +63,19 @@ def _weights(value: float) -> dict[str, torch.Tensor]:
     }
 
 
+def _publish(sender: NixlSender, weights: dict[str, torch.Tensor], spec: WeightSpec):
+    """What a HubHandle does: ``send``, hand the payload over, then ``submitted`` writes."""
+    payload = sender.send(weights, spec)
+    sender.submitted(payload, None)
+    return payload
+
+
 def test_overwritten_buffer_is_detected_never_returned():
     """The stamp rule: a payload whose buffer was written again fails; the latest reads."""
     sender, receiver = NixlSender(hub=None), NixlReceiver()
     try:
         spec = WeightSpec.of(_weights(0.0))
-        payloads = [sender.send(_weights(float(v)), spec) for v in (1, 2, 3)]
+        payloads = [_publish(sender, _weights(float(v)), spec) for v in (1, 2, 3)]
         # Buffers alternate: version 3 went into version 1's buffer.
         assert payloads[2].region == payloads[0].region != payloads[1].region
         with pytest.raises(TransportError, match="overwrote its buffer"):
@@ -86,18 +94,52 @@ def test_staged_data_is_kept_until_released():
     sender, receiver = NixlSender(hub=None), NixlReceiver()
     try:
         spec = WeightSpec.of(_weights(0.0))
-        first_payload = sender.send(_weights(1.0), spec)
+        first_payload = _publish(sender, _weights(1.0), spec)
         first = receiver.fetch(first_payload, spec)
-        second = receiver.fetch(sender.send(_weights(2.0), spec), spec)
+        second = receiver.fetch(_publish(sender, _weights(2.0), spec), spec)
         assert_same(dict(zip(spec.names, first, strict=True)), _weights(1.0))
         assert_same(dict(zip(spec.names, second, strict=True)), _weights(2.0))
         receiver.release(first_payload, first)
-        third = receiver.fetch(sender.send(_weights(3.0), spec), spec)
+        third = receiver.fetch(_publish(sender, _weights(3.0), spec), spec)
         assert third[0].data_ptr() == first[0].data_ptr()  # the released buffer is reused
         assert_same(dict(zip(spec.names, second, strict=True)), _weights(2.0))
     finally:
         receiver.close()
         sender.close()
+
+
+def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
+    """A READ posted before the learner wrote the version waits for each bucket and
+    gets the whole version; a learner that fails while writing fails its reader."""
+    from raysync.transports import nixl
+
+    monkeypatch.setattr(nixl, "BUCKET_BYTES", 1024)  # several buckets for a small model
+    nixl._Frame.of.cache_clear()
+    sender, receiver = NixlSender(hub=None), NixlReceiver()
+    big = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.arange(5, dtype=torch.int64)}
+    spec = WeightSpec.of(big)
+    try:
+        assert len(nixl._Frame.of(spec).buckets) > 5
+        payload = sender.send(big, spec)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fetched = pool.submit(receiver.fetch, payload, spec)
+            time.sleep(0.3)
+            assert not fetched.done()  # nothing written yet: the reader waits
+            sender.submitted(payload, None)
+            staged = fetched.result(timeout=30)
+        assert_same(dict(zip(spec.names, staged, strict=True)), big)
+        receiver.release(payload, staged)
+
+        # Tensors that do not fill the spec break the pack part-way: a real failure.
+        payload = sender.send({"a": torch.zeros(10), "b": big["b"]}, spec)
+        with pytest.raises(ValueError):  # numpy's, from the pack's copy
+            sender.submitted(payload, None)
+        with pytest.raises(TransportError, match="failed while writing"):
+            receiver.fetch(payload, spec)
+    finally:
+        receiver.close()
+        sender.close()
+        nixl._Frame.of.cache_clear()
 
 
 def test_unavailable_nixl_fails_fast_with_one_line(ray_cluster, monkeypatch):

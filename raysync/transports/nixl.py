@@ -1,30 +1,38 @@
 """NIXL as the data path: registered memory, one-sided READs into receivers' buffers.
 
 Learner process (:class:`NixlSender`): one NIXL agent with the UCX backend. Per weight
-spec (and device) it registers, once, a *pair* of buffers laid out as a 64-byte header
-followed by the tensors packed by :class:`~raysync.layout.PackedLayout`. Each ``send``
-packs the weights into the buffer of the pair not written last time, so receivers can
-still read version v while the learner writes v+1, and returns a small payload: the
+spec (and device) it registers, once, a *pair* of buffers laid out as a header of one
+int64 stamp per *bucket* (``BUCKET_BYTES`` of the data) followed by the tensors packed
+by :class:`~raysync.layout.PackedLayout`. Each version goes into the buffer of the pair
+not written last time, so receivers can still read version v while the learner writes
+v+1. ``send`` picks the buffer, clears its stamps and returns a small payload: the
 agent's name and metadata (~0.5 KB; receivers load it only when it changes), where
-the buffer is, and the *stamp* that buffer now holds.
+the buffer is, and the version's *stamp*. ``submitted`` (right after the hub was
+handed the payload) then packs the buffer bucket by bucket, setting each bucket's
+stamp when it is written: receivers read bucket k while the learner packs bucket k+1,
+and the pack overlaps the hub's planning instead of preceding it.
 
 Buffer reuse, the rule: a buffer is written again only once the broadcast that last
 filled it has completed (every target acked, failed or timed out): ``send`` waits for
 that broadcast's ack future, which ``submitted`` hands it. That keeps every broadcast
 receiver's read clean. Readers outside a broadcast (late joiners and pullers reading the
 latest version, receivers still reading after their broadcast timed out) are covered by
-the stamp: the learner sets a buffer's header stamp to 0 before packing and to a fresh,
-increasing stamp after; a receiver reads the data, *then* the header, and accepts the
-data only if the header still holds the payload's stamp. Any write that began after the
-payload was made changed the stamp first, so a torn read is detected, never applied.
+the stamps: the learner sets a buffer's stamps to 0 before packing and each bucket's to
+the version's fresh, increasing stamp once that bucket is written; a receiver reads a
+bucket only once its stamp is the payload's, and after the last bucket reads every
+stamp again, accepting the data only if all still hold the payload's stamp. Any write
+that began after the payload was made cleared the stamps first, so a torn read is
+detected, never applied. A learner that fails while packing sets the stamps to
+``ABANDONED``, which fails its readers at once.
 
 Receiver process (:class:`NixlReceiver`): one agent; per spec a registered staging
 buffer with the source's layout (more only while fetched updates wait for a safe
-point, see ``release``); per (source buffer, staging buffer) the descriptor lists and
-two READ requests (data, then header) are prepared once and posted again for every
-update. A new learner (new agent) or new registrations (new spec) make it load the
-agent metadata again; a failed or timed-out read raises :class:`TransportError` naming
-the learner's agent and forgets that agent, so a restarted learner starts clean.
+point, see ``release``, or while a zero-copy model lives in one); per (source buffer,
+staging buffer) the descriptor lists and the READ requests (per bucket its stamp and
+its data, then all stamps) are prepared once and posted again for every update. A new
+learner (new agent) or new registrations (new spec) make it load the agent metadata
+again; a failed or timed-out read raises :class:`TransportError` naming the learner's
+agent and forgets that agent, so a restarted learner starts clean.
 
 Progress: no agent runs nixl's own progress thread, which busy-polls a core for as long
 as the agent lives, idle or not (on a small machine a learner and a few receivers
@@ -50,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
 import ray
 import torch
 
@@ -66,8 +75,13 @@ from raysync.transports.base import (
 
 logger = logging.getLogger(__name__)
 
-#: Bytes before the packed tensors; the first 8 hold the buffer's stamp (int64).
-HEADER_BYTES = 64
+#: A version is written and read in pieces of this many bytes (the last one shorter):
+#: receivers read one while the learner packs the next.
+BUCKET_BYTES = 8 << 20
+#: A bucket stamp saying the learner failed while writing that version.
+ABANDONED = -1
+#: Seconds between a receiver's looks at the stamp of a bucket not written yet.
+_STAMP_POLL_S = 0.0001
 #: Seconds a receiver waits for one READ before it gives up on the learner.
 READ_TIMEOUT_S = 60.0
 #: Upper bound on how long ``send`` waits for the broadcast that last filled a buffer.
@@ -130,15 +144,41 @@ def _device_id(device: torch.device) -> int:
     return device.index if device.type == "cuda" else 0
 
 
-def _set_stamp(buffer: torch.Tensor, stamp: int) -> None:
-    buffer[:8].view(torch.int64).fill_(stamp)
+@dataclass(frozen=True)
+class _Frame:
+    """How a version of a spec lies in a buffer (both sides compute it from the spec):
+    one int64 stamp per bucket, then the packed tensors, read and written in buckets."""
 
+    layout: PackedLayout  #: tensor offsets, after the stamps
+    buckets: tuple[tuple[int, int], ...]  #: [start, end) of each bucket in the buffer
 
-def _stamp_of(buffer: torch.Tensor) -> int:
-    return int(buffer[:8].view(torch.int64).item())
+    @classmethod
+    @functools.cache
+    def of(cls, spec: WeightSpec) -> _Frame:
+        data_bytes = PackedLayout.of(spec).nbytes
+        count = -(-data_bytes // BUCKET_BYTES)
+        layout = PackedLayout.of(spec, 8 * count)
+        start = layout.header_bytes
+        buckets = tuple(
+            (start + k * BUCKET_BYTES, min(start + (k + 1) * BUCKET_BYTES, layout.nbytes))
+            for k in range(count)
+        )
+        return cls(layout, buckets)
+
+    def stamps(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The bucket stamps of ``buffer`` (int64 view)."""
+        return buffer[: 8 * len(self.buckets)].view(torch.int64)
 
 
 # -- learner process ---------------------------------------------------------------------
+
+
+def _copy_on_this_thread(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy CPU bytes with this thread alone (numpy's memcpy, GIL released). torch's
+    ``copy_`` fans a large copy out to every core, and its idle workers spin between
+    buckets: the pack would then starve the very readers, hub and Ray threads it is
+    meant to overlap with. One thread packs faster than one reader reads."""
+    numpy.copyto(destination.numpy(), source.numpy())
 
 
 def _progress(agent: Any, stop: threading.Event) -> None:
@@ -162,14 +202,16 @@ def _start_progress(owner: object, agent: Any) -> None:
 
 @dataclass
 class _SourceBuffer:
-    tensor: torch.Tensor  #: uint8, header + packed tensors, registered
+    tensor: torch.Tensor  #: uint8, stamps + packed tensors, registered
     region: NixlRegion
+    frame: _Frame
     broadcast: Any = None  #: ack future of the broadcast that last filled it
+    #: The version ``send`` handed out and ``submitted`` writes: its stamp and sources.
+    pending: tuple[int, list[torch.Tensor]] | None = None
 
 
 @dataclass
 class _SourcePair:
-    layout: PackedLayout
     buffers: tuple[_SourceBuffer, _SourceBuffer]
     registered: Any  #: nixlRegDList, for deregistration
     next: int = 0
@@ -188,6 +230,7 @@ class NixlSender(TransportSender):
         self._lock = threading.Lock()
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> NixlPayload:
+        """Pick the buffer for this version and clear its stamps; ``submitted`` writes it."""
         device = tensors[spec.names[0]].device
         with self._lock:
             pair = self._pairs.get((spec, device)) or self._register(spec, device)
@@ -195,33 +238,57 @@ class NixlSender(TransportSender):
             pair.next ^= 1
             self._wait_until_read(buffer)
             self._stamp += 1
-            _set_stamp(buffer.tensor, 0)
-            pair.layout.pack(tensors, buffer.tensor[HEADER_BYTES:])
-            _set_stamp(buffer.tensor, self._stamp)
+            buffer.frame.stamps(buffer.tensor).zero_()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            buffer.pending = (self._stamp, buffer.frame.layout.byte_views(tensors))
             return NixlPayload(
                 self._agent.name, self._metadata, self._registration, buffer.region, self._stamp
             )
 
     def submitted(self, payload: NixlPayload, result: Any) -> None:
+        """Write the version into its buffer, bucket by bucket, while receivers read it."""
         with self._lock:
-            self._by_address[payload.region.address].broadcast = result
+            buffer = self._by_address[payload.region.address]
+            buffer.broadcast = result
+            pending, buffer.pending = buffer.pending, None
+        if pending is None or pending[0] != payload.stamp:
+            raise TransportError(f"nixl: version stamp {payload.stamp} was not sent here")
+        stamp, sources = pending
+        stamps = buffer.frame.stamps(buffer.tensor)
+        try:
+            if buffer.tensor.device.type == "cuda":
+                # One pass, then the stamps: the GPU copies fast, and a stamp must not be
+                # readable before the data it vouches for is.
+                buffer.frame.layout.pack(sources, buffer.tensor)
+                torch.cuda.synchronize(buffer.tensor.device)
+                stamps.fill_(stamp)
+                torch.cuda.synchronize(buffer.tensor.device)
+                return
+            for index, (start, end) in enumerate(buffer.frame.buckets):
+                buffer.frame.layout.pack_range(
+                    sources, buffer.tensor, start, end, copy=_copy_on_this_thread
+                )
+                stamps[index] = stamp
+        except BaseException:
+            stamps.fill_(ABANDONED)
+            raise
 
     def _register(self, spec: WeightSpec, device: torch.device) -> _SourcePair:
-        layout = PackedLayout.of(spec)
+        frame = _Frame.of(spec)
         tensors = [
-            torch.zeros(HEADER_BYTES + layout.nbytes, dtype=torch.uint8, device=device)
-            for _ in range(2)
+            torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
         ]
         registered = self._agent.register_memory(tensors)
         buffers = tuple(
             _SourceBuffer(
-                t, NixlRegion(t.data_ptr(), t.numel(), _device_id(device), _mem_type(device))
+                t,
+                NixlRegion(t.data_ptr(), t.numel(), _device_id(device), _mem_type(device)),
+                frame,
             )
             for t in tensors
         )
-        pair = _SourcePair(layout, buffers, registered)
+        pair = _SourcePair(buffers, registered)
         self._pairs[(spec, device)] = pair
         for buffer in buffers:
             self._by_address[buffer.region.address] = buffer
@@ -261,16 +328,28 @@ class NixlSender(TransportSender):
 # -- receiver process --------------------------------------------------------------------
 
 
+def _descs(address: int, device_id: int, frame: _Frame) -> list[tuple[int, int, int]]:
+    """A buffer's descriptor list, the same on both sides: every stamp, each bucket's
+    bytes, each bucket's stamp."""
+    count = len(frame.buckets)
+    return [
+        (address, 8 * count, device_id),
+        *((address + start, end - start, device_id) for start, end in frame.buckets),
+        *((address + 8 * k, 8, device_id) for k in range(count)),
+    ]
+
+
 @dataclass
 class _Read:
     """Prepared READs from one source buffer into one staging buffer."""
 
-    remote: Any  #: prepped remote dlist: [header stamp, packed tensors]
-    data: Any  #: xfer handle: the packed tensors
-    stamp: Any  #: xfer handle: the header's stamp, read after the data
+    remote: Any  #: prepped remote dlist, laid out like the local one (``_descs``)
+    stamps: Any  #: xfer handle: every bucket's stamp, read after the data
+    data: list[Any]  #: xfer handle per bucket: its bytes
+    stamp: list[Any]  #: xfer handle per bucket: its stamp
 
     def release(self) -> None:
-        for handle in (self.data, self.stamp, self.remote):
+        for handle in (*self.data, *self.stamp, self.stamps, self.remote):
             try:
                 handle.release()
             except Exception as err:  # a request to a dead peer may refuse to abort
@@ -279,10 +358,10 @@ class _Read:
 
 @dataclass
 class _Staging:
-    tensor: torch.Tensor  #: uint8, header + packed tensors, registered
+    tensor: torch.Tensor  #: uint8, stamps + packed tensors, registered
     views: list[torch.Tensor]
     registered: Any  #: nixlRegDList
-    local: Any  #: prepped local dlist: [header stamp, packed tensors]
+    local: Any  #: prepped local dlist (``_descs``)
     reads: dict[tuple[str, int], _Read] = field(default_factory=dict)
 
 
@@ -304,6 +383,8 @@ class NixlReceiver(TransportReceiver):
         self._lock = threading.Lock()
 
     def fetch(self, payload: NixlPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        """READ the version bucket by bucket, each once the learner has written it."""
+        frame = _Frame.of(spec)
         with self._lock:
             staging = self._take_staging(spec)
             try:
@@ -312,16 +393,15 @@ class NixlReceiver(TransportReceiver):
                         f"learner agent {payload.agent} sent a {payload.region.nbytes}-byte "
                         f"buffer for a spec of {staging.tensor.numel()} bytes ({spec.summary()})"
                     )
-                read = self._prepared(payload, staging)
-                self._post(read.data, payload, "data")
-                self._post(read.stamp, payload, "stamp")
-                found = _stamp_of(staging.tensor)
-                if found != payload.stamp:
-                    raise TransportError(
-                        f"the learner (agent {payload.agent}) overwrote its buffer while this "
-                        f"receiver read it (stamp {found}, expected {payload.stamp}): two newer "
-                        "versions were broadcast during the read; this version is dropped"
-                    )
+                read = self._prepared(payload, staging, frame)
+                stamps = frame.stamps(staging.tensor)
+                for index in range(len(frame.buckets)):
+                    self._await_bucket(read, index, payload, stamps)
+                    self._post(read.data[index], payload, f"bucket {index}")
+                self._post(read.stamps, payload, "stamps")
+                for found in stamps.tolist():
+                    if found != payload.stamp:
+                        raise self._not_that_version(payload, found)
             except BaseException:
                 self._free[spec].append(staging)
                 raise
@@ -338,31 +418,57 @@ class NixlReceiver(TransportReceiver):
                 _, spec, staging = lease
                 self._free[spec].append(staging)
 
+    def _await_bucket(
+        self, read: _Read, index: int, payload: NixlPayload, stamps: torch.Tensor
+    ) -> None:
+        """Until the learner has written bucket ``index`` of this version (its stamp)."""
+        started = time.monotonic()
+        while True:
+            self._post(read.stamp[index], payload, f"stamp of bucket {index}")
+            found = int(stamps[index])
+            if found == payload.stamp:
+                return
+            if found != 0:
+                raise self._not_that_version(payload, found)
+            if time.monotonic() - started > READ_TIMEOUT_S:
+                self._forget(payload.agent)
+                raise TransportError(
+                    f"learner agent {payload.agent} did not write bucket {index} of stamp "
+                    f"{payload.stamp} within {READ_TIMEOUT_S:g} s"
+                )
+            time.sleep(_STAMP_POLL_S)
+
+    @staticmethod
+    def _not_that_version(payload: NixlPayload, found: int) -> TransportError:
+        if found == ABANDONED:
+            return TransportError(
+                f"the learner (agent {payload.agent}) failed while writing stamp "
+                f"{payload.stamp}; this version is dropped"
+            )
+        return TransportError(
+            f"the learner (agent {payload.agent}) overwrote its buffer while this receiver "
+            f"read it (stamp {found}, expected {payload.stamp}): two newer versions were "
+            "broadcast during the read; this version is dropped"
+        )
+
     def _take_staging(self, spec: WeightSpec) -> _Staging:
-        """A staging buffer for ``spec`` that no waiting apply still holds."""
+        """A staging buffer for ``spec`` that no waiting apply (or zero-copy model) holds."""
         free = self._free.setdefault(spec, [])
         if free:
             return free.pop()
-        layout = PackedLayout.of(spec)
-        tensor = torch.zeros(HEADER_BYTES + layout.nbytes, dtype=torch.uint8, device=self._device)
+        frame = _Frame.of(spec)
+        tensor = torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=self._device)
         registered = self._agent.register_memory(tensor)
         local = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", self._descs(tensor), _mem_type(self._device)
+            "NIXL_INIT_AGENT",
+            _descs(tensor.data_ptr(), _device_id(tensor.device), frame),
+            _mem_type(self._device),
         )
-        staging = _Staging(tensor, layout.views(tensor[HEADER_BYTES:]), registered, local)
+        staging = _Staging(tensor, frame.layout.views(tensor), registered, local)
         self._stagings.append(staging)
         return staging
 
-    def _descs(self, tensor: torch.Tensor) -> list[tuple[int, int, int]]:
-        """[header stamp, packed tensors] of a buffer at ``tensor``."""
-        device_id = _device_id(tensor.device)
-        address = tensor.data_ptr()
-        return [
-            (address, 8, device_id),
-            (address + HEADER_BYTES, tensor.numel() - HEADER_BYTES, device_id),
-        ]
-
-    def _prepared(self, payload: NixlPayload, staging: _Staging) -> _Read:
+    def _prepared(self, payload: NixlPayload, staging: _Staging, frame: _Frame) -> _Read:
         """The READs from ``payload``'s buffer into ``staging``, prepared on first use."""
         if self._sources.get(payload.agent) != payload.registration:
             try:
@@ -376,21 +482,29 @@ class NixlReceiver(TransportReceiver):
         read = staging.reads.get(key)
         if read is not None:
             return read
-        region = payload.region
-        remote_descs = [
-            (region.address, 8, region.device_id),
-            (region.address + HEADER_BYTES, region.nbytes - HEADER_BYTES, region.device_id),
-        ]
+        region, count = payload.region, len(frame.buckets)
         try:
-            remote = self._agent.prep_xfer_dlist(payload.agent, remote_descs, region.mem_type)
-            data = self._agent.make_prepped_xfer("READ", staging.local, [1], remote, [1])
-            stamp = self._agent.make_prepped_xfer("READ", staging.local, [0], remote, [0])
+            remote = self._agent.prep_xfer_dlist(
+                payload.agent, _descs(region.address, region.device_id, frame), region.mem_type
+            )
+
+            def prepped(index: int) -> Any:
+                return self._agent.make_prepped_xfer(
+                    "READ", staging.local, [index], remote, [index]
+                )
+
+            read = _Read(
+                remote,
+                stamps=prepped(0),
+                data=[prepped(1 + k) for k in range(count)],
+                stamp=[prepped(1 + count + k) for k in range(count)],
+            )
         except Exception as err:
             self._forget(payload.agent)
             raise TransportError(
                 f"could not prepare a READ from learner agent {payload.agent}: {err}"
             ) from err
-        read = staging.reads[key] = _Read(remote, data, stamp)
+        staging.reads[key] = read
         return read
 
     def _post(self, handle: Any, payload: NixlPayload, what: str) -> None:
