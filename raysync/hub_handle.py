@@ -55,6 +55,10 @@ class _Broadcast:
         ``raise_on_failure=False``. With ``wait=False`` it resolves at once to a
         :class:`~raysync.BroadcastTicket` for ``hub.wait_for.remote(ticket)``.
 
+        It returns once the learner's side of the transport has what it needs: the
+        learner may change ``weights`` right after (the next training step), while
+        receivers are still reading.
+
         Raises :class:`~raysync.InvalidWeightsError` here, before anything is sent, for
         weights that are not contiguous tensors with data (or that hold NaN/Inf when
         the hub was started with ``reject_nonfinite=True``). A spec mismatch, a stale

@@ -76,6 +76,7 @@ class _HeldModel:
     path: str
     version: int = 0
     adopted: _Adopted | None = None
+    copies_instead: bool = False  #: zero copy was refused once (logged) for this model
     _cached: tuple[Any, weights.Destination, WeightSpec] | None = None
 
     def destination(self, owner: Any) -> tuple[weights.Destination, WeightSpec]:
@@ -258,10 +259,13 @@ class _ReceiverCore:
         transport."""
         own = weights.own_tensors(model_path.resolve(self.owner, held.path), spec.names)
         if own is None:
-            return False
+            return self._copies_instead(held, "its tensors are reached only by copying")
         pairs = [(own[name], view) for name, view in zip(spec.names, staged, strict=True)]
-        if any(t.device != v.device or t.dtype != v.dtype or t.shape != v.shape for t, v in pairs):
-            return False
+        for name, (tensor, view) in zip(spec.names, pairs, strict=True):
+            if tensor.device != view.device:
+                return self._copies_instead(
+                    held, f"{name!r} is on {tensor.device}, the staged data on {view.device}"
+                )
         with torch.no_grad():
             for tensor, view in pairs:
                 tensor.data = view
@@ -269,6 +273,18 @@ class _ReceiverCore:
         if previous is not None:
             previous.transport.release(previous.payload, previous.staged)
         return True
+
+    def _copies_instead(self, held: _HeldModel, why: str) -> bool:
+        """Log, once per model, why its zero-copy apply is a copy after all; False."""
+        if not held.copies_instead:
+            held.copies_instead = True
+            logger.warning(
+                "%s: zero_copy is off for model %r (%s); its updates are copied",
+                self.actor_name,
+                held.model_id,
+                why,
+            )
+        return False
 
     def _ack(self, update: Update, status: AckStatus, error: str | None = None) -> Ack:
         return Ack(self.worker, update.model, update.version, status, error)

@@ -42,6 +42,11 @@ class HashingCollector(WeightReceiver):
         return state_of(self.policy)
 
 
+def cuda_policy() -> torch.nn.Module:
+    """The test policy on this process's GPU (for zero-copy receivers reading VRAM)."""
+    return make_policy().cuda()
+
+
 def big_model() -> dict[str, torch.Tensor]:
     return {"w": torch.zeros(_BIG_NUMEL), "b": torch.zeros(3)}
 

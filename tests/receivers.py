@@ -42,6 +42,19 @@ def state_of(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+class Opaque:
+    """A model reachable only through state_dict() / load_state_dict()."""
+
+    def __init__(self) -> None:
+        self._w = torch.zeros(6)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"w": self._w.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._w.copy_(state["w"])
+
+
 class _Inspect:
     """Methods every test receiver offers."""
 

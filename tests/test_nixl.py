@@ -279,7 +279,7 @@ def test_cuda_weights_are_registered_as_vram_and_read_bitwise():
     try:
         weights = {k: v.cuda() for k, v in _weights(1.5).items()}
         spec = WeightSpec.of(weights)
-        payload = sender.send(weights, spec)
+        payload = _publish(sender, weights, spec)
         assert payload.region.mem_type == "VRAM"
         staged = receiver.fetch(payload, spec)
         assert all(t.is_cuda for t in staged)
@@ -300,3 +300,22 @@ def test_gpu_learner_to_gpu_receivers(actors):
     expected = {k: v.cpu() for k, v in state_of(learner).items()}
     for receiver in receivers:
         assert_same({k: v.cpu() for k, v in ray.get(receiver.state.remote()).items()}, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_zero_copy_receiver_takes_the_vram_staging_as_its_model(actors):
+    from tests.nixl_actors import cuda_policy
+
+    hub = start_hub(actors, "nixl")
+    receiver = start(
+        actors, Collector.options(num_gpus=0.1), hub, model_factory=cuda_policy, zero_copy=True
+    )
+    ready([receiver])
+    pointers = set()
+    for _ in range(4):
+        learner = make_policy().cuda()
+        ray.get(hub.broadcast.remote(learner))
+        expected = {k: v.cpu() for k, v in state_of(learner).items()}
+        assert_same({k: v.cpu() for k, v in ray.get(receiver.state.remote()).items()}, expected)
+        pointers.add(tuple(ray.get(receiver.data_ptrs.remote()).values()))
+    assert len(pointers) == 2  # two VRAM staging buffers, the model living in each in turn

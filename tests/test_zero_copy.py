@@ -9,7 +9,14 @@ from tensordict import TensorDict
 
 from raysync import WeightReceiver
 from raysync.transports.nixl import NixlTransport
-from tests.receivers import ThreadedProbe, filled, make_policy, make_probe_model, state_of
+from tests.receivers import (
+    Opaque,
+    ThreadedProbe,
+    filled,
+    make_policy,
+    make_probe_model,
+    state_of,
+)
 from tests.test_core import assert_same, ready, start, start_hub
 
 _nixl = pytest.mark.skipif(
@@ -26,7 +33,10 @@ class Trainer(WeightReceiver):
         self.policy = make_policy()
         self.optimizer = torch.optim.SGD(self.policy.parameters(), lr=0.1)
         self.td = TensorDict({"a": torch.zeros(5), "n": {"b": torch.zeros(2, 3)}}, [])
-        self.connect_hub(hub, models={"policy": "policy", "td": "td"}, zero_copy=True)
+        self.opaque = Opaque()
+        self.connect_hub(
+            hub, models={"policy": "policy", "td": "td", "opaque": "opaque"}, zero_copy=True
+        )
 
     def identities(self) -> dict[str, int]:
         """Python object ids: the model's tensors, and those the optimizer steps."""
@@ -44,6 +54,9 @@ class Trainer(WeightReceiver):
 
     def td_state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.td.flatten_keys(".").items()}
+
+    def opaque_state(self) -> tuple[torch.Tensor, int]:
+        return self.opaque._w.clone(), self.opaque._w.data_ptr()
 
     def train_step(self) -> float:
         """One SGD step on the live parameters (they are this worker's own memory)."""
@@ -74,6 +87,12 @@ def test_zero_copy_model_lives_in_staged_buffers_and_keeps_its_tensors(actors):
     # now living in the transport's buffers: two of them, used in turn.
     assert ray.get(worker.identities.remote()) == before
     assert len(storages) == 2, storages
+    # A model reached only through state_dict() is copied into, as without zero copy.
+    _, opaque_ptr = ray.get(worker.opaque_state.remote())
+    for value in (3.0, 4.0):
+        ray.get(hub.broadcast.remote({"w": torch.full((6,), value)}, model="opaque"))
+        data, ptr = ray.get(worker.opaque_state.remote())
+        assert torch.equal(data, torch.full((6,), value)) and ptr == opaque_ptr
     # The worker may write its parameters (they are its own), and the next version
     # replaces what it wrote.
     ray.get(worker.train_step.remote())
