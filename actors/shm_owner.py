@@ -156,9 +156,13 @@ class ShmOwner:
         else:
             segment.released.add(worker)
 
-    async def drop_worker(self, worker: str) -> None:
-        """``worker`` died, left or re-registered: it holds nothing any more."""
+    async def drop_worker(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> None:
+        """``worker`` died, left or re-registered: it holds nothing any more, but the
+        slots in ``keep`` ((owner pid, seq) pairs: its zero-copy models live there)."""
+        kept = {seq for pid, seq in keep if pid == self._pid}
         for segment in self._by_seq.values():
+            if segment.seq in kept:
+                continue
             segment.holds.discard(("worker", worker))
             segment.released.discard(worker)
         await self._notify()

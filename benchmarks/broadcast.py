@@ -10,7 +10,7 @@ transport. These are the *methods* of a cell:
 * ``raysync``  -- ``ray.get(hub.broadcast.remote(weights, model="m"))``, timed on the
   learner (the cell's own driver process) from the call until every receiver acked.
   Receivers apply into their own preallocated tensors (views of one flat buffer per
-  receiver), in place; in ``nixl_zero_copy`` cells they connect with ``zero_copy=True``
+  receiver), in place; in ``*_zero_copy`` cells they connect with ``zero_copy=True``
   and take each staged version as their model's memory instead (no copy).
 * ``floor``    -- N+1 memcpys of the same bytes in one process (``dst.copy_(src)`` of one
   flat buffer, N+1 times, with ``--floor-threads`` torch threads): one copy out of the
@@ -127,7 +127,10 @@ FLOORS = ("floor", "raw_read")
 
 #: Benchmark-only names for a transport run in a receiver mode: name -> (transport,
 #: extra ``connect_hub`` arguments). Listed (and ranked) right after their transport.
-VARIANTS = {"nixl_zero_copy": ("nixl", {"zero_copy": True})}
+VARIANTS = {
+    "shared_memory_zero_copy": ("shared_memory", {"zero_copy": True}),
+    "nixl_zero_copy": ("nixl", {"zero_copy": True}),
+}
 
 
 def hub_transport(name: str) -> str:
@@ -154,6 +157,7 @@ MEMORY = {
     "rpc": (2, 1),  # put copy x2; the landed tensors in each receiver's inbox
     "nixl": (2, 1),  # the learner's registered pair; a staging buffer each
     "nixl_zero_copy": (2, 2),  # two staging buffers each, one of them the model's memory
+    "shared_memory_zero_copy": (4, 0),  # a slot more: the one the models live in
     "rdt": (2, 1),  # the learner's registered pair; a staging buffer each
 }
 #: The baseline's put (learner side). The raw READ needs nothing more: its source is the
@@ -1125,6 +1129,7 @@ COLORS = {
     "rpc": "tab:brown",
     "nixl": "tab:purple",
     "nixl_zero_copy": "tab:pink",
+    "shared_memory_zero_copy": "tab:olive",
     "rdt": "tab:cyan",
 }
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]

@@ -51,7 +51,12 @@ class ReceiverEntry:
     def info(self) -> ReceiverInfo:
         r = self.registration
         return ReceiverInfo(
-            worker=r.worker, actor=r.actor, node_id=r.node_id, process=r.process, handle=r.handle
+            worker=r.worker,
+            actor=r.actor,
+            node_id=r.node_id,
+            process=r.process,
+            handle=r.handle,
+            kept=r.kept,
         )
 
 

@@ -93,6 +93,8 @@ class Registration:
     token: str
     #: The transport this receiver reads by; None: the hub's.
     transport: str | None = None
+    #: Payloads its zero-copy models live in (a live process registering again).
+    kept: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -353,7 +353,17 @@ def _registration(
         mode=mode,
         token=uuid.uuid4().hex,
         transport=identity.transport,
+        kept=tuple(h.adopted.payload for h in held.values() if h.adopted is not None),
     )
+
+
+def _carried_over(previous: _ReceiverCore | None, model_id: str, path: str) -> _HeldModel:
+    """A model as a new registration starts it: the version a previous registration of
+    this actor left it at, and the staged version it lives in (zero copy), if any."""
+    old = previous.models.get(model_id) if previous is not None else None
+    if old is None:
+        return _HeldModel(model_id, path)
+    return _HeldModel(model_id, path, old.version, old.adopted if old.path == path else None)
 
 
 class WeightReceiver:
@@ -429,19 +439,15 @@ class WeightReceiver:
         if not paths:
             raise ValueError("connect_hub needs at least one model path")
         previous = self.__dict__.get("_raysync_core")
-        held = {
-            m: _HeldModel(
-                m, path, previous.models[m].version if previous and m in previous.models else 0
-            )
-            for m, path in paths.items()
-        }
+        held = {m: _carried_over(previous, m, path) for m, path in paths.items()}
         actor_id = ray.get_runtime_context().get_actor_id()
         chosen = get_transport(transport or handle.transport)  # ValueError: unknown name
-        if zero_copy and not chosen.private_staging:
+        if zero_copy and chosen.zero_copy is None:
+            qualify = [n for n in known_transports() if get_transport(n).zero_copy is not None]
             raise ValueError(
-                f"zero_copy needs a transport whose staged data is the receiver's own; "
-                f"{chosen.name!r} shares it (those that qualify: "
-                f"{', '.join(n for n in known_transports() if get_transport(n).private_staging)})"
+                f"zero_copy needs a transport whose staged data a model can live in; "
+                f"{chosen.name!r} hands out data it may reuse or shares with its own "
+                f"readers (those that qualify: {', '.join(qualify)})"
             )
         identity = _Identity(
             worker_id or actor_id, f"{type(self).__name__}({actor_id})", transport, zero_copy

@@ -226,3 +226,59 @@ def test_killed_hub_takes_its_owner_and_segments_with_it(actors):
     # The owner fate-shares with the hub that created it: its process and descriptors go.
     _wait_until(lambda: _segments_in(owner_pid) == 0, what="owner gone with the hub")
     assert _our_dev_shm() == []
+
+
+@ray.remote(num_cpus=0)
+class ZeroCopyReader(WeightReceiver):
+    """Its policy lives in the node's segment (``zero_copy=True``)."""
+
+    def __init__(self, hub, worker_id: str):
+        self.policy = make_policy()
+        self.worker_id = worker_id
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=worker_id, zero_copy=True)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)
+
+    def lives_in_a_segment(self) -> bool:
+        """Every parameter lies in one of our segments as mapped in this process."""
+        with open("/proc/self/maps") as maps:
+            ranges = [
+                tuple(int(a, 16) for a in line.split()[0].split("-"))
+                for line in maps
+                if SEGMENT in line
+            ]
+        return all(
+            any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in self.policy.parameters()
+        )
+
+    def reconnect(self, hub) -> None:
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=self.worker_id, zero_copy=True)
+
+
+def test_zero_copy_models_live_in_the_segment_which_outlives_a_reregistration(actors):
+    hub = start_hub(actors, TRANSPORT)
+    kept, moving = (start(actors, ZeroCopyReader, hub, w) for w in ("kept", "moving"))
+    ready([kept, moving])
+    first = make_policy()
+    ray.get(hub.broadcast.remote(first))
+    for reader in (kept, moving):
+        assert_same(ray.get(reader.state.remote()), state_of(first))
+        assert ray.get(reader.lives_in_a_segment.remote())
+    # Registering again must not free the slot "kept" lives in: the learner writes more
+    # versions than there are slots, to "moving" only, and "kept" still holds the first.
+    ray.get(kept.reconnect.remote(hub))
+    for _ in range(MAX_SLOTS + 2):
+        learner = make_policy()
+        ray.get(hub.broadcast.remote(learner, workers=["moving"]))
+        assert_same(ray.get(moving.state.remote()), state_of(learner))
+        assert_same(ray.get(kept.state.remote()), state_of(first))
+    # Moving on releases it: one hold per reader, on the latest slot.
+    ray.get(hub.broadcast.remote(learner))
+    assert_same(ray.get(kept.state.remote()), state_of(learner))
+    holds = _wait_until(
+        lambda: (h := _holds(hub)).count("worker/kept") == 1 and h,
+        what="kept's old hold released",
+    )
+    assert holds.count("worker/moving") == 1, holds
+    assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS

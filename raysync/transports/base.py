@@ -34,9 +34,9 @@ process that calls each method:
    entry, in spec order (views of staged data; any device).
 8. receiver process, at the safe point: the receiver mixin copies ``staged`` into the
    model's own tensors in place, then acknowledges. A zero-copy receiver of a
-   ``private_staging`` transport instead points the model's tensors at ``staged``
-   (``tensor.data = view``): no copy, and ``staged`` stays the model's memory until a
-   newer version replaces it.
+   transport that declares ``zero_copy`` instead points the model's tensors at
+   ``staged`` (``tensor.data = view``): no copy, and ``staged`` stays the model's
+   memory until a newer version replaces it.
 9. receiver process, once for every payload it was handed:
    ``receiver.release(payload, staged)`` when nothing reads ``staged`` any more —
    after the copy, which may run long after ``fetch`` (several fetched updates may
@@ -103,6 +103,9 @@ class ReceiverInfo:
     node_id: str
     process: str  #: Ray worker id of the receiver's process: new after an actor restart
     handle: Any  #: the receiver's ActorHandle
+    #: Payloads this receiver's zero-copy models live in, when a live process registers
+    #: again: their memory must not be reused under it.
+    kept: tuple[Any, ...] = ()
 
 
 class TransportPlanner:
@@ -162,10 +165,14 @@ class Transport(ABC):
     one_sided: ClassVar[bool] = False
     #: Tensors may live in GPU memory end to end.
     gpu_capable: ClassVar[bool] = False
-    #: ``fetch`` returns tensors in memory of this receiver alone, writable, that the
-    #: transport leaves untouched until ``release``: a zero-copy receiver's model may
-    #: take them as its own tensors instead of copying them.
-    private_staging: ClassVar[bool] = False
+    #: Whether a zero-copy receiver (``connect_hub(zero_copy=True)``) may take the
+    #: tensors ``fetch`` returns as its model's memory, and on what terms:
+    #: ``"private"`` (this receiver's own memory, writable), ``"read_only"`` (shared
+    #: with the node's other receivers and mapped read-only: the model must never be
+    #: written in place), or None (it may not). Either way the transport leaves them
+    #: unchanged until ``release``, and a planner keeps what a re-registering receiver
+    #: still lives in (``ReceiverInfo.kept``).
+    zero_copy: ClassVar[str | None] = None
     #: The transport whose learner half (sender and payload) this one uses: receivers
     #: of transports with the same hand-off share one payload per version.
     hand_off: ClassVar[str]

@@ -582,7 +582,7 @@ class NixlTransport(Transport):
     name = "nixl"
     one_sided = True
     gpu_capable = True
-    private_staging = True
+    zero_copy = "private"
 
     @classmethod
     def availability(cls) -> Availability:

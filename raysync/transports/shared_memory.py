@@ -19,7 +19,9 @@ Who does what:
   relay it into a slot of its own (one transfer per node, not per receiver).
 * **Receiver** (:class:`SharedMemoryReceiver`): maps each segment once and returns
   views of the slot; the mixin copies them into the model at the safe point, then
-  calls :meth:`~SharedMemoryReceiver.release`.
+  calls :meth:`~SharedMemoryReceiver.release`. A zero-copy receiver's model instead
+  becomes those (read-only) views, and releases the slot when it moves on to a newer
+  version; registering again keeps the holds on the slots its models live in.
 
 The no-tearing rule: a slot is rewritten only when nobody holds it. The owner holds a
 slot for the learner from ``acquire`` until the hub plans it, for each receiver it was
@@ -347,8 +349,14 @@ class SharedMemoryPlanner(TransportPlanner):
         return owner if owner is not None else self._start_owner(node_id)
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> SharedMemoryReceiverInfo:
-        # A (re)joining worker holds nothing yet: drop what a former incarnation held.
-        await self._owner(receiver.node_id).drop_worker.remote(receiver.worker)
+        # A (re)joining worker holds nothing yet: drop what a former incarnation held,
+        # but the slots its zero-copy models live in (they are its memory).
+        kept = tuple(
+            (p.slot.pid, p.slot.seq)
+            for p in receiver.kept
+            if isinstance(p, SharedMemoryPayload) and p.slot.node_id == receiver.node_id
+        )
+        await self._owner(receiver.node_id).drop_worker.remote(receiver.worker, kept)
         return SharedMemoryReceiverInfo(receiver.worker, owner_name(self._hub_id, receiver.node_id))
 
     async def receiver_left(self, worker: str) -> None:
@@ -438,6 +446,7 @@ class SharedMemoryPlanner(TransportPlanner):
 
 class SharedMemoryTransport(Transport):
     name = "shared_memory"
+    zero_copy = "read_only"
 
     @classmethod
     def availability(cls) -> Availability:
