@@ -420,9 +420,11 @@ class WeightReceiver:
         and hooks keep working), but their storage changes at every update, so nothing
         may keep raw pointers across updates (CUDA graphs, ``data_ptr()``, a flat buffer
         the model's tensors were views of, a tensor taken with ``.data``). It needs a
-        transport whose staged data is this receiver's own (``nixl``); a model that
-        cannot be rebound (reached only through ``state_dict()``, on another device
-        than the staged data) is copied into as usual.
+        transport that declares it (``nixl``: the receiver's own staging buffers;
+        ``shared_memory``: the node's segment, read-only, so the model must never be
+        written in place); a model that cannot be rebound (reached only through
+        ``state_dict()``, on another device than the staged data) is copied into as
+        usual.
 
         Raises :class:`~raysync.SpecMismatchError` if a model disagrees with the hub's
         spec, :class:`~raysync.ModelPathError` if a path does not resolve, ``ValueError``

@@ -177,7 +177,11 @@ def _copy_on_this_thread(destination: torch.Tensor, source: torch.Tensor) -> Non
     """Copy CPU bytes with this thread alone (numpy's memcpy, GIL released). torch's
     ``copy_`` fans a large copy out to every core, and its idle workers spin between
     buckets: the pack would then starve the very readers, hub and Ray threads it is
-    meant to overlap with. One thread packs faster than one reader reads."""
+    meant to overlap with. One thread packs faster than one reader reads. A source on
+    another device (a GPU tensor among CPU weights) goes through torch."""
+    if source.device.type != "cpu":
+        destination.copy_(source)
+        return
     numpy.copyto(destination.numpy(), source.numpy())
 
 
