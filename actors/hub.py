@@ -47,6 +47,7 @@ from raysync.messages import (
     Update,
     Welcome,
 )
+from raysync.ordering import InOrder
 from raysync.spec import WeightSpec
 from raysync.transports import Availability, TransportPlanner, get_transport
 
@@ -54,6 +55,19 @@ logger = logging.getLogger(__name__)
 
 #: Reports kept per model for ``wait_for`` after the broadcast finished.
 _REPORTS_KEPT = 256
+#: How long a broadcast waits for its learner's earlier ones to reach the hub (Ray may
+#: start an async actor's calls out of order; after a hub restart the learner's
+#: numbering goes on from where it was, so its first broadcast waits this long once).
+_ORDER_WAIT_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Started:
+    """A broadcast the hub versioned and started delivering."""
+
+    model: str
+    version: int
+    report: asyncio.Task[BroadcastReport]
 
 
 class WeightHubActor:
@@ -80,6 +94,7 @@ class WeightHubActor:
         self._pending_acks: dict[tuple[str, str, int], asyncio.Future[Ack]] = {}
         self._closed = False
         self._model_known = asyncio.Event()
+        self._in_order = InOrder(_ORDER_WAIT_S)
 
     # -- learner -------------------------------------------------------------------------
     async def submit(self, request: BroadcastRequest) -> BroadcastReport | BroadcastTicket:
@@ -93,6 +108,20 @@ class WeightHubActor:
             raise HubClosedError("the hub is shutting down and accepts no more broadcasts")
         started = time.perf_counter()
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
+        async with self._in_order.turn(request.submitter, request.sequence):
+            begun = await self._version_and_start(request, timeout_s, started)
+        if not request.wait:
+            return BroadcastTicket(begun.model, begun.version)
+        report = await begun.report
+        if report.failed and request.raise_on_failure:
+            raise BroadcastError(report)
+        return report
+
+    async def _version_and_start(
+        self, request: BroadcastRequest, timeout_s: float, started: float
+    ) -> _Started:
+        """Check ``request``, give it its version and start its delivery (in the order
+        its learner submitted it: nothing here awaits once the model is known)."""
         if request.model is None and not self._state.models:
             await self._wait_for_first_model(timeout_s)
         model = self._state.resolve_model(request.model)
@@ -125,12 +154,7 @@ class WeightHubActor:
         reports[update.version] = task
         while len(reports) > _REPORTS_KEPT:
             reports.popitem(last=False)
-        if not request.wait:
-            return BroadcastTicket(model, update.version)
-        report = await task
-        if report.failed and request.raise_on_failure:
-            raise BroadcastError(report)
-        return report
+        return _Started(model, update.version, task)
 
     async def wait_for(
         self,

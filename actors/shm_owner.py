@@ -30,8 +30,9 @@ import ray
 import torch
 
 from raysync.layout import HEADER_BYTES
+from raysync.ordering import InOrder
 from raysync.transports.base import TransportError
-from raysync.transports.shared_memory import TOKEN_BYTES, Slot, write_seq
+from raysync.transports.shared_memory import ORDER_WAIT_S, TOKEN_BYTES, Slot, write_seq
 
 PENDING = ("pending",)
 RELAYING = ("relaying",)
@@ -75,6 +76,7 @@ class ShmOwner:
         self._closed = asyncio.Event()
         self._relays = 0
         self._exports = 0
+        self._in_order = InOrder(ORDER_WAIT_S)
 
     # -- learner -------------------------------------------------------------------------
     async def acquire(self, nbytes: int, timeout_s: float) -> Slot:
@@ -84,13 +86,21 @@ class ShmOwner:
         return self._assign(segment)
 
     # -- hub's planner -------------------------------------------------------------------
-    async def deliver(self, pid: int, seq: int, model: str, workers: tuple[str, ...]) -> Slot:
+    async def deliver(
+        self, pid: int, seq: int, model: str, workers: tuple[str, ...], order: int = 0
+    ) -> Slot:
         """Hold version ``seq`` of ``model`` for ``workers`` and as the latest of ``model``.
 
-        The hub plans versions in the order the learner submitted them, so a ``PENDING``
-        slot older than ``seq`` holds a version the hub refused: it is freed. ``pid``
-        names the owner the slot came from: a restarted owner knows none of its slots.
+        The hub plans versions in the order the learner submitted them and numbers its
+        calls here (``order``, run in that order: Ray may start them out of order), so a
+        ``PENDING`` slot older than ``seq`` holds a version the hub refused: it is freed.
+        ``pid`` names the owner the slot came from: a restarted owner knows none of its
+        slots.
         """
+        async with self._in_order.turn("hub", order):
+            return await self._deliver(pid, seq, model, workers)
+
+    async def _deliver(self, pid: int, seq: int, model: str, workers: tuple[str, ...]) -> Slot:
         segment = self._by_seq.get(seq) if pid == self._pid else None
         if segment is None:
             raise TransportError(
@@ -142,7 +152,7 @@ class ShmOwner:
         finally:
             segment.holds.discard(RELAYING)
         self._relays += 1
-        return await self.deliver(self._pid, slot.seq, model, workers)
+        return await self._deliver(self._pid, slot.seq, model, workers)
 
     async def release(self, pid: int, seq: int, worker: str) -> None:
         """``worker`` is done with version ``seq`` (copied or skipped it). It may come

@@ -6,7 +6,11 @@ hub only the spec and the transport's payload.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,8 +97,11 @@ class _Broadcast:
             wait=wait,
             raise_on_failure=raise_on_failure,
             learner_seconds=time.perf_counter() - started,
+            submitter=handle._submitter,
         )
-        result = handle.actor.submit.remote(request)
+        with handle._submitting:  # numbers in the order the calls leave this process
+            request = dataclasses.replace(request, sequence=next(handle._sequence))
+            result = handle.actor.submit.remote(request)
         for name, sender in senders.items():
             sender.submitted(payloads[name], result)
         return result
@@ -113,6 +120,10 @@ class HubHandle:
         self.config = config
         self._senders: dict[str, TransportSender] = {}
         self._next_hand_offs: ray.ObjectRef | None = None
+        #: This handle's broadcasts are numbered so the hub versions them in order.
+        self._submitter = uuid.uuid4().hex
+        self._sequence = itertools.count(1)
+        self._submitting = threading.Lock()
 
     @property
     def transport(self) -> str:

@@ -49,6 +49,10 @@ class BroadcastRequest:
     wait: bool
     raise_on_failure: bool
     learner_seconds: float  #: time the learner spent packing and handing off the data
+    #: Which learner handle sent it and its number among that handle's broadcasts (from
+    #: 1): the hub versions them in this order (Ray may start its calls out of order).
+    submitter: str = ""
+    sequence: int = 0
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ the order in which one learner submits.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import mmap
 import os
@@ -82,6 +83,8 @@ MAX_SLOTS = 4
 SLOT_WAIT_S = 60.0
 #: How long the learner waits for its node's owner to be (re)started by the hub.
 OWNER_WAIT_S = 30.0
+#: How long an owner waits for the hub's earlier holds when a later one comes first.
+ORDER_WAIT_S = 1.0
 
 #: Header: [0:16] segment token, [16:24] sequence number of the version in the slot
 #: (0 while it is being written), little-endian int64.
@@ -215,7 +218,11 @@ class SharedMemorySender(TransportSender):
         if ahead is not None and ahead[0] == nbytes:
             try:
                 slot = ray.get(ahead[1])
-                return slot, self._mappings.buffer(slot)
+                if os.path.exists(f"/proc/{slot.pid}"):
+                    return slot, self._mappings.buffer(slot)
+                # Its owner died after answering (it goes with a restarting hub): the
+                # slot is gone with it; ask the owner the hub starts next.
+                self._owner = self._find_owner()
             except RayActorError:
                 pass  # the owner died before answering: ask the one the hub restarts
             except TransportError:
@@ -305,6 +312,8 @@ class SharedMemoryPlanner(TransportPlanner):
     def __init__(self, hub: Any) -> None:
         self._hub_id = hub._actor_id.hex()
         self._owners: dict[str, Any] = {}
+        #: Per node, the number of the next hold sent to its owner (see ShmOwner.deliver).
+        self._orders: dict[str, itertools.count] = {}
         self._closed = False
         #: per model: (version, node -> payload) of the latest version planned.
         self._latest: dict[str, tuple[int, dict[str, SharedMemoryPayload]]] = {}
@@ -328,6 +337,7 @@ class SharedMemoryPlanner(TransportPlanner):
             .remote(node_id, MAX_SLOTS)
         )
         self._owners[node_id] = owner
+        self._orders[node_id] = itertools.count(1)
         asyncio.get_running_loop().create_task(self._watch(node_id, owner))
         return owner
 
@@ -390,7 +400,11 @@ class SharedMemoryPlanner(TransportPlanner):
         # arrives first is remembered. Sent before any await, so the owner sees the
         # hub's planning order (which frees slots of versions the hub refused).
         held = owner.deliver.remote(
-            slot.pid, slot.seq, update.model, tuple(by_node.pop(slot.node_id, ()))
+            slot.pid,
+            slot.seq,
+            update.model,
+            tuple(by_node.pop(slot.node_id, ())),
+            next(self._orders[slot.node_id]),
         )
         asyncio.get_running_loop().create_task(self._confirm(held, update))
         payloads = {r.worker: source for r in targets if r.node_id == slot.node_id}
@@ -409,7 +423,11 @@ class SharedMemoryPlanner(TransportPlanner):
             known = relayed.get(node_id)
             if known is not None:
                 node_slot = await node_owner.deliver.remote(
-                    known.slot.pid, known.slot.seq, update.model, workers
+                    known.slot.pid,
+                    known.slot.seq,
+                    update.model,
+                    workers,
+                    next(self._orders[node_id]),
                 )
             else:
                 node_slot = await node_owner.relay.remote(

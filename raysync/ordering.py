@@ -1,0 +1,75 @@
+"""Calls that must run in the order their caller sent them, inside an async Ray actor.
+
+Ray starts an async actor's calls out of order (``allow_out_of_order_execution`` is
+forced on for async actors): two broadcasts a learner submits back to back may reach
+the hub's code in either order, and two holds the hub sends a shared-memory owner
+likewise. Where order carries meaning (versions follow the learner's order; an owner
+frees the slots of versions older than the one it is told about), the caller numbers
+its calls 1, 2, 3, ... per *stream* and the actor runs each numbered section through
+:class:`InOrder`.
+
+Used in the hub process and in shared-memory owner processes (their event loops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+logger = logging.getLogger(__name__)
+
+
+class InOrder:
+    """Runs sections numbered per stream in their number order.
+
+    A section waits for the sections numbered before it in its stream, at most
+    ``wait_s`` (a number that never comes — a lost call, or a stream that began before
+    this actor restarted — is skipped, logged, after that long). Numbering starts at 1;
+    number 0 means "unordered" and never waits. Sections run one after another only
+    up to their first ``await``: the order guaranteed is the order in which they start.
+    """
+
+    def __init__(self, wait_s: float) -> None:
+        self._wait_s = wait_s
+        self._next: dict[str, int] = {}
+        self._waiting: dict[str, set[int]] = {}
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, stream: str, number: int) -> AsyncIterator[None]:
+        """Enter once every lower number of ``stream`` has entered (or ``wait_s`` passed)."""
+        if number > 0:
+            async with self._changed:
+                self._next.setdefault(stream, 1)
+                waiting = self._waiting.setdefault(stream, set())
+                waiting.add(number)
+                try:
+                    while self._next[stream] < number:
+                        try:
+                            await asyncio.wait_for(
+                                self._changed.wait_for(lambda: self._next[stream] >= number),
+                                self._wait_s,
+                            )
+                        except asyncio.TimeoutError:
+                            self._skip_to_lowest_waiting(stream)
+                finally:
+                    waiting.discard(number)
+                self._next[stream] = max(self._next[stream], number + 1)
+                self._changed.notify_all()
+        yield
+
+    def _skip_to_lowest_waiting(self, stream: str) -> None:
+        """Give up on the numbers missing below the lowest section waiting (lock held)."""
+        lowest = min(self._waiting[stream])
+        if self._next[stream] < lowest:
+            logger.info(
+                "stream %s: calls %d to %d did not come within %g s; going on without them",
+                stream,
+                self._next[stream],
+                lowest - 1,
+                self._wait_s,
+            )
+            self._next[stream] = lowest
+            self._changed.notify_all()
