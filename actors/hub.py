@@ -108,8 +108,8 @@ class WeightHubActor:
             raise HubClosedError("the hub is shutting down and accepts no more broadcasts")
         started = time.perf_counter()
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
-        async with self._in_order.turn(request.submitter, request.sequence):
-            begun = await self._version_and_start(request, timeout_s, started)
+        await self._in_order.wait_turn(request.submitter, request.sequence)
+        begun = await self._version_and_start(request, timeout_s, started)
         if not request.wait:
             return BroadcastTicket(begun.model, begun.version)
         report = await begun.report

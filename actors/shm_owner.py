@@ -97,8 +97,8 @@ class ShmOwner:
         ``pid`` names the owner the slot came from: a restarted owner knows none of its
         slots.
         """
-        async with self._in_order.turn("hub", order):
-            return await self._deliver(pid, seq, model, workers)
+        await self._in_order.wait_turn("hub", order)
+        return await self._deliver(pid, seq, model, workers)
 
     async def _deliver(self, pid: int, seq: int, model: str, workers: tuple[str, ...]) -> Slot:
         segment = self._by_seq.get(seq) if pid == self._pid else None

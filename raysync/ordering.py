@@ -5,8 +5,8 @@ forced on for async actors): two broadcasts a learner submits back to back may r
 the hub's code in either order, and two holds the hub sends a shared-memory owner
 likewise. Where order carries meaning (versions follow the learner's order; an owner
 frees the slots of versions older than the one it is told about), the caller numbers
-its calls 1, 2, 3, ... per *stream* and the actor runs each numbered section through
-:class:`InOrder`.
+its calls 1, 2, 3, ... per *stream* and the actor waits for each call's turn with
+:class:`InOrder` before the part that must keep the order.
 
 Used in the hub process and in shared-memory owner processes (their event loops).
 """
@@ -14,21 +14,20 @@ Used in the hub process and in shared-memory owner processes (their event loops)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 
 logger = logging.getLogger(__name__)
 
 
 class InOrder:
-    """Runs sections numbered per stream in their number order.
+    """Turns for calls numbered per stream, in their number order.
 
-    A section waits for the sections numbered before it in its stream, at most
-    ``wait_s`` (a number that never comes — a lost call, or a stream that began before
-    this actor restarted — is skipped, logged, after that long). Numbering starts at 1;
-    number 0 means "unordered" and never waits. Sections run one after another only
-    up to their first ``await``: the order guaranteed is the order in which they start.
+    A call waits for the calls numbered before it in its stream to have had their turn,
+    at most ``wait_s`` (a number that never comes — a lost call, or a stream that began
+    before this actor restarted — is skipped, logged, after that long). Numbering
+    starts at 1; number 0 means "unordered" and never waits. What a call runs after its
+    turn, up to its next ``await``, runs before any later call's turn: that is the
+    order guaranteed.
     """
 
     def __init__(self, wait_s: float) -> None:
@@ -37,9 +36,9 @@ class InOrder:
         self._waiting: dict[str, set[int]] = {}
         self._changed = asyncio.Condition()
 
-    @contextlib.asynccontextmanager
-    async def turn(self, stream: str, number: int) -> AsyncIterator[None]:
-        """Enter once every lower number of ``stream`` has entered (or ``wait_s`` passed)."""
+    async def wait_turn(self, stream: str, number: int) -> None:
+        """Return once every lower number of ``stream`` has had its turn (or ``wait_s``
+        passed)."""
         if number > 0:
             async with self._changed:
                 self._next.setdefault(stream, 1)
@@ -58,7 +57,6 @@ class InOrder:
                     waiting.discard(number)
                 self._next[stream] = max(self._next[stream], number + 1)
                 self._changed.notify_all()
-        yield
 
     def _skip_to_lowest_waiting(self, stream: str) -> None:
         """Give up on the numbers missing below the lowest section waiting (lock held)."""

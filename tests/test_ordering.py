@@ -12,8 +12,8 @@ def _run(gate: InOrder, calls: list[tuple[str, int]]) -> list[tuple[str, int]]:
     ran: list[tuple[str, int]] = []
 
     async def section(stream: str, number: int) -> None:
-        async with gate.turn(stream, number):
-            ran.append((stream, number))
+        await gate.wait_turn(stream, number)
+        ran.append((stream, number))
 
     async def main() -> None:
         await asyncio.gather(*(section(s, n) for s, n in calls))

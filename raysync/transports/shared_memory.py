@@ -397,7 +397,7 @@ class SharedMemoryPlanner(TransportPlanner):
             )
         # Not awaited, so receivers start reading at once: the learner's PENDING hold
         # keeps the slot until the owner gets this, and a receiver's release that
-        # arrives first is remembered. Sent before any await, so the owner sees the
+        # arrives first is remembered. Numbered, so the owner takes the holds in the
         # hub's planning order (which frees slots of versions the hub refused).
         held = owner.deliver.remote(
             slot.pid,
