@@ -95,23 +95,20 @@ def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
     container builds its leaves on each access (a lazily stacked TensorDict).
     """
     if isinstance(model, torch.nn.Module):
-
-        def collect() -> dict[str, torch.Tensor]:
-            found = dict(model.named_parameters(remove_duplicate=False))
-            found.update(model.named_buffers(remove_duplicate=False))
-            return found
-
+        found = dict(model.named_parameters(remove_duplicate=False))
+        found.update(model.named_buffers(remove_duplicate=False))
     elif isinstance(model, (TensorDictBase, Mapping)):
-
-        def collect() -> dict[str, torch.Tensor]:
-            return _flat_tensors(model, "model")
-
+        found = _flat_tensors(model, "model")
+        # A lazily stacked TensorDict (also inside a mapping) builds new leaves on each
+        # access: replacing their storage would reach nothing the model keeps.
+        again = _flat_tensors(model, "model")
+        if any(found[name] is not again.get(name) for name in names if name in found):
+            return None
     else:
         return None
-    first, again = collect(), collect()
-    if any(name not in first or first[name] is not again.get(name) for name in names):
+    if any(name not in found for name in names):
         return None
-    return {name: first[name] for name in names}
+    return {name: found[name] for name in names}
 
 
 def storage_fingerprint(model: Any) -> tuple[Any, ...] | None:
