@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from raysync.errors import (
     BroadcastError,
@@ -59,6 +59,9 @@ _REPORTS_KEPT = 256
 #: start an async actor's calls out of order; after a hub restart the learner's
 #: numbering goes on from where it was, so its first broadcast waits this long once).
 _ORDER_WAIT_S = 1.0
+#: How often a delivery asks an unavailable receiver (restarting, or unreachable for a
+#: moment) whether it answers again.
+_UNAVAILABLE_RETRY_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,8 @@ class WeightHubActor:
         self._planner(config.transport)
         self._default_timeout_s = config.default_timeout_s
         self._state = HubState()
+        for model in config.models:
+            self._state.declare(model)
         self._boot_id = uuid.uuid4().hex
         context = ray.get_runtime_context()
         self._snapshot = HubSnapshot(context.get_actor_id())
@@ -108,7 +113,7 @@ class WeightHubActor:
             raise HubClosedError("the hub is shutting down and accepts no more broadcasts")
         started = time.perf_counter()
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
-        await self._in_order.wait_turn(request.submitter, request.sequence)
+        await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
         begun = await self._version_and_start(request, timeout_s, started)
         if not request.wait:
             return BroadcastTicket(begun.model, begun.version)
@@ -122,9 +127,10 @@ class WeightHubActor:
     ) -> _Started:
         """Check ``request``, give it its version and start its delivery (in the order
         its learner submitted it: nothing here awaits once the model is known)."""
-        if request.model is None and not self._state.models:
+        if not self._state.models:
             await self._wait_for_first_model(timeout_s)
         model = self._state.resolve_model(request.model)
+        self._state.check_known(model)
         self._state.check_broadcast(model, request.spec)
         self._state.check_version(model, request.version)
         targets = self._state.targets(model, request.workers)
@@ -174,14 +180,16 @@ class WeightHubActor:
         return report
 
     async def _wait_for_first_model(self, timeout_s: float) -> None:
-        """A broadcast that names no model, before any receiver registered one, is for
-        the model the first receiver registers (the usual start-up race)."""
+        """A broadcast sent before the hub knows any model waits for the first receiver
+        to register (the usual start-up race): an unnamed one is then for that model,
+        a named one must name a model that receiver registered."""
         try:
             await asyncio.wait_for(self._model_known.wait(), timeout_s)
         except asyncio.TimeoutError:
             raise UnknownModelError(
-                f"no receiver registered a model within {timeout_s:g} s; pass model=... to "
-                "broadcast before any receiver exists"
+                f"no receiver registered a model within {timeout_s:g} s; declare the "
+                "model to broadcast before any receiver exists: "
+                "WeightHub.remote(models=[...])"
             ) from None
 
     # -- receivers -------------------------------------------------------------------------
@@ -204,8 +212,10 @@ class WeightHubActor:
                 if readable is None:  # sent before anyone read by this transport: next one
                     del latest[model]
                     continue
-                payloads = await planner.plan(readable, self._state.spec(model), [entry.info])
-                latest[model] = dataclasses.replace(readable, payload=payloads[entry.worker])
+                # Read the way a pull reads: nothing of a broadcast in flight (a
+                # collective, a group's RPCs) waits for a receiver still connecting.
+                payload = await planner.plan_pull(readable, self._state.spec(model), entry.info)
+                latest[model] = dataclasses.replace(readable, payload=payload)
         except BaseException:
             self._drop(registration.worker, registration.token)
             raise
@@ -393,16 +403,37 @@ class WeightHubActor:
     async def _deliver_one(
         self, entry: ReceiverEntry, update: Update, deadline: float, timeout_s: float
     ) -> tuple[str, str | None]:
-        """Deliver to one receiver; return (worker, None) on success or (worker, reason)."""
+        """Deliver to one receiver; return (worker, None) on success or (worker, reason).
+
+        Ray's word decides a death: ``ActorDiedError`` drops the receiver (it is gone for
+        good); ``ActorUnavailableError`` (Ray restarts it, or cannot reach it for now)
+        does not. The hub then waits for the actor to answer again: a new process
+        (registered again from its ``__init__``) means this one died; the same process
+        gets the delivery again (a version already applied acks as superseded).
+        """
         registration = entry.registration
         key = (registration.worker, update.model, update.version)
         deferred_ack = asyncio.get_running_loop().create_future()
         self._pending_acks[key] = deferred_ack
         try:
-            ref = registration.handle._raysync_deliver.remote(update)
-            ack = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
-            if ack is None:  # applied later, at the receiver's next safe point
-                ack = await asyncio.wait_for(deferred_ack, max(0.0, deadline - time.monotonic()))
+            while True:
+                try:
+                    ref = registration.handle._raysync_deliver.remote(update)
+                    ack = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
+                    if ack is None:  # applied later, at the receiver's next safe point
+                        ack = await asyncio.wait_for(
+                            deferred_ack, max(0.0, deadline - time.monotonic())
+                        )
+                    break
+                except ActorUnavailableError as err:
+                    restarted = await self._restarted(registration, deadline)
+                    if restarted is None:
+                        continue  # the same process answers again: deliver again
+                    return registration.worker, (
+                        f"{registration.actor} died before applying version {update.version} "
+                        f"of model {update.model!r} ({type(err).__name__}: {err}); "
+                        f"{restarted}"
+                    )
         except asyncio.TimeoutError:
             return registration.worker, (
                 f"{registration.actor} did not apply version {update.version} of model "
@@ -423,6 +454,42 @@ class WeightHubActor:
             return registration.worker, f"{registration.actor} failed to apply: {ack.error}"
         self._state.record(registration.worker, update.model, update.version)
         return registration.worker, None
+
+    async def _restarted(self, registration: Registration, deadline: float) -> str | None:
+        """After ``ActorUnavailableError``: find out, by ``deadline``, which process the
+        actor is now. None if it is still the registered one (the error was transient);
+        else how it died: Ray restarted it, and the new process registered again (or not
+        yet). Raises ``ActorDiedError`` if Ray gave up on it, TimeoutError past the
+        deadline."""
+        asked: asyncio.Future[str] | None = None
+        while True:
+            current = self._state.receivers.get(registration.worker)
+            if current is not None and current.registration.process != registration.process:
+                return "Ray restarted it and the new process registered again"
+            if asked is None:
+                asked = asyncio.wrap_future(
+                    registration.handle.__ray_call__.remote(_process_of).future()
+                )
+            done, _ = await asyncio.wait({asked}, timeout=_UNAVAILABLE_RETRY_S)
+            if asked in done:
+                try:
+                    process = asked.result()
+                except ActorUnavailableError:
+                    asked = None  # still restarting, or unreachable: ask again
+                    await asyncio.sleep(_UNAVAILABLE_RETRY_S)
+                else:
+                    if process == registration.process:
+                        return None
+                    return "Ray restarted it; the new process has not registered again"
+            if time.monotonic() >= deadline:
+                if asked is not None:
+                    asked.cancel()
+                raise asyncio.TimeoutError
+
+
+def _process_of(actor: Any) -> str:
+    """Runs inside a receiver actor (``__ray_call__``): its process's Ray worker id."""
+    return ray.get_runtime_context().get_worker_id()
 
 
 async def _failed(worker: str, reason: str) -> tuple[str, str | None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -259,3 +260,80 @@ class Decorated:
 
     def version(self) -> int:
         return self.weights_version()
+
+
+class _Stalls:
+    """File handshakes across processes: at stall point ``where`` (``busy``, ``fetch`` or
+    ``apply``) the first incarnation of the actor touches ``<dir>/inside-<where>-<name>``
+    and waits while ``<dir>/stall-<where>-<name>`` exists. Incarnations Ray restarts
+    never stall, so the test can leave the file until the kill is certain."""
+
+    def _first_incarnation(self, stall_dir: str, name: str) -> bool:
+        try:
+            Path(stall_dir, f"incarnation-{name}").touch(exist_ok=False)
+        except FileExistsError:
+            return False
+        return True
+
+    def _stall(self, where: str) -> None:
+        if not self.first:
+            return
+        stall = Path(self.stall_dir, f"stall-{where}-{self.name}")
+        if stall.exists():
+            Path(self.stall_dir, f"inside-{where}-{self.name}").touch()
+            while stall.exists():
+                time.sleep(0.01)
+
+
+def _stall_fetches(receiver, transport) -> None:
+    """Make ``transport.fetch`` stall (``fetch`` point) before it moves any data."""
+    fetch = transport.fetch
+
+    def stalling_fetch(payload, spec):
+        receiver._stall("fetch")
+        return fetch(payload, spec)
+
+    transport.fetch = stalling_fetch
+
+
+class Victim(WeightReceiver, _Stalls, _Inspect):
+    """A collector that can be held at a known moment of a delivery and killed there.
+
+    Started through :func:`start_victim` with or without Ray restarts. ``connected_at``
+    is when this incarnation's ``connect_hub`` returned (``time.time()``).
+    """
+
+    def __init__(self, hub, name: str, stall_dir: str, heartbeat_s: float = 0.3):
+        self.policy = make_policy()
+        self.name = name
+        self.stall_dir = stall_dir
+        self.first = self._first_incarnation(stall_dir, name)
+        self.applied_at: dict[int, float] = {}
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=name, heartbeat_s=heartbeat_s)
+        self.connected_at = time.time()
+        _stall_fetches(self, self._raysync_core.transport)
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        self.applied_at[version] = time.time()
+        self._stall("apply")
+
+    def busy(self) -> None:
+        self._stall("busy")
+
+    def connected(self) -> float:
+        return self.connected_at
+
+    def stall_path(self) -> str:
+        return self.stall_dir
+
+    def applied_time(self, version: int) -> float:
+        """When this incarnation applied ``version`` (``time.time()``)."""
+        return self.applied_at[version]
+
+
+def start_victim(hub, name: str, stall_dir: str, *, restarts: bool):
+    """A :class:`Victim` actor; with ``restarts`` Ray restarts it after a kill (and
+    retries the test's own calls on the new incarnation)."""
+    options = {"num_cpus": 0, "max_restarts": -1 if restarts else 0}
+    options["max_task_retries"] = -1 if restarts else 0
+    return ray.remote(Victim).options(**options).remote(hub, name, stall_dir)

@@ -39,11 +39,13 @@ Order: the planner plans one delivery at a time and waits for rank 0 to finish t
 previous collective before it plans the next, so each receiver is handed its deliveries
 in collective order (threaded receivers also wait for their turn by sequence number),
 and a failed collective is known before the next one is planned. A version whose
-collective fails (a member died or never entered it within the timeout) fails on every
-member that did not get it — that is what a collective is — and the next version goes
-to a new generation without the dead member. Pull mode (``pull_weights``) reads the
-learner's object-store copy directly: the hub hands pulls the learner's payload, and a
-collective cannot be arranged for one receiver that asks on its own schedule.
+collective fails (a member died or never entered it within the timeout) is not lost on
+the members that did not get it: each of them reads the learner's object-store copy
+rank 0 was sending from (named in its payload) instead, so only the dead or absent
+member fails; the next version goes to a new generation without it. Pull mode
+(``pull_weights``) and a receiver's catch-up when it registers read the learner's
+object-store copy directly: the hub hands them the learner's payload, and a collective
+cannot be arranged for one receiver that asks on its own schedule.
 
 Settings, read in the hub process (pass them with
 ``WeightHub.options(runtime_env={"env_vars": {...}})``):
@@ -169,11 +171,14 @@ class BroadcastJob:
 
 @dataclass(frozen=True)
 class GroupPayload:
-    """Hub -> receiver: enter collective ``seq`` of ``generation`` as ``rank``."""
+    """Hub -> receiver: enter collective ``seq`` of ``generation`` as ``rank``; if the
+    collective fails (a member died or never entered it), read ``source``, the
+    learner's object-store copy, instead."""
 
     generation: Generation
     rank: int
     seq: int
+    source: ObjectStorePayload
 
 
 def header(generation: int, seq: int, nbytes: int) -> torch.Tensor:
@@ -309,7 +314,7 @@ class DistributedPlanner(TransportPlanner):
             job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
             self._last_job = self._actor.broadcast.remote(job)
             return {
-                worker: GroupPayload(generation, generation.rank_of(worker), seq)
+                worker: GroupPayload(generation, generation.rank_of(worker), seq, update.payload)
                 for worker in members
             }
 
@@ -366,6 +371,19 @@ class DistributedReceiver(TransportReceiver):
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         if isinstance(payload, ObjectStorePayload):  # pull mode: the learner's copy
             return self._pull.fetch(payload, spec)
+        try:
+            return self._receive(payload, spec)
+        except TransportError as err:
+            # One member's death must not cost the others the version: read the copy
+            # rank 0 was sending from instead.
+            logger.warning("%s; reading the learner's object-store copy instead", err)
+            try:
+                return self._pull.fetch(payload.source, spec)
+            except TransportError as fallback:
+                raise TransportError(f"{err}; and then {fallback}") from fallback
+
+    def _receive(self, payload: GroupPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        """Enter ``payload``'s collective and return views of what rank 0 sent."""
         generation = payload.generation
         deadline = time.monotonic() + generation.settings.timeout_s
         with self._turn:
