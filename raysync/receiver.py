@@ -119,6 +119,9 @@ class _ReceiverCore:
         self.transport = get_transport(welcome.transport).open_receiver(welcome.transport_info)
         self.gate = ApplyGate(finish_deferred=self._send_ack)
         self.watch: _HubWatch | None = None
+        #: Models whose latest version could not be fetched on connecting: the hub watch
+        #: pulls them again at each beat until they hold a version at least that new.
+        self.behind: set[str] = set()
 
     def close(self) -> None:
         if self.watch is not None:
@@ -157,6 +160,24 @@ class _ReceiverCore:
             ack = ray.get(handle._raysync_deliver.remote(update), timeout=timeout_s)
             if ack is not None:
                 self._send_ack(ack)
+
+    def catch_up(self, timeout_s: float) -> None:
+        """Pull what :attr:`behind` lists again (hub watch thread); an update goes
+        through this actor's own method queue, so it is applied at a safe point."""
+        handle = ray.get_runtime_context().current_actor
+        for model in sorted(self.behind):
+            update = ray.get(
+                self.hub.actor.latest.remote(model, self.models[model].version, self.worker),
+                timeout=timeout_s,
+            )
+            if update is not None:
+                ack = ray.get(handle._raysync_deliver.remote(update), timeout=timeout_s)
+                if ack is not None and ack.status is AckStatus.FAILED:
+                    logger.debug("%s is still behind on %r: %s", self.actor_name, model, ack.error)
+                    continue
+                if ack is not None:
+                    self._send_ack(ack)
+            self.behind.discard(model)
 
     # -- updates ------------------------------------------------------------------------
     def receive(self, update: Update) -> Ack | None:
@@ -332,6 +353,8 @@ class _HubWatch(threading.Thread):
                 )
                 if not known:
                     core.reattach(call_timeout)
+                if core.behind:
+                    core.catch_up(call_timeout)
             except (RayError, GetTimeoutError) as err:
                 logger.debug("hub unreachable from %s, retrying: %s", core.actor_name, err)
             except RaySyncError as err:
@@ -466,10 +489,13 @@ class WeightReceiver:
             try:
                 core.apply_now(update, "while connecting")
             except TransportError as err:
-                # The data of the latest version is gone (its learner died): stay
-                # registered at the version held; the next broadcast brings this actor up.
+                # Its data could not be read now (gone with a dead learner, or a data
+                # path that failed): stay registered at the version held; the hub watch
+                # pulls it again at each beat, and the next broadcast brings it anyway.
+                core.behind.add(update.model)
                 logger.warning(
-                    "%s could not fetch version %d of model %r while connecting: %s",
+                    "%s could not fetch version %d of model %r while connecting (pulled "
+                    "again at each heartbeat): %s",
                     core.actor_name,
                     update.version,
                     update.model,
