@@ -100,11 +100,34 @@ class _Broadcast:
             submitter=handle._submitter,
         )
         with handle._submitting:  # numbers in the order the calls leave this process
-            request = dataclasses.replace(request, sequence=next(handle._sequence))
+            sequence = next(handle._sequence)
+            floor = handle._in_flight.floor(sequence)
+            request = dataclasses.replace(request, sequence=sequence, floor=floor)
             result = handle.actor.submit.remote(request)
+            handle._in_flight.add(sequence, result)
         for name, sender in senders.items():
             sender.submitted(payloads[name], result)
         return result
+
+
+class _InFlight:
+    """A learner handle's submit calls not yet complete, by number: the lowest one is the
+    floor below which the hub need not wait for any (see ``InOrder.wait_turn``)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, ray.ObjectRef] = {}
+
+    def add(self, sequence: int, ref: ray.ObjectRef) -> None:
+        self._calls[sequence] = ref
+
+    def floor(self, sequence: int) -> int:
+        """The lowest number still in flight, or ``sequence`` if none is."""
+        if self._calls:
+            refs = list(self._calls.values())
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            finished = set(done)
+            self._calls = {s: r for s, r in self._calls.items() if r not in finished}
+        return min(self._calls, default=sequence)
 
 
 class HubHandle:
@@ -124,6 +147,7 @@ class HubHandle:
         self._submitter = uuid.uuid4().hex
         self._sequence = itertools.count(1)
         self._submitting = threading.Lock()
+        self._in_flight = _InFlight()
 
     @property
     def transport(self) -> str:
@@ -179,10 +203,14 @@ class WeightHub:
         transport: str = DEFAULT_TRANSPORT,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reject_nonfinite: bool = False,
+        models: Sequence[str] = (),
     ) -> HubHandle:
         """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
         return HubLauncher({}).remote(
-            transport=transport, timeout_s=timeout_s, reject_nonfinite=reject_nonfinite
+            transport=transport,
+            timeout_s=timeout_s,
+            reject_nonfinite=reject_nonfinite,
+            models=models,
         )
 
 
@@ -198,12 +226,17 @@ class HubLauncher:
         transport: str = DEFAULT_TRANSPORT,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reject_nonfinite: bool = False,
+        models: Sequence[str] = (),
     ) -> HubHandle:
         """Start the hub actor.
 
         ``transport`` names the data path (see :func:`raysync.known_transports`);
         ``timeout_s`` is the default ack timeout of a broadcast; ``reject_nonfinite``
-        makes every broadcast check its tensors for NaN/Inf in the learner. Raises
+        makes every broadcast check its tensors for NaN/Inf in the learner. ``models``
+        declares model ids up front: a broadcast may name one of them before any
+        receiver registered it (a learner that starts first); any other id must have
+        been registered by a receiver, else the broadcast raises
+        :class:`~raysync.UnknownModelError` (a typo reaches nobody silently). Raises
         ``ValueError`` for an unknown transport and
         :class:`~raysync.TransportUnavailableError` if it cannot run here.
         """
@@ -216,7 +249,9 @@ class HubLauncher:
             )
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        config = HubConfig(transport, timeout_s, reject_nonfinite)
+        if isinstance(models, str):
+            raise TypeError(f"models takes a sequence of model ids, not the string {models!r}")
+        config = HubConfig(transport, timeout_s, reject_nonfinite, tuple(models))
         actor = ray.remote(WeightHubActor).options(**self._actor_options).remote(config)
         return HubHandle(actor, config)
 

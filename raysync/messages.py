@@ -34,6 +34,8 @@ class HubConfig:
     transport: str
     default_timeout_s: float  #: ack timeout of a broadcast that sets none
     reject_nonfinite: bool  #: refuse weights holding NaN or Inf (checked in the learner)
+    #: Model ids a broadcast may name before any receiver registered them.
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class BroadcastRequest:
     #: 1): the hub versions them in this order (Ray may start its calls out of order).
     submitter: str = ""
     sequence: int = 0
+    #: Every broadcast of that handle numbered below this one is done with (its call
+    #: completed or failed): the hub waits for none of them (after a hub restart, say).
+    floor: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ class InOrder:
     """Turns for calls numbered per stream, in their number order.
 
     A call waits for the calls numbered before it in its stream to have had their turn,
-    at most ``wait_s`` (a number that never comes — a lost call, or a stream that began
-    before this actor restarted — is skipped, logged, after that long). Numbering
+    at most ``wait_s`` (a number that never comes — a lost call — is skipped, logged,
+    after that long; numbers below the caller's ``floor`` are not waited for at all). Numbering
     starts at 1; number 0 means "unordered" and never waits. What a call runs after its
     turn, up to its next ``await``, runs before any later call's turn: that is the
     order guaranteed.
@@ -36,12 +36,14 @@ class InOrder:
         self._waiting: dict[str, set[int]] = {}
         self._changed = asyncio.Condition()
 
-    async def wait_turn(self, stream: str, number: int) -> None:
+    async def wait_turn(self, stream: str, number: int, floor: int = 0) -> None:
         """Return once every lower number of ``stream`` has had its turn (or ``wait_s``
-        passed)."""
+        passed). ``floor``: the caller knows every number below it is done with (it
+        completed or failed), so none of those is waited for — what lets a stream that
+        began before this actor restarted go on at once."""
         if number > 0:
             async with self._changed:
-                self._next.setdefault(stream, 1)
+                self._next[stream] = max(self._next.get(stream, 1), floor)
                 waiting = self._waiting.setdefault(stream, set())
                 waiting.add(number)
                 try:

@@ -33,3 +33,20 @@ def test_streams_are_independent_and_a_missing_number_is_skipped_after_the_wait(
     assert sorted(ran[:3]) == [("b", 1), ("b", 2), ("c", 0)]
     assert ran.index(("b", 1)) < ran.index(("b", 2))
     assert ran[3:] == [("a", 2), ("a", 3)]
+
+
+def test_numbers_below_the_callers_floor_are_not_waited_for():
+    # A learner whose broadcasts 1..6 went to an earlier incarnation of the hub sends 8
+    # and 7, saying everything below 7 is done with: both run at once, in order.
+    gate = InOrder(wait_s=30)
+    ran: list[int] = []
+
+    async def section(number: int) -> None:
+        await gate.wait_turn("learner", number, floor=7)
+        ran.append(number)
+
+    async def main() -> None:
+        await asyncio.wait_for(asyncio.gather(section(8), section(7)), timeout=5)
+
+    asyncio.run(main())
+    assert ran == [7, 8]
