@@ -66,6 +66,21 @@ class HubState:
         self.receivers: dict[str, ReceiverEntry] = {}
 
     # -- models ------------------------------------------------------------------------
+    def declare(self, model: str) -> None:
+        """Know ``model`` before any receiver registers it (its spec comes with the
+        first broadcast or registration)."""
+        self.models.setdefault(model, ModelState())
+
+    def check_known(self, model: str) -> None:
+        """Raise UnknownModelError unless a receiver registered ``model``, it was
+        declared, or it was broadcast before."""
+        if model not in self.models:
+            raise UnknownModelError(
+                f"unknown model {model!r}: no receiver registered it and the hub was not "
+                f"started with it in models=[...]; the hub knows: "
+                f"{', '.join(sorted(self.models)) or 'none'}"
+            )
+
     def resolve_model(self, model: str | None) -> str:
         """The model a broadcast is for: ``model`` itself, or the only one the hub knows."""
         if model is not None:

@@ -212,6 +212,25 @@ def test_unknown_model(hub_with_receiver):
     _untouched(hub, collector, v1_state)
 
 
+def test_unknown_model_is_refused_naming_the_known_ones(hub_with_receiver):
+    hub, collector, v1_state = hub_with_receiver
+    with pytest.raises(UnknownModelError, match=r"unknown model 'nomodel'.*knows: policy"):
+        ray.get(hub.broadcast.remote(make_policy(), model="nomodel"))
+    _untouched(hub, collector, v1_state)  # and the hub did not start holding a new model
+
+
+def test_declared_model_is_broadcast_before_any_receiver(actors, transport):
+    hub = start_hub(actors, transport, models=("policy",))
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, model="policy"))
+    assert (report.version, report.acked, report.failed) == (1, (), {})
+    with pytest.raises(UnknownModelError, match=r"unknown model 'critic'.*knows: policy"):
+        ray.get(hub.broadcast.remote(learner, model="critic"))
+    late = start(actors, Collector, hub)  # joins later and starts on version 1
+    assert ray.get(late.version.remote()) == 1
+    assert_same(ray.get(late.state.remote()), state_of(learner))
+
+
 def test_unknown_worker(hub_with_receiver):
     hub, collector, v1_state = hub_with_receiver
     with pytest.raises(UnknownWorkerError, match="unknown worker 'nobody'.*w0"):
@@ -220,7 +239,7 @@ def test_unknown_worker(hub_with_receiver):
 
 
 def test_ambiguous_default_model(actors, transport):
-    hub = start_hub(actors, transport)
+    hub = start_hub(actors, transport, models=("one", "two"))
     ray.get(hub.broadcast.remote({"a": torch.zeros(1)}, model="one"))
     ray.get(hub.broadcast.remote({"a": torch.zeros(1)}, model="two"))
     with pytest.raises(UnknownModelError, match="several models.*one, two"):

@@ -209,7 +209,7 @@ def test_no_new_cluster_from_handles_collected_after_shutdown():
         import gc, ray, torch
         from raysync import WeightHub
         ray.init(address="local", num_cpus=2, include_dashboard=False)
-        hub = WeightHub.remote()
+        hub = WeightHub.remote(models=["m"])
         ref = hub.broadcast.remote({"w": torch.zeros(4)}, model="m")
         ray.get(ref)
         ray.shutdown()
