@@ -1,0 +1,664 @@
+"""ApplyGate (raysync/gate.py) without Ray: user methods as readers, applies as the writer.
+
+Threaded actors: a write waits for running readers, readers that arrive while a write
+waits go after it, ``safe_point`` and nested reads, a failing apply, and many threads
+reading while a writer applies, never seeing a half-applied write. Async actors: writes
+deferred while a reader is parked, applied by the last reader out or at a safe point,
+and a waiting write dropped (``supersede``) when a newer one of the same key comes.
+
+Threads meet through Events and the gate's own condition (instrumented to say which
+thread blocks in it); no sleep is used to order anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from raysync.gate import DEFERRED, ApplyGate
+
+#: Seconds any handshake may take before the test fails (never reached when it passes).
+TIMEOUT = 10.0
+
+
+class _WatchedCondition(threading.Condition):
+    """The gate's condition, telling which threads have blocked in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._events: dict[str, threading.Event] = {}
+        self._events_lock = threading.Lock()
+
+    def blocked(self, thread_name: str) -> threading.Event:
+        """Set once the thread of that name waits in the gate. It is set while that thread
+        still holds the gate's lock, so nothing the gate guards changes until the thread
+        really waits."""
+        with self._events_lock:
+            return self._events.setdefault(thread_name, threading.Event())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.blocked(threading.current_thread().name).set()
+        return super().wait(timeout)
+
+
+def _watched_gate(finished: list[Any]) -> tuple[ApplyGate, _WatchedCondition]:
+    gate = ApplyGate(finish_deferred=finished.append)
+    cond = _WatchedCondition()
+    gate._cond = cond
+    return gate, cond
+
+
+class _Worker(threading.Thread):
+    """A thread running ``target``; :meth:`finish` joins it and returns or raises its outcome."""
+
+    def __init__(self, name: str, target: Callable[[], Any]) -> None:
+        super().__init__(name=name, daemon=True)
+        self._fn = target
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as err:
+            self.error = err
+
+    def finish(self) -> Any:
+        self.join(TIMEOUT)
+        assert not self.is_alive(), f"{self.name} is still blocked"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _started(name: str, target: Callable[[], Any]) -> _Worker:
+    worker = _Worker(name, target)
+    worker.start()
+    return worker
+
+
+def _wait(event: threading.Event, what: str) -> None:
+    assert event.wait(TIMEOUT), f"timed out waiting until {what}"
+
+
+def _setter(model: dict[str, int], version: int) -> Callable[[], str]:
+    def apply() -> str:
+        model["v"] = version
+        return f"ack-{version}"
+
+    return apply
+
+
+# -- threaded actors ---------------------------------------------------------------------
+
+
+def test_uncontended_write_runs_at_once_and_returns_its_result():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+    assert gate.write(_setter(model, 1)) == "ack-1"
+    assert model["v"] == 1
+    assert finished == []  # only deferred writes go through finish_deferred
+
+
+def test_write_waits_until_the_running_reader_returns():
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+    inside, leave = threading.Event(), threading.Event()
+
+    def reader() -> int:
+        with gate.reading():
+            inside.set()
+            _wait(leave, "the test lets the reader go")
+            return model["v"]
+
+    r = _started("reader", reader)
+    _wait(inside, "the reader holds the gate")
+    w = _started("writer", lambda: gate.write(_setter(model, 1)))
+    _wait(cond.blocked("writer"), "the writer blocks")
+    assert model["v"] == 0  # not applied under the reader
+    leave.set()
+    assert r.finish() == 0  # the reader saw one version all along
+    assert w.finish() == "ack-1"
+    assert model["v"] == 1
+
+
+def test_a_reader_arriving_while_a_write_waits_goes_after_the_write():
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+    order: list[str] = []
+    inside, leave = threading.Event(), threading.Event()
+
+    def first_reader() -> None:
+        with gate.reading():
+            inside.set()
+            _wait(leave, "the test lets the first reader go")
+            order.append("first reader left")
+
+    def apply() -> str:
+        order.append("write")
+        return _setter(model, 1)()
+
+    def second_reader() -> int:
+        with gate.reading():
+            order.append("second reader entered")
+            return model["v"]
+
+    a = _started("reader-a", first_reader)
+    _wait(inside, "the first reader holds the gate")
+    w = _started("writer", lambda: gate.write(apply))
+    _wait(cond.blocked("writer"), "the writer blocks")
+    b = _started("reader-b", second_reader)
+    _wait(cond.blocked("reader-b"), "the second reader blocks behind the waiting write")
+    assert order == []
+    leave.set()
+    a.finish()
+    assert w.finish() == "ack-1"
+    assert b.finish() == 1
+    assert order == ["first reader left", "write", "second reader entered"]
+
+
+def test_safe_point_lets_a_waiting_write_in_and_the_reader_holds_again_after():
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+    inside, go, resumed, leave = (threading.Event() for _ in range(4))
+
+    def long_reader() -> tuple[int, int]:
+        with gate.reading():
+            inside.set()
+            _wait(go, "the test lets the reader reach its safe point")
+            before = model["v"]
+            gate.safe_point()
+            after = model["v"]
+            resumed.set()
+            _wait(leave, "the test lets the reader go")
+            return before, after
+
+    r = _started("reader", long_reader)
+    _wait(inside, "the reader holds the gate")
+    w1 = _started("writer-1", lambda: gate.write(_setter(model, 1)))
+    _wait(cond.blocked("writer-1"), "the first write blocks")
+    go.set()
+    _wait(resumed, "the reader returns from its safe point")
+    assert w1.finish() == "ack-1"
+    # Back from the safe point, the reader holds the model again: the next write waits.
+    w2 = _started("writer-2", lambda: gate.write(_setter(model, 2)))
+    _wait(cond.blocked("writer-2"), "the second write blocks")
+    assert model["v"] == 1
+    leave.set()
+    assert r.finish() == (0, 1)
+    assert w2.finish() == "ack-2"
+    assert model["v"] == 2
+
+
+def test_safe_point_with_no_waiting_write_returns_at_once():
+    gate = ApplyGate(finish_deferred=lambda result: None)
+    model = {"v": 0}
+
+    def reader() -> int:
+        with gate.reading():
+            gate.safe_point()
+            gate.safe_point()
+        gate.safe_point()  # outside any user method too
+        return model["v"]
+
+    assert _started("reader", reader).finish() == 0
+    # The reader is gone: a write goes through at once.
+    assert gate.write(_setter(model, 1)) == "ack-1"
+
+
+def test_a_nested_read_does_not_wait_for_a_waiting_write():
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+    inside, go = threading.Event(), threading.Event()
+
+    def reader() -> int:
+        with gate.reading():
+            inside.set()
+            _wait(go, "the test lets the reader call a nested method")
+            with gate.reading():  # a guarded method calling another one
+                return model["v"]
+
+    r = _started("reader", reader)
+    _wait(inside, "the reader holds the gate")
+    w = _started("writer", lambda: gate.write(_setter(model, 1)))
+    _wait(cond.blocked("writer"), "the writer blocks")
+    go.set()
+    assert r.finish() == 0  # no deadlock, and still the version it started with
+    assert w.finish() == "ack-1"
+    assert model["v"] == 1
+
+
+def test_a_write_from_inside_the_only_reader_applies_at_once_and_the_read_goes_on():
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+    wrote, leave = threading.Event(), threading.Event()
+
+    def pulling_reader() -> tuple[str, int]:
+        with gate.reading():
+            result = gate.write(_setter(model, 1))  # pull mode: apply from a user method
+            seen = model["v"]
+            wrote.set()
+            _wait(leave, "the test lets the reader go")
+            return result, seen
+
+    r = _started("reader", pulling_reader)
+    _wait(wrote, "the reader's own write is applied")
+    w = _started("writer", lambda: gate.write(_setter(model, 2)))
+    _wait(cond.blocked("writer"), "a delivery waits for the reader")
+    assert model["v"] == 1
+    leave.set()
+    assert r.finish() == ("ack-1", 1)
+    assert w.finish() == "ack-2"
+    assert model["v"] == 2
+
+
+def test_a_write_from_inside_a_reader_waits_for_the_other_readers():
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+    other_inside, other_leave, go = threading.Event(), threading.Event(), threading.Event()
+
+    def other_reader() -> int:
+        with gate.reading():
+            other_inside.set()
+            _wait(other_leave, "the test lets the other reader go")
+            return model["v"]
+
+    def pulling_reader() -> str:
+        with gate.reading():
+            _wait(go, "the test lets the reader pull")
+            return gate.write(_setter(model, 1))
+
+    b = _started("reader-b", other_reader)
+    _wait(other_inside, "the other reader holds the gate")
+    a = _started("reader-a", pulling_reader)
+    go.set()
+    _wait(cond.blocked("reader-a"), "the pulling reader's write blocks")
+    assert model["v"] == 0
+    other_leave.set()
+    assert b.finish() == 0
+    assert a.finish() == "ack-1"
+    assert model["v"] == 1
+
+
+def test_a_failing_apply_leaves_the_gate_usable_and_lets_blocked_readers_in():
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+    inside, leave = threading.Event(), threading.Event()
+
+    def failing_apply() -> str:
+        raise RuntimeError("copy failed")
+
+    def first_reader() -> None:
+        with gate.reading():
+            inside.set()
+            _wait(leave, "the test lets the first reader go")
+
+    def second_reader() -> int:
+        with gate.reading():
+            return model["v"]
+
+    a = _started("reader-a", first_reader)
+    _wait(inside, "the first reader holds the gate")
+    w = _started("writer", lambda: gate.write(failing_apply))
+    _wait(cond.blocked("writer"), "the writer blocks")
+    b = _started("reader-b", second_reader)
+    _wait(cond.blocked("reader-b"), "the second reader blocks behind the write")
+    leave.set()
+    a.finish()
+    with pytest.raises(RuntimeError, match="copy failed"):
+        w.finish()
+    assert b.finish() == 0
+    assert gate.write(_setter(model, 2)) == "ack-2"
+    assert _started("reader-c", second_reader).finish() == 2
+
+
+def test_threaded_readers_never_see_a_half_applied_write():
+    readers, writes, size = 4, 40, 1 << 16
+    gate = ApplyGate(finish_deferred=lambda result: None)
+    first, second = torch.zeros(size), torch.zeros(size)
+    start = threading.Barrier(readers + 1)
+    stop = threading.Event()
+    seen_cond = threading.Condition()
+    latest_seen = [-1] * readers
+    torn: list[tuple[int, float, float, float, float]] = []
+
+    def apply(version: int) -> int:
+        # Two tensors written one after the other: between them the model mixes versions.
+        first.fill_(float(version))
+        second.fill_(float(version))
+        return version
+
+    def reader(index: int) -> list[int]:
+        versions: list[int] = []
+        start.wait(TIMEOUT)
+        while not stop.is_set():
+            with gate.reading():
+                a, b = first.clone(), second.clone()
+            low, high = min(a.min(), b.min()).item(), max(a.max(), b.max()).item()
+            if low != high:
+                torn.append((index, a.min().item(), a.max().item(), b.min().item(), b.max().item()))
+            version = int(low)
+            if not versions or versions[-1] != version:
+                versions.append(version)
+            with seen_cond:
+                latest_seen[index] = version
+                seen_cond.notify_all()
+        return versions
+
+    def all_saw(version: int) -> None:
+        with seen_cond:
+            assert seen_cond.wait_for(lambda: min(latest_seen) >= version, TIMEOUT), (
+                f"readers stuck below version {version}: {latest_seen}"
+            )
+
+    def writer() -> list[int]:
+        acks = []
+        start.wait(TIMEOUT)
+        all_saw(0)
+        for version in range(1, writes + 1):
+            acks.append(gate.write(lambda v=version: apply(v)))
+            # Let every reader read this version before the next write: they all see
+            # each version, and keep reading while the next one is applied.
+            all_saw(version)
+        stop.set()
+        return acks
+
+    workers = [_started(f"reader-{i}", lambda i=i: reader(i)) for i in range(readers)]
+    w = _started("writer", writer)
+    try:
+        assert w.finish() == list(range(1, writes + 1))
+    finally:
+        stop.set()
+    seen = [r.finish() for r in workers]
+    assert torn == []
+    for versions in seen:
+        assert versions == list(range(writes + 1)), versions
+
+
+# -- async actors ------------------------------------------------------------------------
+
+
+def _run(coro: Any) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, TIMEOUT)
+
+    return asyncio.run(bounded())
+
+
+class _Parked:
+    """An async reader that holds the gate, parked at an ``await`` until released."""
+
+    def __init__(self, gate: ApplyGate, model: dict[str, int]) -> None:
+        self.inside = asyncio.Event()
+        self.release = asyncio.Event()
+        self._gate, self._model = gate, model
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> int:
+        async with self._gate.reading_async():
+            self.inside.set()
+            await self.release.wait()
+            return self._model["v"]
+
+    async def started(self) -> _Parked:
+        await self.inside.wait()
+        return self
+
+    async def finish(self) -> int:
+        self.release.set()
+        return await self.task
+
+
+def test_async_write_with_no_reader_applies_at_once():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    async def main() -> Any:
+        return gate.write(_setter(model, 1))
+
+    assert _run(main()) == "ack-1"
+    assert model["v"] == 1 and finished == []
+
+
+def test_async_write_while_a_reader_is_parked_is_deferred_until_it_returns():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    async def main() -> None:
+        reader = await _Parked(gate, model).started()
+        assert gate.write(_setter(model, 1)) is DEFERRED
+        assert model["v"] == 0 and finished == []
+        assert await reader.finish() == 0  # the reader kept its version to the end
+        # The last reader out applied it and handed the result on.
+        assert model["v"] == 1
+        assert finished == ["ack-1"]
+
+    _run(main())
+
+
+def _supersedable(
+    name: str, applied: list[str], superseded: list[str]
+) -> tuple[Callable[[], str], Callable[[], Callable[[Any], str]]]:
+    def apply() -> str:
+        applied.append(name)
+        return f"ack {name}"
+
+    def supersede() -> Callable[[Any], str]:
+        superseded.append(name)
+        return lambda newer: f"{name} superseded, after {newer}"
+
+    return apply, supersede
+
+
+def test_a_deferred_write_is_superseded_by_a_newer_one_of_the_same_key():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    applied: list[str] = []
+    superseded: list[str] = []
+
+    async def main() -> None:
+        reader = await _Parked(gate, {"v": 0}).started()
+        for version in (1, 2, 3):
+            apply, supersede = _supersedable(f"v{version}", applied, superseded)
+            assert gate.write(apply, key="policy", supersede=supersede) is DEFERRED
+            # The older write is dropped at once (its staged data freed), not at the
+            # safe point: a busy actor holds one waiting version.
+            assert superseded == [f"v{v}" for v in range(1, version)]
+        assert applied == [] and finished == []
+        await reader.finish()
+
+    _run(main())
+    assert applied == ["v3"]
+    assert superseded == ["v1", "v2"]
+    # The newest result first, then each superseded write's outcome, made from it.
+    assert finished == [
+        "ack v3",
+        "v2 superseded, after ack v3",
+        "v1 superseded, after ack v3",
+    ]
+
+
+def test_deferred_writes_of_other_keys_or_without_supersede_are_all_applied_in_order():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    applied: list[str] = []
+    superseded: list[str] = []
+
+    async def main() -> None:
+        reader = await _Parked(gate, {"v": 0}).started()
+        writes = [
+            ("policy", "policy-1", True),
+            ("critic", "critic-1", True),
+            (None, "unkeyed-1", True),  # no key: never superseded
+            ("policy", "policy-2", False),  # no supersede: it drops policy-1, never dropped
+            ("policy", "policy-3", True),
+            (None, "unkeyed-2", True),
+        ]
+        for key, name, can_supersede in writes:
+            apply, supersede = _supersedable(name, applied, superseded)
+            result = gate.write(apply, key=key, supersede=supersede if can_supersede else None)
+            assert result is DEFERRED
+        await reader.finish()
+
+    _run(main())
+    assert superseded == ["policy-1"]
+    assert applied == ["critic-1", "unkeyed-1", "policy-2", "policy-3", "unkeyed-2"]
+    assert finished == [
+        "ack critic-1",
+        "ack unkeyed-1",
+        "ack policy-2",
+        "policy-1 superseded, after ack policy-2",
+        "ack policy-3",
+        "ack unkeyed-2",
+    ]
+
+
+def test_a_new_async_reader_waits_for_the_deferred_writes_first():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+    order: list[str] = []
+
+    async def late_reader() -> int:
+        async with gate.reading_async():
+            order.append("late reader entered")
+            return model["v"]
+
+    def apply() -> str:
+        order.append("write")
+        return _setter(model, 1)()
+
+    async def main() -> None:
+        reader = await _Parked(gate, model).started()
+        assert gate.write(apply) is DEFERRED
+        late = asyncio.create_task(late_reader())
+        await asyncio.sleep(0)  # one loop turn: the late reader runs up to its wait
+        assert not late.done() and order == []
+        assert await reader.finish() == 0
+        assert await late == 1
+        assert order == ["write", "late reader entered"]
+
+    _run(main())
+    assert finished == ["ack-1"]
+
+
+def test_a_nested_async_read_does_not_wait_for_deferred_writes():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    async def main() -> None:
+        inside, go = asyncio.Event(), asyncio.Event()
+
+        async def outer() -> tuple[int, list[Any]]:
+            async with gate.reading_async():
+                inside.set()
+                await go.wait()
+                async with gate.reading_async():  # would deadlock if it waited
+                    nested = model["v"]
+                return nested, list(finished)  # the nested exit applied nothing
+
+        task = asyncio.create_task(outer())
+        await inside.wait()
+        assert gate.write(_setter(model, 1)) is DEFERRED
+        go.set()
+        assert await task == (0, [])
+
+    _run(main())
+    assert model["v"] == 1 and finished == ["ack-1"]
+
+
+def test_an_async_safe_point_applies_deferred_writes_when_its_reader_is_alone():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    async def main() -> None:
+        inside, go = asyncio.Event(), asyncio.Event()
+
+        async def long_reader() -> tuple[int, int, list[Any]]:
+            async with gate.reading_async():
+                inside.set()
+                await go.wait()
+                before = model["v"]
+                gate.safe_point()
+                return before, model["v"], list(finished)
+
+        task = asyncio.create_task(long_reader())
+        await inside.wait()
+        assert gate.write(_setter(model, 1)) is DEFERRED
+        go.set()
+        # Applied and acknowledged inside the method, at its safe point.
+        assert await task == (0, 1, ["ack-1"])
+
+    _run(main())
+    assert finished == ["ack-1"]
+
+
+def test_an_async_safe_point_applies_nothing_while_another_reader_is_parked():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    async def main() -> None:
+        other = await _Parked(gate, model).started()
+        inside, go = asyncio.Event(), asyncio.Event()
+
+        async def reader_with_safe_point() -> int:
+            async with gate.reading_async():
+                inside.set()
+                await go.wait()
+                gate.safe_point()
+                return model["v"]
+
+        task = asyncio.create_task(reader_with_safe_point())
+        await inside.wait()
+        assert gate.write(_setter(model, 1)) is DEFERRED
+        go.set()
+        assert await task == 0  # the other reader still holds version 0
+        assert model["v"] == 0 and finished == []
+        assert await other.finish() == 0
+        assert model["v"] == 1 and finished == ["ack-1"]
+
+    _run(main())
+
+
+def test_an_async_write_from_inside_the_only_reader_applies_at_once():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    async def main() -> tuple[Any, int]:
+        async with gate.reading_async():
+            result = gate.write(_setter(model, 1))  # pull mode on an async actor
+            return result, model["v"]
+
+    assert _run(main()) == ("ack-1", 1)
+    assert finished == []
+
+
+def test_a_sync_read_on_the_event_loop_does_not_block_it():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    async def main() -> int:
+        reader = await _Parked(gate, model).started()
+        assert gate.write(_setter(model, 1)) is DEFERRED
+        # A sync user method of an async actor runs on the loop: it cannot wait for the
+        # deferred write (that would block the loop), and no write runs under it.
+        with gate.reading():
+            seen = model["v"]
+        await reader.finish()
+        return seen
+
+    assert _run(main()) == 0
+    assert model["v"] == 1 and finished == ["ack-1"]

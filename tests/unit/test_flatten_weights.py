@@ -1,0 +1,292 @@
+"""raysync/weights.py without Ray: what a learner broadcasts and where a receiver writes.
+
+``flatten`` of an nn.Module (buffers and tied weights included), a TensorDict and a
+nested state_dict: state_dict names, name order, no copy, detached. Refusals that name
+the key: non-tensor leaves (also inside TensorDicts), non-contiguous views, meta
+tensors, NaN/Inf when asked, empty or unsupported containers. ``destinations`` writes in
+place into modules, TensorDicts and dicts, and through ``load_state_dict`` otherwise;
+``own_tensors`` and ``storage_fingerprint`` follow the model's own tensor objects.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
+
+from raysync.errors import InvalidWeightsError
+from raysync.weights import destinations, flatten, own_tensors, storage_fingerprint
+
+
+class _Policy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        self.head = torch.nn.Linear(4, 2)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(2, 2, bias=False)
+        self.unembed = torch.nn.Linear(2, 2, bias=False)
+        self.unembed.weight = self.embed.weight
+
+
+class _StateOnly:
+    """Reachable only through state_dict()/load_state_dict(), which copy (like an optimizer
+    or a jitted wrapper): writing the state_dict's tensors alone changes nothing."""
+
+    def __init__(self) -> None:
+        self.weight = torch.zeros(3)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.weight = state["weight"].clone()
+
+
+def _message(excinfo: pytest.ExceptionInfo) -> str:
+    return str(excinfo.value)
+
+
+# -- flatten -------------------------------------------------------------------------------
+
+
+def test_a_module_flattens_to_its_state_dict_sorted_by_name_without_a_copy():
+    module = _Policy()
+    flat = flatten(module)
+    state = module.state_dict()
+    assert list(flat) == sorted(state)
+    assert "body.1.running_mean" in flat and "body.1.num_batches_tracked" in flat
+    assert "scale" in flat
+    for name, tensor in flat.items():
+        assert tensor.data_ptr() == state[name].data_ptr(), name
+        assert tensor.dtype == state[name].dtype and tensor.shape == state[name].shape
+        assert not tensor.requires_grad, name
+    # No copy: a change to the module shows through the flat view.
+    with torch.no_grad():
+        module.head.bias.fill_(7.0)
+    assert torch.equal(flat["head.bias"], torch.full((2,), 7.0))
+
+
+def test_tied_weights_keep_both_names_sharing_one_storage():
+    flat = flatten(_Tied())
+    assert list(flat) == ["embed.weight", "unembed.weight"]
+    assert flat["embed.weight"].data_ptr() == flat["unembed.weight"].data_ptr()
+
+
+def test_a_nested_state_dict_flattens_with_dotted_names():
+    a, b, c = torch.arange(3.0), torch.ones(2, 2), torch.tensor(5, dtype=torch.int64)
+    flat = flatten({"z": {"inner": {"leaf": a}}, "m": b, "k": {"x": c}})
+    assert list(flat) == ["k.x", "m", "z.inner.leaf"]
+    assert flat["z.inner.leaf"] is not a  # detached views, same data
+    assert flat["z.inner.leaf"].data_ptr() == a.data_ptr()
+    assert torch.equal(flat["k.x"], c) and torch.equal(flat["m"], b)
+
+
+def test_a_tensordict_and_a_tensordict_inside_a_dict_flatten_with_dotted_names():
+    td = TensorDict({"actor": {"w": torch.ones(2, 3), "b": torch.zeros(2)}, "t": torch.ones(1)})
+    assert list(flatten(td)) == ["actor.b", "actor.w", "t"]
+    flat = flatten({"nets": td, "extra": torch.ones(1)})
+    assert list(flat) == ["extra", "nets.actor.b", "nets.actor.w", "nets.t"]
+    assert flat["nets.actor.w"].data_ptr() == td["actor", "w"].data_ptr()
+
+
+def test_a_parameter_that_requires_grad_comes_out_detached():
+    weight = torch.nn.Parameter(torch.ones(2))
+    flat = flatten({"w": weight})
+    assert not flat["w"].requires_grad
+    assert flat["w"].data_ptr() == weight.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "weights, expected",
+    [
+        ({"a": {"b": 3}}, "weights: key 'a.b' is a int, not a tensor"),
+        ({"a": torch.ones(1), "opt": [1.0]}, "weights: key 'opt' is a list, not a tensor"),
+        (
+            TensorDict({"x": {"y": torch.ones(2), "tag": NonTensorData("hi")}}),
+            "weights: key 'x.tag' is a NonTensorData, not a tensor",
+        ),
+    ],
+    ids=["int-in-dict", "list-in-dict", "non-tensor-in-tensordict"],
+)
+def test_a_non_tensor_leaf_is_refused_naming_its_key(weights, expected):
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        flatten(weights)
+    assert _message(excinfo) == expected
+
+
+def test_a_non_contiguous_tensor_is_refused_naming_key_shape_and_stride():
+    weights = {"enc": {"w": torch.ones(3, 4).t()}, "ok": torch.ones(2)}
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        flatten(weights, what="the policy")
+    assert _message(excinfo) == (
+        "the policy: key 'enc.w' is a non-contiguous view (shape (4, 3), stride (1, 4)); "
+        "pass tensor.contiguous() instead"
+    )
+
+
+def test_a_sliced_parameter_of_a_module_is_refused():
+    module = torch.nn.Linear(4, 4)
+    module.weight = torch.nn.Parameter(torch.ones(4, 8)[:, ::2])
+    with pytest.raises(InvalidWeightsError, match=r"key 'weight' is a non-contiguous view"):
+        flatten(module)
+
+
+def test_a_meta_tensor_is_refused_naming_its_key():
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        flatten({"w": torch.empty(2, 5, device="meta")})
+    assert _message(excinfo) == (
+        "weights: key 'w' is on the meta device and holds no data (shape (2, 5)); "
+        "materialize the model first"
+    )
+
+
+def test_non_finite_values_are_refused_only_when_asked():
+    bad = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])
+    weights = {"a.ok": torch.ones(3), "b.bad": bad, "c.ints": torch.arange(3)}
+    assert list(flatten(weights)) == ["a.ok", "b.bad", "c.ints"]
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        flatten(weights, reject_nonfinite=True)
+    assert _message(excinfo) == (
+        "weights: key 'b.bad' holds 3 NaN/Inf value(s) of 5 (the hub rejects non-finite weights)"
+    )
+    bf16 = {"w": torch.tensor([float("inf")], dtype=torch.bfloat16)}
+    with pytest.raises(InvalidWeightsError, match="key 'w' holds 1 NaN/Inf"):
+        flatten(bf16, reject_nonfinite=True)
+    flatten({"w": torch.ones(2, dtype=torch.bfloat16)}, reject_nonfinite=True)
+
+
+@pytest.mark.parametrize(
+    "weights, expected",
+    [
+        ({}, "weights hold no tensors: nothing to broadcast"),
+        ({"a": {}}, "weights hold no tensors: nothing to broadcast"),
+        (torch.nn.ReLU(), "weights hold no tensors: nothing to broadcast"),
+        (
+            [torch.ones(1)],
+            "weights is a list: expected an nn.Module, a TensorDict or a mapping of tensors "
+            "(state_dict)",
+        ),
+        (
+            torch.ones(2),
+            "weights is a Tensor: expected an nn.Module, a TensorDict or a mapping of tensors "
+            "(state_dict)",
+        ),
+    ],
+    ids=["empty-dict", "empty-nested", "module-without-weights", "list", "bare-tensor"],
+)
+def test_empty_or_unsupported_weights_are_refused(weights, expected):
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        flatten(weights)
+    assert _message(excinfo) == expected
+
+
+def test_invalid_weights_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        flatten({})
+
+
+# -- destinations --------------------------------------------------------------------------
+
+
+def test_destinations_of_a_module_write_its_parameters_and_buffers_in_place():
+    module = _Policy()
+    destination = destinations(module, what="model 'policy'")
+    assert destination.commit is None
+    assert sorted(destination.tensors) == sorted(module.state_dict())
+    with torch.no_grad():
+        destination.tensors["head.weight"].copy_(torch.full((2, 4), 3.0))
+        destination.tensors["body.1.running_var"].copy_(torch.full((4,), 9.0))
+        destination.tensors["body.1.num_batches_tracked"].copy_(torch.tensor(42))
+    assert torch.equal(module.head.weight.detach(), torch.full((2, 4), 3.0))
+    assert torch.equal(module.body[1].running_var, torch.full((4,), 9.0))
+    assert module.body[1].num_batches_tracked.item() == 42
+
+
+def test_destinations_of_a_dict_and_a_tensordict_write_in_place():
+    state = {"enc": {"w": torch.zeros(2, 2)}, "b": torch.zeros(3)}
+    destination = destinations(state, what="model")
+    assert destination.commit is None
+    destination.tensors["enc.w"].copy_(torch.ones(2, 2))
+    assert torch.equal(state["enc"]["w"], torch.ones(2, 2))
+
+    td = TensorDict({"actor": {"w": torch.zeros(4)}})
+    destination = destinations(td, what="model")
+    destination.tensors["actor.w"].copy_(torch.arange(4.0))
+    assert torch.equal(td["actor", "w"], torch.arange(4.0))
+
+
+def test_destinations_of_a_state_dict_only_model_commit_through_load_state_dict():
+    model = _StateOnly()
+    destination = destinations(model, what="model")
+    assert list(destination.tensors) == ["weight"]
+    destination.tensors["weight"].copy_(torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(model.weight, torch.zeros(3))  # not there until the commit
+    assert destination.commit is not None
+    destination.commit()
+    assert torch.equal(model.weight, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_destinations_of_an_unsupported_model_name_it():
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        destinations([torch.ones(1)], what="model 'policy' of Collector")
+    assert _message(excinfo) == (
+        "model 'policy' of Collector is a list: expected an nn.Module, a TensorDict, a "
+        "mapping of tensors (state_dict) or an object with state_dict()/load_state_dict()"
+    )
+
+
+def test_destinations_refuse_a_non_tensor_leaf_naming_the_key():
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        destinations({"w": torch.ones(1), "step": 3}, what="model 'policy'")
+    assert _message(excinfo) == "model 'policy': key 'step' is a int, not a tensor"
+
+
+# -- own_tensors and storage_fingerprint ---------------------------------------------------
+
+
+def test_own_tensors_of_a_module_are_its_parameter_and_buffer_objects():
+    module = _Policy()
+    names = ("body.0.weight", "body.1.running_mean", "head.bias", "scale")
+    own = own_tensors(module, names)
+    assert list(own) == list(names)
+    assert own["body.0.weight"] is module.body[0].weight
+    assert own["body.1.running_mean"] is module.body[1].running_mean
+    assert own["head.bias"] is module.head.bias
+    assert own["scale"] is module.scale
+    assert own_tensors(module, ("head.bias", "no.such.name")) is None
+
+
+def test_own_tensors_of_a_mapping_and_a_tensordict_are_their_leaves():
+    leaf = torch.zeros(2)
+    assert own_tensors({"a": {"b": leaf}}, ("a.b",))["a.b"] is leaf
+    td = TensorDict({"x": {"y": torch.zeros(3)}})
+    assert own_tensors(td, ("x.y",))["x.y"] is td["x", "y"]
+
+
+def test_own_tensors_is_none_where_replacing_storage_would_not_reach_the_model():
+    lazy = LazyStackedTensorDict.lazy_stack([TensorDict({"w": torch.ones(2)}) for _ in range(2)])
+    assert own_tensors(lazy, ("w",)) is None  # leaves are stacked anew on each access
+    assert own_tensors({"nets": lazy}, ("nets.w",)) is None
+    assert own_tensors(_StateOnly(), ("weight",)) is None
+
+
+def test_storage_fingerprint_changes_when_the_modules_tensors_move():
+    module = torch.nn.Linear(3, 2)
+    fingerprint = storage_fingerprint(module)
+    assert storage_fingerprint(module) == fingerprint
+    with torch.no_grad():
+        module.weight.add_(1.0)  # in place: same storage
+    assert storage_fingerprint(module) == fingerprint
+    module.bias = torch.nn.Parameter(torch.zeros(2))
+    replaced = storage_fingerprint(module)
+    assert replaced != fingerprint
+    module.to(torch.float64)
+    assert storage_fingerprint(module) != replaced
+    assert storage_fingerprint({"w": torch.ones(1)}) is None
+    assert storage_fingerprint(TensorDict({"w": torch.ones(1)})) is None

@@ -1,0 +1,446 @@
+"""HubState (raysync/hub_state.py) without Ray: the hub's registry of models and receivers.
+
+Registration and replacement, spec mismatches refused naming the actor, model and key
+(with the registry left unchanged), versions that only go up (also past a receiver that
+holds more than a restarted hub), broadcast targets (push receivers, or ``workers=...``
+including pull ones), drop by registration token, declared and unknown model ids, and
+the statuses' versions and lag. Registrations carry ``handle=None`` where Ray would put
+an actor handle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raysync.errors import (
+    SpecMismatchError,
+    StaleVersionError,
+    UnknownModelError,
+    UnknownWorkerError,
+)
+from raysync.hub_state import DEFAULT_MODEL, HubState
+from raysync.messages import DeliveryMode, ReceiverStatus, Registration, Update
+from raysync.spec import WeightSpec
+from raysync.transports.base import ReceiverInfo
+
+POLICY = WeightSpec.of({"net.weight": torch.zeros(4, 3), "net.bias": torch.zeros(4)})
+CRITIC = WeightSpec.of({"value.weight": torch.zeros(1, 3)})
+
+PUSH, PULL = DeliveryMode.PUSH, DeliveryMode.PULL
+
+
+def _actor(worker: str) -> str:
+    return f"Collector({worker}-actor-id)"
+
+
+def _registration(
+    worker: str,
+    specs: dict[str, WeightSpec],
+    *,
+    versions: dict[str, int] | None = None,
+    mode: DeliveryMode = PUSH,
+    token: str | None = None,
+    transport: str = "object_store",
+    kept: tuple[object, ...] = (),
+) -> Registration:
+    return Registration(
+        worker=worker,
+        handle=None,
+        actor=_actor(worker),
+        node_id="node-a",
+        process=f"process-{worker}",
+        specs=dict(specs),
+        versions=dict(versions or {}),
+        mode=mode,
+        token=token or f"{worker}-token",
+        transport=transport,
+        kept=kept,
+    )
+
+
+def _publish(
+    state: HubState,
+    model: str = "policy",
+    version: int | None = None,
+    spec: WeightSpec = POLICY,
+    payload: object = "payload",
+) -> Update:
+    return state.publish(
+        model, spec, "object_store", {"object_store": payload}, "object_store", version
+    )
+
+
+def _workers(entries) -> list[str]:
+    return [entry.worker for entry in entries]
+
+
+# -- registration ------------------------------------------------------------------------
+
+
+def test_a_first_registration_brings_the_spec_and_the_version_the_receiver_holds():
+    state = HubState()
+    assert state.register(_registration("w1", {"policy": POLICY}, versions={"policy": 3})) == {}
+    assert state.spec("policy") == POLICY
+    assert state.versions() == {"policy": 3}
+    assert state.specs() == {"policy": POLICY}
+    assert state.latest("policy") is None  # nothing was broadcast yet
+
+
+def test_registering_returns_the_latest_update_of_each_model_it_lacks():
+    state = HubState()
+    _publish(state, payload="v1")
+    _publish(state, payload="v2")
+    expected = Update("policy", 2, POLICY.digest, "object_store", "v2")
+    assert state.register(_registration("behind", {"policy": POLICY})) == {"policy": expected}
+    one_behind = _registration("one-behind", {"policy": POLICY}, versions={"policy": 1})
+    assert state.register(one_behind) == {"policy": expected}
+    assert (
+        state.register(_registration("current", {"policy": POLICY}, versions={"policy": 2})) == {}
+    )
+    # A model never broadcast has no update to hand out.
+    both = _registration("both", {"policy": POLICY, "critic": CRITIC})
+    assert state.register(both) == {"policy": expected}
+
+
+def test_registering_again_replaces_the_entry_and_only_the_current_token_drops_it():
+    state = HubState()
+    _publish(state)
+    state.register(_registration("w1", {"policy": POLICY}, token="first"))
+    state.record("w1", "policy", 1)
+    again = _registration("w1", {"policy": POLICY}, mode=PULL, token="second", transport="rpc")
+    state.register(again)
+    assert list(state.receivers) == ["w1"]
+    assert state.receivers["w1"].registration is again
+    assert not state.knows("w1", "first")
+    assert state.knows("w1", "second")
+    # The new entry starts from what the new registration says it holds.
+    (status,) = state.statuses()
+    assert (status.mode, status.versions, status.transport) == (PULL, {"policy": 0}, "rpc")
+    # The old registration's death does not drop the new one.
+    assert state.drop("w1", "first") is False
+    assert state.knows("w1", "second")
+    assert state.drop("w1", "second") is True
+    assert state.receivers == {}
+    assert state.drop("w1", "second") is False
+    assert not state.knows("w1", "second")
+    assert state.targets("policy", None) == []
+
+
+@pytest.mark.parametrize(
+    "tensors, expected",
+    [
+        (
+            {"net.weight": torch.zeros(4, 5), "net.bias": torch.zeros(4)},
+            [
+                "key 'net.weight'",
+                "the hub's spec of model 'policy' has shape (4, 3) float32",
+                "has shape (4, 5) float32",
+                "(shape differs)",
+            ],
+        ),
+        (
+            {"net.weight": torch.zeros(4, 3), "net.bias": torch.zeros(4, dtype=torch.float64)},
+            [
+                "key 'net.bias'",
+                "the hub's spec of model 'policy' has shape (4,) float32",
+                "has shape (4,) float64",
+                "(dtype differs)",
+            ],
+        ),
+        (
+            {"net.weight": torch.zeros(4, 3)},
+            ["missing key(s) in receiver w2 (Collector(w2-actor-id)) model 'policy': 'net.bias'"],
+        ),
+        (
+            {"net.weight": torch.zeros(4, 3), "net.bias": torch.zeros(4), "extra": torch.ones(1)},
+            ["unexpected key(s) in receiver w2 (Collector(w2-actor-id)) model 'policy': 'extra'"],
+        ),
+    ],
+    ids=["shape", "dtype", "missing-key", "extra-key"],
+)
+def test_a_mismatching_registration_is_refused_naming_actor_model_and_key(tensors, expected):
+    state = HubState()
+    first = _registration("w1", {"policy": POLICY})
+    state.register(first)
+    # "critic" is new and fine; "policy" disagrees: nothing of the registration is kept.
+    wrong = _registration("w2", {"critic": CRITIC, "policy": WeightSpec.of(tensors)})
+    with pytest.raises(SpecMismatchError) as info:
+        state.register(wrong)
+    message = str(info.value)
+    assert message.startswith(
+        "receiver w2 (Collector(w2-actor-id)) model 'policy' does not match "
+        "the hub's spec of model 'policy'"
+    ), message
+    for part in expected:
+        assert part in message, (part, message)
+    assert list(state.receivers) == ["w1"]
+    assert state.receivers["w1"].registration is first
+    assert set(state.models) == {"policy"}
+    assert state.spec("policy") == POLICY
+
+
+def test_a_broadcast_is_checked_against_the_hubs_spec():
+    state = HubState()
+    state.declare("policy")
+    other = WeightSpec.of({"net.weight": torch.zeros(2, 2)})
+    state.check_broadcast("policy", other)  # no spec known yet: anything goes
+    state.check_broadcast("fresh", other)  # unknown model: nothing to check against
+    state.register(_registration("w1", {"policy": POLICY}))
+    state.check_broadcast("policy", POLICY)
+    with pytest.raises(SpecMismatchError) as info:
+        state.check_broadcast("policy", other)
+    message = str(info.value)
+    assert message.startswith("the broadcast does not match the hub's spec of model 'policy'"), (
+        message
+    )
+    assert "missing key(s) in the broadcast: 'net.bias'" in message
+    assert "the broadcast has shape (2, 2) float32" in message
+
+
+# -- versions ----------------------------------------------------------------------------
+
+
+def test_versions_count_up_from_one_or_jump_to_an_explicit_higher_one():
+    state = HubState()
+    assert [_publish(state).version for _ in range(2)] == [1, 2]
+    assert _publish(state, version=10).version == 10
+    assert _publish(state).version == 11
+    assert state.versions() == {"policy": 11}
+    assert state.latest("policy").version == 11
+
+
+@pytest.mark.parametrize("version", [11, 5, 0, -1])
+def test_a_version_not_above_the_current_one_is_refused_and_changes_nothing(version):
+    state = HubState()
+    _publish(state, version=11, payload="eleven")
+    with pytest.raises(StaleVersionError) as info:
+        _publish(state, version=version, payload="stale")
+    assert str(info.value) == (
+        f"version {version} of model 'policy' is not above the current version 11; "
+        "versions only go up"
+    )
+    assert state.versions() == {"policy": 11}
+    assert state.latest("policy") == Update("policy", 11, POLICY.digest, "object_store", "eleven")
+
+
+def test_check_version_of_a_model_never_seen_starts_from_zero():
+    state = HubState()
+    state.check_version("policy", None)
+    state.check_version("policy", 1)
+    with pytest.raises(StaleVersionError, match="version 0 of model 'policy' is not above .* 0"):
+        state.check_version("policy", 0)
+
+
+def test_a_receiver_ahead_of_a_restarted_hub_raises_its_next_version():
+    state = HubState()  # a hub that lost its counters
+    state.register(_registration("w1", {"policy": POLICY}, versions={"policy": 7}))
+    state.register(_registration("w2", {"policy": POLICY}, versions={"policy": 2}))
+    assert state.versions() == {"policy": 7}  # never lowered by the receiver behind
+    with pytest.raises(StaleVersionError, match="current version 7"):
+        _publish(state, version=7)
+    assert _publish(state).version == 8
+
+
+def test_publish_keeps_every_hand_off_payload_and_hands_out_the_transports_own():
+    state = HubState()
+    payloads = {"object_store": "object-ref", "shared_memory": "segment"}
+    update = state.publish("policy", POLICY, "shared_memory", payloads, "shared_memory")
+    assert update == Update("policy", 1, POLICY.digest, "shared_memory", "segment")
+    assert state.latest("policy") is update
+    assert state.models["policy"].payloads == payloads
+
+
+def test_restore_keeps_versions_and_specs_across_a_hub_restart():
+    old = HubState()
+    old.register(_registration("w1", {"policy": POLICY, "critic": CRITIC}))
+    _publish(old, version=4)
+    new = HubState()
+    new.restore(old.versions(), old.specs())
+    assert new.versions() == {"policy": 4, "critic": 0}
+    assert new.specs() == {"policy": POLICY, "critic": CRITIC}
+    assert new.latest("policy") is None and new.receivers == {}
+    with pytest.raises(StaleVersionError):
+        _publish(new, version=4)
+    with pytest.raises(SpecMismatchError, match="receiver w2"):
+        new.register(_registration("w2", {"critic": POLICY}))
+    assert _publish(new).version == 5
+
+
+# -- targets -----------------------------------------------------------------------------
+
+
+def _four_receivers() -> HubState:
+    state = HubState()
+    state.register(_registration("push-a", {"policy": POLICY}))
+    state.register(_registration("push-b", {"policy": POLICY, "critic": CRITIC}))
+    state.register(_registration("pull", {"policy": POLICY}, mode=PULL))
+    state.register(_registration("critic-only", {"critic": CRITIC}))
+    return state
+
+
+def test_a_broadcast_to_all_goes_to_the_push_receivers_holding_the_model():
+    state = _four_receivers()
+    assert _workers(state.targets("policy", None)) == ["push-a", "push-b"]
+    assert _workers(state.targets("critic", None)) == ["push-b", "critic-only"]
+    assert state.targets("unheld", None) == []
+
+
+def test_a_broadcast_to_named_workers_goes_to_exactly_those_pull_receivers_included():
+    state = _four_receivers()
+    assert _workers(state.targets("policy", ("pull", "push-a"))) == ["pull", "push-a"]
+    assert _workers(state.targets("critic", ("critic-only",))) == ["critic-only"]
+
+
+def test_targets_refuse_no_workers_unknown_workers_and_workers_without_the_model():
+    state = _four_receivers()
+    with pytest.raises(UnknownWorkerError) as info:
+        state.targets("policy", ())
+    assert str(info.value) == "workers=[] names no receiver; pass None for all of them"
+    with pytest.raises(UnknownWorkerError) as info:
+        state.targets("policy", ("push-a", "ghost"))
+    assert str(info.value) == (
+        "unknown worker 'ghost'; registered workers: critic-only, pull, push-a, push-b"
+    )
+    with pytest.raises(UnknownModelError) as info:
+        state.targets("policy", ("critic-only",))
+    assert str(info.value) == "worker 'critic-only' does not hold model 'policy' (it holds: critic)"
+    with pytest.raises(UnknownWorkerError, match="registered workers: none"):
+        HubState().targets("policy", ("ghost",))
+
+
+def test_a_receiver_entry_describes_itself_to_transport_planners():
+    state = HubState()
+    kept = ("payload-of-a-zero-copy-model",)
+    state.register(_registration("w1", {"policy": POLICY}, transport="nixl", kept=kept))
+    entry = state.receivers["w1"]
+    assert entry.transport == "nixl"
+    assert entry.info == ReceiverInfo(
+        worker="w1",
+        actor=_actor("w1"),
+        node_id="node-a",
+        process="process-w1",
+        handle=None,
+        kept=kept,
+    )
+
+
+# -- model ids ---------------------------------------------------------------------------
+
+
+def test_an_unknown_model_is_refused_until_declared_registered_or_broadcast():
+    state = HubState()
+    with pytest.raises(UnknownModelError) as info:
+        state.check_known("policy")
+    assert str(info.value) == (
+        "unknown model 'policy': no receiver registered it and the hub was not started "
+        "with it in models=[...]; the hub knows: none"
+    )
+    state.declare("policy")
+    state.check_known("policy")
+    assert state.versions() == {"policy": 0}
+    assert state.specs() == {}  # declared: its spec comes later
+    assert state.latest("policy") is None
+    with pytest.raises(UnknownModelError, match="unknown model 'critic'.*the hub knows: policy$"):
+        state.check_known("critic")
+    state.register(_registration("w1", {"critic": CRITIC}))
+    state.check_known("critic")
+    _publish(state, model="value", spec=CRITIC)
+    state.check_known("value")
+    with pytest.raises(UnknownModelError, match="the hub knows: critic, policy, value$"):
+        state.check_known("other")
+
+
+def test_a_declared_model_takes_the_spec_of_its_first_registration():
+    state = HubState()
+    state.declare("policy")
+    state.register(_registration("w1", {"policy": POLICY}))
+    assert state.spec("policy") == POLICY
+    with pytest.raises(SpecMismatchError, match="receiver w2"):
+        state.register(_registration("w2", {"policy": CRITIC}))
+
+
+def test_declaring_a_known_model_again_keeps_its_version_and_spec():
+    state = HubState()
+    _publish(state, version=3)
+    state.declare("policy")
+    assert state.versions() == {"policy": 3}
+    assert state.spec("policy") == POLICY
+    assert state.latest("policy").version == 3
+
+
+def test_latest_of_an_unknown_model_names_the_known_ones():
+    state = HubState()
+    with pytest.raises(UnknownModelError) as info:
+        state.latest("policy")
+    assert str(info.value) == "unknown model 'policy'; the hub knows: none"
+    state.declare("critic")
+    with pytest.raises(UnknownModelError, match="the hub knows: critic$"):
+        state.latest("policy")
+
+
+def test_a_broadcast_without_model_goes_to_the_only_model_or_is_refused():
+    state = HubState()
+    assert state.resolve_model(None) == DEFAULT_MODEL == "default"
+    assert state.resolve_model("anything") == "anything"
+    state.declare("policy")
+    assert state.resolve_model(None) == "policy"
+    state.declare("critic")
+    assert state.resolve_model("critic") == "critic"
+    with pytest.raises(UnknownModelError) as info:
+        state.resolve_model(None)
+    assert str(info.value) == (
+        "the hub holds several models (critic, policy); pass model=... to broadcast"
+    )
+
+
+# -- acks and statuses ---------------------------------------------------------------------
+
+
+def test_record_only_moves_a_receivers_version_up_and_statuses_show_the_lag():
+    state = HubState()
+    # Registered out of name order: statuses are sorted by worker.
+    state.register(
+        _registration("w-b", {"policy": POLICY, "critic": CRITIC}, mode=PULL, transport="rpc")
+    )
+    state.register(_registration("w-a", {"policy": POLICY}))
+    for _ in range(3):
+        _publish(state)
+    _publish(state, model="critic", spec=CRITIC, version=2)
+    state.record("w-a", "policy", 3)
+    state.record("w-b", "policy", 2)
+    state.record("w-b", "policy", 1)  # an older ack arriving late changes nothing
+    state.record("w-b", "critic", 2)
+    state.record("ghost", "policy", 3)  # a dropped receiver's ack is ignored
+    assert state.statuses() == (
+        ReceiverStatus(
+            worker="w-a",
+            actor=_actor("w-a"),
+            mode=PUSH,
+            versions={"policy": 3},
+            lag={"policy": 0},
+            transport="object_store",
+        ),
+        ReceiverStatus(
+            worker="w-b",
+            actor=_actor("w-b"),
+            mode=PULL,
+            versions={"critic": 2, "policy": 2},
+            lag={"critic": 0, "policy": 1},
+            transport="rpc",
+        ),
+    )
+    _publish(state)
+    _publish(state)
+    assert [s.lag for s in state.statuses()] == [{"policy": 2}, {"critic": 0, "policy": 3}]
+
+
+def test_a_receiver_that_registered_with_a_version_reports_it_until_it_acks_more():
+    state = HubState()
+    _publish(state, version=5)
+    state.register(_registration("w1", {"policy": POLICY}, versions={"policy": 4}))
+    (status,) = state.statuses()
+    assert (status.versions, status.lag) == ({"policy": 4}, {"policy": 1})
+    state.record("w1", "policy", 5)
+    (status,) = state.statuses()
+    assert (status.versions, status.lag) == ({"policy": 5}, {"policy": 0})
