@@ -211,7 +211,7 @@ class HubState:
                 and entry.registration.mode is DeliveryMode.PUSH
             ]
         chosen = []
-        for worker in workers:
+        for worker in dict.fromkeys(workers):  # each named worker once, in the given order
             entry = self.receivers.get(worker)
             if entry is None:
                 raise UnknownWorkerError(

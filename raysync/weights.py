@@ -125,24 +125,25 @@ def storage_fingerprint(model: Any) -> tuple[Any, ...] | None:
     return (id(model), *((t.data_ptr(), t.shape) for t in tensors))
 
 
-def _flat_tensors(weights: Any, what: str) -> dict[str, torch.Tensor]:
+def _flat_tensors(weights: Any, what: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """``weights`` as flat ``"a.b.c"`` names (each after ``prefix``) -> tensors."""
     if isinstance(weights, torch.nn.Module):
         weights = TensorDict.from_module(weights, use_state_dict=True)
     if isinstance(weights, TensorDictBase):
-        out = {}
+        out: dict[str, torch.Tensor] = {}
         for key, value in weights.items(
             include_nested=True, leaves_only=True, is_leaf=_leaf_or_non_tensor
         ):
-            key = key if isinstance(key, str) else ".".join(key)
+            name = prefix + (key if isinstance(key, str) else ".".join(key))
             if not isinstance(value, torch.Tensor):
                 raise InvalidWeightsError(
-                    f"{what}: key {key!r} is a {type(value).__name__}, not a tensor"
+                    f"{what}: key {name!r} is a {type(value).__name__}, not a tensor"
                 )
-            out[key] = value
+            _put(out, name, value, what)
         return out
     if isinstance(weights, Mapping):
         out = {}
-        _flatten_mapping(weights, "", out, what)
+        _flatten_mapping(weights, prefix, out, what)
         return out
     raise InvalidWeightsError(
         f"{what} is a {type(weights).__name__}: expected an nn.Module, a TensorDict or a "
@@ -161,13 +162,26 @@ def _flatten_mapping(
     for key, value in mapping.items():
         name = f"{prefix}{key}"
         if isinstance(value, torch.Tensor):
-            out[name] = value
+            _put(out, name, value, what)
         elif isinstance(value, TensorDictBase):
-            for sub, tensor in _flat_tensors(value, what).items():
-                out[f"{name}.{sub}"] = tensor
+            for sub, tensor in _flat_tensors(value, what, f"{name}.").items():
+                _put(out, sub, tensor, what)
         elif isinstance(value, Mapping):
             _flatten_mapping(value, f"{name}.", out, what)
         else:
             raise InvalidWeightsError(
                 f"{what}: key {name!r} is a {type(value).__name__}, not a tensor"
             )
+
+
+def _put(
+    out: MutableMapping[str, torch.Tensor], name: str, tensor: torch.Tensor, what: str
+) -> None:
+    """``out[name] = tensor``, refusing a second tensor under the same flat name
+    (``{"a.b": x, "a": {"b": y}}``): one of them would silently never be sent."""
+    if name in out:
+        raise InvalidWeightsError(
+            f"{what}: two tensors flatten to the same name {name!r} (a key with a dot "
+            "beside a nested one); rename one of them"
+        )
+    out[name] = tensor

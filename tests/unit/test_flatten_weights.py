@@ -290,3 +290,15 @@ def test_storage_fingerprint_changes_when_the_modules_tensors_move():
     assert storage_fingerprint(module) != replaced
     assert storage_fingerprint({"w": torch.ones(1)}) is None
     assert storage_fingerprint(TensorDict({"w": torch.ones(1)})) is None
+
+
+def test_a_refused_leaf_inside_a_nested_tensordict_is_named_by_its_full_key():
+    weights = {"nets": TensorDict({"note": NonTensorData("hi"), "w": torch.zeros(2)}, [])}
+    with pytest.raises(InvalidWeightsError, match=r"key 'nets\.note' is a NonTensorData"):
+        flatten(weights, what="weights")
+
+
+def test_two_tensors_flattening_to_one_name_are_refused_naming_it():
+    weights = {"a.b": torch.zeros(1), "a": {"b": torch.ones(1)}}
+    with pytest.raises(InvalidWeightsError, match=r"two tensors flatten to the same name 'a\.b'"):
+        flatten(weights, what="weights")

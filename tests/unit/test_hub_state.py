@@ -444,3 +444,8 @@ def test_a_receiver_that_registered_with_a_version_reports_it_until_it_acks_more
     state.record("w1", "policy", 5)
     (status,) = state.statuses()
     assert (status.versions, status.lag) == ({"policy": 5}, {"policy": 0})
+
+
+def test_a_worker_named_twice_is_targeted_once():
+    state = _four_receivers()
+    assert _workers(state.targets("policy", ("push-a", "pull", "push-a"))) == ["push-a", "pull"]
