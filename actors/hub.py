@@ -49,7 +49,7 @@ from raysync.messages import (
 )
 from raysync.ordering import InOrder
 from raysync.spec import WeightSpec
-from raysync.transports import Availability, TransportPlanner, get_transport
+from raysync.transports import Availability, HubContext, TransportPlanner, get_transport
 
 logger = logging.getLogger(__name__)
 
@@ -390,7 +390,8 @@ class WeightHubActor:
                 raise TransportUnavailableError(
                     f"transport {transport!r}{who} is not available: {availability.reason}"
                 )
-            planner = get_transport(transport).open_hub(ray.get_runtime_context().current_actor)
+            hub = HubContext(ray.get_runtime_context().current_actor, self._config.hub_id)
+            planner = get_transport(transport).open_hub(hub)
             self._planners[transport] = planner
         return planner
 

@@ -32,9 +32,9 @@ from raysync.transports.rpc import (
     RpcJob,
     RpcMember,
     RpcSettings,
-    _land,
-    _ping,
+    answer_ping,
     init_rpc,
+    land,
     node_ip,
     open_master_store,
     rpc_name,
@@ -159,7 +159,7 @@ class RpcAgentActor:
                 self._wait_joined(name, deadline)
                 futures[worker] = rpc.rpc_async(
                     name,
-                    _land,
+                    land,
                     args=(self._key, job.seq, tensors),
                     timeout=max(0.1, deadline - time.monotonic()),
                 )
@@ -220,7 +220,7 @@ class RpcAgentActor:
             if name == self._name:
                 continue
             try:
-                rpc.rpc_sync(name, _ping, timeout=_PING_TIMEOUT_S)
+                rpc.rpc_sync(name, answer_ping, timeout=_PING_TIMEOUT_S)
             except Exception:
                 dead.add(name)
         if dead:

@@ -18,10 +18,17 @@ import ray
 from ray.actor import ActorHandle
 
 from raysync import weights as weights_mod
+from raysync.actor_classes import HUB, actor_class
 from raysync.errors import HubClosedError, HubNotFoundError, TransportUnavailableError
 from raysync.messages import BroadcastRequest, HubConfig
 from raysync.spec import WeightSpec
-from raysync.transports import DEFAULT_TRANSPORT, TransportError, TransportSender, get_transport
+from raysync.transports import (
+    DEFAULT_TRANSPORT,
+    HubContext,
+    TransportError,
+    TransportSender,
+    get_transport,
+)
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
@@ -170,7 +177,8 @@ class HubHandle:
         """The learner half of transport ``hand_off``, opened in this process on first use."""
         sender = self._senders.get(hand_off)
         if sender is None:
-            sender = self._senders[hand_off] = get_transport(hand_off).open_sender(self.actor)
+            context = HubContext(self.actor, self.config.hub_id)
+            sender = self._senders[hand_off] = get_transport(hand_off).open_sender(context)
         return sender
 
     def __getattr__(self, name: str) -> Any:
@@ -182,7 +190,7 @@ class HubHandle:
         return (HubHandle, (self.actor, self.config))
 
     def __repr__(self) -> str:
-        return f"HubHandle({self.actor._actor_id.hex()}, transport={self.transport!r})"
+        return f"HubHandle({self.config.hub_id}, transport={self.transport!r})"
 
 
 class WeightHub:
@@ -240,8 +248,6 @@ class HubLauncher:
         ``ValueError`` for an unknown transport and
         :class:`~raysync.TransportUnavailableError` if it cannot run here.
         """
-        from actors.hub import WeightHubActor
-
         availability = get_transport(transport).availability()
         if not availability.available:
             raise TransportUnavailableError(
@@ -251,8 +257,9 @@ class HubLauncher:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if isinstance(models, str):
             raise TypeError(f"models takes a sequence of model ids, not the string {models!r}")
-        config = HubConfig(transport, timeout_s, reject_nonfinite, tuple(models))
-        actor = ray.remote(WeightHubActor).options(**self._actor_options).remote(config)
+        config = HubConfig(transport, timeout_s, reject_nonfinite, uuid.uuid4().hex, tuple(models))
+        hub_class = ray.remote(actor_class(HUB))
+        actor = hub_class.options(**self._actor_options).remote(config)
         return HubHandle(actor, config)
 
 

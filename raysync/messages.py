@@ -34,6 +34,9 @@ class HubConfig:
     transport: str
     default_timeout_s: float  #: ack timeout of a broadcast that sets none
     reject_nonfinite: bool  #: refuse weights holding NaN or Inf (checked in the learner)
+    #: Random id given at launch, the same across the hub's restarts: it names the
+    #: resource actors the hub's transports start and the learner looks up.
+    hub_id: str
     #: Model ids a broadcast may name before any receiver registered them.
     models: tuple[str, ...] = ()
 

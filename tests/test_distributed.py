@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from actors.process_group import GroupStatus
+from raysync.actors.process_group import GroupStatus
 from raysync import WeightHub, WeightReceiver
 from raysync.transports.distributed import BACKEND_ENV, TIMEOUT_ENV
 from tests.receivers import Collector, make_policy, state_of
@@ -30,7 +30,7 @@ def start_dist_hub(actors, backend: str = "gloo"):
 
 
 def group_status(hub) -> GroupStatus:
-    actor = ray.get_actor(f"raysync-process-group-{hub.actor._actor_id.hex()}")
+    actor = ray.get_actor(f"raysync-process-group-{hub.config.hub_id}")
     return ray.get(actor.describe.remote())
 
 
@@ -218,7 +218,7 @@ def test_nccl_broadcast_bitwise(actors):
 
 def _kill_process_group_actor(hub) -> None:
     """Kill rank 0's process the way a crash would; Ray restarts the actor."""
-    ray.kill(ray.get_actor(f"raysync-process-group-{hub.actor._actor_id.hex()}"), no_restart=False)
+    ray.kill(ray.get_actor(f"raysync-process-group-{hub.config.hub_id}"), no_restart=False)
 
 
 def test_killed_process_group_actor_is_restarted_and_the_next_broadcast_arrives(actors):

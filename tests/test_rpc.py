@@ -12,7 +12,7 @@ import time
 import ray
 import torch
 
-from actors.rpc_agent import AgentStatus
+from raysync.actors.rpc_agent import AgentStatus
 from raysync import WeightHub
 from raysync.transports.rpc import TIMEOUT_ENV
 from tests.receivers import Collector, make_policy, state_of
@@ -35,7 +35,7 @@ def start_rpc_hub(actors):
 
 
 def agent_status(hub) -> AgentStatus:
-    actor = ray.get_actor(f"raysync-rpc-agent-{hub.actor._actor_id.hex()}")
+    actor = ray.get_actor(f"raysync-rpc-agent-{hub.config.hub_id}")
     return ray.get(actor.describe.remote())
 
 
@@ -144,7 +144,7 @@ def test_killed_agent_is_replaced_and_its_members_follow_it(actors):
     ray.get(hub.broadcast.remote(make_policy()))
     before = agent_status(hub)
 
-    ray.kill(ray.get_actor(f"raysync-rpc-agent-{hub.actor._actor_id.hex()}"))
+    ray.kill(ray.get_actor(f"raysync-rpc-agent-{hub.config.hub_id}"))
     # The hub finds the agent dead at the next plan, starts a new group and re-admits
     # every member at its rank; each receiver moves to the new group on that delivery.
     assert_policy_reaches(hub, collectors, ("c0", "c1"))

@@ -43,7 +43,7 @@ class Recorder(WeightReceiver):
 
 def _owner(hub):
     node_id = ray.get_runtime_context().get_node_id()
-    return ray.get_actor(owner_name(hub.actor._actor_id.hex(), node_id), namespace=OWNER_NAMESPACE)
+    return ray.get_actor(owner_name(hub.config.hub_id, node_id), namespace=OWNER_NAMESPACE)
 
 
 def _wait_until(condition, timeout_s: float = 30.0, what: str = "condition"):

@@ -83,7 +83,7 @@ def _scenario() -> None:
 
         def stats(node_id: str):
             owner = ray.get_actor(
-                owner_name(hub.actor._actor_id.hex(), node_id), namespace=OWNER_NAMESPACE
+                owner_name(hub.config.hub_id, node_id), namespace=OWNER_NAMESPACE
             )
             return ray.get(owner.stats.remote())
 
@@ -114,7 +114,7 @@ def _scenario() -> None:
         ray.get(hub.close.remote())
         deadline = time.monotonic() + 30
         for node_id in (head, *nodes.values()):
-            name = owner_name(hub.actor._actor_id.hex(), node_id)
+            name = owner_name(hub.config.hub_id, node_id)
             while True:
                 try:
                     ray.get_actor(name, namespace=OWNER_NAMESPACE)

@@ -6,6 +6,7 @@ import importlib
 
 from raysync.transports.base import (
     Availability,
+    HubContext,
     ReceiverInfo,
     Transport,
     TransportError,
@@ -51,6 +52,7 @@ def available_transports() -> tuple[str, ...]:
 __all__ = [
     "DEFAULT_TRANSPORT",
     "Availability",
+    "HubContext",
     "ReceiverInfo",
     "Transport",
     "TransportError",

@@ -4,14 +4,15 @@ A transport moves one version's tensors from the learner to receivers; the hub o
 forwards the small, picklable *payload* the transport hands it. Lifecycle, with the
 process that calls each method:
 
-1. hub process, once, when the hub starts: ``planner = Transport.open_hub(hub_actor)``.
-   The planner may start the Ray actors that own the transport's resources (segments,
-   agents, process groups); ``planner.close()`` stops them.
+1. hub process, once, when the hub starts: ``planner = Transport.open_hub(hub)``
+   (a :class:`HubContext`). The planner may start the Ray actors that own the
+   transport's resources (segments, agents, process groups; their classes come from
+   :func:`raysync.actor_classes.actor_class`); ``planner.close()`` stops them.
 2. hub process, each registration: ``info = await planner.receiver_joined(receiver)``;
    ``info`` (connection details, picklable) reaches the receiver in its Welcome.
    ``await planner.receiver_left(worker)`` when a receiver dies or leaves.
 3. learner process, once per hub handle and hand-off in use:
-   ``sender = Transport.open_sender(hub_actor)`` of the transport named by ``hand_off``
+   ``sender = Transport.open_sender(hub)`` of the transport named by ``hand_off``
    (its own name unless it reuses another's learner half, as ``distributed`` and
    ``rpc`` reuse the object store's put).
 4. learner process, each broadcast: ``payload = sender.send(tensors, spec)`` — the data
@@ -69,6 +70,16 @@ from raysync.spec import WeightSpec
 
 class TransportError(RaySyncError, RuntimeError):
     """A transport could not move the data; the message names the likely cause."""
+
+
+@dataclass(frozen=True)
+class HubContext:
+    """The hub as the transport halves see it, in the hub and learner processes."""
+
+    actor: Any  #: the hub's ActorHandle
+    #: The same across the hub's restarts: names the resource actors the hub's planners
+    #: start, so a learner can find them (``HubConfig.hub_id``).
+    hub_id: str
 
 
 @dataclass(frozen=True)
@@ -188,14 +199,14 @@ class Transport(ABC):
         """Can this transport run here? Cheap; imports optional dependencies lazily."""
 
     @classmethod
-    def open_hub(cls, hub: Any) -> TransportPlanner:
-        """Called in the hub process with its own ActorHandle. Default: forward as is."""
+    def open_hub(cls, hub: HubContext) -> TransportPlanner:
+        """Called in the hub process, about itself. Default: forward as is."""
         return TransportPlanner()
 
     @classmethod
     @abstractmethod
-    def open_sender(cls, hub: Any) -> TransportSender:
-        """Called in the learner process with the hub's ActorHandle."""
+    def open_sender(cls, hub: HubContext) -> TransportSender:
+        """Called in the learner process, about the hub it broadcasts through."""
 
     @classmethod
     @abstractmethod

@@ -6,7 +6,7 @@ Processes and roles:
   tensors into the object store, exactly like the ``object_store`` transport (one
   copy, no pickling). It never touches torch.distributed.
 * **hub process** — :class:`DistributedPlanner` starts one
-  :class:`actors.process_group.ProcessGroupActor` per hub and decides, for every
+  :class:`raysync.actors.process_group.ProcessGroupActor` per hub and decides, for every
   delivery, which *generation* of the process group carries it: the members are the
   delivery's targets (ranks 1..N in sorted worker order), the actor is rank 0. While
   the targets stay the same, consecutive versions reuse the group; a different set of
@@ -81,10 +81,12 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysync.actor_classes import PROCESS_GROUP, actor_class
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
+    HubContext,
     ReceiverInfo,
     Transport,
     TransportError,
@@ -181,6 +183,11 @@ class GroupPayload:
     source: ObjectStorePayload
 
 
+def process_group_name(hub_id: str) -> str:
+    """The Ray name of the process-group actor (rank 0) of hub ``hub_id``."""
+    return f"raysync-process-group-{hub_id}"
+
+
 def header(generation: int, seq: int, nbytes: int) -> torch.Tensor:
     words = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
     words[:4] = torch.tensor([_MAGIC, generation, seq, nbytes])
@@ -250,11 +257,9 @@ def staging_device(settings: GroupSettings) -> torch.device:
 class DistributedPlanner(TransportPlanner):
     """Runs in the hub process; owns generation and rank assignment (see module doc)."""
 
-    def __init__(self, hub: Any) -> None:
-        from actors.process_group import ProcessGroupActor
-
+    def __init__(self, hub: HubContext) -> None:
         self._settings = GroupSettings.from_env()
-        self._name = f"raysync-process-group-{hub._actor_id.hex()}"
+        self._name = process_group_name(hub.hub_id)
         options: dict[str, Any] = {
             "num_cpus": 0,
             "name": self._name,
@@ -265,7 +270,8 @@ class DistributedPlanner(TransportPlanner):
         }
         if self._settings.backend == "nccl":
             options["num_gpus"] = 1
-        self._actor = ray.remote(ProcessGroupActor).options(**options).remote(self._settings)
+        rank0 = ray.remote(actor_class(PROCESS_GROUP))
+        self._actor = rank0.options(**options).remote(self._settings)
         self._store: StoreAddress | None = None
         self._generation: Generation | None = None
         self._generations = 0  #: generations formed so far; numbers only grow
@@ -483,11 +489,11 @@ class DistributedTransport(Transport):
         return Availability(True)
 
     @classmethod
-    def open_hub(cls, hub: Any) -> DistributedPlanner:
+    def open_hub(cls, hub: HubContext) -> DistributedPlanner:
         return DistributedPlanner(hub)
 
     @classmethod
-    def open_sender(cls, hub: Any) -> ObjectStoreSender:
+    def open_sender(cls, hub: HubContext) -> ObjectStoreSender:
         return ObjectStoreSender()
 
     @classmethod

@@ -67,6 +67,7 @@ from raysync.messages import BroadcastTicket
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
+    HubContext,
     Transport,
     TransportError,
     TransportReceiver,
@@ -309,7 +310,7 @@ class NixlSender(TransportSender):
             outcome = ray.get(result, timeout=REUSE_WAIT_S)
             if isinstance(outcome, BroadcastTicket):
                 ray.get(
-                    self._hub.wait_for.remote(outcome, raise_on_failure=False),
+                    self._hub.actor.wait_for.remote(outcome, raise_on_failure=False),
                     timeout=REUSE_WAIT_S,
                 )
         except ray.exceptions.GetTimeoutError:
@@ -594,7 +595,7 @@ class NixlTransport(Transport):
         return nixl_availability()
 
     @classmethod
-    def open_sender(cls, hub: Any) -> NixlSender:
+    def open_sender(cls, hub: HubContext) -> NixlSender:
         return NixlSender(hub)
 
     @classmethod

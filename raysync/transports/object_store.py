@@ -26,6 +26,7 @@ import torch
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
+    HubContext,
     Transport,
     TransportError,
     TransportReceiver,
@@ -79,7 +80,7 @@ class ObjectStoreTransport(Transport):
         return Availability(True)
 
     @classmethod
-    def open_sender(cls, hub: Any) -> ObjectStoreSender:
+    def open_sender(cls, hub: HubContext) -> ObjectStoreSender:
         return ObjectStoreSender()
 
     @classmethod

@@ -33,6 +33,7 @@ from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
+    HubContext,
     ReceiverInfo,
     Transport,
     TransportError,
@@ -199,11 +200,11 @@ class RdtTransport(Transport):
         return nixl_availability()
 
     @classmethod
-    def open_hub(cls, hub: Any) -> RdtPlanner:
+    def open_hub(cls, hub: HubContext) -> RdtPlanner:
         return RdtPlanner()
 
     @classmethod
-    def open_sender(cls, hub: Any) -> RdtSender:
+    def open_sender(cls, hub: HubContext) -> RdtSender:
         return RdtSender()
 
     @classmethod

@@ -5,18 +5,18 @@ Processes and roles:
 * **learner process** — the object store's sender (``hand_off``) puts the version's
   tensors into the object store, exactly like the ``object_store`` transport; it never
   joins the RPC group.
-* **hub process** — :class:`RpcPlanner` starts one :class:`actors.rpc_agent.RpcAgentActor`
+* **hub process** — :class:`RpcPlanner` starts one :class:`raysync.actors.rpc_agent.RpcAgentActor`
   per hub. When a receiver registers, the agent admits it (a rank and RPC name of its
   own, never given to another actor) and the receiver gets the rendezvous URL in its
   Welcome. Per delivery the planner numbers the version and hands the agent one job; it
   waits for nothing, so a slow receiver never delays the others.
 * **RPC agent** (rank 0, the sender) — reads the learner's object-store copy (zero-copy
-  on its node) and calls ``rpc_async(receiver, _land, (hub key, seq, tensors))`` once
+  on its node) and calls ``rpc_async(receiver, land, (hub key, seq, tensors))`` once
   per target; TensorPipe moves the tensors (same-host shared-memory/CMA channels, TCP
   across nodes). Each RPC future completes when the tensors are in the receiver's
   memory; its failures are kept for ``describe``.
 * **receiver process** — joins the group in ``open_receiver`` (``init_rpc`` with
-  dynamic membership, ``world_size=None``). ``_land`` runs on the receiver's RPC thread
+  dynamic membership, ``world_size=None``). ``land`` runs on the receiver's RPC thread
   pool, independent of what the actor is doing, and parks the tensors in a per-process
   inbox; ``fetch`` (inside the delivery call) waits for its version there, with a
   timeout, and returns views of the landed tensors. So the receiver's ack resolves
@@ -25,7 +25,7 @@ Processes and roles:
 
 Membership is repaired, not rebuilt: TensorPipe's dynamic membership lets receivers join
 a running group; a dead receiver's RPCs fail alone (nobody else waits for it), and the
-agent takes it off torch's member list (see :mod:`actors.rpc_agent`), because every
+agent takes it off torch's member list (see :mod:`raysync.actors.rpc_agent`), because every
 joiner calls every listed member and would otherwise fail. RPC state is per process and,
 in practice, once per process (a second ``init_rpc`` in the same process gets another
 store prefix and ``dist_autograd`` refuses a new rank): a receiver process joins the
@@ -82,10 +82,12 @@ import torch
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysync.actor_classes import RPC_AGENT, actor_class
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
+    HubContext,
     ReceiverInfo,
     Transport,
     TransportError,
@@ -153,6 +155,11 @@ class RpcPayload:
     seq: int
     timeout_s: float
     member: RpcMember
+
+
+def agent_name(hub_id: str) -> str:
+    """The Ray name of the RPC agent actor of hub ``hub_id``."""
+    return f"raysync-rpc-agent-{hub_id}"
 
 
 def rpc_name(key: str, rank: int) -> str:
@@ -287,12 +294,12 @@ class _Inbox:
 _INBOX = _Inbox()
 
 
-def _ping() -> bool:
+def answer_ping() -> bool:
     """The agent's liveness probe of a listed member (runs on its RPC thread pool)."""
     return True
 
 
-def _land(key: str, seq: int, tensors: list[torch.Tensor]) -> int:
+def land(key: str, seq: int, tensors: list[torch.Tensor]) -> int:
     """Runs on the receiver's RPC thread pool when the agent's ``rpc_async`` arrives."""
     _INBOX.put(key, seq, tensors)
     return seq
@@ -368,10 +375,10 @@ class RpcPlanner(TransportPlanner):
     """Runs in the hub process: admits receivers to the agent's group, numbers versions,
     and replaces the agent when it dies (its members follow it under the same ranks)."""
 
-    def __init__(self, hub: Any) -> None:
+    def __init__(self, hub: HubContext) -> None:
         self._settings = RpcSettings.from_env()
-        self._hub = hub._actor_id.hex()
-        self._name = f"raysync-rpc-agent-{self._hub}"
+        self._hub = hub.hub_id
+        self._name = agent_name(hub.hub_id)
         self._node_id = ray.get_runtime_context().get_node_id()
         self._members: dict[str, RpcMember] = {}  #: worker -> its place in the group
         #: worker -> (its process, its rank), kept in GCS so a restarted hub has it too.
@@ -382,12 +389,10 @@ class RpcPlanner(TransportPlanner):
 
     def _start_agent(self) -> tuple[str, Any]:
         """A new agent (new key, new group) that re-admits every known member at its rank."""
-        from actors.rpc_agent import RpcAgentActor
-
         key = uuid.uuid4().hex
         known = self._ranks.load()
         actor = (
-            ray.remote(RpcAgentActor)
+            ray.remote(actor_class(RPC_AGENT))
             .options(
                 num_cpus=0,
                 name=self._name,
@@ -523,11 +528,11 @@ class RpcTransport(Transport):
         return Availability(True)
 
     @classmethod
-    def open_hub(cls, hub: Any) -> RpcPlanner:
+    def open_hub(cls, hub: HubContext) -> RpcPlanner:
         return RpcPlanner(hub)
 
     @classmethod
-    def open_sender(cls, hub: Any) -> ObjectStoreSender:
+    def open_sender(cls, hub: HubContext) -> ObjectStoreSender:
         return ObjectStoreSender()
 
     @classmethod

@@ -2,7 +2,7 @@
 
 Who does what:
 
-* **Owner** (``actors/shm_owner.py``, one per node per hub, started by the hub's
+* **Owner** (``raysync.actors.shm_owner``, one per node per hub, started by the hub's
   planner): creates the segments, decides which one the next version may use, and
   frees them when it closes. A segment is an anonymous ``memfd``: it is never linked
   into ``/dev/shm`` or any file system, so there is no name to guess and nothing left
@@ -61,10 +61,12 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
+from raysync.actor_classes import SHM_OWNER, actor_class
 from raysync.layout import HEADER_BYTES, PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
+    HubContext,
     ReceiverInfo,
     Transport,
     TransportError,
@@ -185,10 +187,10 @@ def read_seq(buffer: torch.Tensor) -> int:
 class SharedMemorySender(TransportSender):
     """Learner side: write each version once into a slot of this node's owner."""
 
-    def __init__(self, hub: Any) -> None:
-        self._name = owner_name(hub._actor_id.hex(), ray.get_runtime_context().get_node_id())
+    def __init__(self, hub: HubContext) -> None:
+        self._name = owner_name(hub.hub_id, ray.get_runtime_context().get_node_id())
         self._mappings = _Mappings(writable=True)
-        ray.get(hub.__ray_ready__.remote(), timeout=OWNER_WAIT_S)
+        ray.get(hub.actor.__ray_ready__.remote(), timeout=OWNER_WAIT_S)
         self._owner = self._find_owner()
         #: The slot asked for right after the previous send, by size: the owner's answer
         #: is usually back before the next send needs it.
@@ -309,8 +311,8 @@ class SharedMemoryReceiver(TransportReceiver):
 class SharedMemoryPlanner(TransportPlanner):
     """Hub side: one owner per node; holds on the learner's node, relays to the others."""
 
-    def __init__(self, hub: Any) -> None:
-        self._hub_id = hub._actor_id.hex()
+    def __init__(self, hub: HubContext) -> None:
+        self._hub_id = hub.hub_id
         self._owners: dict[str, Any] = {}
         #: Per node, the number of the next hold sent to its owner (see ShmOwner.deliver).
         self._orders: dict[str, itertools.count] = {}
@@ -322,10 +324,8 @@ class SharedMemoryPlanner(TransportPlanner):
                 self._start_owner(node["NodeID"])
 
     def _start_owner(self, node_id: str) -> Any:
-        from actors.shm_owner import ShmOwner
-
         owner = (
-            ray.remote(ShmOwner)
+            ray.remote(actor_class(SHM_OWNER))
             .options(
                 name=owner_name(self._hub_id, node_id),
                 namespace=OWNER_NAMESPACE,
@@ -473,11 +473,11 @@ class SharedMemoryTransport(Transport):
         return Availability(True)
 
     @classmethod
-    def open_hub(cls, hub: Any) -> SharedMemoryPlanner:
+    def open_hub(cls, hub: HubContext) -> SharedMemoryPlanner:
         return SharedMemoryPlanner(hub)
 
     @classmethod
-    def open_sender(cls, hub: Any) -> SharedMemorySender:
+    def open_sender(cls, hub: HubContext) -> SharedMemorySender:
         return SharedMemorySender(hub)
 
     @classmethod
