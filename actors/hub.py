@@ -226,9 +226,6 @@ class WeightHubActor:
         """A receiver's check that this hub still knows it; False means register again."""
         return self._state.knows(worker, token)
 
-    async def unregister(self, worker: str, token: str) -> None:
-        self._drop(worker, token)
-
     def _drop(self, worker: str, token: str) -> None:
         entry = self._state.receivers.get(worker)
         if entry is not None and self._state.drop(worker, token):

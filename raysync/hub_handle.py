@@ -68,7 +68,16 @@ class _Broadcast:
 
         It returns once the learner's side of the transport has what it needs: the
         learner may change ``weights`` right after (the next training step), while
-        receivers are still reading.
+        receivers are still reading. What it blocks the calling thread on, in order:
+        the hand-off list the hub sent for the previous broadcast (asked one broadcast
+        ahead, so usually already here; the first broadcast waits one hub round trip);
+        flattening and checking ``weights``; the transport's send — one copy into the
+        object store (``object_store``, ``distributed``, ``rpc``), one into the node's
+        shared-memory slot (``shared_memory``), or, with ``nixl`` and ``rdt``, for the
+        version read from the buffer it reuses to be acked (two versions in flight
+        at most) and then the pack. It never waits for this version's acks: that is
+        the returned ref. An async learner calls it in a thread
+        (``await asyncio.to_thread(hub.broadcast.remote, w)``) to keep its loop free.
 
         Raises :class:`~raysync.InvalidWeightsError` here, before anything is sent, for
         weights that are not contiguous tensors with data (or that hold NaN/Inf when
@@ -138,11 +147,16 @@ class _InFlight:
 
 
 class HubHandle:
-    """A picklable handle on a hub actor, with learner-side ``broadcast``.
+    """A picklable handle on a hub actor: the learner's side of the hub.
 
-    Every other hub method is the actor's own, called the Ray way:
-    ``hub.status.remote()``, ``hub.wait_for.remote(ticket)``, ``hub.close.remote()``.
-    Pass a HubHandle (or the hub's name) to receivers' ``connect_hub``.
+    ``broadcast`` does the learner-side work (flatten, check, hand the data to the
+    transport in this process) and then calls the hub; the hub's other methods are
+    its actor methods, called the Ray way: ``hub.status.remote()``,
+    ``hub.wait_for.remote(ticket)``, ``hub.latest.remote(model)``,
+    ``hub.transports.remote()``, ``hub.close.remote()`` (shut the hub down). Anything
+    else is on ``hub.actor``. :meth:`release` frees what this process's learner side
+    holds (NIXL registrations, shared-memory mappings). Pass a HubHandle (or the hub's
+    name) to receivers' ``connect_hub``.
     """
 
     def __init__(self, actor: ActorHandle, config: HubConfig) -> None:
@@ -155,6 +169,44 @@ class HubHandle:
         self._sequence = itertools.count(1)
         self._submitting = threading.Lock()
         self._in_flight = _InFlight()
+
+    # -- the hub actor's own methods --------------------------------------------------
+    @property
+    def status(self) -> Any:
+        """``hub.status.remote()`` -> :class:`~raysync.HubStatus`: versions, receivers, lags."""
+        return self.actor.status
+
+    @property
+    def wait_for(self) -> Any:
+        """``hub.wait_for.remote(ticket, raise_on_failure=True)`` -> the report of a
+        ``wait=False`` broadcast, once complete."""
+        return self.actor.wait_for
+
+    @property
+    def latest(self) -> Any:
+        """``hub.latest.remote(model, have_version=0)`` -> the latest Update, or None."""
+        return self.actor.latest
+
+    @property
+    def transports(self) -> Any:
+        """``hub.transports.remote()`` -> the hand-offs a broadcast carries now."""
+        return self.actor.transports
+
+    @property
+    def close(self) -> Any:
+        """``hub.close.remote()``: refuse new broadcasts, wait for those in flight, stop
+        the transports' resource actors."""
+        return self.actor.close
+
+    def release(self) -> None:
+        """Free what this learner process holds for this hub (transport senders: NIXL
+        registrations, shared-memory mappings). A later broadcast opens them again.
+        Call it once this learner's broadcasts are acked: with ``nixl`` and ``rdt`` the
+        latest version is read from the learner's buffers, so a receiver that joins
+        after the release starts on the next broadcast instead."""
+        senders, self._senders = self._senders, {}
+        for sender in senders.values():
+            sender.close()
 
     @property
     def transport(self) -> str:
@@ -180,11 +232,6 @@ class HubHandle:
             context = HubContext(self.actor, self.config.hub_id)
             sender = self._senders[hand_off] = get_transport(hand_off).open_sender(context)
         return sender
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("actor", "config", "_senders", "_next_hand_offs"):
-            raise AttributeError(name)
-        return getattr(self.actor, name)
 
     def __reduce__(self):
         return (HubHandle, (self.actor, self.config))

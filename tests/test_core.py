@@ -72,6 +72,17 @@ class TestBroadcast:
                 assert_same(ray.get(c.state.remote()), state_of(learner))
                 assert ray.get(c.version.remote()) == step
 
+    def test_learner_releases_its_side_and_broadcasts_again(self, actors, transport):
+        hub = start_hub(actors, transport)
+        collector = start(actors, Collector, hub)
+        ready([collector])
+        ray.get(hub.broadcast.remote(make_policy()))
+        hub.release()  # NIXL deregisters its buffers, shared memory unmaps its segment
+        learner = make_policy()
+        assert ray.get(hub.broadcast.remote(learner)).version == 2
+        assert_same(ray.get(collector.state.remote()), state_of(learner))
+        hub.release()
+
     def test_accepts_module_tensordict_and_state_dict(self, actors, transport):
         hub = start_hub(actors, transport)
         collector = start(actors, Collector, hub)

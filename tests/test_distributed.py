@@ -12,8 +12,8 @@ import pytest
 import ray
 import torch
 
-from raysync.actors.process_group import GroupStatus
 from raysync import WeightHub, WeightReceiver
+from raysync.actors.process_group import GroupStatus
 from raysync.transports.distributed import BACKEND_ENV, TIMEOUT_ENV
 from tests.receivers import Collector, make_policy, state_of
 from tests.test_core import ready, start

@@ -12,8 +12,8 @@ import time
 import ray
 import torch
 
-from raysync.actors.rpc_agent import AgentStatus
 from raysync import WeightHub
+from raysync.actors.rpc_agent import AgentStatus
 from raysync.transports.rpc import TIMEOUT_ENV
 from tests.receivers import Collector, make_policy, state_of
 from tests.test_core import ready, start

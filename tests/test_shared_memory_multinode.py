@@ -82,9 +82,7 @@ def _scenario() -> None:
                 assert_same(ray.get(r.state.remote()), state_of(learner))
 
         def stats(node_id: str):
-            owner = ray.get_actor(
-                owner_name(hub.config.hub_id, node_id), namespace=OWNER_NAMESPACE
-            )
+            owner = ray.get_actor(owner_name(hub.config.hub_id, node_id), namespace=OWNER_NAMESPACE)
             return ray.get(owner.stats.remote())
 
         # Two versions: the learner's node exported each once; each other node received
