@@ -71,7 +71,8 @@ class Learner:
         return [t.version for t in ray.get(refs)]
 
 
-@pytest.mark.parametrize("transport", transport_params(heavy=True))
+@pytest.mark.slow  # CI kills one victim per moment and transport (test_kill_moments.py)
+@pytest.mark.parametrize("transport", transport_params())
 def test_rotating_victim_killed_mid_broadcast_20_times(actors, transport, tmp_path):
     hub = start_hub(actors, transport)
     receivers = [start(actors, Restartable, hub, f"r{i}", str(tmp_path)) for i in range(3)]
