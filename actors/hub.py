@@ -48,6 +48,7 @@ from raysync.messages import (
     Welcome,
 )
 from raysync.ordering import InOrder
+from raysync.routing import HandedOver, hand_offs_for
 from raysync.spec import WeightSpec
 from raysync.transports import Availability, HubContext, TransportPlanner, get_transport
 
@@ -62,6 +63,14 @@ _ORDER_WAIT_S = 1.0
 #: How often a delivery asks an unavailable receiver (restarting, or unreachable for a
 #: moment) whether it answers again.
 _UNAVAILABLE_RETRY_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One target's delivery of a version: the update it reads, or why it gets none."""
+
+    update: Update | None = None
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,33 +143,20 @@ class WeightHubActor:
         self._state.check_broadcast(model, request.spec)
         self._state.check_version(model, request.version)
         targets = self._state.targets(model, request.workers)
+        handed = self._state.publish(model, request.spec, request.payloads, request.version)
         if request.workers is None:  # left out: joined by a transport the learner had not seen
-            targets = [t for t in targets if self._readable_by(request.payloads, t.transport)]
-        update = self._state.publish(
-            model,
-            request.spec,
-            self._transport,
-            request.payloads,
-            get_transport(self._transport).hand_off,
-            request.version,
-        )
+            targets = [t for t in targets if handed.readable_by(t.transport)]
         self._snapshot.save(self._state.versions(), self._state.specs())
         task = asyncio.create_task(
             self._deliver_all(
-                update,
-                request.spec,
-                request.payloads,
-                targets,
-                timeout_s,
-                started,
-                request.learner_seconds,
+                handed, request.spec, targets, timeout_s, started, request.learner_seconds
             )
         )
         reports = self._reports.setdefault(model, OrderedDict())
-        reports[update.version] = task
+        reports[handed.version] = task
         while len(reports) > _REPORTS_KEPT:
             reports.popitem(last=False)
-        return _Started(model, update.version, task)
+        return _Started(model, handed.version, task)
 
     async def wait_for(
         self,
@@ -207,20 +203,20 @@ class WeightHubActor:
         entry = self._state.receivers[registration.worker]
         try:
             info = await planner.receiver_joined(entry.info)
-            for model, update in list(latest.items()):
-                readable = self._readable(update, self._state.models[model].payloads, transport)
-                if readable is None:  # sent before anyone read by this transport: next one
-                    del latest[model]
+            catch_up: dict[str, Update] = {}
+            for model, handed in latest.items():
+                update = handed.update_for(transport)
+                if update is None:  # sent before anyone read by this transport: next one
                     continue
                 # Read the way a pull reads: nothing of a broadcast in flight (a
                 # collective, a group's RPCs) waits for a receiver still connecting.
-                payload = await planner.plan_pull(readable, self._state.spec(model), entry.info)
-                latest[model] = dataclasses.replace(readable, payload=payload)
+                payload = await planner.plan_pull(update, self._state.spec(model), entry.info)
+                catch_up[model] = dataclasses.replace(update, payload=payload)
         except BaseException:
             self._drop(registration.worker, registration.token)
             raise
         logger.info("registered %s (%s, %s)", registration.worker, registration.actor, transport)
-        return Welcome(transport, info, latest)
+        return Welcome(transport, info, catch_up)
 
     async def heartbeat(self, worker: str, token: str) -> bool:
         """A receiver's check that this hub still knows it; False means register again."""
@@ -245,18 +241,18 @@ class WeightHubActor:
     ) -> Update | None:
         """Pull mode: the latest update of ``model`` if newer than ``have_version``,
         planned for ``worker`` (a registered receiver) if given, else the learner's payload."""
-        update = self._state.latest(model)
-        if update is None or update.version <= have_version:
+        handed = self._state.latest(model)
+        if handed is None or handed.version <= have_version:
             return None
         entry = self._state.receivers.get(worker) if worker is not None else None
         if entry is None:
-            return update
-        readable = self._readable(update, self._state.models[model].payloads, entry.transport)
-        if readable is None:
+            return handed.update_for(self._transport)
+        update = handed.update_for(entry.transport)
+        if update is None:
             return None  # sent before anyone read by this transport: the next one will be
         planner = self._planners[entry.transport]
-        payload = await planner.plan_pull(readable, self._state.spec(model), entry.info)
-        return dataclasses.replace(readable, payload=payload)
+        payload = await planner.plan_pull(update, self._state.spec(model), entry.info)
+        return dataclasses.replace(update, payload=payload)
 
     # -- anyone ----------------------------------------------------------------------------
     async def status(self) -> HubStatus:
@@ -284,63 +280,59 @@ class WeightHubActor:
     # -- delivery --------------------------------------------------------------------------
     async def _deliver_all(
         self,
-        update: Update,
+        handed: HandedOver,
         spec: WeightSpec,
-        payloads: dict[str, Any],
         targets: list[ReceiverEntry],
         timeout_s: float,
         started: float,
         learner_seconds: float,
     ) -> BroadcastReport:
         deadline = time.monotonic() + timeout_s
-        planned = await self._plan_all(update, spec, payloads, targets, timeout_s)
+        planned = await self._plan_all(handed, spec, targets, timeout_s)
         outcomes = await asyncio.gather(
             *(
-                self._deliver_one(entry, planned[entry.worker], deadline, timeout_s)
-                if isinstance(planned[entry.worker], Update)
-                else _failed(entry.worker, planned[entry.worker])
-                for entry in targets
+                self._deliver_one(entry, plan.update, deadline, timeout_s)
+                if plan.update is not None
+                else _failed(entry.worker, plan.reason)
+                for entry, plan in ((e, planned[e.worker]) for e in targets)
             )
         )
         acked = tuple(sorted(w for w, error in outcomes if error is None))
         failed = {w: error for w, error in outcomes if error is not None}
         return BroadcastReport(
-            model=update.model,
-            version=update.version,
+            model=handed.model,
+            version=handed.version,
             acked=acked,
             failed=failed,
             bytes=spec.nbytes,
             seconds=learner_seconds + time.perf_counter() - started,
-            transport=",".join(
-                sorted({entry.transport for entry in targets} or {update.transport})
-            ),
+            transports=tuple(sorted({entry.transport for entry in targets})),
         )
 
     async def _plan_all(
         self,
-        update: Update,
+        handed: HandedOver,
         spec: WeightSpec,
-        payloads: dict[str, Any],
         targets: list[ReceiverEntry],
         timeout_s: float,
-    ) -> dict[str, Update | str]:
+    ) -> dict[str, _Plan]:
         """Per target: the update it reads, planned by its transport, or why there is none."""
         groups: dict[str, list[ReceiverEntry]] = {}
         for entry in targets:
             groups.setdefault(entry.transport, []).append(entry)
-        planned: dict[str, Update | str] = {}
+        planned: dict[str, _Plan] = {}
         for transport, group in groups.items():
-            readable = self._readable(update, payloads, transport)
-            if readable is None:
+            update = handed.update_for(transport)
+            if update is None:
                 reason = (
                     f"registered to read by transport {transport!r} after the learner handed "
                     "this version over without it; the next version reaches it"
                 )
-                planned.update(dict.fromkeys((e.worker for e in group), reason))
+                planned.update(dict.fromkeys((e.worker for e in group), _Plan(reason=reason)))
                 continue
             try:
                 payload_of = await asyncio.wait_for(
-                    self._planners[transport].plan(readable, spec, [e.info for e in group]),
+                    self._planners[transport].plan(update, spec, [e.info for e in group]),
                     timeout_s,
                 )
             except asyncio.TimeoutError:
@@ -348,30 +340,17 @@ class WeightHubActor:
                     f"transport {transport!r} could not plan the delivery within the "
                     f"{timeout_s:g} s timeout (the hub's log says what it waited for)"
                 )
-                planned.update(dict.fromkeys((e.worker for e in group), reason))
+                planned.update(dict.fromkeys((e.worker for e in group), _Plan(reason=reason)))
                 continue
             except Exception as err:
                 reason = f"transport {transport!r} could not plan the delivery: {err!r}"
-                planned.update(dict.fromkeys((e.worker for e in group), reason))
+                planned.update(dict.fromkeys((e.worker for e in group), _Plan(reason=reason)))
                 continue
             for entry in group:
-                planned[entry.worker] = dataclasses.replace(
-                    readable, payload=payload_of[entry.worker]
+                planned[entry.worker] = _Plan(
+                    update=dataclasses.replace(update, payload=payload_of[entry.worker])
                 )
         return planned
-
-    @staticmethod
-    def _readable_by(payloads: dict[str, Any], transport: str) -> bool:
-        return get_transport(transport).hand_off in payloads
-
-    @staticmethod
-    def _readable(update: Update, payloads: dict[str, Any], transport: str) -> Update | None:
-        """``update`` as receivers of ``transport`` read it; None if the learner did not
-        hand it over in the form that transport reads."""
-        if not WeightHubActor._readable_by(payloads, transport):
-            return None
-        payload = payloads[get_transport(transport).hand_off]
-        return dataclasses.replace(update, transport=transport, payload=payload)
 
     def _planner(self, transport: str, asked_by: str | None = None) -> TransportPlanner:
         """The planner of ``transport``, opened on first use; TransportUnavailableError
@@ -395,8 +374,7 @@ class WeightHubActor:
     def transports(self) -> tuple[str, ...]:
         """The hand-offs a broadcast must carry now: the hub's transport's and those of
         the transports its receivers read by (called by the learner before each send)."""
-        names = {self._transport, *(e.transport for e in self._state.receivers.values())}
-        return tuple(sorted({get_transport(name).hand_off for name in names}))
+        return hand_offs_for([self._transport, *self._state.transports()])
 
     async def _deliver_one(
         self, entry: ReceiverEntry, update: Update, deadline: float, timeout_s: float

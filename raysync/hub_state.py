@@ -7,6 +7,7 @@ totally ordered.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from raysync.errors import StaleVersionError, UnknownModelError, UnknownWorkerError
@@ -14,8 +15,8 @@ from raysync.messages import (
     DeliveryMode,
     ReceiverStatus,
     Registration,
-    Update,
 )
+from raysync.routing import HandedOver
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo
 
@@ -27,9 +28,7 @@ DEFAULT_MODEL = "default"
 class ModelState:
     spec: WeightSpec | None = None
     version: int = 0
-    latest: Update | None = None  #: the latest version, as the hub's own transport reads it
-    #: The latest version's payload per hand-off transport (receivers may read by others).
-    payloads: dict[str, object] = field(default_factory=dict)
+    latest: HandedOver | None = None  #: the latest version, as the learner handed it over
 
 
 @dataclass
@@ -115,19 +114,16 @@ class HubState:
         self,
         model: str,
         spec: WeightSpec,
-        transport: str,
-        payloads: dict[str, object],
-        hand_off: str,
+        payloads: Mapping[str, object],
         version: int | None = None,
-    ) -> Update:
+    ) -> HandedOver:
         """Make this the latest version of ``model``: ``version``, or the next one.
-        ``payloads`` holds one payload per hand-off; ``hand_off`` is ``transport``'s."""
+        ``payloads`` holds one payload per hand-off."""
         self.check_version(model, version)
         state = self.models.setdefault(model, ModelState())
         state.spec = spec
         state.version = state.version + 1 if version is None else version
-        state.latest = Update(model, state.version, spec.digest, transport, payloads[hand_off])
-        state.payloads = payloads
+        state.latest = HandedOver(model, state.version, spec.digest, dict(payloads))
         return state.latest
 
     def spec(self, model: str) -> WeightSpec:
@@ -136,7 +132,7 @@ class HubState:
         assert spec is not None, f"model {model!r} has no spec yet"
         return spec
 
-    def latest(self, model: str) -> Update | None:
+    def latest(self, model: str) -> HandedOver | None:
         if model not in self.models:
             raise UnknownModelError(
                 f"unknown model {model!r}; the hub knows: "
@@ -145,7 +141,7 @@ class HubState:
         return self.models[model].latest
 
     # -- receivers -----------------------------------------------------------------------
-    def register(self, registration: Registration) -> dict[str, Update]:
+    def register(self, registration: Registration) -> dict[str, HandedOver]:
         """Add (or replace) a receiver; return the latest updates it does not hold yet.
 
         Raises SpecMismatchError, naming the actor, if one of its models disagrees with
@@ -225,6 +221,10 @@ class HubState:
                 )
             chosen.append(entry)
         return chosen
+
+    def transports(self) -> set[str]:
+        """The transports the registered receivers read by."""
+        return {entry.transport for entry in self.receivers.values()}
 
     def record(self, worker: str, model: str, version: int) -> None:
         """Remember that ``worker`` holds ``version`` of ``model`` (or a newer one)."""

@@ -133,6 +133,7 @@ class BroadcastReport:
     ``acked`` lists workers that hold this version or a newer one; ``failed`` maps each
     other worker to the reason (a traceback for errors raised in the receiver).
     ``seconds`` covers the learner's hand-off and the wait for the last ack.
+    ``transports`` names the transports its targets read by (empty: no target).
     """
 
     model: str
@@ -141,7 +142,7 @@ class BroadcastReport:
     failed: dict[str, str]
     bytes: int
     seconds: float
-    transport: str
+    transports: tuple[str, ...]
 
     @property
     def ok(self) -> bool:

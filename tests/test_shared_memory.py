@@ -92,7 +92,7 @@ def test_bitwise_mixed_dtypes_every_version_one_write_per_node(actors):
             for p in learner.parameters():
                 p.add_(torch.randn_like(p))
         report = ray.get(hub.broadcast.remote(learner))
-        assert report.acked == ("c0", "c1", "c2") and report.transport == TRANSPORT
+        assert report.acked == ("c0", "c1", "c2") and report.transports == (TRANSPORT,)
         for r in receivers:
             assert_same(ray.get(r.state.remote()), state_of(learner))
     # Every receiver read the one slot the learner wrote: all got the same payload.

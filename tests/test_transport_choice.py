@@ -28,7 +28,7 @@ def test_receivers_choose_their_transport_on_an_object_store_hub(actors):
         learner = make_policy()
         report = ray.get(hub.broadcast.remote(learner))
         assert report.version == version and report.acked == ("group", "local", "plain")
-        assert report.transport == "distributed,object_store,shared_memory"
+        assert report.transports == ("distributed", "object_store", "shared_memory")
         for r in (plain, local, group):
             assert_same(ray.get(r.state.remote()), state_of(learner))
     transports = {r.worker: r.transport for r in ray.get(hub.status.remote()).receivers}

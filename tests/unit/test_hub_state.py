@@ -21,6 +21,7 @@ from raysync.errors import (
 )
 from raysync.hub_state import DEFAULT_MODEL, HubState
 from raysync.messages import DeliveryMode, ReceiverStatus, Registration, Update
+from raysync.routing import HandedOver
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo
 
@@ -65,10 +66,8 @@ def _publish(
     version: int | None = None,
     spec: WeightSpec = POLICY,
     payload: object = "payload",
-) -> Update:
-    return state.publish(
-        model, spec, "object_store", {"object_store": payload}, "object_store", version
-    )
+) -> HandedOver:
+    return state.publish(model, spec, {"object_store": payload}, version)
 
 
 def _workers(entries) -> list[str]:
@@ -91,7 +90,7 @@ def test_registering_returns_the_latest_update_of_each_model_it_lacks():
     state = HubState()
     _publish(state, payload="v1")
     _publish(state, payload="v2")
-    expected = Update("policy", 2, POLICY.digest, "object_store", "v2")
+    expected = HandedOver("policy", 2, POLICY.digest, {"object_store": "v2"})
     assert state.register(_registration("behind", {"policy": POLICY})) == {"policy": expected}
     one_behind = _registration("one-behind", {"policy": POLICY}, versions={"policy": 1})
     assert state.register(one_behind) == {"policy": expected}
@@ -221,7 +220,9 @@ def test_a_version_not_above_the_current_one_is_refused_and_changes_nothing(vers
         "versions only go up"
     )
     assert state.versions() == {"policy": 11}
-    assert state.latest("policy") == Update("policy", 11, POLICY.digest, "object_store", "eleven")
+    assert state.latest("policy") == HandedOver(
+        "policy", 11, POLICY.digest, {"object_store": "eleven"}
+    )
 
 
 def test_check_version_of_a_model_never_seen_starts_from_zero():
@@ -245,10 +246,12 @@ def test_a_receiver_ahead_of_a_restarted_hub_raises_its_next_version():
 def test_publish_keeps_every_hand_off_payload_and_hands_out_the_transports_own():
     state = HubState()
     payloads = {"object_store": "object-ref", "shared_memory": "segment"}
-    update = state.publish("policy", POLICY, "shared_memory", payloads, "shared_memory")
-    assert update == Update("policy", 1, POLICY.digest, "shared_memory", "segment")
-    assert state.latest("policy") is update
-    assert state.models["policy"].payloads == payloads
+    handed = state.publish("policy", POLICY, payloads)
+    assert state.latest("policy") is handed and handed.payloads == payloads
+    assert handed.update_for("shared_memory") == Update(
+        "policy", 1, POLICY.digest, "shared_memory", "segment"
+    )
+    assert handed.update_for("rpc") == Update("policy", 1, POLICY.digest, "rpc", "object-ref")
 
 
 def test_restore_keeps_versions_and_specs_across_a_hub_restart():
