@@ -27,6 +27,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
+from raysync.background import BackgroundTasks
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
@@ -109,6 +110,7 @@ class WeightHubActor:
         self._closed = False
         self._model_known = asyncio.Event()
         self._in_order = InOrder(_ORDER_WAIT_S)
+        self._background = BackgroundTasks("hub")
 
     # -- learner -------------------------------------------------------------------------
     async def submit(self, request: BroadcastRequest) -> BroadcastReport | BroadcastTicket:
@@ -226,7 +228,7 @@ class WeightHubActor:
         entry = self._state.receivers.get(worker)
         if entry is not None and self._state.drop(worker, token):
             planner = self._planners[entry.transport]
-            asyncio.get_running_loop().create_task(planner.receiver_left(worker))
+            self._background.spawn(planner.receiver_left(worker), f"{worker} left")
 
     async def ack(self, ack: Ack) -> None:
         """An acknowledgement sent after the delivery call returned (deferred applies)."""
@@ -274,6 +276,7 @@ class WeightHubActor:
         self._closed = True
         tasks = [t for reports in self._reports.values() for t in reports.values()]
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._background.close()
         await asyncio.gather(*(planner.close() for planner in self._planners.values()))
         self._snapshot.delete()
 

@@ -43,8 +43,10 @@ class ReceiverEntry:
     @property
     def transport(self) -> str:
         """The transport this receiver reads by (resolved at registration)."""
-        assert self.registration.transport is not None
-        return self.registration.transport
+        transport = self.registration.transport
+        if transport is None:  # the hub fills it in before the entry exists
+            raise ValueError(f"receiver {self.worker} was registered without a transport")
+        return transport
 
     @property
     def info(self) -> ReceiverInfo:
@@ -129,7 +131,11 @@ class HubState:
     def spec(self, model: str) -> WeightSpec:
         """The spec of ``model``, known once a receiver registered it or it was broadcast."""
         spec = self.models[model].spec
-        assert spec is not None, f"model {model!r} has no spec yet"
+        if spec is None:
+            raise UnknownModelError(
+                f"model {model!r} has no spec yet: no receiver registered it and it was "
+                "never broadcast"
+            )
         return spec
 
     def latest(self, model: str) -> HandedOver | None:

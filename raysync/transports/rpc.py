@@ -354,7 +354,8 @@ class _Membership:
         for life. Holds ``lock``."""
         import torch.distributed.rpc as rpc
 
-        assert cls.member is not None
+        if cls.member is None:
+            raise TransportError("this process is in no RPC group to move from")
         if cls.member.rank != member.rank:
             raise TransportError(
                 f"the hub moved this process from rank {cls.member.rank} to rank "

@@ -62,6 +62,7 @@ import torch
 from ray.exceptions import RayActorError
 
 from raysync.actor_classes import SHM_OWNER, actor_class
+from raysync.background import BackgroundTasks
 from raysync.layout import HEADER_BYTES, PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
@@ -317,6 +318,7 @@ class SharedMemoryPlanner(TransportPlanner):
         #: Per node, the number of the next hold sent to its owner (see ShmOwner.deliver).
         self._orders: dict[str, itertools.count] = {}
         self._closed = False
+        self._background = BackgroundTasks("shared-memory planner")
         #: per model: (version, node -> payload) of the latest version planned.
         self._latest: dict[str, tuple[int, dict[str, SharedMemoryPayload]]] = {}
         for node in ray.nodes():
@@ -338,7 +340,7 @@ class SharedMemoryPlanner(TransportPlanner):
         )
         self._owners[node_id] = owner
         self._orders[node_id] = itertools.count(1)
-        asyncio.get_running_loop().create_task(self._watch(node_id, owner))
+        self._background.spawn(self._watch(node_id, owner), f"watch the owner on {node_id}")
         return owner
 
     async def _watch(self, node_id: str, owner: Any) -> None:
@@ -406,7 +408,7 @@ class SharedMemoryPlanner(TransportPlanner):
             tuple(by_node.pop(slot.node_id, ())),
             next(self._orders[slot.node_id]),
         )
-        asyncio.get_running_loop().create_task(self._confirm(held, update))
+        self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
         payloads = {r.worker: source for r in targets if r.node_id == slot.node_id}
         if not by_node:
             return payloads
@@ -453,6 +455,7 @@ class SharedMemoryPlanner(TransportPlanner):
 
     async def close(self) -> None:
         self._closed = True
+        await self._background.close()
         for owner in self._owners.values():
             try:
                 await owner.close.remote()
