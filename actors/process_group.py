@@ -21,7 +21,6 @@ their timeout; the planner then starts a new generation.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import warnings
 from dataclasses import dataclass
@@ -38,10 +37,10 @@ from raysync.transports.distributed import (
     StoreAddress,
     header,
     join_group,
-    node_ip,
     run_broadcast,
     staging_device,
 )
+from raysync.transports.process_groups import bound_master_store, node_ip
 
 
 @dataclass(frozen=True)
@@ -59,23 +58,9 @@ class ProcessGroupActor:
     """See module docstring. Async actor; collectives run one at a time in a thread."""
 
     def __init__(self, settings: GroupSettings) -> None:
-        import torch.distributed as dist
-
         self._settings = settings
         host = node_ip()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.bind((host, 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        self._store = dist.TCPStore(
-            host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=settings.timeout,
-            master_listen_fd=listener.detach(),  # the store closes it
-        )
+        port, self._store = bound_master_store(host, settings.timeout_s)
         self._address = StoreAddress(host, port)
         self._lock = threading.Lock()
         self._generation: Generation | None = None

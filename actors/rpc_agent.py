@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raysync.transports.process_groups import node_ip
 from raysync.transports.rpc import (
     RpcJob,
     RpcMember,
@@ -35,7 +36,6 @@ from raysync.transports.rpc import (
     answer_ping,
     init_rpc,
     land,
-    node_ip,
     open_master_store,
     rpc_name,
 )

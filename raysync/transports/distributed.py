@@ -98,6 +98,7 @@ from raysync.transports.object_store import (
     ObjectStoreReceiver,
     ObjectStoreSender,
 )
+from raysync.transports.process_groups import node_ip
 
 logger = logging.getLogger(__name__)
 
@@ -192,11 +193,6 @@ def header(generation: int, seq: int, nbytes: int) -> torch.Tensor:
     words = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
     words[:4] = torch.tensor([_MAGIC, generation, seq, nbytes])
     return words.view(torch.uint8)
-
-
-def node_ip() -> str:
-    """This process's node IP as Ray knows it: what peers on other nodes can reach."""
-    return ray.util.get_node_ip_address()
 
 
 def join_group(

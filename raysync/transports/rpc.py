@@ -99,6 +99,7 @@ from raysync.transports.object_store import (
     ObjectStoreReceiver,
     ObjectStoreSender,
 )
+from raysync.transports.process_groups import bound_master_store, node_ip
 
 TIMEOUT_ENV = "RAYSYNC_RPC_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 30.0
@@ -173,21 +174,7 @@ _MASTER_STORES: dict[str, Any] = {}
 
 def open_master_store(host: str, timeout_s: float) -> tuple[str, Any]:
     """A TCPStore master bound to ``host`` on a free port; returns (url, store)."""
-    import torch.distributed as dist
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.bind((host, 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        master_listen_fd=listener.detach(),  # the store closes it
-    )
+    port, store = bound_master_store(host, timeout_s)
     netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     base = f"{SCHEME}://{netloc}/{uuid.uuid4().hex}"
     _MASTER_STORES[base] = store
@@ -249,10 +236,6 @@ def init_rpc(name: str, rank: int, url: str, settings: RpcSettings) -> None:
         init_method=url, rpc_timeout=settings.timeout_s, num_worker_threads=8
     )
     rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
-
-
-def node_ip() -> str:
-    return ray.util.get_node_ip_address()
 
 
 # -- receiver inbox ---------------------------------------------------------------------
