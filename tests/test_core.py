@@ -186,7 +186,7 @@ class TestReceivers:
         assert ray.get(late.applied_versions.remote()) == [("policy", 2)]
 
     def test_broadcast_before_any_receiver_registers(self, actors, transport):
-        hub = start_hub(actors, transport)
+        hub = start_hub(actors, transport, models=("policy",))  # declared: the learner is first
         learner = make_policy()
         ray.get(hub.broadcast.remote(learner, model="policy"))
         late = start(actors, Collector, hub)
