@@ -28,6 +28,7 @@ from pathlib import Path
 
 import ray
 import torch
+from broadcast_bench.machine import mem_available
 
 from raysync import WeightHub, WeightReceiver, WeightSpec
 from raysync.messages import Update
@@ -120,8 +121,7 @@ def _pss_gb(receivers: list) -> float:
 
 
 def _available_gb() -> float:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable")) / 2**20
+    return mem_available() / 2**30
 
 
 def _plot(rows: list[dict], path: Path) -> None:
