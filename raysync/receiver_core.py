@@ -1,0 +1,413 @@
+"""The receiver core: one receiver's connection to one hub, usable without the mixin.
+
+:class:`ReceiverCore` registers an actor's models with a hub, fetches each update from
+its transport, applies it to the model at a safe point (:class:`raysync.gate.ApplyGate`)
+and acknowledges it. It knows the actor only as ``owner``, the object its model paths
+resolve on, and an optional ``on_applied`` hook, so any actor can host one;
+:class:`raysync.receiver.WeightReceiver` keeps its own at ``self._raysync_core``.
+
+Everything here runs in the receiver actor's process. Who calls what:
+
+* the code that connects (``connect_hub``, from the actor's ``__init__`` usually):
+  ``core, welcome = ReceiverCore.register(...)``, then, once ``core`` is stored where
+  the actor's methods find it, ``core.apply_welcome(welcome)``;
+* the actor method the hub calls for every broadcast, which must be named
+  ``_raysync_deliver`` and never retried by Ray (``max_task_retries=0``):
+  ``return reply_to_hub(core.receive(update))`` (:mod:`raysync.receiver_receipt`);
+* the actor's user methods run as readers of ``core.gate``; user-facing pulls call
+  ``core.latest`` and ``core.apply_now``;
+* the hub watch thread (:mod:`raysync.receiver_hub_watch`): ``hub_knows_me``,
+  ``register_again``, ``latest``, ``deliver_through_actor`` and ``send_ack``;
+* whoever replaces or ends the connection: ``close()`` (``register`` closes the
+  ``previous`` core it replaces itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import traceback
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from raysync import model_path, weights
+from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
+from raysync.gate import DEFERRED, ApplyGate
+from raysync.hub_handle import HubHandle
+from raysync.messages import Ack, AckStatus, DeliveryMode, Registration, Update, Welcome
+from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, Receipt, receipt_of_reply
+from raysync.receiver_zero_copy import AdoptedVersion, Adoption
+from raysync.spec import WeightSpec
+from raysync.transports import TransportError, TransportReceiver, get_transport, known_transports
+
+logger = logging.getLogger(__name__)
+
+#: Default seconds a receiver waits for its hub when it registers or pulls.
+HUB_CALL_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ReceiverIdentity:
+    """Who a receiver is to its hub, and how it asks to be served."""
+
+    worker: str  #: its name in reports and acks
+    actor: str  #: "ClassName(actor_id)", for messages
+    mode: DeliveryMode = DeliveryMode.PUSH
+    transport: str | None = None  #: the transport asked for; None: the hub's
+    zero_copy: bool = False  #: models take staged versions as their own tensors (no copy)
+
+
+@dataclass
+class HeldModel:
+    """One model of a receiver: where it lives on the actor and which version it holds.
+
+    Its write targets and spec are built once and reused while the model's tensors
+    stay where they are (see :func:`raysync.weights.storage_fingerprint`): walking a
+    1000-parameter module costs more than copying a small one.
+    """
+
+    model_id: str
+    path: str
+    version: int = 0
+    adoption: Adoption = field(default_factory=Adoption)  #: zero-copy state
+    _cached: tuple[Any, weights.Destination, WeightSpec] | None = None
+
+    def destination(self, owner: Any) -> tuple[weights.Destination, WeightSpec]:
+        """The model's write targets and their spec, as the model is now."""
+        target = model_path.resolve(owner, self.path)
+        fingerprint = weights.storage_fingerprint(target)
+        if fingerprint is not None and self._cached is not None:
+            cached_fingerprint, destination, spec = self._cached
+            if cached_fingerprint == fingerprint:
+                return destination, spec
+        destination = weights.destinations(
+            target, what=f"model {self.model_id!r} at self.{self.path}"
+        )
+        spec = WeightSpec.of(destination.tensors)
+        self._cached = None if fingerprint is None else (fingerprint, destination, spec)
+        return destination, spec
+
+
+class ReceiverCore:
+    """A receiver's connection to one hub (see the module doc for who calls what).
+
+    Made by :meth:`register`. Public state: ``hub``, ``identity``, ``worker`` and
+    ``actor_name``, ``models`` (model id -> :class:`HeldModel`), ``gate``,
+    ``transport`` (this registration's transport receiver), ``token`` (this
+    registration's), ``behind`` (models whose latest version could not be fetched on
+    connecting: the hub watch pulls them again at each beat until they hold a version
+    at least that new) and ``closed`` (set by :meth:`close`).
+    """
+
+    def __init__(
+        self,
+        owner: Any,
+        hub: HubHandle,
+        models: dict[str, HeldModel],
+        identity: ReceiverIdentity,
+        welcome: Welcome,
+        token: str,
+        on_applied: Callable[[str, int], None] | None,
+    ) -> None:
+        self.owner = owner
+        self.hub = hub
+        self.models = models
+        self.identity = identity
+        self.worker = identity.worker
+        self.actor_name = identity.actor
+        self.token = token
+        self.transport = _open_transport(welcome)
+        self.gate = ApplyGate(finish_deferred=self.send_ack)
+        self.behind: set[str] = set()
+        self.closed = threading.Event()
+        self._on_applied = on_applied
+
+    @classmethod
+    def register(
+        cls,
+        owner: Any,
+        hub: HubHandle,
+        paths: Mapping[str, str],
+        identity: ReceiverIdentity,
+        *,
+        on_applied: Callable[[str, int], None] | None = None,
+        previous: ReceiverCore | None = None,
+        timeout_s: float = HUB_CALL_TIMEOUT_S,
+    ) -> tuple[ReceiverCore, Welcome]:
+        """Register ``owner``'s models with ``hub``; the new core and the hub's Welcome.
+
+        ``paths`` maps model ids to attribute paths on ``owner`` (``"nets.critic"``,
+        ``"env.transform[0]"``). ``on_applied(model, version)`` runs at the safe point
+        after each applied version; what it raises fails that version's ack.
+        ``previous``, this actor's earlier core, lends each model its version (and the
+        staged version a zero-copy model lives in) and is closed once the hub answered.
+        The hub may deliver to the new core as soon as this returns: store it where
+        ``_raysync_deliver`` finds it, then call :meth:`apply_welcome`.
+
+        Raises ValueError for no paths, an unknown transport name or zero copy asked
+        of a transport that cannot give it; errors of the model paths and of the hub's
+        checks (``SpecMismatchError``, ``TransportUnavailableError``) pass through.
+        """
+        if not paths:
+            raise ValueError("connect_hub needs at least one model path")
+        held = {m: _carried_over(previous, m, path) for m, path in paths.items()}
+        _check_transport(hub, identity)
+        registration = _registration(owner, held, identity)
+        welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
+        if previous is not None:
+            previous.close()
+        core = cls(owner, hub, held, identity, welcome, registration.token, on_applied)
+        return core, welcome
+
+    def apply_welcome(self, welcome: Welcome) -> None:
+        """Apply the versions ``welcome`` (from :meth:`register`) offers, now; raise if
+        one fails. One whose data cannot be read now (gone with a dead learner, or a
+        data path that failed) joins :attr:`behind` instead: the hub watch pulls it
+        again at each beat, and the next broadcast brings it anyway."""
+        for update in welcome.latest.values():
+            try:
+                self.apply_now(update, "while connecting")
+            except TransportError as err:
+                self.behind.add(update.model)
+                logger.warning(
+                    "%s could not fetch version %d of model %r while connecting (pulled "
+                    "again at each heartbeat): %s",
+                    self.actor_name,
+                    update.version,
+                    update.model,
+                    err,
+                )
+
+    def close(self) -> None:
+        """End this connection: its hub watch stops, its transport receiver closes."""
+        self.closed.set()
+        self.transport.close()
+
+    def model_id(self, model: str | None) -> str:
+        """``model`` if this core holds it; None names the only model it holds."""
+        if model is None:
+            if len(self.models) == 1:
+                return next(iter(self.models))
+            raise UnknownModelError(
+                f"this receiver holds several models ({', '.join(sorted(self.models))}); name one"
+            )
+        if model not in self.models:
+            raise UnknownModelError(
+                f"this receiver holds no model {model!r} (it holds: "
+                f"{', '.join(sorted(self.models))})"
+            )
+        return model
+
+    # -- the hub -------------------------------------------------------------------------
+    def hub_knows_me(self, timeout_s: float) -> bool:
+        """Whether the hub still knows this registration (False: register again)."""
+        return ray.get(self.hub.actor.heartbeat.remote(self.worker, self.token), timeout=timeout_s)
+
+    def register_again(self, timeout_s: float) -> Welcome:
+        """Register with the same hub again, as this core is now (the hub restarted or
+        dropped it): a new token and transport receiver. The Welcome's updates are for
+        the caller to deliver through :meth:`deliver_through_actor`."""
+        registration = _registration(self.owner, self.models, self.identity)
+        welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
+        self.token = registration.token
+        self.transport.close()
+        self.transport = _open_transport(welcome)
+        logger.info("%s re-registered with its hub", self.actor_name)
+        return welcome
+
+    def latest(self, model: str, timeout_s: float) -> Update | None:
+        """The hub's latest update of ``model`` if newer than the version held here."""
+        have = self.models[model].version
+        return ray.get(
+            self.hub.actor.latest.remote(model, have, worker=self.worker), timeout=timeout_s
+        )
+
+    def send_ack(self, ack: Ack) -> None:
+        """Tell the hub an outcome its delivery call did not return (deferred applies,
+        user-facing applies, deliveries of the hub watch)."""
+        self.hub.actor.ack.remote(ack)
+
+    # -- updates ---------------------------------------------------------------------------
+    def receive(self, update: Update) -> Receipt:
+        """Fetch ``update`` and apply it at the safe point (the hub's delivery call).
+
+        Never raises: a failure becomes a FAILED ack carrying the traceback.
+        """
+        try:
+            return self._stage_and_apply(update)
+        except Exception:
+            return AckNow(self._ack(update, AckStatus.FAILED, traceback.format_exc()))
+
+    def apply_now(self, update: Update, during: str) -> None:
+        """Apply ``update`` for a user-facing call (connect, pull) and ack it; raise if
+        it fails (TransportError if the transport did, RaySyncError otherwise)."""
+        receipt = self._stage_and_apply(update)
+        if isinstance(receipt, AckLater):
+            return
+        if receipt.ack.status is AckStatus.FAILED:
+            raise RaySyncError(
+                f"{self.actor_name} could not apply version {update.version} of model "
+                f"{update.model!r} {during}: {receipt.ack.error}"
+            )
+        self.send_ack(receipt.ack)
+
+    def deliver_through_actor(self, update: Update, timeout_s: float) -> Receipt:
+        """Deliver ``update`` through this actor's own method queue, as the hub does, so
+        it is applied at a safe point like a broadcast. Not from an actor method: the
+        hub watch thread calls it."""
+        handle = ray.get_runtime_context().current_actor
+        reply = ray.get(handle._raysync_deliver.remote(update), timeout=timeout_s)
+        return receipt_of_reply(reply)
+
+    def _stage_and_apply(self, update: Update) -> Receipt:
+        """Fetch ``update`` and apply it at the safe point. The transport's hold on the
+        payload is released on every path, once nothing reads the staged data."""
+        held = self.models.get(update.model)
+        if held is None or update.version <= held.version:
+            self.transport.release(update.payload, None)
+            if held is None:
+                raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
+            return AckNow(self._ack(update, AckStatus.SUPERSEDED))
+        try:
+            _, spec = held.destination(self.owner)
+            _check_digest(spec, update, self.actor_name)
+            staged = self.transport.fetch(update.payload, spec)
+        except BaseException:
+            self.transport.release(update.payload, None)
+            raise
+        result = self.gate.write(
+            functools.partial(self._apply_and_release, update, staged),
+            key=update.model,
+            supersede=functools.partial(self._superseded, update, staged),
+        )
+        return ACK_LATER if result is DEFERRED else AckNow(result)
+
+    def _superseded(self, update: Update, staged: Sequence[torch.Tensor]) -> Callable[[Ack], Ack]:
+        """A newer version of the same model now waits for the same safe point: free
+        this one's staged data; its ack follows the newer one's outcome."""
+        self.transport.release(update.payload, staged)
+
+        def outcome(newer: Ack) -> Ack:
+            if newer.status is AckStatus.FAILED:
+                return self._ack(
+                    update,
+                    AckStatus.FAILED,
+                    f"superseded while waiting for a safe point by version {newer.version}, "
+                    f"which then failed: {newer.error}",
+                )
+            return self._ack(update, AckStatus.SUPERSEDED)
+
+        return outcome
+
+    def _apply_and_release(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
+        """Apply, then hand ``staged`` back to the transport unless the model took it
+        over (zero copy). Runs at the safe point."""
+        held = self.models[update.model]
+        try:
+            return self._apply(update, staged)
+        finally:
+            if not held.adoption.lives_in(staged):
+                self.transport.release(update.payload, staged)
+
+    def _apply(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
+        """Write ``staged`` into the model: point its tensors at it (zero copy) or copy
+        it in place. Runs at the safe point."""
+        held = self.models[update.model]
+        if update.version <= held.version:
+            return self._ack(update, AckStatus.SUPERSEDED)
+        try:
+            destination, spec = held.destination(self.owner)
+            _check_digest(spec, update, self.actor_name)
+            adopted = self.identity.zero_copy and held.adoption.take(
+                model_path.resolve(self.owner, held.path),
+                spec.names,
+                AdoptedVersion(self.transport, update.payload, staged),
+                actor=self.actor_name,
+                model_id=held.model_id,
+            )
+            if not adopted:
+                targets = [destination.tensors[name] for name in spec.names]
+                with torch.no_grad():
+                    torch._foreach_copy_(targets, list(staged))
+                if destination.commit is not None:
+                    destination.commit()
+        except Exception:
+            return self._ack(update, AckStatus.FAILED, traceback.format_exc())
+        held.version = update.version
+        if self._on_applied is not None:
+            try:
+                self._on_applied(update.model, update.version)
+            except Exception:
+                return self._ack(
+                    update,
+                    AckStatus.FAILED,
+                    f"version {update.version} was applied, but on_weights_applied raised:\n"
+                    + traceback.format_exc(),
+                )
+        return self._ack(update, AckStatus.APPLIED)
+
+    def _ack(self, update: Update, status: AckStatus, error: str | None = None) -> Ack:
+        return Ack(self.worker, update.model, update.version, status, error)
+
+
+def _open_transport(welcome: Welcome) -> TransportReceiver:
+    return get_transport(welcome.transport).open_receiver(welcome.transport_info)
+
+
+def _check_transport(hub: HubHandle, identity: ReceiverIdentity) -> None:
+    """Raise ValueError for an unknown transport name, or for zero copy asked of a
+    transport whose staged data a model may not live in."""
+    chosen = get_transport(identity.transport or hub.transport)
+    if identity.zero_copy and chosen.zero_copy is None:
+        qualify = [n for n in known_transports() if get_transport(n).zero_copy is not None]
+        raise ValueError(
+            f"zero_copy needs a transport whose staged data a model can live in; "
+            f"{chosen.name!r} hands out data it may reuse or shares with its own "
+            f"readers (those that qualify: {', '.join(qualify)})"
+        )
+
+
+def _check_digest(spec: WeightSpec, update: Update, actor: str) -> None:
+    """Raise SpecMismatchError unless ``update`` is for a model shaped like ``spec``."""
+    if spec.digest != update.spec_digest:
+        raise SpecMismatchError(
+            f"update version {update.version} of model {update.model!r} has spec digest "
+            f"{update.spec_digest}, but {actor}'s model now has {spec.digest} (was it "
+            f"replaced after connect_hub?): {spec.summary()}"
+        )
+
+
+def _registration(
+    owner: Any, held: dict[str, HeldModel], identity: ReceiverIdentity
+) -> Registration:
+    context = ray.get_runtime_context()
+    adopted = [h.adoption.current for h in held.values()]
+    return Registration(
+        worker=identity.worker,
+        handle=context.current_actor,
+        actor=identity.actor,
+        node_id=context.get_node_id(),
+        process=context.get_worker_id(),
+        specs={m: h.destination(owner)[1] for m, h in held.items()},
+        versions={m: h.version for m, h in held.items()},
+        mode=identity.mode,
+        token=uuid.uuid4().hex,
+        transport=identity.transport,
+        kept=tuple(a.payload for a in adopted if a is not None),
+    )
+
+
+def _carried_over(previous: ReceiverCore | None, model_id: str, path: str) -> HeldModel:
+    """A model as a new registration starts it: the version a previous registration of
+    this actor left it at, and the staged version it lives in (zero copy), if any."""
+    old = previous.models.get(model_id) if previous is not None else None
+    if old is None:
+        return HeldModel(model_id, path)
+    adopted = old.adoption.current if old.path == path else None
+    return HeldModel(model_id, path, old.version, Adoption(adopted))

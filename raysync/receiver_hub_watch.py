@@ -1,0 +1,165 @@
+"""The hub watch: a receiver's daemon thread that keeps it registered with its hub.
+
+Runs in the receiver actor's process, one thread per connection: ``connect_hub``
+starts it (``HubWatch(core, heartbeat_s).start()``) and it ends when its
+:class:`~raysync.receiver_core.ReceiverCore` closes (a new ``connect_hub``). Every
+``interval_s`` it asks the hub whether it still knows this receiver. If not (the hub
+actor restarted and rebuilds its registry from receivers, or it dropped this receiver
+as dead by mistake) it registers again and delivers the newer versions the hub answers
+with through the actor's own method queue, so they are applied at a safe point like
+any broadcast. A re-registration that fails is tried again after one heartbeat, then
+after twice as long each time, at most four heartbeats apart. A hub that does not
+answer (restarting) is asked again at the next beat. At each beat it also pulls again
+the models the receiver could not fetch while connecting (``ReceiverCore.behind``).
+
+What it knows of the connection, :class:`HubConnection`, is read from any thread with
+:meth:`HubWatch.connection` (``WeightReceiver.weights_connection`` returns it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from ray.exceptions import GetTimeoutError, RayError
+
+from raysync.errors import RaySyncError
+from raysync.messages import AckStatus
+from raysync.receiver_core import ReceiverCore
+from raysync.receiver_receipt import AckNow
+
+logger = logging.getLogger(__name__)
+
+#: Default seconds between a receiver's checks that its hub still knows it.
+HEARTBEAT_S = 5.0
+#: A failed re-registration is tried again after one heartbeat, then twice as long each
+#: time, at most ``2 ** MAX_RETRY_DOUBLINGS`` heartbeats apart.
+MAX_RETRY_DOUBLINGS = 2
+
+
+@dataclass(frozen=True)
+class HubConnection:
+    """A receiver's link to its hub, as its hub watch last saw it."""
+
+    watched: bool  #: a hub watch checks the link (``connect_hub(heartbeat_s=None)``: none)
+    #: The hub knew this receiver at the last check (``connect_hub`` if none since).
+    connected: bool
+    #: ``time.time()`` at which the hub was first found not to know this receiver,
+    #: while registering again has not succeeded yet; None otherwise.
+    reregistering_since: float | None
+    #: The last failure of the watch's calls (``"ErrorType: message"``): a heartbeat
+    #: the hub did not answer, a re-registration, a catch-up. Kept after it recovers.
+    last_error: str | None
+
+
+#: The link of a receiver that no hub watch checks.
+UNWATCHED = HubConnection(watched=False, connected=True, reregistering_since=None, last_error=None)
+
+
+def retry_delay(interval_s: float, failures: int) -> float:
+    """Seconds before registering again after ``failures`` failed tries in a row."""
+    return interval_s * 2 ** min(failures - 1, MAX_RETRY_DOUBLINGS)
+
+
+class HubWatch(threading.Thread):
+    """Heartbeat, re-registration and catch-up of one :class:`ReceiverCore` (module doc)."""
+
+    def __init__(self, core: ReceiverCore, interval_s: float) -> None:
+        super().__init__(name=f"raysync-hub-watch-{core.worker}", daemon=True)
+        self._core = core
+        self._interval_s = interval_s
+        self._call_timeout_s = max(4 * interval_s, 5.0)
+        self._failures = 0  #: re-registrations failed in a row
+        self._connection = HubConnection(
+            watched=True, connected=True, reregistering_since=None, last_error=None
+        )
+
+    def connection(self) -> HubConnection:
+        return self._connection
+
+    def run(self) -> None:
+        delay = self._interval_s
+        while not self._core.closed.wait(delay):
+            delay = self.beat()
+
+    def beat(self) -> float:
+        """Check the hub once, registering again or catching up as needed; the seconds
+        until the next beat."""
+        core = self._core
+        try:
+            known = core.hub_knows_me(self._call_timeout_s)
+        except (RayError, GetTimeoutError) as err:
+            self._unreachable(err)
+            self._connection = replace(self._connection, connected=False)
+            return self._interval_s
+        try:
+            if known:
+                self._failures = 0
+                self._connection = replace(
+                    self._connection, connected=True, reregistering_since=None
+                )
+            elif not self._register_again():
+                return retry_delay(self._interval_s, self._failures)
+            if core.behind:
+                self._catch_up()
+        except (RayError, GetTimeoutError) as err:
+            self._unreachable(err)
+        return self._interval_s
+
+    def _register_again(self) -> bool:
+        """Register again and deliver the versions the hub answers with; False if
+        registering failed with a RaySyncError (tried again with backoff)."""
+        core = self._core
+        since = self._connection.reregistering_since
+        if since is None:
+            since = time.time()
+        self._connection = replace(self._connection, connected=False, reregistering_since=since)
+        try:
+            welcome = core.register_again(self._call_timeout_s)
+        except RaySyncError as err:  # raised here, or by the hub (a RayTaskError too)
+            self._failures += 1
+            logger.error(
+                "%s cannot re-register with its hub (trying again in %.3g s): %s",
+                core.actor_name,
+                retry_delay(self._interval_s, self._failures),
+                err,
+            )
+            self._connection = replace(self._connection, last_error=_describe(err))
+            return False
+        self._failures = 0
+        self._connection = replace(self._connection, connected=True, reregistering_since=None)
+        for update in welcome.latest.values():
+            receipt = core.deliver_through_actor(update, self._call_timeout_s)
+            if isinstance(receipt, AckNow):
+                core.send_ack(receipt.ack)
+        return True
+
+    def _catch_up(self) -> None:
+        """Pull again what ``core.behind`` lists; each update goes through the actor's
+        method queue, so it is applied at a safe point."""
+        core = self._core
+        for model in sorted(core.behind):
+            update = core.latest(model, self._call_timeout_s)
+            if update is not None:
+                receipt = core.deliver_through_actor(update, self._call_timeout_s)
+                if isinstance(receipt, AckNow):
+                    if receipt.ack.status is AckStatus.FAILED:
+                        logger.debug(
+                            "%s is still behind on %r: %s",
+                            core.actor_name,
+                            model,
+                            receipt.ack.error,
+                        )
+                        continue
+                    core.send_ack(receipt.ack)
+            core.behind.discard(model)
+
+    def _unreachable(self, err: Exception) -> None:
+        logger.debug("hub unreachable from %s, retrying: %s", self._core.actor_name, err)
+        self._connection = replace(self._connection, last_error=_describe(err))
+
+
+def _describe(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}"

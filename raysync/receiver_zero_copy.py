@@ -1,0 +1,95 @@
+"""Zero-copy adoption: a receiver's model takes a staged version as its own memory.
+
+Everything here runs in the receiver actor's process, at the safe point, called by
+:class:`raysync.receiver_core.ReceiverCore` when it applies a version to a model of a
+``zero_copy`` receiver. Instead of copying the staged tensors a transport fetched into
+the model, each of the model's tensors is pointed at them (``tensor.data = view``): the
+same Python objects, so optimizers and hooks keep theirs, with new storage. The staged
+version stays the model's memory until a newer one replaces it; only then is it handed
+back to its transport (``TransportReceiver.release``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from raysync import weights
+from raysync.transports import TransportReceiver
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdoptedVersion:
+    """The staged version a zero-copy model's tensors live in; handed back to its
+    transport once the model moves on to a newer one."""
+
+    transport: TransportReceiver
+    payload: Any
+    staged: Sequence[torch.Tensor]
+
+    def release(self) -> None:
+        self.transport.release(self.payload, self.staged)
+
+
+def rebind(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -> str | None:
+    """Point each of ``model``'s tensors named ``names`` at the staged view of the same
+    position. None once done; else why it cannot be done, with nothing changed."""
+    own = weights.own_tensors(model, names)
+    if own is None:
+        return "its tensors are reached only by copying"
+    pairs = [(own[name], view) for name, view in zip(names, staged, strict=True)]
+    for name, (tensor, view) in zip(names, pairs, strict=True):
+        if tensor.device != view.device:
+            return f"{name!r} is on {tensor.device}, the staged data on {view.device}"
+    with torch.no_grad():
+        for tensor, view in pairs:
+            tensor.data = view
+    return None
+
+
+@dataclass
+class Adoption:
+    """One model's zero-copy state: the staged version it lives in, if any, and
+    whether it fell back to being copied into (logged once per model)."""
+
+    current: AdoptedVersion | None = None
+    copies_instead: bool = False
+
+    def take(
+        self,
+        model: Any,
+        names: tuple[str, ...],
+        version: AdoptedVersion,
+        *,
+        actor: str,
+        model_id: str,
+    ) -> bool:
+        """Make ``version`` the memory of ``model``'s tensors and release the version
+        they leave. False, with nothing changed, when a tensor cannot be rebound: the
+        model is then copied into as usual (a warning naming ``actor`` and ``model_id``
+        says why, once per model)."""
+        refusal = rebind(model, names, version.staged)
+        if refusal is not None:
+            if not self.copies_instead:
+                self.copies_instead = True
+                logger.warning(
+                    "%s: zero_copy is off for model %r (%s); its updates are copied",
+                    actor,
+                    model_id,
+                    refusal,
+                )
+            return False
+        previous, self.current = self.current, version
+        if previous is not None:
+            previous.release()
+        return True
+
+    def lives_in(self, staged: Sequence[torch.Tensor]) -> bool:
+        """Whether the model's tensors are ``staged`` (so it must not be released)."""
+        return self.current is not None and self.current.staged is staged

@@ -1,0 +1,223 @@
+"""ReceiverCore (raysync/receiver_core.py) without Ray: receiving and applying updates.
+
+Applied by copy into the model's own tensors, superseded (an older or equal version),
+failed (an unknown model, another spec, a raising ``on_applied``), zero copy (the model
+lives in the staged version until the next one), deferred on a busy async actor (the
+receipt says so, the hub's reply is None, the ack follows from the safe point), the
+user-facing ``apply_now``, a connection left behind when its data cannot be fetched,
+and the transport's hold on every payload released exactly once. The hub is a stand-in
+that records the acks sent to it; the transport one that serves tensors by version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
+from raysync.messages import Ack, AckStatus, Update, Welcome
+from raysync.receiver_core import HeldModel, ReceiverCore, ReceiverIdentity
+from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, receipt_of_reply, reply_to_hub
+from raysync.spec import WeightSpec
+from raysync.transports import TransportError, TransportReceiver
+
+WORKER = "collector-1"
+
+
+class _Hub:
+    """Stands for a HubHandle: records the acks sent after a delivery call returned."""
+
+    transport = "object_store"
+
+    def __init__(self) -> None:
+        self.acks: list[Ack] = []
+        self.actor = SimpleNamespace(ack=SimpleNamespace(remote=self.acks.append))
+
+
+class _Transport(TransportReceiver):
+    """Serves ``staged[version]``; records each release as (payload, fetched or not)."""
+
+    def __init__(self) -> None:
+        self.staged: dict[int, list[torch.Tensor]] = {}
+        self.released: list[tuple[int, bool]] = []
+
+    def fetch(self, payload: int, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        if payload not in self.staged:
+            raise TransportError(f"version {payload} is gone")
+        return self.staged[payload]
+
+    def release(self, payload: int, staged: Sequence[torch.Tensor] | None) -> None:
+        self.released.append((payload, staged is not None))
+
+
+class _Receiver:
+    """A core on a one-model owner, with its stand-in hub and transport."""
+
+    def __init__(
+        self, *, zero_copy: bool = False, on_applied: Callable[[str, int], None] | None = None
+    ) -> None:
+        self.owner = SimpleNamespace(policy=torch.nn.Linear(3, 2))
+        self.hub = _Hub()
+        identity = ReceiverIdentity(WORKER, "Collector(abc)", zero_copy=zero_copy)
+        models = {"policy": HeldModel("policy", "policy")}
+        welcome = Welcome("object_store", None, {})
+        self.core = ReceiverCore(
+            self.owner, self.hub, models, identity, welcome, "token", on_applied
+        )
+        self.transport = _Transport()
+        self.core.transport = self.transport
+        self.spec = models["policy"].destination(self.owner)[1]
+
+    def update(self, version: int, model: str = "policy", digest: str | None = None) -> Update:
+        """Version ``version``, every value ``float(version)``, staged in the transport."""
+        self.transport.staged[version] = [
+            torch.full(entry.shape, float(version), dtype=entry.dtype)
+            for entry in self.spec.tensors
+        ]
+        return Update(model, version, digest or self.spec.digest, "object_store", version)
+
+
+def _ack(version: int, status: AckStatus) -> Ack:
+    return Ack(WORKER, "policy", version, status)
+
+
+def test_an_update_is_copied_into_the_models_own_tensors():
+    receiver = _Receiver()
+    model = receiver.owner.policy
+    pointer = model.weight.data_ptr()
+    assert receiver.core.receive(receiver.update(1)) == AckNow(_ack(1, AckStatus.APPLIED))
+    assert model.weight.data_ptr() == pointer
+    assert torch.equal(model.weight, torch.full((2, 3), 1.0))
+    assert receiver.core.models["policy"].version == 1
+    assert receiver.transport.released == [(1, True)]
+
+
+def test_an_older_or_equal_version_is_superseded_without_a_fetch():
+    receiver = _Receiver()
+    receiver.core.receive(receiver.update(2))
+    for version in (2, 1):
+        assert receiver.core.receive(receiver.update(version)) == AckNow(
+            _ack(version, AckStatus.SUPERSEDED)
+        )
+    assert receiver.transport.released == [(2, True), (2, False), (1, False)]
+    assert torch.equal(receiver.owner.policy.bias, torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize(
+    ("model", "digest", "error"),
+    [("critic", None, "does not hold model 'critic'"), ("policy", "other", "SpecMismatchError")],
+)
+def test_an_update_the_model_cannot_take_fails_and_changes_nothing(model, digest, error):
+    receiver = _Receiver()
+    before = receiver.owner.policy.weight.clone()
+    receipt = receiver.core.receive(receiver.update(1, model=model, digest=digest))
+    assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
+    assert error in receipt.ack.error
+    assert torch.equal(receiver.owner.policy.weight, before)
+    assert receiver.core.models["policy"].version == 0
+    assert receiver.transport.released == [(1, False)]
+
+
+def test_on_applied_runs_after_each_version_and_what_it_raises_fails_the_ack():
+    seen: list[tuple[str, int]] = []
+
+    def on_applied(model: str, version: int) -> None:
+        seen.append((model, version))
+        if version == 2:
+            raise RuntimeError("hook broke")
+
+    receiver = _Receiver(on_applied=on_applied)
+    assert receiver.core.receive(receiver.update(1)) == AckNow(_ack(1, AckStatus.APPLIED))
+    receipt = receiver.core.receive(receiver.update(2))
+    assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
+    assert "version 2 was applied, but on_weights_applied raised" in receipt.ack.error
+    assert "hook broke" in receipt.ack.error
+    assert seen == [("policy", 1), ("policy", 2)]
+    assert receiver.core.models["policy"].version == 2
+
+
+def test_a_zero_copy_model_lives_in_its_staged_version_until_the_next_one():
+    receiver = _Receiver(zero_copy=True)
+    model = receiver.owner.policy
+    receiver.core.receive(receiver.update(1))
+    assert model.weight.data_ptr() == receiver.transport.staged[1][1].data_ptr()
+    assert receiver.transport.released == []
+    receiver.core.receive(receiver.update(2))
+    assert model.weight.data_ptr() == receiver.transport.staged[2][1].data_ptr()
+    assert receiver.transport.released == [(1, True)]
+
+
+def test_a_busy_async_actor_defers_the_apply_and_acks_it_from_the_safe_point():
+    receiver = _Receiver()
+
+    async def deliver_while_a_method_runs() -> Any:
+        parked, finish = asyncio.Event(), asyncio.Event()
+
+        async def user_method() -> None:
+            async with receiver.core.gate.reading_async():
+                parked.set()
+                await finish.wait()
+
+        method = asyncio.create_task(user_method())
+        await parked.wait()
+        receipt = receiver.core.receive(receiver.update(1))
+        assert receiver.core.models["policy"].version == 0
+        assert receiver.hub.acks == []
+        finish.set()
+        await method
+        return receipt
+
+    receipt = asyncio.run(deliver_while_a_method_runs())
+    assert receipt == ACK_LATER and reply_to_hub(receipt) is None
+    assert receiver.hub.acks == [_ack(1, AckStatus.APPLIED)]
+    assert receiver.core.models["policy"].version == 1
+
+
+def test_the_hubs_reply_carries_the_ack_or_none_for_later():
+    ack = _ack(3, AckStatus.SUPERSEDED)
+    assert reply_to_hub(AckNow(ack)) is ack
+    assert receipt_of_reply(ack) == AckNow(ack)
+    assert isinstance(receipt_of_reply(None), AckLater)
+
+
+def test_apply_now_acks_what_it_applied_and_raises_what_failed():
+    def on_applied(model: str, version: int) -> None:
+        if version == 2:
+            raise RuntimeError("hook broke")
+
+    receiver = _Receiver(on_applied=on_applied)
+    receiver.core.apply_now(receiver.update(1), "on pull")
+    assert receiver.hub.acks == [_ack(1, AckStatus.APPLIED)]
+    with pytest.raises(RaySyncError, match="could not apply version 2 of model 'policy' on pull"):
+        receiver.core.apply_now(receiver.update(2), "on pull")
+    with pytest.raises(SpecMismatchError, match="has spec digest other"):
+        receiver.core.apply_now(receiver.update(3, digest="other"), "on pull")
+    assert receiver.hub.acks == [_ack(1, AckStatus.APPLIED)]
+
+
+def test_a_welcome_whose_data_is_gone_leaves_the_model_behind():
+    receiver = _Receiver()
+    gone = Update("policy", 4, receiver.spec.digest, "object_store", 4)
+    receiver.core.apply_welcome(Welcome("object_store", None, {"policy": gone}))
+    assert receiver.core.behind == {"policy"}
+    assert receiver.core.models["policy"].version == 0
+    assert receiver.transport.released == [(4, False)]
+
+
+def test_model_id_names_the_only_model_or_checks_the_one_named():
+    receiver = _Receiver()
+    assert receiver.core.model_id(None) == "policy"
+    assert receiver.core.model_id("policy") == "policy"
+    with pytest.raises(UnknownModelError, match="holds no model 'critic'"):
+        receiver.core.model_id("critic")
+
+
+def test_close_ends_the_connection():
+    receiver = _Receiver()
+    receiver.core.close()
+    assert receiver.core.closed.is_set()

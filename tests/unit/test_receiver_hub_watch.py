@@ -1,0 +1,173 @@
+"""The hub watch (raysync/receiver_hub_watch.py) without Ray, one beat at a time.
+
+A hub that knows the receiver; one that forgot it (registered again, the versions it
+answers with delivered and acked); re-registrations that fail (raised in the receiver
+or by the hub) tried again after 1, 2, 4, 4 heartbeats, with the connection state
+saying since when and why; a hub that does not answer; catch-up of models left behind;
+and the thread ending as soon as its core closes. The core is a stand-in that answers
+each call from a script.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from ray.exceptions import GetTimeoutError, RayTaskError
+
+from raysync.errors import ModelPathError, TransportUnavailableError
+from raysync.messages import Ack, AckStatus, Update, Welcome
+from raysync.receiver_hub_watch import HubConnection, HubWatch, retry_delay
+from raysync.receiver_receipt import ACK_LATER, AckNow, Receipt
+
+BEAT = 0.5
+
+
+def _update(model: str, version: int) -> Update:
+    return Update(model, version, "digest", "object_store", payload=None)
+
+
+def _ack(update: Update, status: AckStatus = AckStatus.APPLIED) -> Ack:
+    return Ack("collector-1", update.model, update.version, status)
+
+
+class _Core:
+    """Stands for a ReceiverCore: scripted heartbeats, registrations and deliveries."""
+
+    worker = "collector-1"
+    actor_name = "Collector(abc)"
+
+    def __init__(self, heartbeats: Sequence[Any], registrations: Sequence[Any] = ()) -> None:
+        self.closed = threading.Event()
+        self.behind: set[str] = set()
+        self.heartbeats = list(heartbeats)
+        self.registrations = list(registrations)
+        self.receipts: dict[Update, Receipt] = {}
+        self.latest_updates: dict[str, Update] = {}
+        self.delivered: list[Update] = []
+        self.acks: list[Ack] = []
+
+    def hub_knows_me(self, timeout_s: float) -> bool:
+        return _answer(self.heartbeats.pop(0))
+
+    def register_again(self, timeout_s: float) -> Welcome:
+        return _answer(self.registrations.pop(0))
+
+    def latest(self, model: str, timeout_s: float) -> Update | None:
+        return self.latest_updates.get(model)
+
+    def deliver_through_actor(self, update: Update, timeout_s: float) -> Receipt:
+        self.delivered.append(update)
+        return self.receipts.get(update, AckNow(_ack(update)))
+
+    def send_ack(self, ack: Ack) -> None:
+        self.acks.append(ack)
+
+
+def _answer(scripted: Any) -> Any:
+    if isinstance(scripted, Exception):
+        raise scripted
+    return scripted
+
+
+def _welcome(*updates: Update) -> Welcome:
+    return Welcome("object_store", None, {u.model: u for u in updates})
+
+
+def test_retries_back_off_from_one_heartbeat_to_four():
+    assert [retry_delay(BEAT, n) for n in (1, 2, 3, 4, 50)] == [0.5, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_a_hub_that_knows_the_receiver_is_only_asked():
+    core = _Core(heartbeats=[True])
+    watch = HubWatch(core, BEAT)
+    assert watch.beat() == BEAT
+    assert watch.connection() == HubConnection(
+        watched=True, connected=True, reregistering_since=None, last_error=None
+    )
+    assert core.delivered == [] and core.acks == []
+
+
+def test_a_hub_that_forgot_the_receiver_gets_it_back_with_its_versions():
+    applied, deferred = _update("policy", 3), _update("critic", 2)
+    core = _Core(heartbeats=[False], registrations=[_welcome(applied, deferred)])
+    core.receipts[deferred] = ACK_LATER
+    watch = HubWatch(core, BEAT)
+    assert watch.beat() == BEAT
+    assert core.delivered == [applied, deferred]
+    assert core.acks == [_ack(applied)]  # the deferred one is acked from its safe point
+    assert watch.connection().connected and watch.connection().reregistering_since is None
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        ModelPathError("self.policy is gone"),
+        RayTaskError(
+            "register", "Traceback...", TransportUnavailableError("no shared memory")
+        ).as_instanceof_cause(),
+    ],
+    ids=["raised-here", "raised-by-the-hub"],
+)
+def test_failed_re_registrations_back_off_and_are_remembered(failure):
+    core = _Core(heartbeats=[False] * 5 + [False, True], registrations=[failure] * 4)
+    core.registrations.append(_welcome())
+    watch = HubWatch(core, BEAT)
+    assert [watch.beat() for _ in range(4)] == [0.5, 1.0, 2.0, 2.0]
+    lost = watch.connection()
+    assert not lost.connected and lost.reregistering_since is not None
+    assert lost.last_error == f"{type(failure).__name__}: {failure}"
+    assert watch.beat() == BEAT  # registered again
+    back = watch.connection()
+    assert back.connected and back.reregistering_since is None
+    assert back.last_error == lost.last_error  # kept after it recovered
+    core.registrations.append(failure)
+    assert watch.beat() == BEAT  # the count of failures in a row starts again
+    assert watch.beat() == BEAT and watch.connection().connected
+
+
+def test_the_time_re_registering_started_is_kept_across_failures():
+    core = _Core(heartbeats=[False, False], registrations=[ModelPathError("gone")] * 2)
+    watch = HubWatch(core, BEAT)
+    watch.beat()
+    since = watch.connection().reregistering_since
+    watch.beat()
+    assert watch.connection().reregistering_since == since
+
+
+def test_a_hub_that_does_not_answer_is_asked_again_at_the_next_beat():
+    core = _Core(heartbeats=[GetTimeoutError("hub restarting"), True])
+    watch = HubWatch(core, BEAT)
+    assert watch.beat() == BEAT
+    assert watch.connection() == HubConnection(
+        watched=True,
+        connected=False,
+        reregistering_since=None,
+        last_error="GetTimeoutError: hub restarting",
+    )
+    assert watch.beat() == BEAT and watch.connection().connected
+
+
+def test_models_left_behind_are_pulled_until_they_apply():
+    update = _update("policy", 5)
+    core = _Core(heartbeats=[True, True])
+    core.behind = {"policy", "critic"}  # critic: the hub has nothing newer any more
+    core.latest_updates["policy"] = update
+    core.receipts[update] = AckNow(_ack(update, AckStatus.FAILED))
+    watch = HubWatch(core, BEAT)
+    watch.beat()
+    assert core.behind == {"policy"} and core.acks == []
+    del core.receipts[update]
+    watch.beat()
+    assert core.behind == set() and core.acks == [_ack(update)]
+
+
+def test_the_thread_ends_as_soon_as_its_core_closes():
+    core = _Core(heartbeats=[])
+    watch = HubWatch(core, interval_s=60.0)
+    watch.start()
+    core.closed.set()  # what ReceiverCore.close does first
+    watch.join(timeout=10.0)
+    assert not watch.is_alive()

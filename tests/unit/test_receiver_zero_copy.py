@@ -1,0 +1,102 @@
+"""Zero-copy adoption (raysync/receiver_zero_copy.py) without Ray.
+
+A model's tensors rebound to staged views (the same Python objects, new storage), models
+that cannot be rebound left untouched (another device, reached only through
+``state_dict()``), the version a model leaves handed back to its transport, and a
+refusal logged once per model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from raysync.receiver_zero_copy import AdoptedVersion, Adoption, rebind
+from raysync.spec import WeightSpec
+from raysync.transports import TransportReceiver
+
+NAMES = ("bias", "weight")  #: nn.Linear's tensors in spec order
+
+
+class _Transport(TransportReceiver):
+    """Records which payloads were handed back."""
+
+    def __init__(self) -> None:
+        self.released: list[Any] = []
+
+    def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        raise AssertionError("adoption never fetches")
+
+    def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
+        self.released.append(payload)
+
+
+def _staged(fill: float, device: str = "cpu") -> list[torch.Tensor]:
+    return [torch.full((2,), fill, device=device), torch.full((2, 3), fill, device=device)]
+
+
+def test_rebind_points_each_tensor_at_its_view_and_keeps_the_objects():
+    model = torch.nn.Linear(3, 2)
+    weight, bias = model.weight, model.bias
+    staged = _staged(7.0)
+    assert rebind(model, NAMES, staged) is None
+    assert model.weight is weight and model.bias is bias
+    assert model.bias.data_ptr() == staged[0].data_ptr()
+    assert model.weight.data_ptr() == staged[1].data_ptr()
+    assert torch.equal(model.weight, torch.full((2, 3), 7.0))
+
+
+def test_rebind_refuses_staged_data_on_another_device_and_changes_nothing():
+    model = torch.nn.Linear(3, 2)
+    pointers = [model.bias.data_ptr(), model.weight.data_ptr()]
+    assert rebind(model, NAMES, _staged(7.0, device="meta")) == (
+        "'bias' is on cpu, the staged data on meta"
+    )
+    assert [model.bias.data_ptr(), model.weight.data_ptr()] == pointers
+
+
+def test_rebind_refuses_a_model_reached_only_through_state_dict():
+    class Wrapped:
+        def __init__(self) -> None:
+            self._net = torch.nn.Linear(3, 2)
+
+        def state_dict(self) -> dict[str, torch.Tensor]:
+            return self._net.state_dict()
+
+        def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+            self._net.load_state_dict(state)
+
+    assert rebind(Wrapped(), NAMES, _staged(7.0)) == "its tensors are reached only by copying"
+
+
+def test_taking_a_version_releases_the_one_the_model_leaves():
+    transport, model, adoption = _Transport(), torch.nn.Linear(3, 2), Adoption()
+    first = AdoptedVersion(transport, "v1", _staged(1.0))
+    second = AdoptedVersion(transport, "v2", _staged(2.0))
+    assert adoption.take(model, NAMES, first, actor="Collector(a)", model_id="policy")
+    assert adoption.lives_in(first.staged) and transport.released == []
+    assert adoption.take(model, NAMES, second, actor="Collector(a)", model_id="policy")
+    assert adoption.lives_in(second.staged) and not adoption.lives_in(first.staged)
+    assert transport.released == ["v1"]
+    assert torch.equal(model.bias, torch.full((2,), 2.0))
+
+
+def test_a_refused_take_keeps_the_current_version_and_warns_once(caplog):
+    transport, model, adoption = _Transport(), torch.nn.Linear(3, 2), Adoption()
+    first = AdoptedVersion(transport, "v1", _staged(1.0))
+    assert adoption.take(model, NAMES, first, actor="Collector(a)", model_id="policy")
+    with caplog.at_level(logging.WARNING, logger="raysync.receiver_zero_copy"):
+        for payload in ("v2", "v3"):
+            elsewhere = AdoptedVersion(transport, payload, _staged(2.0, device="meta"))
+            assert not adoption.take(
+                model, NAMES, elsewhere, actor="Collector(a)", model_id="policy"
+            )
+    assert adoption.current is first and adoption.copies_instead
+    assert transport.released == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "Collector(a): zero_copy is off for model 'policy' ('bias' is on cpu, the staged "
+        "data on meta); its updates are copied"
+    ]
