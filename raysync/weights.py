@@ -10,17 +10,32 @@ Two directions, one naming scheme (nested keys joined with ``"."``, as in
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from raysync.errors import InvalidWeightsError
 
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
 #: What ``broadcast`` accepts and what a receiver's model path may point at.
-Weights = Union[torch.nn.Module, TensorDictBase, Mapping[str, Any]]  # noqa: UP007 (runtime alias)
+Weights = Union[torch.nn.Module, "TensorDictBase", Mapping[str, Any]]
+
+
+def _is_tensordict(value: Any) -> bool:
+    """``isinstance(value, TensorDictBase)``, without importing tensordict.
+
+    A value can only be a TensorDict once its process imported tensordict, so a process
+    that never did (most receivers, the hub) does not pay its import: it loads
+    ``torch._dynamo``, about 1.3 s of CPU per process, which a restarted receiver would
+    spend before catching up.
+    """
+    tensordict = sys.modules.get("tensordict")
+    return tensordict is not None and isinstance(value, tensordict.TensorDictBase)
 
 
 def flatten(
@@ -72,7 +87,7 @@ class Destination:
 
 def destinations(model: Any, *, what: str) -> Destination:
     """The in-place write targets of a receiver's model. Called in the receiver process."""
-    if isinstance(model, (torch.nn.Module, TensorDictBase, Mapping)):
+    if isinstance(model, (torch.nn.Module, Mapping)) or _is_tensordict(model):
         return Destination(_flat_tensors(model, what))
     if callable(getattr(model, "state_dict", None)) and callable(
         getattr(model, "load_state_dict", None)
@@ -97,7 +112,7 @@ def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
     if isinstance(model, torch.nn.Module):
         found = dict(model.named_parameters(remove_duplicate=False))
         found.update(model.named_buffers(remove_duplicate=False))
-    elif isinstance(model, (TensorDictBase, Mapping)):
+    elif isinstance(model, Mapping) or _is_tensordict(model):
         found = _flat_tensors(model, "model")
         # A lazily stacked TensorDict (also inside a mapping) builds new leaves on each
         # access: replacing their storage would reach nothing the model keeps.
@@ -128,11 +143,21 @@ def storage_fingerprint(model: Any) -> tuple[Any, ...] | None:
 def _flat_tensors(weights: Any, what: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """``weights`` as flat ``"a.b.c"`` names (each after ``prefix``) -> tensors."""
     if isinstance(weights, torch.nn.Module):
-        weights = TensorDict.from_module(weights, use_state_dict=True)
-    if isinstance(weights, TensorDictBase):
+        # The parameters and buffers themselves (not copies), under state_dict names and
+        # through the module's state_dict hooks.
+        weights = weights.state_dict(keep_vars=True)
+    if _is_tensordict(weights):
+        from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
+        def leaf_or_non_tensor(cls: type) -> bool:
+            """A leaf for TensorDict.items, also NonTensorData, so it can be refused."""
+            return not issubclass(cls, TensorDictBase) or issubclass(
+                cls, (NonTensorData, NonTensorStack)
+            )
+
         out: dict[str, torch.Tensor] = {}
         for key, value in weights.items(
-            include_nested=True, leaves_only=True, is_leaf=_leaf_or_non_tensor
+            include_nested=True, leaves_only=True, is_leaf=leaf_or_non_tensor
         ):
             name = prefix + (key if isinstance(key, str) else ".".join(key))
             if not isinstance(value, torch.Tensor):
@@ -151,11 +176,6 @@ def _flat_tensors(weights: Any, what: str, prefix: str = "") -> dict[str, torch.
     )
 
 
-def _leaf_or_non_tensor(cls: type) -> bool:
-    """TensorDict leaf test that also stops at NonTensorData, so it can be refused."""
-    return not issubclass(cls, TensorDictBase) or issubclass(cls, (NonTensorData, NonTensorStack))
-
-
 def _flatten_mapping(
     mapping: Mapping[str, Any], prefix: str, out: MutableMapping[str, torch.Tensor], what: str
 ) -> None:
@@ -163,7 +183,7 @@ def _flatten_mapping(
         name = f"{prefix}{key}"
         if isinstance(value, torch.Tensor):
             _put(out, name, value, what)
-        elif isinstance(value, TensorDictBase):
+        elif _is_tensordict(value):
             for sub, tensor in _flat_tensors(value, what, f"{name}.").items():
                 _put(out, sub, tensor, what)
         elif isinstance(value, Mapping):

@@ -8,6 +8,8 @@ import pytest
 import ray
 import torch
 
+from tests.helpers import transport_params
+
 # Two cores on CI: a larger logical CPU count lets many small actors coexist;
 # receivers in the tests also ask for num_cpus=0.
 _CLUSTER_CPUS = 32
@@ -40,29 +42,6 @@ def actors(ray_cluster):
             ray.kill(actor)
         except Exception:  # already dead: that is what some tests are about
             pass
-
-
-def transport_params(*, heavy: bool = False):
-    """One pytest param per registered transport but rdt, skipped (with the reason)
-    where it cannot run. ``heavy=True`` marks every transport but the default ``slow``: long fault
-    and soak runs go through the default transport in CI and through all of them
-    with ``make test-all`` (``-m "not gpu"``)."""
-    from raysync.transports import DEFAULT_TRANSPORT, get_transport, known_transports
-
-    params = []
-    for name in known_transports():
-        if name == "rdt":
-            # rdt needs receivers declared with enable_tensor_transport=True, which the
-            # shared test receivers are not: tests/test_rdt.py covers it.
-            continue
-        availability = get_transport(name).availability()
-        marks = [pytest.mark.nixl] if name == "nixl" else []
-        if heavy and name != DEFAULT_TRANSPORT:
-            marks.append(pytest.mark.slow)
-        if not availability.available:
-            marks.append(pytest.mark.skip(reason=f"{name} unavailable: {availability.reason}"))
-        params.append(pytest.param(name, marks=marks, id=name))
-    return params
 
 
 @pytest.fixture(params=transport_params())

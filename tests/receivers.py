@@ -9,7 +9,6 @@ from pathlib import Path
 
 import ray
 import torch
-from tensordict import TensorDict
 
 from raysync import WeightReceiver, weight_receiver
 
@@ -63,7 +62,7 @@ class _Inspect:
         obj = self
         for part in path.split("."):
             obj = getattr(obj, part)
-        if isinstance(obj, TensorDict):
+        if hasattr(obj, "flatten_keys"):  # a TensorDict
             return {k: v.clone() for k, v in obj.flatten_keys(".").items()}
         if isinstance(obj, dict):
             return {k: v.clone() for k, v in obj.items()}
@@ -128,6 +127,10 @@ class MultiModel(WeightReceiver, _Inspect):
         self.policy = make_policy()
         self.nets = _Nets()
         self.env = _Env()
+        # Imported here: tensordict loads torch._dynamo, ~1.3 s per process, and only
+        # this receiver needs it.
+        from tensordict import TensorDict
+
         self.td = TensorDict({"a": torch.zeros(3), "b": {"c": torch.zeros(2, 2)}}, [])
         self.sd = {"w": torch.zeros(4), "b": torch.zeros(1)}
         self.connect_hub(
@@ -337,3 +340,21 @@ def start_victim(hub, name: str, stall_dir: str, *, restarts: bool):
     options = {"num_cpus": 0, "max_restarts": -1 if restarts else 0}
     options["max_task_retries"] = -1 if restarts else 0
     return ray.remote(Victim).options(**options).remote(hub, name, stall_dir)
+
+
+@ray.remote(num_cpus=0)
+class Holder(WeightReceiver):
+    """A receiver of an arbitrary state_dict, with a busy method that blocks deliveries."""
+
+    def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str):
+        self.sd = {k: torch.zeros_like(v) for k, v in template.items()}
+        self.connect_hub(hub, models={"m": "sd"}, worker_id=worker_id)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.sd.items()}
+
+    def version(self) -> int:
+        return self.weights_version()
+
+    def busy(self, seconds: float) -> None:
+        time.sleep(seconds)

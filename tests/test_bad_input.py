@@ -19,8 +19,8 @@ from raysync import (
     WeightHub,
 )
 from raysync.transports import DEFAULT_TRANSPORT
+from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import Collector, WrongModel, make_policy, state_of
-from tests.test_core import assert_same, ready, start, start_hub
 
 
 def _good() -> dict[str, torch.Tensor]:

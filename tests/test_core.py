@@ -14,9 +14,9 @@ from raysync import (
     BroadcastReport,
     BroadcastTicket,
     DeliveryMode,
-    WeightHub,
     get_hub,
 )
+from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import (
     Collector,
     Decorated,
@@ -26,29 +26,6 @@ from tests.receivers import (
     make_policy,
     state_of,
 )
-
-
-def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert actual.keys() == expected.keys()
-    for key in expected:
-        assert actual[key].dtype == expected[key].dtype, key
-        assert torch.equal(actual[key], expected[key]), f"{key} differs"
-
-
-def start(actors, cls, *args, **kwargs):
-    handle = cls.remote(*args, **kwargs)
-    actors.append(handle)
-    return handle
-
-
-def start_hub(actors, transport: str, actor_options: dict | None = None, **launch):
-    hub = WeightHub.options(**(actor_options or {})).remote(transport=transport, **launch)
-    actors.append(hub)
-    return hub
-
-
-def ready(receivers) -> None:
-    ray.get([r.__ray_ready__.remote() for r in receivers])
 
 
 class TestBroadcast:

@@ -6,8 +6,6 @@ in a user method, and the hub must still answer within its timeout.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 import torch
@@ -15,8 +13,8 @@ import torch
 from raysync import WeightHub, WeightReceiver
 from raysync.actors.process_group import GroupStatus
 from raysync.transports.distributed import BACKEND_ENV, TIMEOUT_ENV
-from tests.receivers import Collector, make_policy, state_of
-from tests.test_core import ready, start
+from tests.helpers import assert_bitwise, assert_policy_reaches, ready, special_values, start
+from tests.receivers import Collector, Holder, make_policy, state_of
 
 #: Short collective timeout: a member that never enters fails the collective fast.
 _TIMEOUT_S = 4
@@ -32,57 +30,6 @@ def start_dist_hub(actors, backend: str = "gloo"):
 def group_status(hub) -> GroupStatus:
     actor = ray.get_actor(f"raysync-process-group-{hub.config.hub_id}")
     return ray.get(actor.describe.remote())
-
-
-def assert_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert actual.keys() == expected.keys()
-    for key, want in expected.items():
-        got = actual[key]
-        assert got.dtype == want.dtype and got.shape == want.shape, key
-        got_bytes = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        want_bytes = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(got_bytes, want_bytes), f"{key}: bytes differ"
-
-
-def assert_policy_reaches(hub, collectors, workers: tuple[str, ...]) -> None:
-    """Broadcast a fresh policy: exactly ``workers`` ack it and hold it bit for bit."""
-    learner = make_policy()
-    report = ray.get(hub.broadcast.remote(learner), timeout=60)
-    assert report.acked == workers and report.failed == {}
-    for c in collectors:
-        assert_bitwise(ray.get(c.state.remote()), state_of(learner))
-
-
-def special_values() -> dict[str, torch.Tensor]:
-    """Values an arithmetic comparison would get wrong: NaN, -0.0, inf, subnormals."""
-    return {
-        "f32": torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45, 3.0]),
-        "bf16": torch.randn(33, 7).to(torch.bfloat16),
-        "f16": torch.randn(5).half(),
-        "i8": torch.arange(-5, 5, dtype=torch.int8),
-        "i64": torch.arange(3, dtype=torch.int64) * (1 << 40),
-        "flag": torch.tensor([True, False, True]),
-        "empty": torch.zeros(0, 4),
-        "scalar": torch.tensor(2.5, dtype=torch.float64),
-    }
-
-
-@ray.remote(num_cpus=0)
-class Holder(WeightReceiver):
-    """A receiver of an arbitrary state_dict, with a busy method that blocks deliveries."""
-
-    def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str):
-        self.sd = {k: torch.zeros_like(v) for k, v in template.items()}
-        self.connect_hub(hub, models={"m": "sd"}, worker_id=worker_id)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.sd.items()}
-
-    def version(self) -> int:
-        return self.weights_version()
-
-    def busy(self, seconds: float) -> None:
-        time.sleep(seconds)
 
 
 def test_bitwise_every_version_one_generation(actors):

@@ -15,9 +15,9 @@ from raysync import BroadcastReport, TransportUnavailableError, WeightHub
 from raysync.spec import WeightSpec
 from raysync.transports import TransportError
 from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
+from tests.helpers import assert_same, ready, start, start_hub
 from tests.nixl_actors import BigCollector, HashingCollector, Learner, big_model, digest
 from tests.receivers import Collector, make_policy, state_of
-from tests.test_core import assert_same, ready, start, start_hub
 
 pytestmark = [
     pytest.mark.nixl,

@@ -7,6 +7,7 @@ import ray
 import torch
 
 from raysync.transports.rdt import RdtTransport
+from tests.helpers import assert_same, ready, start, start_hub
 from tests.nixl_actors import (
     Learner,
     RdtBigCollector,
@@ -17,7 +18,6 @@ from tests.nixl_actors import (
     digest,
 )
 from tests.receivers import Collector, make_policy, state_of
-from tests.test_core import assert_same, ready, start, start_hub
 
 pytestmark = [
     pytest.mark.nixl,

@@ -15,14 +15,8 @@ import torch
 from raysync import WeightHub
 from raysync.actors.rpc_agent import AgentStatus
 from raysync.transports.rpc import TIMEOUT_ENV
-from tests.receivers import Collector, make_policy, state_of
-from tests.test_core import ready, start
-from tests.test_distributed import (
-    Holder,
-    assert_bitwise,
-    assert_policy_reaches,
-    special_values,
-)
+from tests.helpers import assert_bitwise, assert_policy_reaches, ready, special_values, start
+from tests.receivers import Collector, Holder, make_policy, state_of
 
 _TIMEOUT_S = 10
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ray
 
+from tests.helpers import ready, start, start_hub
 from tests.receivers import AsyncProbe, ThreadedProbe, filled, make_probe_model
-from tests.test_core import ready, start, start_hub
 
 _TEMPLATE = make_probe_model()
 

@@ -11,8 +11,8 @@ import torch
 
 from raysync import WeightReceiver
 from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_name
+from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import Collector, SlowHook, filled, make_policy, make_probe_model, state_of
-from tests.test_core import assert_same, ready, start, start_hub
 
 TRANSPORT = "shared_memory"
 #: What the kernel calls our segments in /proc/<pid>/fd and /proc/<pid>/maps.

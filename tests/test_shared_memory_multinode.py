@@ -43,8 +43,8 @@ def _scenario() -> None:
 
     from raysync import WeightHub
     from raysync.transports.shared_memory import OWNER_NAMESPACE, owner_name
+    from tests.helpers import assert_same
     from tests.receivers import Collector, make_policy, state_of
-    from tests.test_core import assert_same
 
     cluster = Cluster(
         initialize_head=True,

@@ -11,8 +11,8 @@ import pytest
 import ray
 
 from raysync import available_transports
+from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import Collector, make_policy, state_of
-from tests.test_core import assert_same, ready, start, start_hub
 
 
 def test_receivers_choose_their_transport_on_an_object_store_hub(actors):

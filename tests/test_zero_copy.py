@@ -9,6 +9,7 @@ from tensordict import TensorDict
 
 from raysync import WeightReceiver
 from raysync.transports.nixl import NixlTransport
+from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import (
     Opaque,
     ThreadedProbe,
@@ -17,7 +18,6 @@ from tests.receivers import (
     make_probe_model,
     state_of,
 )
-from tests.test_core import assert_same, ready, start, start_hub
 
 _nixl = pytest.mark.skipif(
     not NixlTransport.availability().available,

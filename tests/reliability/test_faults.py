@@ -13,9 +13,8 @@ import ray
 import torch
 
 from raysync import BroadcastError, HubNotFoundError, WeightReceiver
-from tests.conftest import transport_params
+from tests.helpers import assert_same, ready, start, start_hub, transport_params
 from tests.receivers import Collector, make_policy, state_of
-from tests.test_core import assert_same, ready, start, start_hub
 
 HEARTBEAT_S = 0.3
 

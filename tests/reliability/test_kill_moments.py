@@ -29,9 +29,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from tests.conftest import transport_params
+from tests.helpers import assert_same, ready, start_hub, transport_params
 from tests.receivers import make_policy, start_victim, state_of
-from tests.test_core import assert_same, ready, start_hub
 
 MOMENTS = ("before", "queued", "transfer", "apply")
 #: Where each moment holds the victim (None: it is killed while idle).

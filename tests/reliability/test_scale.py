@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.helpers import assert_same, start, start_hub
 from tests.receivers import Collector, make_policy, state_of
-from tests.test_core import assert_same, start, start_hub
 
 RECEIVERS = 64
 

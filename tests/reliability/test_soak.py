@@ -11,9 +11,8 @@ import pytest
 import ray
 from ray._private.internal_api import memory_summary
 
-from tests.conftest import transport_params
+from tests.helpers import ready, start, start_hub, transport_params
 from tests.receivers import Collector, make_policy, process_stats
-from tests.test_core import ready, start, start_hub
 
 RECEIVERS = 16
 

@@ -67,6 +67,19 @@ def test_no_module_imports_private_names_of_another(path):
         assert not private, f"{path.relative_to(ROOT)} imports {private} from {module}"
 
 
+TESTS = sorted((ROOT / "tests").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", TESTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_tests_never_import_other_test_modules_or_conftest(path):
+    """Shared test code lives in tests/helpers.py and tests/receivers.py."""
+    for module, _ in _imports(path):
+        leaf = module.split(".")[-1]
+        assert not (
+            module.startswith("tests.") and (leaf.startswith("test_") or leaf == "conftest")
+        ), f"{path.relative_to(ROOT)} imports {module}: move what it shares to tests/helpers.py"
+
+
 def test_the_library_import_graph_has_no_cycle():
     graph: dict[str, set[str]] = {}
     for path in LIBRARY.rglob("*.py"):

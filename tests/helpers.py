@@ -1,0 +1,96 @@
+"""Helpers every Ray test module shares: starting hubs and receivers, bitwise checks,
+the transport parameters. Test modules import from here (and ``tests.receivers``),
+never from each other or from ``conftest``."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from raysync import WeightHub
+from tests.receivers import make_policy, state_of
+
+
+def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Same keys, dtypes and values (``torch.equal``: NaN never equals NaN)."""
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        assert actual[key].dtype == expected[key].dtype, key
+        assert torch.equal(actual[key], expected[key]), f"{key} differs"
+
+
+def assert_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Same keys, dtypes, shapes and bytes: NaN, -0.0 and subnormals included."""
+    assert actual.keys() == expected.keys()
+    for key, want in expected.items():
+        got = actual[key]
+        assert got.dtype == want.dtype and got.shape == want.shape, key
+        got_bytes = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        want_bytes = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(got_bytes, want_bytes), f"{key}: bytes differ"
+
+
+def special_values() -> dict[str, torch.Tensor]:
+    """Values an arithmetic comparison would get wrong: NaN, -0.0, inf, subnormals."""
+    return {
+        "f32": torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45, 3.0]),
+        "bf16": torch.randn(33, 7).to(torch.bfloat16),
+        "f16": torch.randn(5).half(),
+        "i8": torch.arange(-5, 5, dtype=torch.int8),
+        "i64": torch.arange(3, dtype=torch.int64) * (1 << 40),
+        "flag": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+    }
+
+
+def start(actors: list, cls, *args, **kwargs):
+    """``cls.remote(...)``, killed after the test (``actors`` is the conftest fixture)."""
+    handle = cls.remote(*args, **kwargs)
+    actors.append(handle)
+    return handle
+
+
+def start_hub(actors: list, transport: str, actor_options: dict | None = None, **launch):
+    """A new hub on ``transport``, killed after the test."""
+    hub = WeightHub.options(**(actor_options or {})).remote(transport=transport, **launch)
+    actors.append(hub)
+    return hub
+
+
+def ready(receivers) -> None:
+    """Wait until each receiver's ``__init__`` (and so its registration) has finished."""
+    ray.get([r.__ray_ready__.remote() for r in receivers])
+
+
+def assert_policy_reaches(hub, collectors, workers: tuple[str, ...]) -> None:
+    """Broadcast a fresh policy: exactly ``workers`` ack it and hold it bit for bit."""
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert report.acked == workers and report.failed == {}
+    for c in collectors:
+        assert_bitwise(ray.get(c.state.remote()), state_of(learner))
+
+
+def transport_params(*, heavy: bool = False) -> list:
+    """One pytest param per registered transport but rdt, skipped (with the reason)
+    where it cannot run. ``heavy=True`` marks every transport but the default ``slow``:
+    long fault and soak runs go through the default transport in CI and through all of
+    them with ``make test-all`` (``-m "not gpu"``)."""
+    from raysync.transports import DEFAULT_TRANSPORT, get_transport, known_transports
+
+    params = []
+    for name in known_transports():
+        if name == "rdt":
+            # rdt needs receivers declared with enable_tensor_transport=True, which the
+            # shared test receivers are not: tests/test_rdt.py covers it.
+            continue
+        availability = get_transport(name).availability()
+        marks = [pytest.mark.nixl] if name == "nixl" else []
+        if heavy and name != DEFAULT_TRANSPORT:
+            marks.append(pytest.mark.slow)
+        if not availability.available:
+            marks.append(pytest.mark.skip(reason=f"{name} unavailable: {availability.reason}"))
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
