@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from tests.helpers import transport_params
+from tests.helpers import SharedHubs, transport_params
 
 # Two cores on CI: a larger logical CPU count lets many small actors coexist;
 # receivers in the tests also ask for num_cpus=0.
@@ -29,6 +29,14 @@ def ray_cluster():
         yield ray.get_runtime_context()
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_hubs(ray_cluster):
+    """A hub and a receiver per transport, shared by tests that leave them alive."""
+    hubs = SharedHubs()
+    yield hubs
+    hubs.close()
 
 
 @pytest.fixture

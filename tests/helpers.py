@@ -94,3 +94,49 @@ def transport_params(*, heavy: bool = False) -> list:
             marks.append(pytest.mark.skip(reason=f"{name} unavailable: {availability.reason}"))
         params.append(pytest.param(name, marks=marks, id=name))
     return params
+
+
+class SharedHubs:
+    """One hub (``reject_nonfinite=True``) and one ``Collector`` named ``"w0"`` per
+    transport, started on first use and kept for the session.
+
+    For tests that neither kill nor close them: bad input is refused before any receiver
+    is touched, so each such test finds the pair as the previous one left it, and checks
+    only what changed relative to the version it started from. A pair that stopped
+    answering (a test that failed half-way) is replaced.
+    """
+
+    def __init__(self) -> None:
+        self._pairs: dict[str, tuple] = {}
+
+    def pair(self, transport: str) -> tuple:
+        """``(hub, collector)`` on ``transport``, both registered and answering."""
+        from tests.receivers import Collector
+
+        if transport in self._pairs and self._answers(*self._pairs[transport]):
+            return self._pairs[transport]
+        self._kill(transport)
+        hub = WeightHub.remote(transport=transport, reject_nonfinite=True)
+        collector = Collector.remote(hub, worker_id="w0")
+        ready([collector])
+        self._pairs[transport] = (hub, collector)
+        return hub, collector
+
+    def close(self) -> None:
+        for transport in list(self._pairs):
+            self._kill(transport)
+
+    @staticmethod
+    def _answers(hub, collector) -> bool:
+        try:
+            ray.get([hub.status.remote(), collector.version.remote()], timeout=30)
+        except (ray.exceptions.RayError, RuntimeError):
+            return False
+        return True
+
+    def _kill(self, transport: str) -> None:
+        for handle in self._pairs.pop(transport, ()):
+            try:
+                ray.kill(getattr(handle, "actor", handle))
+            except Exception:  # already dead
+                pass

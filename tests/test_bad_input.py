@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import ray
@@ -148,20 +150,28 @@ LEARNER_ERRORS = {
 }
 
 
+@dataclass(frozen=True)
+class Before:
+    """A hub and its receiver ``"w0"``, and what they hold as a test starts."""
+
+    hub: object
+    collector: object
+    version: int
+    state: dict[str, torch.Tensor]
+
+    def untouched(self) -> None:
+        assert ray.get(self.collector.version.remote()) == self.version
+        assert_same(ray.get(self.collector.state.remote()), self.state)
+        assert ray.get(self.hub.status.remote()).versions == {"policy": self.version}
+
+
 @pytest.fixture
-def hub_with_receiver(actors, transport):
-    hub = start_hub(actors, transport, reject_nonfinite=True)
-    collector = start(actors, Collector, hub, worker_id="w0")
-    ready([collector])
-    v1 = make_policy()
-    ray.get(hub.broadcast.remote(v1))
-    return hub, collector, state_of(v1)
-
-
-def _untouched(hub, collector, v1_state) -> None:
-    assert ray.get(collector.version.remote()) == 1
-    assert_same(ray.get(collector.state.remote()), v1_state)
-    assert ray.get(hub.status.remote()).versions == {"policy": 1}
+def before(shared_hubs, transport) -> Before:
+    """The session's hub and receiver on ``transport``, just given a fresh version."""
+    hub, collector = shared_hubs.pair(transport)
+    learner = make_policy()
+    version = ray.get(hub.broadcast.remote(learner)).version
+    return Before(hub, collector, version, state_of(learner))
 
 
 # Bad input is refused in the learner or the hub, before any transport is used: every
@@ -169,8 +179,8 @@ def _untouched(hub, collector, v1_state) -> None:
 # transport (the *_every_transport tests below).
 @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])
 @pytest.mark.parametrize("case", SPEC_ERRORS, ids=list(SPEC_ERRORS))
-def test_spec_mismatch_rejected_by_hub(case, hub_with_receiver):
-    hub, collector, v1_state = hub_with_receiver
+def test_spec_mismatch_rejected_by_hub(case, before):
+    hub = before.hub
     make, error, words = SPEC_ERRORS[case]
     with pytest.raises(error) as info:
         ray.get(hub.broadcast.remote(make()))
@@ -178,45 +188,45 @@ def test_spec_mismatch_rejected_by_hub(case, hub_with_receiver):
     for word in words:
         assert word in message, f"{word!r} not in {message}"
     assert "hub's spec of model 'policy'" in message
-    _untouched(hub, collector, v1_state)
+    before.untouched()
     # The channel is not jammed: the next valid broadcast goes through.
-    assert ray.get(hub.broadcast.remote(make_policy())).version == 2
+    assert ray.get(hub.broadcast.remote(make_policy())).version == before.version + 1
 
 
 @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])
 @pytest.mark.parametrize("case", LEARNER_ERRORS, ids=list(LEARNER_ERRORS))
-def test_invalid_weights_rejected_in_learner(case, hub_with_receiver):
-    hub, collector, v1_state = hub_with_receiver
+def test_invalid_weights_rejected_in_learner(case, before):
+    hub = before.hub
     make, error, words = LEARNER_ERRORS[case]
     with pytest.raises(error) as info:
         hub.broadcast.remote(make())
     for word in words:
         assert word in str(info.value)
-    _untouched(hub, collector, v1_state)
+    before.untouched()
 
 
-def test_wrong_shape_every_transport(hub_with_receiver):
-    test_spec_mismatch_rejected_by_hub("wrong shape", hub_with_receiver)
+def test_wrong_shape_every_transport(before):
+    test_spec_mismatch_rejected_by_hub("wrong shape", before)
 
 
-def test_non_tensor_leaf_every_transport(hub_with_receiver):
-    test_invalid_weights_rejected_in_learner("non-tensor leaf", hub_with_receiver)
+def test_non_tensor_leaf_every_transport(before):
+    test_invalid_weights_rejected_in_learner("non-tensor leaf", before)
 
 
-def test_unknown_model(hub_with_receiver):
-    hub, collector, v1_state = hub_with_receiver
+def test_unknown_model(before):
+    hub = before.hub
     with pytest.raises(SpecMismatchError):
         ray.get(hub.broadcast.remote({"x": torch.zeros(2)}, model="policy"))
     with pytest.raises(UnknownModelError, match="unknown model 'critic'"):
         ray.get(hub.latest.remote("critic"))
-    _untouched(hub, collector, v1_state)
+    before.untouched()
 
 
-def test_unknown_model_is_refused_naming_the_known_ones(hub_with_receiver):
-    hub, collector, v1_state = hub_with_receiver
+def test_unknown_model_is_refused_naming_the_known_ones(before):
+    hub = before.hub
     with pytest.raises(UnknownModelError, match=r"unknown model 'nomodel'.*knows: policy"):
         ray.get(hub.broadcast.remote(make_policy(), model="nomodel"))
-    _untouched(hub, collector, v1_state)  # and the hub did not start holding a new model
+    before.untouched()  # and the hub did not start holding a new model
 
 
 def test_only_declared_models_are_broadcast_before_any_receiver(actors):
@@ -228,11 +238,11 @@ def test_only_declared_models_are_broadcast_before_any_receiver(actors):
         ray.get(hub.broadcast.remote(make_policy(), model="critic"))
 
 
-def test_unknown_worker(hub_with_receiver):
-    hub, collector, v1_state = hub_with_receiver
+def test_unknown_worker(before):
+    hub = before.hub
     with pytest.raises(UnknownWorkerError, match="unknown worker 'nobody'.*w0"):
         ray.get(hub.broadcast.remote(make_policy(), workers=["w0", "nobody"]))
-    _untouched(hub, collector, v1_state)
+    before.untouched()
 
 
 def test_ambiguous_default_model(actors, transport):
@@ -243,8 +253,8 @@ def test_ambiguous_default_model(actors, transport):
         ray.get(hub.broadcast.remote({"a": torch.zeros(1)}))
 
 
-def test_receiver_with_mismatching_model_fails_registration(hub_with_receiver, actors):
-    hub, collector, v1_state = hub_with_receiver
+def test_receiver_with_mismatching_model_fails_registration(before, actors):
+    hub = before.hub
     wrong = start(actors, WrongModel, hub)
     with pytest.raises(ray.exceptions.RayActorError) as info:
         ray.get(wrong.ping.remote())
@@ -252,7 +262,7 @@ def test_receiver_with_mismatching_model_fails_registration(hub_with_receiver, a
     assert "SpecMismatchError" in message and "WrongModel" in message
     assert "'2.weight'" in message and "(2, 64)" in message and "(3, 64)" in message
     assert {r.worker for r in ray.get(hub.status.remote()).receivers} == {"w0"}
-    _untouched(hub, collector, v1_state)
+    before.untouched()
 
 
 def test_bad_model_path_fails_registration(actors, transport):
@@ -275,42 +285,47 @@ def test_unknown_transport_lists_known_ones(ray_cluster):
         WeightHub.remote(transport="carrier_pigeon")
 
 
-@pytest.mark.parametrize(
-    ("version", "words"),
-    [(1, "version 1 of model 'policy' is not above the current version 1"), (0, "version 0")],
-    ids=["equal to current", "lower than current"],
-)
-def test_stale_explicit_version(version, words, hub_with_receiver):
-    hub, collector, v1_state = hub_with_receiver
-    with pytest.raises(StaleVersionError, match=words):
-        ray.get(hub.broadcast.remote(make_policy(), version=version))
-    _untouched(hub, collector, v1_state)
-    report = ray.get(hub.broadcast.remote(make_policy(), version=100))
-    assert report.version == 100
-    assert ray.get(collector.version.remote()) == 100
+@pytest.mark.parametrize("below", [0, 1], ids=["equal to current", "lower than current"])
+def test_stale_explicit_version(below, before):
+    hub, stale = before.hub, before.version - below
+    with pytest.raises(StaleVersionError) as info:
+        ray.get(hub.broadcast.remote(make_policy(), version=stale))
+    assert (
+        f"version {stale} of model 'policy' is not above the current version {before.version}"
+        in str(info.value)
+    )
+    before.untouched()
+    jump = before.version + 100
+    assert ray.get(hub.broadcast.remote(make_policy(), version=jump)).version == jump
+    assert ray.get(before.collector.version.remote()) == jump
 
 
-def test_empty_worker_list(hub_with_receiver):
-    hub, collector, v1_state = hub_with_receiver
+def test_empty_worker_list(before):
+    hub = before.hub
     with pytest.raises(UnknownWorkerError, match="names no receiver"):
         ray.get(hub.broadcast.remote(make_policy(), workers=[]))
-    _untouched(hub, collector, v1_state)
+    before.untouched()
 
 
-def test_garbage_sent_to_the_actor_directly(hub_with_receiver):
-    hub, collector, v1_state = hub_with_receiver
+def test_garbage_sent_to_the_actor_directly(before):
+    hub = before.hub
     with pytest.raises(TypeError, match="BroadcastRequest.*get_hub"):
         ray.get(hub.actor.submit.remote(b"\x80\x04garbage"))
-    _untouched(hub, collector, v1_state)
-    assert ray.get(hub.broadcast.remote(make_policy())).version == 2
+    before.untouched()
+    assert ray.get(hub.broadcast.remote(make_policy())).version == before.version + 1
 
 
-def test_broadcast_while_shutting_down(hub_with_receiver):
-    hub, collector, v1_state = hub_with_receiver
+def test_broadcast_while_shutting_down(actors, transport):
+    hub = start_hub(actors, transport)
+    collector = start(actors, Collector, hub, worker_id="w0")
+    ready([collector])
+    learner = make_policy()
+    ray.get(hub.broadcast.remote(learner))
     ray.get(hub.close.remote())
     with pytest.raises(HubClosedError, match="shutting down"):
         ray.get(hub.broadcast.remote(make_policy()))
-    _untouched(hub, collector, v1_state)
+    assert ray.get(collector.version.remote()) == 1
+    assert_same(ray.get(collector.state.remote()), state_of(learner))
 
 
 def test_nonfinite_allowed_unless_configured(actors, transport):

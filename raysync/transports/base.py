@@ -62,10 +62,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import ray
 import torch
 
 from raysync.errors import RaySyncError
 from raysync.spec import WeightSpec
+
+#: Seconds :meth:`HubContext.stopped` waits for the hub's answer.
+_STOPPED_ASK_S = 10.0
 
 
 class TransportError(RaySyncError, RuntimeError):
@@ -80,6 +84,17 @@ class HubContext:
     #: The same across the hub's restarts: names the resource actors the hub's planners
     #: start, so a learner can find them (``HubConfig.hub_id``).
     hub_id: str
+
+    def stopped(self) -> bool:
+        """Whether the hub was closed or died, so a resource actor it stopped will not
+        come back: a learner-side sender waiting for one asks, and gives up at once.
+        One hub round trip; a hub that is restarting is not stopped."""
+        try:
+            return bool(ray.get(self.actor.closed.remote(), timeout=_STOPPED_ASK_S))
+        except ray.exceptions.ActorDiedError:
+            return True
+        except ray.exceptions.RayError:  # restarting, or slow to answer: not known stopped
+            return False
 
 
 @dataclass(frozen=True)

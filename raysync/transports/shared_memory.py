@@ -189,6 +189,7 @@ class SharedMemorySender(TransportSender):
     """Learner side: write each version once into a slot of this node's owner."""
 
     def __init__(self, hub: HubContext) -> None:
+        self._hub = hub
         self._name = owner_name(hub.hub_id, ray.get_runtime_context().get_node_id())
         self._mappings = _Mappings(writable=True)
         ray.get(hub.actor.__ray_ready__.remote(), timeout=OWNER_WAIT_S)
@@ -204,13 +205,13 @@ class SharedMemorySender(TransportSender):
             try:
                 return ray.get_actor(self._name, namespace=OWNER_NAMESPACE)
             except ValueError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self._hub.stopped():
                     raise TransportError(
                         f"no shared-memory owner {self._name!r} on the learner's node after "
                         f"{OWNER_WAIT_S:g} s: the hub starts one per node it sees at start-up "
                         "and restarts those that die; is the hub alive?"
                     ) from None
-                time.sleep(0.2)
+                time.sleep(0.2)  # the restarting hub starts it: poll, nothing to wait on
 
     def _slot(self, nbytes: int) -> tuple[Slot, torch.Tensor]:
         """A slot of ``nbytes`` and its mapping: the one asked for ahead if it fits.
@@ -240,10 +241,11 @@ class SharedMemorySender(TransportSender):
             try:
                 return ray.get(self._owner.acquire.remote(nbytes, SLOT_WAIT_S))
             except RayActorError as err:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self._hub.stopped():
                     raise TransportError(
                         f"the shared-memory owner {self._name!r} on the learner's node died "
-                        f"and no working one was back within {OWNER_WAIT_S:g} s"
+                        f"and no working one was back within {OWNER_WAIT_S:g} s (or the "
+                        "hub that restarts it stopped)"
                     ) from err
                 time.sleep(0.2)
                 self._owner = self._find_owner()
