@@ -369,8 +369,13 @@ class WeightHubActor:
                 raise TransportUnavailableError(
                     f"transport {transport!r}{who} is not available: {availability.reason}"
                 )
-            hub = HubContext(ray.get_runtime_context().current_actor, self._config.hub_id)
-            planner = get_transport(transport).open_hub(hub)
+            chosen = get_transport(transport)
+            hub = HubContext(
+                ray.get_runtime_context().current_actor,
+                self._config.hub_id,
+                self._config.options_of(chosen.options),
+            )
+            planner = chosen.open_hub(hub)
             self._planners[transport] = planner
         return planner
 

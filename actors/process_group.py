@@ -33,13 +33,13 @@ from raysync.transports.distributed import (
     HEADER_BYTES,
     BroadcastJob,
     Generation,
-    GroupSettings,
     StoreAddress,
     header,
     join_group,
     run_broadcast,
     staging_device,
 )
+from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import bound_master_store, node_ip
 
 
@@ -57,7 +57,7 @@ class GroupStatus:
 class ProcessGroupActor:
     """See module docstring. Async actor; collectives run one at a time in a thread."""
 
-    def __init__(self, settings: GroupSettings) -> None:
+    def __init__(self, settings: DistributedOptions) -> None:
         self._settings = settings
         host = node_ip()
         port, self._store = bound_master_store(host, settings.timeout_s)

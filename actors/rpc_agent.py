@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
 from raysync.transports.rpc import (
     RpcJob,
     RpcMember,
-    RpcSettings,
     answer_ping,
     init_rpc,
     land,
@@ -68,7 +68,7 @@ class RpcAgentActor:
         self,
         key: str,
         hub: str,
-        settings: RpcSettings,
+        settings: RpcOptions,
         known: dict[str, tuple[str, int]] | None = None,
     ) -> None:
         """``known``: worker -> (process, rank) of the members of an earlier agent of

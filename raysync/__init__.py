@@ -24,13 +24,19 @@ from raysync.messages import (
 )
 from raysync.receiver import WeightReceiver, weight_receiver
 from raysync.spec import TensorSpec, WeightSpec
-from raysync.transports import available_transports, known_transports
+from raysync.transports import (
+    DistributedOptions,
+    RpcOptions,
+    available_transports,
+    known_transports,
+)
 
 __all__ = [
     "BroadcastError",
     "BroadcastReport",
     "BroadcastTicket",
     "DeliveryMode",
+    "DistributedOptions",
     "HubClosedError",
     "HubConfig",
     "HubHandle",
@@ -41,6 +47,7 @@ __all__ = [
     "ModelPathError",
     "RaySyncError",
     "ReceiverStatus",
+    "RpcOptions",
     "SpecMismatchError",
     "StaleVersionError",
     "TensorSpec",

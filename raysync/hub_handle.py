@@ -28,6 +28,7 @@ from raysync.transports import (
     TransportError,
     TransportSender,
     get_transport,
+    known_transports,
 )
 
 #: Default seconds a broadcast waits for every receiver's ack.
@@ -229,8 +230,10 @@ class HubHandle:
         """The learner half of transport ``hand_off``, opened in this process on first use."""
         sender = self._senders.get(hand_off)
         if sender is None:
-            context = HubContext(self.actor, self.config.hub_id)
-            sender = self._senders[hand_off] = get_transport(hand_off).open_sender(context)
+            chosen = get_transport(hand_off)
+            options = self.config.options_of(chosen.options)
+            context = HubContext(self.actor, self.config.hub_id, options)
+            sender = self._senders[hand_off] = chosen.open_sender(context)
         return sender
 
     def __reduce__(self):
@@ -259,6 +262,7 @@ class WeightHub:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reject_nonfinite: bool = False,
         models: Sequence[str] = (),
+        options: object | Sequence[object] = (),
     ) -> HubHandle:
         """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
         return HubLauncher({}).remote(
@@ -266,6 +270,7 @@ class WeightHub:
             timeout_s=timeout_s,
             reject_nonfinite=reject_nonfinite,
             models=models,
+            options=options,
         )
 
 
@@ -282,6 +287,7 @@ class HubLauncher:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reject_nonfinite: bool = False,
         models: Sequence[str] = (),
+        options: object | Sequence[object] = (),
     ) -> HubHandle:
         """Start the hub actor.
 
@@ -291,9 +297,14 @@ class HubLauncher:
         declares model ids up front: a broadcast may name one of them before any
         receiver registered it (a learner that starts first); any other id must have
         been registered by a receiver, else the broadcast raises
-        :class:`~raysync.UnknownModelError` (a typo reaches nobody silently). Raises
-        ``ValueError`` for an unknown transport and
-        :class:`~raysync.TransportUnavailableError` if it cannot run here.
+        :class:`~raysync.UnknownModelError` (a typo reaches nobody silently).
+        ``options`` are transport settings, one object or several, of the classes in
+        :mod:`raysync.transports.options` (``DistributedOptions(timeout_s=10)``,
+        ``RpcOptions(...)``); each applies wherever its transport is used by this hub,
+        as its default transport or one its receivers chose. Raises ``ValueError`` for
+        an unknown transport, ``TypeError`` for options that belong to no transport or
+        twice the same, and :class:`~raysync.TransportUnavailableError` if the transport
+        cannot run here.
         """
         availability = get_transport(transport).availability()
         if not availability.available:
@@ -304,10 +315,37 @@ class HubLauncher:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if isinstance(models, str):
             raise TypeError(f"models takes a sequence of model ids, not the string {models!r}")
-        config = HubConfig(transport, timeout_s, reject_nonfinite, uuid.uuid4().hex, tuple(models))
+        config = HubConfig(
+            transport,
+            timeout_s,
+            reject_nonfinite,
+            uuid.uuid4().hex,
+            tuple(models),
+            transport_options=_transport_options(options),
+        )
         hub_class = ray.remote(actor_class(HUB))
         actor = hub_class.options(**self._actor_options).remote(config)
         return HubHandle(actor, config)
+
+
+def _transport_options(options: object | Sequence[object]) -> tuple[object, ...]:
+    """``options`` as a tuple, checked: each the options class of a known transport,
+    no class twice (which one would apply?)."""
+    given = tuple(options) if isinstance(options, (list, tuple)) else (options,)
+    if not given:
+        return ()
+    classes = {get_transport(name).options for name in known_transports()} - {None}
+    seen: set[type] = set()
+    for option in given:
+        if type(option) not in classes:
+            names = ", ".join(sorted(c.__name__ for c in classes))
+            raise TypeError(
+                f"options: {option!r} is not the options of any transport (those are: {names})"
+            )
+        if type(option) in seen:
+            raise TypeError(f"options: two {type(option).__name__} given; pass one")
+        seen.add(type(option))
+    return given
 
 
 def get_hub(

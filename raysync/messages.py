@@ -39,6 +39,15 @@ class HubConfig:
     hub_id: str
     #: Model ids a broadcast may name before any receiver registered them.
     models: tuple[str, ...] = ()
+    #: Transport options (``DistributedOptions``, ``RpcOptions``, ...), one per type.
+    transport_options: tuple[Any, ...] = ()
+
+    def options_of(self, options_type: type | None) -> Any:
+        """The options given for a transport whose options class is ``options_type``,
+        or None (its defaults)."""
+        if options_type is None:
+            return None
+        return next((o for o in self.transport_options if isinstance(o, options_type)), None)
 
 
 @dataclass(frozen=True)

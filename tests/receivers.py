@@ -161,10 +161,10 @@ class FailingHook(WeightReceiver, _Inspect):
 
 @ray.remote(num_cpus=0)
 class SlowHook(WeightReceiver, _Inspect):
-    def __init__(self, hub, delay_s: float):
+    def __init__(self, hub, delay_s: float, worker_id: str | None = None):
         self.policy = make_policy()
         self.delay_s = delay_s
-        self.connect_hub(hub, models={"policy": "policy"})
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=worker_id)
 
     def on_weights_applied(self, model: str, version: int) -> None:
         if version >= 2:

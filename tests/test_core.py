@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 import torch
@@ -49,37 +47,33 @@ class TestBroadcast:
                 assert_same(ray.get(c.state.remote()), state_of(learner))
                 assert ray.get(c.version.remote()) == step
 
-    def test_learner_releases_its_side_and_broadcasts_again(self, actors, transport):
-        hub = start_hub(actors, transport)
-        collector = start(actors, Collector, hub)
-        ready([collector])
-        ray.get(hub.broadcast.remote(make_policy()))
+    # The next tests use the session's hub and receiver of their transport (they kill
+    # nothing), so they check versions relative to the one they find.
+    def test_learner_releases_its_side_and_broadcasts_again(self, shared_hubs, transport):
+        hub, collector = shared_hubs.pair(transport)
+        first = ray.get(hub.broadcast.remote(make_policy())).version
         hub.release()  # NIXL deregisters its buffers, shared memory unmaps its segment
         learner = make_policy()
-        assert ray.get(hub.broadcast.remote(learner)).version == 2
+        assert ray.get(hub.broadcast.remote(learner)).version == first + 1
         assert_same(ray.get(collector.state.remote()), state_of(learner))
         hub.release()
 
-    def test_accepts_module_tensordict_and_state_dict(self, actors, transport):
-        hub = start_hub(actors, transport)
-        collector = start(actors, Collector, hub)
-        ready([collector])
+    def test_accepts_module_tensordict_and_state_dict(self, shared_hubs, transport):
+        hub, collector = shared_hubs.pair(transport)
         learner = make_policy()
         inputs = [
             learner,
             TensorDict.from_module(learner),
             {k: v.clone() + 1 for k, v in learner.state_dict().items()},
         ]
-        for version, weights in enumerate(inputs, start=1):
-            ray.get(hub.broadcast.remote(weights))
+        for weights in inputs:
+            version = ray.get(hub.broadcast.remote(weights)).version
             expected = weights if isinstance(weights, dict) else state_of(learner)
             assert_same(ray.get(collector.state.remote()), expected)
             assert ray.get(collector.version.remote()) == version
 
-    def test_applies_in_place_without_reallocating(self, actors, transport):
-        hub = start_hub(actors, transport)
-        collector = start(actors, Collector, hub)
-        ready([collector])
+    def test_applies_in_place_without_reallocating(self, shared_hubs, transport):
+        hub, collector = shared_hubs.pair(transport)
         before = ray.get(collector.data_ptrs.remote())
         for _ in range(2):
             ray.get(hub.broadcast.remote(make_policy()))
@@ -236,34 +230,33 @@ class TestReceivers:
         assert_same(ray.get(receiver.state.remote()), state_of(learner))
         assert ray.get(hub.status.remote()).versions == {"default": 1}
 
-    def test_stale_and_duplicate_updates_are_skipped(self, actors, transport):
-        hub = start_hub(actors, transport)
-        collector = start(actors, Collector, hub)
-        ready([collector])
-        ray.get(hub.broadcast.remote(make_policy()))
+    def test_stale_and_duplicate_updates_are_skipped(self, shared_hubs, transport):
+        hub, collector = shared_hubs.pair(transport)
+        first = ray.get(hub.broadcast.remote(make_policy())).version
         old = ray.get(hub.latest.remote("policy"))
         newest = make_policy()
         ray.get(hub.broadcast.remote(newest))
-        # Re-deliver version 1 (stale) and version 2 (duplicate) by hand.
+        # Re-deliver the older version (stale) and the current one (duplicate) by hand.
         stale = ray.get(collector._raysync_deliver.remote(old))
         duplicate = ray.get(collector._raysync_deliver.remote(ray.get(hub.latest.remote("policy"))))
         assert stale.status.value == "superseded" and duplicate.status.value == "superseded"
-        assert ray.get(collector.version.remote()) == 2
+        assert ray.get(collector.version.remote()) == first + 1
         assert_same(ray.get(collector.state.remote()), state_of(newest))
-        assert ray.get(collector.applied_versions.remote()) == [("policy", 1), ("policy", 2)]
+        applied = ray.get(collector.applied_versions.remote())
+        assert applied[-2:] == [("policy", first), ("policy", first + 1)]
 
 
 class TestAsyncAcks:
-    def test_fire_and_forget_then_wait_for(self, actors, transport):
-        hub = start_hub(actors, transport)
-        collector = start(actors, Collector, hub)
-        ready([collector])
+    def test_fire_and_forget_then_wait_for(self, shared_hubs, transport):
+        hub, collector = shared_hubs.pair(transport)
+        start = ray.get(hub.status.remote()).versions.get("policy", 0)
         tickets = [ray.get(hub.broadcast.remote(make_policy(), wait=False)) for _ in range(3)]
-        assert tickets == [BroadcastTicket("policy", v) for v in (1, 2, 3)]
+        versions = [start + 1, start + 2, start + 3]
+        assert tickets == [BroadcastTicket("policy", v) for v in versions]
         reports = ray.get([hub.wait_for.remote(t) for t in tickets])
-        assert [r.version for r in reports] == [1, 2, 3]
-        assert all(len(r.acked) == 1 for r in reports)
-        assert ray.get(collector.version.remote()) == 3
+        assert [r.version for r in reports] == versions
+        assert all(r.acked == ("w0",) for r in reports)
+        assert ray.get(collector.version.remote()) == versions[-1]
 
 
 class TestFailures:
@@ -289,27 +282,6 @@ class TestFailures:
         ray.get(hub.broadcast.remote(make_policy()))
         report = ray.get(hub.broadcast.remote(make_policy(), raise_on_failure=False))
         assert report.acked == () and len(report.failed) == 1 and not report.ok
-
-    def test_killed_receiver_fails_others_ack_and_it_is_dropped(self, actors, transport):
-        hub = start_hub(actors, transport)
-        survivors = [start(actors, Collector, hub, worker_id=f"ok{i}") for i in range(2)]
-        victim = start(actors, SlowHook, hub, 30.0)
-        ready([*survivors, victim])
-        victim_id = victim._actor_id.hex()
-        ray.get(hub.broadcast.remote(make_policy()))
-        learner = make_policy()
-        ref = hub.broadcast.remote(learner, timeout_s=20, raise_on_failure=False)
-        time.sleep(1.0)  # the victim is now sleeping inside its update
-        ray.kill(victim)
-        report = ray.get(ref, timeout=20)
-        assert report.acked == ("ok0", "ok1")
-        assert "died" in report.failed[victim_id] and "SlowHook" in report.failed[victim_id]
-        for s in survivors:
-            assert_same(ray.get(s.state.remote()), state_of(learner))
-        workers = {r.worker for r in ray.get(hub.status.remote()).receivers}
-        assert workers == {"ok0", "ok1"}
-        report = ray.get(hub.broadcast.remote(make_policy()))
-        assert report.acked == ("ok0", "ok1") and report.failed == {}
 
     def test_slow_receiver_times_out_without_delaying_others(self, actors, transport):
         hub = start_hub(actors, transport)

@@ -10,9 +10,8 @@ import pytest
 import ray
 import torch
 
-from raysync import WeightHub, WeightReceiver
+from raysync import DistributedOptions, WeightHub, WeightReceiver
 from raysync.actors.process_group import GroupStatus
-from raysync.transports.distributed import BACKEND_ENV, TIMEOUT_ENV
 from tests.helpers import assert_bitwise, assert_policy_reaches, ready, special_values, start
 from tests.receivers import Collector, Holder, make_policy, state_of
 
@@ -21,8 +20,8 @@ _TIMEOUT_S = 4
 
 
 def start_dist_hub(actors, backend: str = "gloo"):
-    env = {BACKEND_ENV: backend, TIMEOUT_ENV: str(_TIMEOUT_S)}
-    hub = WeightHub.options(runtime_env={"env_vars": env}).remote(transport="distributed")
+    options = DistributedOptions(backend=backend, timeout_s=_TIMEOUT_S)
+    hub = WeightHub.remote(transport="distributed", options=options)
     actors.append(hub)
     return hub
 

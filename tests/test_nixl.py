@@ -123,8 +123,8 @@ def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
         payload = sender.send(big, spec)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fetched = pool.submit(receiver.fetch, payload, spec)
-            time.sleep(0.3)
-            assert not fetched.done()  # nothing written yet: the reader waits
+            with pytest.raises(concurrent.futures.TimeoutError):
+                fetched.result(timeout=0.3)  # nothing written yet: the reader waits
             sender.submitted(payload, None)
             staged = fetched.result(timeout=30)
         assert_same(dict(zip(spec.names, staged, strict=True)), big)

@@ -12,9 +12,8 @@ import time
 import ray
 import torch
 
-from raysync import WeightHub
+from raysync import RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
-from raysync.transports.rpc import TIMEOUT_ENV
 from tests.helpers import assert_bitwise, assert_policy_reaches, ready, special_values, start
 from tests.receivers import Collector, Holder, make_policy, state_of
 
@@ -22,8 +21,7 @@ _TIMEOUT_S = 10
 
 
 def start_rpc_hub(actors):
-    env = {TIMEOUT_ENV: str(_TIMEOUT_S)}
-    hub = WeightHub.options(runtime_env={"env_vars": env}).remote(transport="rpc")
+    hub = WeightHub.remote(transport="rpc", options=RpcOptions(timeout_s=_TIMEOUT_S))
     actors.append(hub)
     return hub
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import ray
 
 from tests.helpers import ready, start, start_hub
@@ -10,17 +11,14 @@ from tests.receivers import AsyncProbe, ThreadedProbe, filled, make_probe_model
 _TEMPLATE = make_probe_model()
 
 
-def _probe_while_broadcasting(
-    actors, transport, probe_cls, safe_points: bool, broadcasts: int = 12
-):
-    hub = start_hub(actors, transport)
-    probe = start(actors, probe_cls, hub)
-    ready([probe])
-    ray.get(hub.broadcast.remote(filled(_TEMPLATE, 1.0)))
+def _probe_while_broadcasting(hub, probe, safe_points: bool, first: int, broadcasts: int = 12):
+    """Broadcast value ``first``, then ``broadcasts`` more while the probe reads its model
+    for 4 s; the probe's result (reads, torn reads, the values it saw)."""
+    ray.get(hub.broadcast.remote(filled(_TEMPLATE, float(first))))
     result_ref = probe.probe.remote(4.0, safe_points)
     acks = [
         hub.broadcast.remote(filled(_TEMPLATE, float(v)), wait=False)
-        for v in range(2, broadcasts + 2)
+        for v in range(first + 1, first + broadcasts + 1)
     ]
     tickets = ray.get(acks)
     result = ray.get(result_ref)
@@ -29,31 +27,24 @@ def _probe_while_broadcasting(
     return result
 
 
-def test_threaded_actor_with_safe_points_sees_updates_never_torn(actors, transport):
-    result = _probe_while_broadcasting(actors, transport, ThreadedProbe, safe_points=True)
+@pytest.mark.parametrize("probe_cls", [ThreadedProbe, AsyncProbe], ids=["threaded", "async"])
+def test_user_code_never_sees_a_torn_model(actors, transport, probe_cls):
+    """With safe points, updates land between the actor's reads and none is torn;
+    without them, the model holds one version for the whole method (a threaded actor's
+    method that never reaches a safe point, an async actor's until it returns)."""
+    hub = start_hub(actors, transport)
+    probe = start(actors, probe_cls, hub)
+    ready([probe])
+
+    result = _probe_while_broadcasting(hub, probe, safe_points=True, first=1)
     assert result["reads"] > 10
     assert result["torn"] == 0
     # Updates really landed while the probe ran: it saw several versions.
     assert len(result["seen"]) > 1, result
 
-
-def test_threaded_actor_without_safe_points_holds_one_version(actors, transport):
-    result = _probe_while_broadcasting(actors, transport, ThreadedProbe, safe_points=False)
+    result = _probe_while_broadcasting(hub, probe, safe_points=False, first=100)
     assert result["torn"] == 0
-    assert result["seen"] == [1.0], result
-
-
-def test_async_actor_with_safe_points_sees_updates_never_torn(actors, transport):
-    result = _probe_while_broadcasting(actors, transport, AsyncProbe, safe_points=True)
-    assert result["reads"] > 10
-    assert result["torn"] == 0
-    assert len(result["seen"]) > 1, result
-
-
-def test_async_actor_defers_updates_until_the_method_returns(actors, transport):
-    result = _probe_while_broadcasting(actors, transport, AsyncProbe, safe_points=False)
-    assert result["torn"] == 0
-    assert result["seen"] == [1.0], result
+    assert result["seen"] == [100.0], result
 
 
 def test_busy_async_actor_skips_to_the_newest_version(actors, transport):

@@ -155,9 +155,9 @@ def test_back_to_back_broadcasts_never_tear_a_lagging_reader(actors):
 def test_killed_receiver_releases_its_holds(actors):
     hub = start_hub(actors, TRANSPORT)
     survivors = [start(actors, Collector, hub, worker_id=f"ok{i}") for i in range(2)]
-    victim = start(actors, SlowHook, hub, 30.0)
+    victim_id = "victim"
+    victim = start(actors, SlowHook, hub, 30.0, victim_id)
     ready([*survivors, victim])
-    victim_id = victim._actor_id.hex()
     ray.get(hub.broadcast.remote(make_policy()))
     ref = hub.broadcast.remote(make_policy(), timeout_s=20, raise_on_failure=False)
     _wait_until(lambda: f"worker/{victim_id}" in _holds(hub), what="victim holds version 2")

@@ -14,6 +14,7 @@ from raysync.transports.base import (
     TransportReceiver,
     TransportSender,
 )
+from raysync.transports.options import DistributedOptions, RpcOptions
 
 #: name -> "module:Class"; the module is imported on first use of the name.
 _REGISTRY: dict[str, str] = {
@@ -52,8 +53,10 @@ def available_transports() -> tuple[str, ...]:
 __all__ = [
     "DEFAULT_TRANSPORT",
     "Availability",
+    "DistributedOptions",
     "HubContext",
     "ReceiverInfo",
+    "RpcOptions",
     "Transport",
     "TransportError",
     "TransportPlanner",

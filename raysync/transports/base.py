@@ -84,6 +84,9 @@ class HubContext:
     #: The same across the hub's restarts: names the resource actors the hub's planners
     #: start, so a learner can find them (``HubConfig.hub_id``).
     hub_id: str
+    #: This transport's options (an instance of its :attr:`Transport.options`) from
+    #: ``WeightHub.remote(options=...)``; None: the transport's defaults.
+    options: Any = None
 
     def stopped(self) -> bool:
         """Whether the hub was closed or died, so a resource actor it stopped will not
@@ -185,6 +188,9 @@ class Transport(ABC):
 
     #: Registry name, e.g. ``"object_store"``.
     name: ClassVar[str]
+    #: The dataclass of this transport's settings (``WeightHub.remote(options=...)``),
+    #: or None if it has none. Its planner finds the instance in ``HubContext.options``.
+    options: ClassVar[type | None] = None
     #: Receivers must be on the learner's node.
     same_node_only: ClassVar[bool] = False
     #: Receivers read the source's memory without the source's CPU (RDMA-style).

@@ -47,14 +47,9 @@ member fails; the next version goes to a new generation without it. Pull mode
 object-store copy directly: the hub hands them the learner's payload, and a collective
 cannot be arranged for one receiver that asks on its own schedule.
 
-Settings, read in the hub process (pass them with
-``WeightHub.options(runtime_env={"env_vars": {...}})``):
-
-* ``RAYSYNC_DISTRIBUTED_BACKEND``: ``gloo`` (default, CPU buffers) or ``nccl`` (CUDA
-  buffers; rank 0 asks Ray for one GPU, every receiver needs its own GPU);
-* ``RAYSYNC_DISTRIBUTED_TIMEOUT_S``: the timeout of every rendezvous and collective
-  (default 30). Keep it below the broadcast timeout: a member that does not enter a
-  collective holds the others for this long.
+Settings: ``WeightHub.remote(options=DistributedOptions(backend=..., timeout_s=...))``
+(:class:`~raysync.transports.options.DistributedOptions`: ``gloo`` or ``nccl``, and the
+timeout of every rendezvous and collective, default 30 s).
 
 Security: the ``TCPStore`` master listens on a socket bound to the node's IP (never
 ``0.0.0.0``) on a random free port, and every generation uses a random 128-bit key
@@ -67,9 +62,7 @@ each process's node IP as well.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import logging
-import os
 import threading
 import time
 import uuid
@@ -98,40 +91,16 @@ from raysync.transports.object_store import (
     ObjectStoreReceiver,
     ObjectStoreSender,
 )
+from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import node_ip
 
 logger = logging.getLogger(__name__)
-
-BACKEND_ENV = "RAYSYNC_DISTRIBUTED_BACKEND"
-TIMEOUT_ENV = "RAYSYNC_DISTRIBUTED_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 30.0
-BACKENDS = ("gloo", "nccl")
 
 #: The header in front of every broadcast buffer: int64 words.
 HEADER_BYTES = 64
 _MAGIC = 0x7261_7973_796E_6364  # "raysyncd"
 #: How often the hub asks a restarting process-group actor whether it is back.
 _RESTART_POLL_S = 0.1
-
-
-@dataclass(frozen=True)
-class GroupSettings:
-    backend: str
-    timeout_s: float
-
-    @classmethod
-    def from_env(cls) -> GroupSettings:
-        backend = os.environ.get(BACKEND_ENV, "gloo")
-        if backend not in BACKENDS:
-            raise ValueError(f"{BACKEND_ENV}={backend!r}: expected one of {', '.join(BACKENDS)}")
-        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-        if timeout_s <= 0:
-            raise ValueError(f"{TIMEOUT_ENV} must be positive, got {timeout_s:g}")
-        return cls(backend, timeout_s)
-
-    @property
-    def timeout(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.timeout_s)
 
 
 @dataclass(frozen=True)
@@ -150,7 +119,7 @@ class Generation:
     members: tuple[str, ...]  #: worker ids; member i has rank i + 1, the source rank 0
     prefix: str
     store: StoreAddress
-    settings: GroupSettings
+    settings: DistributedOptions
 
     @property
     def world_size(self) -> int:
@@ -231,7 +200,7 @@ def join_group(
     return group
 
 
-def run_broadcast(group: Any, buffer: torch.Tensor, settings: GroupSettings) -> None:
+def run_broadcast(group: Any, buffer: torch.Tensor, settings: DistributedOptions) -> None:
     """Broadcast ``buffer`` from rank 0 (every member calls this); raises on failure."""
     import torch.distributed as dist
 
@@ -243,7 +212,7 @@ def run_broadcast(group: Any, buffer: torch.Tensor, settings: GroupSettings) -> 
         torch.cuda.current_stream(buffer.device).synchronize()
 
 
-def staging_device(settings: GroupSettings) -> torch.device:
+def staging_device(settings: DistributedOptions) -> torch.device:
     if settings.backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -254,7 +223,7 @@ class DistributedPlanner(TransportPlanner):
     """Runs in the hub process; owns generation and rank assignment (see module doc)."""
 
     def __init__(self, hub: HubContext) -> None:
-        self._settings = GroupSettings.from_env()
+        self._settings = hub.options or DistributedOptions()
         self._name = process_group_name(hub.hub_id)
         options: dict[str, Any] = {
             "num_cpus": 0,
@@ -472,6 +441,7 @@ class DistributedReceiver(TransportReceiver):
 class DistributedTransport(Transport):
     name = "distributed"
     hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
+    options = DistributedOptions
     gpu_capable = True
 
     @classmethod

@@ -48,9 +48,9 @@ reserves those ranks, and receivers move to the new group when they register aga
 Memory: every version pushed to a receiver waits in its inbox until its delivery takes
 it, so a receiver kept busy for many broadcasts holds each of them meanwhile.
 
-Settings, read in the hub process (``WeightHub.options(runtime_env={"env_vars": ...})``):
-``RAYSYNC_RPC_TIMEOUT_S``, the timeout of the rendezvous, of every RPC and of the wait
-in ``fetch`` (default 30).
+Settings: ``WeightHub.remote(options=RpcOptions(timeout_s=...))``
+(:class:`~raysync.transports.options.RpcOptions`: the timeout of the rendezvous, of
+every RPC and of the wait in ``fetch``, default 30 s).
 
 Addresses: the rendezvous ``TCPStore`` listens on a socket the agent binds to its node's
 IP on a free port (never ``0.0.0.0``), under a random key prefix, for the hub's
@@ -99,10 +99,9 @@ from raysync.transports.object_store import (
     ObjectStoreReceiver,
     ObjectStoreSender,
 )
+from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import bound_master_store, node_ip
 
-TIMEOUT_ENV = "RAYSYNC_RPC_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 30.0
 SCHEME = "raysync-rpc"
 #: When a receiver takes version #n from its inbox, versions older than #(n - this) that
 #: landed but were never taken (superseded: their delivery skipped them) are dropped.
@@ -110,18 +109,6 @@ SCHEME = "raysync-rpc"
 _INBOX_WINDOW = 4
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RpcSettings:
-    timeout_s: float
-
-    @classmethod
-    def from_env(cls) -> RpcSettings:
-        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-        if timeout_s <= 0:
-            raise ValueError(f"{TIMEOUT_ENV} must be positive, got {timeout_s:g}")
-        return cls(timeout_s)
 
 
 @dataclass(frozen=True)
@@ -133,7 +120,7 @@ class RpcMember:
     hub: str  #: the hub's actor id: a group of the same hub may replace this one
     name: str  #: this receiver's RPC name
     rank: int
-    settings: RpcSettings
+    settings: RpcOptions
 
 
 @dataclass(frozen=True)
@@ -192,7 +179,7 @@ def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     base = parsed._replace(query="").geturl()
     store = _MASTER_STORES.get(base)
     if store is None:
-        timeout_s = float(query.get("timeout_s", [DEFAULT_TIMEOUT_S])[0])
+        timeout_s = float(query.get("timeout_s", [RpcOptions().timeout_s])[0])
         store = dist.TCPStore(
             parsed.hostname,
             parsed.port,
@@ -224,7 +211,7 @@ def interface_of(ip: str) -> str | None:
     return None
 
 
-def init_rpc(name: str, rank: int, url: str, settings: RpcSettings) -> None:
+def init_rpc(name: str, rank: int, url: str, settings: RpcOptions) -> None:
     """Join the RPC group at ``url`` as ``name`` (dynamic membership); raises on timeout."""
     import torch.distributed.rpc as rpc
 
@@ -360,7 +347,7 @@ class RpcPlanner(TransportPlanner):
     and replaces the agent when it dies (its members follow it under the same ranks)."""
 
     def __init__(self, hub: HubContext) -> None:
-        self._settings = RpcSettings.from_env()
+        self._settings = hub.options or RpcOptions()
         self._hub = hub.hub_id
         self._name = agent_name(hub.hub_id)
         self._node_id = ray.get_runtime_context().get_node_id()
@@ -498,6 +485,7 @@ class RpcReceiver(TransportReceiver):
 class RpcTransport(Transport):
     name = "rpc"
     hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
+    options = RpcOptions
 
     @classmethod
     def availability(cls) -> Availability:

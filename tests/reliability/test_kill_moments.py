@@ -29,25 +29,22 @@ from pathlib import Path
 import pytest
 import ray
 
+from raysync import DistributedOptions, RpcOptions
 from tests.helpers import assert_same, ready, start_hub, transport_params
 from tests.receivers import make_policy, start_victim, state_of
 
 MOMENTS = ("before", "queued", "transfer", "apply")
 #: Where each moment holds the victim (None: it is killed while idle).
 _STALL_AT = {"before": None, "queued": "busy", "transfer": "fetch", "apply": "apply"}
-#: Short data-path timeouts: a transport that waits for the dead member waits this long.
 _TRANSPORT_TIMEOUT_S = 10
 _BROADCAST_TIMEOUT_S = 45
 
 
-def _hub_env(transport: str) -> dict:
-    from raysync.transports import distributed, rpc
-
-    if transport == "distributed":
-        return {distributed.TIMEOUT_ENV: str(_TRANSPORT_TIMEOUT_S)}
-    if transport == "rpc":
-        return {rpc.TIMEOUT_ENV: str(_TRANSPORT_TIMEOUT_S)}
-    return {}
+#: Short data-path timeouts: a transport that waits for the dead member waits this long.
+_OPTIONS = (
+    DistributedOptions(timeout_s=_TRANSPORT_TIMEOUT_S),
+    RpcOptions(timeout_s=_TRANSPORT_TIMEOUT_S),
+)
 
 
 def _wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
@@ -71,8 +68,7 @@ def _wait_for_incarnation_after(victim, killed_at: float, timeout_s: float = 60.
 def test_dead_receiver_fails_only_itself(actors, tmp_path, record_property, transport, restarts):
     """The four moments in turn, a different victim each time, on one hub: a restarted
     victim is a receiver again for the next moment; one that is not stays dead."""
-    env = _hub_env(transport)
-    hub = start_hub(actors, transport, {"runtime_env": {"env_vars": env}} if env else None)
+    hub = start_hub(actors, transport, options=_OPTIONS)
     names = tuple(f"r{i}" for i in range(len(MOMENTS) + 2))
     receivers = {n: start_victim(hub, n, str(tmp_path), restarts=restarts) for n in names}
     actors.extend(receivers.values())
@@ -86,7 +82,8 @@ def test_dead_receiver_fails_only_itself(actors, tmp_path, record_property, tran
         else:
             alive.remove(victim_name)
 
-    # The hub goes on: the next version reaches everyone alive.
+    # The hub dropped the dead and goes on: the next version reaches everyone alive.
+    assert {r.worker for r in ray.get(hub.status.remote()).receivers} == set(alive)
     report = ray.get(hub.broadcast.remote(make_policy(), timeout_s=_BROADCAST_TIMEOUT_S))
     assert report.acked == tuple(alive) and report.failed == {}
 
