@@ -51,7 +51,13 @@ from raysync.messages import (
 from raysync.ordering import InOrder
 from raysync.routing import HandedOver, hand_offs_for
 from raysync.spec import WeightSpec
-from raysync.transports import Availability, HubContext, TransportPlanner, get_transport
+from raysync.transports import (
+    Availability,
+    HubContext,
+    TransportPlanner,
+    get_transport,
+    register_transport,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +94,8 @@ class WeightHubActor:
 
     def __init__(self, config: HubConfig) -> None:
         self._config = config
+        for name, target in config.transports:  # third-party, registered by the launcher
+            register_transport(name, target)
         self._transport = config.transport
         #: One planner per transport in use: the hub's, and any a receiver asked for.
         self._planners: dict[str, TransportPlanner] = {}

@@ -29,6 +29,8 @@ from raysync.transports import (
     TransportSender,
     get_transport,
     known_transports,
+    register_transport,
+    registered_transports,
 )
 
 #: Default seconds a broadcast waits for every receiver's ack.
@@ -163,6 +165,10 @@ class HubHandle:
     def __init__(self, actor: ActorHandle, config: HubConfig) -> None:
         self.actor = actor
         self.config = config
+        # A receiver gets its handle by unpickling it: this is where a third-party
+        # transport the hub uses becomes known in that process.
+        for name, target in config.transports:
+            register_transport(name, target)
         self._senders: dict[str, TransportSender] = {}
         self._next_hand_offs: ray.ObjectRef | None = None
         #: This handle's broadcasts are numbered so the hub versions them in order.
@@ -322,6 +328,7 @@ class HubLauncher:
             uuid.uuid4().hex,
             tuple(models),
             transport_options=_transport_options(options),
+            transports=registered_transports(),
         )
         hub_class = ray.remote(actor_class(HUB))
         actor = hub_class.options(**self._actor_options).remote(config)

@@ -41,6 +41,9 @@ class HubConfig:
     models: tuple[str, ...] = ()
     #: Transport options (``DistributedOptions``, ``RpcOptions``, ...), one per type.
     transport_options: tuple[Any, ...] = ()
+    #: Third-party transports registered where the hub was started, ``(name,
+    #: "module:Class")``: the hub and every process holding its handle register them.
+    transports: tuple[tuple[str, str], ...] = ()
 
     def options_of(self, options_type: type | None) -> Any:
         """The options given for a transport whose options class is ``options_type``,

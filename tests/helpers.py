@@ -78,10 +78,18 @@ def transport_params(*, heavy: bool = False) -> list:
     where it cannot run. ``heavy=True`` marks every transport but the default ``slow``:
     long fault and soak runs go through the default transport in CI and through all of
     them with ``make test-all`` (``-m "not gpu"``)."""
-    from raysync.transports import DEFAULT_TRANSPORT, get_transport, known_transports
+    from raysync.transports import (
+        DEFAULT_TRANSPORT,
+        get_transport,
+        known_transports,
+        registered_transports,
+    )
 
+    third_party = dict(registered_transports())  # tests/test_conformance.py covers those
     params = []
     for name in known_transports():
+        if name in third_party:
+            continue
         if name == "rdt":
             # rdt needs receivers declared with enable_tensor_transport=True, which the
             # shared test receivers are not: tests/test_rdt.py covers it.

@@ -191,12 +191,6 @@ class Transport(ABC):
     #: The dataclass of this transport's settings (``WeightHub.remote(options=...)``),
     #: or None if it has none. Its planner finds the instance in ``HubContext.options``.
     options: ClassVar[type | None] = None
-    #: Receivers must be on the learner's node.
-    same_node_only: ClassVar[bool] = False
-    #: Receivers read the source's memory without the source's CPU (RDMA-style).
-    one_sided: ClassVar[bool] = False
-    #: Tensors may live in GPU memory end to end.
-    gpu_capable: ClassVar[bool] = False
     #: Whether a zero-copy receiver (``connect_hub(zero_copy=True)``) may take the
     #: tensors ``fetch`` returns as its model's memory, and on what terms:
     #: ``"private"`` (this receiver's own memory, writable), ``"read_only"`` (shared

@@ -442,7 +442,6 @@ class DistributedTransport(Transport):
     name = "distributed"
     hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
     options = DistributedOptions
-    gpu_capable = True
 
     @classmethod
     def availability(cls) -> Availability:

@@ -585,8 +585,6 @@ def nixl_availability() -> Availability:
 
 class NixlTransport(Transport):
     name = "nixl"
-    one_sided = True
-    gpu_capable = True
     zero_copy = "private"
 
     @classmethod

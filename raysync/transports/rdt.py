@@ -192,8 +192,6 @@ class RdtPlanner(TransportPlanner):
 
 class RdtTransport(Transport):
     name = "rdt"
-    one_sided = True
-    gpu_capable = True
 
     @classmethod
     def availability(cls) -> Availability:

@@ -220,7 +220,13 @@ def init_rpc(name: str, rank: int, url: str, settings: RpcOptions) -> None:
     if interface is not None:
         os.environ.setdefault("TP_SOCKET_IFNAME", interface)
     options = rpc.TensorPipeRpcBackendOptions(
-        init_method=url, rpc_timeout=settings.timeout_s, num_worker_threads=8
+        init_method=url,
+        rpc_timeout=settings.timeout_s,
+        num_worker_threads=8,
+        # TCP only for TensorPipe's control messages: its shared-memory transport polls
+        # in a loop, 8-20% of a core in every idle receiver and agent (the tensors still
+        # go by its channels: cross-memory attach on a node).
+        _transports=["uv"],
     )
     rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
 

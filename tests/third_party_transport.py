@@ -1,0 +1,66 @@
+"""A transport written outside raysync, as a user would: registered with
+``raysync.transports.register_transport`` and held to the conformance kit
+(``tests/test_conformance.py``).
+
+``packed_object``: the learner packs a version into one uint8 buffer and puts it in
+Ray's object store; a receiver gets it (zero-copy on its node) and views the tensors in
+place. No planner of its own: every receiver reads the learner's object.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from raysync.layout import PackedLayout
+from raysync.spec import WeightSpec
+from raysync.transports import (
+    Availability,
+    HubContext,
+    Transport,
+    TransportReceiver,
+    TransportSender,
+)
+
+
+@dataclass(frozen=True)
+class PackedPayload:
+    ref: ray.ObjectRef  #: one uint8 NumPy array: the version, packed
+
+
+class PackedSender(TransportSender):
+    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> PackedPayload:
+        layout = PackedLayout.of(spec)
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.pack(tensors, buffer)
+        return PackedPayload(ray.put(buffer.numpy()))
+
+
+class PackedReceiver(TransportReceiver):
+    def fetch(self, payload: PackedPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        array = ray.get(payload.ref)  # read-only, mapped from the node's object store
+        with warnings.catch_warnings():  # torch warns of a read-only array: never written
+            warnings.simplefilter("ignore", UserWarning)
+            buffer = torch.from_numpy(array)
+        return PackedLayout.of(spec).views(buffer)
+
+
+class PackedObjectTransport(Transport):
+    name = "packed_object"
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability(True)
+
+    @classmethod
+    def open_sender(cls, hub: HubContext) -> PackedSender:
+        return PackedSender()
+
+    @classmethod
+    def open_receiver(cls, info: Any) -> PackedReceiver:
+        return PackedReceiver()
