@@ -17,11 +17,11 @@ learner can release its side and broadcast again. Use it from pytest::
     class TestMyTransport(TransportConformance):
         transport = "mine"
 
-Each test starts its own hub and receivers on a real Ray cluster: the one already
-running in the test process (``ray.is_initialized()``), else a local one the class
-starts (``ray_init_kwargs``) and shuts down. Called in the test (driver) process; the
-receivers are Ray actors of :class:`ConformanceReceiver`, importable here by every
-worker. Needs pytest.
+The tests of a class share one hub and start their own receivers, on a real Ray
+cluster: the one already running in the test process (``ray.is_initialized()``), else
+a local one the class starts (``ray_init_kwargs``) and shuts down. Called in the test
+(driver) process; the receivers are Ray actors of :class:`ConformanceReceiver`,
+importable here by every worker. Needs pytest.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class ConformanceReceiver(WeightReceiver):
 class TransportConformance:
     """Subclass it with ``transport = "<registered name>"``; pytest collects the tests.
 
-    ``receiver_options`` are Ray actor options for the receivers (e.g.
+    ``receiver_options`` are ``ray.remote`` options for the receivers' class (e.g.
     ``{"enable_tensor_transport": True}`` for a transport that needs it);
     ``hub_options`` are keyword arguments of ``WeightHub.remote`` (``options=...``).
     """
@@ -131,9 +131,9 @@ class TransportConformance:
         finally:
             ray.shutdown()
 
-    @pytest.fixture
+    @pytest.fixture(scope="class")
     def started(self) -> Iterator[list]:
-        """The actors a test started, killed after it."""
+        """The actors the class's tests started, killed after the last one."""
         handles: list = []
         yield handles
         for handle in handles:
@@ -142,109 +142,121 @@ class TransportConformance:
             except Exception:  # dead already: some tests are about that
                 pass
 
-    # -- helpers ------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
     def hub(self, started: list) -> HubHandle:
+        """One hub for the class: each test targets its own receivers by worker id
+        (``workers=``) and checks versions relative to the hub's latest."""
         hub = WeightHub.remote(transport=self.transport, models=(MODEL,), **self.hub_options)
         started.append(hub)
         return hub
 
+    # -- helpers ------------------------------------------------------------------------
     def receivers(self, started: list, hub: HubHandle, *workers: str, **connect: Any) -> list:
-        cls = ray.remote(ConformanceReceiver).options(num_cpus=0, **self.receiver_options)
+        """New receivers named ``workers``, registered (their ``__init__`` returned)."""
+        # Through ray.remote, not .options(): Ray reads enable_tensor_transport only there.
+        cls = ray.remote(num_cpus=0, **self.receiver_options)(ConformanceReceiver)
         handles = [cls.remote(hub, worker, **connect) for worker in workers]
         started.extend(handles)
         ray.get([h.__ray_ready__.remote() for h in handles])
         return handles
 
     @staticmethod
-    def broadcast(hub: HubHandle, weights: dict[str, torch.Tensor], **kw: Any) -> BroadcastReport:
-        return ray.get(hub.broadcast.remote(weights, model=MODEL, **kw), timeout=120)
+    def broadcast(
+        hub: HubHandle, weights: dict[str, torch.Tensor], workers: tuple[str, ...], **kw: Any
+    ) -> BroadcastReport:
+        """Broadcast to ``workers`` only; the report once they all acked."""
+        ref = hub.broadcast.remote(weights, model=MODEL, workers=workers, **kw)
+        return ray.get(ref, timeout=120)
 
     # -- the contract -------------------------------------------------------------------
-    def test_every_version_reaches_every_receiver_bitwise(self, started):
-        hub = self.hub(started)
-        receivers = self.receivers(started, hub, "r0", "r1", "r2")
-        for version in (1, 2, 3):
-            weights = special_weights(float(version))
-            report = self.broadcast(hub, weights)
-            assert (report.version, report.acked, report.failed) == (
-                version,
-                ("r0", "r1", "r2"),
-                {},
-            )
+    def test_every_version_reaches_every_receiver_bitwise(self, started, hub):
+        workers = ("all0", "all1", "all2")
+        receivers = self.receivers(started, hub, *workers)
+        for seed in (1.0, 2.0, 3.0):
+            weights = special_weights(seed)
+            report = self.broadcast(hub, weights, workers)
+            assert (report.acked, report.failed) == (workers, {})
             assert report.bytes == sum(t.numel() * t.element_size() for t in weights.values())
             for receiver in receivers:
                 assert_bitwise(ray.get(receiver.state.remote()), weights)
-                assert ray.get(receiver.version.remote()) == version
+                assert ray.get(receiver.version.remote()) == report.version
 
-    def test_late_joiners_and_pulls_start_on_the_latest_version(self, started):
-        hub = self.hub(started)
-        self.receivers(started, hub, "first")
-        self.broadcast(hub, special_weights(1.0))
+    def test_late_joiners_and_pulls_start_on_the_latest_version(self, started, hub):
+        self.receivers(started, hub, "early")
+        self.broadcast(hub, special_weights(1.0), ("early",))
         latest = special_weights(2.0)
-        self.broadcast(hub, latest)
+        version = self.broadcast(hub, latest, ("early",)).version
         (late,) = self.receivers(started, hub, "late")
-        assert ray.get(late.version.remote()) == 2  # before its first call returns
+        assert ray.get(late.version.remote()) == version  # before its first call returns
         assert_bitwise(ray.get(late.state.remote()), latest)
         (puller,) = self.receivers(started, hub, "puller", mode="pull")
         newest = special_weights(3.0)
-        report = self.broadcast(hub, newest)
-        assert report.acked == ("first", "late")  # a pull receiver is not pushed to
-        assert ray.get(puller.pull.remote()) == {MODEL: 3}
+        report = self.broadcast(hub, newest, ("early", "late"))
+        assert ray.get(puller.version.remote()) == version  # a pull receiver waits to pull
+        assert ray.get(puller.pull.remote()) == {MODEL: report.version}
         assert_bitwise(ray.get(puller.state.remote()), newest)
 
-    def test_versions_in_quick_succession_are_never_torn_or_lost(self, started):
+    def test_versions_in_quick_succession_are_never_torn_or_lost(self, started, hub):
         """More versions than a transport keeps buffers, sent without waiting: each
         receiver applies them in order, the last one lands, none is a mix of two."""
-        hub = self.hub(started)
-        receivers = self.receivers(started, hub, "r0", "r1")
+        workers = ("quick0", "quick1")
+        receivers = self.receivers(started, hub, *workers)
         tickets = [
-            ray.get(hub.broadcast.remote(uniform_weights(float(v)), model=MODEL, wait=False))
+            ray.get(
+                hub.broadcast.remote(
+                    uniform_weights(float(v)), model=MODEL, workers=workers, wait=False
+                )
+            )
             for v in range(1, 9)
         ]
         reports = ray.get([hub.wait_for.remote(t) for t in tickets], timeout=120)
-        assert [r.version for r in reports] == list(range(1, 9))
-        assert all(r.failed == {} for r in reports)
+        versions = [r.version for r in reports]
+        assert versions == sorted(versions) and len(set(versions)) == 8
+        assert all(r.acked == workers and r.failed == {} for r in reports)
         for receiver in receivers:
+            # Only this test's versions (a receiver catches up on the hub's latest when
+            # it registers, another test's).
             applied = ray.get(receiver.applied_versions.remote())
+            ours = [(v, uniform) for v, uniform in applied if v >= versions[0]]
             assert [v for v, _ in applied] == sorted(v for v, _ in applied)
-            assert all(uniform for _, uniform in applied), applied
-            assert applied[-1][0] == 8
+            assert ours and all(uniform for _, uniform in ours), applied
+            assert ours[-1][0] == versions[-1]
             assert_bitwise(ray.get(receiver.state.remote()), uniform_weights(8.0))
 
-    def test_a_dead_receiver_fails_only_itself(self, started):
-        hub = self.hub(started)
+    def test_a_dead_receiver_fails_only_itself(self, started, hub):
         survivor, victim = self.receivers(started, hub, "survivor", "victim")
-        self.broadcast(hub, special_weights(1.0))
+        both = ("survivor", "victim")
+        self.broadcast(hub, special_weights(1.0), both)
         ray.kill(victim, no_restart=True)
         weights = special_weights(2.0)
         with pytest.raises(BroadcastError) as info:
-            self.broadcast(hub, weights)
+            self.broadcast(hub, weights, both)
         report = info.value.report
         assert report.acked == ("survivor",) and set(report.failed) == {"victim"}
         assert "died" in report.failed["victim"], report.failed
         assert_bitwise(ray.get(survivor.state.remote()), weights)
-        # The hub dropped it: the next version reaches the survivor and fails nobody.
-        report = self.broadcast(hub, special_weights(3.0))
+        # The hub dropped it: it is no receiver any more, the survivor gets what follows.
+        registered = {r.worker for r in ray.get(hub.status.remote()).receivers}
+        assert "victim" not in registered and "survivor" in registered
+        report = self.broadcast(hub, special_weights(3.0), ("survivor",))
         assert (report.acked, report.failed) == (("survivor",), {})
 
-    def test_zero_copy_is_honoured_or_refused_as_declared(self, started):
-        hub = self.hub(started)
+    def test_zero_copy_is_honoured_or_refused_as_declared(self, started, hub):
         if get_transport(self.transport).zero_copy is None:
             with pytest.raises(ray.exceptions.RayActorError, match="zero_copy needs a transport"):
                 self.receivers(started, hub, "zc", zero_copy=True)
             return
         (receiver,) = self.receivers(started, hub, "zc", zero_copy=True)
-        for version in (1, 2, 3):
-            weights = special_weights(float(version))
-            assert self.broadcast(hub, weights).acked == ("zc",)
+        for seed in (1.0, 2.0, 3.0):
+            weights = special_weights(seed)
+            assert self.broadcast(hub, weights, ("zc",)).acked == ("zc",)
             assert_bitwise(ray.get(receiver.state.remote()), weights)
 
-    def test_the_learner_releases_its_side_and_broadcasts_again(self, started):
-        hub = self.hub(started)
-        (receiver,) = self.receivers(started, hub, "r0")
-        self.broadcast(hub, special_weights(1.0))
+    def test_the_learner_releases_its_side_and_broadcasts_again(self, started, hub):
+        (receiver,) = self.receivers(started, hub, "released")
+        first = self.broadcast(hub, special_weights(1.0), ("released",)).version
         hub.release()
         weights = special_weights(2.0)
-        assert self.broadcast(hub, weights).version == 2
+        assert self.broadcast(hub, weights, ("released",)).version == first + 1
         assert_bitwise(ray.get(receiver.state.remote()), weights)
         hub.release()

@@ -13,9 +13,9 @@ _TEMPLATE = make_probe_model()
 
 def _probe_while_broadcasting(hub, probe, safe_points: bool, first: int, broadcasts: int = 12):
     """Broadcast value ``first``, then ``broadcasts`` more while the probe reads its model
-    for 4 s; the probe's result (reads, torn reads, the values it saw)."""
+    for 2.5 s; the probe's result (reads, torn reads, the values it saw)."""
     ray.get(hub.broadcast.remote(filled(_TEMPLATE, float(first))))
-    result_ref = probe.probe.remote(4.0, safe_points)
+    result_ref = probe.probe.remote(2.5, safe_points)
     acks = [
         hub.broadcast.remote(filled(_TEMPLATE, float(v)), wait=False)
         for v in range(first + 1, first + broadcasts + 1)
