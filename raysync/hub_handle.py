@@ -27,6 +27,7 @@ from raysync.transports import (
     HubContext,
     TransportError,
     TransportSender,
+    VersionDone,
     get_transport,
     known_transports,
     register_transport,
@@ -124,9 +125,35 @@ class _Broadcast:
             request = dataclasses.replace(request, sequence=sequence, floor=floor)
             result = handle.actor.submit.remote(request)
             handle._in_flight.add(sequence, result)
+        done = _BroadcastDone(handle.actor, result, waits=wait)
         for name, sender in senders.items():
-            sender.submitted(payloads[name], result)
+            sender.submitted(payloads[name], done)
         return result
+
+
+class _BroadcastDone(VersionDone):
+    """A broadcast's end for the learner's senders: its report resolving (or raising),
+    or with ``wait=False`` the hub's ``wait_for`` of the ticket it resolved to."""
+
+    def __init__(self, actor: ActorHandle, result: ray.ObjectRef, *, waits: bool) -> None:
+        self._actor = actor
+        self._result = result
+        self._waits = waits
+
+    def wait(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            outcome = ray.get(self._result, timeout=timeout_s)
+            if not self._waits:  # a ticket: the report comes from the hub
+                remaining = max(0.0, deadline - time.monotonic())
+                ray.get(
+                    self._actor.wait_for.remote(outcome, raise_on_failure=False),
+                    timeout=remaining,
+                )
+        except ray.exceptions.GetTimeoutError as err:
+            raise TimeoutError(f"the broadcast did not end within {timeout_s:g} s") from err
+        except ray.exceptions.RayError:
+            pass  # it ended in an error (failed receivers, a refused spec): ended
 
 
 class _InFlight:

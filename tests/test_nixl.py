@@ -72,7 +72,7 @@ def _publish(sender: NixlSender, weights: dict[str, torch.Tensor], spec: WeightS
 
 def test_overwritten_buffer_is_detected_never_returned():
     """The stamp rule: a payload whose buffer was written again fails; the latest reads."""
-    sender, receiver = NixlSender(hub=None), NixlReceiver()
+    sender, receiver = NixlSender(), NixlReceiver()
     try:
         spec = WeightSpec.of(_weights(0.0))
         payloads = [_publish(sender, _weights(float(v)), spec) for v in (1, 2, 3)]
@@ -91,7 +91,7 @@ def test_overwritten_buffer_is_detected_never_returned():
 
 def test_staged_data_is_kept_until_released():
     """Two fetched updates waiting for one safe point do not share a staging buffer."""
-    sender, receiver = NixlSender(hub=None), NixlReceiver()
+    sender, receiver = NixlSender(), NixlReceiver()
     try:
         spec = WeightSpec.of(_weights(0.0))
         first_payload = _publish(sender, _weights(1.0), spec)
@@ -115,7 +115,7 @@ def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
 
     monkeypatch.setattr(nixl, "BUCKET_BYTES", 1024)  # several buckets for a small model
     nixl._Frame.of.cache_clear()
-    sender, receiver = NixlSender(hub=None), NixlReceiver()
+    sender, receiver = NixlSender(), NixlReceiver()
     big = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.arange(5, dtype=torch.int64)}
     spec = WeightSpec.of(big)
     try:
@@ -275,7 +275,7 @@ def test_killed_receiver_mid_read_leaves_the_others_and_the_learner_fine(actors)
 
 @pytest.mark.gpu
 def test_cuda_weights_are_registered_as_vram_and_read_bitwise():
-    sender, receiver = NixlSender(hub=None), NixlReceiver()
+    sender, receiver = NixlSender(), NixlReceiver()
     try:
         weights = {k: v.cuda() for k, v in _weights(1.5).items()}
         spec = WeightSpec.of(weights)

@@ -19,6 +19,7 @@ from raysync.transports.base import (
     TransportPlanner,
     TransportReceiver,
     TransportSender,
+    VersionDone,
 )
 from raysync.transports.options import DistributedOptions, RpcOptions
 
@@ -119,6 +120,7 @@ __all__ = [
     "TransportPlanner",
     "TransportReceiver",
     "TransportSender",
+    "VersionDone",
     "available_transports",
     "get_transport",
     "known_transports",

@@ -19,8 +19,9 @@ process that calls each method:
    leaves the learner here (or is made readable by receivers). ``tensors`` is the
    flat, name-sorted mapping from :func:`raysync.weights.flatten`. Right after, the
    learner hands the payload to the hub and tells the sender
-   ``sender.submitted(payload, result)``: ``result`` is the broadcast's ack future, so a
-   sender that reuses its memory knows when receivers are done with a version. A
+   ``sender.submitted(payload, done)``: ``done`` (:class:`VersionDone`) is the end of
+   that broadcast, so a sender that reuses its memory knows when receivers are done
+   with a version. A
    sender may also finish writing the data in ``submitted`` (its receivers then wait
    for it), so the write overlaps the hub's planning and the first reads; the learner
    may change its weights once ``submitted`` returns.
@@ -108,6 +109,17 @@ class Availability:
     reason: str = ""
 
 
+class VersionDone(ABC):
+    """The end of one broadcast, as the learner's handle hands it to a sender: every
+    targeted receiver acked or failed the version, or the hub refused it. Lets a sender
+    that reuses its memory wait for the readers of a version without knowing the hub."""
+
+    @abstractmethod
+    def wait(self, timeout_s: float) -> None:
+        """Block until the broadcast ended (however it ended); ``TimeoutError`` after
+        ``timeout_s``. Called in the learner process, from any thread."""
+
+
 class TransportSender(ABC):
     """Learner-side half of a transport. One per hub handle per learner process."""
 
@@ -115,9 +127,9 @@ class TransportSender(ABC):
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> Any:
         """Make this version readable by receivers; return the payload the hub forwards."""
 
-    def submitted(self, payload: Any, result: Any) -> None:
-        """``payload`` went to the hub; ``result`` is the ObjectRef ``broadcast`` returned
-        (a report, or a ticket with ``wait=False``). Default: nothing to track."""
+    def submitted(self, payload: Any, done: VersionDone) -> None:
+        """``payload`` went to the hub; ``done`` says when that broadcast ended. Default:
+        nothing to track."""
 
     def close(self) -> None:
         """Release what the sender holds. Default: nothing to release."""

@@ -59,11 +59,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy
-import ray
 import torch
 
 from raysync.layout import PackedLayout
-from raysync.messages import BroadcastTicket
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
@@ -72,6 +70,7 @@ from raysync.transports.base import (
     TransportError,
     TransportReceiver,
     TransportSender,
+    VersionDone,
 )
 
 logger = logging.getLogger(__name__)
@@ -210,7 +209,7 @@ class _SourceBuffer:
     tensor: torch.Tensor  #: uint8, stamps + packed tensors, registered
     region: NixlRegion
     frame: _Frame
-    broadcast: Any = None  #: ack future of the broadcast that last filled it
+    broadcast: VersionDone | None = None  #: the end of the broadcast that last filled it
     #: The version ``send`` handed out and ``submitted`` writes: its stamp and sources.
     pending: tuple[int, list[torch.Tensor]] | None = None
 
@@ -223,8 +222,7 @@ class _SourcePair:
 
 
 class NixlSender(TransportSender):
-    def __init__(self, hub: Any) -> None:
-        self._hub = hub
+    def __init__(self) -> None:
         self._agent = _new_agent("learner", shared=True)
         _start_progress(self, self._agent)
         self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
@@ -251,11 +249,11 @@ class NixlSender(TransportSender):
                 self._agent.name, self._metadata, self._registration, buffer.region, self._stamp
             )
 
-    def submitted(self, payload: NixlPayload, result: Any) -> None:
+    def submitted(self, payload: NixlPayload, done: VersionDone | None) -> None:
         """Write the version into its buffer, bucket by bucket, while receivers read it."""
         with self._lock:
             buffer = self._by_address[payload.region.address]
-            buffer.broadcast = result
+            buffer.broadcast = done
             pending, buffer.pending = buffer.pending, None
         if pending is None or pending[0] != payload.stamp:
             raise TransportError(f"nixl: version stamp {payload.stamp} was not sent here")
@@ -305,22 +303,15 @@ class NixlSender(TransportSender):
         """Wait for the broadcast that last filled ``buffer`` to complete (see module doc)."""
         if buffer.broadcast is None:
             return
-        result, buffer.broadcast = buffer.broadcast, None
+        done, buffer.broadcast = buffer.broadcast, None
         try:
-            outcome = ray.get(result, timeout=REUSE_WAIT_S)
-            if isinstance(outcome, BroadcastTicket):
-                ray.get(
-                    self._hub.actor.wait_for.remote(outcome, raise_on_failure=False),
-                    timeout=REUSE_WAIT_S,
-                )
-        except ray.exceptions.GetTimeoutError:
+            done.wait(REUSE_WAIT_S)
+        except TimeoutError:
             logger.warning(
                 "a broadcast of this learner is still running after %g s; reusing its buffer "
                 "(receivers still reading it will fail that version, not apply torn data)",
                 REUSE_WAIT_S,
             )
-        except ray.exceptions.RayError:
-            pass  # the broadcast ended in an error (failed receivers, rejected spec): done
 
     def close(self) -> None:
         with self._lock:
@@ -594,7 +585,7 @@ class NixlTransport(Transport):
 
     @classmethod
     def open_sender(cls, hub: HubContext) -> NixlSender:
-        return NixlSender(hub)
+        return NixlSender()
 
     @classmethod
     def open_receiver(cls, info: Any) -> NixlReceiver:
