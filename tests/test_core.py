@@ -3,7 +3,8 @@
 What every transport must do (bitwise delivery of every dtype, late join, pull, buffer
 reuse, a dead receiver, zero copy, release) is the conformance kit's, run per transport
 in test_conformance.py. Tests here that exercise the hub's own logic (numbering, status,
-reports, hooks, the API's forms) run on the default transport only; those where a
+reports, hooks, the API's forms, the learner's flattening) run on the default
+transport only; those where a
 transport plans per target or per model (subsets, several models, a model changed
 under it, shared hubs' in-place applies) run on every transport."""
 
@@ -58,6 +59,7 @@ class TestBroadcast:
 
     # These tests use the session's hub and receiver of their transport (they kill
     # nothing), so they check versions relative to the one they find.
+    @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # the learner flattens
     def test_accepts_module_tensordict_and_state_dict(self, shared_hubs, transport):
         hub, collector = shared_hubs.pair(transport)
         learner = make_policy()
@@ -123,6 +125,7 @@ class TestBroadcast:
 
 
 class TestReceivers:
+    @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # hub logic
     def test_broadcast_before_any_receiver_registers(self, actors, transport):
         hub = start_hub(actors, transport, models=("policy",))  # declared: the learner is first
         learner = make_policy()
@@ -216,6 +219,7 @@ class TestReceivers:
 
 
 class TestAsyncAcks:
+    @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # hub logic
     def test_fire_and_forget_then_wait_for(self, shared_hubs, transport):
         hub, collector = shared_hubs.pair(transport)
         start = ray.get(hub.status.remote()).versions.get("policy", 0)

@@ -161,6 +161,7 @@ def test_learner_dies_receivers_keep_last_good_version(actors, transport):
     del obs
 
 
+@pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # the hub orders versions
 def test_two_learners_at_once_versions_totally_ordered(actors, transport):
     hub = start_hub(actors, transport)
     collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
