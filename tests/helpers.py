@@ -1,6 +1,7 @@
 """Helpers every Ray test module shares: starting hubs and receivers, bitwise checks,
 the transport parameters. Test modules import from here (and ``tests.receivers``),
-never from each other or from ``conftest``."""
+never from each other or from ``conftest``. ``assert_bitwise`` is the conformance
+kit's (``raysync.testing``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import ray
 import torch
 
 from raysync import WeightHub
+from raysync.testing import assert_bitwise
 from tests.receivers import make_policy, state_of
 
 
@@ -18,17 +20,6 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     for key in expected:
         assert actual[key].dtype == expected[key].dtype, key
         assert torch.equal(actual[key], expected[key]), f"{key} differs"
-
-
-def assert_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """Same keys, dtypes, shapes and bytes: NaN, -0.0 and subnormals included."""
-    assert actual.keys() == expected.keys()
-    for key, want in expected.items():
-        got = actual[key]
-        assert got.dtype == want.dtype and got.shape == want.shape, key
-        got_bytes = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        want_bytes = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        assert torch.equal(got_bytes, want_bytes), f"{key}: bytes differ"
 
 
 def special_values() -> dict[str, torch.Tensor]:
