@@ -39,6 +39,15 @@ def shared_hubs(ray_cluster):
     hubs.close()
 
 
+@pytest.fixture(autouse=True)
+def _release_shared_learner_sides(request):
+    """After a test that used the shared hubs, their learner sides are released: a
+    learner's NIXL agent kept for the whole session was seen spinning a core."""
+    yield
+    if "shared_hubs" in request.fixturenames:
+        request.getfixturevalue("shared_hubs").release_learner_sides()
+
+
 @pytest.fixture
 def actors(ray_cluster):
     """A list the test appends actor handles to; every one is killed after the test."""

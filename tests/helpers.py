@@ -121,6 +121,12 @@ class SharedHubs:
         self._pairs[transport] = (hub, collector)
         return hub, collector
 
+    def release_learner_sides(self) -> None:
+        """``hub.release()`` on every pair: this process's senders (a NIXL agent, shared-
+        memory mappings) are not kept between tests; the next broadcast reopens them."""
+        for hub, _ in self._pairs.values():
+            hub.release()
+
     def close(self) -> None:
         for transport in list(self._pairs):
             self._kill(transport)
