@@ -2,11 +2,12 @@
 
 What every transport must do (bitwise delivery of every dtype, late join, pull, buffer
 reuse, a dead receiver, zero copy, release) is the conformance kit's, run per transport
-in test_conformance.py. Tests here that exercise the hub's own logic (numbering, status,
-reports, hooks, the API's forms, the learner's flattening) run on the default
-transport only; those where a
-transport plans per target or per model (subsets, several models, a model changed
-under it, shared hubs' in-place applies) run on every transport."""
+in test_conformance.py (whose tests all broadcast to subsets of a hub's receivers).
+Tests here of the hub's, the receiver's or the learner's own logic (numbering, status,
+targets, deadlines, reports, hooks, spec checks, the API's forms, flattening) run on
+the default transport only; those where a transport keeps state per model or per
+receiver (several models, in-place applies and superseded versions on a shared hub)
+run on every transport."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class TestBroadcast:
             ray.get(hub.broadcast.remote(make_policy()))
         assert ray.get(collector.data_ptrs.remote()) == before
 
+    @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # the receiver checks its spec
     def test_model_changed_after_connect(self, actors, transport):
         """Receivers reuse their write targets while the module's tensors stay put: a
         parameter replaced after connect_hub still gets the update, and a model whose
@@ -134,6 +136,9 @@ class TestReceivers:
         assert ray.get(late.version.remote()) == 1
         assert_same(ray.get(late.state.remote()), state_of(learner))
 
+    @pytest.mark.parametrize(
+        "transport", [DEFAULT_TRANSPORT]
+    )  # the hub targets; the kit's tests all target subsets
     def test_subset_broadcast_leaves_others_alone(self, actors, transport):
         hub = start_hub(actors, transport)
         a = start(actors, Collector, hub, worker_id="a")
@@ -258,6 +263,7 @@ class TestFailures:
         report = ray.get(hub.broadcast.remote(make_policy(), raise_on_failure=False))
         assert report.acked == () and len(report.failed) == 1 and not report.ok
 
+    @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # the hub's deadline
     def test_slow_receiver_times_out_without_delaying_others(self, actors, transport):
         hub = start_hub(actors, transport)
         fast = start(actors, Collector, hub, worker_id="fast")
