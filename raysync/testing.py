@@ -17,11 +17,11 @@ learner can release its side and broadcast again. Use it from pytest::
     class TestMyTransport(TransportConformance):
         transport = "mine"
 
-The tests of a class share one hub and start their own receivers, on a real Ray
-cluster: the one already running in the test process (``ray.is_initialized()``), else
-a local one the class starts (``ray_init_kwargs``) and shuts down. Called in the test
-(driver) process; the receivers are Ray actors of :class:`ConformanceReceiver`,
-importable here by every worker. Needs pytest.
+The tests of a class share one hub and three receivers (the others they need, they
+start), on a real Ray cluster: the one already running in the test process
+(``ray.is_initialized()``), else a local one the class starts (``ray_init_kwargs``) and
+shuts down. Called in the test (driver) process; the receivers are Ray actors of
+:class:`ConformanceReceiver`, importable here by every worker. Needs pytest.
 """
 
 from __future__ import annotations
@@ -150,6 +150,13 @@ class TransportConformance:
         started.append(hub)
         return hub
 
+    @pytest.fixture(scope="class")
+    def crew(self, started: list, hub: HubHandle) -> dict[str, Any]:
+        """Three receivers the class's tests share (``crew0`` .. ``crew2``): tests that
+        leave them alive use them, so each class starts few actors."""
+        workers = ("crew0", "crew1", "crew2")
+        return dict(zip(workers, self.receivers(started, hub, *workers), strict=True))
+
     # -- helpers ------------------------------------------------------------------------
     def receivers(self, started: list, hub: HubHandle, *workers: str, **connect: Any) -> list:
         """New receivers named ``workers``, registered (their ``__init__`` returned)."""
@@ -169,9 +176,9 @@ class TransportConformance:
         return ray.get(ref, timeout=120)
 
     # -- the contract -------------------------------------------------------------------
-    def test_every_version_reaches_every_receiver_bitwise(self, started, hub):
-        workers = ("all0", "all1", "all2")
-        receivers = self.receivers(started, hub, *workers)
+    def test_every_version_reaches_every_receiver_bitwise(self, hub, crew):
+        workers = tuple(crew)
+        receivers = list(crew.values())
         for seed in (1.0, 2.0, 3.0):
             weights = special_weights(seed)
             report = self.broadcast(hub, weights, workers)
@@ -181,26 +188,25 @@ class TransportConformance:
                 assert_bitwise(ray.get(receiver.state.remote()), weights)
                 assert ray.get(receiver.version.remote()) == report.version
 
-    def test_late_joiners_and_pulls_start_on_the_latest_version(self, started, hub):
-        self.receivers(started, hub, "early")
-        self.broadcast(hub, special_weights(1.0), ("early",))
+    def test_late_joiners_and_pulls_start_on_the_latest_version(self, started, hub, crew):
+        self.broadcast(hub, special_weights(1.0), ("crew0",))
         latest = special_weights(2.0)
-        version = self.broadcast(hub, latest, ("early",)).version
+        version = self.broadcast(hub, latest, ("crew0",)).version
         (late,) = self.receivers(started, hub, "late")
         assert ray.get(late.version.remote()) == version  # before its first call returns
         assert_bitwise(ray.get(late.state.remote()), latest)
         (puller,) = self.receivers(started, hub, "puller", mode="pull")
         newest = special_weights(3.0)
-        report = self.broadcast(hub, newest, ("early", "late"))
+        report = self.broadcast(hub, newest, ("crew0", "late"))
         assert ray.get(puller.version.remote()) == version  # a pull receiver waits to pull
         assert ray.get(puller.pull.remote()) == {MODEL: report.version}
         assert_bitwise(ray.get(puller.state.remote()), newest)
 
-    def test_versions_in_quick_succession_are_never_torn_or_lost(self, started, hub):
+    def test_versions_in_quick_succession_are_never_torn_or_lost(self, hub, crew):
         """More versions than a transport keeps buffers, sent without waiting: each
         receiver applies them in order, the last one lands, none is a mix of two."""
-        workers = ("quick0", "quick1")
-        receivers = self.receivers(started, hub, *workers)
+        workers = ("crew0", "crew1")
+        receivers = [crew[w] for w in workers]
         tickets = [
             ray.get(
                 hub.broadcast.remote(
@@ -223,23 +229,23 @@ class TransportConformance:
             assert ours[-1][0] == versions[-1]
             assert_bitwise(ray.get(receiver.state.remote()), uniform_weights(8.0))
 
-    def test_a_dead_receiver_fails_only_itself(self, started, hub):
-        survivor, victim = self.receivers(started, hub, "survivor", "victim")
-        both = ("survivor", "victim")
+    def test_a_dead_receiver_fails_only_itself(self, started, hub, crew):
+        survivor, (victim,) = crew["crew0"], self.receivers(started, hub, "victim")
+        both = ("crew0", "victim")
         self.broadcast(hub, special_weights(1.0), both)
         ray.kill(victim, no_restart=True)
         weights = special_weights(2.0)
         with pytest.raises(BroadcastError) as info:
             self.broadcast(hub, weights, both)
         report = info.value.report
-        assert report.acked == ("survivor",) and set(report.failed) == {"victim"}
+        assert report.acked == ("crew0",) and set(report.failed) == {"victim"}
         assert "died" in report.failed["victim"], report.failed
         assert_bitwise(ray.get(survivor.state.remote()), weights)
         # The hub dropped it: it is no receiver any more, the survivor gets what follows.
         registered = {r.worker for r in ray.get(hub.status.remote()).receivers}
-        assert "victim" not in registered and "survivor" in registered
-        report = self.broadcast(hub, special_weights(3.0), ("survivor",))
-        assert (report.acked, report.failed) == (("survivor",), {})
+        assert "victim" not in registered and "crew0" in registered
+        report = self.broadcast(hub, special_weights(3.0), ("crew0",))
+        assert (report.acked, report.failed) == (("crew0",), {})
 
     def test_zero_copy_is_honoured_or_refused_as_declared(self, started, hub):
         if get_transport(self.transport).zero_copy is None:
@@ -252,11 +258,11 @@ class TransportConformance:
             assert self.broadcast(hub, weights, ("zc",)).acked == ("zc",)
             assert_bitwise(ray.get(receiver.state.remote()), weights)
 
-    def test_the_learner_releases_its_side_and_broadcasts_again(self, started, hub):
-        (receiver,) = self.receivers(started, hub, "released")
-        first = self.broadcast(hub, special_weights(1.0), ("released",)).version
+    def test_the_learner_releases_its_side_and_broadcasts_again(self, hub, crew):
+        receiver = crew["crew0"]
+        first = self.broadcast(hub, special_weights(1.0), ("crew0",)).version
         hub.release()
         weights = special_weights(2.0)
-        assert self.broadcast(hub, weights, ("released",)).version == first + 1
+        assert self.broadcast(hub, weights, ("crew0",)).version == first + 1
         assert_bitwise(ray.get(receiver.state.remote()), weights)
         hub.release()

@@ -64,11 +64,11 @@ def assert_policy_reaches(hub, collectors, workers: tuple[str, ...]) -> None:
         assert_bitwise(ray.get(c.state.remote()), state_of(learner))
 
 
-def transport_params(*, heavy: bool = False) -> list:
+def transport_params(*, heavy: bool = False, keep: tuple[str, ...] = ()) -> list:
     """One pytest param per registered transport but rdt, skipped (with the reason)
-    where it cannot run. ``heavy=True`` marks every transport but the default ``slow``:
-    long fault and soak runs go through the default transport in CI and through all of
-    them with ``make test-all`` (``-m "not gpu"``)."""
+    where it cannot run. ``heavy=True`` marks every transport but the default and
+    ``keep`` ``slow``: long fault and soak runs go through those in CI and through all
+    of them with ``make test-all`` (``-m "not gpu"``)."""
     from raysync.transports import (
         DEFAULT_TRANSPORT,
         get_transport,
@@ -87,7 +87,7 @@ def transport_params(*, heavy: bool = False) -> list:
             continue
         availability = get_transport(name).availability()
         marks = [pytest.mark.nixl] if name == "nixl" else []
-        if heavy and name != DEFAULT_TRANSPORT:
+        if heavy and name != DEFAULT_TRANSPORT and name not in keep:
             marks.append(pytest.mark.slow)
         if not availability.available:
             marks.append(pytest.mark.skip(reason=f"{name} unavailable: {availability.reason}"))
