@@ -1,0 +1,219 @@
+"""Three simulated nodes, two scenarios: what crosses a node boundary once per node.
+
+Run by ``test_multinode.py`` as a script in a fresh interpreter
+(``python -m tests.reliability.multinode_scenarios`` from the repository root): it starts
+a Ray cluster of its own (``ray.cluster_utils.Cluster``: a head and two worker nodes on
+this machine), which cannot start while the pytest process is connected to the session
+cluster of ``conftest.py``. Starting one costs several seconds on two cores, so both
+scenarios run in this one cluster, one after the other:
+
+- ``object_store``: 6 receivers on the two worker nodes; after each of 3 broadcasts the
+  version's object is on exactly 3 nodes (the learner's and one per receiver node: Ray's
+  object manager pulls it once per node, that node's receivers map it), and every
+  receiver ends bit for bit equal to the learner.
+- ``shared_memory``: 2 receivers on each worker node and 1 on the head. Each version is
+  exported once by the learner's node's owner and relayed once into each other node,
+  however many receivers that node has; every receiver holds it bit for bit. A late
+  joiner on a node that holds the latest version reads it there (no new relay); a pull
+  receiver on another node reuses that node's relay; after ``close`` every owner is gone.
+
+The script asserts nothing: it prints one line, ``SCENARIOS <json>``, with what each
+scenario observed (``facts``) and, if a scenario raised, the traceback (``error``), and the
+test module asserts on those facts, so a failure there shows the values. It exits 1 if a
+scenario raised. The cluster is shut down however the script ends short of SIGKILL: Ray
+turns SIGTERM (which the test sends past its deadline) into ``SystemExit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import ray
+import torch
+from ray.cluster_utils import Cluster
+
+from raysync import WeightHub
+from raysync.testing import assert_bitwise
+from raysync.transports.shared_memory import OWNER_NAMESPACE, owner_name
+from tests.receivers import Collector, make_policy, make_probe_model, state_of
+
+RESULT_PREFIX = "SCENARIOS "
+WORKER_NODES = ("node_a", "node_b")
+_NODE_ARGS = {
+    "num_cpus": 4,  # every actor here (receivers, hubs, owners) asks for 0 CPUs
+    "object_store_memory": 200 << 20,  # many times the few versions of 8 MB or less kept
+}
+# 8 MB a version: large enough to live in the object store rather than inline in replies.
+_object_store_model = functools.partial(make_probe_model, width=512, layers=8)
+_OWNERS_GONE_TIMEOUT_S = 30
+
+
+def main() -> int:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**_NODE_ARGS, "include_dashboard": False, "resources": {"head": 1}},
+    )
+    try:
+        nodes = {
+            label: cluster.add_node(**_NODE_ARGS, resources={label: 100}).node_id
+            for label in WORKER_NODES
+        }
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        nodes["head"] = ray.get_runtime_context().get_node_id()  # the learner's node
+        results = {
+            "object_store": run(object_store_copies_once_per_node, nodes),
+            "shared_memory": run(shared_memory_relays_once_per_node, nodes),
+        }
+        print(RESULT_PREFIX + json.dumps(results), flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return 1 if any("error" in result for result in results.values()) else 0
+
+
+def run(scenario: Callable[[dict[str, str], dict], None], nodes: dict[str, str]) -> dict:
+    """``scenario``'s facts, and its traceback if it raised (with the facts gathered so far)."""
+    facts: dict = {}
+    try:
+        scenario(nodes, facts)
+    except Exception:
+        return {"facts": facts, "error": traceback.format_exc()}
+    return {"facts": facts}
+
+
+def object_store_copies_once_per_node(nodes: dict[str, str], facts: dict) -> None:
+    hub = WeightHub.options(resources={"head": 0.01}).remote(transport="object_store")
+    receivers = {
+        name: on_node(label, hub, name, model_factory=_object_store_model)
+        for label in WORKER_NODES
+        for name in (f"{label}-{i}" for i in range(3))
+    }
+    try:
+        ray.get([r.__ray_ready__.remote() for r in receivers.values()])
+        facts["receivers"] = sorted(receivers)
+        facts["learner_node"] = nodes["head"]
+        facts["receiver_nodes"] = sorted({node_of(r) for r in receivers.values()})
+        facts["broadcasts"] = []
+        learner = _object_store_model()
+        for _ in range(3):
+            with torch.no_grad():
+                for p in learner.parameters():
+                    p.add_(1.0)
+            report = ray.get(hub.broadcast.remote(learner))
+            update = ray.get(hub.latest.remote("policy"))
+            locations = ray.experimental.get_object_locations([update.payload.ref])
+            facts["broadcasts"].append(
+                {
+                    "acked": list(report.acked),
+                    "object_on_nodes": sorted(locations[update.payload.ref]["node_ids"]),
+                }
+            )
+        facts["not_bitwise_equal"] = not_bitwise_equal(receivers, state_of(learner))
+    finally:
+        for actor in (hub.actor, *receivers.values()):
+            ray.kill(actor)
+
+
+def shared_memory_relays_once_per_node(nodes: dict[str, str], facts: dict) -> None:
+    hub = WeightHub.remote(transport="shared_memory")
+    receivers = {
+        name: on_node(label, hub, name)
+        for label in WORKER_NODES
+        for name in (f"{label}-{i}" for i in range(2))
+    }
+    receivers["head-0"] = Collector.remote(hub, worker_id="head-0")
+    ray.get([r.__ray_ready__.remote() for r in receivers.values()])
+    facts["receivers"] = sorted(receivers)
+
+    def owner_stats(label: str) -> dict:
+        owner = ray.get_actor(
+            owner_name(hub.config.hub_id, nodes[label]), namespace=OWNER_NAMESPACE
+        )
+        return dataclasses.asdict(ray.get(owner.stats.remote()))
+
+    learner = make_policy()
+    facts["broadcasts"] = []
+    for _ in range(2):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(torch.randn_like(p))
+        report = ray.get(hub.broadcast.remote(learner))
+        facts["broadcasts"].append(
+            {
+                "version": report.version,
+                "acked": list(report.acked),
+                "not_bitwise_equal": not_bitwise_equal(receivers, state_of(learner)),
+            }
+        )
+    facts["owners_after_two_versions"] = {label: owner_stats(label) for label in nodes}
+
+    late = on_node("node_a", hub, "node_a-late")
+    facts["late_joiner"] = {
+        "version": ray.get(late.version.remote()),
+        "not_bitwise_equal": not_bitwise_equal({"node_a-late": late}, state_of(learner)),
+        "node_a_relays": owner_stats("node_a")["relays"],
+    }
+
+    puller = on_node("node_b", hub, "puller", mode="pull")
+    ray.get(hub.broadcast.remote(learner))
+    facts["puller"] = {
+        "pulled": ray.get(puller.pull.remote()),
+        "not_bitwise_equal": not_bitwise_equal({"puller": puller}, state_of(learner)),
+        "node_b_relays": owner_stats("node_b")["relays"],
+    }
+
+    ray.get(hub.close.remote())
+    owners = [owner_name(hub.config.hub_id, node_id) for node_id in nodes.values()]
+    facts["owners_alive_after_close"] = owners_still_alive(owners, _OWNERS_GONE_TIMEOUT_S)
+
+
+def on_node(label: str, hub, worker_id: str, **collector_args):
+    """A Collector pinned to the node with custom resource ``label``."""
+    return Collector.options(resources={label: 1}).remote(
+        hub, worker_id=worker_id, **collector_args
+    )
+
+
+def node_of(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id()))
+
+
+def not_bitwise_equal(receivers: dict, expected: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The receivers whose state is not ``expected`` bit for bit, each with what differs."""
+    differing = {}
+    for name, receiver in receivers.items():
+        try:
+            assert_bitwise(ray.get(receiver.state.remote()), expected)
+        except AssertionError as err:
+            differing[name] = str(err)
+    return differing
+
+
+def owners_still_alive(names: list[str], timeout_s: float) -> list[str]:
+    """The named owner actors still alive once ``timeout_s`` has passed (polled)."""
+    deadline = time.monotonic() + timeout_s
+    alive = names
+    while True:
+        alive = [name for name in alive if is_alive(name)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def is_alive(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=OWNER_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
