@@ -12,9 +12,10 @@ such members from the list itself: when the hub reports a receiver gone (``forge
 and, before admitting a new one, any listed member that does not answer a ping.
 
 ``send`` runs in a worker thread: read the learner's object-store copy, one
-``rpc_async`` per target (after waiting, within the timeout, for a receiver that was
-just admitted to finish joining), then wait for every future. Its result maps each
-target to ``None`` or why its RPC failed; failures are kept for ``describe``.
+``rpc_async`` per target (retried, within the timeout, while a receiver that was just
+admitted or is moving to this group is still joining), then wait for every future. Its
+result maps each target to ``None`` or why its RPC failed; failures are kept for
+``describe``.
 """
 
 from __future__ import annotations
@@ -140,8 +141,6 @@ class RpcAgentActor:
 
     # -- worker threads --------------------------------------------------------------------
     def _send(self, job: RpcJob, arrays: list[np.ndarray]) -> dict[str, str | None]:
-        import torch.distributed.rpc as rpc
-
         deadline = time.monotonic() + self._settings.timeout_s
         outcomes: dict[str, str | None] = {}
         with warnings.catch_warnings():
@@ -156,12 +155,8 @@ class RpcAgentActor:
                 continue
             name = admitted.member.name
             try:
-                self._wait_joined(name, deadline)
-                futures[worker] = rpc.rpc_async(
-                    name,
-                    land,
-                    args=(self._key, job.seq, tensors),
-                    timeout=max(0.1, deadline - time.monotonic()),
+                futures[worker] = self._land_when_reachable(
+                    name, (self._key, job.seq, tensors), deadline
                 )
             except Exception as err:
                 outcomes[worker] = f"could not send to {name}: {err}"
@@ -184,14 +179,22 @@ class RpcAgentActor:
                 ]
         return outcomes
 
-    def _wait_joined(self, name: str, deadline: float) -> None:
-        """A receiver admitted a moment ago may still be inside ``init_rpc``."""
+    def _land_when_reachable(self, name: str, args: tuple, deadline: float) -> torch.futures.Future:
+        """``rpc_async(name, land, args)`` as soon as torch can send to ``name``.
+
+        A receiver admitted a moment ago, or moving here from a dead agent's group, may
+        still be inside ``init_rpc``: until its join reaches this process ``rpc_async``
+        raises ``RuntimeError``, and it still does for a moment after
+        ``get_worker_info(name)`` answers (torch knows the name before the address:
+        "could not find destination url"). So the call itself is retried until
+        ``deadline``; waiting for the name alone lost the version in that moment."""
         import torch.distributed.rpc as rpc
 
         while True:
             try:
-                rpc.get_worker_info(name)
-                return
+                return rpc.rpc_async(
+                    name, land, args=args, timeout=max(0.1, deadline - time.monotonic())
+                )
             except RuntimeError:
                 if time.monotonic() > deadline:
                     raise

@@ -111,15 +111,15 @@ def test_staged_data_is_kept_until_released():
 def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
     """A READ posted before the learner wrote the version waits for each bucket and
     gets the whole version; a learner that fails while writing fails its reader."""
-    from raysync.transports import nixl
+    from raysync.transports.nixl import wire
 
-    monkeypatch.setattr(nixl, "BUCKET_BYTES", 1024)  # several buckets for a small model
-    nixl._Frame.of.cache_clear()
+    monkeypatch.setattr(wire, "BUCKET_BYTES", 1024)  # several buckets for a small model
+    wire.Frame.of.cache_clear()
     sender, receiver = NixlSender(), NixlReceiver()
     big = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.arange(5, dtype=torch.int64)}
     spec = WeightSpec.of(big)
     try:
-        assert len(nixl._Frame.of(spec).buckets) > 5
+        assert len(wire.Frame.of(spec).buckets) > 5
         payload = sender.send(big, spec)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fetched = pool.submit(receiver.fetch, payload, spec)
@@ -139,7 +139,7 @@ def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
     finally:
         receiver.close()
         sender.close()
-        nixl._Frame.of.cache_clear()
+        wire.Frame.of.cache_clear()
 
 
 def test_unavailable_nixl_fails_fast_with_one_line(ray_cluster, monkeypatch):

@@ -1,4 +1,4 @@
-"""The NIXL transport's buffer frame (raysync/transports/nixl.py), without a NIXL agent.
+"""The NIXL transport's buffer frame (raysync/transports/nixl/wire.py), without a NIXL agent.
 
 Both sides compute a version's frame from the spec alone: one int64 stamp per bucket
 of ``BUCKET_BYTES``, then the tensors packed by PackedLayout, written and read bucket by
@@ -19,16 +19,10 @@ import torch
 from raysync.layout import ALIGNMENT, PackedLayout
 from raysync.spec import TensorSpec, WeightSpec
 from raysync.transports.base import TransportError
-from raysync.transports.nixl import (
-    ABANDONED,
-    BUCKET_BYTES,
-    NixlPayload,
-    NixlReceiver,
-    NixlRegion,
-    _copy_on_this_thread,
-    _descs,
-    _Frame,
-)
+from raysync.transports.nixl import ABANDONED, BUCKET_BYTES, NixlPayload, NixlReceiver, NixlRegion
+from raysync.transports.nixl.learner import _copy_on_this_thread
+from raysync.transports.nixl.wire import Frame
+from raysync.transports.nixl.wire import descs as descriptor_list
 
 #: Elements of the large spec's float32 and bfloat16 tensors: about 2.3 buckets in all,
 #: so three buckets, the last one partial, with tensors that straddle bucket bounds.
@@ -65,7 +59,7 @@ def _big_spec() -> WeightSpec:
     )
 
 
-def _write_like_the_learner(frame: _Frame, tensors: dict[str, torch.Tensor], stamp: int):
+def _write_like_the_learner(frame: Frame, tensors: dict[str, torch.Tensor], stamp: int):
     """What NixlSender.send and .submitted do to a CPU buffer, minus the agent."""
     buffer = torch.full((frame.layout.nbytes,), 0xA5, dtype=torch.uint8)
     stamps = frame.stamps(buffer)
@@ -81,7 +75,7 @@ def _write_like_the_learner(frame: _Frame, tensors: dict[str, torch.Tensor], sta
 
 def test_a_small_spec_takes_one_bucket_after_a_one_stamp_header():
     spec = WeightSpec.of(_small())
-    frame = _Frame.of(spec)
+    frame = Frame.of(spec)
     assert frame.layout.header_bytes == ALIGNMENT  # 8 bytes of stamp, rounded up
     assert frame.layout.nbytes == ALIGNMENT + PackedLayout.of(spec).nbytes
     assert frame.buckets == ((ALIGNMENT, frame.layout.nbytes),)
@@ -93,7 +87,7 @@ def test_a_small_spec_takes_one_bucket_after_a_one_stamp_header():
 def test_a_large_spec_is_cut_into_full_buckets_and_a_last_shorter_one():
     spec = _big_spec()
     assert spec == WeightSpec.of(_big())
-    frame = _Frame.of(spec)
+    frame = Frame.of(spec)
     data_bytes = PackedLayout.of(spec).nbytes
     assert data_bytes > 2 * BUCKET_BYTES
     assert len(frame.buckets) == 3
@@ -111,7 +105,7 @@ def test_a_large_spec_is_cut_into_full_buckets_and_a_last_shorter_one():
 def test_more_than_eight_buckets_need_a_longer_header():
     # 9 buckets' worth of bytes, described by the spec alone (no tensor is allocated).
     spec = WeightSpec((TensorSpec("huge", (8 * BUCKET_BYTES + 1,), torch.uint8),))
-    frame = _Frame.of(spec)
+    frame = Frame.of(spec)
     assert len(frame.buckets) == 9
     assert frame.layout.header_bytes == 2 * ALIGNMENT  # 72 bytes of stamps, rounded up
     assert frame.buckets[0][0] == frame.layout.offsets[0] == 2 * ALIGNMENT
@@ -125,13 +119,13 @@ def test_more_than_eight_buckets_need_a_longer_header():
 
 def test_both_sides_compute_the_same_frame_from_equal_specs():
     tensors = _small()
-    sender = _Frame.of(WeightSpec.of(tensors))
-    receiver = _Frame.of(WeightSpec.of({name: t.clone() for name, t in tensors.items()}))
+    sender = Frame.of(WeightSpec.of(tensors))
+    receiver = Frame.of(WeightSpec.of({name: t.clone() for name, t in tensors.items()}))
     assert receiver == sender
 
 
 def test_the_stamps_are_an_int64_view_of_the_buffers_head():
-    frame = _Frame.of(_big_spec())
+    frame = Frame.of(_big_spec())
     buffer = torch.zeros(frame.layout.nbytes, dtype=torch.uint8)
     stamps = frame.stamps(buffer)
     assert stamps.dtype == torch.int64 and stamps.shape == (3,)
@@ -145,7 +139,7 @@ def test_the_stamps_are_an_int64_view_of_the_buffers_head():
 @pytest.mark.parametrize("tensors", [_small, _big], ids=["one-bucket", "three-buckets"])
 def test_a_bucket_by_bucket_write_equals_the_whole_pack_and_stamps_each_bucket(tensors):
     tensors = tensors()
-    frame = _Frame.of(WeightSpec.of(tensors))
+    frame = Frame.of(WeightSpec.of(tensors))
     stamp = 41
     buffer, stamps_after_each = _write_like_the_learner(frame, tensors, stamp)
     count = len(frame.buckets)
@@ -170,9 +164,9 @@ def test_the_single_thread_copy_moves_bytes_like_copy():
 
 
 def test_the_descriptor_list_is_all_stamps_then_each_bucket_then_each_stamp():
-    frame = _Frame.of(_big_spec())
+    frame = Frame.of(_big_spec())
     address, device = 0x7F0000001000, 3
-    descs = _descs(address, device, frame)
+    descs = descriptor_list(address, device, frame)
     count = len(frame.buckets)
     assert len(descs) == 1 + 2 * count
     # The receiver prepares READs by index: 0 all stamps, 1 + k bucket k's data,

@@ -1,0 +1,124 @@
+"""torch.distributed as the data path: one collective broadcast per version.
+
+Processes and roles:
+
+* **learner process** — the object store's sender (``hand_off``) puts the version's
+  tensors into the object store, exactly like the ``object_store`` transport (one
+  copy, no pickling). It never touches torch.distributed.
+* **hub process** — :class:`DistributedPlanner` starts one
+  :class:`raysync.actors.process_group.ProcessGroupActor` per hub and decides, for every
+  delivery, which *generation* of the process group carries it: the members are the
+  delivery's targets (ranks 1..N in sorted worker order), the actor is rank 0. While
+  the targets stay the same, consecutive versions reuse the group; a different set of
+  targets (a receiver joined, left, died, or a subset broadcast), or a generation whose
+  last collective failed, gets a new generation under a fresh random store prefix.
+* **process-group actor** (rank 0, the source) — owns the rendezvous (a ``TCPStore``
+  bound to its node's IP) and, per delivery, reads the learner's object-store copy
+  (zero-copy on its node), packs it behind a 64-byte header into one uint8 buffer
+  (:mod:`raysync.layout`) and runs **one** ``broadcast`` to the whole group.
+* **receiver process** — :class:`DistributedReceiver` joins the generation named in
+  its payload (rendezvous, then a barrier), enters the same ``broadcast`` inside
+  ``fetch`` with a fresh buffer, checks the header and returns views of the buffer.
+
+Why a source actor fed through the object store, and not the learner as rank 0: the
+learner hands over its tensors *before* the hub knows who the version goes to (targets,
+subsets, late joiners are the hub's business), a collective must be entered by exactly
+its members, and torch.distributed state is per process — the learner may well be a
+DDP rank already. A dedicated rank 0 keeps all process-group state out of the learner,
+never blocks it on a slow or dead receiver, and can re-send the latest version to a
+late joiner. The price is one object-store copy in the learner, the same as the
+``object_store`` transport pays.
+
+Groups are ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` objects built directly on a
+``PrefixStore``, never the default group: a receiver that already runs its own
+``init_process_group`` (tensor parallelism, say) keeps it, and switching generations
+is ``shutdown()`` of one object and construction of another. A receiver is in at most
+one raysync group at a time.
+
+Order: the planner plans one delivery at a time and waits for rank 0 to finish the
+previous collective before it plans the next, so each receiver is handed its deliveries
+in collective order (threaded receivers also wait for their turn by sequence number),
+and a failed collective is known before the next one is planned. A version whose
+collective fails (a member died or never entered it within the timeout) is not lost on
+the members that did not get it: each of them reads the learner's object-store copy
+rank 0 was sending from (named in its payload) instead, so only the dead or absent
+member fails; the next version goes to a new generation without it. Pull mode
+(``pull_weights``) and a receiver's catch-up when it registers read the learner's
+object-store copy directly: the hub hands them the learner's payload, and a collective
+cannot be arranged for one receiver that asks on its own schedule.
+
+Settings: ``WeightHub.remote(options=DistributedOptions(backend=..., timeout_s=...))``
+(:class:`~raysync.transports.options.DistributedOptions`: ``gloo`` or ``nccl``, and the
+timeout of every rendezvous and collective, default 30 s).
+
+Security: the ``TCPStore`` master listens on a socket bound to the node's IP (never
+``0.0.0.0``) on a random free port, and every generation uses a random 128-bit key
+prefix. It lives as long as the hub. Like any TCPStore it has no authentication: any
+process that can reach that port can read and write keys, so run it on a trusted
+cluster network, as Ray itself expects. The gloo connections between members bind to
+each process's node IP as well.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raysync.transports.base import Availability, HubContext, Transport
+from raysync.transports.distributed.group import join_group, run_broadcast, staging_device
+from raysync.transports.distributed.planner import DistributedPlanner
+from raysync.transports.distributed.receiver import DistributedReceiver
+from raysync.transports.distributed.wire import (
+    HEADER_BYTES,
+    BroadcastJob,
+    Generation,
+    GroupPayload,
+    StoreAddress,
+    header,
+    process_group_name,
+)
+from raysync.transports.object_store import ObjectStoreSender
+from raysync.transports.options import DistributedOptions
+
+__all__ = [
+    "HEADER_BYTES",
+    "BroadcastJob",
+    "DistributedPlanner",
+    "DistributedReceiver",
+    "DistributedTransport",
+    "Generation",
+    "GroupPayload",
+    "StoreAddress",
+    "header",
+    "join_group",
+    "process_group_name",
+    "run_broadcast",
+    "staging_device",
+]
+
+
+class DistributedTransport(Transport):
+    name = "distributed"
+    hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
+    options = DistributedOptions
+
+    @classmethod
+    def availability(cls) -> Availability:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return Availability(False, "this torch build has no torch.distributed")
+        if not dist.is_gloo_available():
+            return Availability(False, "this torch build has no gloo backend")
+        return Availability(True)
+
+    @classmethod
+    def open_hub(cls, hub: HubContext) -> DistributedPlanner:
+        return DistributedPlanner(hub)
+
+    @classmethod
+    def open_sender(cls, hub: HubContext) -> ObjectStoreSender:
+        return ObjectStoreSender()
+
+    @classmethod
+    def open_receiver(cls, info: Any) -> DistributedReceiver:
+        return DistributedReceiver()

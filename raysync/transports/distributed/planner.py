@@ -1,0 +1,132 @@
+"""Hub process: the distributed planner, forming generations and handing rank 0 its jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raysync.actor_classes import PROCESS_GROUP, actor_class
+from raysync.spec import WeightSpec
+from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
+from raysync.transports.distributed.wire import (
+    BroadcastJob,
+    Generation,
+    GroupPayload,
+    StoreAddress,
+    process_group_name,
+)
+from raysync.transports.options import DistributedOptions
+
+logger = logging.getLogger(__name__)
+
+#: How often the hub asks a restarting process-group actor whether it is back.
+_RESTART_POLL_S = 0.1
+
+
+class DistributedPlanner(TransportPlanner):
+    """Runs in the hub process; owns generation and rank assignment (see module doc)."""
+
+    def __init__(self, hub: HubContext) -> None:
+        self._settings = hub.options or DistributedOptions()
+        self._name = process_group_name(hub.hub_id)
+        options: dict[str, Any] = {
+            "num_cpus": 0,
+            "name": self._name,
+            "max_restarts": -1,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=True
+            ),
+        }
+        if self._settings.backend == "nccl":
+            options["num_gpus"] = 1
+        rank0 = ray.remote(actor_class(PROCESS_GROUP))
+        self._actor = rank0.options(**options).remote(self._settings)
+        self._store: StoreAddress | None = None
+        self._generation: Generation | None = None
+        self._generations = 0  #: generations formed so far; numbers only grow
+        self._next_seq = 0
+        #: rank 0's result of the last collective planned: None, or why it failed.
+        self._last_job: Any = None
+        self._lock = asyncio.Lock()  #: plans run one at a time, in call order
+
+    async def receiver_joined(self, receiver: ReceiverInfo) -> None:
+        self._forget(receiver.worker)  # a re-registered worker is a new process
+
+    async def receiver_left(self, worker: str) -> None:
+        self._forget(worker)
+
+    def _forget(self, worker: str) -> None:
+        if self._generation is not None and worker in self._generation.members:
+            self._generation = None
+
+    async def plan(
+        self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
+    ) -> Mapping[str, Any]:
+        if not targets:
+            return {}
+        async with self._lock:
+            last, self._last_job = self._last_job, None
+            if last is not None and await self._collective_failed(last):
+                self._generation = None  # form a new one
+            store = await self._rank0_store()
+            if store != self._store:  # first plan, or Ray restarted rank 0: new rendezvous
+                self._store, self._generation = store, None
+            members = tuple(sorted(t.worker for t in targets))
+            generation = self._generation
+            if generation is None or generation.members != members:
+                self._generations += 1
+                generation = Generation(
+                    self._generations,
+                    members,
+                    f"raysync/{uuid.uuid4().hex}/",
+                    self._store,
+                    self._settings,
+                )
+                self._generation = generation
+                self._next_seq = 0
+            seq = self._next_seq
+            self._next_seq += 1
+            job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
+            self._last_job = self._actor.broadcast.remote(job)
+            return {
+                worker: GroupPayload(generation, generation.rank_of(worker), seq, update.payload)
+                for worker in members
+            }
+
+    @staticmethod
+    async def _collective_failed(job: Any) -> bool:
+        """Did rank 0's collective ``job`` fail (or rank 0 die while running it)?"""
+        try:
+            return await job is not None
+        except ray.exceptions.RayActorError:
+            return True
+
+    async def _rank0_store(self) -> StoreAddress:
+        """Where rank 0's store listens now, asked every plan: a process-group actor that
+        Ray restarted listens elsewhere. One that is restarting is waited for (the hub
+        bounds the wait by the broadcast's timeout); one gone for good fails the plan."""
+        waiting = False
+        while True:
+            try:
+                return await self._actor.store_address.remote()
+            except ray.exceptions.ActorUnavailableError as err:
+                if not waiting:
+                    logger.warning("waiting for Ray to restart %s: %s", self._name, err)
+                    waiting = True
+                await asyncio.sleep(_RESTART_POLL_S)
+            except ray.exceptions.RayActorError as err:
+                raise TransportError(
+                    f"the process-group actor {self._name} is dead and will not restart: {err}"
+                ) from err
+
+    async def close(self) -> None:
+        try:
+            await self._actor.close.remote()
+        finally:
+            ray.kill(self._actor)

@@ -1,0 +1,135 @@
+"""Receiver process: the distributed receiver, a member of one generation at a time."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from raysync.layout import PackedLayout
+from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError, TransportReceiver
+from raysync.transports.distributed.group import join_group, run_broadcast, staging_device
+from raysync.transports.distributed.wire import HEADER_BYTES, MAGIC, Generation, GroupPayload
+from raysync.transports.object_store import ObjectStorePayload, ObjectStoreReceiver
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedReceiver(TransportReceiver):
+    """Runs in the receiver process: a member of at most one generation at a time."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._generation: Generation | None = None
+        self._group: Any = None
+        self._next_seq = 0
+        self._broken: dict[int, str] = {}  #: generation number -> why it broke here
+        self._pull = ObjectStoreReceiver()
+
+    @property
+    def generation(self) -> int:
+        """The number of the generation this receiver is a member of (0: none yet)."""
+        return 0 if self._generation is None else self._generation.number
+
+    def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        if isinstance(payload, ObjectStorePayload):  # pull mode: the learner's copy
+            return self._pull.fetch(payload, spec)
+        try:
+            return self._receive(payload, spec)
+        except TransportError as err:
+            # One member's death must not cost the others the version: read the copy
+            # rank 0 was sending from instead.
+            logger.warning("%s; reading the learner's object-store copy instead", err)
+            try:
+                return self._pull.fetch(payload.source, spec)
+            except TransportError as fallback:
+                raise TransportError(f"{err}; and then {fallback}") from fallback
+
+    def _receive(self, payload: GroupPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        """Enter ``payload``'s collective and return views of what rank 0 sent."""
+        generation = payload.generation
+        deadline = time.monotonic() + generation.settings.timeout_s
+        with self._turn:
+            self._wait_for_turn(payload, deadline)
+            try:
+                if self._generation != generation:
+                    self._switch_to(generation, payload.rank)
+                layout = PackedLayout.of(spec, HEADER_BYTES)
+                buffer = torch.empty(
+                    layout.nbytes, dtype=torch.uint8, device=staging_device(generation.settings)
+                )
+                run_broadcast(self._group, buffer, generation.settings)
+            except Exception as err:
+                self._break(generation, f"collective {payload.seq} failed: {err}")
+                raise TransportError(
+                    f"rank {payload.rank} could not receive collective {payload.seq} of "
+                    f"process-group generation {generation.number} "
+                    f"({generation.settings.backend}, {generation.world_size} ranks): {err}; "
+                    "a member may have died or not entered the broadcast within "
+                    f"{generation.settings.timeout_s:g} s"
+                ) from err
+            finally:
+                self._next_seq = max(self._next_seq, payload.seq + 1)
+                self._turn.notify_all()
+        got = buffer[:HEADER_BYTES].cpu().view(torch.int64)[:4].tolist()
+        expected = [MAGIC, generation.number, payload.seq, layout.nbytes]
+        if got != expected:
+            raise TransportError(
+                f"rank {payload.rank} received a buffer for (generation, collective, bytes) "
+                f"= {tuple(got[1:])}, expected {tuple(expected[1:])}: the group is out of step"
+            )
+        return layout.views(buffer)
+
+    def _wait_for_turn(self, payload: GroupPayload, deadline: float) -> None:
+        """Collectives run in sequence order; a threaded actor may be handed them out
+        of order. Called with ``self._turn`` held."""
+        number = payload.generation.number
+        while True:
+            if number in self._broken:
+                raise TransportError(
+                    f"process-group generation {number} broke on this receiver earlier "
+                    f"({self._broken[number]}); collective {payload.seq} cannot run"
+                )
+            current = self.generation
+            if number < current or (number == current and payload.seq < self._next_seq):
+                raise TransportError(
+                    f"collective {payload.seq} of process-group generation {number} arrived "
+                    f"after this receiver moved on to generation {current}, collective "
+                    f"{self._next_seq}"
+                )
+            if payload.seq == (0 if number > current else self._next_seq):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransportError(
+                    f"collective {payload.seq} of process-group generation {number} waited "
+                    f"{payload.generation.settings.timeout_s:g} s for collective "
+                    f"{self._next_seq} to be delivered to this receiver first"
+                )
+            self._turn.wait(remaining)
+
+    def _switch_to(self, generation: Generation, rank: int) -> None:
+        self._leave()
+        self._generation = generation
+        self._next_seq = 0
+        self._group = join_group(generation, rank)
+
+    def _break(self, generation: Generation, reason: str) -> None:
+        self._broken[generation.number] = reason
+        if self._generation == generation:
+            self._leave()
+
+    def _leave(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            group.shutdown()
+
+    def close(self) -> None:
+        with self._turn:
+            self._leave()
+            self._generation = None

@@ -1,0 +1,88 @@
+"""NIXL as the data path: registered memory, one-sided READs into receivers' buffers.
+
+Learner process (:class:`NixlSender`): one NIXL agent with the UCX backend. Per weight
+spec (and device) it registers, once, a *pair* of buffers laid out as a header of one
+int64 stamp per *bucket* (``BUCKET_BYTES`` of the data) followed by the tensors packed
+by :class:`~raysync.layout.PackedLayout`. Each version goes into the buffer of the pair
+not written last time, so receivers can still read version v while the learner writes
+v+1. ``send`` picks the buffer, clears its stamps and returns a small payload: the
+agent's name and metadata (~0.5 KB; receivers load it only when it changes), where
+the buffer is, and the version's *stamp*. ``submitted`` (right after the hub was
+handed the payload) then packs the buffer bucket by bucket, setting each bucket's
+stamp when it is written: receivers read bucket k while the learner packs bucket k+1,
+and the pack overlaps the hub's planning instead of preceding it.
+
+Buffer reuse, the rule: a buffer is written again only once the broadcast that last
+filled it has completed (every target acked, failed or timed out): ``send`` waits for
+that broadcast's ack future, which ``submitted`` hands it. That keeps every broadcast
+receiver's read clean. Readers outside a broadcast (late joiners and pullers reading the
+latest version, receivers still reading after their broadcast timed out) are covered by
+the stamps: the learner sets a buffer's stamps to 0 before packing and each bucket's to
+the version's fresh, increasing stamp once that bucket is written; a receiver reads a
+bucket only once its stamp is the payload's, and after the last bucket reads every
+stamp again, accepting the data only if all still hold the payload's stamp. Any write
+that began after the payload was made cleared the stamps first, so a torn read is
+detected, never applied. A learner that fails while packing sets the stamps to
+``ABANDONED``, which fails its readers at once.
+
+Receiver process (:class:`NixlReceiver`): one agent; per spec a registered staging
+buffer with the source's layout (more only while fetched updates wait for a safe
+point, see ``release``, or while a zero-copy model lives in one); per (source buffer,
+staging buffer) the descriptor lists and the READ requests (per bucket its stamp and
+its data, then all stamps) are prepared once and posted again for every update. A new
+learner (new agent) or new registrations (new spec) make it load the agent metadata
+again; a failed or timed-out read raises :class:`TransportError` naming the learner's
+agent and forgets that agent, so a restarted learner starts clean.
+
+Progress: no agent runs nixl's own progress thread, which busy-polls a core for as long
+as the agent lives, idle or not (on a small machine a learner and a few receivers
+starve each other that way). A receiver progresses its agent while it polls its READs.
+The learner's agent is the target of those READs: the data moves without it (one-sided),
+but a receiver's first READ connects and needs the learner to answer, and an endpoint
+left idle for a while needs it again; a daemon thread progresses it every
+``_SOURCE_PROGRESS_S``, sleeping in between.
+
+GPU: CUDA weights are packed into VRAM buffers on their device, and a receiver process
+that sees a CUDA device stages in VRAM; NIXL moves the bytes the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raysync.transports.base import Availability, HubContext, Transport
+from raysync.transports.nixl.agent import nixl_availability
+from raysync.transports.nixl.learner import REUSE_WAIT_S, NixlSender
+from raysync.transports.nixl.receiver import READ_TIMEOUT_S, NixlReceiver
+from raysync.transports.nixl.wire import ABANDONED, BUCKET_BYTES, NixlPayload, NixlRegion
+
+__all__ = [
+    "ABANDONED",
+    "BUCKET_BYTES",
+    "READ_TIMEOUT_S",
+    "REUSE_WAIT_S",
+    "NixlPayload",
+    "NixlReceiver",
+    "NixlRegion",
+    "NixlSender",
+    "NixlTransport",
+    "nixl_availability",
+]
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+    zero_copy = "private"
+
+    @classmethod
+    def availability(cls) -> Availability:
+        """Imports nixl and creates one UCX agent (once per process)."""
+        return nixl_availability()
+
+    @classmethod
+    def open_sender(cls, hub: HubContext) -> NixlSender:
+        return NixlSender()
+
+    @classmethod
+    def open_receiver(cls, info: Any) -> NixlReceiver:
+        return NixlReceiver()

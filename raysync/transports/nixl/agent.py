@@ -1,0 +1,51 @@
+"""Both processes: creating a NIXL agent, and the memory kinds it registers."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from typing import Any
+
+import torch
+
+from raysync.transports.base import Availability, TransportError
+
+
+def new_agent(role: str, *, shared: bool = False) -> Any:
+    """A NIXL agent with the UCX backend and without nixl's progress thread (see the package
+    doc); ``shared``: safe to call from several threads at once. Raises TransportError if
+    UCX cannot start."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if shared else None
+    agent = nixl_agent(
+        f"raysync-{role}-{uuid.uuid4().hex[:12]}",
+        nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=sync),
+    )
+    if "UCX" not in agent.backends:
+        raise TransportError(
+            "nixl has no UCX backend plugin (only: " + ", ".join(agent.get_plugin_list()) + ")"
+        )
+    return agent
+
+
+def memory_type(device: torch.device) -> str:
+    return "VRAM" if device.type == "cuda" else "DRAM"
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.type == "cuda" else 0
+
+
+@functools.cache
+def nixl_availability() -> Availability:
+    """Can nixl run here: the package imports and an agent with UCX starts (once per process)."""
+    try:
+        new_agent("probe")
+    except ImportError as err:
+        return Availability(
+            False, f"the nixl package is not installed ({err}); pip install 'raysync[nixl]'"
+        )
+    except Exception as err:
+        return Availability(False, f"nixl could not create an agent with the UCX backend: {err}")
+    return Availability(True)

@@ -1,0 +1,177 @@
+"""Learner process: the NIXL sender, packing versions into registered buffers."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+import torch
+
+from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError, TransportSender, VersionDone
+from raysync.transports.nixl.agent import device_index, memory_type, new_agent
+from raysync.transports.nixl.wire import ABANDONED, Frame, NixlPayload, NixlRegion
+
+logger = logging.getLogger(__name__)
+
+#: Upper bound on how long ``send`` waits for the broadcast that last filled a buffer.
+#: Broadcasts end within their own timeout; past this bound the stamps still protect
+#: readers, so the learner goes on.
+REUSE_WAIT_S = 600.0
+
+#: The learner's agent is progressed this often (seconds). It serves only connection
+#: set-up and upkeep, never the data, so it can be slow: each wake-up costs little.
+_SOURCE_PROGRESS_S = 0.005
+
+
+def _copy_on_this_thread(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy CPU bytes with this thread alone (numpy's memcpy, GIL released). torch's
+    ``copy_`` fans a large copy out to every core, and its idle workers spin between
+    buckets: the pack would then starve the very readers, hub and Ray threads it is
+    meant to overlap with. One thread packs faster than one reader reads. A source on
+    another device (a GPU tensor among CPU weights) goes through torch."""
+    if source.device.type != "cpu":
+        destination.copy_(source)
+        return
+    numpy.copyto(destination.numpy(), source.numpy())
+
+
+def _progress(agent: Any, stop: threading.Event) -> None:
+    """Learner process, a daemon thread: progress ``agent`` every ``_SOURCE_PROGRESS_S``
+    until ``stop`` is set (receivers connect and keep their endpoints through it)."""
+    while not stop.wait(_SOURCE_PROGRESS_S):
+        try:
+            agent.get_new_notifs()  # progresses the agent's UCX worker
+        except Exception as err:
+            logger.debug("progressing nixl agent %s failed: %s", agent.name, err)
+
+
+def _start_progress(owner: object, agent: Any) -> None:
+    """Progress ``agent`` from a daemon thread for as long as ``owner`` lives."""
+    stop = threading.Event()
+    threading.Thread(
+        target=_progress, args=(agent, stop), name="raysync-nixl-progress", daemon=True
+    ).start()
+    weakref.finalize(owner, stop.set)
+
+
+@dataclass
+class _SourceBuffer:
+    tensor: torch.Tensor  #: uint8, stamps + packed tensors, registered
+    region: NixlRegion
+    frame: Frame
+    broadcast: VersionDone | None = None  #: the end of the broadcast that last filled it
+    #: The version ``send`` handed out and ``submitted`` writes: its stamp and sources.
+    pending: tuple[int, list[torch.Tensor]] | None = None
+
+
+@dataclass
+class _SourcePair:
+    buffers: tuple[_SourceBuffer, _SourceBuffer]
+    registered: Any  #: nixlRegDList, for deregistration
+    next: int = 0
+
+
+class NixlSender(TransportSender):
+    def __init__(self) -> None:
+        self._agent = new_agent("learner", shared=True)
+        _start_progress(self, self._agent)
+        self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
+        self._by_address: dict[int, _SourceBuffer] = {}
+        self._registration = 0
+        self._metadata = self._agent.get_agent_metadata()
+        self._stamp = 0
+        self._lock = threading.Lock()
+
+    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> NixlPayload:
+        """Pick the buffer for this version and clear its stamps; ``submitted`` writes it."""
+        device = tensors[spec.names[0]].device
+        with self._lock:
+            pair = self._pairs.get((spec, device)) or self._register(spec, device)
+            buffer = pair.buffers[pair.next]
+            pair.next ^= 1
+            self._wait_until_read(buffer)
+            self._stamp += 1
+            buffer.frame.stamps(buffer.tensor).zero_()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            buffer.pending = (self._stamp, buffer.frame.layout.byte_views(tensors))
+            return NixlPayload(
+                self._agent.name, self._metadata, self._registration, buffer.region, self._stamp
+            )
+
+    def submitted(self, payload: NixlPayload, done: VersionDone | None) -> None:
+        """Write the version into its buffer, bucket by bucket, while receivers read it."""
+        with self._lock:
+            buffer = self._by_address[payload.region.address]
+            buffer.broadcast = done
+            pending, buffer.pending = buffer.pending, None
+        if pending is None or pending[0] != payload.stamp:
+            raise TransportError(f"nixl: version stamp {payload.stamp} was not sent here")
+        stamp, sources = pending
+        stamps = buffer.frame.stamps(buffer.tensor)
+        try:
+            if buffer.tensor.device.type == "cuda":
+                # One pass, then the stamps: the GPU copies fast, and a stamp must not be
+                # readable before the data it vouches for is.
+                buffer.frame.layout.pack(sources, buffer.tensor)
+                torch.cuda.synchronize(buffer.tensor.device)
+                stamps.fill_(stamp)
+                torch.cuda.synchronize(buffer.tensor.device)
+                return
+            for index, (start, end) in enumerate(buffer.frame.buckets):
+                buffer.frame.layout.pack_range(
+                    sources, buffer.tensor, start, end, copy=_copy_on_this_thread
+                )
+                stamps[index] = stamp
+        except BaseException:
+            stamps.fill_(ABANDONED)
+            raise
+
+    def _register(self, spec: WeightSpec, device: torch.device) -> _SourcePair:
+        frame = Frame.of(spec)
+        tensors = [
+            torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
+        ]
+        registered = self._agent.register_memory(tensors)
+        buffers = tuple(
+            _SourceBuffer(
+                t,
+                NixlRegion(t.data_ptr(), t.numel(), device_index(device), memory_type(device)),
+                frame,
+            )
+            for t in tensors
+        )
+        pair = _SourcePair(buffers, registered)
+        self._pairs[(spec, device)] = pair
+        for buffer in buffers:
+            self._by_address[buffer.region.address] = buffer
+        self._registration += 1
+        self._metadata = self._agent.get_agent_metadata()
+        return pair
+
+    def _wait_until_read(self, buffer: _SourceBuffer) -> None:
+        """Wait for the broadcast that last filled ``buffer`` to complete (see the package doc)."""
+        if buffer.broadcast is None:
+            return
+        done, buffer.broadcast = buffer.broadcast, None
+        try:
+            done.wait(REUSE_WAIT_S)
+        except TimeoutError:
+            logger.warning(
+                "a broadcast of this learner is still running after %g s; reusing its buffer "
+                "(receivers still reading it will fail that version, not apply torn data)",
+                REUSE_WAIT_S,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            for pair in self._pairs.values():
+                self._agent.deregister_memory(pair.registered)
+            self._pairs.clear()
+            self._by_address.clear()

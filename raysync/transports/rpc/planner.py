@@ -1,0 +1,141 @@
+"""Hub process: the RPC planner, admitting receivers and handing the agent its jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.experimental import internal_kv
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raysync.actor_classes import RPC_AGENT, actor_class
+from raysync.hub_snapshot import KV_NAMESPACE
+from raysync.spec import WeightSpec
+from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
+from raysync.transports.options import RpcOptions
+from raysync.transports.rpc.wire import RpcJob, RpcMember, RpcPayload, agent_name
+
+logger = logging.getLogger(__name__)
+
+
+class RpcPlanner(TransportPlanner):
+    """Runs in the hub process: admits receivers to the agent's group, numbers versions,
+    and replaces the agent when it dies (its members follow it under the same ranks)."""
+
+    def __init__(self, hub: HubContext) -> None:
+        self._settings = hub.options or RpcOptions()
+        self._hub = hub.hub_id
+        self._name = agent_name(hub.hub_id)
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._members: dict[str, RpcMember] = {}  #: worker -> its place in the group
+        #: worker -> (its process, its rank), kept in GCS so a restarted hub has it too.
+        self._ranks = _RankBook(self._hub)
+        self._key, self._actor = self._start_agent()
+        self._seq = 0
+        self._lock = asyncio.Lock()  #: agent replacement and plans, one at a time
+
+    def _start_agent(self) -> tuple[str, Any]:
+        """A new agent (new key, new group) that re-admits every known member at its rank."""
+        key = uuid.uuid4().hex
+        known = self._ranks.load()
+        actor = (
+            ray.remote(actor_class(RPC_AGENT))
+            .options(
+                num_cpus=0,
+                name=self._name,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=True),
+            )
+            .remote(key, self._hub, self._settings, known)
+        )
+        return key, actor
+
+    async def _live_agent(self) -> Any:
+        """The agent, after checking it answers; a dead one is replaced (and its members
+        re-admitted to the new group, which they join on their next delivery)."""
+        try:
+            await self._actor.ping.remote()
+            return self._actor
+        except ray.exceptions.RayActorError as err:
+            logger.warning("the RPC agent %s died (%s); starting a new group", self._name, err)
+        self._key, self._actor = self._start_agent()
+        try:
+            self._members = await self._actor.members.remote()
+        except ray.exceptions.RayActorError as err:
+            raise TransportError(f"a new RPC agent {self._name} could not start: {err}") from err
+        return self._actor
+
+    async def receiver_joined(self, receiver: ReceiverInfo) -> RpcMember:
+        async with self._lock:
+            agent = await self._live_agent()
+            member = await agent.admit.remote(receiver.worker, receiver.process)
+            self._members[receiver.worker] = member
+            self._ranks.set(receiver.worker, receiver.process, member.rank)
+            return member
+
+    async def receiver_left(self, worker: str) -> None:
+        async with self._lock:
+            self._members.pop(worker, None)
+            self._ranks.remove(worker)
+            try:
+                await self._actor.forget.remote(worker)
+            except ray.exceptions.RayActorError:
+                pass  # the next plan replaces the agent, without this worker
+
+    async def plan(
+        self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
+    ) -> Mapping[str, Any]:
+        if not targets:
+            return {}
+        async with self._lock:
+            agent = await self._live_agent()
+            self._seq += 1
+            workers = tuple(t.worker for t in targets)
+            job = RpcJob(self._seq, update.model, update.version, workers, update.payload)
+            agent.send.remote(job)  # its outcome is the receivers' to report
+            return {
+                worker: RpcPayload(
+                    self._key, job.seq, self._settings.timeout_s, self._members[worker]
+                )
+                for worker in workers
+            }
+
+    async def close(self) -> None:
+        try:
+            await self._actor.close.remote()
+        except ray.exceptions.RayActorError:
+            pass  # already dead
+        finally:
+            ray.kill(self._actor)
+
+
+class _RankBook:
+    """worker -> (process, rank) of a hub's RPC members, in Ray's GCS next to the hub's
+    restart snapshot (:mod:`raysync.hub_snapshot`, deleted with it), so a restarted hub
+    gives every receiver process its rank again. Hub process only."""
+
+    def __init__(self, hub: str) -> None:
+        self._key = f"hub/{hub}/rpc-ranks"
+        raw = internal_kv._internal_kv_get(self._key, namespace=KV_NAMESPACE)
+        self._ranks: dict[str, tuple[str, int]] = {} if raw is None else pickle.loads(raw)
+
+    def load(self) -> dict[str, tuple[str, int]]:
+        return dict(self._ranks)
+
+    def set(self, worker: str, process: str, rank: int) -> None:
+        if self._ranks.get(worker) != (process, rank):
+            self._ranks[worker] = (process, rank)
+            self._save()
+
+    def remove(self, worker: str) -> None:
+        if self._ranks.pop(worker, None) is not None:
+            self._save()
+
+    def _save(self) -> None:
+        internal_kv._internal_kv_put(
+            self._key, pickle.dumps(self._ranks), overwrite=True, namespace=KV_NAMESPACE
+        )

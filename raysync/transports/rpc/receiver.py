@@ -1,0 +1,157 @@
+"""Receiver process: the RPC receiver, its inbox and its membership of the hub's group."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError, TransportReceiver
+from raysync.transports.object_store import ObjectStorePayload, ObjectStoreReceiver
+from raysync.transports.rpc.rendezvous import init_rpc
+from raysync.transports.rpc.wire import RpcMember
+
+#: When a receiver takes version #n from its inbox, versions older than #(n - this) that
+#: landed but were never taken (superseded: their delivery skipped them) are dropped.
+#: Deliveries of a threaded receiver may run out of order, hence a window, not "< n".
+_INBOX_WINDOW = 4
+
+
+class _Inbox:
+    """Per process: versions that landed by RPC, until ``fetch`` takes them.
+
+    Every pushed version is kept until its delivery takes it (or a version more than
+    ``_INBOX_WINDOW`` newer is taken): a receiver kept busy for many broadcasts holds
+    each of them here, as it would hold their object-store references otherwise.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._landed: dict[str, dict[int, list[torch.Tensor]]] = {}
+
+    def put(self, key: str, seq: int, tensors: list[torch.Tensor]) -> None:
+        with self._cond:
+            self._landed.setdefault(key, {})[seq] = tensors
+            self._cond.notify_all()
+
+    def take(self, key: str, seq: int, timeout_s: float) -> list[torch.Tensor]:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            versions = self._landed.setdefault(key, {})
+            while seq not in versions:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportError(
+                        f"version #{seq} of RPC hub {key[:12]} did not land within "
+                        f"{timeout_s:g} s; the RPC agent may have died or could not reach "
+                        "this receiver"
+                    )
+                self._cond.wait(remaining)
+            for stale in [s for s in versions if s < seq - _INBOX_WINDOW]:
+                del versions[stale]
+            return versions.pop(seq)
+
+
+_INBOX = _Inbox()
+
+
+def answer_ping() -> bool:
+    """The agent's liveness probe of a listed member (runs on its RPC thread pool)."""
+    return True
+
+
+def land(key: str, seq: int, tensors: list[torch.Tensor]) -> int:
+    """Runs on the receiver's RPC thread pool when the agent's ``rpc_async`` arrives."""
+    _INBOX.put(key, seq, tensors)
+    return seq
+
+
+class _Membership:
+    """This process's place in one RPC group.
+
+    torch RPC is per process and, in practice, once per process: a second ``init_rpc``
+    gets a different store prefix and ``dist_autograd`` refuses a new rank. So a
+    receiver process joins the first RPC hub it registers with and stays in its group
+    until it exits; registering again with the same hub reuses the membership, another
+    RPC hub is refused.
+    """
+
+    lock = threading.Lock()
+    member: RpcMember | None = None
+
+    @classmethod
+    def join(cls, member: RpcMember) -> RpcMember:
+        """Join ``member``'s group, or stay in it; moves from an earlier group of the same
+        hub (its agent was replaced, or the hub restarted); refuses another hub's."""
+        with cls.lock:
+            if cls.member is None:
+                init_rpc(member.name, member.rank, member.url, member.settings)
+                cls.member = member
+            elif cls.member.hub != member.hub:
+                raise TransportError(
+                    f"this process already belongs to the RPC group of another hub "
+                    f"({cls.member.url}); torch RPC allows one group per process"
+                )
+            elif cls.member.key != member.key:
+                cls._move(member)
+            elif cls.member.name != member.name:
+                raise TransportError(
+                    f"this process is {cls.member.name} in the hub's RPC group, the hub "
+                    f"admitted it as {member.name}"
+                )
+            return cls.member
+
+    @classmethod
+    def follow(cls, member: RpcMember) -> None:
+        """Called with every delivery's member: move if the hub's group changed."""
+        with cls.lock:
+            if cls.member is not None and cls.member.key != member.key:
+                cls._move(member)
+
+    @classmethod
+    def _move(cls, member: RpcMember) -> None:
+        """Leave the (dead) group and join ``member``'s under the same rank: torch's
+        distributed autograd, initialised by ``init_rpc``, keeps a process's first rank
+        for life. Holds ``lock``."""
+        import torch.distributed.rpc as rpc
+
+        if cls.member is None:
+            raise TransportError("this process is in no RPC group to move from")
+        if cls.member.rank != member.rank:
+            raise TransportError(
+                f"the hub moved this process from rank {cls.member.rank} to rank "
+                f"{member.rank} of its new RPC group; torch RPC keeps a process's rank"
+            )
+        rpc.shutdown(graceful=False)
+        cls.member = None
+        # init_rpc prefixes its store keys with a per-process count of init_rpc calls;
+        # the new agent's process counts its first, so this one must too.
+        with rpc._init_counter_lock:
+            rpc._init_counter = 0
+        init_rpc(member.name, member.rank, member.url, member.settings)
+        cls.member = member
+
+
+class RpcReceiver(TransportReceiver):
+    def __init__(self, member: RpcMember) -> None:
+        self._member = _Membership.join(member)
+        self._pull = ObjectStoreReceiver()
+
+    def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        if isinstance(payload, ObjectStorePayload):  # pull mode: the learner's copy
+            return self._pull.fetch(payload, spec)
+        _Membership.follow(payload.member)
+        tensors = _INBOX.take(payload.key, payload.seq, payload.timeout_s)
+        if len(tensors) != len(spec):
+            raise TransportError(
+                f"version #{payload.seq} landed with {len(tensors)} tensors, the update's "
+                f"spec has {len(spec)}"
+            )
+        return [
+            raw.view(entry.dtype).view(entry.shape)
+            for raw, entry in zip(tensors, spec.tensors, strict=True)
+        ]

@@ -1,0 +1,51 @@
+"""All processes: what the hub, the agent and receivers exchange (members, jobs, payloads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raysync.transports.object_store import ObjectStorePayload
+from raysync.transports.options import RpcOptions
+
+
+@dataclass(frozen=True)
+class RpcMember:
+    """Hub -> receiver (its transport info): how to join the hub's RPC group."""
+
+    url: str  #: ``raysync-rpc://<node ip>:<port>/<random prefix>``
+    key: str  #: the group's key in receivers' inboxes (new with every agent)
+    hub: str  #: the hub's actor id: a group of the same hub may replace this one
+    name: str  #: this receiver's RPC name
+    rank: int
+    settings: RpcOptions
+
+
+@dataclass(frozen=True)
+class RpcJob:
+    """Hub -> agent: send version ``version`` of ``model`` as ``seq`` to ``workers``."""
+
+    seq: int
+    model: str
+    version: int
+    workers: tuple[str, ...]
+    source: ObjectStorePayload
+
+
+@dataclass(frozen=True)
+class RpcPayload:
+    """Hub -> receiver: the version lands in your inbox under (``key``, ``seq``), sent
+    by the group ``member`` belongs to (a new one after the hub replaced a dead agent)."""
+
+    key: str
+    seq: int
+    timeout_s: float
+    member: RpcMember
+
+
+def agent_name(hub_id: str) -> str:
+    """The Ray name of the RPC agent actor of hub ``hub_id``."""
+    return f"raysync-rpc-agent-{hub_id}"
+
+
+def rpc_name(key: str, rank: int) -> str:
+    return f"raysync_{key[:12]}_{rank}"

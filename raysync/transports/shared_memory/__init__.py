@@ -1,0 +1,109 @@
+"""Shared memory on each node: one write per version per node, zero-copy reads.
+
+Who does what:
+
+* **Owner** (``raysync.actors.shm_owner``, one per node per hub, started by the hub's
+  planner): creates the segments, decides which one the next version may use, and
+  frees them when it closes. A segment is an anonymous ``memfd``: it is never linked
+  into ``/dev/shm`` or any file system, so there is no name to guess and nothing left
+  behind when a process dies; the kernel frees it when the last descriptor and mapping
+  close. Processes on the node open it as ``/proc/<owner pid>/fd/<fd>`` (same user
+  only) and check the random 16-byte token in its header.
+* **Learner** (:class:`SharedMemorySender`): asks its node's owner for a free slot,
+  packs the version into it once (:class:`raysync.layout.PackedLayout`: 64-byte aligned
+  offsets after a 64-byte header), and hands the hub a :class:`SharedMemoryPayload`.
+* **Hub** (:class:`SharedMemoryPlanner`): groups the targets by node. On the learner's
+  node it asks the owner to hold the slot for them (without waiting for the answer:
+  the learner's own hold covers the slot until then); for every other node it has the
+  learner's owner put the slot into the object store *once* and that node's owner
+  relay it into a slot of its own (one transfer per node, not per receiver).
+* **Receiver** (:class:`SharedMemoryReceiver`): maps each segment once and returns
+  views of the slot; the mixin copies them into the model at the safe point, then
+  calls :meth:`~SharedMemoryReceiver.release`. A zero-copy receiver's model instead
+  becomes those (read-only) views, and releases the slot when it moves on to a newer
+  version; registering again keeps the holds on the slots its models live in.
+
+The no-tearing rule: a slot is rewritten only when nobody holds it. The owner holds a
+slot for the learner from ``acquire`` until the hub plans it, for each receiver it was
+planned for until that receiver releases it (after its copy, or when it skips the
+version) or leaves the hub, and for the latest version of each model so that late
+joiners and pull receivers can still read it. A version is therefore never overwritten
+while a receiver may still copy it, however far behind that receiver is; the price is
+at most ``MAX_SLOTS`` slots per model size per node, after which the learner waits for
+a release (``SLOT_WAIT_S``) and then fails naming the receivers that hold them. Each
+slot's header also carries the sequence number written into it; a receiver checks it
+and raises :class:`TransportError` rather than read a slot that holds anything else.
+
+Memory: the learner asks for its next slot right after each send, so at steady state
+an owner keeps three slots per model size (latest, in flight, next), up to
+``MAX_SLOTS`` while receivers lag. Segments are allocated when created, off the path
+of a broadcast.
+
+One learner process per hub: slots are ordered by the hub's planning order, which is
+the order in which one learner submits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from raysync.transports.base import Availability, HubContext, Transport
+from raysync.transports.shared_memory.learner import SharedMemorySender
+from raysync.transports.shared_memory.planner import SharedMemoryPlanner
+from raysync.transports.shared_memory.receiver import SharedMemoryReceiver
+from raysync.transports.shared_memory.wire import (
+    MAX_SLOTS,
+    ORDER_WAIT_S,
+    OWNER_NAMESPACE,
+    OWNER_WAIT_S,
+    SLOT_WAIT_S,
+    TOKEN_BYTES,
+    SharedMemoryPayload,
+    SharedMemoryReceiverInfo,
+    Slot,
+    owner_name,
+    read_seq,
+    write_seq,
+)
+
+__all__ = [
+    "MAX_SLOTS",
+    "ORDER_WAIT_S",
+    "OWNER_NAMESPACE",
+    "OWNER_WAIT_S",
+    "SLOT_WAIT_S",
+    "TOKEN_BYTES",
+    "SharedMemoryPayload",
+    "SharedMemoryPlanner",
+    "SharedMemoryReceiver",
+    "SharedMemoryReceiverInfo",
+    "SharedMemorySender",
+    "SharedMemoryTransport",
+    "Slot",
+    "owner_name",
+    "read_seq",
+    "write_seq",
+]
+
+
+class SharedMemoryTransport(Transport):
+    name = "shared_memory"
+    zero_copy = "read_only"
+
+    @classmethod
+    def availability(cls) -> Availability:
+        if not sys.platform.startswith("linux"):
+            return Availability(False, "needs Linux (memfd_create and /proc/<pid>/fd)")
+        return Availability(True)
+
+    @classmethod
+    def open_hub(cls, hub: HubContext) -> SharedMemoryPlanner:
+        return SharedMemoryPlanner(hub)
+
+    @classmethod
+    def open_sender(cls, hub: HubContext) -> SharedMemorySender:
+        return SharedMemorySender(hub)
+
+    @classmethod
+    def open_receiver(cls, info: SharedMemoryReceiverInfo) -> SharedMemoryReceiver:
+        return SharedMemoryReceiver(info)

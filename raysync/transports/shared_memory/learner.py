@@ -1,0 +1,104 @@
+"""Learner process: the shared-memory sender, writing each version into its node's slot."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from raysync.layout import HEADER_BYTES, PackedLayout
+from raysync.spec import WeightSpec
+from raysync.transports.base import HubContext, TransportError, TransportSender
+from raysync.transports.shared_memory.segments import Mappings
+from raysync.transports.shared_memory.wire import (
+    OWNER_NAMESPACE,
+    OWNER_WAIT_S,
+    SLOT_WAIT_S,
+    SharedMemoryPayload,
+    Slot,
+    owner_name,
+    write_seq,
+)
+
+
+class SharedMemorySender(TransportSender):
+    """Learner side: write each version once into a slot of this node's owner."""
+
+    def __init__(self, hub: HubContext) -> None:
+        self._hub = hub
+        self._name = owner_name(hub.hub_id, ray.get_runtime_context().get_node_id())
+        self._mappings = Mappings(writable=True)
+        ray.get(hub.actor.__ray_ready__.remote(), timeout=OWNER_WAIT_S)
+        self._owner = self._find_owner()
+        #: The slot asked for right after the previous send, by size: the owner's answer
+        #: is usually back before the next send needs it.
+        self._next: tuple[int, ray.ObjectRef] | None = None
+
+    def _find_owner(self) -> Any:
+        """This node's owner; waits while the hub restarts one that died."""
+        deadline = time.monotonic() + OWNER_WAIT_S
+        while True:
+            try:
+                return ray.get_actor(self._name, namespace=OWNER_NAMESPACE)
+            except ValueError:
+                if time.monotonic() > deadline or self._hub.stopped():
+                    raise TransportError(
+                        f"no shared-memory owner {self._name!r} on the learner's node after "
+                        f"{OWNER_WAIT_S:g} s: the hub starts one per node it sees at start-up "
+                        "and restarts those that die; is the hub alive?"
+                    ) from None
+                time.sleep(0.2)  # the restarting hub starts it: poll, nothing to wait on
+
+    def _slot(self, nbytes: int) -> tuple[Slot, torch.Tensor]:
+        """A slot of ``nbytes`` and its mapping: the one asked for ahead if it fits.
+
+        A slot asked for ahead but not used (another size came) stays held until the hub
+        plans a newer version, which frees it (see ``ShmOwner.deliver``)."""
+        ahead, self._next = self._next, None
+        if ahead is not None and ahead[0] == nbytes:
+            try:
+                slot = ray.get(ahead[1])
+                if os.path.exists(f"/proc/{slot.pid}"):
+                    return slot, self._mappings.buffer(slot)
+                # Its owner died after answering (it goes with a restarting hub): the
+                # slot is gone with it; ask the owner the hub starts next.
+                self._owner = self._find_owner()
+            except RayActorError:
+                pass  # the owner died before answering: ask the one the hub restarts
+            except TransportError:
+                pass  # the owner died after answering, or had no free slot: ask again
+        slot = self._acquire(nbytes)
+        return slot, self._mappings.buffer(slot)
+
+    def _acquire(self, nbytes: int) -> Slot:
+        """A slot from this node's owner; if the owner died, from the one the hub restarts."""
+        deadline = time.monotonic() + OWNER_WAIT_S
+        while True:
+            try:
+                return ray.get(self._owner.acquire.remote(nbytes, SLOT_WAIT_S))
+            except RayActorError as err:
+                if time.monotonic() > deadline or self._hub.stopped():
+                    raise TransportError(
+                        f"the shared-memory owner {self._name!r} on the learner's node died "
+                        f"and no working one was back within {OWNER_WAIT_S:g} s (or the "
+                        "hub that restarts it stopped)"
+                    ) from err
+                time.sleep(0.2)
+                self._owner = self._find_owner()
+
+    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> SharedMemoryPayload:
+        layout = PackedLayout.of(spec, HEADER_BYTES)
+        slot, buffer = self._slot(layout.nbytes)
+        write_seq(buffer, 0)
+        layout.pack(tensors, buffer)
+        write_seq(buffer, slot.seq)
+        self._next = (layout.nbytes, self._owner.acquire.remote(layout.nbytes, SLOT_WAIT_S))
+        return SharedMemoryPayload(slot)
+
+    def close(self) -> None:
+        self._mappings.clear()

@@ -1,0 +1,183 @@
+"""Hub process: the shared-memory planner, one owner per node, holds and relays."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from raysync.actor_classes import SHM_OWNER, actor_class
+from raysync.background import BackgroundTasks
+from raysync.spec import WeightSpec
+from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
+from raysync.transports.shared_memory.wire import (
+    MAX_SLOTS,
+    OWNER_NAMESPACE,
+    SLOT_WAIT_S,
+    SharedMemoryPayload,
+    SharedMemoryReceiverInfo,
+    owner_name,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SharedMemoryPlanner(TransportPlanner):
+    """Hub side: one owner per node; holds on the learner's node, relays to the others."""
+
+    def __init__(self, hub: HubContext) -> None:
+        self._hub_id = hub.hub_id
+        self._owners: dict[str, Any] = {}
+        #: Per node, the number of the next hold sent to its owner (see ShmOwner.deliver).
+        self._orders: dict[str, itertools.count] = {}
+        self._closed = False
+        self._background = BackgroundTasks("shared-memory planner")
+        #: per model: (version, node -> payload) of the latest version planned.
+        self._latest: dict[str, tuple[int, dict[str, SharedMemoryPayload]]] = {}
+        for node in ray.nodes():
+            if node["Alive"]:
+                self._start_owner(node["NodeID"])
+
+    def _start_owner(self, node_id: str) -> Any:
+        owner = (
+            ray.remote(actor_class(SHM_OWNER))
+            .options(
+                name=owner_name(self._hub_id, node_id),
+                namespace=OWNER_NAMESPACE,
+                num_cpus=0,
+                scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                    node_id, soft=False
+                ),
+            )
+            .remote(node_id, MAX_SLOTS)
+        )
+        self._owners[node_id] = owner
+        self._orders[node_id] = itertools.count(1)
+        self._background.spawn(self._watch(node_id, owner), f"watch the owner on {node_id}")
+        return owner
+
+    async def _watch(self, node_id: str, owner: Any) -> None:
+        """Restart ``node_id``'s owner if it dies while the hub is open and the node lives."""
+        try:
+            await owner.closed.remote()
+        except RayActorError:
+            if self._closed or self._owners.get(node_id) is not owner:
+                return
+            del self._owners[node_id]
+            for _, payloads in self._latest.values():
+                payloads.pop(node_id, None)
+            if any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+                self._start_owner(node_id)
+
+    def _owner(self, node_id: str) -> Any:
+        owner = self._owners.get(node_id)
+        return owner if owner is not None else self._start_owner(node_id)
+
+    async def receiver_joined(self, receiver: ReceiverInfo) -> SharedMemoryReceiverInfo:
+        # A (re)joining worker holds nothing yet: drop what a former incarnation held,
+        # but the slots its zero-copy models live in (they are its memory).
+        kept = tuple(
+            (p.slot.pid, p.slot.seq)
+            for p in receiver.kept
+            if isinstance(p, SharedMemoryPayload) and p.slot.node_id == receiver.node_id
+        )
+        await self._owner(receiver.node_id).drop_worker.remote(receiver.worker, kept)
+        return SharedMemoryReceiverInfo(receiver.worker, owner_name(self._hub_id, receiver.node_id))
+
+    async def receiver_left(self, worker: str) -> None:
+        for owner in list(self._owners.values()):
+            try:
+                await owner.drop_worker.remote(worker)
+            except RayActorError:
+                continue  # its watch restarts it; a new owner holds nothing
+
+    async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
+        """A puller reads its own node's copy, held for it like a broadcast's target."""
+        return (await self.plan(update, spec, [receiver]))[receiver.worker]
+
+    async def plan(
+        self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
+    ) -> Mapping[str, Any]:
+        source: SharedMemoryPayload = update.payload
+        slot = source.slot
+        by_node: dict[str, list[str]] = {}
+        for receiver in targets:
+            by_node.setdefault(receiver.node_id, []).append(receiver.worker)
+        owner = self._owners.get(slot.node_id)
+        if owner is None:
+            raise TransportError(
+                f"version {update.version} of model {update.model!r} was lost with the "
+                f"shared-memory owner on the learner's node {slot.node_id}, which died; "
+                "the next broadcast is readable again"
+            )
+        # Not awaited, so receivers start reading at once: the learner's PENDING hold
+        # keeps the slot until the owner gets this, and a receiver's release that
+        # arrives first is remembered. Numbered, so the owner takes the holds in the
+        # hub's planning order (which frees slots of versions the hub refused).
+        held = owner.deliver.remote(
+            slot.pid,
+            slot.seq,
+            update.model,
+            tuple(by_node.pop(slot.node_id, ())),
+            next(self._orders[slot.node_id]),
+        )
+        self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
+        payloads = {r.worker: source for r in targets if r.node_id == slot.node_id}
+        if not by_node:
+            return payloads
+        version, relayed = self._latest.get(update.model, (0, {}))
+        if version != update.version:
+            relayed = {}
+            if update.version > version:
+                self._latest[update.model] = (update.version, relayed)
+        missing = [node_id for node_id in by_node if node_id not in relayed]
+        export = await owner.export.remote(slot.pid, slot.seq) if missing else None
+
+        async def to_node(node_id: str, workers: tuple[str, ...]) -> None:
+            node_owner = self._owner(node_id)
+            known = relayed.get(node_id)
+            if known is not None:
+                node_slot = await node_owner.deliver.remote(
+                    known.slot.pid,
+                    known.slot.seq,
+                    update.model,
+                    workers,
+                    next(self._orders[node_id]),
+                )
+            else:
+                node_slot = await node_owner.relay.remote(
+                    export, slot.nbytes, update.model, workers, SLOT_WAIT_S
+                )
+            relayed[node_id] = SharedMemoryPayload(node_slot)
+            payloads.update({w: relayed[node_id] for w in workers})
+
+        await asyncio.gather(*(to_node(n, tuple(ws)) for n, ws in by_node.items()))
+        return payloads
+
+    async def _confirm(self, held: ray.ObjectRef, update: Any) -> None:
+        """Log a hold the owner refused; its receivers fail on the slot's sequence check."""
+        try:
+            await held
+        except (RayActorError, TransportError) as err:
+            logger.warning(
+                "shared-memory owner could not hold version %d of model %r: %s",
+                update.version,
+                update.model,
+                err,
+            )
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._background.close()
+        for owner in self._owners.values():
+            try:
+                await owner.close.remote()
+            except RayActorError:
+                pass  # died already: its segments died with its process
+            ray.kill(owner)
+        self._owners.clear()

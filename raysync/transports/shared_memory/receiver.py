@@ -1,0 +1,68 @@
+"""Receiver process: the shared-memory receiver, viewing its node's slot read-only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+
+from raysync.layout import HEADER_BYTES, PackedLayout
+from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError, TransportReceiver
+from raysync.transports.shared_memory.segments import Mappings
+from raysync.transports.shared_memory.wire import (
+    OWNER_NAMESPACE,
+    SharedMemoryPayload,
+    SharedMemoryReceiverInfo,
+    read_seq,
+)
+
+
+class SharedMemoryReceiver(TransportReceiver):
+    """Receiver side: views of this node's slot; release it after the copy."""
+
+    def __init__(self, info: SharedMemoryReceiverInfo) -> None:
+        self._worker = info.worker
+        self._owner_name = info.owner
+        self._owner: tuple[int, Any] | None = None  #: (pid, handle) of the owner last used
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._mappings = Mappings(writable=False)
+
+    def fetch(self, payload: SharedMemoryPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        slot = payload.slot
+        if slot.node_id != self._node_id:
+            raise TransportError(
+                f"the update's shared-memory slot is on node {slot.node_id}, but receiver "
+                f"{self._worker} runs on node {self._node_id}; the hub plans a slot per node, "
+                "so this payload was not planned for this receiver"
+            )
+        layout = PackedLayout.of(spec, HEADER_BYTES)
+        if layout.nbytes != slot.nbytes:
+            raise TransportError(
+                f"slot of {slot.nbytes} bytes does not fit the spec's layout of "
+                f"{layout.nbytes} bytes ({spec.summary()})"
+            )
+        buffer = self._mappings.buffer(slot)
+        if read_seq(buffer) != slot.seq:
+            raise TransportError(
+                f"shared-memory slot of receiver {self._worker} holds sequence "
+                f"{read_seq(buffer)}, expected {slot.seq}: it was rewritten before this "
+                "receiver read it (its hold was lost: did it re-register meanwhile?)"
+            )
+        return layout.views(buffer)
+
+    def release(self, payload: SharedMemoryPayload, staged: Sequence[torch.Tensor] | None) -> None:
+        slot = payload.slot
+        if self._owner is None or self._owner[0] != slot.pid:
+            try:
+                handle = ray.get_actor(self._owner_name, namespace=OWNER_NAMESPACE)
+            except ValueError:
+                return  # the owner died, and its holds with it
+            self._owner = (slot.pid, handle)
+        # The owner ignores it if it is not the slot's owner (it was restarted meanwhile).
+        self._owner[1].release.remote(slot.pid, slot.seq, self._worker)
+
+    def close(self) -> None:
+        self._mappings.clear()

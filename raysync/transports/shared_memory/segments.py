@@ -1,0 +1,64 @@
+"""Learner and receiver processes: mapping an owner's segments into this process."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+
+import torch
+
+from raysync.transports.base import TransportError
+from raysync.transports.shared_memory.wire import TOKEN_BYTES, Slot
+
+
+def _open(slot: Slot, writable: bool) -> torch.Tensor:
+    """Map ``slot``'s segment (shared; read-only for readers) as a uint8 tensor, page
+    tables filled up front; check its token."""
+    path = f"/proc/{slot.pid}/fd/{slot.fd}"
+    try:
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    except OSError as err:
+        raise TransportError(
+            f"cannot open shared-memory segment {path} of the owner on node {slot.node_id} "
+            f"({err.strerror}); the owner may have died or runs as another user"
+        ) from err
+    try:
+        segment = mmap.mmap(
+            fd,
+            slot.nbytes,
+            flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+            prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
+        )
+    finally:
+        os.close(fd)
+    if segment[:TOKEN_BYTES] != slot.token:
+        raise TransportError(
+            f"{path} is not the shared-memory segment it should be (token mismatch); "
+            f"the owner on node {slot.node_id} may have been replaced"
+        )
+    with warnings.catch_warnings():
+        # Readers map the segment read-only and only ever read from it.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(segment, dtype=torch.uint8)
+
+
+class Mappings:
+    """Segments this process has mapped, by token. Mappings of a replaced owner (another
+    pid) are dropped when the new owner's first segment is mapped."""
+
+    def __init__(self, writable: bool) -> None:
+        self._writable = writable
+        self._buffers: dict[bytes, tuple[int, torch.Tensor]] = {}
+
+    def buffer(self, slot: Slot) -> torch.Tensor:
+        known = self._buffers.get(slot.token)
+        if known is not None:
+            return known[1]
+        self._buffers = {t: e for t, e in self._buffers.items() if e[0] == slot.pid}
+        buffer = _open(slot, self._writable)
+        self._buffers[slot.token] = (slot.pid, buffer)
+        return buffer
+
+    def clear(self) -> None:
+        self._buffers.clear()

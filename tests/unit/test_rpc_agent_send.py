@@ -1,0 +1,86 @@
+"""The RPC agent's send path without Ray or an RPC group: torch's calls are stubbed.
+
+A receiver that was just admitted, or that is moving to a new agent's group, may still be
+joining when its version is sent; torch then refuses the send for a moment even after it
+knows the receiver's name ("could not find destination url"). The agent must retry the
+send until its timeout, not lose the version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+from raysync.actors import rpc_agent
+from raysync.transports.object_store import ObjectStorePayload
+from raysync.transports.options import RpcOptions
+from raysync.transports.rpc import RpcJob, land, rpc_name
+
+pytestmark = pytest.mark.skipif(not rpc.is_available(), reason="no torch.distributed.rpc")
+
+KEY = "k" * 32
+
+
+def _agent(monkeypatch, timeout_s: float) -> rpc_agent.RpcAgentActor:
+    """An agent whose group has one member, ``w0`` at rank 1; no store, no RPC agent."""
+    monkeypatch.setattr(rpc_agent, "node_ip", lambda: "127.0.0.1")
+    monkeypatch.setattr(rpc_agent, "open_master_store", lambda host, t: ("raysync-rpc://x", None))
+    monkeypatch.setattr(rpc_agent, "init_rpc", lambda name, rank, url, settings: None)
+    return rpc_agent.RpcAgentActor(KEY, "hub", RpcOptions(timeout_s=timeout_s), {"w0": ("p", 1)})
+
+
+def _send(agent: rpc_agent.RpcAgentActor, weights: list[np.ndarray]):
+    async def run():
+        ref = asyncio.get_running_loop().create_future()  # stands in for the learner's copy
+        ref.set_result(weights)
+        job = RpcJob(1, "policy", 1, ("w0",), ObjectStorePayload(ref))
+        return await agent.send(job), await agent.describe()
+
+    return asyncio.run(run())
+
+
+def _joining(refusals: int, calls: list):
+    """``rpc_async`` as torch answers it while the receiver's join reaches the agent: the
+    first ``refusals`` calls raise (the name is known, the address not yet)."""
+
+    def rpc_async(to, func, args, timeout):
+        calls.append((to, func, args))
+        if len(calls) <= refusals:
+            raise RuntimeError(
+                f"name:{rpc_name(KEY, 0)},rank:0 could not find destination url for name {to}"
+            )
+        future = torch.futures.Future()
+        future.set_result(args[1])
+        return future
+
+    return rpc_async
+
+
+def test_a_receiver_still_joining_gets_its_version_once_it_can_be_reached(monkeypatch):
+    agent = _agent(monkeypatch, timeout_s=10)
+    calls: list = []
+    monkeypatch.setattr(rpc, "rpc_async", _joining(refusals=3, calls=calls))
+    weights = [np.arange(6, dtype=np.float32)]
+
+    outcomes, status = _send(agent, weights)
+
+    assert outcomes == {"w0": None}
+    assert status.sent == 1 and status.failures == ()
+    assert len(calls) == 4
+    to, func, (key, seq, tensors) = calls[-1]
+    assert (to, func, key, seq) == (rpc_name(KEY, 1), land, KEY, 1)
+    assert torch.equal(tensors[0], torch.from_numpy(weights[0]))
+
+
+def test_a_receiver_that_never_becomes_reachable_fails_at_the_timeout(monkeypatch):
+    agent = _agent(monkeypatch, timeout_s=0.3)
+    monkeypatch.setattr(rpc, "rpc_async", _joining(refusals=10**9, calls=[]))
+
+    outcomes, status = _send(agent, [np.zeros(2, dtype=np.float32)])
+
+    assert "could not find destination url" in outcomes["w0"]
+    assert status.sent == 0 and len(status.failures) == 1
