@@ -53,7 +53,6 @@ from raysync.routing import HandedOver, hand_offs_for
 from raysync.spec import WeightSpec
 from raysync.transports import (
     Availability,
-    HubContext,
     TransportPlanner,
     get_transport,
     register_transport,
@@ -378,12 +377,8 @@ class WeightHubActor:
                     f"transport {transport!r}{who} is not available: {availability.reason}"
                 )
             chosen = get_transport(transport)
-            hub = HubContext(
-                ray.get_runtime_context().current_actor,
-                self._config.hub_id,
-                self._config.options_of(chosen.options),
-            )
-            planner = chosen.open_hub(hub)
+            actor = ray.get_runtime_context().current_actor
+            planner = chosen.open_hub(self._config.context(actor, chosen))
             self._planners[transport] = planner
         return planner
 

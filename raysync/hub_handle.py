@@ -24,7 +24,6 @@ from raysync.messages import BroadcastRequest, HubConfig
 from raysync.spec import WeightSpec
 from raysync.transports import (
     DEFAULT_TRANSPORT,
-    HubContext,
     TransportError,
     TransportSender,
     VersionDone,
@@ -264,8 +263,7 @@ class HubHandle:
         sender = self._senders.get(hand_off)
         if sender is None:
             chosen = get_transport(hand_off)
-            options = self.config.options_of(chosen.options)
-            context = HubContext(self.actor, self.config.hub_id, options)
+            context = self.config.context(self.actor, chosen)
             sender = self._senders[hand_off] = chosen.open_sender(context)
         return sender
 

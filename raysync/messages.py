@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raysync.spec import WeightSpec
+from raysync.transports.base import HubContext, Transport
 
 
 class DeliveryMode(enum.Enum):
@@ -51,6 +52,11 @@ class HubConfig:
         if options_type is None:
             return None
         return next((o for o in self.transport_options if isinstance(o, options_type)), None)
+
+    def context(self, actor: Any, transport: type[Transport]) -> HubContext:
+        """The hub as ``transport``'s halves see it: its handle, id and ``transport``'s
+        options. Built by the hub (for planners) and the learner's handle (senders)."""
+        return HubContext(actor, self.hub_id, self.options_of(transport.options))
 
 
 @dataclass(frozen=True)

@@ -22,20 +22,6 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         assert torch.equal(actual[key], expected[key]), f"{key} differs"
 
 
-def special_values() -> dict[str, torch.Tensor]:
-    """Values an arithmetic comparison would get wrong: NaN, -0.0, inf, subnormals."""
-    return {
-        "f32": torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45, 3.0]),
-        "bf16": torch.randn(33, 7).to(torch.bfloat16),
-        "f16": torch.randn(5).half(),
-        "i8": torch.arange(-5, 5, dtype=torch.int8),
-        "i64": torch.arange(3, dtype=torch.int64) * (1 << 40),
-        "flag": torch.tensor([True, False, True]),
-        "empty": torch.zeros(0, 4),
-        "scalar": torch.tensor(2.5, dtype=torch.float64),
-    }
-
-
 def start(actors: list, cls, *args, **kwargs):
     """``cls.remote(...)``, killed after the test (``actors`` is the conftest fixture)."""
     handle = cls.remote(*args, **kwargs)

@@ -12,7 +12,8 @@ import torch
 
 from raysync import DistributedOptions, WeightHub, WeightReceiver
 from raysync.actors.process_group import GroupStatus
-from tests.helpers import assert_bitwise, assert_policy_reaches, ready, special_values, start
+from raysync.testing import special_weights
+from tests.helpers import assert_bitwise, assert_policy_reaches, ready, start
 from tests.receivers import Collector, Holder, make_policy, state_of
 
 #: Short collective timeout: a member that never enters fails the collective fast.
@@ -33,11 +34,11 @@ def group_status(hub) -> GroupStatus:
 
 def test_bitwise_every_version_one_generation(actors):
     hub = start_dist_hub(actors)
-    template = special_values()
+    template = special_weights()
     holders = [start(actors, Holder, hub, template, f"w{i}") for i in range(3)]
     ready(holders)
     for version in range(1, 4):
-        weights = special_values()
+        weights = special_weights(float(version))
         report = ray.get(hub.broadcast.remote(weights))
         assert report.version == version and report.acked == ("w0", "w1", "w2")
         for holder in holders:
@@ -151,11 +152,11 @@ def test_nccl_broadcast_bitwise(actors):
     if ray.cluster_resources().get("GPU", 0) < 3:
         pytest.skip("nccl needs one GPU for rank 0 and one per receiver (3 here)")
     hub = start_dist_hub(actors, backend="nccl")
-    template = special_values()
+    template = special_weights()
     holders = [start(actors, GpuHolder, hub, template) for _ in range(2)]
     ready(holders)
-    for _ in range(2):
-        weights = special_values()
+    for seed in (1.0, 2.0):
+        weights = special_weights(seed)
         report = ray.get(hub.broadcast.remote(weights))
         assert report.failed == {}
         for holder in holders:

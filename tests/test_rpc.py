@@ -14,7 +14,8 @@ import torch
 
 from raysync import RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
-from tests.helpers import assert_bitwise, assert_policy_reaches, ready, special_values, start
+from raysync.testing import special_weights
+from tests.helpers import assert_bitwise, assert_policy_reaches, ready, start
 from tests.receivers import Collector, Holder, make_policy, state_of
 
 _TIMEOUT_S = 10
@@ -33,11 +34,11 @@ def agent_status(hub) -> AgentStatus:
 
 def test_bitwise_every_version(actors):
     hub = start_rpc_hub(actors)
-    template = special_values()
+    template = special_weights()
     holders = [start(actors, Holder, hub, template, f"w{i}") for i in range(3)]
     ready(holders)
     for version in range(1, 4):
-        weights = special_values()
+        weights = special_weights(float(version))
         report = ray.get(hub.broadcast.remote(weights))
         assert report.version == version and report.acked == ("w0", "w1", "w2")
         for holder in holders:

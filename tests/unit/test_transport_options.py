@@ -31,6 +31,9 @@ def test_the_hub_config_finds_a_transports_options_by_class():
     assert config.options_of(RpcOptions) == RpcOptions(5.0)
     assert config.options_of(DistributedOptions) is None  # that transport's defaults
     assert config.options_of(None) is None  # a transport without options
+    rpc = config.context("hub-handle", get_transport("rpc"))
+    assert (rpc.actor, rpc.hub_id, rpc.options) == ("hub-handle", "id", RpcOptions(5.0))
+    assert config.context("hub-handle", get_transport("object_store")).options is None
 
 
 def test_options_that_belong_to_no_transport_are_refused_before_any_actor():

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from raysync.layout import HEADER_BYTES
 from raysync.spec import WeightSpec
 from raysync.transports.object_store import ObjectStorePayload
 from raysync.transports.options import DistributedOptions
 
-#: The header in front of every broadcast buffer: int64 words.
-HEADER_BYTES = 64
-#: The first header word, checked by receivers: "raysyncd".
+#: The first word of the header (``HEADER_BYTES``, int64 words) in front of every
+#: broadcast buffer, checked by receivers: "raysyncd".
 MAGIC = 0x7261_7973_796E_6364
 
 

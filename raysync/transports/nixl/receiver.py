@@ -15,6 +15,7 @@ from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.nixl.agent import device_index, memory_type, new_agent
 from raysync.transports.nixl.wire import ABANDONED, Frame, NixlPayload, descs
+from raysync.transports.staging import StagingPool, staging_device
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +54,11 @@ class _Staging:
     reads: dict[tuple[str, int], _Read] = field(default_factory=dict)
 
 
-def _staging_device() -> torch.device:
-    """CUDA (current device) when this process sees one, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class NixlReceiver(TransportReceiver):
     def __init__(self) -> None:
         self._agent = new_agent("receiver")
-        self._device = _staging_device()
-        self._free: dict[WeightSpec, list[_Staging]] = {}
-        self._stagings: list[_Staging] = []
-        self._leased: dict[int, tuple[Sequence[torch.Tensor], WeightSpec, _Staging]] = {}
+        self._device = staging_device()
+        self._pool: StagingPool[_Staging] = StagingPool(self._new_staging)
         self._sources: dict[str, int] = {}  #: agent -> registration whose metadata is loaded
         self._lock = threading.Lock()
 
@@ -74,7 +66,7 @@ class NixlReceiver(TransportReceiver):
         """READ the version bucket by bucket, each once the learner has written it."""
         frame = Frame.of(spec)
         with self._lock:
-            staging = self._take_staging(spec)
+            staging = self._pool.take(spec)
             try:
                 if payload.region.nbytes != staging.tensor.numel():
                     raise TransportError(
@@ -91,20 +83,14 @@ class NixlReceiver(TransportReceiver):
                     if found != payload.stamp:
                         raise self._not_that_version(payload, found)
             except BaseException:
-                self._free[spec].append(staging)
+                self._pool.put_back(spec, staging)
                 raise
             staged = list(staging.views)
-            self._leased[id(staged)] = (staged, spec, staging)
+            self._pool.lease(staged, spec, staging)
             return staged
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
-        if staged is None:  # never fetched: no staging buffer was leased
-            return
-        with self._lock:
-            lease = self._leased.pop(id(staged), None)
-            if lease is not None:  # None: ``close`` already let go of every buffer
-                _, spec, staging = lease
-                self._free[spec].append(staging)
+        self._pool.release(staged)
 
     def _await_bucket(
         self, read: _Read, index: int, payload: NixlPayload, stamps: torch.Tensor
@@ -139,11 +125,9 @@ class NixlReceiver(TransportReceiver):
             "broadcast during the read; this version is dropped"
         )
 
-    def _take_staging(self, spec: WeightSpec) -> _Staging:
-        """A staging buffer for ``spec`` that no waiting apply (or zero-copy model) holds."""
-        free = self._free.setdefault(spec, [])
-        if free:
-            return free.pop()
+    def _new_staging(self, spec: WeightSpec) -> _Staging:
+        """A staging buffer for ``spec``, registered with this receiver's agent, with
+        its local descriptor list prepared."""
         frame = Frame.of(spec)
         tensor = torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=self._device)
         registered = self._agent.register_memory(tensor)
@@ -152,9 +136,7 @@ class NixlReceiver(TransportReceiver):
             descs(tensor.data_ptr(), device_index(tensor.device), frame),
             memory_type(self._device),
         )
-        staging = _Staging(tensor, frame.layout.views(tensor), registered, local)
-        self._stagings.append(staging)
-        return staging
+        return _Staging(tensor, frame.layout.views(tensor), registered, local)
 
     def _prepared(self, payload: NixlPayload, staging: _Staging, frame: Frame) -> _Read:
         """The READs from ``payload``'s buffer into ``staging``, prepared on first use."""
@@ -228,7 +210,7 @@ class NixlReceiver(TransportReceiver):
 
     def _forget(self, agent: str) -> None:
         """Drop every prepared READ from ``agent`` and its metadata (it failed or left)."""
-        for staging in self._stagings:
+        for staging in self._pool.created():
             for key in [k for k in staging.reads if k[0] == agent]:
                 staging.reads.pop(key).release()
         if self._sources.pop(agent, None) is not None:
@@ -241,9 +223,6 @@ class NixlReceiver(TransportReceiver):
         with self._lock:
             for agent in list(self._sources):
                 self._forget(agent)
-            for staging in self._stagings:
+            for staging in self._pool.close():
                 staging.local.release()
                 self._agent.deregister_memory(staging.registered)
-            self._stagings.clear()
-            self._free.clear()
-            self._leased.clear()

@@ -1,0 +1,93 @@
+"""Receiver process: registered staging buffers reused across versions (``nixl``, ``rdt``).
+
+A transport that reads each version into memory it registered with an agent keeps one
+:class:`StagingPool` per receiver. ``fetch`` takes a buffer for the version's spec (a
+free one, else one the transport creates and registers), and leases it with the views
+it returns; the receiver core hands those views back through ``release`` once the
+version is applied (or, with zero copy, replaced), and the buffer is free again. A
+buffer is never written while leased, so a model that lives in it never changes
+under its reader. ``close`` hands every buffer the pool created back to the transport
+to deregister.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+import torch
+
+from raysync.spec import WeightSpec
+
+Buffer = TypeVar("Buffer")
+
+
+def staging_device() -> torch.device:
+    """Where this process stages versions: CUDA (current device) when it sees one, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class StagingPool(Generic[Buffer]):
+    """Buffers per spec, free or leased; thread-safe.
+
+    ``create(spec)`` makes (and registers) a new buffer when none is free. ``Buffer``
+    is whatever the transport keeps per buffer: a tensor (``rdt``), or a tensor with
+    its registration and prepared transfers (``nixl``).
+    """
+
+    def __init__(self, create: Callable[[WeightSpec], Buffer]) -> None:
+        self._create = create
+        self._lock = threading.Lock()
+        self._free: dict[WeightSpec, list[Buffer]] = {}
+        self._created: list[Buffer] = []
+        self._leased: dict[int, tuple[WeightSpec, Buffer]] = {}
+
+    def take(self, spec: WeightSpec) -> Buffer:
+        """A buffer for ``spec`` that no lease holds: give it back with :meth:`put_back`
+        if the fetch fails, or :meth:`lease` it with the views the fetch returns."""
+        with self._lock:
+            free = self._free.setdefault(spec, [])
+            if free:
+                return free.pop()
+        buffer = self._create(spec)
+        with self._lock:
+            self._created.append(buffer)
+        return buffer
+
+    def put_back(self, spec: WeightSpec, buffer: Buffer) -> None:
+        """A buffer :meth:`take` gave whose fetch failed: free again."""
+        with self._lock:
+            self._free.setdefault(spec, []).append(buffer)
+
+    def lease(self, staged: Sequence[torch.Tensor], spec: WeightSpec, buffer: Buffer) -> None:
+        """``staged`` (the views ``fetch`` returns) holds ``buffer`` until :meth:`release`."""
+        with self._lock:
+            self._leased[id(staged)] = (spec, buffer)
+
+    def release(self, staged: Sequence[torch.Tensor] | None) -> None:
+        """The receiver is done with ``staged``: its buffer is free again. ``None`` (the
+        fetch never returned) and views the pool no longer knows (after
+        :meth:`close`) are ignored."""
+        if staged is None:
+            return
+        with self._lock:
+            lease = self._leased.pop(id(staged), None)
+            if lease is not None:
+                spec, buffer = lease
+                self._free.setdefault(spec, []).append(buffer)
+
+    def created(self) -> list[Buffer]:
+        """Every buffer the pool made, free or leased."""
+        with self._lock:
+            return list(self._created)
+
+    def close(self) -> list[Buffer]:
+        """Forget every buffer and lease; the buffers, for the transport to deregister."""
+        with self._lock:
+            created, self._created = self._created, []
+            self._free.clear()
+            self._leased.clear()
+            return created
