@@ -112,3 +112,14 @@ def test_the_library_import_graph_has_no_cycle():
         if state.get(module) is None and visit(module, []):
             break
     assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_every_package_is_listed_for_installation():
+    """A package missing from pyproject's list would be left out of a wheel."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in LIBRARY.rglob("__init__.py")}
+    assert found | {"raysync.actors"} == listed, (sorted(found), sorted(listed))
