@@ -44,6 +44,7 @@ from raysync.messages import (
     BroadcastTicket,
     HubConfig,
     HubStatus,
+    RefusedRegistration,
     Registration,
     Update,
     Welcome,
@@ -62,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 #: Reports kept per model for ``wait_for`` after the broadcast finished.
 _REPORTS_KEPT = 256
+#: Refused registrations ``status`` lists (the newest, one per worker id).
+_REFUSALS_KEPT = 256
 #: How long a broadcast waits for its learner's earlier ones to reach the hub (Ray may
 #: start an async actor's calls out of order; after a hub restart the learner's
 #: numbering goes on from where it was, so its first broadcast waits this long once).
@@ -114,6 +117,7 @@ class WeightHubActor:
             logger.warning("hub restarted; model versions restored: %s", self._state.versions())
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
         self._pending_acks: dict[tuple[str, str, int], asyncio.Future[Ack]] = {}
+        self._refused: dict[str, RefusedRegistration] = {}  #: worker -> last refusal
         self._closed = False
         self._model_known = asyncio.Event()
         self._in_order = InOrder(_ORDER_WAIT_S)
@@ -202,8 +206,23 @@ class WeightHubActor:
         """Add a receiver; answer with the latest version of each of its models it lacks.
 
         The receiver reads by the transport it asked for (``connect_hub(transport=...)``),
-        else by the hub's; a transport that cannot run here fails the registration.
+        else by the hub's; a transport that cannot run here fails the registration. A
+        refusal is kept for ``status`` until the worker registers.
         """
+        try:
+            welcome = await self._register(registration)
+        except Exception as err:
+            self._refused.pop(registration.worker, None)
+            self._refused[registration.worker] = RefusedRegistration(
+                registration.actor, f"{type(err).__name__}: {err}", time.time()
+            )
+            while len(self._refused) > _REFUSALS_KEPT:
+                del self._refused[next(iter(self._refused))]
+            raise
+        self._refused.pop(registration.worker, None)
+        return welcome
+
+    async def _register(self, registration: Registration) -> Welcome:
         transport = registration.transport or self._transport
         planner = self._planner(transport, asked_by=registration.actor)
         registration = dataclasses.replace(registration, transport=transport)
@@ -270,6 +289,7 @@ class WeightHubActor:
             boot_id=self._boot_id,
             versions={m: s.version for m, s in sorted(self._state.models.items())},
             receivers=self._state.statuses(),
+            refused=dict(self._refused),
         )
 
     def config(self) -> HubConfig:

@@ -21,6 +21,7 @@ from raysync.messages import (
     HubConfig,
     HubStatus,
     ReceiverStatus,
+    RefusedRegistration,
 )
 from raysync.receiver import WeightReceiver, weight_receiver
 from raysync.spec import TensorSpec, WeightSpec
@@ -47,6 +48,7 @@ __all__ = [
     "ModelPathError",
     "RaySyncError",
     "ReceiverStatus",
+    "RefusedRegistration",
     "RpcOptions",
     "SpecMismatchError",
     "StaleVersionError",

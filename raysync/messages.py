@@ -178,8 +178,20 @@ class ReceiverStatus:
 
 
 @dataclass(frozen=True)
+class RefusedRegistration:
+    """A receiver whose last registration (first or again) the hub refused."""
+
+    actor: str
+    error: str  #: the exception raised to the receiver, ``Type: message``
+    at: float  #: ``time.time()`` in the hub
+
+
+@dataclass(frozen=True)
 class HubStatus:
     transport: str
     boot_id: str  #: new each time the hub actor starts (Ray restarts included)
     versions: dict[str, int]  #: per model, the latest version broadcast
     receivers: tuple[ReceiverStatus, ...] = field(default_factory=tuple)
+    #: Per worker id, the last registration refused, until that worker registers: a
+    #: receiver the hub no longer delivers to because it cannot get back in.
+    refused: dict[str, RefusedRegistration] = field(default_factory=dict)

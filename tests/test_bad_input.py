@@ -261,7 +261,11 @@ def test_receiver_with_mismatching_model_fails_registration(before, actors):
     message = str(info.value)
     assert "SpecMismatchError" in message and "WrongModel" in message
     assert "'2.weight'" in message and "(2, 64)" in message and "(3, 64)" in message
-    assert {r.worker for r in ray.get(hub.status.remote()).receivers} == {"w0"}
+    status = ray.get(hub.status.remote())
+    assert {r.worker for r in status.receivers} == {"w0"}
+    # The hub shows whom it refused, and why, until that worker gets in.
+    (refusal,) = [r for r in status.refused.values() if r.actor.startswith("WrongModel(")]
+    assert refusal.error.startswith("SpecMismatchError: ") and "'2.weight'" in refusal.error
     before.untouched()
 
 
