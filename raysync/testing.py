@@ -37,7 +37,7 @@ from raysync.errors import BroadcastError
 from raysync.hub_handle import HubHandle, WeightHub
 from raysync.messages import BroadcastReport
 from raysync.receiver import WeightReceiver
-from raysync.transports import get_transport
+from raysync.transports import MemoryFootprint, get_transport
 
 #: The model every conformance receiver holds (model id ``"m"``).
 MODEL = "m"
@@ -246,6 +246,20 @@ class TransportConformance:
         assert "victim" not in registered and "crew0" in registered
         report = self.broadcast(hub, special_weights(3.0), ("crew0",))
         assert (report.acked, report.failed) == (("crew0",), {})
+
+    def test_declares_what_it_keeps_in_memory(self):
+        """Capacity plans (and the benchmarks) read it: copies of a version alive on
+        the learner's node and in each receiver, for zero-copy receivers too where the
+        transport takes them."""
+        cls = get_transport(self.transport)
+        assert isinstance(cls.memory, MemoryFootprint), f"{cls.__name__}.memory is not declared"
+        if cls.zero_copy is not None:
+            assert isinstance(cls.zero_copy_memory, MemoryFootprint), (
+                f"{cls.__name__} takes zero-copy receivers: declare zero_copy_memory"
+            )
+        for footprint in (cls.memory, cls.zero_copy_memory):
+            if footprint is not None:
+                assert footprint.learner >= 0 and footprint.per_receiver >= 0, footprint
 
     def test_zero_copy_is_honoured_or_refused_as_declared(self, started, hub):
         if get_transport(self.transport).zero_copy is None:

@@ -22,6 +22,7 @@ from raysync.spec import WeightSpec
 from raysync.transports import (
     Availability,
     HubContext,
+    MemoryFootprint,
     Transport,
     TransportReceiver,
     TransportSender,
@@ -52,6 +53,8 @@ class PackedReceiver(TransportReceiver):
 
 class PackedObjectTransport(Transport):
     name = "packed_object"
+    #: The packed put (two alive while one is read); receivers read it in place.
+    memory = MemoryFootprint(learner=2, per_receiver=0)
 
     @classmethod
     def availability(cls) -> Availability:

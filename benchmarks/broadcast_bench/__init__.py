@@ -51,7 +51,7 @@ row's ``noise`` lists, per sample, the CPU busy before it, the foreign share dur
 and raw READ each receiver is probed to check that this version really landed.
 
 Memory: before a cell, its memory is estimated from what each transport keeps alive
-(learner-side copies and per-receiver staging, see ``memory.TRANSPORT_MEMORY_FOOTPRINT``);
+(learner-side copies and per-receiver staging, as ``Transport.memory`` declares them);
 a cell that would not fit in MemAvailable minus ``--memory-reserve-gb`` (Ray's memory
 monitor kills workers near the limit) waits up to ``--quiet-timeout-s`` for memory and
 is then skipped with a row saying why. Rows record the estimate and the measured peak

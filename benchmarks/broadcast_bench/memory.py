@@ -1,54 +1,22 @@
 """How much memory a cell needs, and waiting until it fits: cells that would not fit are
 skipped (Ray's memory monitor kills workers near the limit; the reference machine has
 24 GiB). The estimate adds what the benchmark itself holds to what the cell's transport
-keeps alive, per ``TRANSPORT_MEMORY_FOOTPRINT``; rows record the measured peak next to it
-(``machine.MemoryWatch``)."""
+declares it keeps alive (``Transport.memory`` / ``zero_copy_memory``); rows record the
+measured peak next to it (``machine.MemoryWatch``)."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from broadcast_bench.machine import mem_available
 from broadcast_bench.names import hub_transport, receiver_options
 from broadcast_bench.units import GiB
+from raysync.transports import MemoryFootprint, get_transport
 
 if TYPE_CHECKING:
     from broadcast_bench.cells import Cell
 
-
-@dataclass(frozen=True)
-class MemoryFootprint:
-    """Copies of the model a transport keeps alive at steady state, in units of the
-    model's size, besides the learner's own weights and each receiver's model."""
-
-    learner: int  #: on the learner's side: the sender's copies, the hub-side helpers'
-    per_receiver: int  #: in each receiver: staging, inboxes
-
-
-#: Stands for a declaration raysync's transports do not make yet: a class attribute
-#: ``Transport.memory_footprint`` (per receiver mode: copying, or ``zero_copy=True``). Until
-#: they declare it, the numbers come from each transport's design, keyed by (raysync
-#: transport, whether receivers connect with ``zero_copy=True``).
-TRANSPORT_MEMORY_FOOTPRINT: dict[tuple[str, bool], MemoryFootprint] = {
-    # the put copy, two versions alive; receivers read it in place
-    ("object_store", False): MemoryFootprint(learner=2, per_receiver=0),
-    # latest + in flight + next slot; receivers map them
-    ("shared_memory", False): MemoryFootprint(learner=3, per_receiver=0),
-    # a slot more: the one the models live in
-    ("shared_memory", True): MemoryFootprint(learner=4, per_receiver=0),
-    # put copies, rank 0's packed buffer (1 GB N=2 peaked at 11.5 GiB)
-    ("distributed", False): MemoryFootprint(learner=4, per_receiver=1),
-    # put copy x2; the landed tensors in each receiver's inbox
-    ("rpc", False): MemoryFootprint(learner=2, per_receiver=1),
-    # the learner's registered pair; a staging buffer each
-    ("nixl", False): MemoryFootprint(learner=2, per_receiver=1),
-    # two staging buffers each, one of them the model's memory
-    ("nixl", True): MemoryFootprint(learner=2, per_receiver=2),
-    # the learner's registered pair; a staging buffer each
-    ("rdt", False): MemoryFootprint(learner=2, per_receiver=1),
-}
 
 #: What the benchmark itself holds, in units of the model's size. The learner: its
 #: weights and the floor's two buffers (the raw READ's source is the floor's).
@@ -65,9 +33,14 @@ HELPER_PROCESSES = 3
 
 
 def transport_footprint(transport: str) -> MemoryFootprint:
-    """What a benchmark transport name (a variant too) keeps alive."""
+    """What a benchmark transport name (a variant too) keeps alive, as its raysync
+    transport declares it."""
+    declared = get_transport(hub_transport(transport))
     zero_copy = bool(receiver_options(transport).get("zero_copy", False))
-    return TRANSPORT_MEMORY_FOOTPRINT[(hub_transport(transport), zero_copy)]
+    footprint = declared.zero_copy_memory if zero_copy else declared.memory
+    if footprint is None:
+        raise ValueError(f"transport {declared.name!r} declares no memory footprint")
+    return footprint
 
 
 def memory_estimate(cell: Cell, methods: tuple[str, ...]) -> int:

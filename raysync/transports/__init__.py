@@ -13,6 +13,7 @@ import importlib
 from raysync.transports.base import (
     Availability,
     HubContext,
+    MemoryFootprint,
     ReceiverInfo,
     Transport,
     TransportError,
@@ -113,6 +114,7 @@ __all__ = [
     "Availability",
     "DistributedOptions",
     "HubContext",
+    "MemoryFootprint",
     "ReceiverInfo",
     "RpcOptions",
     "Transport",

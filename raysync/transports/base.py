@@ -195,6 +195,16 @@ class TransportReceiver(ABC):
         """Release what the receiver holds. Default: nothing to release."""
 
 
+@dataclass(frozen=True)
+class MemoryFootprint:
+    """Copies of a version a transport keeps alive while versions flow, in units of the
+    model's size, besides the learner's weights and each receiver's model: what to plan
+    for on the learner's node and in each receiver (benchmarks size their cells by it)."""
+
+    learner: int  #: on the learner's node: its sender's copies, the resource actors'
+    per_receiver: int  #: in each receiver process: staging, inboxes
+
+
 class Transport(ABC):
     """A named data path: a factory for its two halves plus declared capabilities."""
 
@@ -211,6 +221,10 @@ class Transport(ABC):
     #: unchanged until ``release``, and a planner keeps what a re-registering receiver
     #: still lives in (``ReceiverInfo.kept``).
     zero_copy: ClassVar[str | None] = None
+    #: What it keeps alive for receivers that copy (None: not declared), and for
+    #: zero-copy receivers where ``zero_copy`` allows them.
+    memory: ClassVar[MemoryFootprint | None] = None
+    zero_copy_memory: ClassVar[MemoryFootprint | None] = None
     #: The transport whose learner half (sender and payload) this one uses: receivers
     #: of transports with the same hand-off share one payload per version.
     hand_off: ClassVar[str]

@@ -27,6 +27,7 @@ from raysync.spec import WeightSpec
 from raysync.transports.base import (
     Availability,
     HubContext,
+    MemoryFootprint,
     Transport,
     TransportError,
     TransportReceiver,
@@ -74,6 +75,8 @@ class ObjectStoreReceiver(TransportReceiver):
 
 class ObjectStoreTransport(Transport):
     name = "object_store"
+    #: The put (two versions alive while one is read); receivers read it in place.
+    memory = MemoryFootprint(learner=2, per_receiver=0)
 
     @classmethod
     def availability(cls) -> Availability:

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raysync.transports.base import Availability, HubContext, Transport
+from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
 from raysync.transports.distributed.group import join_group, run_broadcast, staging_device
 from raysync.transports.distributed.planner import DistributedPlanner
 from raysync.transports.distributed.receiver import DistributedReceiver
@@ -98,6 +98,9 @@ __all__ = [
 
 class DistributedTransport(Transport):
     name = "distributed"
+    #: The learner's put (two alive), rank 0's read of it and its packed send buffer;
+    #: each receiver's receive buffer.
+    memory = MemoryFootprint(learner=4, per_receiver=1)
     hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
     options = DistributedOptions
 

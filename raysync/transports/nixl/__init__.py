@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raysync.transports.base import Availability, HubContext, Transport
+from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
 from raysync.transports.nixl.agent import nixl_availability
 from raysync.transports.nixl.learner import REUSE_WAIT_S, NixlSender
 from raysync.transports.nixl.receiver import READ_TIMEOUT_S, NixlReceiver
@@ -72,6 +72,10 @@ __all__ = [
 
 class NixlTransport(Transport):
     name = "nixl"
+    #: The learner's registered pair; a staging buffer in each receiver, two with zero
+    #: copy (the model lives in one while the next version lands in the other).
+    memory = MemoryFootprint(learner=2, per_receiver=1)
+    zero_copy_memory = MemoryFootprint(learner=2, per_receiver=2)
     zero_copy = "private"
 
     @classmethod

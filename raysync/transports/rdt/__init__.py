@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raysync.transports.base import Availability, HubContext, Transport
+from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
 from raysync.transports.nixl import nixl_availability
 from raysync.transports.rdt.learner import REUSE_WAIT_S, RdtSender
 from raysync.transports.rdt.planner import RdtPlanner
@@ -43,6 +43,8 @@ __all__ = [
 
 class RdtTransport(Transport):
     name = "rdt"
+    #: The learner's registered pair; a staging buffer in each receiver.
+    memory = MemoryFootprint(learner=2, per_receiver=1)
 
     @classmethod
     def availability(cls) -> Availability:

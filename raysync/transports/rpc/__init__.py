@@ -61,7 +61,7 @@ peers: run on a trusted cluster network.
 
 from __future__ import annotations
 
-from raysync.transports.base import Availability, HubContext, Transport
+from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
 from raysync.transports.object_store import ObjectStoreSender
 from raysync.transports.options import RpcOptions
 from raysync.transports.rpc.planner import RpcPlanner
@@ -89,6 +89,8 @@ __all__ = [
 
 class RpcTransport(Transport):
     name = "rpc"
+    #: The learner's put (two alive); the landed tensors in each receiver's inbox.
+    memory = MemoryFootprint(learner=2, per_receiver=1)
     hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
     options = RpcOptions
 

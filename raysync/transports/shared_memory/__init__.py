@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import sys
 
-from raysync.transports.base import Availability, HubContext, Transport
+from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
 from raysync.transports.shared_memory.learner import SharedMemorySender
 from raysync.transports.shared_memory.planner import SharedMemoryPlanner
 from raysync.transports.shared_memory.receiver import SharedMemoryReceiver
@@ -88,6 +88,10 @@ __all__ = [
 
 class SharedMemoryTransport(Transport):
     name = "shared_memory"
+    #: Three slots per node (latest, in flight, next); receivers map them. Zero-copy
+    #: models live in a slot: one more.
+    memory = MemoryFootprint(learner=3, per_receiver=0)
+    zero_copy_memory = MemoryFootprint(learner=4, per_receiver=0)
     zero_copy = "read_only"
 
     @classmethod
