@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import sys
 import time
@@ -15,6 +16,7 @@ from raysync import BroadcastReport, TransportUnavailableError, WeightHub
 from raysync.spec import WeightSpec
 from raysync.transports import TransportError
 from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
+from raysync.transports.nixl.agent import new_agent
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.nixl_actors import BigCollector, HashingCollector, Learner, big_model, digest
 from tests.receivers import Collector, make_policy, state_of
@@ -87,6 +89,35 @@ def test_overwritten_buffer_is_detected_never_returned():
     finally:
         receiver.close()
         sender.close()
+
+
+def test_agents_are_quiet_unless_raysync_logs_at_debug(monkeypatch):
+    """nixl prints INFO lines on stdout in every process with an agent; raysync keeps
+    them out unless its own logger is at DEBUG (``NIXL_LOG_LEVEL`` set by a user wins)."""
+    monkeypatch.delenv("NIXL_LOG_LEVEL", raising=False)
+    nixl_logger, raysync_logger = logging.getLogger("nixl"), logging.getLogger("raysync")
+    levels = nixl_logger.level, raysync_logger.level
+    seen = _Collect()
+    nixl_logger.addHandler(seen)  # beside nixl's own stdout handler: what reaches it
+    try:
+        new_agent("quiet")
+        assert not any("Initialized NIXL agent" in m for m in seen.messages), seen.messages
+        raysync_logger.setLevel(logging.DEBUG)
+        new_agent("loud")
+        assert any("Initialized NIXL agent" in m for m in seen.messages), seen.messages
+    finally:
+        nixl_logger.removeHandler(seen)
+        nixl_logger.setLevel(levels[0])
+        raysync_logger.setLevel(levels[1])
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def test_staged_data_is_kept_until_released():

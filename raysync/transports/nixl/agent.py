@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import uuid
 from typing import Any
 
@@ -17,6 +19,7 @@ def new_agent(role: str, *, shared: bool = False) -> Any:
     UCX cannot start."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
+    quiet_nixl_logs()
     sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if shared else None
     agent = nixl_agent(
         f"raysync-{role}-{uuid.uuid4().hex[:12]}",
@@ -27,6 +30,17 @@ def new_agent(role: str, *, shared: bool = False) -> Any:
             "nixl has no UCX backend plugin (only: " + ", ".join(agent.get_plugin_list()) + ")"
         )
     return agent
+
+
+def quiet_nixl_logs() -> None:
+    """nixl sets its logger to INFO on stdout when imported, so every process with an
+    agent (a user's learner too) prints "Initialized NIXL agent" and "Backend UCX was
+    instantiated". raysync keeps it to warnings, and shows nixl's INFO lines when
+    raysync's own logger is at DEBUG; ``NIXL_LOG_LEVEL`` set by the user wins."""
+    if os.environ.get("NIXL_LOG_LEVEL"):
+        return
+    debug = logging.getLogger("raysync").isEnabledFor(logging.DEBUG)
+    logging.getLogger("nixl").setLevel(logging.INFO if debug else logging.WARNING)
 
 
 def memory_type(device: torch.device) -> str:
