@@ -1,0 +1,18 @@
+"""``python -m raysync doctor --address ...``: the check runs on every node of a cluster."""
+
+from __future__ import annotations
+
+import ray
+
+from raysync.doctor import check_cluster, render
+from raysync.transports import known_transports
+
+
+def test_every_alive_node_is_checked(ray_cluster):
+    reports = check_cluster()
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    assert len(reports) == len(alive)
+    assert {r.where.split()[1] for r in reports} == {node[:12] for node in alive}
+    for report in reports:
+        assert [c.name for c in report.transports] == list(known_transports())
+    assert render(reports).count("== node ") == len(alive)
