@@ -1,26 +1,31 @@
-"""`make demo`: a local Ray cluster, a hub, 4 receivers, a few broadcasts of a ~100 MB model.
+"""`make demo`: every transport that runs here, side by side on the same ~100 MB model.
 
-Prints one row per broadcast (version, receivers, MB, seconds, GB/s delivered =
-MB x receivers / seconds), checks every receiver is bitwise equal to the learner, and
-prints the hub's view of every receiver's version and lag.
+A local Ray cluster; per transport, a hub and 4 receivers, a few broadcasts of the
+same model. Prints one row per transport (median seconds per broadcast, GB/s
+delivered = MB x receivers / seconds, whether every receiver ended bitwise equal to the
+learner, the hub's view of their lag) and writes the same as a bar chart,
+``demo_transports.png``. Transports that cannot run here are listed with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 import torch
 
 from raysync import WeightHub, WeightReceiver
+from raysync.transports import get_transport, known_transports
 
 
 def make_model(width: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
 
-@ray.remote(num_cpus=0)
 class Worker(WeightReceiver):
     def __init__(self, hub, width: int, layers: int, name: str):
         self.model = make_model(width, layers)
@@ -28,6 +33,20 @@ class Worker(WeightReceiver):
 
     def digest(self) -> str:
         return _digest(self.model)
+
+
+#: rdt needs every actor it reaches declared with enable_tensor_transport=True.
+_WORKER = ray.remote(num_cpus=0)(Worker)
+_RDT_WORKER = ray.remote(num_cpus=0, enable_tensor_transport=True)(Worker)
+
+
+@dataclass(frozen=True)
+class Row:
+    transport: str
+    seconds: float  #: median per broadcast
+    gb_per_s: float  #: bytes x receivers / seconds
+    bitwise: bool
+    max_lag: int
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -38,46 +57,98 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def run_transport(transport: str, args: argparse.Namespace) -> Row:
+    """A hub on ``transport``, its receivers, ``args.broadcasts`` broadcasts; then both go."""
+    worker_class = _RDT_WORKER if transport == "rdt" else _WORKER
+    hub = WeightHub.remote(transport=transport)
+    workers = [
+        worker_class.remote(hub, args.width, args.layers, f"worker-{i}")
+        for i in range(args.receivers)
+    ]
+    try:
+        ray.get([w.__ray_ready__.remote() for w in workers])
+        learner = make_model(args.width, args.layers)
+        seconds, nbytes = [], 0
+        for _ in range(args.broadcasts):
+            with torch.no_grad():
+                for p in learner.parameters():
+                    p.add_(0.01 * torch.randn_like(p))
+            report = ray.get(hub.broadcast.remote(learner))
+            seconds.append(report.seconds)
+            nbytes = report.bytes * len(report.acked)
+        digests = ray.get([w.digest.remote() for w in workers])
+        lags = [s.lag["model"] for s in ray.get(hub.status.remote()).receivers]
+        median = statistics.median(seconds)
+        return Row(
+            transport,
+            median,
+            nbytes / median / 1e9,
+            bitwise=digests == [_digest(learner)] * len(workers),
+            max_lag=max(lags),
+        )
+    finally:
+        hub.release()
+        for actor in [*workers, hub.actor]:
+            ray.kill(actor)
+
+
+def print_table(rows: list[Row], skipped: dict[str, str], args: argparse.Namespace) -> None:
+    mb = sum(p.numel() * 4 for p in make_model(args.width, args.layers).parameters()) / 1e6
+    print(f"\n{mb:.0f} MB model, {args.receivers} receivers, {args.broadcasts} broadcasts each")
+    print(f"{'transport':<14} {'s/broadcast':>11} {'GB/s':>6}  bitwise  max lag")
+    for row in rows:
+        print(
+            f"{row.transport:<14} {row.seconds:>11.3f} {row.gb_per_s:>6.2f}  "
+            f"{'yes' if row.bitwise else 'NO':<7}  {row.max_lag}"
+        )
+    for transport, reason in skipped.items():
+        print(f"{transport:<14} not run: {reason}")
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    names = [r.transport for r in rows]
+    axis.bar(names, [r.gb_per_s for r in rows], color="tab:blue")
+    axis.set_ylabel("GB/s delivered (median)")
+    axis.set_ylim(0, 1.15 * max(r.gb_per_s for r in rows))  # room for the labels
+    axis.set_title("raysync transports on this machine: same model, same receivers")
+    for index, row in enumerate(rows):
+        label = f"{row.seconds * 1e3:.0f} ms"
+        axis.annotate(label, (index, row.gb_per_s), ha="center", va="bottom")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--receivers", type=int, default=4)
     parser.add_argument("--broadcasts", type=int, default=5)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6, help="6 x 2048^2 fp32 ~ 100 MB")
-    parser.add_argument("--transport", default="object_store")
+    parser.add_argument(
+        "--transports", nargs="*", default=None, help="default: every one that runs here"
+    )
+    parser.add_argument("--png", type=Path, default=Path("demo_transports.png"))
     args = parser.parse_args()
 
     ray.init(address="local", num_cpus=max(8, args.receivers + 2), include_dashboard=False)
     try:
-        hub = WeightHub.remote(transport=args.transport)
-        workers = [
-            Worker.remote(hub, args.width, args.layers, f"worker-{i}")
-            for i in range(args.receivers)
-        ]
-        ray.get([w.__ray_ready__.remote() for w in workers])
-        learner = make_model(args.width, args.layers)
-
-        print(f"transport={args.transport}  receivers={args.receivers}")
-        print(f"{'version':>7}  {'receivers':>9}  {'MB':>8}  {'seconds':>8}  {'GB/s':>6}")
-        for _ in range(args.broadcasts):
-            with torch.no_grad():
-                for p in learner.parameters():
-                    p.add_(0.01 * torch.randn_like(p))
-            report = ray.get(hub.broadcast.remote(learner))
-            mb = report.bytes / 1e6
-            delivered = report.bytes * len(report.acked) / report.seconds / 1e9
-            print(
-                f"{report.version:>7}  {len(report.acked):>9}  {mb:>8.1f}  "
-                f"{report.seconds:>8.3f}  {delivered:>6.2f}"
-            )
-
-        expected = _digest(learner)
-        digests = ray.get([w.digest.remote() for w in workers])
-        equal = digests == [expected] * len(digests)
-        print(f"learner sha256 {expected}; receivers bitwise equal: {equal}")
-        for status in ray.get(hub.status.remote()).receivers:
-            version, lag = status.versions["model"], status.lag["model"]
-            print(f"  {status.worker}: version {version}, lag {lag}")
+        rows, skipped = [], {}
+        for transport in args.transports or known_transports():
+            availability = get_transport(transport).availability()
+            if not availability.available:
+                skipped[transport] = availability.reason
+                continue
+            print(f"{transport} ...", flush=True)
+            rows.append(run_transport(transport, args))
+        print_table(rows, skipped, args)
+        plot(rows, args.png)
+        print(f"chart: {args.png.resolve()}")
     finally:
         ray.shutdown()
 
