@@ -39,11 +39,13 @@ from raysync.hub_state import HubState, ReceiverEntry
 from raysync.messages import (
     Ack,
     AckStatus,
+    BroadcastPhases,
     BroadcastReport,
     BroadcastRequest,
     BroadcastTicket,
     HubConfig,
     HubStatus,
+    ReceiverTimings,
     RefusedRegistration,
     Registration,
     Update,
@@ -80,6 +82,18 @@ class _Plan:
 
     update: Update | None = None
     reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """One target's end of a broadcast: ``error`` None if it acked. For a receiver
+    that applied this version, the seconds from the delivery call to its ack and its
+    own timings (None when it held the version already)."""
+
+    worker: str
+    error: str | None
+    delivered_s: float = 0.0
+    timings: ReceiverTimings | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +332,9 @@ class WeightHubActor:
         learner_seconds: float,
     ) -> BroadcastReport:
         deadline = time.monotonic() + timeout_s
+        plan_started = time.perf_counter()
         planned = await self._plan_all(handed, spec, targets, timeout_s)
+        plan_s = time.perf_counter() - plan_started
         outcomes = await asyncio.gather(
             *(
                 self._deliver_one(entry, plan.update, deadline, timeout_s)
@@ -327,8 +343,8 @@ class WeightHubActor:
                 for entry, plan in ((e, planned[e.worker]) for e in targets)
             )
         )
-        acked = tuple(sorted(w for w, error in outcomes if error is None))
-        failed = {w: error for w, error in outcomes if error is not None}
+        acked = tuple(sorted(o.worker for o in outcomes if o.error is None))
+        failed = {o.worker: o.error for o in outcomes if o.error is not None}
         return BroadcastReport(
             model=handed.model,
             version=handed.version,
@@ -337,6 +353,7 @@ class WeightHubActor:
             bytes=spec.nbytes,
             seconds=learner_seconds + time.perf_counter() - started,
             transports=tuple(sorted({entry.transport for entry in targets})),
+            phases=_phases(learner_seconds, plan_s, outcomes),
         )
 
     async def _plan_all(
@@ -409,8 +426,8 @@ class WeightHubActor:
 
     async def _deliver_one(
         self, entry: ReceiverEntry, update: Update, deadline: float, timeout_s: float
-    ) -> tuple[str, str | None]:
-        """Deliver to one receiver; return (worker, None) on success or (worker, reason).
+    ) -> _Outcome:
+        """Deliver to one receiver: its outcome, with the reason if it failed.
 
         Ray's word decides a death: ``ActorDiedError`` drops the receiver (it is gone for
         good); ``ActorUnavailableError`` (Ray restarts it, or cannot reach it for now)
@@ -422,6 +439,7 @@ class WeightHubActor:
         key = (registration.worker, update.model, update.version)
         deferred_ack = asyncio.get_running_loop().create_future()
         self._pending_acks[key] = deferred_ack
+        delivery_started = time.perf_counter()
         try:
             while True:
                 try:
@@ -436,31 +454,39 @@ class WeightHubActor:
                     restarted = await self._restarted(registration, deadline)
                     if restarted is None:
                         continue  # the same process answers again: deliver again
-                    return registration.worker, (
+                    return _Outcome(
+                        registration.worker,
                         f"{registration.actor} died before applying version {update.version} "
                         f"of model {update.model!r} ({type(err).__name__}: {err}); "
-                        f"{restarted}"
+                        f"{restarted}",
                     )
         except asyncio.TimeoutError:
-            return registration.worker, (
+            return _Outcome(
+                registration.worker,
                 f"{registration.actor} did not apply version {update.version} of model "
-                f"{update.model!r} within the {timeout_s:g} s timeout"
+                f"{update.model!r} within the {timeout_s:g} s timeout",
             )
         except RayActorError as err:
             self._drop(registration.worker, registration.token)
-            return registration.worker, (
+            return _Outcome(
+                registration.worker,
                 f"{registration.actor} died before applying version {update.version} of model "
                 f"{update.model!r}; dropped from the registry until it registers again "
-                f"({type(err).__name__}: {err})"
+                f"({type(err).__name__}: {err})",
             )
         except RayError as err:
-            return registration.worker, f"{registration.actor} raised while receiving: {err}"
+            return _Outcome(
+                registration.worker, f"{registration.actor} raised while receiving: {err}"
+            )
         finally:
             self._pending_acks.pop(key, None)
         if ack.status is AckStatus.FAILED:
-            return registration.worker, f"{registration.actor} failed to apply: {ack.error}"
+            return _Outcome(
+                registration.worker, f"{registration.actor} failed to apply: {ack.error}"
+            )
         self._state.record(registration.worker, update.model, update.version)
-        return registration.worker, None
+        delivered_s = time.perf_counter() - delivery_started
+        return _Outcome(registration.worker, None, delivered_s, ack.timings)
 
     async def _restarted(self, registration: Registration, deadline: float) -> str | None:
         """After ``ActorUnavailableError``: find out, by ``deadline``, which process the
@@ -499,5 +525,10 @@ def _process_of(actor: Any) -> str:
     return ray.get_runtime_context().get_worker_id()
 
 
-async def _failed(worker: str, reason: str) -> tuple[str, str | None]:
-    return worker, reason
+async def _failed(worker: str, reason: str) -> _Outcome:
+    return _Outcome(worker, reason)
+
+
+def _phases(learner_s: float, plan_s: float, outcomes: list[_Outcome]) -> BroadcastPhases:
+    applied = [(o.delivered_s, o.timings) for o in outcomes if o.timings is not None]
+    return BroadcastPhases.of(learner_s, plan_s, applied)

@@ -105,6 +105,67 @@ class Ack:
     version: int
     status: AckStatus
     error: str | None = None
+    #: Where this receiver's time went, for a version it applied (None otherwise). A
+    #: measurement, not part of the outcome: acks compare equal without it.
+    timings: ReceiverTimings | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class ReceiverTimings:
+    """Seconds one receiver spent on one version it applied, measured in its process."""
+
+    fetch_s: float  #: the transport's fetch: the data moved into this process
+    wait_s: float  #: staged, waiting for a safe point (user methods running)
+    apply_s: float  #: writing it into the model (or adopting it, zero copy)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median and the maximum of one phase over the receivers that applied."""
+
+    p50: float
+    max: float
+    count: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread | None:
+        """None for no values (no receiver applied this version)."""
+        if not values:
+            return None
+        ordered = sorted(values)
+        middle = len(ordered) // 2
+        p50 = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        return cls(p50, ordered[-1], len(ordered))
+
+
+@dataclass(frozen=True)
+class BroadcastPhases:
+    """Where one broadcast's time went. The learner's and the hub's phases are one
+    number each; the receivers' are spread over the receivers that applied it."""
+
+    learner_s: float  #: flattening, checking and handing the data to the transport
+    plan_s: float  #: the hub's planning (every transport's planner, in turn)
+    #: Per receiver, the hub's delivery call until its ack: the phases below plus the
+    #: Ray calls there and back (and a deferred ack's own call).
+    deliver_s: Spread | None
+    fetch_s: Spread | None
+    wait_s: Spread | None
+    apply_s: Spread | None
+
+    @classmethod
+    def of(
+        cls, learner_s: float, plan_s: float, applied: list[tuple[float, ReceiverTimings]]
+    ) -> BroadcastPhases:
+        """From the receivers that applied the version: (seconds from the hub's delivery
+        call to the ack, the receiver's own timings) each."""
+        return cls(
+            learner_s=learner_s,
+            plan_s=plan_s,
+            deliver_s=Spread.of([delivered for delivered, _ in applied]),
+            fetch_s=Spread.of([t.fetch_s for _, t in applied]),
+            wait_s=Spread.of([t.wait_s for _, t in applied]),
+            apply_s=Spread.of([t.apply_s for _, t in applied]),
+        )
 
 
 @dataclass(frozen=True)
@@ -152,6 +213,7 @@ class BroadcastReport:
     other worker to the reason (a traceback for errors raised in the receiver).
     ``seconds`` covers the learner's hand-off and the wait for the last ack.
     ``transports`` names the transports its targets read by (empty: no target).
+    ``phases`` says where the time went (:class:`BroadcastPhases`).
     """
 
     model: str
@@ -161,6 +223,8 @@ class BroadcastReport:
     bytes: int
     seconds: float
     transports: tuple[str, ...]
+    #: Where the time went (None in reports built without timing, e.g. a refused send).
+    phases: BroadcastPhases | None = None
 
     @property
     def ok(self) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +41,15 @@ from raysync import model_path, weights
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.gate import DEFERRED, ApplyGate
 from raysync.hub_handle import HubHandle
-from raysync.messages import Ack, AckStatus, DeliveryMode, Registration, Update, Welcome
+from raysync.messages import (
+    Ack,
+    AckStatus,
+    DeliveryMode,
+    ReceiverTimings,
+    Registration,
+    Update,
+    Welcome,
+)
 from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, Receipt, receipt_of_reply
 from raysync.receiver_zero_copy import AdoptedVersion, Adoption
 from raysync.spec import WeightSpec
@@ -277,12 +286,14 @@ class ReceiverCore:
         try:
             _, spec = held.destination(self.owner)
             _check_digest(spec, update, self.actor_name)
+            fetch_started = time.perf_counter()
             staged = self.transport.fetch(update.payload, spec)
+            fetched = _Fetched(time.perf_counter() - fetch_started, time.perf_counter())
         except BaseException:
             self.transport.release(update.payload, None)
             raise
         result = self.gate.write(
-            functools.partial(self._apply_and_release, update, staged),
+            functools.partial(self._apply_and_release, update, staged, fetched),
             key=update.model,
             supersede=functools.partial(self._superseded, update, staged),
         )
@@ -305,19 +316,22 @@ class ReceiverCore:
 
         return outcome
 
-    def _apply_and_release(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
+    def _apply_and_release(
+        self, update: Update, staged: Sequence[torch.Tensor], fetched: _Fetched
+    ) -> Ack:
         """Apply, then hand ``staged`` back to the transport unless the model took it
         over (zero copy). Runs at the safe point."""
         held = self.models[update.model]
         try:
-            return self._apply(update, staged)
+            return self._apply(update, staged, fetched)
         finally:
             if not held.adoption.lives_in(staged):
                 self.transport.release(update.payload, staged)
 
-    def _apply(self, update: Update, staged: Sequence[torch.Tensor]) -> Ack:
+    def _apply(self, update: Update, staged: Sequence[torch.Tensor], fetched: _Fetched) -> Ack:
         """Write ``staged`` into the model: point its tensors at it (zero copy) or copy
         it in place. Runs at the safe point."""
+        apply_started = time.perf_counter()
         held = self.models[update.model]
         if update.version <= held.version:
             return self._ack(update, AckStatus.SUPERSEDED)
@@ -350,10 +364,23 @@ class ReceiverCore:
                     f"version {update.version} was applied, but on_weights_applied raised:\n"
                     + traceback.format_exc(),
                 )
-        return self._ack(update, AckStatus.APPLIED)
+        timings = ReceiverTimings(
+            fetch_s=fetched.seconds,
+            wait_s=apply_started - fetched.at,
+            apply_s=time.perf_counter() - apply_started,
+        )
+        return Ack(self.worker, update.model, update.version, AckStatus.APPLIED, None, timings)
 
     def _ack(self, update: Update, status: AckStatus, error: str | None = None) -> Ack:
         return Ack(self.worker, update.model, update.version, status, error)
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    """How long a version's fetch took, and when (``time.perf_counter()``) it ended."""
+
+    seconds: float
+    at: float
 
 
 def _open_transport(welcome: Welcome) -> TransportReceiver:

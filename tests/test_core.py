@@ -36,6 +36,18 @@ from tests.receivers import (
 )
 
 
+def _assert_phases_cover_every_receiver(report: BroadcastReport) -> None:
+    """Where the time went: one learner and one planning figure, each receiver phase
+    spread over every receiver that applied, each within the broadcast's seconds."""
+    phases = report.phases
+    assert phases is not None and 0 < phases.learner_s < report.seconds
+    assert 0 <= phases.plan_s < report.seconds
+    for spread in (phases.deliver_s, phases.fetch_s, phases.wait_s, phases.apply_s):
+        assert spread is not None and spread.count == len(report.acked), phases
+        assert 0 <= spread.p50 <= spread.max < report.seconds, phases
+    assert phases.fetch_s.max <= phases.deliver_s.max, phases
+
+
 class TestBroadcast:
     @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # hub logic
     def test_readme_example_bitwise_every_version(self, actors, transport):
@@ -54,6 +66,7 @@ class TestBroadcast:
             assert len(report.acked) == 4 and report.failed == {}
             assert report.bytes == sum(t.numel() * 4 for t in learner.state_dict().values())
             assert report.seconds > 0
+            _assert_phases_cover_every_receiver(report)
             for c in collectors:
                 assert_same(ray.get(c.state.remote()), state_of(learner))
                 assert ray.get(c.version.remote()) == step

@@ -178,6 +178,36 @@ def test_a_busy_async_actor_defers_the_apply_and_acks_it_from_the_safe_point():
     assert receiver.core.models["policy"].version == 1
 
 
+def test_an_applied_version_acks_with_where_its_time_went():
+    receiver = _Receiver()
+    applied = receiver.core.receive(receiver.update(1)).ack
+    timings = applied.timings
+    assert timings is not None and min(timings.fetch_s, timings.wait_s, timings.apply_s) >= 0
+    assert receiver.core.receive(receiver.update(1)).ack.timings is None  # superseded
+
+
+def test_the_safe_point_wait_is_timed_apart_from_the_fetch_and_the_apply():
+    receiver = _Receiver()
+    held_for_s = 0.2
+
+    async def deliver_while_a_method_runs() -> None:
+        parked = asyncio.Event()
+
+        async def user_method() -> None:
+            async with receiver.core.gate.reading_async():
+                parked.set()
+                await asyncio.sleep(held_for_s)  # a user method running, not a handshake
+
+        method = asyncio.create_task(user_method())
+        await parked.wait()
+        receiver.core.receive(receiver.update(1))
+        await method
+
+    asyncio.run(deliver_while_a_method_runs())
+    (ack,) = receiver.hub.acks
+    assert ack.timings is not None and ack.timings.wait_s >= held_for_s * 0.9, ack.timings
+
+
 def test_the_hubs_reply_carries_the_ack_or_none_for_later():
     ack = _ack(3, AckStatus.SUPERSEDED)
     assert reply_to_hub(AckNow(ack)) is ack
