@@ -273,7 +273,7 @@ class WeightHubActor:
     async def ack(self, ack: Ack) -> None:
         """An acknowledgement sent after the delivery call returned (deferred applies)."""
         if ack.status is not AckStatus.FAILED:
-            self._state.record(ack.worker, ack.model, ack.version)
+            self._state.record(ack.worker, ack.model, ack.version, ack.timings)
         future = self._pending_acks.get((ack.worker, ack.model, ack.version))
         if future is not None and not future.done():
             future.set_result(ack)
@@ -484,7 +484,7 @@ class WeightHubActor:
             return _Outcome(
                 registration.worker, f"{registration.actor} failed to apply: {ack.error}"
             )
-        self._state.record(registration.worker, update.model, update.version)
+        self._state.record(registration.worker, update.model, update.version, ack.timings)
         delivered_s = time.perf_counter() - delivery_started
         return _Outcome(registration.worker, None, delivered_s, ack.timings)
 

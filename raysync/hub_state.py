@@ -7,6 +7,8 @@ totally ordered.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -14,6 +16,7 @@ from raysync.errors import StaleVersionError, UnknownModelError, UnknownWorkerEr
 from raysync.messages import (
     DeliveryMode,
     ReceiverStatus,
+    ReceiverTimings,
     Registration,
 )
 from raysync.routing import HandedOver
@@ -24,17 +27,35 @@ from raysync.transports.base import ReceiverInfo
 DEFAULT_MODEL = "default"
 
 
+#: Publication times kept per model, for receivers' lag in seconds.
+_PUBLISHED_KEPT = 1024
+
+
 @dataclass
 class ModelState:
     spec: WeightSpec | None = None
     version: int = 0
     latest: HandedOver | None = None  #: the latest version, as the learner handed it over
+    #: (version, time.time() it was published) of the last ``_PUBLISHED_KEPT`` versions
+    published: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=_PUBLISHED_KEPT)
+    )
+
+    def behind_since(self, held: int) -> float | None:
+        """When the first version newer than ``held`` was published, as far as the
+        versions kept tell (the oldest kept if it is newer); None if none kept is."""
+        for version, at in self.published:
+            if version > held:
+                return at
+        return None
 
 
 @dataclass
 class ReceiverEntry:
     registration: Registration
     versions: dict[str, int] = field(default_factory=dict)
+    #: per model, where the time of the last version it applied went
+    timings: dict[str, ReceiverTimings] = field(default_factory=dict)
 
     @property
     def worker(self) -> str:
@@ -118,14 +139,17 @@ class HubState:
         spec: WeightSpec,
         payloads: Mapping[str, object],
         version: int | None = None,
+        at: float | None = None,
     ) -> HandedOver:
-        """Make this the latest version of ``model``: ``version``, or the next one.
-        ``payloads`` holds one payload per hand-off."""
+        """Make this the latest version of ``model``: ``version``, or the next one,
+        published ``at`` (``time.time()``; default now). ``payloads`` holds one payload
+        per hand-off."""
         self.check_version(model, version)
         state = self.models.setdefault(model, ModelState())
         state.spec = spec
         state.version = state.version + 1 if version is None else version
         state.latest = HandedOver(model, state.version, spec.digest, dict(payloads))
+        state.published.append((state.version, time.time() if at is None else at))
         return state.latest
 
     def spec(self, model: str) -> WeightSpec:
@@ -232,25 +256,44 @@ class HubState:
         """The transports the registered receivers read by."""
         return {entry.transport for entry in self.receivers.values()}
 
-    def record(self, worker: str, model: str, version: int) -> None:
-        """Remember that ``worker`` holds ``version`` of ``model`` (or a newer one)."""
+    def record(
+        self, worker: str, model: str, version: int, timings: ReceiverTimings | None = None
+    ) -> None:
+        """Remember that ``worker`` holds ``version`` of ``model`` (or a newer one), and
+        where the time went if it applied that version (``timings``)."""
         entry = self.receivers.get(worker)
         if entry is not None and version > entry.versions.get(model, 0):
             entry.versions[model] = version
+            if timings is not None:
+                entry.timings[model] = timings
 
-    def statuses(self) -> tuple[ReceiverStatus, ...]:
+    def statuses(self, now: float | None = None) -> tuple[ReceiverStatus, ...]:
+        """Each receiver's versions, lag (in versions, and in seconds at ``now``,
+        ``time.time()`` by default, where known: not for versions published before the
+        hub restarted) and the timings of the last version it applied."""
+        now = time.time() if now is None else now
         out = []
         for worker in sorted(self.receivers):
             entry = self.receivers[worker]
             versions = {m: entry.versions.get(m, 0) for m in sorted(entry.registration.specs)}
+            lag = {m: self.models[m].version - v for m, v in versions.items()}
+            lag_s: dict[str, float] = {}
+            for m, v in versions.items():
+                since = self.models[m].behind_since(v)
+                if lag[m] == 0:
+                    lag_s[m] = 0.0
+                elif since is not None:  # None: published before the hub restarted
+                    lag_s[m] = max(0.0, now - since)
             out.append(
                 ReceiverStatus(
                     worker=worker,
                     actor=entry.registration.actor,
                     mode=entry.registration.mode,
                     versions=versions,
-                    lag={m: self.models[m].version - v for m, v in versions.items()},
+                    lag=lag,
                     transport=entry.transport,
+                    lag_s=lag_s,
+                    last_timings=dict(entry.timings),
                 )
             )
         return tuple(out)

@@ -239,6 +239,11 @@ class ReceiverStatus:
     versions: dict[str, int]  #: per model, the last version this receiver acked
     lag: dict[str, int]  #: per model, how many versions it is behind the latest
     transport: str  #: the transport it reads by
+    #: per model, seconds since the first version it lacks was published (0: up to
+    #: date; left out when not known: that version came before the hub restarted)
+    lag_s: dict[str, float] = field(default_factory=dict)
+    #: per model, where the time of the last version it applied went
+    last_timings: dict[str, ReceiverTimings] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ run on every transport."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 import torch
@@ -127,9 +129,11 @@ class TestBroadcast:
         push = start(actors, Collector, hub, worker_id="push")
         pull = start(actors, Collector, hub, worker_id="pull", mode="pull")
         ready([push, pull])
+        started = time.time()  # the hub's clock is this machine's
         versions = [ray.get(hub.broadcast.remote(make_policy())).version for _ in range(3)]
         assert versions == [1, 2, 3]
         status = ray.get(hub.status.remote())
+        asked = time.time()
         assert status.versions == {"policy": 3}
         by_worker = {r.worker: r for r in status.receivers}
         assert by_worker["push"].versions == {"policy": 3} and by_worker["push"].lag == {
@@ -137,6 +141,13 @@ class TestBroadcast:
         }
         assert by_worker["pull"].mode is DeliveryMode.PULL
         assert by_worker["pull"].lag == {"policy": 3}
+        # In seconds too: since version 1 was published; and the push receiver's timings
+        # of the last version it applied.
+        assert by_worker["push"].lag_s == {"policy": 0.0}
+        assert 0 < by_worker["pull"].lag_s["policy"] <= asked - started
+        timings = by_worker["push"].last_timings["policy"]
+        assert min(timings.fetch_s, timings.wait_s, timings.apply_s) >= 0
+        assert by_worker["pull"].last_timings == {}
 
 
 class TestReceivers:

@@ -20,7 +20,7 @@ from raysync.errors import (
     UnknownWorkerError,
 )
 from raysync.hub_state import DEFAULT_MODEL, HubState
-from raysync.messages import DeliveryMode, ReceiverStatus, Registration, Update
+from raysync.messages import DeliveryMode, ReceiverStatus, ReceiverTimings, Registration, Update
 from raysync.routing import HandedOver
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo
@@ -66,8 +66,9 @@ def _publish(
     version: int | None = None,
     spec: WeightSpec = POLICY,
     payload: object = "payload",
+    at: float | None = None,
 ) -> HandedOver:
-    return state.publish(model, spec, {"object_store": payload}, version)
+    return state.publish(model, spec, {"object_store": payload}, version, at)
 
 
 def _workers(entries) -> list[str]:
@@ -407,15 +408,16 @@ def test_record_only_moves_a_receivers_version_up_and_statuses_show_the_lag():
         _registration("w-b", {"policy": POLICY, "critic": CRITIC}, mode=PULL, transport="rpc")
     )
     state.register(_registration("w-a", {"policy": POLICY}))
-    for _ in range(3):
-        _publish(state)
-    _publish(state, model="critic", spec=CRITIC, version=2)
-    state.record("w-a", "policy", 3)
+    for at in (10.0, 11.0, 12.0):
+        _publish(state, at=at)
+    _publish(state, model="critic", spec=CRITIC, version=2, at=13.0)
+    applied = ReceiverTimings(fetch_s=0.01, wait_s=0.0, apply_s=0.001)
+    state.record("w-a", "policy", 3, applied)
     state.record("w-b", "policy", 2)
-    state.record("w-b", "policy", 1)  # an older ack arriving late changes nothing
+    state.record("w-b", "policy", 1, applied)  # an older ack arriving late changes nothing
     state.record("w-b", "critic", 2)
     state.record("ghost", "policy", 3)  # a dropped receiver's ack is ignored
-    assert state.statuses() == (
+    assert state.statuses(now=20.0) == (
         ReceiverStatus(
             worker="w-a",
             actor=_actor("w-a"),
@@ -423,6 +425,8 @@ def test_record_only_moves_a_receivers_version_up_and_statuses_show_the_lag():
             versions={"policy": 3},
             lag={"policy": 0},
             transport="object_store",
+            lag_s={"policy": 0.0},
+            last_timings={"policy": applied},
         ),
         ReceiverStatus(
             worker="w-b",
@@ -431,11 +435,23 @@ def test_record_only_moves_a_receivers_version_up_and_statuses_show_the_lag():
             versions={"critic": 2, "policy": 2},
             lag={"critic": 0, "policy": 1},
             transport="rpc",
+            lag_s={"critic": 0.0, "policy": 8.0},  # lacks version 3, published at 12
         ),
     )
     _publish(state)
     _publish(state)
     assert [s.lag for s in state.statuses()] == [{"policy": 2}, {"critic": 0, "policy": 3}]
+
+
+def test_the_lag_in_seconds_is_left_out_for_versions_published_before_a_hub_restart():
+    state = HubState()
+    state.restore({"policy": 4}, {"policy": POLICY})
+    state.register(_registration("w1", {"policy": POLICY}, versions={"policy": 2}))
+    (status,) = state.statuses(now=5.0)
+    assert (status.lag, status.lag_s) == ({"policy": 2}, {})
+    _publish(state, at=3.0)
+    (status,) = state.statuses(now=5.0)
+    assert (status.lag, status.lag_s) == ({"policy": 3}, {"policy": 2.0})  # the oldest known
 
 
 def test_a_receiver_that_registered_with_a_version_reports_it_until_it_acks_more():
