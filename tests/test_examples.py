@@ -17,7 +17,7 @@ def test_demo_prints_a_row_per_transport_and_writes_its_chart(tmp_path):
             sys.executable,
             str(_ROOT / "examples" / "demo.py"),
             *("--transports", "object_store", "shared_memory"),
-            *("--receivers", "2", "--broadcasts", "2", "--width", "64", "--layers", "2"),
+            *("--receivers", "1", "--broadcasts", "2", "--width", "64", "--layers", "2"),
             *("--png", str(png)),
         ],
         capture_output=True,
