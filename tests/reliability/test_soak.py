@@ -71,7 +71,7 @@ def _soak(actors, transport, broadcasts: int) -> None:
 
 @pytest.mark.parametrize("transport", transport_params(heavy=True))
 def test_soak_short(actors, transport):
-    _soak(actors, transport, broadcasts=400)
+    _soak(actors, transport, broadcasts=240)
 
 
 @pytest.mark.slow
