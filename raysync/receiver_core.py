@@ -288,7 +288,7 @@ class ReceiverCore:
             _check_digest(spec, update, self.actor_name)
             fetch_started = time.perf_counter()
             staged = self.transport.fetch(update.payload, spec)
-            fetched = _Fetched(time.perf_counter() - fetch_started, time.perf_counter())
+            fetched = _Fetched(fetch_started, time.perf_counter())
         except BaseException:
             self.transport.release(update.payload, None)
             raise
@@ -365,22 +365,29 @@ class ReceiverCore:
                     + traceback.format_exc(),
                 )
         timings = ReceiverTimings(
-            fetch_s=fetched.seconds,
-            wait_s=apply_started - fetched.at,
+            fetch_s=fetched.ended - fetched.started,
+            wait_s=apply_started - fetched.ended,
             apply_s=time.perf_counter() - apply_started,
         )
-        return Ack(self.worker, update.model, update.version, AckStatus.APPLIED, None, timings)
+        return self._ack(update, AckStatus.APPLIED, timings=timings)
 
-    def _ack(self, update: Update, status: AckStatus, error: str | None = None) -> Ack:
-        return Ack(self.worker, update.model, update.version, status, error)
+    def _ack(
+        self,
+        update: Update,
+        status: AckStatus,
+        error: str | None = None,
+        *,
+        timings: ReceiverTimings | None = None,
+    ) -> Ack:
+        return Ack(self.worker, update.model, update.version, status, error, timings)
 
 
 @dataclass(frozen=True)
 class _Fetched:
-    """How long a version's fetch took, and when (``time.perf_counter()``) it ended."""
+    """When (``time.perf_counter()``) a version's fetch started and ended."""
 
-    seconds: float
-    at: float
+    started: float
+    ended: float
 
 
 def _open_transport(welcome: Welcome) -> TransportReceiver:
