@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # machine instead of resolving an open range to the newest CUDA build (several GB).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-all bench lint clean
+.PHONY: demo test test-all test-torchrl bench lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +27,22 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
+# The TorchRL integration in an environment of its own: TorchRL 0.14 pins tensordict<0.15,
+# and the oldest tensordict raysync supports (0.14.3) is the one tested there.
+TORCHRL_VENV := .venv-torchrl
+TORCHRL_PY := $(TORCHRL_VENV)/bin/python
+TORCHRL_STAMP := $(TORCHRL_VENV)/.installed
+
+$(TORCHRL_STAMP): pyproject.toml Makefile
+	test -x $(TORCHRL_PY) || python3 -m venv $(TORCHRL_VENV)
+	$(TORCHRL_PY) -m pip install -q --upgrade pip
+	$(TORCHRL_PY) -m pip install -q $(TORCH_PIN)
+	$(TORCHRL_PY) -m pip install -q $(TORCH_PIN) tensordict==0.14.3 -e ".[torchrl,test]"
+	touch $(TORCHRL_STAMP)
+
+test-torchrl: $(TORCHRL_STAMP)
+	$(TORCHRL_PY) -m pytest tests/torchrl --durations=10 $(PYTEST_ARGS)
+
 bench: $(STAMP)
 	$(PY) benchmarks/broadcast.py
 
@@ -34,4 +50,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check raysync actors tests benchmarks examples
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(TORCHRL_VENV)
