@@ -47,10 +47,11 @@ from typing import Any
 
 import ray
 import torch
+from ray.actor import ActorHandle
 from transformers import AutoModelForCausalLM, Qwen2Config
 from transformers.initialization import no_init_weights
 
-from raysync import WeightHub, WeightReceiver
+from raysync import HubHandle, WeightHub, WeightReceiver
 
 MODEL = "llm"
 
@@ -168,16 +169,26 @@ class InferenceWorker(WeightReceiver):
         return weights_digest(self.model)
 
 
-def run_mode(
-    mode: str, learner: torch.nn.Module, config: Qwen2Config, args: argparse.Namespace
-) -> dict[str, Any]:
-    """A hub, the inference workers, ``args.updates`` training steps broadcast to them."""
-    zero_copy = mode == "zero_copy"
+def launch(
+    mode: str, config: Qwen2Config, args: argparse.Namespace
+) -> tuple[HubHandle, list[ActorHandle]]:
+    """A hub and the inference workers, starting in the background."""
     hub = WeightHub.remote(transport=args.transport)
     workers = [
-        InferenceWorker.remote(hub, config, f"infer-{i}", zero_copy, args.threads)
+        InferenceWorker.remote(hub, config, f"infer-{i}", mode == "zero_copy", args.threads)
         for i in range(args.workers)
     ]
+    return hub, workers
+
+
+def run_mode(
+    mode: str,
+    hub: HubHandle,
+    workers: list[ActorHandle],
+    learner: torch.nn.Module,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """``args.updates`` training steps broadcast to the workers while they generate."""
     try:
         ray.get([w.__ray_ready__.remote() for w in workers])
         first = ray.get(hub.broadcast.remote(learner, model=MODEL))  # the starting weights
@@ -213,6 +224,17 @@ def run_mode(
         hub.release()
         for actor in [*workers, hub.actor]:
             ray.kill(actor)
+
+
+def describe(model: torch.nn.Module) -> dict[str, Any]:
+    state = model.state_dict()
+    return {
+        "architecture": type(model).__name__,
+        "parameters": sum(t.numel() for t in state.values()),
+        "tensors": len(state),
+        "bytes": sum(t.numel() * t.element_size() for t in state.values()),
+        "dtype": str(next(iter(state.values())).dtype).removeprefix("torch."),
+    }
 
 
 def _broadcast_row(report: Any) -> dict[str, Any]:
@@ -275,22 +297,19 @@ def main() -> None:
     ray.init(address="local", num_cpus=max(8, args.workers + 2), include_dashboard=False)
     try:
         config = make_config(args)
-        learner = build_model(config, init=True)
-        state = learner.state_dict()
-        model = {
-            "architecture": "Qwen2ForCausalLM",
-            "parameters": sum(t.numel() for t in state.values()),
-            "tensors": len(state),
-            "bytes": sum(t.numel() * t.element_size() for t in state.values()),
-            "dtype": "bfloat16",
-        }
-        print(
-            f"{model['architecture']}: {model['parameters'] / 1e6:.1f} M parameters, "
-            f"{model['tensors']} tensors, {model['bytes'] / 1e9:.2f} GB bf16; "
-            f"{args.workers} workers, {args.updates} updates",
-            flush=True,
-        )
-        runs = [run_mode(mode, learner, config, args) for mode in args.modes]
+        runs, learner = [], None
+        for mode in args.modes:
+            hub, workers = launch(mode, config, args)
+            if learner is None:  # built while the first workers start
+                learner = build_model(config, init=True)
+                model = describe(learner)
+                print(
+                    f"{model['architecture']}: {model['parameters'] / 1e6:.1f} M parameters, "
+                    f"{model['tensors']} tensors, {model['bytes'] / 1e9:.2f} GB bf16; "
+                    f"{args.workers} workers, {args.updates} updates",
+                    flush=True,
+                )
+            runs.append(run_mode(mode, hub, workers, learner, args))
     finally:
         ray.shutdown()
     for run in runs:
