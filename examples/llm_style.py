@@ -21,7 +21,9 @@ Transport: ``shared_memory`` with ``zero_copy=True`` (the default here). On one 
 the learner packs each version once into a shared-memory segment of the node. Every
 actor's model then *becomes* that segment, mapped read-only: ``param.data`` is pointed
 at it at the safe point. So there is no copy per actor, no second copy of the model
-per actor, and the pause is just the rebinding of a few hundred tensors. Generation
+per actor, and the pause is just the rebinding of a few hundred tensors. The node
+keeps at most four segments per model (the latest version, the next, and those actors
+still live in: up to ~4 GB here). Generation
 only reads weights, so a read-only model is fine here (a write would kill the
 process). ``--modes zero_copy copy`` also runs the copy path for comparison: the same
 transport, but each actor copies the version into its own tensors at the safe point,
