@@ -108,10 +108,10 @@ class InferenceWorker(WeightReceiver):
         torch.set_num_threads(threads)
         self.name = name
         self.vocab = config.vocab_size
+        self._applied: list[int] = []  # before connect_hub: it may apply a version
+        self._generating = threading.Event()
         self.model = build_model(config, init=False)
         self.connect_hub(hub, models={MODEL: "model"}, worker_id=name, zero_copy=zero_copy)
-        self._applied: list[int] = []
-        self._generating = threading.Event()
 
     def on_weights_applied(self, model: str, version: int) -> None:
         self._applied.append(version)  # at the safe point, on the delivery's thread
@@ -160,7 +160,7 @@ class InferenceWorker(WeightReceiver):
     def generate(self, prompt_tokens: int, new_tokens: int) -> list[int]:
         """One request: a random prompt, then greedy decoding with a KV cache."""
         ids = torch.randint(0, self.vocab, (1, prompt_tokens))
-        out, cache, tokens = None, None, []
+        cache, tokens = None, []
         with torch.inference_mode():
             for _ in range(new_tokens):
                 out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
