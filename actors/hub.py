@@ -52,6 +52,7 @@ from raysync.messages import (
     Welcome,
 )
 from raysync.ordering import InOrder
+from raysync.receiver_delivery import delivery_call
 from raysync.routing import HandedOver, hand_offs_for
 from raysync.spec import WeightSpec
 from raysync.transports import (
@@ -264,6 +265,10 @@ class WeightHubActor:
         """A receiver's check that this hub still knows it; False means register again."""
         return self._state.knows(worker, token)
 
+    async def leave(self, worker: str, token: str) -> None:
+        """A receiver that stops receiving (``AttachedReceiver.close``): forget it."""
+        self._drop(worker, token)
+
     def _drop(self, worker: str, token: str) -> None:
         entry = self._state.receivers.get(worker)
         if entry is not None and self._state.drop(worker, token):
@@ -443,7 +448,9 @@ class WeightHubActor:
         try:
             while True:
                 try:
-                    ref = registration.handle._raysync_deliver.remote(update)
+                    ref = delivery_call(
+                        registration.handle, registration.entry, registration.attachment, update
+                    )
                     ack = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
                     if ack is None:  # applied later, at the receiver's next safe point
                         ack = await asyncio.wait_for(

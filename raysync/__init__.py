@@ -1,5 +1,6 @@
 """raysync: move weights from a learner to many Ray actors, fast, with acks and versions."""
 
+from raysync.attach import AttachedReceiver, attach
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
@@ -33,6 +34,7 @@ from raysync.transports import (
 )
 
 __all__ = [
+    "AttachedReceiver",
     "BroadcastError",
     "BroadcastReport",
     "BroadcastTicket",
@@ -59,6 +61,7 @@ __all__ = [
     "WeightHub",
     "WeightReceiver",
     "WeightSpec",
+    "attach",
     "available_transports",
     "get_hub",
     "known_transports",

@@ -79,13 +79,18 @@ class ApplyGate:
         self._deferred: list[_Pending] = []
         self._finish_deferred = finish_deferred
         self._drained: asyncio.Event | None = None
+        #: The event loop async readers run on (an async host), once one has read.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # -- readers: user methods -------------------------------------------------------
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Hold the model steady for a synchronous user method."""
         held = _held.get()
-        if held or _on_event_loop():
+        on_loop = _on_event_loop()
+        if on_loop:
+            self.loop = asyncio.get_running_loop()
+        if held or on_loop:
             # Nested call, or sync code on an async actor's loop: no apply can run on
             # this thread until it returns.
             yield
@@ -106,6 +111,7 @@ class ApplyGate:
     @asynccontextmanager
     async def reading_async(self) -> AsyncIterator[None]:
         """Hold the model steady for an async user method (async actors)."""
+        self.loop = asyncio.get_running_loop()
         held = _held.get()
         if not held:
             while self._deferred:

@@ -168,12 +168,24 @@ class BroadcastPhases:
         )
 
 
+class Entry(enum.Enum):
+    """How the hub reaches a host actor."""
+
+    RAY_CALL = "__ray_call__"  #: any actor: Ray's built-in closure call
+    MIXIN_METHOD = "_raysync_deliver"  #: the WeightReceiver mixin's method
+
+
 @dataclass(frozen=True)
 class Registration:
     """Receiver -> hub: who I am, which models I hold and at which versions."""
 
     worker: str
-    handle: Any  #: the receiver's ActorHandle
+    #: The host actor's ActorHandle (None: a process that is no actor; pull mode only).
+    handle: Any
+    #: Its key in the host process (:mod:`raysync.receiver_delivery`): what the hub's
+    #: delivery call names.
+    attachment: str
+    entry: Entry  #: how the hub's delivery call reaches the host
     actor: str  #: "ClassName(actor_id)" for messages
     node_id: str
     process: str  #: Ray worker id of the receiver's process (new after a restart)

@@ -1,13 +1,12 @@
 """The receiver mixin: :class:`WeightReceiver` and its decorator form, :func:`weight_receiver`.
 
 Everything here runs in the receiver actor's process. ``connect_hub`` (usually from
-``__init__``) registers the actor's models with the hub through a
-:class:`~raysync.receiver_core.ReceiverCore`, kept at ``self._raysync_core``, applies the
-latest versions at once and starts the hub watch (:mod:`raysync.receiver_hub_watch`).
-Afterwards the hub calls ``_raysync_deliver`` for every broadcast. Each update is
-fetched from the transport outside the safe point, then written into the model when no
-user method is running: every public method of the class is wrapped as a reader of the
-core's :class:`~raysync.gate.ApplyGate` when the class is defined.
+``__init__``) is :func:`raysync.attach` with the actor as owner: it registers the
+actor's models with the hub, applies the latest versions at once and starts the hub
+watch; the :class:`~raysync.attach.AttachedReceiver` it returns is kept at
+``self._raysync_receiver``. Each update is fetched from the transport outside the safe
+point, then written into the model when no user method is running: every public method
+of the class is wrapped as a reader (``receiver.using()``) when the class is defined.
 """
 
 from __future__ import annotations
@@ -19,13 +18,14 @@ from typing import Any
 
 import ray
 
+from raysync.attach import AttachedReceiver, attach
 from raysync.errors import RaySyncError
-from raysync.hub_handle import HubHandle, get_hub
+from raysync.hub_handle import HubHandle
 from raysync.hub_state import DEFAULT_MODEL
-from raysync.messages import Ack, AckStatus, DeliveryMode, Update
-from raysync.receiver_core import HUB_CALL_TIMEOUT_S, ReceiverCore, ReceiverIdentity
-from raysync.receiver_hub_watch import HEARTBEAT_S, UNWATCHED, HubConnection, HubWatch
-from raysync.receiver_receipt import AckNow, reply_to_hub
+from raysync.messages import Ack, DeliveryMode, Update
+from raysync.receiver_core import HUB_CALL_TIMEOUT_S
+from raysync.receiver_delivery import deliver
+from raysync.receiver_hub_watch import HEARTBEAT_S, HubConnection
 
 
 class WeightReceiver:
@@ -107,37 +107,28 @@ class WeightReceiver:
         this receiver and registers again if not (the hub restarted), backing off while
         that fails (see :meth:`weights_connection`); ``None`` turns that off.
         ``timeout_s`` bounds every wait on the hub here.
+
+        It is :func:`raysync.attach` with ``owner=self`` (and this class's methods
+        guarded); the receiver it returns is kept at ``self._raysync_receiver``.
         """
-        handle = get_hub(hub, namespace, timeout_s=timeout_s) if isinstance(hub, str) else hub
-        paths = {DEFAULT_MODEL: models} if isinstance(models, str) else dict(models)
-        actor_id = ray.get_runtime_context().get_actor_id()
-        identity = ReceiverIdentity(
-            worker=worker_id or actor_id,
-            actor=f"{type(self).__name__}({actor_id})",
-            mode=DeliveryMode(mode),
+        self._raysync_receiver = attach(
+            hub,
+            {DEFAULT_MODEL: models} if isinstance(models, str) else dict(models),
+            owner=self,
+            worker_id=worker_id,
+            mode=mode,
             transport=transport,
             zero_copy=zero_copy,
-        )
-        core, welcome = ReceiverCore.register(
-            self,
-            handle,
-            paths,
-            identity,
-            on_applied=self.on_weights_applied,
-            previous=self.__dict__.get("_raysync_core"),
+            namespace=namespace,
             timeout_s=timeout_s,
+            heartbeat_s=heartbeat_s,
+            on_applied=self.on_weights_applied,
+            replaces=self.__dict__.get("_raysync_receiver"),
         )
-        self._raysync_core = core
-        self._raysync_watch: HubWatch | None = None
-        core.apply_welcome(welcome)
-        if heartbeat_s is not None:
-            self._raysync_watch = HubWatch(core, heartbeat_s)
-            self._raysync_watch.start()
 
     def weights_version(self, model: str | None = None) -> int:
         """The version of ``model`` this actor holds (0: none received yet)."""
-        core = self._raysync_connected()
-        return core.models[core.model_id(model)].version
+        return self._raysync_connected().version(model)
 
     def pull_weights(
         self, model: str | None = None, *, timeout_s: float = HUB_CALL_TIMEOUT_S
@@ -147,23 +138,15 @@ class WeightReceiver:
         Returns the versions held afterwards. Safe to call from inside a user method:
         the caller's own read is released while the update is applied.
         """
-        core = self._raysync_connected()
-        chosen = [core.model_id(model)] if model is not None else list(core.models)
-        for model_id in chosen:
-            update = core.latest(model_id, timeout_s)
-            if update is not None:
-                core.apply_now(update, "on pull")
-        return {m: core.models[m].version for m in chosen}
+        return self._raysync_connected().pull(model, timeout_s=timeout_s)
 
     def weights_safe_point(self) -> None:
         """Apply updates waiting for this method to finish, now. For long-running methods."""
-        self._raysync_connected().gate.safe_point()
+        self._raysync_connected().safe_point()
 
     def weights_connection(self) -> HubConnection:
         """This receiver's link to its hub, as its hub watch last saw it (see the class doc)."""
-        self._raysync_connected()
-        watch = self.__dict__.get("_raysync_watch")
-        return UNWATCHED if watch is None else watch.connection()
+        return self._raysync_connected().connection()
 
     def on_weights_applied(self, model: str, version: int) -> None:
         """Hook: runs after each version is applied, still at the safe point. Override it.
@@ -173,23 +156,18 @@ class WeightReceiver:
 
     # Never retried on a restarted incarnation, whatever the actor's max_task_retries:
     # the hub must see the death (the new incarnation gets the latest version when it
-    # registers again).
+    # registers again). A method of its own rather than ``__ray_call__``: Ray runs it
+    # like the class's other methods (on an async actor's event loop).
     @ray.method(max_task_retries=0)
-    def _raysync_deliver(self, update: Update) -> Ack | None:
+    def _raysync_deliver(self, key: str, update: Update) -> Ack | None:
         """Called by the hub for each broadcast; the Ack, or None if it comes later."""
-        core = self.__dict__.get("_raysync_core")
-        if core is None:
-            early = f"{type(self).__name__} received an update before connect_hub finished"
-            receipt = AckNow(Ack("?", update.model, update.version, AckStatus.FAILED, early))
-        else:
-            receipt = core.receive(update)
-        return reply_to_hub(receipt)
+        return deliver(self, key, update)
 
-    def _raysync_connected(self) -> ReceiverCore:
-        core = self.__dict__.get("_raysync_core")
-        if core is None:
+    def _raysync_connected(self) -> AttachedReceiver:
+        receiver = self.__dict__.get("_raysync_receiver")
+        if receiver is None:
             raise RaySyncError(f"{type(self).__name__} has not called connect_hub yet")
-        return core
+        return receiver
 
 
 _MIXIN_NAMES = frozenset(n for n in vars(WeightReceiver) if not n.startswith("__"))
@@ -201,10 +179,10 @@ def _guard(method: Any) -> Any:
 
         @functools.wraps(method)
         async def guarded_async(self: WeightReceiver, *args: Any, **kwargs: Any) -> Any:
-            core = self.__dict__.get("_raysync_core")
-            if core is None:
+            receiver = self.__dict__.get("_raysync_receiver")
+            if receiver is None:
                 return await method(self, *args, **kwargs)
-            async with core.gate.reading_async():
+            async with receiver.using_async():
                 return await method(self, *args, **kwargs)
 
         guarded_async.__raysync_guarded__ = True
@@ -212,10 +190,10 @@ def _guard(method: Any) -> Any:
 
     @functools.wraps(method)
     def guarded(self: WeightReceiver, *args: Any, **kwargs: Any) -> Any:
-        core = self.__dict__.get("_raysync_core")
-        if core is None:
+        receiver = self.__dict__.get("_raysync_receiver")
+        if receiver is None:
             return method(self, *args, **kwargs)
-        with core.gate.reading():
+        with receiver.using():
             return method(self, *args, **kwargs)
 
     guarded.__raysync_guarded__ = True

@@ -1,25 +1,23 @@
-"""The receiver core: one receiver's connection to one hub, usable without the mixin.
+"""The receiver core: one receiver's connection to one hub.
 
-:class:`ReceiverCore` registers an actor's models with a hub, fetches each update from
+:class:`ReceiverCore` registers a host's models with a hub, fetches each update from
 its transport, applies it to the model at a safe point (:class:`raysync.gate.ApplyGate`)
-and acknowledges it. It knows the actor only as ``owner``, the object its model paths
-resolve on, and an optional ``on_applied`` hook, so any actor can host one;
-:class:`raysync.receiver.WeightReceiver` keeps its own at ``self._raysync_core``.
+and acknowledges it. It knows its host only as ``owner``, the object its model paths
+resolve on, and an optional ``on_applied`` hook, so any actor or process can host one:
+:func:`raysync.attach` makes one (and the mixin, through it).
 
-Everything here runs in the receiver actor's process. Who calls what:
+Everything here runs in the host process. Who calls what:
 
-* the code that connects (``connect_hub``, from the actor's ``__init__`` usually):
-  ``core, welcome = ReceiverCore.register(...)``, then, once ``core`` is stored where
-  the actor's methods find it, ``core.apply_welcome(welcome)``;
-* the actor method the hub calls for every broadcast, which must be named
-  ``_raysync_deliver`` and never retried by Ray (``max_task_retries=0``):
-  ``return reply_to_hub(core.receive(update))`` (:mod:`raysync.receiver_receipt`);
-* the actor's user methods run as readers of ``core.gate``; user-facing pulls call
-  ``core.latest`` and ``core.apply_now``;
+* the code that connects (:func:`raysync.attach`): ``core, welcome =
+  ReceiverCore.register(...)``, then ``core.apply_welcome(welcome)``;
+* the hub, for every broadcast, through :func:`raysync.receiver_delivery.delivery_call`:
+  Ray runs ``core.receive(update)`` in the host's method queue;
+* the host's code using the model holds ``core.gate`` as a reader (the mixin's methods
+  do it themselves); user-facing pulls call ``core.latest`` and ``core.apply_now``;
 * the hub watch thread (:mod:`raysync.receiver_hub_watch`): ``hub_knows_me``,
-  ``register_again``, ``latest``, ``deliver_through_actor`` and ``send_ack``;
+  ``register_again``, ``latest``, ``deliver_through_host`` and ``send_ack``;
 * whoever replaces or ends the connection: ``close()`` (``register`` closes the
-  ``previous`` core it replaces itself).
+  ``previous`` core it replaces itself), after ``leave_hub()`` if it ends for good.
 """
 
 from __future__ import annotations
@@ -45,11 +43,13 @@ from raysync.messages import (
     Ack,
     AckStatus,
     DeliveryMode,
+    Entry,
     ReceiverTimings,
     Registration,
     Update,
     Welcome,
 )
+from raysync.receiver_delivery import attached, delivery_call
 from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, Receipt, receipt_of_reply
 from raysync.receiver_zero_copy import AdoptedVersion, Adoption
 from raysync.spec import WeightSpec
@@ -67,6 +67,8 @@ class ReceiverIdentity:
 
     worker: str  #: its name in reports and acks
     actor: str  #: "ClassName(actor_id)", for messages
+    attachment: str  #: its key in the host process (:mod:`raysync.receiver_delivery`)
+    entry: Entry = Entry.RAY_CALL  #: how the hub reaches the host actor
     mode: DeliveryMode = DeliveryMode.PUSH
     transport: str | None = None  #: the transport asked for; None: the hub's
     zero_copy: bool = False  #: models take staged versions as their own tensors (no copy)
@@ -106,8 +108,8 @@ class HeldModel:
 class ReceiverCore:
     """A receiver's connection to one hub (see the module doc for who calls what).
 
-    Made by :meth:`register`. Public state: ``hub``, ``identity``, ``worker`` and
-    ``actor_name``, ``models`` (model id -> :class:`HeldModel`), ``gate``,
+    Made by :meth:`register`. Public state: ``owner``, ``hub``, ``identity``, ``worker``
+    and ``actor_name``, ``models`` (model id -> :class:`HeldModel`), ``gate``,
     ``transport`` (this registration's transport receiver), ``token`` (this
     registration's), ``behind`` (models whose latest version could not be fetched on
     connecting: the hub watch pulls them again at each beat until they hold a version
@@ -156,8 +158,10 @@ class ReceiverCore:
         after each applied version; what it raises fails that version's ack.
         ``previous``, this actor's earlier core, lends each model its version (and the
         staged version a zero-copy model lives in) and is closed once the hub answered.
-        The hub may deliver to the new core as soon as this returns: store it where
-        ``_raysync_deliver`` finds it, then call :meth:`apply_welcome`.
+        The new core is in this process's registry of attached receivers
+        (:data:`raysync.receiver_delivery.attached`) under ``identity.attachment``
+        before the hub hears of it: a delivery that arrives while this still runs waits
+        for it. Call :meth:`apply_welcome` next.
 
         Raises ValueError for no paths, an unknown transport name or zero copy asked
         of a transport that cannot give it; errors of the model paths and of the hub's
@@ -168,10 +172,16 @@ class ReceiverCore:
         held = {m: _carried_over(previous, m, path) for m, path in paths.items()}
         _check_transport(hub, identity)
         registration = _registration(owner, held, identity)
-        welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
+        attached.reserve(identity.attachment)
+        try:
+            welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
+        except BaseException:
+            attached.remove(identity.attachment)
+            raise
         if previous is not None:
             previous.close()
         core = cls(owner, hub, held, identity, welcome, registration.token, on_applied)
+        attached.fill(identity.attachment, core)
         return core, welcome
 
     def apply_welcome(self, welcome: Welcome) -> None:
@@ -194,9 +204,15 @@ class ReceiverCore:
                 )
 
     def close(self) -> None:
-        """End this connection: its hub watch stops, its transport receiver closes."""
+        """End this connection: its hub watch stops, its transport receiver closes, and
+        deliveries to it fail (the hub still counts it until :meth:`leave_hub`)."""
         self.closed.set()
+        attached.remove(self.identity.attachment)
         self.transport.close()
+
+    def leave_hub(self, timeout_s: float) -> None:
+        """Tell the hub to forget this registration: no broadcast targets it any more."""
+        ray.get(self.hub.actor.leave.remote(self.worker, self.token), timeout=timeout_s)
 
     def model_id(self, model: str | None) -> str:
         """``model`` if this core holds it; None names the only model it holds."""
@@ -266,12 +282,16 @@ class ReceiverCore:
             )
         self.send_ack(receipt.ack)
 
-    def deliver_through_actor(self, update: Update, timeout_s: float) -> Receipt:
-        """Deliver ``update`` through this actor's own method queue, as the hub does, so
-        it is applied at a safe point like a broadcast. Not from an actor method: the
-        hub watch thread calls it."""
-        handle = ray.get_runtime_context().current_actor
-        reply = ray.get(handle._raysync_deliver.remote(update), timeout=timeout_s)
+    def deliver_through_host(self, update: Update, timeout_s: float) -> Receipt:
+        """Deliver ``update`` as the hub does, so it is applied at a safe point like a
+        broadcast: through the host actor's own method queue, or straight to the gate in
+        a process that is no actor (its readers hold the gate). Not from an actor method:
+        the hub watch thread calls it."""
+        handle = _host_actor()
+        if handle is None:
+            return self.receive(update)
+        call = delivery_call(handle, self.identity.entry, self.identity.attachment, update)
+        reply = ray.get(call, timeout=timeout_s)
         return receipt_of_reply(reply)
 
     def _stage_and_apply(self, update: Update) -> Receipt:
@@ -424,7 +444,9 @@ def _registration(
     adopted = [h.adoption.current for h in held.values()]
     return Registration(
         worker=identity.worker,
-        handle=context.current_actor,
+        handle=_host_actor(),
+        attachment=identity.attachment,
+        entry=identity.entry,
         actor=identity.actor,
         node_id=context.get_node_id(),
         process=context.get_worker_id(),
@@ -445,3 +467,9 @@ def _carried_over(previous: ReceiverCore | None, model_id: str, path: str) -> He
         return HeldModel(model_id, path)
     adopted = old.adoption.current if old.path == path else None
     return HeldModel(model_id, path, old.version, Adoption(adopted))
+
+
+def _host_actor() -> Any:
+    """The handle of the actor this process is, or None (a driver, a task)."""
+    context = ray.get_runtime_context()
+    return context.current_actor if context.get_actor_id() is not None else None

@@ -1,19 +1,21 @@
 """The hub watch: a receiver's daemon thread that keeps it registered with its hub.
 
-Runs in the receiver actor's process, one thread per connection: ``connect_hub``
+Runs in the receiver's host process, one thread per connection: :func:`raysync.attach`
 starts it (``HubWatch(core, heartbeat_s).start()``) and it ends when its
-:class:`~raysync.receiver_core.ReceiverCore` closes (a new ``connect_hub``). Every
-``interval_s`` it asks the hub whether it still knows this receiver. If not (the hub
-actor restarted and rebuilds its registry from receivers, or it dropped this receiver
-as dead by mistake) it registers again and delivers the newer versions the hub answers
-with through the actor's own method queue, so they are applied at a safe point like
-any broadcast. A re-registration that fails is tried again after one heartbeat, then
-after twice as long each time, at most four heartbeats apart. A hub that does not
-answer (restarting) is asked again at the next beat. At each beat it also pulls again
-the models the receiver could not fetch while connecting (``ReceiverCore.behind``).
+:class:`~raysync.receiver_core.ReceiverCore` closes (``close()``, or a new attach that
+replaces it). Every ``interval_s`` it asks the hub whether it still knows this receiver.
+If not (the hub actor restarted and rebuilds its registry from receivers, or it dropped
+this receiver as dead by mistake) it registers again and delivers the newer versions the
+hub answers with through the host's own method queue
+(``ReceiverCore.deliver_through_host``), so they are applied at a safe point like any
+broadcast. A re-registration that fails is tried again after one heartbeat, then after
+twice as long each time, at most four heartbeats apart. A hub that does not answer
+(restarting) is asked again at the next beat. At each beat it also pulls again the
+models the receiver could not fetch while connecting (``ReceiverCore.behind``).
 
 What it knows of the connection, :class:`HubConnection`, is read from any thread with
-:meth:`HubWatch.connection` (``WeightReceiver.weights_connection`` returns it).
+:meth:`HubWatch.connection` (``AttachedReceiver.connection`` and
+``WeightReceiver.weights_connection`` return it).
 """
 
 from __future__ import annotations
@@ -131,19 +133,19 @@ class HubWatch(threading.Thread):
         self._failures = 0
         self._connection = replace(self._connection, connected=True, reregistering_since=None)
         for update in welcome.latest.values():
-            receipt = core.deliver_through_actor(update, self._call_timeout_s)
+            receipt = core.deliver_through_host(update, self._call_timeout_s)
             if isinstance(receipt, AckNow):
                 core.send_ack(receipt.ack)
         return True
 
     def _catch_up(self) -> None:
-        """Pull again what ``core.behind`` lists; each update goes through the actor's
+        """Pull again what ``core.behind`` lists; each update goes through the host's
         method queue, so it is applied at a safe point."""
         core = self._core
         for model in sorted(core.behind):
             update = core.latest(model, self._call_timeout_s)
             if update is not None:
-                receipt = core.deliver_through_actor(update, self._call_timeout_s)
+                receipt = core.deliver_through_host(update, self._call_timeout_s)
                 if isinstance(receipt, AckNow):
                     if receipt.ack.status is AckStatus.FAILED:
                         logger.debug(

@@ -3,11 +3,11 @@
 :meth:`raysync.receiver_core.ReceiverCore.receive` returns a :data:`Receipt`: either
 :class:`AckNow` (applied, superseded or failed: the Ack is known when the call returns)
 or :class:`AckLater` (the apply waits for the next safe point of a busy async actor,
-which sends the Ack to the hub itself). Receiver process only; across the wire the
-hub's delivery call ``_raysync_deliver`` answers the hub process with the Ack, or with
-None for "later" (the hub then waits for the ack): :func:`reply_to_hub` makes that reply
-and :func:`receipt_of_reply` reads it back (the hub watch delivers through the actor's
-own method queue, so it gets the reply too).
+which sends the Ack to the hub itself). Receiver process only; across the wire the hub's
+delivery call (:func:`raysync.receiver_delivery.deliver`) answers the hub process with
+the Ack, or with None for "later" (the hub then waits for the ack): :func:`reply_to_hub`
+makes that reply and :func:`receipt_of_reply` reads it back (the hub watch delivers
+through the actor's own method queue, so it gets the reply too).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ Receipt: TypeAlias = AckNow | AckLater
 
 
 def reply_to_hub(receipt: Receipt) -> Ack | None:
-    """``receipt`` as ``_raysync_deliver`` answers the hub: the Ack, or None when the ack
+    """``receipt`` as the delivery call answers the hub: the Ack, or None when the ack
     follows from the safe point (the hub then waits for it)."""
     return receipt.ack if isinstance(receipt, AckNow) else None
 
 
 def receipt_of_reply(reply: Ack | None) -> Receipt:
-    """What a ``_raysync_deliver`` reply (see :func:`reply_to_hub`) stands for."""
+    """What a delivery call's reply (see :func:`reply_to_hub`) stands for."""
     return ACK_LATER if reply is None else AckNow(reply)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 Weights = Union[torch.nn.Module, "TensorDictBase", Mapping[str, Any]]
 
 
-def _is_tensordict(value: Any) -> bool:
+def is_tensordict(value: Any) -> bool:
     """``isinstance(value, TensorDictBase)``, without importing tensordict.
 
     A value can only be a TensorDict once its process imported tensordict, so a process
@@ -87,7 +87,7 @@ class Destination:
 
 def destinations(model: Any, *, what: str) -> Destination:
     """The in-place write targets of a receiver's model. Called in the receiver process."""
-    if isinstance(model, (torch.nn.Module, Mapping)) or _is_tensordict(model):
+    if isinstance(model, (torch.nn.Module, Mapping)) or is_tensordict(model):
         return Destination(_flat_tensors(model, what))
     if callable(getattr(model, "state_dict", None)) and callable(
         getattr(model, "load_state_dict", None)
@@ -112,7 +112,7 @@ def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
     if isinstance(model, torch.nn.Module):
         found = dict(model.named_parameters(remove_duplicate=False))
         found.update(model.named_buffers(remove_duplicate=False))
-    elif isinstance(model, Mapping) or _is_tensordict(model):
+    elif isinstance(model, Mapping) or is_tensordict(model):
         found = _flat_tensors(model, "model")
         # A lazily stacked TensorDict (also inside a mapping) builds new leaves on each
         # access: replacing their storage would reach nothing the model keeps.
@@ -146,7 +146,7 @@ def _flat_tensors(weights: Any, what: str, prefix: str = "") -> dict[str, torch.
         # The parameters and buffers themselves (not copies), under state_dict names and
         # through the module's state_dict hooks.
         weights = weights.state_dict(keep_vars=True)
-    if _is_tensordict(weights):
+    if is_tensordict(weights):
         from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
         def leaf_or_non_tensor(cls: type) -> bool:
@@ -183,7 +183,7 @@ def _flatten_mapping(
         name = f"{prefix}{key}"
         if isinstance(value, torch.Tensor):
             _put(out, name, value, what)
-        elif _is_tensordict(value):
+        elif is_tensordict(value):
             for sub, tensor in _flat_tensors(value, what, f"{name}.").items():
                 _put(out, sub, tensor, what)
         elif isinstance(value, Mapping):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 
 import ray
 import torch
 
+import raysync
 from raysync import WeightReceiver, weight_receiver
 
 
@@ -314,7 +316,7 @@ class Victim(WeightReceiver, _Stalls, _Inspect):
         self.applied_at: dict[int, float] = {}
         self.connect_hub(hub, models={"policy": "policy"}, worker_id=name, heartbeat_s=heartbeat_s)
         self.connected_at = time.time()
-        _stall_fetches(self, self._raysync_core.transport)
+        _stall_fetches(self, self._raysync_receiver.core.transport)
 
     def on_weights_applied(self, model: str, version: int) -> None:
         self.applied_at[version] = time.time()
@@ -358,3 +360,54 @@ class Holder(WeightReceiver):
 
     def busy(self, seconds: float) -> None:
         time.sleep(seconds)
+
+
+# -- hosts written without raysync: receivers attach to them (raysync.attach) -------------
+@ray.remote(num_cpus=0)
+class PlainWorker:
+    """An actor class that knows nothing of raysync (one you did not write)."""
+
+    def __init__(self):
+        self.nets = torch.nn.ModuleDict({"actor": make_policy()})
+
+    def act(self, obs: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.nets.actor(obs)
+
+
+def attach_actor_net(host, hub, **options) -> str:
+    """Runs in a PlainWorker through ``__ray_call__``: attach its actor net; the worker id."""
+    host.receiver = raysync.attach(hub, {"policy": "nets.actor"}, owner=host, **options)
+    return host.receiver.worker
+
+
+@ray.remote(num_cpus=0, max_concurrency=3)
+class LoopingWorker:
+    """A threaded actor whose loop attaches a receiver and then runs until stopped,
+    holding its model with ``receiver.using()`` for each step."""
+
+    def __init__(self):
+        self.model = make_probe_model(64, 4)
+        self.model.load_state_dict(filled(self.model, 0.0))
+        self.attached = threading.Event()
+        self.stopping = threading.Event()
+
+    def run(self, hub) -> dict:
+        receiver = raysync.attach(hub, self.model)
+        self.attached.set()
+        torn, seen, steps = 0, [], 0
+        while not self.stopping.is_set():
+            with receiver.using():
+                ok, value = _uniform_read(self.model)
+            torn += not ok
+            steps += 1
+            if not seen or seen[-1] != value:
+                seen.append(value)
+        receiver.close()
+        return {"torn": torn, "seen": seen, "steps": steps, "worker": receiver.worker}
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        return self.attached.wait(timeout_s)
+
+    def stop(self) -> None:
+        self.stopping.set()

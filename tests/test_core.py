@@ -25,6 +25,8 @@ from raysync import (
     DeliveryMode,
     get_hub,
 )
+from raysync.messages import Entry
+from raysync.receiver_delivery import delivery_call
 from raysync.transports import DEFAULT_TRANSPORT
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import (
@@ -237,9 +239,14 @@ class TestReceivers:
         old = ray.get(hub.latest.remote("policy"))
         newest = make_policy()
         ray.get(hub.broadcast.remote(newest))
-        # Re-deliver the older version (stale) and the current one (duplicate) by hand.
-        stale = ray.get(collector._raysync_deliver.remote(old))
-        duplicate = ray.get(collector._raysync_deliver.remote(ray.get(hub.latest.remote("policy"))))
+        # Re-deliver the older version (stale) and the current one (duplicate) by hand,
+        # the way the hub delivers.
+        key = ray.get(
+            collector.__ray_call__.remote(lambda c: c._raysync_receiver.core.identity.attachment)
+        )
+        stale = ray.get(delivery_call(collector, Entry.MIXIN_METHOD, key, old))
+        latest = ray.get(hub.latest.remote("policy"))
+        duplicate = ray.get(delivery_call(collector, Entry.MIXIN_METHOD, key, latest))
         assert stale.status.value == "superseded" and duplicate.status.value == "superseded"
         assert ray.get(collector.version.remote()) == first + 1
         assert_same(ray.get(collector.state.remote()), state_of(newest))

@@ -20,7 +20,14 @@ from raysync.errors import (
     UnknownWorkerError,
 )
 from raysync.hub_state import DEFAULT_MODEL, HubState
-from raysync.messages import DeliveryMode, ReceiverStatus, ReceiverTimings, Registration, Update
+from raysync.messages import (
+    DeliveryMode,
+    Entry,
+    ReceiverStatus,
+    ReceiverTimings,
+    Registration,
+    Update,
+)
 from raysync.routing import HandedOver
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo
@@ -48,6 +55,8 @@ def _registration(
     return Registration(
         worker=worker,
         handle=None,
+        attachment=f"{worker}-attachment",
+        entry=Entry.RAY_CALL,
         actor=_actor(worker),
         node_id="node-a",
         process=f"process-{worker}",

@@ -63,7 +63,7 @@ class _Receiver:
     ) -> None:
         self.owner = SimpleNamespace(policy=torch.nn.Linear(3, 2))
         self.hub = _Hub()
-        identity = ReceiverIdentity(WORKER, "Collector(abc)", zero_copy=zero_copy)
+        identity = ReceiverIdentity(WORKER, "Collector(abc)", "attachment", zero_copy=zero_copy)
         models = {"policy": HeldModel("policy", "policy")}
         welcome = Welcome("object_store", None, {})
         self.core = ReceiverCore(

@@ -58,7 +58,7 @@ class _Core:
     def latest(self, model: str, timeout_s: float) -> Update | None:
         return self.latest_updates.get(model)
 
-    def deliver_through_actor(self, update: Update, timeout_s: float) -> Receipt:
+    def deliver_through_host(self, update: Update, timeout_s: float) -> Receipt:
         self.delivered.append(update)
         return self.receipts.get(update, AckNow(_ack(update)))
 

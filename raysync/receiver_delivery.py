@@ -1,0 +1,122 @@
+"""How an update reaches a receiver's process: Ray's ``__ray_call__`` into the host actor.
+
+A receiver lives in a *host* process — an actor written with the mixin, or any actor or
+process that called :func:`raysync.attach` — and is known to its hub by an
+*attachment* key. The hub (and the receiver's own hub watch, to apply at a safe point)
+calls :func:`delivery_call`: Ray runs :func:`deliver` inside the host actor, in the
+host's method queue, like any of its methods — through ``__ray_call__``, so no method on
+the host's class is needed, or through the mixin's ``_raysync_deliver``. :func:`deliver`
+finds the receiver by its key in this process's :data:`attached` registry.
+
+Who calls what: the host process fills the registry (:meth:`Attachments.reserve` before
+registering with the hub, :meth:`Attachments.fill` once the receiver exists,
+:meth:`Attachments.remove` when it closes); the hub process and the hub watch call
+:func:`delivery_call`; Ray runs :func:`deliver` in the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Protocol
+
+from raysync.messages import Ack, AckStatus, Entry, Update
+from raysync.receiver_receipt import Receipt, reply_to_hub
+
+#: How long a delivery waits for a receiver that is still connecting (its key reserved,
+#: the hub already answered, the receiver not yet stored: a threaded host).
+CONNECTING_WAIT_S = 30.0
+
+
+class _Gate(Protocol):
+    loop: asyncio.AbstractEventLoop | None
+
+
+class Deliverable(Protocol):
+    """What :func:`deliver` needs of a receiver (a :class:`~raysync.receiver_core.ReceiverCore`)."""
+
+    gate: _Gate
+
+    def receive(self, update: Update) -> Receipt: ...
+
+
+class Attachments:
+    """This process's receivers by attachment key (one registry per process)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._receivers: dict[str, Deliverable | None] = {}  # None: reserved, connecting
+
+    def reserve(self, key: str) -> None:
+        """Announce ``key`` before registering with the hub: a delivery that arrives
+        before :meth:`fill` waits for it instead of failing."""
+        with self._cond:
+            self._receivers[key] = None
+
+    def fill(self, key: str, receiver: Deliverable) -> None:
+        with self._cond:
+            self._receivers[key] = receiver
+            self._cond.notify_all()
+
+    def remove(self, key: str) -> None:
+        with self._cond:
+            self._receivers.pop(key, None)
+            self._cond.notify_all()
+
+    def find(self, key: str, wait_s: float = CONNECTING_WAIT_S) -> Deliverable | None:
+        """The receiver under ``key``, waiting up to ``wait_s`` while it is reserved;
+        None if there is none (closed, or this is a new process after a restart)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._receivers.get(key, False) is not None, wait_s)
+            return self._receivers.get(key)
+
+
+#: The receivers of this process.
+attached = Attachments()
+
+
+def deliver(host: Any, key: str, update: Update) -> Ack | None:
+    """Runs in the host actor: hand ``update`` to the receiver attached under ``key``;
+    its Ack, or None when the ack follows from a later safe point (see
+    :func:`raysync.receiver_receipt.reply_to_hub`).
+
+    Ray runs ``__ray_call__`` of an async actor outside its event loop; a receiver whose
+    host reads its models on a loop (``using_async``) is handed the update on that loop,
+    where the safe point of async hosts lives.
+    """
+    receiver = attached.find(key)
+    if receiver is None:
+        error = (
+            f"no raysync receiver is attached under {key!r} in {type(host).__name__}'s "
+            f"process (closed, or a restarted process that has not attached again)"
+        )
+        return Ack("?", update.model, update.version, AckStatus.FAILED, error)
+    loop = receiver.gate.loop
+    if loop is not None and not _running_on(loop):
+        return asyncio.run_coroutine_threadsafe(_receive(receiver, update), loop).result()
+    return reply_to_hub(receiver.receive(update))
+
+
+async def _receive(receiver: Deliverable, update: Update) -> Ack | None:
+    return reply_to_hub(receiver.receive(update))
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def delivery_call(handle: Any, through: Entry, key: str, update: Update) -> Any:
+    """Ask the host actor behind ``handle`` to apply ``update``; the call's ObjectRef.
+
+    ``through`` is the host's entry point: the mixin's own method (a method like any
+    other, which Ray runs on an async actor's event loop), or ``__ray_call__`` for any
+    other actor. Never retried on a restarted incarnation, whatever the actor's
+    ``max_task_retries``: the hub must see the death (the new incarnation gets the
+    latest version when it registers again).
+    """
+    if through is Entry.MIXIN_METHOD:
+        return handle._raysync_deliver.options(max_task_retries=0).remote(key, update)
+    return handle.__ray_call__.options(max_task_retries=0).remote(deliver, key, update)

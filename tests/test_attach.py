@@ -1,0 +1,97 @@
+"""raysync.attach: receivers in actors and processes whose classes know nothing of raysync.
+
+A plain ``@ray.remote`` class attached through Ray's ``__ray_call__``; a threaded actor
+whose loop never returns, holding its model per step; the driver in pull mode; leaving
+the hub. The mixin is attach underneath, so versions, acks, restarts and safe points are
+also what every other receiver test checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+import raysync
+from raysync.transports import DEFAULT_TRANSPORT
+from tests.helpers import assert_same, start, start_hub
+from tests.receivers import (
+    LoopingWorker,
+    PlainWorker,
+    attach_actor_net,
+    filled,
+    make_policy,
+    make_probe_model,
+    state_of,
+)
+
+
+def test_a_plain_actor_attached_through_ray_call_acts_on_each_version(actors):
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    worker = start(actors, PlainWorker)
+    name = ray.get(worker.__ray_call__.remote(attach_actor_net, hub, worker_id="plain-1"))
+    assert name == "plain-1"
+    obs = torch.randn(5, 8)
+    for _ in range(3):
+        learner = make_policy()
+        report = ray.get(hub.broadcast.remote(learner, model="policy"))
+        assert report.acked == ("plain-1",) and report.failed == {}
+        # The host's own method acts with the version just acknowledged (its weights
+        # bit for bit; the matmul's summation order may differ between processes).
+        with torch.no_grad():
+            torch.testing.assert_close(ray.get(worker.act.remote(obs)), learner(obs))
+        held = ray.get(worker.__ray_call__.remote(lambda w: state_of(w.nets.actor)))
+        assert_same(held, state_of(learner))
+    version = ray.get(worker.__ray_call__.remote(lambda w: w.receiver.version()))
+    assert version == report.version
+    (status,) = ray.get(hub.status.remote()).receivers
+    assert status.worker == "plain-1" and "PlainWorker" in status.actor, status
+    assert status.versions == {"policy": report.version}
+
+
+def test_a_threaded_loop_that_never_returns_takes_each_version_between_steps(actors):
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    worker = start(actors, LoopingWorker)
+    template = make_probe_model(64, 4)
+    run = worker.run.remote(hub)
+    assert ray.get(worker.wait_attached.remote(60))
+    for value in range(1, 7):
+        report = ray.get(hub.broadcast.remote(filled(template, float(value))))
+        assert len(report.acked) == 1 and report.failed == {}
+    ray.get(worker.stop.remote())
+    result = ray.get(run)
+    assert result["torn"] == 0, result
+    # Versions landed while the loop ran, in order, the last one included.
+    assert result["seen"] == sorted(result["seen"]) and result["seen"][-1] == 6.0, result
+    assert len(result["seen"]) > 1, result
+    # The loop closed its receiver: the hub no longer counts it.
+    assert ray.get(hub.status.remote()).receivers == ()
+
+
+def test_the_driver_attaches_in_pull_mode(actors):
+    hub = start_hub(actors, DEFAULT_TRANSPORT, models=["policy"])
+    first = make_policy()
+    ray.get(hub.broadcast.remote(first, model="policy"))
+    mine = make_policy()
+    with pytest.raises(ValueError, match="mode='pull'"):
+        raysync.attach(hub, {"policy": mine})
+    receiver = raysync.attach(hub, {"policy": mine}, mode="pull", heartbeat_s=None)
+    try:
+        # Attaching applies the latest version at once.
+        assert receiver.versions() == {"policy": 1}
+        assert_same(state_of(mine), state_of(first))
+        second = make_policy()
+        report = ray.get(hub.broadcast.remote(second, model="policy"))
+        assert report.acked == ()  # pull receivers are not waited for
+        assert receiver.version("policy") == 1
+        assert receiver.pull() == {"policy": 2}
+        assert_same(state_of(mine), state_of(second))
+    finally:
+        receiver.close()
+    assert receiver.closed
+    assert ray.get(hub.status.remote()).receivers == ()
+
+
+def test_paths_without_an_owner_are_refused(ray_cluster):
+    with pytest.raises(ValueError, match=r"'nets.actor'.*owner="):
+        raysync.attach("no-such-hub", {"policy": "nets.actor"}, mode="pull")

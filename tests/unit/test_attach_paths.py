@@ -1,0 +1,96 @@
+"""attach's model arguments and the process registry of attached receivers, without Ray."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from raysync import model_path
+from raysync.attach import _model_paths
+from raysync.messages import AckStatus, Update
+from raysync.receiver_delivery import Attachments, attached, deliver
+from raysync.receiver_receipt import AckNow
+
+
+def test_one_model_object_is_the_default_model():
+    policy = torch.nn.Linear(2, 2)
+    resolve_on, paths = _model_paths(policy, None)
+    assert paths == {"default": "given['default']"}
+    assert model_path.resolve(resolve_on, paths["default"]) is policy
+
+
+def test_a_state_dict_is_one_model_and_a_mapping_of_models_is_several():
+    state = {"w": torch.zeros(3)}
+    assert list(_model_paths(state, None)[1]) == ["default"]
+    actor, critic = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    resolve_on, paths = _model_paths({"actor": actor, "critic": critic}, None)
+    assert model_path.resolve(resolve_on, paths["critic"]) is critic
+
+
+def test_paths_resolve_on_the_owner_beside_given_objects():
+    owner = SimpleNamespace(nets=SimpleNamespace(critic=torch.nn.Linear(2, 1)))
+    only_paths = _model_paths({"critic": "nets.critic"}, owner)
+    assert only_paths == (owner, {"critic": "nets.critic"})
+    policy = torch.nn.Linear(2, 2)
+    resolve_on, paths = _model_paths({"critic": "nets.critic", "policy": policy}, owner)
+    assert model_path.resolve(resolve_on, paths["critic"]) is owner.nets.critic
+    assert model_path.resolve(resolve_on, paths["policy"]) is policy
+
+
+def test_paths_need_an_owner_and_models_are_needed():
+    with pytest.raises(ValueError, match="'nets.critic'.*owner="):
+        _model_paths({"critic": "nets.critic"}, None)
+    with pytest.raises(ValueError, match="at least one model"):
+        _model_paths({}, None)
+
+
+def _update(version: int) -> Update:
+    return Update("policy", version, spec_digest="d", transport="object_store", payload=None)
+
+
+class _Receiver:
+    gate = SimpleNamespace(loop=None)
+
+    def __init__(self) -> None:
+        self.received: list[Update] = []
+
+    def receive(self, update: Update) -> AckNow:
+        self.received.append(update)
+        return AckNow(SimpleNamespace(status=AckStatus.APPLIED))
+
+
+def test_a_delivery_waits_for_a_receiver_still_connecting():
+    registry = Attachments()
+    registry.reserve("k")
+    found: list[object] = []
+    waiter = threading.Thread(target=lambda: found.append(registry.find("k", wait_s=30)))
+    waiter.start()
+    receiver = _Receiver()
+    registry.fill("k", receiver)
+    waiter.join(30)
+    assert found == [receiver]
+
+
+def test_an_unknown_or_removed_key_finds_nothing_and_fails_the_delivery():
+    registry = Attachments()
+    assert registry.find("never", wait_s=0) is None
+    registry.fill("gone", _Receiver())
+    registry.remove("gone")
+    assert registry.find("gone", wait_s=0) is None
+    update = _update(3)
+    ack = deliver(SimpleNamespace(), "not-attached-here", update)
+    assert ack.status is AckStatus.FAILED and "not-attached-here" in ack.error
+
+
+def test_deliver_hands_the_update_to_the_receiver_under_its_key():
+    receiver = _Receiver()
+    attached.fill("unit-test-key", receiver)
+    try:
+        update = _update(1)
+        assert deliver(SimpleNamespace(), "unit-test-key", update).status is AckStatus.APPLIED
+        assert receiver.received == [update]
+    finally:
+        attached.remove("unit-test-key")
