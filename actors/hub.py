@@ -277,7 +277,7 @@ class WeightHubActor:
 
     async def ack(self, ack: Ack) -> None:
         """An acknowledgement sent after the delivery call returned (deferred applies)."""
-        if ack.status is not AckStatus.FAILED:
+        if ack.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED):
             self._state.record(ack.worker, ack.model, ack.version, ack.timings)
         future = self._pending_acks.get((ack.worker, ack.model, ack.version))
         if future is not None and not future.done():
@@ -487,6 +487,8 @@ class WeightHubActor:
             )
         finally:
             self._pending_acks.pop(key, None)
+        if ack.status is AckStatus.NOT_ATTACHED:
+            return await self._not_attached(registration, update, ack, deadline)
         if ack.status is AckStatus.FAILED:
             return _Outcome(
                 registration.worker, f"{registration.actor} failed to apply: {ack.error}"
@@ -494,6 +496,24 @@ class WeightHubActor:
         self._state.record(registration.worker, update.model, update.version, ack.timings)
         delivered_s = time.perf_counter() - delivery_started
         return _Outcome(registration.worker, None, delivered_s, ack.timings)
+
+    async def _not_attached(
+        self, registration: Registration, update: Update, ack: Ack, deadline: float
+    ) -> _Outcome:
+        """The delivery reached a process without this registration's receiver: a new
+        incarnation of the actor (the call was queued when the old one died, and Ray
+        ran it on the new one), or the receiver was closed."""
+        try:
+            restarted = await self._restarted(registration, deadline)
+        except (asyncio.TimeoutError, RayError) as err:
+            restarted = f"and it did not answer again ({type(err).__name__})"
+        if restarted is None:
+            return _Outcome(registration.worker, f"{registration.actor}: {ack.error}")
+        return _Outcome(
+            registration.worker,
+            f"{registration.actor} died before applying version {update.version} of model "
+            f"{update.model!r}; {restarted}",
+        )
 
     async def _restarted(self, registration: Registration, deadline: float) -> str | None:
         """After ``ActorUnavailableError``: find out, by ``deadline``, which process the

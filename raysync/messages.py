@@ -26,6 +26,9 @@ class AckStatus(enum.Enum):
     APPLIED = "applied"  #: the receiver now holds exactly this version
     SUPERSEDED = "superseded"  #: the receiver already held this version or a newer one
     FAILED = "failed"  #: the receiver could not apply it; ``Ack.error`` says why
+    #: the host process has no receiver under the registration's key: it closed it, or
+    #: this is a new process (Ray restarted the actor) that has not attached again
+    NOT_ATTACHED = "not attached"
 
 
 @dataclass(frozen=True)

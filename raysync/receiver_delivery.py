@@ -90,7 +90,7 @@ def deliver(host: Any, key: str, update: Update) -> Ack | None:
             f"no raysync receiver is attached under {key!r} in {type(host).__name__}'s "
             f"process (closed, or a restarted process that has not attached again)"
         )
-        return Ack("?", update.model, update.version, AckStatus.FAILED, error)
+        return Ack("?", update.model, update.version, AckStatus.NOT_ATTACHED, error)
     loop = receiver.gate.loop
     if loop is not None and not _running_on(loop):
         return asyncio.run_coroutine_threadsafe(_receive(receiver, update), loop).result()

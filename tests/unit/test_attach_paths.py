@@ -82,7 +82,7 @@ def test_an_unknown_or_removed_key_finds_nothing_and_fails_the_delivery():
     assert registry.find("gone", wait_s=0) is None
     update = _update(3)
     ack = deliver(SimpleNamespace(), "not-attached-here", update)
-    assert ack.status is AckStatus.FAILED and "not-attached-here" in ack.error
+    assert ack.status is AckStatus.NOT_ATTACHED and "not-attached-here" in ack.error
 
 
 def test_deliver_hands_the_update_to_the_receiver_under_its_key():
