@@ -201,6 +201,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.manual_seed(args.seed)
     learner = Learner(PPOConfig())
     ack = hub.broadcast.remote(learner.policy, model=MODEL)  # version 1: the initial policy
+    # Acked by the collectors registered by then; any other one gets it in connect_hub.
+    ray.get(ack)
     pending = [c.collect.remote(args.steps) for c in collectors]
     rows, env_steps = [], 0
     started = time.perf_counter()

@@ -19,7 +19,7 @@ _ROOT = Path(__file__).parents[1]
 
 def test_rl_loop_learns_cartpole_and_reports_each_collectors_lag(tmp_path):
     out = tmp_path / "rl_loop.json"
-    iterations, collectors = 12, 2
+    iterations, collectors = 15, 2
     result = subprocess.run(
         [
             sys.executable,
@@ -39,7 +39,8 @@ def test_rl_loop_learns_cartpole_and_reports_each_collectors_lag(tmp_path):
     # 512 steps hold at least one episode's end (CartPole stops at 500): every row has a return.
     returns = [r["mean_return"] for r in rows]
     first, last = statistics.fmean(returns[:3]), statistics.fmean(returns[-3:])
-    # A random policy averages ~22; three times the start is only reached by learning.
+    # A random policy averages ~22. Seed 0 ends near 170 (seeds 0-9: 4.9 to 7.6 times
+    # the start), so a float that differs on another CPU still leaves a wide margin.
     assert last > 3 * first, returns
 
     # The first batches use version 1, the latest; later ones the version before the
