@@ -411,3 +411,34 @@ class LoopingWorker:
 
     def stop(self) -> None:
         self.stopping.set()
+
+
+@ray.remote(num_cpus=0)
+class AsyncHost:
+    """An async actor without the mixin: attaches from a coroutine; each read spans an
+    await inside ``receiver.using_async()``, so a write in between would tear it."""
+
+    def __init__(self):
+        self.model = make_probe_model(64, 4)
+        self.model.load_state_dict(filled(self.model, 0.0))
+
+    async def attach(self, hub) -> None:
+        self.receiver = raysync.attach(hub, self.model)
+
+    async def probe(self, seconds: float) -> dict:
+        torn, seen, reads = 0, [], 0
+        params = list(self.model.parameters())
+        half = len(params) // 2
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            async with self.receiver.using_async():
+                first = [float(p.view(-1)[0]) for p in params[:half]]
+                await asyncio.sleep(0.001)
+                second = [float(p.view(-1)[0]) for p in params[half:]]
+            values = first + second
+            torn += len(set(values)) != 1
+            reads += 1
+            if not seen or seen[-1] != values[0]:
+                seen.append(values[0])
+            await asyncio.sleep(0)  # between reads: where a waiting version lands
+        return {"torn": torn, "seen": seen, "reads": reads}

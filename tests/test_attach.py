@@ -16,6 +16,7 @@ import raysync
 from raysync.transports import DEFAULT_TRANSPORT
 from tests.helpers import assert_same, start, start_hub
 from tests.receivers import (
+    AsyncHost,
     LoopingWorker,
     PlainWorker,
     attach_actor_net,
@@ -66,6 +67,25 @@ def test_a_threaded_loop_that_never_returns_takes_each_version_between_steps(act
     assert len(result["seen"]) > 1, result
     # The loop closed its receiver: the hub no longer counts it.
     assert ray.get(hub.status.remote()).receivers == ()
+
+
+def test_an_async_actor_attached_from_a_coroutine_applies_between_its_reads(actors):
+    """Ray runs ``__ray_call__`` of an async actor off its event loop: the delivery is
+    handed to the loop, where a version waits for the readers parked at an await."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    host = start(actors, AsyncHost)
+    ray.get(host.attach.remote(hub))
+    template = make_probe_model(64, 4)
+    ray.get(hub.broadcast.remote(filled(template, 1.0)))
+    probe = host.probe.remote(2.0)
+    tickets = ray.get(
+        [hub.broadcast.remote(filled(template, float(v)), wait=False) for v in range(2, 9)]
+    )
+    result = ray.get(probe)
+    reports = ray.get([hub.wait_for.remote(t) for t in tickets])
+    assert all(len(r.acked) == 1 and r.failed == {} for r in reports), reports
+    assert result["torn"] == 0 and result["reads"] > 10, result
+    assert result["seen"] == sorted(result["seen"]) and len(result["seen"]) > 1, result
 
 
 def test_the_driver_attaches_in_pull_mode(actors):
