@@ -5,6 +5,7 @@ must rise well above a random policy's, and every batch's version lag is reporte
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,8 @@ def test_rl_loop_learns_cartpole_and_reports_each_collectors_lag(tmp_path):
     assert [len(r["lags"]) for r in rows] == [collectors] * iterations
     assert rows[0]["lags"] == [0] * collectors, rows[0]
     assert all(0 <= lag <= 1 for r in rows for lag in r["lags"]), [r["lags"] for r in rows]
-    printed = [line.split() for line in result.stdout.splitlines() if line[:4].strip().isdigit()]
+    # iteration, env steps, mean return, episodes, a lag per collector, seconds
+    row_line = re.compile(r" *\d+ +\d+ +[\d.]+ +\d+ +[\d ]+ +[\d.]+")
+    printed = [line.split() for line in result.stdout.splitlines() if row_line.fullmatch(line)]
     assert [p[0] for p in printed] == [str(i) for i in range(1, iterations + 1)]
     assert [p[4 : 4 + collectors] for p in printed] == [[str(x) for x in r["lags"]] for r in rows]
