@@ -1,0 +1,200 @@
+"""Where a small broadcast's time goes: one timeline per (transport, size, receivers).
+
+Runs in the driver, which is the learner. For each cell it starts a hub and N receiver
+actors (the mixin, a state_dict of 16 float32 tensors), broadcasts ``--repeats`` times
+after ``--warmup`` untimed broadcasts, and splits each broadcast's wall time (from
+``hub.broadcast.remote`` to the report, on the learner's clock) with the report's
+``phases``:
+
+* ``learner``  -- flatten, check, hand the data to the transport (``phases.learner_s``);
+* ``to_hub_and_back`` -- the wall time outside the hub's own span (``report.seconds``
+  less the learner's part): the learner's submit call reaching the hub, and the report
+  coming back;
+* ``hub_before_delivery`` -- in the hub, before the receivers are called: ordering,
+  checks, the version, the GCS snapshot write, planning (``plan_s`` is shown apart);
+* ``deliver`` -- the hub's calls to the receivers until the last ack (max over
+  receivers), and inside one receiver its ``fetch``, ``wait`` (for a safe point) and
+  ``apply``.
+
+Beside them, Ray's own floors in the same cluster, with no data and no work: one actor
+call from the learner; the learner calling the N receivers at once; the learner calling
+an async relay actor that calls the N receivers at once (the hub's shape); and one GCS
+key-value write of 64 bytes (what the hub's snapshot costs per broadcast).
+
+``python benchmarks/latency_phases.py --out benchmarks/results/latency_phases.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+import torch
+from ray.experimental import internal_kv
+
+from raysync import WeightHub, WeightReceiver, available_transports
+
+_TENSORS = 16
+
+
+def _state(size_mb: float, value: float = 0.0) -> dict[str, torch.Tensor]:
+    per_tensor = max(1, int(size_mb * 2**20 / 4 / _TENSORS))
+    return {f"w{i}": torch.full((per_tensor,), value) for i in range(_TENSORS)}
+
+
+@ray.remote(num_cpus=0)
+class _Receiver(WeightReceiver):
+    def __init__(self, hub, size_mb: float):
+        self.weights = _state(size_mb)
+        self.connect_hub(hub, {"m": "weights"})
+
+    def noop(self) -> None:
+        return None
+
+
+@ray.remote(num_cpus=0)
+class _Relay:
+    """An async actor that calls N actors at once and gathers: the hub's shape, no work."""
+
+    async def fan_out(self, targets: list) -> None:
+        await asyncio.gather(*[t.noop.remote() for t in targets])
+
+
+def _ms(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "p50": statistics.median(ordered) * 1e3,
+        "p99": ordered[int(0.99 * (len(ordered) - 1))] * 1e3,
+    }
+
+
+def _timed(call: Callable[[], object], warmup: int, repeats: int) -> list[float]:
+    samples = []
+    for i in range(warmup + repeats):
+        started = time.perf_counter()
+        call()
+        if i >= warmup:
+            samples.append(time.perf_counter() - started)
+    return samples
+
+
+def measure_cell(transport: str, size_mb: float, receivers: int, warmup: int, repeats: int) -> dict:
+    """One cell's timeline (milliseconds, p50 and p99 over ``repeats`` broadcasts)."""
+    hub = WeightHub.remote(transport=transport, models=["m"])
+    actors = [_Receiver.remote(hub, size_mb) for _ in range(receivers)]
+    ray.get([a.__ray_ready__.remote() for a in actors])
+    relay = _Relay.remote()
+    walls, reports = [], []
+    try:
+        for i in range(warmup + repeats):
+            weights = _state(size_mb, float(i + 1))
+            started = time.perf_counter()
+            report = ray.get(hub.broadcast.remote(weights, model="m"))
+            wall = time.perf_counter() - started
+            if len(report.acked) != receivers:
+                raise RuntimeError(f"{transport}: broadcast {i} not acked by all: {report}")
+            if i >= warmup:
+                walls.append(wall)
+                reports.append(report)
+        floors = {
+            "one_call": _timed(lambda: ray.get(actors[0].noop.remote()), warmup, repeats),
+            "direct_fan_out": _timed(
+                lambda: ray.get([a.noop.remote() for a in actors]), warmup, repeats
+            ),
+            "relay_fan_out": _timed(lambda: ray.get(relay.fan_out.remote(actors)), warmup, repeats),
+            "gcs_kv_put": _timed(
+                lambda: internal_kv._internal_kv_put(
+                    "latency/versions", b"x" * 64, overwrite=True, namespace="latency"
+                ),
+                warmup,
+                repeats,
+            ),
+        }
+    finally:
+        ray.get(hub.close.remote())
+        hub.release()
+        for actor in [hub.actor, *actors, relay]:
+            ray.kill(actor)
+    phases = [r.phases for r in reports]
+    learner = [p.learner_s for p in phases]
+    in_hub = [r.seconds - p.learner_s for r, p in zip(reports, phases, strict=True)]
+    deliver = [p.deliver_s.max for p in phases]
+    return {
+        "transport": transport,
+        "size_mb": size_mb,
+        "receivers": receivers,
+        "wall": _ms(walls),
+        "learner": _ms(learner),
+        "to_hub_and_back": _ms([w - r.seconds for w, r in zip(walls, reports, strict=True)]),
+        "hub_before_delivery": _ms([h - d for h, d in zip(in_hub, deliver, strict=True)]),
+        "plan": _ms([p.plan_s for p in phases]),
+        "deliver_max": _ms(deliver),
+        "fetch": _ms([p.fetch_s.p50 for p in phases]),
+        "wait": _ms([p.wait_s.p50 for p in phases]),
+        "apply": _ms([p.apply_s.p50 for p in phases]),
+        "floors": {name: _ms(samples) for name, samples in floors.items()},
+    }
+
+
+_COLUMNS = (
+    ("wall", lambda c: c["wall"]["p50"]),
+    ("p99", lambda c: c["wall"]["p99"]),
+    ("learner", lambda c: c["learner"]["p50"]),
+    ("to hub+back", lambda c: c["to_hub_and_back"]["p50"]),
+    ("hub pre", lambda c: c["hub_before_delivery"]["p50"]),
+    ("deliver", lambda c: c["deliver_max"]["p50"]),
+    ("fetch", lambda c: c["fetch"]["p50"]),
+    ("apply", lambda c: c["apply"]["p50"]),
+    ("ray 1 call", lambda c: c["floors"]["one_call"]["p50"]),
+    ("ray direct", lambda c: c["floors"]["direct_fan_out"]["p50"]),
+    ("ray relay", lambda c: c["floors"]["relay_fan_out"]["p50"]),
+    ("gcs put", lambda c: c["floors"]["gcs_kv_put"]["p50"]),
+)
+
+
+def print_table(cells: list[dict]) -> None:
+    """A markdown table, milliseconds (p50 unless marked)."""
+    print("| transport | MB | N | " + " | ".join(name for name, _ in _COLUMNS) + " |")
+    print("|---|---|---|" + "---|" * len(_COLUMNS))
+    for cell in cells:
+        values = " | ".join(f"{value(cell):.2f}" for _, value in _COLUMNS)
+        print(f"| {cell['transport']} | {cell['size_mb']:g} | {cell['receivers']} | {values} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--transports", nargs="+", help="default: object_store, shared_memory, nixl (if here)"
+    )
+    parser.add_argument("--sizes", nargs="+", type=float, default=[0.1, 1.0, 8.0], help="MB")
+    parser.add_argument("--receivers", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    args = parser.parse_args()
+    transports = args.transports or [
+        t for t in ("object_store", "shared_memory", "nixl") if t in available_transports()
+    ]
+    ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
+    try:
+        cells = [
+            measure_cell(t, size, n, args.warmup, args.repeats)
+            for t in transports
+            for size in args.sizes
+            for n in args.receivers
+        ]
+    finally:
+        ray.shutdown()
+    print_table(cells)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"cells": cells}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
