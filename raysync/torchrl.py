@@ -1,0 +1,312 @@
+"""TorchRL's weight-sync scheme backed by raysync: :class:`RaySyncScheme`.
+
+Install with ``pip install raysync[torchrl]``; nothing else in raysync imports this module.
+Hand the scheme to TorchRL's ``RayCollector``::
+
+    collector = RayCollector(..., weight_sync_schemes={"policy": RaySyncScheme()})
+    collector.update_policy_weights_()   # every remote collector acts with them from its next batch
+
+TorchRL drives the scheme through its ``WeightSyncScheme`` hooks, in this order:
+
+1. ``init_on_sender`` — in the process that builds the ``RayCollector`` (the learner),
+   once its remote collectors exist: the scheme starts its hub (or looks up the one it
+   was given) and names each remote collector's receiver.
+2. ``init_on_receiver`` — in each remote collector's actor, when TorchRL hands it the
+   pickled scheme (``register_scheme_receiver``): the collector's model is attached to
+   the hub with :func:`raysync.attach` in push mode, so the hub delivers every version
+   between two calls of the collector (a collection never mixes two versions).
+3. ``connect`` — on both sides at the first ``update_policy_weights_()``: nothing to set
+   up, the receivers registered in step 2 (``connect(weights=w)`` on the learner
+   broadcasts ``w``).
+4. ``send`` — in the learner, for each ``update_policy_weights_()``: one
+   ``hub.broadcast`` to this collector's receivers (or the ``worker_ids`` asked for),
+   waited for until every one applied it. Each receiver then passes the update on to
+   its own sub-collectors (``MultiSyncCollector``/``MultiAsyncCollector`` workers) the
+   way TorchRL's schemes do, through the collector's ``update_policy_weights_``.
+5. ``shutdown`` — in the learner, from ``RayCollector.shutdown()``: a hub the scheme
+   started is closed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.weight_update.weight_sync_schemes import (
+    WeightSyncScheme,
+    register_weight_sync_backend,
+)
+
+from raysync.attach import attach
+from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle, WeightHub, get_hub
+from raysync.messages import BroadcastReport
+from raysync.model_path import resolve
+from raysync.transports import DEFAULT_TRANSPORT
+
+
+@register_weight_sync_backend("raysync")
+class RaySyncScheme(WeightSyncScheme):
+    """Keeps one model of TorchRL's remote collectors in sync through a raysync hub.
+
+    ``hub`` is a :class:`~raysync.HubHandle` or a named hub's name (looked up in
+    ``namespace``); without one, ``init_on_sender`` starts a hub of the scheme's own,
+    closed again by :meth:`shutdown`. ``transport`` is that hub's transport; with a hub
+    given, it is the one the collectors read by (overriding the hub's for them).
+    ``timeout_s`` bounds each ``update_policy_weights_()`` (every collector's ack) and
+    every wait on the hub. Registered with TorchRL as backend ``"raysync"``:
+    ``WeightSyncScheme.from_backend("raysync", hub=...)``.
+
+    After :meth:`send`, :attr:`last_report` holds that broadcast's
+    :class:`~raysync.BroadcastReport` (its ``version``, who acked, where the time went).
+    """
+
+    def __init__(
+        self,
+        hub: HubHandle | str | None = None,
+        *,
+        transport: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        namespace: str | None = None,
+    ) -> None:
+        super().__init__(strategy="tensordict")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self._hub_given = hub
+        self._namespace = namespace
+        self._transport = transport
+        self._timeout_s = timeout_s
+        self._hub: HubHandle | None = None
+        self._owns_hub = False
+        self._workers: tuple[str, ...] = ()
+        self._receiver: Any = None
+        self.last_report: BroadcastReport | None = None
+
+    # -- the learner's side ----------------------------------------------------------------
+    def _init_on_sender_impl(
+        self,
+        model_id: str,
+        context: Any = None,
+        *,
+        remote_collectors: Sequence[Any] | None = None,
+        model: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """In the learner: find the remote collectors, name their receivers, get the hub."""
+        if remote_collectors is None and context is not None:
+            remote_collectors = getattr(context, "remote_collectors", None)
+        if not remote_collectors:
+            raise ValueError(
+                f"RaySyncScheme for model {model_id!r} needs the remote collectors "
+                "(remote_collectors=, or a RayCollector as context)"
+            )
+        self.model_id = model_id
+        self.context = context
+        self.model = model
+        scheme_id = uuid.uuid4().hex[:8]
+        self._workers = tuple(
+            _worker_id(scheme_id, model_id, index) for index in range(len(remote_collectors))
+        )
+        self._hub, self._owns_hub = self._open_hub(model_id)
+
+    def _open_hub(self, model_id: str) -> tuple[HubHandle, bool]:
+        given = self._hub_given
+        if isinstance(given, HubHandle):
+            return given, False
+        if isinstance(given, str):
+            return get_hub(given, self._namespace, timeout_s=self._timeout_s), False
+        hub = WeightHub.remote(
+            transport=self._transport or DEFAULT_TRANSPORT,
+            timeout_s=self._timeout_s,
+            models=[model_id],
+        )
+        return hub, True
+
+    def _setup_connection_and_weights_on_sender_impl(
+        self, *, worker_idx: int | None = None, weights: Any = None
+    ) -> None:
+        """``connect()`` in the learner: the receivers registered in ``init_on_receiver``;
+        initial ``weights``, if given, are broadcast to all of them."""
+        if weights is not None:
+            self.send(weights)
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Broadcast ``weights`` (default: the learner's model) and wait for the acks.
+
+        Called in the learner by ``update_policy_weights_()``. ``weights`` is an
+        nn.Module, a TensorDict or a state_dict; ``worker_ids`` picks remote collectors
+        by index (default: all). Raises :class:`~raysync.SpecMismatchError` naming the
+        first key whose shape or dtype differs from the collectors' model,
+        :class:`~raysync.UnknownModelError` for a model id the hub does not know, and
+        :class:`~raysync.BroadcastError` if a collector failed to apply it (within
+        ``timeout_s``).
+        """
+        if self._hub is None:
+            raise RuntimeError(
+                f"RaySyncScheme for model {self.model_id!r} is not initialized on the "
+                "sender: hand it to RayCollector(weight_sync_schemes={...}), which calls "
+                "init_on_sender, before sending weights"
+            )
+        prepared = self.prepare_weights(
+            weights=weights if weights is not None else self.model,
+            model_id=self.model_id,
+            strategy=self.strategy,
+            context=self.context,
+        )
+        ack = self._hub.broadcast.remote(
+            prepared,
+            model=self.model_id,
+            workers=self._targets(worker_ids),
+            timeout_s=self._timeout_s,
+        )
+        self.last_report = ray.get(ack)
+
+    def _targets(self, worker_ids: int | list[int] | None) -> list[str]:
+        if worker_ids is None:
+            return list(self._workers)
+        indices = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        for index in indices:
+            if not isinstance(index, int) or not 0 <= index < len(self._workers):
+                raise ValueError(
+                    f"worker_ids: {index!r} is not a remote collector index of model "
+                    f"{self.model_id!r} (0 to {len(self._workers) - 1})"
+                )
+        return [self._workers[index] for index in indices]
+
+    @property
+    def hub(self) -> HubHandle | None:
+        """The hub (None before ``init_on_sender`` and after :meth:`shutdown`)."""
+        return self._hub
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """The remote collectors' worker ids at the hub, by collector index."""
+        return self._workers
+
+    @property
+    def model(self) -> Any:
+        """The model this scheme keeps in sync: the learner's (the RayCollector's
+        ``policy``) on the sender, the collector's own in a receiver."""
+        if self._model_ref is not None:
+            return self._model_ref()
+        if self.initialized_on_sender:
+            raise AttributeError(
+                f"RaySyncScheme has no learner model for {self.model_id!r} (the "
+                "RayCollector was built with policy_factory): pass the weights, "
+                "update_policy_weights_(TensorDict.from_module(policy))"
+            )
+        return None
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        WeightSyncScheme.model.fset(self, value)
+
+    def create_transport(self, **kwargs: Any) -> Any:
+        """Not used: weights travel through the raysync hub, not a TorchRL transport."""
+        raise TypeError("RaySyncScheme moves weights through its raysync hub, not a transport")
+
+    # -- a remote collector's side ------------------------------------------------------------
+    def _init_on_receiver_impl(
+        self,
+        model_id: str,
+        context: Any = None,
+        *,
+        worker_idx: int | None = None,
+        model: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """In a remote collector: attach its model to the hub, in push mode."""
+        if self._hub is None:
+            raise RuntimeError(
+                f"RaySyncScheme for model {model_id!r} reached a collector before "
+                "init_on_sender ran in the learner"
+            )
+        self.model_id = model_id
+        self.context = context
+        if worker_idx is None and context is not None:
+            worker_idx = getattr(context, "worker_idx", None)
+        if worker_idx is None or not 0 <= worker_idx < len(self._workers):
+            raise ValueError(
+                f"RaySyncScheme for model {model_id!r}: this collector's worker_idx "
+                f"{worker_idx!r} is not one of the {len(self._workers)} the learner knows"
+            )
+        self.worker_idx = worker_idx
+        target = model if model is not None else _collector_model(context, model_id)
+        self.model = target
+        self._receiver = attach(
+            self._hub,
+            {model_id: _weights_of(target)},
+            owner=context,
+            worker_id=self._workers[worker_idx],
+            transport=self._transport if self._hub_given is not None else None,
+            timeout_s=self._timeout_s,
+            on_applied=self._pass_on,
+        )
+
+    def _pass_on(self, model_id: str, version: int) -> None:
+        """After each applied version, in the collector's actor: hand the weights to the
+        collector's own ``update_policy_weights_``, as TorchRL's schemes do (it updates
+        sub-collectors' workers and bumps the collector's policy version)."""
+        context = self.context
+        if context is not None:
+            context.update_policy_weights_(
+                model_id=model_id, policy_or_weights=_weights_of(self.model)
+            )
+
+    # -- both sides --------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Detach a receiver; in the learner, close a hub the scheme started."""
+        super().shutdown()
+        receiver, self._receiver = getattr(self, "_receiver", None), None
+        if receiver is not None:
+            receiver.close()
+        if getattr(self, "_owns_hub", False) and self._hub is not None:
+            hub, self._hub, self._owns_hub = self._hub, None, False
+            hub.release()
+            ray.get(hub.close.remote(), timeout=self._timeout_s)
+            ray.kill(hub.actor)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What TorchRL pickles to each remote collector: the hub's handle and the
+        receivers' names, never the learner's ownership of the hub or a receiver."""
+        state = super().__getstate__()
+        state.update(_receiver=None, _owns_hub=False, last_report=None)
+        return state
+
+
+def _worker_id(scheme_id: str, model_id: str, index: int) -> str:
+    """A remote collector's name at the hub (in reports and ``hub.status``)."""
+    return f"torchrl-{scheme_id}-{model_id}-{index}"
+
+
+def _collector_model(context: Any, model_id: str) -> Any:
+    """The model ``model_id`` (an attribute path) of a remote collector, ``context``. A
+    multi-process collector built from a ``policy_factory`` holds no policy in its own
+    process: one is made from the factory, as TorchRL's Ray scheme does, to receive
+    into and pass on to the workers."""
+    if context is None:
+        raise ValueError(f"RaySyncScheme needs the collector, or the model {model_id!r}")
+    model = resolve(context, model_id)
+    if model is None and model_id == "policy":
+        factory = (getattr(context, "policy_factory", None) or [None])[0]
+        if factory is None:
+            raise ValueError("the remote collector has neither a policy nor a policy_factory")
+        model = context.policy = factory()
+    if model is None:
+        raise ValueError(f"the remote collector's {model_id!r} is None")
+    return model
+
+
+def _weights_of(model: Any) -> TensorDictBase:
+    """The tensors TorchRL moves for ``model`` (its ``"tensordict"`` strategy): a
+    TensorDict of the module's own parameters and buffers, written in place."""
+    if isinstance(model, torch.nn.Module):
+        return TensorDict.from_module(model)
+    if isinstance(model, TensorDictBase):
+        return model
+    raise TypeError(
+        f"RaySyncScheme keeps nn.Modules and TensorDicts in sync, not {type(model).__name__}"
+    )

@@ -1,0 +1,31 @@
+"""The policies of TorchRL's own Ray collector tests (``test/test_distributed.py``), in
+an importable module: remote collectors unpickle them by reference."""
+
+from __future__ import annotations
+
+import torch
+from tensordict.nn import TensorDictModuleBase
+from torch import nn
+
+
+class CountingPolicy(TensorDictModuleBase):
+    """Acts with its one weight (1.0 at first) at every step: a batch's actions show the
+    weights it was collected with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(1.0))
+        self.in_keys = []
+        self.out_keys = ["action"]
+
+    def forward(self, tensordict):
+        tensordict.set("action", self.weight.expand(tensordict.shape).clone())
+        return tensordict
+
+
+class MismatchedCountingPolicy(CountingPolicy):
+    """A learner policy with a parameter the collectors' policy does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unexpected = nn.Parameter(torch.ones(()))

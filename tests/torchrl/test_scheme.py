@@ -1,0 +1,187 @@
+"""RaySyncScheme in TorchRL's own RayCollector, on real remote collectors.
+
+The set-up is TorchRL's ``TestRayCollector``: ``CountingEnv`` and a policy that acts
+with its one weight, so each batch's actions show the weights it was collected with.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+from tensordict import TensorDict
+from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
+from torchrl.collectors.distributed import RayCollector
+from torchrl.testing.mocking_classes import CountingEnv
+from torchrl.weight_update import WeightSyncScheme
+
+from raysync import SpecMismatchError, UnknownModelError, WeightHub
+from raysync.torchrl import RaySyncScheme
+from tests.torchrl.policies import CountingPolicy, MismatchedCountingPolicy
+
+FRAMES = 8  # per remote collector and batch
+REMOTE = {"num_cpus": 0}  # many small actors on a 2-core machine
+#: Bad input is refused well before TorchRL's own Ray scheme gives up (60 s).
+QUICK_S = 10.0
+
+
+def ray_collector(n: int, *, sync: bool, scheme: RaySyncScheme, **kwargs) -> RayCollector:
+    return RayCollector(
+        [CountingEnv] * n,
+        frames_per_batch=FRAMES * n if sync else FRAMES,
+        total_frames=10**9,  # the tests stop by themselves
+        sync=sync,
+        remote_configs=REMOTE,
+        weight_sync_schemes={"policy": scheme},
+        **kwargs,
+    )
+
+
+def actions(batch: TensorDict) -> set[float]:
+    return set(batch["action"].float().flatten().tolist())
+
+
+def set_weight(policy: CountingPolicy, value: float) -> CountingPolicy:
+    with torch.no_grad():
+        policy.weight.fill_(value)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def synced(ray_cluster):
+    """Two remote ``Collector``s, ``sync=True``, built from the learner's policy, on a
+    hub the scheme starts. Shared by the tests that leave the policy's spec as it is."""
+    policy = CountingPolicy()
+    scheme = RaySyncScheme()
+    collector = ray_collector(2, sync=True, scheme=scheme, policy=policy)
+    try:
+        yield collector, scheme, policy, iter(collector)
+    finally:
+        collector.shutdown()
+
+
+def test_collectors_act_with_each_update_from_their_next_batch(synced):
+    collector, scheme, policy, batches = synced
+    assert actions(next(batches)) == {1.0}
+
+    collector.update_policy_weights_()  # the learner's policy, as it is now
+    assert scheme.last_report.version == 1
+    assert scheme.last_report.acked == scheme.workers
+    assert actions(next(batches)) == {1.0}
+
+    set_weight(policy, 2.0)
+    collector.update_policy_weights_()
+    assert actions(next(batches)) == {2.0}
+
+    collector.update_policy_weights_(policy=set_weight(CountingPolicy(), 3.0))
+    assert actions(next(batches)) == {3.0}
+
+    collector.update_policy_weights_(TensorDict.from_module(set_weight(CountingPolicy(), 4.0)))
+    assert scheme.last_report.version == 4
+    assert actions(next(batches)) == {4.0}
+
+    # Only the second remote collector: the batch stacks one row per collector.
+    collector.update_policy_weights_({"weight": torch.tensor(5.0)}, worker_ids=[1])
+    assert scheme.last_report.acked == scheme.workers[1:]
+    batch = next(batches)
+    assert actions(batch[0]) == {4.0} and actions(batch[1]) == {5.0}
+
+    status = ray.get(scheme.hub.status.remote())
+    held = {r.worker: r.versions["policy"] for r in status.receivers}
+    assert held == {scheme.workers[0]: 4, scheme.workers[1]: 5}
+
+
+def test_a_learner_policy_of_another_spec_is_refused_quickly_and_changes_nothing(synced):
+    collector, _, _, batches = synced
+    before = actions(next(batches))
+    started = time.monotonic()
+    with pytest.raises(SpecMismatchError, match="unexpected"):
+        collector.update_policy_weights_(MismatchedCountingPolicy())
+    with pytest.raises(SpecMismatchError, match=r"weight.*\(2,\)"):
+        collector.update_policy_weights_({"weight": torch.ones(2)})
+    assert time.monotonic() - started < QUICK_S
+    assert actions(next(batches)) == before
+
+
+def test_a_model_id_the_hub_does_not_know_is_refused_quickly(synced):
+    collector, scheme, _, _ = synced
+    critic = RaySyncScheme(scheme.hub)
+    critic.init_on_sender(model_id="critic", remote_collectors=collector.remote_collectors)
+    started = time.monotonic()
+    with pytest.raises(UnknownModelError, match="critic"):
+        critic.send({"weight": torch.tensor(1.0)})
+    assert time.monotonic() - started < QUICK_S
+
+
+def test_worker_ids_outside_the_collectors_are_refused(synced):
+    collector, _, policy, _ = synced
+    with pytest.raises(ValueError, match="2 is not a remote collector index"):
+        collector.update_policy_weights_(policy, worker_ids=[0, 2])
+
+
+def test_a_scheme_used_before_init_on_sender_says_so():
+    with pytest.raises(RuntimeError, match="not initialized on the sender"):
+        RaySyncScheme().send({"weight": torch.tensor(1.0)})
+
+
+def test_torchrl_builds_it_from_its_backend_registry():
+    scheme = WeightSyncScheme.from_backend("raysync", timeout_s=5.0)
+    assert isinstance(scheme, RaySyncScheme)
+
+
+def test_async_collectors_on_a_named_hub_act_with_the_new_weights_once_it_returns(ray_cluster):
+    """``sync=False`` and ``policy_factory``: no learner policy, so explicit weights;
+    the hub is the user's (by name), the collectors read by a transport of their own."""
+    hub = WeightHub.options(name="torchrl-test-hub").remote()
+    scheme = RaySyncScheme("torchrl-test-hub", transport="shared_memory")
+    collector = ray_collector(2, sync=False, scheme=scheme, policy_factory=CountingPolicy)
+    try:
+        batches = iter(collector)
+        assert actions(next(batches)) == {1.0}
+        collector.update_policy_weights_(TensorDict.from_module(set_weight(CountingPolicy(), 2)))
+        assert scheme.last_report.transports == ("shared_memory",)
+        # Batches already under way when it returned were collected with the old
+        # weights: at most one per other collector. Every later one shows the new.
+        after = [actions(next(batches)) for _ in range(6)]
+        old = [a for a in after if a == {1.0}]
+        assert len(old) <= 1 and after[len(old) :] == [{2.0}] * (6 - len(old))
+        with pytest.raises(AttributeError, match="policy_factory"):
+            collector.update_policy_weights_()  # no learner model to read from
+    finally:
+        collector.shutdown()
+    assert ray.get(hub.status.remote()) is not None  # not the scheme's: still running
+    ray.kill(hub.actor)
+
+
+@pytest.mark.parametrize(
+    ("collector_class", "sync", "factory"),
+    [(MultiSyncCollector, True, True), (MultiAsyncCollector, False, False)],
+    ids=["MultiSync-sync-policy_factory", "MultiAsync-async-policy"],
+)
+def test_updates_reach_the_workers_of_multiprocess_collectors(
+    ray_cluster, collector_class, sync, factory
+):
+    policy = None if factory else CountingPolicy()
+    scheme = RaySyncScheme()
+    collector = ray_collector(
+        1,
+        sync=sync,
+        scheme=scheme,
+        policy=policy,
+        policy_factory=CountingPolicy if factory else None,
+        collector_class=collector_class,
+    )
+    hub = scheme.hub
+    try:
+        batches = iter(collector)
+        assert actions(next(batches)) == {1.0}
+        collector.update_policy_weights_(TensorDict.from_module(set_weight(CountingPolicy(), 2)))
+        # A multi-process collector may hand out one batch its worker had ready.
+        after = [actions(next(batches)) for _ in range(3)]
+        assert after[1:] == [{2.0}, {2.0}] and after[0] <= {1.0, 2.0}
+    finally:
+        collector.shutdown()
+    with pytest.raises(ray.exceptions.RayActorError):  # the scheme's own hub is gone
+        ray.get(hub.actor.__ray_ready__.remote(), timeout=30)
