@@ -62,6 +62,12 @@ class RaySyncScheme(WeightSyncScheme):
 
     After :meth:`send`, :attr:`last_report` holds that broadcast's
     :class:`~raysync.BroadcastReport` (its ``version``, who acked, where the time went).
+
+    A version lands in a remote collector between two of its calls (``next`` is one
+    batch): RayCollector's collectors are default actors, one call at a time. With
+    ``remote_configs={"max_concurrency": n}`` (n > 1) a version could land inside a
+    batch. Weights move as TorchRL's ``"tensordict"`` strategy has them
+    (``TensorDict.from_module``); a module's ``get_extra_state`` is not carried.
     """
 
     def __init__(
