@@ -67,7 +67,8 @@ class RaySyncScheme(WeightSyncScheme):
     batch): RayCollector's collectors are default actors, one call at a time. With
     ``remote_configs={"max_concurrency": n}`` (n > 1) a version could land inside a
     batch. Weights move as TorchRL's ``"tensordict"`` strategy has them
-    (``TensorDict.from_module``); a module's ``get_extra_state`` is not carried.
+    (``TensorDict.from_module``); a learner module with extra state (TorchRL then adds
+    ``__extra_state__`` keys) is refused with a SpecMismatchError naming them.
     """
 
     def __init__(
