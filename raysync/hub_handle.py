@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
+import torch
 from ray.actor import ActorHandle
 
 from raysync import weights as weights_mod
@@ -32,6 +33,7 @@ from raysync.transports import (
     register_transport,
     registered_transports,
 )
+from raysync.wire_dtype import check_wire_dtype, for_the_wire
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
@@ -53,6 +55,7 @@ class _Broadcast:
         timeout_s: float | None = None,
         wait: bool = True,
         raise_on_failure: bool = True,
+        wire_dtype: torch.dtype | None = None,
     ) -> ray.ObjectRef:
         """Broadcast a new version of ``model``; return the ack future.
 
@@ -61,7 +64,10 @@ class _Broadcast:
         (``"default"`` if it knows none). ``version`` sets the version explicitly (for
         example the training step); it must be above the current one. ``workers``
         restricts the broadcast to those worker ids. ``timeout_s`` bounds the wait for
-        acks (default: the hub's).
+        acks (default: the hub's). ``wire_dtype`` (default: the hub's, if it has one)
+        sends floating tensors in that dtype (``torch.bfloat16``): they are cast here,
+        travel at that size, and each receiver casts them into its own tensors (see
+        :mod:`raysync.wire_dtype`; zero-copy receivers copy those versions).
 
         The returned ObjectRef resolves to a :class:`~raysync.BroadcastReport` when every
         targeted receiver applied the version; if any failed, ``ray.get`` raises
@@ -84,7 +90,9 @@ class _Broadcast:
 
         Raises :class:`~raysync.InvalidWeightsError` here, before anything is sent, for
         weights that are not contiguous tensors with data (or that hold NaN/Inf when
-        the hub was started with ``reject_nonfinite=True``). A spec mismatch, a stale
+        the hub was started with ``reject_nonfinite=True``, or floating tensors
+        narrower than ``wire_dtype``); ``ValueError`` for a ``wire_dtype`` that is not a
+        floating dtype. A spec mismatch, a stale
         version, an unknown model or an unknown worker raise from ``ray.get`` of the
         result, also before any receiver is touched.
         """
@@ -94,11 +102,15 @@ class _Broadcast:
             weights, what="broadcast weights", reject_nonfinite=config.reject_nonfinite
         )
         spec = WeightSpec.of(tensors)
+        wire, wire_spec = for_the_wire(
+            tensors, spec, config.wire_dtype if wire_dtype is None else wire_dtype
+        )
+        travels = wire_spec or spec
         handle = self._handle
         try:
             # The hub's transport and those its receivers chose: one hand-off each.
             senders = {name: handle._sender(name) for name in handle._hand_offs()}
-            payloads = {name: sender.send(tensors, spec) for name, sender in senders.items()}
+            payloads = {name: sender.send(wire, travels) for name, sender in senders.items()}
         except TransportError as err:
             # A closed hub has stopped its transport: say that, not what broke below it.
             if ray.get(self._handle.actor.closed.remote()):
@@ -116,6 +128,7 @@ class _Broadcast:
             wait=wait,
             raise_on_failure=raise_on_failure,
             learner_seconds=time.perf_counter() - started,
+            wire_spec=wire_spec,
             submitter=handle._submitter,
         )
         with handle._submitting:  # numbers in the order the calls leave this process
@@ -294,6 +307,7 @@ class WeightHub:
         reject_nonfinite: bool = False,
         models: Sequence[str] = (),
         options: object | Sequence[object] = (),
+        wire_dtype: torch.dtype | None = None,
     ) -> HubHandle:
         """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
         return HubLauncher({}).remote(
@@ -302,6 +316,7 @@ class WeightHub:
             reject_nonfinite=reject_nonfinite,
             models=models,
             options=options,
+            wire_dtype=wire_dtype,
         )
 
 
@@ -319,6 +334,7 @@ class HubLauncher:
         reject_nonfinite: bool = False,
         models: Sequence[str] = (),
         options: object | Sequence[object] = (),
+        wire_dtype: torch.dtype | None = None,
     ) -> HubHandle:
         """Start the hub actor.
 
@@ -335,8 +351,11 @@ class HubLauncher:
         as its default transport or one its receivers chose. Raises ``ValueError`` for
         an unknown transport, ``TypeError`` for options that belong to no transport or
         twice the same, and :class:`~raysync.TransportUnavailableError` if the transport
-        cannot run here.
+        cannot run here. ``wire_dtype`` is every broadcast's default (see
+        ``broadcast.remote``); ``ValueError`` if it is not a floating dtype.
         """
+        if wire_dtype is not None:
+            check_wire_dtype(wire_dtype)
         availability = get_transport(transport).availability()
         if not availability.available:
             raise TransportUnavailableError(
@@ -354,6 +373,7 @@ class HubLauncher:
             tuple(models),
             transport_options=_transport_options(options),
             transports=registered_transports(),
+            wire_dtype=wire_dtype,
         )
         hub_class = ray.remote(actor_class(HUB))
         actor = hub_class.options(**self._actor_options).remote(config)

@@ -48,6 +48,9 @@ class HubConfig:
     #: Third-party transports registered where the hub was started, ``(name,
     #: "module:Class")``: the hub and every process holding its handle register them.
     transports: tuple[tuple[str, str], ...] = ()
+    #: Floating tensors travel in this dtype unless a broadcast says otherwise (None:
+    #: as they are); see :mod:`raysync.wire_dtype`.
+    wire_dtype: Any = None
 
     def options_of(self, options_type: type | None) -> Any:
         """The options given for a transport whose options class is ``options_type``,
@@ -75,6 +78,8 @@ class BroadcastRequest:
     wait: bool
     raise_on_failure: bool
     learner_seconds: float  #: time the learner spent packing and handing off the data
+    #: What the transport carries when it differs from ``spec`` (a wire dtype); None: ``spec``.
+    wire_spec: WeightSpec | None = None
     #: Which learner handle sent it and its number among that handle's broadcasts (from
     #: 1): the hub versions them in this order (Ray may start its calls out of order).
     submitter: str = ""
@@ -97,6 +102,9 @@ class Update:
     spec_digest: str
     transport: str
     payload: Any
+    #: The spec the bytes travel in when it differs from the model's (a wire dtype: the
+    #: receiver fetches by it and casts into its own tensors); None: the model's.
+    wire_spec: WeightSpec | None = None
 
 
 @dataclass(frozen=True)

@@ -306,8 +306,9 @@ class ReceiverCore:
         try:
             _, spec = held.destination(self.owner)
             _check_digest(spec, update, self.actor_name)
+            self._check_zero_copy_takes(update)
             fetch_started = time.perf_counter()
-            staged = self.transport.fetch(update.payload, spec)
+            staged = self.transport.fetch(update.payload, update.wire_spec or spec)
             fetched = _Fetched(fetch_started, time.perf_counter())
         except BaseException:
             self.transport.release(update.payload, None)
@@ -318,6 +319,17 @@ class ReceiverCore:
             supersede=functools.partial(self._superseded, update, staged),
         )
         return ACK_LATER if result is DEFERRED else AckNow(result)
+
+    def _check_zero_copy_takes(self, update: Update) -> None:
+        """A zero-copy model lives in the versions as they travel: one cast on the wire
+        (another dtype than the model's) cannot become its memory. Raise RaySyncError."""
+        if self.identity.zero_copy and update.wire_spec is not None:
+            raise RaySyncError(
+                f"{self.actor_name} connected with zero_copy=True and takes versions as "
+                f"they travel, but version {update.version} of model {update.model!r} was "
+                f"cast on the wire ({update.wire_spec.summary()}): broadcast to it without "
+                f"wire_dtype, or connect it without zero_copy"
+            )
 
     def _superseded(self, update: Update, staged: Sequence[torch.Tensor]) -> Callable[[Ack], Ack]:
         """A newer version of the same model now waits for the same safe point: free

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raysync.messages import Update
+from raysync.spec import WeightSpec
 from raysync.transports import get_transport
 
 
@@ -36,6 +37,7 @@ class HandedOver:
     version: int
     spec_digest: str
     payloads: Mapping[str, Any]  #: hand-off name -> the transport's payload
+    wire_spec: WeightSpec | None = None  #: what the payloads carry, if not the model's spec
 
     def readable_by(self, transport: str) -> bool:
         """Whether receivers of ``transport`` can read this version."""
@@ -49,4 +51,6 @@ class HandedOver:
         if not self.readable_by(transport):
             return None
         payload = self.payloads[hand_off_of(transport)]
-        return Update(self.model, self.version, self.spec_digest, transport, payload)
+        return Update(
+            self.model, self.version, self.spec_digest, transport, payload, self.wire_spec
+        )

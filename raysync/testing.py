@@ -247,6 +247,23 @@ class TransportConformance:
         report = self.broadcast(hub, special_weights(3.0), ("crew0",))
         assert (report.acked, report.failed) == (("crew0",), {})
 
+    def test_a_wire_dtype_travels_narrow_and_lands_cast(self, started, hub, crew):
+        """``wire_dtype=bfloat16``: floating tensors travel cast (the report counts those
+        bytes) and every receiver, a late joiner's first version included, holds
+        ``w.to(bfloat16).to(its dtype)`` bit for bit; other tensors travel as they are."""
+        weights = special_weights(4.0)
+        expected = {
+            k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
+            for k, v in weights.items()
+        }
+        report = self.broadcast(hub, weights, ("crew0",), wire_dtype=torch.bfloat16)
+        assert report.bytes == sum(
+            t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in weights.values()
+        )
+        assert_bitwise(ray.get(crew["crew0"].state.remote()), expected)
+        (late,) = self.receivers(started, hub, "late-wire")
+        assert_bitwise(ray.get(late.state.remote()), expected)
+
     def test_declares_what_it_keeps_in_memory(self):
         """Capacity plans (and the benchmarks) read it: copies of a version alive on
         the learner's node and in each receiver, for zero-copy receivers too where the

@@ -12,6 +12,7 @@ that records the acks sent to it; the transport one that serves tensors by versi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -121,6 +122,31 @@ def test_an_update_the_model_cannot_take_fails_and_changes_nothing(model, digest
     assert torch.equal(receiver.owner.policy.weight, before)
     assert receiver.core.models["policy"].version == 0
     assert receiver.transport.released == [(1, False)]
+
+
+def test_a_version_cast_on_the_wire_is_cast_into_the_model():
+    receiver = _Receiver()
+    update = receiver.update(3)
+    wire = [t.to(torch.bfloat16) for t in receiver.transport.staged[3]]
+    receiver.transport.staged[3] = wire
+    wire_spec = WeightSpec.of(dict(zip(receiver.spec.names, wire, strict=True)))
+    receipt = receiver.core.receive(dataclasses.replace(update, wire_spec=wire_spec))
+    assert receipt == AckNow(_ack(3, AckStatus.APPLIED))
+    assert receiver.owner.policy.weight.dtype == torch.float32
+    assert torch.equal(receiver.owner.policy.weight, torch.full((2, 3), 3.0))
+
+
+def test_a_zero_copy_receiver_refuses_a_version_cast_on_the_wire_before_fetching():
+    receiver = _Receiver(zero_copy=True)
+    update = receiver.update(1)
+    wire_spec = WeightSpec.of(
+        {n: torch.zeros(1, dtype=torch.bfloat16) for n in receiver.spec.names}
+    )
+    receipt = receiver.core.receive(dataclasses.replace(update, wire_spec=wire_spec))
+    assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
+    assert "zero_copy=True" in receipt.ack.error and "cast on the wire" in receipt.ack.error
+    assert receiver.transport.released == [(1, False)]  # never fetched
+    assert receiver.core.models["policy"].version == 0
 
 
 def test_on_applied_runs_after_each_version_and_what_it_raises_fails_the_ack():

@@ -1,0 +1,63 @@
+"""A narrower dtype on the wire: floating tensors travel cast, receivers cast back.
+
+Called in the learner process by ``HubHandle.broadcast`` (:func:`check_wire_dtype`,
+:func:`for_the_wire`). The model's spec (its own dtypes) is what the hub checks against
+the receivers'; the *wire spec* is what the transport carries. A receiver fetches by the
+wire spec (``Update.wire_spec``) and copies into its own tensors, which casts: the model
+ends equal to ``w.to(wire_dtype).to(its_dtype)``, bit for bit. Integer and bool
+tensors, and floating tensors already at the wire dtype, travel as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from raysync.errors import InvalidWeightsError
+from raysync.spec import WeightSpec
+
+
+def check_wire_dtype(wire_dtype: object) -> torch.dtype:
+    """``wire_dtype`` if it is a floating torch dtype; else ValueError."""
+    if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
+        raise ValueError(
+            f"wire_dtype must be a floating torch dtype (torch.bfloat16, torch.float16), "
+            f"got {wire_dtype!r}"
+        )
+    return wire_dtype
+
+
+def for_the_wire(
+    tensors: Mapping[str, torch.Tensor], spec: WeightSpec, wire_dtype: torch.dtype | None
+) -> tuple[Mapping[str, torch.Tensor], WeightSpec | None]:
+    """The tensors as they travel, and their spec if it differs from ``spec`` (else None).
+
+    Raises :class:`~raysync.InvalidWeightsError`, naming the tensor, if a floating
+    tensor is narrower than ``wire_dtype`` (the wire would carry more bytes than the
+    weights have: a mistake, never a saving).
+    """
+    if wire_dtype is None:
+        return tensors, None
+    wire_dtype = check_wire_dtype(wire_dtype)
+    wide = wire_dtype.itemsize
+    narrower = [
+        f"{entry.name} ({entry.dtype})"
+        for entry in spec.tensors
+        if entry.dtype.is_floating_point and entry.dtype.itemsize < wide
+    ]
+    if narrower:
+        raise InvalidWeightsError(
+            f"wire_dtype {wire_dtype} is wider than these weights: {', '.join(narrower[:5])}"
+            + (f" and {len(narrower) - 5} more" if len(narrower) > 5 else "")
+        )
+    cast = {name: _cast(tensor, wire_dtype) for name, tensor in tensors.items()}
+    if all(cast[name] is tensors[name] for name in tensors):
+        return tensors, None
+    return cast, WeightSpec.of(cast)
+
+
+def _cast(tensor: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+    if not tensor.dtype.is_floating_point or tensor.dtype == wire_dtype:
+        return tensor
+    return tensor.to(wire_dtype)

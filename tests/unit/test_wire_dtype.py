@@ -1,0 +1,55 @@
+"""raysync/wire_dtype.py: what travels when a wire dtype is asked for, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raysync.errors import InvalidWeightsError
+from raysync.spec import WeightSpec
+from raysync.wire_dtype import check_wire_dtype, for_the_wire
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    return {
+        "w": torch.randn(4, 3),
+        "b": torch.randn(3, dtype=torch.float64),
+        "steps": torch.arange(3),
+        "mask": torch.tensor([True, False]),
+        "half": torch.randn(2).half(),
+    }
+
+
+def test_floating_tensors_travel_cast_and_others_as_they_are():
+    weights = _weights()
+    wire, wire_spec = for_the_wire(weights, WeightSpec.of(weights), torch.bfloat16)
+    assert {k: v.dtype for k, v in wire.items()} == {
+        "w": torch.bfloat16,
+        "b": torch.bfloat16,
+        "steps": torch.int64,
+        "mask": torch.bool,
+        "half": torch.bfloat16,
+    }
+    assert wire["steps"] is weights["steps"] and wire["mask"] is weights["mask"]
+    assert torch.equal(wire["w"], weights["w"].to(torch.bfloat16))
+    assert wire_spec == WeightSpec.of(wire)
+    assert wire_spec.nbytes < WeightSpec.of(weights).nbytes
+
+
+def test_nothing_to_cast_sends_the_weights_themselves():
+    weights = {"w": torch.randn(3, dtype=torch.bfloat16), "steps": torch.arange(3)}
+    spec = WeightSpec.of(weights)
+    assert for_the_wire(weights, spec, torch.bfloat16) == (weights, None)
+    assert for_the_wire(_weights(), WeightSpec.of(_weights()), None)[1] is None
+
+
+def test_a_wire_dtype_wider_than_the_weights_is_refused_naming_them():
+    weights = {"w": torch.randn(3, dtype=torch.bfloat16), "x": torch.randn(2)}
+    with pytest.raises(InvalidWeightsError, match=r"float32 is wider .*w \(torch.bfloat16\)"):
+        for_the_wire(weights, WeightSpec.of(weights), torch.float32)
+
+
+@pytest.mark.parametrize("bad", [torch.int8, torch.bool, "bfloat16", None])
+def test_a_wire_dtype_must_be_a_floating_dtype(bad):
+    with pytest.raises(ValueError, match="floating torch dtype"):
+        check_wire_dtype(bad)
