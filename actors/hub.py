@@ -171,7 +171,9 @@ class WeightHubActor:
         self._state.check_broadcast(model, request.spec)
         self._state.check_version(model, request.version)
         targets = self._state.targets(model, request.workers)
-        handed = self._state.publish(model, request.spec, request.payloads, request.version)
+        handed = self._state.publish(
+            model, request.spec, request.payloads, request.version, wire_spec=request.wire_spec
+        )
         if request.workers is None:  # left out: joined by a transport the learner had not seen
             targets = [t for t in targets if handed.readable_by(t.transport)]
         self._snapshot.save(self._state.versions(), self._state.specs())
@@ -253,7 +255,8 @@ class WeightHubActor:
                     continue
                 # Read the way a pull reads: nothing of a broadcast in flight (a
                 # collective, a group's RPCs) waits for a receiver still connecting.
-                payload = await planner.plan_pull(update, self._state.spec(model), entry.info)
+                travels = update.wire_spec or self._state.spec(model)
+                payload = await planner.plan_pull(update, travels, entry.info)
                 catch_up[model] = dataclasses.replace(update, payload=payload)
         except BaseException:
             self._drop(registration.worker, registration.token)
@@ -298,7 +301,8 @@ class WeightHubActor:
         if update is None:
             return None  # sent before anyone read by this transport: the next one will be
         planner = self._planners[entry.transport]
-        payload = await planner.plan_pull(update, self._state.spec(model), entry.info)
+        travels = update.wire_spec or self._state.spec(model)
+        payload = await planner.plan_pull(update, travels, entry.info)
         return dataclasses.replace(update, payload=payload)
 
     # -- anyone ----------------------------------------------------------------------------
@@ -338,7 +342,8 @@ class WeightHubActor:
     ) -> BroadcastReport:
         deadline = time.monotonic() + timeout_s
         plan_started = time.perf_counter()
-        planned = await self._plan_all(handed, spec, targets, timeout_s)
+        travels = handed.wire_spec or spec  # what the transports carry
+        planned = await self._plan_all(handed, travels, targets, timeout_s)
         plan_s = time.perf_counter() - plan_started
         outcomes = await asyncio.gather(
             *(
@@ -355,7 +360,7 @@ class WeightHubActor:
             version=handed.version,
             acked=acked,
             failed=failed,
-            bytes=spec.nbytes,
+            bytes=travels.nbytes,
             seconds=learner_seconds + time.perf_counter() - started,
             transports=tuple(sorted({entry.transport for entry in targets})),
             phases=_phases(learner_seconds, plan_s, outcomes),
