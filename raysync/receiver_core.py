@@ -306,7 +306,6 @@ class ReceiverCore:
         try:
             _, spec = held.destination(self.owner)
             _check_digest(spec, update, self.actor_name)
-            self._check_zero_copy_takes(update)
             fetch_started = time.perf_counter()
             staged = self.transport.fetch(update.payload, update.wire_spec or spec)
             fetched = _Fetched(fetch_started, time.perf_counter())
@@ -319,17 +318,6 @@ class ReceiverCore:
             supersede=functools.partial(self._superseded, update, staged),
         )
         return ACK_LATER if result is DEFERRED else AckNow(result)
-
-    def _check_zero_copy_takes(self, update: Update) -> None:
-        """A zero-copy model lives in the versions as they travel: one cast on the wire
-        (another dtype than the model's) cannot become its memory. Raise RaySyncError."""
-        if self.identity.zero_copy and update.wire_spec is not None:
-            raise RaySyncError(
-                f"{self.actor_name} connected with zero_copy=True and takes versions as "
-                f"they travel, but version {update.version} of model {update.model!r} was "
-                f"cast on the wire ({update.wire_spec.summary()}): broadcast to it without "
-                f"wire_dtype, or connect it without zero_copy"
-            )
 
     def _superseded(self, update: Update, staged: Sequence[torch.Tensor]) -> Callable[[Ack], Ack]:
         """A newer version of the same model now waits for the same safe point: free
@@ -373,7 +361,7 @@ class ReceiverCore:
             adopted = self.identity.zero_copy and held.adoption.take(
                 model_path.resolve(self.owner, held.path),
                 spec.names,
-                AdoptedVersion(self.transport, update.payload, staged),
+                self._version_to_adopt(update, staged, spec),
                 actor=self.actor_name,
                 model_id=held.model_id,
             )
@@ -402,6 +390,17 @@ class ReceiverCore:
             apply_s=time.perf_counter() - apply_started,
         )
         return self._ack(update, AckStatus.APPLIED, timings=timings)
+
+    def _version_to_adopt(
+        self, update: Update, staged: Sequence[torch.Tensor], spec: WeightSpec
+    ) -> AdoptedVersion:
+        """What a zero-copy model takes as its memory: the staged version itself, or, for
+        a version cast on the wire, a copy of it in the model's own dtypes (the model
+        may live in a read-only staged version: it is never written into)."""
+        if update.wire_spec is None:
+            return AdoptedVersion(self.transport, update.payload, staged)
+        cast = [view.to(entry.dtype) for view, entry in zip(staged, spec.tensors, strict=True)]
+        return AdoptedVersion(None, None, cast)
 
     def _ack(
         self,
@@ -467,7 +466,7 @@ def _registration(
         mode=identity.mode,
         token=uuid.uuid4().hex,
         transport=identity.transport,
-        kept=tuple(a.payload for a in adopted if a is not None),
+        kept=tuple(a.payload for a in adopted if a is not None and a.payload is not None),
     )
 
 

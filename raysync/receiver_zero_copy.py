@@ -27,14 +27,16 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class AdoptedVersion:
     """The staged version a zero-copy model's tensors live in; handed back to its
-    transport once the model moves on to a newer one."""
+    transport once the model moves on to a newer one. ``transport`` None: tensors of
+    the receiver's own (a version cast on the wire), nothing to hand back."""
 
-    transport: TransportReceiver
+    transport: TransportReceiver | None
     payload: Any
     staged: Sequence[torch.Tensor]
 
     def release(self) -> None:
-        self.transport.release(self.payload, self.staged)
+        if self.transport is not None:
+            self.transport.release(self.payload, self.staged)
 
 
 def rebind(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -> str | None:

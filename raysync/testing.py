@@ -249,8 +249,9 @@ class TransportConformance:
 
     def test_a_wire_dtype_travels_narrow_and_lands_cast(self, started, hub, crew):
         """``wire_dtype=bfloat16``: floating tensors travel cast (the report counts those
-        bytes) and every receiver, a late joiner's first version included, holds
-        ``w.to(bfloat16).to(its dtype)`` bit for bit; other tensors travel as they are."""
+        bytes) and every receiver, a late joiner's first version and a zero-copy one
+        included, holds ``w.to(bfloat16).to(its dtype)`` bit for bit; other tensors
+        travel as they are."""
         weights = special_weights(4.0)
         expected = {
             k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
@@ -263,6 +264,10 @@ class TransportConformance:
         assert_bitwise(ray.get(crew["crew0"].state.remote()), expected)
         (late,) = self.receivers(started, hub, "late-wire")
         assert_bitwise(ray.get(late.state.remote()), expected)
+        if get_transport(self.transport).zero_copy is not None:
+            # A zero-copy model takes a cast copy as its memory, not the cast bytes.
+            (zero_copy,) = self.receivers(started, hub, "zc-wire", zero_copy=True)
+            assert_bitwise(ray.get(zero_copy.state.remote()), expected)
 
     def test_declares_what_it_keeps_in_memory(self):
         """Capacity plans (and the benchmarks) read it: copies of a version alive on

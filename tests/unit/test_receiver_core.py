@@ -136,17 +136,23 @@ def test_a_version_cast_on_the_wire_is_cast_into_the_model():
     assert torch.equal(receiver.owner.policy.weight, torch.full((2, 3), 3.0))
 
 
-def test_a_zero_copy_receiver_refuses_a_version_cast_on_the_wire_before_fetching():
+def test_a_zero_copy_model_takes_a_cast_copy_of_a_version_cast_on_the_wire():
+    """It may live in a read-only staged version: the cast lands in new tensors of its
+    own dtype that it takes as its memory, and the staged data goes back at once."""
     receiver = _Receiver(zero_copy=True)
-    update = receiver.update(1)
-    wire_spec = WeightSpec.of(
-        {n: torch.zeros(1, dtype=torch.bfloat16) for n in receiver.spec.names}
-    )
+    receiver.core.receive(receiver.update(1))  # lives in staged version 1
+    lived_in = receiver.transport.staged[1]
+    update = receiver.update(2)
+    wire = [t.to(torch.bfloat16) for t in receiver.transport.staged[2]]
+    receiver.transport.staged[2] = wire
+    wire_spec = WeightSpec.of(dict(zip(receiver.spec.names, wire, strict=True)))
     receipt = receiver.core.receive(dataclasses.replace(update, wire_spec=wire_spec))
-    assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
-    assert "zero_copy=True" in receipt.ack.error and "cast on the wire" in receipt.ack.error
-    assert receiver.transport.released == [(1, False)]  # never fetched
-    assert receiver.core.models["policy"].version == 0
+    assert receipt == AckNow(_ack(2, AckStatus.APPLIED))
+    weight = receiver.owner.policy.weight
+    assert weight.dtype == torch.float32 and torch.equal(weight, torch.full((2, 3), 2.0))
+    assert all(weight.data_ptr() != t.data_ptr() for t in [*lived_in, *wire])
+    assert all(bool((t == 1.0).all()) for t in lived_in)  # never written into
+    assert receiver.transport.released == [(1, True), (2, True)]
 
 
 def test_on_applied_runs_after_each_version_and_what_it_raises_fails_the_ack():
