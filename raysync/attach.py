@@ -42,6 +42,7 @@ from typing import Any
 import ray
 import torch
 
+from raysync.gate import on_event_loop
 from raysync.hub_handle import HubHandle, get_hub
 from raysync.hub_state import DEFAULT_MODEL
 from raysync.messages import DeliveryMode, Entry
@@ -200,7 +201,7 @@ def attach(
         previous=replaces.core if replaces is not None else None,
         timeout_s=timeout_s,
     )
-    if _on_event_loop():  # an async host: its safe points are on this loop
+    if on_event_loop():  # an async host: its safe points are on this loop
         core.gate.loop = asyncio.get_running_loop()
     watch = HubWatch(core, heartbeat_s) if heartbeat_s is not None else None
     receiver = AttachedReceiver(core, watch)
@@ -257,11 +258,3 @@ def _host_name(owner: Any, actor_id: str | None) -> str:
 def _has_mixin_entry(owner: Any) -> bool:
     """Whether ``owner`` is a WeightReceiver: the hub then calls its own delivery method."""
     return callable(getattr(type(owner), Entry.MIXIN_METHOD.value, None))
-
-
-def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True

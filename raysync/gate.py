@@ -49,7 +49,8 @@ class Deferred:
 DEFERRED = Deferred()
 
 
-def _on_event_loop() -> bool:
+def on_event_loop() -> bool:
+    """Whether the calling code runs on an asyncio event loop (an async actor's)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -87,7 +88,7 @@ class ApplyGate:
     def reading(self) -> Iterator[None]:
         """Hold the model steady for a synchronous user method."""
         held = _held.get()
-        on_loop = _on_event_loop()
+        on_loop = on_event_loop()
         if on_loop:
             self.loop = asyncio.get_running_loop()
         if held or on_loop:
@@ -128,7 +129,7 @@ class ApplyGate:
     def safe_point(self) -> None:
         """Let waiting writes through from inside a long-running user method."""
         held = _held.get()
-        if _on_event_loop():
+        if on_event_loop():
             self._run_deferred_if_idle(own=held)
             return
         with self._cond:
@@ -155,7 +156,7 @@ class ApplyGate:
         ``finish_deferred`` like any deferred result).
         """
         held = _held.get()
-        if _on_event_loop():
+        if on_event_loop():
             if self._readers - held == 0 and not self._deferred:
                 return apply()
             pending = _Pending(apply, key, supersede)
