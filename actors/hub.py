@@ -512,8 +512,13 @@ class WeightHubActor:
             restarted = await self._restarted(registration, deadline)
         except (asyncio.TimeoutError, RayError) as err:
             restarted = f"and it did not answer again ({type(err).__name__})"
-        if restarted is None:
-            return _Outcome(registration.worker, f"{registration.actor}: {ack.error}")
+        if restarted is None:  # the same process, its receiver closed: it is gone for good
+            self._drop(registration.worker, registration.token)
+            return _Outcome(
+                registration.worker,
+                f"{registration.actor}: {ack.error}; dropped from the registry until it "
+                f"registers again",
+            )
         return _Outcome(
             registration.worker,
             f"{registration.actor} died before applying version {update.version} of model "

@@ -50,6 +50,18 @@ def test_a_plain_actor_attached_through_ray_call_acts_on_each_version(actors):
     assert status.versions == {"policy": report.version}
 
 
+def test_a_receiver_closed_without_leaving_is_failed_once_then_dropped(actors):
+    """Its hub was unreachable when it closed: the next broadcast reaches the process,
+    finds no receiver under its key, names it, and the hub forgets it."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    worker = start(actors, PlainWorker)
+    ray.get(worker.__ray_call__.remote(attach_actor_net, hub, worker_id="closed-1"))
+    ray.get(worker.__ray_call__.remote(lambda w: w.receiver.core.close()))
+    report = ray.get(hub.broadcast.remote(make_policy(), model="policy", raise_on_failure=False))
+    assert report.acked == () and "no raysync receiver is attached" in report.failed["closed-1"]
+    assert ray.get(hub.status.remote()).receivers == ()
+
+
 def test_a_threaded_loop_that_never_returns_takes_each_version_between_steps(actors):
     hub = start_hub(actors, DEFAULT_TRANSPORT)
     worker = start(actors, LoopingWorker)
