@@ -5,6 +5,10 @@ kit's (``raysync.testing``)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import ray
 import torch
@@ -12,6 +16,8 @@ import torch
 from raysync import WeightHub
 from raysync.testing import assert_bitwise
 from tests.receivers import make_policy, state_of
+
+_ROOT = Path(__file__).parents[1]
 
 
 def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -131,3 +137,18 @@ class SharedHubs:
                 ray.kill(getattr(handle, "actor", handle))
             except Exception:  # already dead
                 pass
+
+
+def run_example(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``examples/<script>`` as a user runs it: a fresh interpreter (with a Ray
+    cluster of its own: the session's is this process's), in ``cwd``; assert it exits 0
+    and return it (``stdout`` and ``stderr`` as text)."""
+    result = subprocess.run(
+        [sys.executable, str(_ROOT / "examples" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=cwd,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result

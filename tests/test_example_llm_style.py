@@ -5,31 +5,21 @@ learner's last version, and the pause each update cost them is measured."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-_ROOT = Path(__file__).parents[1]
+from tests.helpers import run_example
 
 
 def test_llm_style_workers_generate_across_updates_and_end_bitwise(tmp_path):
     out = tmp_path / "llm_style.json"
     updates, workers = 3, 2
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(_ROOT / "examples" / "llm_style.py"),
-            *("--layers", "2", "--hidden", "64", "--vocab", "512"),
-            *("--workers", str(workers), "--updates", str(updates)),
-            *("--prompt-tokens", "4", "--new-tokens", "2", "--timeout-s", "60"),
-            *("--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_example(
+        "llm_style.py",
+        *("--layers", "2", "--hidden", "64", "--vocab", "512"),
+        *("--workers", str(workers), "--updates", str(updates)),
+        *("--prompt-tokens", "4", "--new-tokens", "2", "--timeout-s", "60"),
+        *("--json", str(out)),
         cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (run,) = json.loads(out.read_text())["runs"]
     assert run["mode"] == "zero_copy"
     assert [b["acked"] for b in run["broadcasts"]] == [workers] * updates

@@ -7,33 +7,19 @@ from __future__ import annotations
 import json
 import re
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
-
-pytest.importorskip("gymnasium")
-
-_ROOT = Path(__file__).parents[1]
+from tests.helpers import run_example
 
 
 def test_rl_loop_learns_cartpole_and_reports_each_collectors_lag(tmp_path):
     out = tmp_path / "rl_loop.json"
     iterations, collectors = 15, 2
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(_ROOT / "examples" / "rl_loop.py"),
-            *("--iterations", str(iterations), "--collectors", str(collectors)),
-            *("--steps", "512", "--seed", "0", "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_example(
+        "rl_loop.py",
+        *("--iterations", str(iterations), "--collectors", str(collectors)),
+        *("--steps", "512", "--seed", "0", "--json", str(out)),
         cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["iteration"] for r in rows] == list(range(1, iterations + 1))
 
