@@ -255,9 +255,7 @@ class WeightHubActor:
                     continue
                 # Read the way a pull reads: nothing of a broadcast in flight (a
                 # collective, a group's RPCs) waits for a receiver still connecting.
-                travels = update.wire_spec or self._state.spec(model)
-                payload = await planner.plan_pull(update, travels, entry.info)
-                catch_up[model] = dataclasses.replace(update, payload=payload)
+                catch_up[model] = await self._planned_pull(update, entry)
         except BaseException:
             self._drop(registration.worker, registration.token)
             raise
@@ -300,9 +298,13 @@ class WeightHubActor:
         update = handed.update_for(entry.transport)
         if update is None:
             return None  # sent before anyone read by this transport: the next one will be
-        planner = self._planners[entry.transport]
-        travels = update.wire_spec or self._state.spec(model)
-        payload = await planner.plan_pull(update, travels, entry.info)
+        return await self._planned_pull(update, entry)
+
+    async def _planned_pull(self, update: Update, entry: ReceiverEntry) -> Update:
+        """``update`` as ``entry`` reads it outside a broadcast (a pull, joining): its
+        transport's planner plans it by the spec its bytes travel in."""
+        travels = update.wire_spec or self._state.spec(update.model)
+        payload = await self._planners[entry.transport].plan_pull(update, travels, entry.info)
         return dataclasses.replace(update, payload=payload)
 
     # -- anyone ----------------------------------------------------------------------------
