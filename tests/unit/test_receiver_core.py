@@ -82,6 +82,14 @@ class _Receiver:
         ]
         return Update(model, version, digest or self.spec.digest, "object_store", version)
 
+    def cast_on_the_wire(self, version: int) -> Update:
+        """:meth:`update`, staged and announced as cast to bfloat16 on the wire."""
+        update = self.update(version)
+        wire = [t.to(torch.bfloat16) for t in self.transport.staged[version]]
+        self.transport.staged[version] = wire
+        wire_spec = WeightSpec.of(dict(zip(self.spec.names, wire, strict=True)))
+        return dataclasses.replace(update, wire_spec=wire_spec)
+
 
 def _ack(version: int, status: AckStatus) -> Ack:
     return Ack(WORKER, "policy", version, status)
@@ -126,11 +134,7 @@ def test_an_update_the_model_cannot_take_fails_and_changes_nothing(model, digest
 
 def test_a_version_cast_on_the_wire_is_cast_into_the_model():
     receiver = _Receiver()
-    update = receiver.update(3)
-    wire = [t.to(torch.bfloat16) for t in receiver.transport.staged[3]]
-    receiver.transport.staged[3] = wire
-    wire_spec = WeightSpec.of(dict(zip(receiver.spec.names, wire, strict=True)))
-    receipt = receiver.core.receive(dataclasses.replace(update, wire_spec=wire_spec))
+    receipt = receiver.core.receive(receiver.cast_on_the_wire(3))
     assert receipt == AckNow(_ack(3, AckStatus.APPLIED))
     assert receiver.owner.policy.weight.dtype == torch.float32
     assert torch.equal(receiver.owner.policy.weight, torch.full((2, 3), 3.0))
@@ -142,11 +146,9 @@ def test_a_zero_copy_model_takes_a_cast_copy_of_a_version_cast_on_the_wire():
     receiver = _Receiver(zero_copy=True)
     receiver.core.receive(receiver.update(1))  # lives in staged version 1
     lived_in = receiver.transport.staged[1]
-    update = receiver.update(2)
-    wire = [t.to(torch.bfloat16) for t in receiver.transport.staged[2]]
-    receiver.transport.staged[2] = wire
-    wire_spec = WeightSpec.of(dict(zip(receiver.spec.names, wire, strict=True)))
-    receipt = receiver.core.receive(dataclasses.replace(update, wire_spec=wire_spec))
+    update = receiver.cast_on_the_wire(2)
+    wire = receiver.transport.staged[2]
+    receipt = receiver.core.receive(update)
     assert receipt == AckNow(_ack(2, AckStatus.APPLIED))
     weight = receiver.owner.policy.weight
     assert weight.dtype == torch.float32 and torch.equal(weight, torch.full((2, 3), 2.0))
