@@ -167,6 +167,42 @@ def print_table(cells: list[dict]) -> None:
         print(f"| {cell['transport']} | {cell['size_mb']:g} | {cell['receivers']} | {values} |")
 
 
+_PHASES = (
+    ("learner", "learner"),
+    ("to hub and back", "to_hub_and_back"),
+    ("hub before delivery", "hub_before_delivery"),
+    ("delivery (slowest receiver)", "deliver_max"),
+)
+
+
+def plot(cells: list[dict], path: Path) -> None:
+    """A stacked bar per cell (p50 of each phase), with Ray's floors as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{c['transport']}\n{c['size_mb']:g} MB N={c['receivers']}" for c in cells]
+    x = range(len(cells))
+    figure, axes = plt.subplots(figsize=(max(8, 0.9 * len(cells)), 5))
+    bottom = [0.0] * len(cells)
+    for name, key in _PHASES:
+        heights = [c[key]["p50"] for c in cells]
+        axes.bar(x, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for name, key, marker in (
+        ("Ray: learner -> N", "direct_fan_out", "v"),
+        ("Ray: learner -> relay -> N", "relay_fan_out", "^"),
+    ):
+        axes.scatter(x, [c["floors"][key]["p50"] for c in cells], marker=marker, c="k", label=name)
+    axes.set_xticks(list(x), labels, fontsize=7)
+    axes.set_ylabel("ms (p50)")
+    axes.set_title("Where a small broadcast's time goes")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -177,6 +213,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out's)")
     args = parser.parse_args()
     transports = args.transports or [
         t for t in ("object_store", "shared_memory", "nixl") if t in available_transports()
@@ -194,6 +231,9 @@ def main() -> None:
     print_table(cells)
     if args.out is not None:
         args.out.write_text(json.dumps({"cells": cells}, indent=1))
+    png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
+    if png is not None:
+        plot(cells, png)
 
 
 if __name__ == "__main__":

@@ -85,13 +85,35 @@ def time_scheme(name: str, size_mb: float, n: int, warmup: int, repeats: int) ->
     return samples
 
 
+def plot(cells: list[dict], path: Path) -> None:
+    """Milliseconds per update, a bar pair per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{c['size_mb']:g} MB N={c['collectors']}" for c in cells]
+    x = range(len(cells))
+    figure, axes = plt.subplots(figsize=(8, 4))
+    for offset, (key, name) in zip(
+        (-0.2, 0.2), (("torchrl_ray", "TorchRL Ray scheme"), ("raysync", "raysync")), strict=True
+    ):
+        axes.bar([i + offset for i in x], [c[key]["p50_ms"] for c in cells], 0.4, label=name)
+    axes.set_xticks(list(x), labels)
+    axes.set_ylabel("ms per update_policy_weights_() (p50)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=float, default=[1.0, 8.0, 64.0], help="MB")
     parser.add_argument("--collectors", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out's)")
     args = parser.parse_args()
     ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
     cells = []
@@ -113,6 +135,9 @@ def main() -> None:
         ray.shutdown()
     if args.out is not None:
         args.out.write_text(json.dumps({"cells": cells}, indent=1))
+    png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
+    if png is not None:
+        plot(cells, png)
 
 
 if __name__ == "__main__":
