@@ -31,7 +31,6 @@ fails until then; its next registration brings the latest version.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -42,7 +41,6 @@ from typing import Any
 import ray
 import torch
 
-from raysync.gate import on_event_loop
 from raysync.hub_handle import HubHandle, get_hub
 from raysync.hub_state import DEFAULT_MODEL
 from raysync.messages import DeliveryMode, Entry
@@ -201,8 +199,7 @@ def attach(
         previous=replaces.core if replaces is not None else None,
         timeout_s=timeout_s,
     )
-    if on_event_loop():  # an async host: its safe points are on this loop
-        core.gate.loop = asyncio.get_running_loop()
+    core.gate.note_loop()  # attached from a coroutine: an async host's safe points are there
     watch = HubWatch(core, heartbeat_s) if heartbeat_s is not None else None
     receiver = AttachedReceiver(core, watch)
     core.apply_welcome(welcome)

@@ -83,15 +83,21 @@ class ApplyGate:
         #: The event loop async readers run on (an async host), once one has read.
         self.loop: asyncio.AbstractEventLoop | None = None
 
+    def note_loop(self) -> bool:
+        """Remember the event loop the caller runs on, if any (an async host's: a
+        delivery that arrives off it is handed to it); whether there is one."""
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
     # -- readers: user methods -------------------------------------------------------
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Hold the model steady for a synchronous user method."""
         held = _held.get()
-        on_loop = on_event_loop()
-        if on_loop:
-            self.loop = asyncio.get_running_loop()
-        if held or on_loop:
+        if self.note_loop() or held:
             # Nested call, or sync code on an async actor's loop: no apply can run on
             # this thread until it returns.
             yield
@@ -112,7 +118,7 @@ class ApplyGate:
     @asynccontextmanager
     async def reading_async(self) -> AsyncIterator[None]:
         """Hold the model steady for an async user method (async actors)."""
-        self.loop = asyncio.get_running_loop()
+        self.note_loop()
         held = _held.get()
         if not held:
             while self._deferred:
