@@ -31,6 +31,7 @@ from raysync.background import BackgroundTasks
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
+    IncompleteVersionError,
     TransportUnavailableError,
     UnknownModelError,
 )
@@ -52,6 +53,7 @@ from raysync.messages import (
     Welcome,
 )
 from raysync.ordering import InOrder
+from raysync.part_assembly import PartAssembly
 from raysync.receiver_delivery import delivery_call
 from raysync.routing import HandedOver, hand_offs_for
 from raysync.spec import WeightSpec
@@ -61,6 +63,7 @@ from raysync.transports import (
     get_transport,
     register_transport,
 )
+from raysync.transports.parts import plan_parts, plan_pull_parts
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ _REFUSALS_KEPT = 256
 #: start an async actor's calls out of order; after a hub restart the learner's
 #: numbering goes on from where it was, so its first broadcast waits this long once).
 _ORDER_WAIT_S = 1.0
+#: Versions sent in parts that failed, kept so that their late parts are told why.
+_FAILED_ASSEMBLIES_KEPT = 64
 #: How often a delivery asks an unavailable receiver (restarting, or unreachable for a
 #: moment) whether it answers again.
 _UNAVAILABLE_RETRY_S = 0.1
@@ -106,6 +111,17 @@ class _Started:
     report: asyncio.Task[BroadcastReport]
 
 
+@dataclasses.dataclass
+class _Assembling:
+    """A version sent in parts, on its way to whole: what arrived, when the first part
+    did, the version's start once whole (or why it failed), and the deadline's timer."""
+
+    assembly: PartAssembly
+    first_arrived: float  #: ``time.perf_counter()`` when the first part reached the hub
+    started: asyncio.Future[_Started]
+    timer: asyncio.TimerHandle | None = None
+
+
 class WeightHubActor:
     """See module docstring. Created through :meth:`raysync.WeightHub.remote`."""
 
@@ -137,6 +153,8 @@ class WeightHubActor:
         self._model_known = asyncio.Event()
         self._in_order = InOrder(_ORDER_WAIT_S)
         self._background = BackgroundTasks("hub")
+        #: (model, version) -> a version sent in parts, until it is whole or failed
+        self._assemblies: OrderedDict[tuple[str, int], _Assembling] = OrderedDict()
 
     # -- learner -------------------------------------------------------------------------
     async def submit(self, request: BroadcastRequest) -> BroadcastReport | BroadcastTicket:
@@ -151,7 +169,10 @@ class WeightHubActor:
         started = time.perf_counter()
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
         await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
-        begun = await self._version_and_start(request, timeout_s, started)
+        if request.parts > 1:
+            begun = await self._assemble(request, timeout_s, started)
+        else:
+            begun = await self._version_and_start(request, timeout_s, started)
         if not request.wait:
             return BroadcastTicket(begun.model, begun.version)
         report = await begun.report
@@ -187,6 +208,78 @@ class WeightHubActor:
         while len(reports) > _REPORTS_KEPT:
             reports.popitem(last=False)
         return _Started(model, handed.version, task)
+
+    async def _assemble(
+        self, request: BroadcastRequest, timeout_s: float, started: float
+    ) -> _Started:
+        """Take one part of a version sent in parts; once every part is here, version
+        and start the whole (see :mod:`raysync.part_assembly`). Every part's call
+        returns the same start, or raises: its own refusal, or why the version failed."""
+        if not self._state.models:
+            await self._wait_for_first_model(timeout_s)
+        model = self._state.resolve_model(request.model)
+        if request.version is None:  # the learner's handle insists on one
+            raise ValueError("a version sent in parts needs an explicit version")
+        key = (model, request.version)
+        assembling = self._assemblies.get(key)
+        if assembling is None:
+            self._state.check_known(model)
+            self._state.check_version(model, request.version)
+            workers = None if request.workers is None else tuple(request.workers)
+            assembly = PartAssembly(model, request.version, request.parts, workers)
+            assembling = _Assembling(assembly, started, _quiet_future())
+            assembling.timer = asyncio.get_running_loop().call_later(
+                timeout_s, self._parts_timed_out, key, timeout_s
+            )
+            self._assemblies[key] = assembling
+        elif assembling.started.done() and assembling.started.exception() is not None:
+            raise IncompleteVersionError(
+                f"part {request.part} of {assembling.assembly.what} arrived after the "
+                f"version failed: {assembling.started.exception()}"
+            )
+        try:
+            known = self._state.models[model].spec
+            assembling.assembly.add(request, known)
+            if assembling.assembly.complete:
+                whole = assembling.assembly.request(known)
+                begun = await self._version_and_start(whole, timeout_s, assembling.first_arrived)
+                self._assembled(key, begun)
+        except Exception as err:
+            self._assembly_failed(
+                key, f"part {request.part} was refused ({type(err).__name__}: {err})"
+            )
+            raise
+        return await asyncio.shield(assembling.started)
+
+    def _assembled(self, key: tuple[str, int], begun: _Started) -> None:
+        assembling = self._assemblies.pop(key)
+        if assembling.timer is not None:
+            assembling.timer.cancel()
+        assembling.started.set_result(begun)
+
+    def _assembly_failed(self, key: tuple[str, int], reason: str) -> None:
+        """Fail a version sent in parts for every part waiting and every part to come."""
+        assembling = self._assemblies.get(key)
+        if assembling is None or assembling.started.done():
+            return
+        if assembling.timer is not None:
+            assembling.timer.cancel()
+        assembling.started.set_exception(
+            IncompleteVersionError(
+                f"{assembling.assembly.what} failed: {reason}; nothing was applied"
+            )
+        )
+        failed = [k for k, a in self._assemblies.items() if a.started.done()]
+        for old in failed[: max(0, len(failed) - _FAILED_ASSEMBLIES_KEPT)]:
+            del self._assemblies[old]
+
+    def _parts_timed_out(self, key: tuple[str, int], timeout_s: float) -> None:
+        assembling = self._assemblies.get(key)
+        if assembling is not None:
+            missing = ", ".join(str(i) for i in assembling.assembly.missing())
+            self._assembly_failed(
+                key, f"part(s) {missing} did not arrive within {timeout_s:g} s of the first"
+            )
 
     async def wait_for(
         self,
@@ -304,7 +397,13 @@ class WeightHubActor:
         """``update`` as ``entry`` reads it outside a broadcast (a pull, joining): its
         transport's planner plans it by the spec its bytes travel in."""
         travels = update.wire_spec or self._state.spec(update.model)
-        payload = await self._planners[entry.transport].plan_pull(update, travels, entry.info)
+        payload = await plan_pull_parts(
+            self._planners[entry.transport],
+            update,
+            travels,
+            entry.info,
+            in_one_plan=get_transport(entry.transport).parts_in_one_plan,
+        )
         return dataclasses.replace(update, payload=payload)
 
     # -- anyone ----------------------------------------------------------------------------
@@ -315,6 +414,11 @@ class WeightHubActor:
             versions={m: s.version for m, s in sorted(self._state.models.items())},
             receivers=self._state.statuses(),
             refused=dict(self._refused),
+            assembling={
+                key: a.assembly.arrived()
+                for key, a in self._assemblies.items()
+                if not a.started.done()
+            },
         )
 
     def config(self) -> HubConfig:
@@ -326,6 +430,8 @@ class WeightHubActor:
     async def close(self) -> None:
         """Refuse new broadcasts and wait for those in flight."""
         self._closed = True
+        for key in list(self._assemblies):
+            self._assembly_failed(key, "the hub is shutting down")
         tasks = [t for reports in self._reports.values() for t in reports.values()]
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._background.close()
@@ -391,7 +497,13 @@ class WeightHubActor:
                 continue
             try:
                 payload_of = await asyncio.wait_for(
-                    self._planners[transport].plan(update, spec, [e.info for e in group]),
+                    plan_parts(
+                        self._planners[transport],
+                        update,
+                        spec,
+                        [e.info for e in group],
+                        in_one_plan=get_transport(transport).parts_in_one_plan,
+                    ),
                     timeout_s,
                 )
             except asyncio.TimeoutError:
@@ -562,6 +674,14 @@ class WeightHubActor:
 def _process_of(actor: Any) -> str:
     """Runs inside a receiver actor (``__ray_call__``): its process's Ray worker id."""
     return ray.get_runtime_context().get_worker_id()
+
+
+def _quiet_future() -> asyncio.Future[Any]:
+    """A future whose exception is not logged as never retrieved (a version sent in
+    parts may fail with no part left waiting for it)."""
+    future = asyncio.get_running_loop().create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
 
 
 async def _failed(worker: str, reason: str) -> _Outcome:

@@ -39,6 +39,7 @@ from raysync.transports.distributed import (
     run_broadcast,
     staging_device,
 )
+from raysync.transports.object_store import read_put
 from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import bound_master_store, node_ip
 
@@ -76,7 +77,7 @@ class ProcessGroupActor:
         """Run collective ``job.seq`` of ``job.generation`` as rank 0; None or why not."""
         arrays: list[np.ndarray] | BaseException
         try:  # read the learner's copy here: a blocking get would hold the event loop
-            arrays = await asyncio.wait_for(job.source.ref, job.generation.settings.timeout_s)
+            arrays = await read_put(job.source, job.generation.settings.timeout_s)
         except Exception as err:
             arrays = err  # the collective fails with it, so members stop waiting at once
         return await asyncio.to_thread(self._broadcast, job, arrays)

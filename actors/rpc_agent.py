@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raysync.transports.object_store import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
 from raysync.transports.rpc import (
@@ -124,7 +125,7 @@ class RpcAgentActor:
 
     async def send(self, job: RpcJob) -> dict[str, str | None]:
         try:  # read the learner's copy here: a blocking get would hold the event loop
-            arrays = await asyncio.wait_for(job.source.ref, self._settings.timeout_s)
+            arrays = await read_put(job.source, self._settings.timeout_s)
         except Exception as err:
             reason = f"could not read the update: {err!r}"
             return self._fail(job, dict.fromkeys(job.workers, reason))

@@ -66,6 +66,12 @@ class HubClosedError(RaySyncError, RuntimeError):
     """The hub is shutting down and accepts no more broadcasts."""
 
 
+class IncompleteVersionError(RaySyncError, RuntimeError):
+    """A version sent in parts (sharded learners) failed before it was whole: a part did
+    not arrive within the timeout, or one was refused (the message says which and why).
+    No receiver was touched: nothing of the version was applied."""
+
+
 class BroadcastError(RaySyncError):
     """At least one targeted receiver did not apply the version.
 

@@ -56,6 +56,8 @@ class _Broadcast:
         wait: bool = True,
         raise_on_failure: bool = True,
         wire_dtype: torch.dtype | None = None,
+        part: int | None = None,
+        parts: int | None = None,
     ) -> ray.ObjectRef:
         """Broadcast a new version of ``model``; return the ack future.
 
@@ -68,6 +70,15 @@ class _Broadcast:
         sends floating tensors in that dtype (``torch.bfloat16``): they are cast here,
         travel at that size, and each receiver casts them into its own tensors (see
         :mod:`raysync.wire_dtype`; zero-copy receivers copy those versions).
+
+        Sharded learners: ``part=rank, parts=world`` (with ``version=step``, which tells
+        the hub which parts belong together) sends this learner's slice of the model;
+        each learner calls it with its own disjoint keys. Receivers apply the version
+        once every part arrived, as one version at one safe point; each part's bytes
+        leave its own learner. Every part's ref resolves to the same report; a part
+        that does not arrive within ``timeout_s`` of the first, or parts that overlap or
+        do not add up to the model's spec (the error names the keys), fail the version
+        for every part, and nothing of it is applied (:mod:`raysync.transports.parts`).
 
         The returned ObjectRef resolves to a :class:`~raysync.BroadcastReport` when every
         targeted receiver applied the version; if any failed, ``ray.get`` raises
@@ -97,6 +108,7 @@ class _Broadcast:
         result, also before any receiver is touched.
         """
         started = time.perf_counter()
+        part, parts = _checked_part(part, parts, version)
         config = self._handle.config
         tensors = weights_mod.flatten(
             weights, what="broadcast weights", reject_nonfinite=config.reject_nonfinite
@@ -130,6 +142,8 @@ class _Broadcast:
             learner_seconds=time.perf_counter() - started,
             wire_spec=wire_spec,
             submitter=handle._submitter,
+            part=part,
+            parts=parts,
         )
         with handle._submitting:  # numbers in the order the calls leave this process
             sequence = next(handle._sequence)
@@ -141,6 +155,28 @@ class _Broadcast:
         for name, sender in senders.items():
             sender.submitted(payloads[name], done)
         return result
+
+
+def _checked_part(part: int | None, parts: int | None, version: int | None) -> tuple[int, int]:
+    """``(part, parts)`` of a broadcast, ``(0, 1)`` for a whole model; ValueError for
+    an inconsistent pair or parts without an explicit version."""
+    if part is None and parts is None:
+        return 0, 1
+    if part is None or parts is None:
+        raise ValueError(
+            "part and parts go together: part=rank, parts=world (got "
+            f"part={part!r}, parts={parts!r})"
+        )
+    if parts < 1 or not 0 <= part < parts:
+        raise ValueError(
+            f"part must be in [0, parts) and parts >= 1; got part={part}, parts={parts}"
+        )
+    if parts > 1 and version is None:
+        raise ValueError(
+            "a version sent in parts needs version=... (the training step): it is how the "
+            "hub tells which parts belong together"
+        )
+    return part, parts
 
 
 class _BroadcastDone(VersionDone):

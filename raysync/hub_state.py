@@ -22,6 +22,7 @@ from raysync.messages import (
 from raysync.routing import HandedOver
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo
+from raysync.transports.parts import payloads_in
 
 #: The model id used when a receiver passes a single model path.
 DEFAULT_MODEL = "default"
@@ -78,7 +79,7 @@ class ReceiverEntry:
             node_id=r.node_id,
             process=r.process,
             handle=r.handle,
-            kept=r.kept,
+            kept=payloads_in(r.kept),
         )
 
 

@@ -87,6 +87,10 @@ class BroadcastRequest:
     #: Every broadcast of that handle numbered below this one is done with (its call
     #: completed or failed): the hub waits for none of them (after a hub restart, say).
     floor: int = 0
+    #: This learner's slice of a version sent in parts (sharded learners, see
+    #: :mod:`raysync.transports.parts`): part ``part`` of ``parts``; 1 part: the whole.
+    part: int = 0
+    parts: int = 1
 
 
 @dataclass(frozen=True)
@@ -287,3 +291,6 @@ class HubStatus:
     #: Per worker id, the last registration refused, until that worker registers: a
     #: receiver the hub no longer delivers to because it cannot get back in.
     refused: dict[str, RefusedRegistration] = field(default_factory=dict)
+    #: Versions sent in parts still waiting for parts: (model, version) -> the parts
+    #: arrived so far (a sharded learner that is late, or gone, shows here).
+    assembling: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)

@@ -54,6 +54,7 @@ from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, Receipt, recei
 from raysync.receiver_zero_copy import AdoptedVersion, Adoption
 from raysync.spec import WeightSpec
 from raysync.transports import TransportError, TransportReceiver, get_transport, known_transports
+from raysync.transports.parts import PartedReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -422,7 +423,8 @@ class _Fetched:
 
 
 def _open_transport(welcome: Welcome) -> TransportReceiver:
-    return get_transport(welcome.transport).open_receiver(welcome.transport_info)
+    """The transport's receiver, reading versions sent in parts too."""
+    return PartedReceiver(get_transport(welcome.transport).open_receiver(welcome.transport_info))
 
 
 def _check_transport(hub: HubHandle, identity: ReceiverIdentity) -> None:

@@ -100,9 +100,9 @@ class WeightSpec:
         missing = sorted(mine.keys() - theirs.keys())
         extra = sorted(theirs.keys() - mine.keys())
         if missing:
-            problems.append(f"missing key(s) in {got}: {_keys(missing)}")
+            problems.append(f"missing key(s) in {got}: {keys_listed(missing)}")
         if extra:
-            problems.append(f"unexpected key(s) in {got}: {_keys(extra)}")
+            problems.append(f"unexpected key(s) in {got}: {keys_listed(extra)}")
         for name in sorted(mine.keys() & theirs.keys()):
             a, b = mine[name], theirs[name]
             if a.shape != b.shape:
@@ -125,7 +125,8 @@ class WeightSpec:
         )
 
 
-def _keys(names: list[str]) -> str:
+def keys_listed(names: list[str]) -> str:
+    """Key names for a message: the first few quoted, then how many in all."""
     shown = ", ".join(repr(n) for n in names[:_MESSAGE_ENTRIES])
     if len(names) > _MESSAGE_ENTRIES:
         shown += f", ... ({len(names)} in all)"

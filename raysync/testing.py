@@ -107,6 +107,29 @@ class ConformanceReceiver(WeightReceiver):
         return self.pull_weights()
 
 
+class PartLearner:
+    """One learner of a sharded model (a Ray actor): it sends its own slice of each
+    version through its own handle, as an FSDP or pipeline rank would."""
+
+    def __init__(self, hub: HubHandle) -> None:
+        self.hub = hub
+        self.pending: list[ray.ObjectRef] = []
+
+    def send(self, weights: dict[str, torch.Tensor], **broadcast: Any) -> BroadcastReport:
+        """Broadcast this learner's part and wait for the whole version's report."""
+        return ray.get(self.hub.broadcast.remote(weights, model=MODEL, **broadcast))
+
+    def send_and_return(self, weights: dict[str, torch.Tensor], **broadcast: Any) -> None:
+        """Broadcast this learner's part and return at once (the part is on its way)."""
+        self.pending.append(self.hub.broadcast.remote(weights, model=MODEL, **broadcast))
+
+
+def split_in_parts(weights: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """``weights`` dealt into ``parts`` disjoint slices by sorted key (round robin)."""
+    names = sorted(weights)
+    return [{name: weights[name] for name in names[i::parts]} for i in range(parts)]
+
+
 class TransportConformance:
     """Subclass it with ``transport = "<registered name>"``; pytest collects the tests.
 
@@ -268,6 +291,62 @@ class TransportConformance:
             # A zero-copy model takes a cast copy as its memory, not the cast bytes.
             (zero_copy,) = self.receivers(started, hub, "zc-wire", zero_copy=True)
             assert_bitwise(ray.get(zero_copy.state.remote()), expected)
+
+    def test_a_version_sent_in_parts_lands_whole(self, started, hub, crew):
+        """Two learner processes each send their own keys of one version (sharded
+        learners, one of them casting on the wire): every receiver, a late joiner and a
+        zero-copy one included, applies the whole version at one safe point, bit for
+        bit, and both parts' calls end in the same report."""
+        workers = ("crew0", "crew1")
+        cls = ray.remote(num_cpus=0, **self.receiver_options)(PartLearner)
+        learners = [cls.remote(hub) for _ in range(2)]
+        started.extend(learners)
+        version = ray.get(hub.status.remote()).versions.get(MODEL, 0)
+
+        def send(
+            weights: dict[str, torch.Tensor],
+            to: tuple[str, ...],
+            second_on_the_wire: torch.dtype | None = None,
+        ) -> int:
+            """Both parts of a new version, the second cast to ``second_on_the_wire``."""
+            nonlocal version
+            version += 1
+            wire = (None, second_on_the_wire)
+            refs = [
+                learner.send.remote(
+                    part, version=version, part=i, parts=2, workers=to, wire_dtype=wire[i]
+                )
+                for i, (learner, part) in enumerate(
+                    zip(learners, split_in_parts(weights, 2), strict=True)
+                )
+            ]
+            reports = ray.get(refs, timeout=120)
+            assert reports[0] == reports[1] and reports[0].version == version
+            assert (reports[0].acked, reports[0].failed) == (to, {})
+            return version
+
+        v = send(uniform_weights(7.0), workers)
+        for receiver in (crew[w] for w in workers):
+            assert (v, True) in ray.get(receiver.applied_versions.remote())
+            assert_bitwise(ray.get(receiver.state.remote()), uniform_weights(7.0))
+
+        weights = special_weights(5.0)
+        cast_part = split_in_parts(weights, 2)[1]
+        expected = {
+            k: v.to(torch.bfloat16).to(v.dtype) if k in cast_part and v.is_floating_point() else v
+            for k, v in weights.items()
+        }
+        send(weights, workers, second_on_the_wire=torch.bfloat16)
+        for receiver in (crew[w] for w in workers):
+            assert_bitwise(ray.get(receiver.state.remote()), expected)
+        (late,) = self.receivers(started, hub, "late-parts")
+        assert_bitwise(ray.get(late.state.remote()), expected)
+
+        if get_transport(self.transport).zero_copy is not None:
+            (zero_copy,) = self.receivers(started, hub, "zc-parts", zero_copy=True)
+            for seed in (8.0, 9.0):
+                send(special_weights(seed), ("zc-parts",))
+                assert_bitwise(ray.get(zero_copy.state.remote()), special_weights(seed))
 
     def test_declares_what_it_keeps_in_memory(self):
         """Capacity plans (and the benchmarks) read it: copies of a version alive on

@@ -225,6 +225,10 @@ class Transport(ABC):
     #: zero-copy receivers where ``zero_copy`` allows them.
     memory: ClassVar[MemoryFootprint | None] = None
     zero_copy_memory: ClassVar[MemoryFootprint | None] = None
+    #: Whether its planner plans a version sent in parts as one (``update.payload`` is
+    #: then the :class:`~raysync.transports.parts.Parts`, and its resource actor reads
+    #: every part), instead of the hub planning each part as a version of its own.
+    parts_in_one_plan: ClassVar[bool] = False
     #: The transport whose learner half (sender and payload) this one uses: receivers
     #: of transports with the same hand-off share one payload per version.
     hand_off: ClassVar[str]

@@ -14,6 +14,7 @@ pulls it once per node from elsewhere), and each tensor is a view of it.
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from raysync.transports.base import (
     TransportReceiver,
     TransportSender,
 )
+from raysync.transports.parts import Parts
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,18 @@ def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
+async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list[np.ndarray]:
+    """The arrays of a version's put, in spec order; of every part's put for a version
+    sent in parts. Awaited in an async resource actor (a blocking get would hold its
+    event loop); ``asyncio.TimeoutError`` after ``timeout_s``."""
+    if isinstance(source, Parts):
+        per_part = await asyncio.wait_for(
+            asyncio.gather(*(part.payload.ref for part in source.parts)), timeout_s
+        )
+        return source.in_spec_order(per_part)
+    return await asyncio.wait_for(source.ref, timeout_s)
+
+
 class ObjectStoreSender(TransportSender):
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> ObjectStorePayload:
         arrays = [_as_bytes(tensors[name]) for name in spec.names]
@@ -62,7 +76,7 @@ class ObjectStoreReceiver(TransportReceiver):
         except ray.exceptions.RayError as err:
             raise TransportError(
                 f"could not read the object-store copy of the update ({type(err).__name__}); "
-                "the hub that owns it may have died or released it"
+                "the learner that put it (its owner) may have died"
             ) from err
         with warnings.catch_warnings():
             # The arrays map the object store read-only; we only ever read from them.

@@ -102,6 +102,9 @@ class DistributedTransport(Transport):
     #: each receiver's receive buffer.
     memory = MemoryFootprint(learner=4, per_receiver=1)
     hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
+    #: Sharded learners: its resource actor reads every part's put and sends the version
+    #: whole (one collective / one call per receiver), so members enter it once.
+    parts_in_one_plan = True
     options = DistributedOptions
 
     @classmethod

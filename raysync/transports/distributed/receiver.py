@@ -16,6 +16,7 @@ from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.distributed.group import join_group, run_broadcast, staging_device
 from raysync.transports.distributed.wire import HEADER_BYTES, MAGIC, Generation, GroupPayload
 from raysync.transports.object_store import ObjectStorePayload, ObjectStoreReceiver
+from raysync.transports.parts import PartedReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class DistributedReceiver(TransportReceiver):
         self._group: Any = None
         self._next_seq = 0
         self._broken: dict[int, str] = {}  #: generation number -> why it broke here
-        self._pull = ObjectStoreReceiver()
+        self._pull = PartedReceiver(ObjectStoreReceiver())  # the learner's put(s)
 
     @property
     def generation(self) -> int:

@@ -10,6 +10,7 @@ from raysync.layout import HEADER_BYTES
 from raysync.spec import WeightSpec
 from raysync.transports.object_store import ObjectStorePayload
 from raysync.transports.options import DistributedOptions
+from raysync.transports.parts import Parts
 
 #: The first word of the header (``HEADER_BYTES``, int64 words) in front of every
 #: broadcast buffer, checked by receivers: "raysyncd".
@@ -51,7 +52,7 @@ class BroadcastJob:
     model: str
     version: int
     spec: WeightSpec
-    source: ObjectStorePayload
+    source: ObjectStorePayload | Parts  #: the learner's put (one per part if sent in parts)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class GroupPayload:
     generation: Generation
     rank: int
     seq: int
-    source: ObjectStorePayload
+    source: ObjectStorePayload | Parts  #: the learner's put (one per part if sent in parts)
 
 
 def process_group_name(hub_id: str) -> str:

@@ -92,6 +92,9 @@ class RpcTransport(Transport):
     #: The learner's put (two alive); the landed tensors in each receiver's inbox.
     memory = MemoryFootprint(learner=2, per_receiver=1)
     hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
+    #: Sharded learners: its resource actor reads every part's put and sends the version
+    #: whole (one collective / one call per receiver), so members enter it once.
+    parts_in_one_plan = True
     options = RpcOptions
 
     @classmethod

@@ -12,6 +12,7 @@ import torch
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.object_store import ObjectStorePayload, ObjectStoreReceiver
+from raysync.transports.parts import PartedReceiver
 from raysync.transports.rpc.rendezvous import init_rpc
 from raysync.transports.rpc.wire import RpcMember
 
@@ -139,7 +140,7 @@ class _Membership:
 class RpcReceiver(TransportReceiver):
     def __init__(self, member: RpcMember) -> None:
         self._member = _Membership.join(member)
-        self._pull = ObjectStoreReceiver()
+        self._pull = PartedReceiver(ObjectStoreReceiver())  # the learner's put(s)
 
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         if isinstance(payload, ObjectStorePayload):  # pull mode: the learner's copy

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from raysync.transports.object_store import ObjectStorePayload
 from raysync.transports.options import RpcOptions
+from raysync.transports.parts import Parts
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class RpcJob:
     model: str
     version: int
     workers: tuple[str, ...]
-    source: ObjectStorePayload
+    source: ObjectStorePayload | Parts  #: the learner's put (one per part if sent in parts)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,136 @@
+"""The hub's assembly of a version sent in parts (see :mod:`raysync.transports.parts`). Plain
+Python, no Ray calls: owned by the hub actor and touched only from its event loop.
+
+Each part is checked the moment it arrives, before any receiver is touched: against the
+hub's spec of the model (its keys must be in it, shaped and typed alike), against the
+parts already here (no key twice, the same number of parts, the same workers), and,
+with the last part, the union against the whole spec (no key missing). A refusal names
+the keys and fails the version for every part: nothing of it is ever applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from raysync.errors import SpecMismatchError
+from raysync.messages import BroadcastRequest
+from raysync.spec import WeightSpec, keys_listed
+from raysync.transports.parts import Part, Parts
+
+
+class PartAssembly:
+    """The parts of version ``version`` of ``model`` that reached the hub so far."""
+
+    def __init__(self, model: str, version: int, parts: int, workers: tuple[str, ...] | None):
+        self.model = model
+        self.version = version
+        self.parts = parts
+        self.workers = workers
+        self._arrived: dict[int, BroadcastRequest] = {}
+        self._owner: dict[str, int] = {}  #: key -> the part that holds it
+
+    @property
+    def what(self) -> str:
+        return f"version {self.version} of model {self.model!r} ({self.parts} parts)"
+
+    @property
+    def complete(self) -> bool:
+        return len(self._arrived) == self.parts
+
+    def arrived(self) -> tuple[int, ...]:
+        """The parts arrived so far, in order."""
+        return tuple(sorted(self._arrived))
+
+    def missing(self) -> list[int]:
+        """The parts not arrived yet, in order."""
+        return [i for i in range(self.parts) if i not in self._arrived]
+
+    def add(self, request: BroadcastRequest, hub_spec: WeightSpec | None) -> None:
+        """Take ``request`` (one part) in; raise, naming what is wrong, if it cannot be
+        part of this version. ``hub_spec`` is the model's spec if the hub knows it."""
+        index = request.part
+        name = f"part {index} of {self.what}"
+        if request.parts != self.parts:
+            raise ValueError(
+                f"{name} says the version has {request.parts} parts; an earlier part "
+                f"said {self.parts}"
+            )
+        if index in self._arrived:
+            raise ValueError(f"{name} arrived twice")
+        workers = None if request.workers is None else tuple(request.workers)
+        if workers != self.workers:
+            raise ValueError(
+                f"{name} is for workers {workers}, an earlier part for {self.workers}: "
+                "every part of a version goes to the same receivers"
+            )
+        if hub_spec is not None:
+            _check_in_spec(request.spec, hub_spec, name)
+        overlap: dict[int, list[str]] = {}
+        for key in request.spec.names:
+            if key in self._owner:
+                overlap.setdefault(self._owner[key], []).append(key)
+        if overlap:
+            other, keys = min(overlap.items())
+            raise SpecMismatchError(
+                f"parts {other} and {index} of {self.what} both hold key(s) "
+                f"{keys_listed(keys)}: each key belongs to exactly one part"
+            )
+        self._arrived[index] = request
+        self._owner.update(dict.fromkeys(request.spec.names, index))
+
+    def request(self, hub_spec: WeightSpec | None) -> BroadcastRequest:
+        """The whole version as one broadcast, once :attr:`complete`: the whole spec, one
+        :class:`~raysync.transports.parts.Parts` payload per hand-off every part carries. Raises
+        SpecMismatchError naming the keys the parts leave out of ``hub_spec``."""
+        ordered = [self._arrived[i] for i in range(self.parts)]
+        spec = _union(r.spec for r in ordered)
+        if hub_spec is not None and spec.names != hub_spec.names:
+            missing = sorted(set(hub_spec.names) - set(spec.names))
+            raise SpecMismatchError(
+                f"the {self.parts} parts of {self.what} do not add up to the model: "
+                f"missing key(s) {keys_listed(missing)}; nothing was applied"
+            )
+        hand_offs = set.intersection(*(set(r.payloads) for r in ordered))
+        payloads = {
+            hand_off: Parts(
+                tuple(Part(r.payloads[hand_off], r.wire_spec or r.spec) for r in ordered)
+            )
+            for hand_off in sorted(hand_offs)
+        }
+        cast = any(r.wire_spec is not None for r in ordered)
+        first = ordered[0]
+        return dataclasses.replace(
+            first,
+            model=self.model,
+            version=self.version,
+            spec=spec,
+            payloads=payloads,
+            wire_spec=_union(r.wire_spec or r.spec for r in ordered) if cast else None,
+            learner_seconds=max(r.learner_seconds for r in ordered),
+            part=0,
+            parts=1,
+        )
+
+
+def _check_in_spec(part: WeightSpec, whole: WeightSpec, name: str) -> None:
+    """Raise SpecMismatchError unless every key of ``part`` is in ``whole``, alike."""
+    known = {t.name: t for t in whole.tensors}
+    unknown = [t.name for t in part.tensors if t.name not in known]
+    if unknown:
+        raise SpecMismatchError(
+            f"{name} holds key(s) the model does not have: {keys_listed(unknown)}"
+        )
+    for tensor in part.tensors:
+        expected = known[tensor.name]
+        if expected != tensor:
+            raise SpecMismatchError(
+                f"{name}: key {tensor.name!r} has {tensor.describe()}, the model has "
+                f"{expected.describe()}"
+            )
+
+
+def _union(specs: Iterable[WeightSpec]) -> WeightSpec:
+    """The disjoint specs as one, sorted by name."""
+    tensors = [t for spec in specs for t in spec.tensors]
+    return WeightSpec(tuple(sorted(tensors, key=lambda t: t.name)))

@@ -1,0 +1,188 @@
+"""A version sent in parts: sharded learners, each broadcasting its own slice.
+
+Several learner processes (FSDP or pipeline ranks) each call
+``hub.broadcast.remote(part_weights, version=step, part=rank, parts=world)``: every
+part's bytes leave its own learner through its own transport sender, and the hub, once
+every part of that version arrived (:mod:`raysync.part_assembly`), publishes one
+version whose payload is :class:`Parts`, one :class:`Part` per learner. Nothing is
+copied into one place: receivers read each part from where its learner left it, and
+apply the version only when every part is here, at one safe point.
+
+How each half of a transport meets a :class:`Parts` payload:
+
+* hub process: :func:`plan_parts` plans each part as if it were a version of its own
+  (a stream of its own for the planner's bookkeeping, :func:`part_stream`), unless the
+  transport declares ``Transport.parts_in_one_plan`` (``distributed``, ``rpc``: their
+  resource actor reads every part's put and sends the whole version at once);
+* receiver process: :class:`PartedReceiver` wraps the transport's receiver: it fetches
+  each part and hands the receiver core one tensor per spec entry, in spec order, and
+  releases each part's payload with its own staged tensors.
+
+A payload that is not :class:`Parts` passes through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from raysync.spec import WeightSpec
+from raysync.transports.base import ReceiverInfo, TransportPlanner, TransportReceiver
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One learner's slice of a version: its transport's payload and what it carries."""
+
+    payload: Any
+    spec: WeightSpec  #: the tensors this part carries (in the wire dtype, if cast)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A version sent in parts, in part order. The parts' names are disjoint and their
+    union, sorted, is the version's spec (the hub checked it)."""
+
+    parts: tuple[Part, ...]
+
+    def in_spec_order(self, per_part: Sequence[Sequence[T]]) -> list[T]:
+        """``per_part[i]`` holds one item per tensor of part ``i`` (in its spec order):
+        all of them, in the whole version's spec order (names sorted)."""
+        by_name: dict[str, T] = {}
+        for part, items in zip(self.parts, per_part, strict=True):
+            by_name.update(zip(part.spec.names, items, strict=True))
+        return [by_name[name] for name in sorted(by_name)]
+
+    def of_part(self, index: int, items: Sequence[T]) -> list[T]:
+        """The items of part ``index`` out of ``items``, one per tensor of the whole
+        version in spec order (the inverse of :meth:`in_spec_order`)."""
+        position = {name: i for i, name in enumerate(sorted(self.names()))}
+        return [items[position[name]] for name in self.parts[index].spec.names]
+
+    def names(self) -> list[str]:
+        return [name for part in self.parts for name in part.spec.names]
+
+
+def part_stream(model: str, index: int, parts: int) -> str:
+    """The model name a planner sees for one part: each part is a stream of its own in
+    the planner's bookkeeping (its latest version, its relays, its holds)."""
+    return f"{model}[part {index} of {parts}]"
+
+
+def payloads_in(kept: Sequence[Any]) -> tuple[Any, ...]:
+    """The transport payloads in ``kept`` (payloads a zero-copy receiver lives in), each
+    part of a :class:`Parts` on its own, as the planner handed them out."""
+    out: list[Any] = []
+    for payload in kept:
+        if isinstance(payload, Parts):
+            out.extend(part.payload for part in payload.parts)
+        else:
+            out.append(payload)
+    return tuple(out)
+
+
+async def plan_parts(
+    planner: TransportPlanner,
+    update: Any,
+    spec: WeightSpec,
+    targets: Sequence[ReceiverInfo],
+    *,
+    in_one_plan: bool,
+) -> Mapping[str, Any]:
+    """``planner.plan`` of ``update`` for ``targets``: a :class:`Parts` update is planned
+    part by part (concurrently), each worker getting a :class:`Parts` of its planned
+    payloads, unless ``in_one_plan``. Called in the hub process."""
+    parted = update.payload
+    if not isinstance(parted, Parts) or in_one_plan:
+        return await planner.plan(update, spec, targets)
+    planned = await asyncio.gather(
+        *(
+            planner.plan(_part_update(update, i, parted), part.spec, targets)
+            for i, part in enumerate(parted.parts)
+        )
+    )
+    return {
+        target.worker: Parts(
+            tuple(
+                Part(plan[target.worker], part.spec)
+                for plan, part in zip(planned, parted.parts, strict=True)
+            )
+        )
+        for target in targets
+    }
+
+
+async def plan_pull_parts(
+    planner: TransportPlanner,
+    update: Any,
+    spec: WeightSpec,
+    receiver: ReceiverInfo,
+    *,
+    in_one_plan: bool,
+) -> Any:
+    """``planner.plan_pull`` of ``update`` for ``receiver``, part by part for a
+    :class:`Parts` update unless ``in_one_plan``. Called in the hub process."""
+    parted = update.payload
+    if not isinstance(parted, Parts) or in_one_plan:
+        return await planner.plan_pull(update, spec, receiver)
+    planned = await asyncio.gather(
+        *(
+            planner.plan_pull(_part_update(update, i, parted), part.spec, receiver)
+            for i, part in enumerate(parted.parts)
+        )
+    )
+    return Parts(tuple(Part(p, part.spec) for p, part in zip(planned, parted.parts, strict=True)))
+
+
+def _part_update(update: Any, index: int, parted: Parts) -> Any:
+    """Part ``index`` of ``update`` as a version of its own stream."""
+    return dataclasses.replace(
+        update,
+        model=part_stream(update.model, index, len(parted.parts)),
+        payload=parted.parts[index].payload,
+        wire_spec=None,
+    )
+
+
+class PartedReceiver(TransportReceiver):
+    """A transport's receiver that also reads versions sent in parts (receiver process).
+
+    Each part is fetched by the wrapped receiver with its own spec; a part that fails
+    releases the parts fetched before it, so nothing stays held.
+    """
+
+    def __init__(self, inner: TransportReceiver) -> None:
+        self.inner = inner
+
+    def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        if not isinstance(payload, Parts):
+            return self.inner.fetch(payload, spec)
+        fetched: list[Sequence[torch.Tensor]] = []
+        try:
+            for part in payload.parts:
+                fetched.append(self.inner.fetch(part.payload, part.spec))
+        except BaseException:
+            for part, staged in zip(payload.parts, fetched, strict=False):
+                self.inner.release(part.payload, staged)
+            for part in payload.parts[len(fetched) :]:
+                self.inner.release(part.payload, None)
+            raise
+        return payload.in_spec_order(fetched)
+
+    def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
+        if not isinstance(payload, Parts):
+            self.inner.release(payload, staged)
+            return
+        for index, part in enumerate(payload.parts):
+            own = None if staged is None else payload.of_part(index, staged)
+            self.inner.release(part.payload, own)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,164 @@
+"""Sharded learners: a version sent in parts by several learner processes. The kit's
+``test_a_version_sent_in_parts_lands_whole`` runs it on every transport; here, on the
+object store, what must fail does: a part that never comes, parts that overlap, that
+leave keys out or hold keys the model lacks, a part whose bytes are lost before
+receivers read them. In every case no receiver applies anything of that version."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from raysync import BroadcastError, IncompleteVersionError, SpecMismatchError
+from raysync.testing import (
+    MODEL,
+    ConformanceReceiver,
+    PartLearner,
+    assert_bitwise,
+    special_weights,
+    split_in_parts,
+)
+from tests.helpers import start, start_hub
+
+Receiver = ray.remote(num_cpus=0)(ConformanceReceiver)
+
+
+@pytest.fixture
+def hub_and_receiver(actors):
+    """A hub and one receiver holding version 1 (``special_weights(1.0)``)."""
+    hub = start_hub(actors, "object_store", models=[MODEL])
+    receiver = start(actors, Receiver, hub, "r0")
+    ray.get(receiver.__ray_ready__.remote())
+    assert ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL)).version == 1
+    return hub, receiver
+
+
+def send_parts(hub, parts: list[dict], version: int, **kw) -> list[ray.ObjectRef]:
+    """Every part from this process (the hub sees them as it would from several)."""
+    return [
+        hub.broadcast.remote(p, model=MODEL, version=version, part=i, parts=len(parts), **kw)
+        for i, p in enumerate(parts)
+    ]
+
+
+def assert_untouched(receiver) -> None:
+    assert ray.get(receiver.version.remote()) == 1
+    assert_bitwise(ray.get(receiver.state.remote()), special_weights(1.0))
+
+
+def test_a_part_that_never_arrives_fails_the_version_for_every_part(hub_and_receiver):
+    hub, receiver = hub_and_receiver
+    first, second = split_in_parts(special_weights(2.0), 2)
+    alone = hub.broadcast.remote(first, model=MODEL, version=2, part=0, parts=2, timeout_s=1)
+    with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive within 1 s"):
+        ray.get(alone, timeout=30)
+    late = hub.broadcast.remote(second, model=MODEL, version=2, part=1, parts=2)
+    with pytest.raises(IncompleteVersionError, match="part 1 .* arrived after the version failed"):
+        ray.get(late, timeout=30)
+    assert_untouched(receiver)
+    assert ray.get(hub.status.remote()).assembling == {}
+    # The learners go on: the next version, whole, lands.
+    weights = special_weights(3.0)
+    reports = ray.get(send_parts(hub, split_in_parts(weights, 2), version=3), timeout=60)
+    assert reports[0] == reports[1] and reports[0].acked == ("r0",)
+    assert_bitwise(ray.get(receiver.state.remote()), weights)
+
+
+def test_parts_that_overlap_are_refused_naming_the_key(hub_and_receiver):
+    hub, receiver = hub_and_receiver
+    weights = special_weights(2.0)
+    names = sorted(weights)
+    shared = names[4]
+    parts = [{k: weights[k] for k in names[:5]}, {k: weights[k] for k in names[4:]}]
+    kept, refused = send_parts(hub, parts, version=2)
+    with pytest.raises(
+        SpecMismatchError, match=f"parts 0 and 1 .* both hold key\\(s\\) '{shared}'"
+    ):
+        ray.get(refused, timeout=30)
+    with pytest.raises(IncompleteVersionError, match="part 1 was refused .*both hold"):
+        ray.get(kept, timeout=30)
+    assert_untouched(receiver)
+
+
+def test_parts_that_leave_a_key_out_are_refused_naming_it(hub_and_receiver):
+    hub, receiver = hub_and_receiver
+    weights = special_weights(2.0)
+    names = sorted(weights)
+    parts = [{k: weights[k] for k in names[:3]}, {k: weights[k] for k in names[4:]}]
+    first, last = send_parts(hub, parts, version=2)
+    with pytest.raises(
+        SpecMismatchError, match=f"do not add up .* missing key\\(s\\) '{names[3]}'"
+    ):
+        ray.get(last, timeout=30)
+    with pytest.raises(IncompleteVersionError, match="do not add up"):
+        ray.get(first, timeout=30)
+    assert_untouched(receiver)
+
+
+def test_a_part_with_a_key_the_model_lacks_or_a_wrong_shape_is_refused(hub_and_receiver):
+    hub, receiver = hub_and_receiver
+    first, second = split_in_parts(special_weights(2.0), 2)
+    stranger = dict(second, extra=special_weights()["w"])
+    refs = send_parts(hub, [first, stranger], version=2)
+    with pytest.raises(SpecMismatchError, match="key\\(s\\) the model does not have: 'extra'"):
+        ray.get(refs[1], timeout=30)
+    name = sorted(second)[0]
+    reshaped = dict(second, **{name: second[name].reshape(-1)[:1].clone()})
+    refs = send_parts(hub, [first, reshaped], version=3)
+    with pytest.raises(SpecMismatchError, match=f"key '{name}' has shape"):
+        ray.get(refs[1], timeout=30)
+    assert_untouched(receiver)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"part": 0}, "part and parts go together"),
+        ({"parts": 2}, "part and parts go together"),
+        ({"part": 2, "parts": 2, "version": 5}, r"part must be in \[0, parts\)"),
+        ({"part": 0, "parts": 2}, "needs version=..."),
+    ],
+)
+def test_bad_part_arguments_raise_in_the_learner(hub_and_receiver, kw, message):
+    hub, receiver = hub_and_receiver
+    with pytest.raises(ValueError, match=message):
+        hub.broadcast.remote(special_weights(2.0), model=MODEL, **kw)
+    assert_untouched(receiver)
+
+
+@ray.remote
+def _lost(nbytes: int) -> None:
+    raise OSError(f"the node holding these {nbytes} bytes died")
+
+
+@ray.remote(num_cpus=0)
+class LosingLearner(PartLearner):
+    """A learner whose part's bytes are lost once sent (as when its node dies): its
+    object-store hand-off carries a ref that raises when read. Only this actor's
+    process sends that way."""
+
+    def __init__(self, hub) -> None:
+        super().__init__(hub)
+        from raysync.transports import object_store
+
+        def send_lost(sender, tensors, spec):
+            return object_store.ObjectStorePayload(_lost.remote(spec.nbytes))
+
+        object_store.ObjectStoreSender.send = send_lost
+
+
+def test_a_part_whose_bytes_are_lost_leaves_the_model_untouched(actors, hub_and_receiver):
+    """Part 1's bytes cannot be read: every receiver fails the version (the error says
+    so) after reading part 0, and applies nothing of it."""
+    hub, receiver = hub_and_receiver
+    first, second = split_in_parts(special_weights(2.0), 2)
+    losing = start(actors, LosingLearner, hub)
+    lost = losing.send.remote(second, version=2, part=1, parts=2)
+    with pytest.raises(BroadcastError) as info:
+        ray.get(hub.broadcast.remote(first, model=MODEL, version=2, part=0, parts=2), timeout=60)
+    assert set(info.value.report.failed) == {"r0"}
+    assert "could not read the object-store copy" in info.value.report.failed["r0"]
+    with pytest.raises(BroadcastError):
+        ray.get(lost, timeout=60)
+    assert_untouched(receiver)
+    assert ray.get(hub.status.remote()).assembling == {}
