@@ -44,6 +44,8 @@ class _Segment:
     buffer: torch.Tensor  #: uint8 view of the whole mapping
     token: bytes
     seq: int = 0  #: the version written into it (0: none yet)
+    #: whose slots it is among: a learner's sender (``acquire``), or the relays of a model
+    stream: str = ""
     holds: set[tuple[str, ...]] = field(default_factory=set)
     #: workers whose release of ``seq`` came before the hub's hold for them
     released: set[str] = field(default_factory=set)
@@ -68,7 +70,10 @@ class ShmOwner:
         self._node_id = node_id
         self._pid = os.getpid()
         self._max_slots = max_slots
-        self._pools: dict[int, list[_Segment]] = {}  #: by segment size
+        #: by (stream, segment size): each learner, and each model's relays, has its own
+        #: pool of at most ``max_slots``, so learners of a sharded model on one node (one
+        #: part each) never wait for each other's slots
+        self._pools: dict[tuple[str, int], list[_Segment]] = {}
         self._by_seq: dict[int, _Segment] = {}
         self._latest: dict[str, int] = {}  #: model -> seq of its latest version here
         self._next_seq = 1
@@ -79,9 +84,10 @@ class ShmOwner:
         self._in_order = InOrder(ORDER_WAIT_S)
 
     # -- learner -------------------------------------------------------------------------
-    async def acquire(self, nbytes: int, timeout_s: float) -> Slot:
-        """A slot of ``nbytes`` for the learner's next version, held ``PENDING``."""
-        segment = await self._free_segment(nbytes, timeout_s)
+    async def acquire(self, nbytes: int, timeout_s: float, learner: str = "") -> Slot:
+        """A slot of ``nbytes`` for the next version of ``learner`` (its sender's id),
+        held ``PENDING``."""
+        segment = await self._free_segment(learner, nbytes, timeout_s)
         segment.holds.add(PENDING)
         return self._assign(segment)
 
@@ -93,7 +99,8 @@ class ShmOwner:
 
         The hub plans versions in the order the learner submitted them and numbers its
         calls here (``order``, run in that order: Ray may start them out of order), so a
-        ``PENDING`` slot older than ``seq`` holds a version the hub refused: it is freed.
+        ``PENDING`` slot of the same learner older than ``seq`` holds a version the hub
+        refused: it is freed (another learner's are not: they may still be planned).
         ``pid`` names the owner the slot came from: a restarted owner knows none of its
         slots.
         """
@@ -108,7 +115,7 @@ class ShmOwner:
                 f"on node {self._node_id}: a newer version superseded it and its slot was reused"
             )
         for other in self._by_seq.values():
-            if other.seq < seq:
+            if other.seq < seq and other.stream == segment.stream:
                 other.holds.discard(PENDING)
         segment.holds.discard(PENDING)
         segment.holds.update(("worker", w) for w in workers if w not in segment.released)
@@ -141,7 +148,7 @@ class ShmOwner:
         timeout_s: float,
     ) -> Slot:
         """Copy an exported version into a slot here; hold it like :meth:`deliver`."""
-        segment = await self._free_segment(nbytes, timeout_s)
+        segment = await self._free_segment(f"relays of {model}", nbytes, timeout_s)
         segment.holds.add(RELAYING)
         try:
             data = await refs[0]
@@ -202,17 +209,17 @@ class ShmOwner:
         self._closed.set()
 
     # -- slots ---------------------------------------------------------------------------
-    async def _free_segment(self, nbytes: int, timeout_s: float) -> _Segment:
+    async def _free_segment(self, stream: str, nbytes: int, timeout_s: float) -> _Segment:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        pool = self._pools.setdefault(nbytes, [])
+        pool = self._pools.setdefault((stream, nbytes), [])
         async with self._released:
             while True:
                 for segment in pool:
                     if not segment.holds:
                         return segment
                 if len(pool) < self._max_slots:
-                    segment = self._create(nbytes)
+                    segment = self._create(nbytes, stream)
                     pool.append(segment)
                     return segment
                 remaining = deadline - loop.time()
@@ -229,7 +236,7 @@ class ShmOwner:
                 except asyncio.TimeoutError:
                     continue
 
-    def _create(self, nbytes: int) -> _Segment:
+    def _create(self, nbytes: int, stream: str) -> _Segment:
         token = secrets.token_bytes(TOKEN_BYTES)
         fd = os.memfd_create("raysync-segment", os.MFD_CLOEXEC)
         os.ftruncate(fd, nbytes)
@@ -238,7 +245,7 @@ class ShmOwner:
         os.posix_fallocate(fd, 0, nbytes)
         buffer = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
         buffer[:TOKEN_BYTES] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
-        return _Segment(fd, buffer, token)
+        return _Segment(fd, buffer, token, stream=stream)
 
     def _assign(self, segment: _Segment) -> Slot:
         """Give ``segment`` the next sequence number (its previous version is gone)."""

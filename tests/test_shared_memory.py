@@ -282,3 +282,43 @@ def test_zero_copy_models_live_in_the_segment_which_outlives_a_reregistration(ac
     )
     assert holds.count("worker/moving") == 1, holds
     assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
+
+
+@ray.remote(num_cpus=0)
+class EqualParts(WeightReceiver):
+    """Eight equal tensors: dealt to four learners, every part has the same size."""
+
+    def __init__(self, hub):
+        self.sd = {f"t{i}": torch.zeros(64) for i in range(8)}
+        self.connect_hub(hub, models={"m": "sd"})
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.sd.items()}
+
+
+def test_learners_of_a_sharded_model_on_one_node_keep_their_own_slots(actors):
+    """Four learners on this node each send one equal-sized part of every version: each
+    has its own slots at the owner (with one pool per size, the four latest parts and
+    the four slots asked ahead would need more than ``MAX_SLOTS``: a part would wait
+    for a slot only the whole version frees), and every version lands whole."""
+    from raysync.testing import PartLearner
+
+    hub = start_hub(actors, TRANSPORT, models=["m"])
+    receiver = start(actors, EqualParts, hub)
+    learners = [start(actors, ray.remote(num_cpus=0)(PartLearner), hub) for _ in range(4)]
+    ready([receiver, *learners])
+    assert 2 * len(learners) > MAX_SLOTS
+    for version in range(1, 5):
+        weights = {f"t{i}": torch.full((64,), float(version)) for i in range(8)}
+        refs = [
+            learner.send.remote(
+                {k: weights[k] for k in sorted(weights)[i::4]},
+                version=version,
+                part=i,
+                parts=4,
+                timeout_s=20,
+            )
+            for i, learner in enumerate(learners)
+        ]
+        assert {r.version for r in ray.get(refs, timeout=60)} == {version}
+        assert_same(ray.get(receiver.state.remote()), weights)

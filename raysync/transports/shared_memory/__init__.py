@@ -29,7 +29,7 @@ planned for until that receiver releases it (after its copy, or when it skips th
 version) or leaves the hub, and for the latest version of each model so that late
 joiners and pull receivers can still read it. A version is therefore never overwritten
 while a receiver may still copy it, however far behind that receiver is; the price is
-at most ``MAX_SLOTS`` slots per model size per node, after which the learner waits for
+at most ``MAX_SLOTS`` slots per learner and size per node, after which the learner waits for
 a release (``SLOT_WAIT_S``) and then fails naming the receivers that hold them. Each
 slot's header also carries the sequence number written into it; a receiver checks it
 and raises :class:`TransportError` rather than read a slot that holds anything else.
@@ -39,8 +39,10 @@ an owner keeps three slots per model size (latest, in flight, next), up to
 ``MAX_SLOTS`` while receivers lag. Segments are allocated when created, off the path
 of a broadcast.
 
-One learner process per hub: slots are ordered by the hub's planning order, which is
-the order in which one learner submits.
+Each learner's sender has its own pool of slots at the owner, and the hub's planning of
+a learner's newer version frees only that learner's slots it never planned: several
+learners on one node (a sharded model, one part each) neither wait for nor free each
+other's slots.
 """
 
 from __future__ import annotations

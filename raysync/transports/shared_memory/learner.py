@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,10 @@ class SharedMemorySender(TransportSender):
         self._mappings = Mappings(writable=True)
         ray.get(hub.actor.__ray_ready__.remote(), timeout=OWNER_WAIT_S)
         self._owner = self._find_owner()
+        #: This sender's id at the owner: its slots are its own pool (sharded learners on
+        #: one node each send a part), and only its own unplanned slots are freed by
+        #: the hub's planning of its newer versions.
+        self._learner = uuid.uuid4().hex
         #: The slot asked for right after the previous send, by size: the owner's answer
         #: is usually back before the next send needs it.
         self._next: tuple[int, ray.ObjectRef] | None = None
@@ -80,7 +85,7 @@ class SharedMemorySender(TransportSender):
         deadline = time.monotonic() + OWNER_WAIT_S
         while True:
             try:
-                return ray.get(self._owner.acquire.remote(nbytes, SLOT_WAIT_S))
+                return ray.get(self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner))
             except RayActorError as err:
                 if time.monotonic() > deadline or self._hub.stopped():
                     raise TransportError(
@@ -97,7 +102,10 @@ class SharedMemorySender(TransportSender):
         write_seq(buffer, 0)
         layout.pack(tensors, buffer)
         write_seq(buffer, slot.seq)
-        self._next = (layout.nbytes, self._owner.acquire.remote(layout.nbytes, SLOT_WAIT_S))
+        self._next = (
+            layout.nbytes,
+            self._owner.acquire.remote(layout.nbytes, SLOT_WAIT_S, self._learner),
+        )
         return SharedMemoryPayload(slot)
 
     def close(self) -> None:
