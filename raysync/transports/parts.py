@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -59,12 +60,6 @@ class Parts:
         for part, items in zip(self.parts, per_part, strict=True):
             by_name.update(zip(part.spec.names, items, strict=True))
         return [by_name[name] for name in sorted(by_name)]
-
-    def of_part(self, index: int, items: Sequence[T]) -> list[T]:
-        """The items of part ``index`` out of ``items``, one per tensor of the whole
-        version in spec order (the inverse of :meth:`in_spec_order`)."""
-        position = {name: i for i, name in enumerate(sorted(self.names()))}
-        return [items[position[name]] for name in self.parts[index].spec.names]
 
     def names(self) -> list[str]:
         return [name for part in self.parts for name in part.spec.names]
@@ -155,11 +150,15 @@ class PartedReceiver(TransportReceiver):
     """A transport's receiver that also reads versions sent in parts (receiver process).
 
     Each part is fetched by the wrapped receiver with its own spec; a part that fails
-    releases the parts fetched before it, so nothing stays held.
+    releases the parts fetched before it, so nothing stays held. Each part is released
+    with the very sequence its fetch returned (a transport may know its leases by it).
     """
 
     def __init__(self, inner: TransportReceiver) -> None:
         self.inner = inner
+        self._lock = threading.Lock()
+        #: id of a version's staged list -> each part's staged sequence, as fetched
+        self._parts_of: dict[int, list[Sequence[torch.Tensor]]] = {}
 
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         if not isinstance(payload, Parts):
@@ -174,15 +173,19 @@ class PartedReceiver(TransportReceiver):
             for part in payload.parts[len(fetched) :]:
                 self.inner.release(part.payload, None)
             raise
-        return payload.in_spec_order(fetched)
+        whole = payload.in_spec_order(fetched)
+        with self._lock:
+            self._parts_of[id(whole)] = fetched
+        return whole
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         if not isinstance(payload, Parts):
             self.inner.release(payload, staged)
             return
+        with self._lock:
+            fetched = self._parts_of.pop(id(staged), None) if staged is not None else None
         for index, part in enumerate(payload.parts):
-            own = None if staged is None else payload.of_part(index, staged)
-            self.inner.release(part.payload, own)
+            self.inner.release(part.payload, None if fetched is None else fetched[index])
 
     def close(self) -> None:
         self.inner.close()

@@ -148,13 +148,18 @@ class _Staging(TransportReceiver):
     def __init__(self, failing: str | None = None) -> None:
         self.failing = failing
         self.released: list[tuple[str, list[float] | None]] = []
+        self.leased: dict[str, list[torch.Tensor]] = {}  #: payload -> what fetch returned
 
     def fetch(self, payload, spec):
         if payload == self.failing:
             raise RuntimeError(f"{payload} is gone")
-        return [torch.full(t.shape, float(payload[-1]), dtype=t.dtype) for t in spec.tensors]
+        staged = [torch.full(t.shape, float(payload[-1]), dtype=t.dtype) for t in spec.tensors]
+        self.leased[payload] = staged
+        return staged
 
     def release(self, payload, staged):
+        # Released with the very sequence fetch returned (nixl's pool knows leases by it).
+        assert staged is None or staged is self.leased[payload]
         values = None if staged is None else [float(t.reshape(-1)[0]) for t in staged if t.numel()]
         self.released.append((payload, values))
 
@@ -167,8 +172,12 @@ def test_each_part_is_fetched_and_staged_in_spec_order():
     staged = PartedReceiver(inner).fetch(PARTED, HUB_SPEC)
     assert [float(t[0]) for t in staged] == [2.0, 1.0, 2.0, 1.0]  # a, b, c, d
     assert [t.dtype for t in staged] == [torch.float32, torch.float16, torch.int64, torch.float32]
-    PartedReceiver(inner).release(PARTED, staged)
+    receiver = PartedReceiver(inner)
+    staged = receiver.fetch(PARTED, HUB_SPEC)
+    receiver.release(PARTED, staged)
     assert inner.released == [("put1", [1.0, 1.0]), ("put2", [2.0, 2.0])]
+    receiver.release(PARTED, None)  # skipped: each part released without staged data
+    assert inner.released[2:] == [("put1", None), ("put2", None)]
 
 
 def test_a_part_that_fails_releases_the_parts_fetched_before_it():
