@@ -64,34 +64,30 @@ def test_a_part_that_never_arrives_fails_the_version_for_every_part(hub_and_rece
     assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 
-def test_parts_that_overlap_are_refused_naming_the_key(hub_and_receiver):
+NAMES = sorted(special_weights())
+
+
+@pytest.mark.parametrize(
+    "first, second, refusal, reason",
+    [
+        (NAMES[:5], NAMES[4:], f"parts 0 and 1 .* both hold key\\(s\\) '{NAMES[4]}'", "both hold"),
+        (NAMES[:3], NAMES[4:], f"do not add up .* missing key\\(s\\) '{NAMES[3]}'", "add up"),
+    ],
+    ids=["overlapping", "leaving-a-key-out"],
+)
+def test_parts_that_do_not_make_the_model_are_refused_naming_the_key(
+    hub_and_receiver, first, second, refusal, reason
+):
+    """The second part shows it: it is refused naming the key, the first part is told
+    why the version failed, and nothing is applied."""
     hub, receiver = hub_and_receiver
     weights = special_weights(2.0)
-    names = sorted(weights)
-    shared = names[4]
-    parts = [{k: weights[k] for k in names[:5]}, {k: weights[k] for k in names[4:]}]
-    kept, refused = send_parts(hub, parts, version=2)
-    with pytest.raises(
-        SpecMismatchError, match=f"parts 0 and 1 .* both hold key\\(s\\) '{shared}'"
-    ):
+    parts = [{k: weights[k] for k in first}, {k: weights[k] for k in second}]
+    told, refused = send_parts(hub, parts, version=2)
+    with pytest.raises(SpecMismatchError, match=refusal):
         ray.get(refused, timeout=30)
-    with pytest.raises(IncompleteVersionError, match="part 1 was refused .*both hold"):
-        ray.get(kept, timeout=30)
-    assert_untouched(receiver)
-
-
-def test_parts_that_leave_a_key_out_are_refused_naming_it(hub_and_receiver):
-    hub, receiver = hub_and_receiver
-    weights = special_weights(2.0)
-    names = sorted(weights)
-    parts = [{k: weights[k] for k in names[:3]}, {k: weights[k] for k in names[4:]}]
-    first, last = send_parts(hub, parts, version=2)
-    with pytest.raises(
-        SpecMismatchError, match=f"do not add up .* missing key\\(s\\) '{names[3]}'"
-    ):
-        ray.get(last, timeout=30)
-    with pytest.raises(IncompleteVersionError, match="do not add up"):
-        ray.get(first, timeout=30)
+    with pytest.raises(IncompleteVersionError, match=f"part 1 was refused .*{reason}"):
+        ray.get(told, timeout=30)
     assert_untouched(receiver)
 
 

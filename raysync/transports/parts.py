@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -97,12 +97,7 @@ async def plan_parts(
     parted = update.payload
     if not isinstance(parted, Parts) or in_one_plan:
         return await planner.plan(update, spec, targets)
-    planned = await asyncio.gather(
-        *(
-            planner.plan(_part_update(update, i, parted), part.spec, targets)
-            for i, part in enumerate(parted.parts)
-        )
-    )
+    planned = await _each_part(update, parted, lambda u, s: planner.plan(u, s, targets))
     return {
         target.worker: Parts(
             tuple(
@@ -127,13 +122,17 @@ async def plan_pull_parts(
     parted = update.payload
     if not isinstance(parted, Parts) or in_one_plan:
         return await planner.plan_pull(update, spec, receiver)
-    planned = await asyncio.gather(
-        *(
-            planner.plan_pull(_part_update(update, i, parted), part.spec, receiver)
-            for i, part in enumerate(parted.parts)
-        )
-    )
+    planned = await _each_part(update, parted, lambda u, s: planner.plan_pull(u, s, receiver))
     return Parts(tuple(Part(p, part.spec) for p, part in zip(planned, parted.parts, strict=True)))
+
+
+async def _each_part(
+    update: Any, parted: Parts, plan: Callable[[Any, WeightSpec], Awaitable[T]]
+) -> list[T]:
+    """``plan(part's update, part's spec)`` of every part, concurrently, in part order."""
+    return await asyncio.gather(
+        *(plan(_part_update(update, i, parted), part.spec) for i, part in enumerate(parted.parts))
+    )
 
 
 def _part_update(update: Any, index: int, parted: Parts) -> Any:
