@@ -308,7 +308,7 @@ class ReceiverCore:
             _, spec = held.destination(self.owner)
             _check_digest(spec, update, self.actor_name)
             fetch_started = time.perf_counter()
-            staged = self.transport.fetch(update.payload, update.wire_spec or spec)
+            staged = self._staged(update, spec)
             fetched = _Fetched(fetch_started, time.perf_counter())
         except BaseException:
             self.transport.release(update.payload, None)
@@ -320,10 +320,32 @@ class ReceiverCore:
         )
         return ACK_LATER if result is DEFERRED else AckNow(result)
 
-    def _superseded(self, update: Update, staged: Sequence[torch.Tensor]) -> Callable[[Ack], Ack]:
+    def _staged(self, update: Update, spec: WeightSpec) -> _Staged:
+        """Fetch ``update``: the transport's tensors, or, for a zero-copy model of a
+        version cast on the wire (it cannot live in bytes of another dtype), a copy in
+        the model's own dtypes made here, outside the safe point, the transport's data
+        handed back at once."""
+        tensors = self.transport.fetch(update.payload, update.wire_spec or spec)
+        if not (self.identity.zero_copy and update.wire_spec is not None):
+            return _Staged(tensors, in_transport=True)
+        try:
+            own = [
+                view.to(entry.dtype, copy=True)
+                for view, entry in zip(tensors, spec.tensors, strict=True)
+            ]
+        finally:
+            self.transport.release(update.payload, tensors)
+        return _Staged(own, in_transport=False)
+
+    def _release(self, update: Update, staged: _Staged) -> None:
+        """Hand ``staged`` back to the transport if it still holds it."""
+        if staged.in_transport:
+            self.transport.release(update.payload, staged.tensors)
+
+    def _superseded(self, update: Update, staged: _Staged) -> Callable[[Ack], Ack]:
         """A newer version of the same model now waits for the same safe point: free
         this one's staged data; its ack follows the newer one's outcome."""
-        self.transport.release(update.payload, staged)
+        self._release(update, staged)
 
         def outcome(newer: Ack) -> Ack:
             if newer.status is AckStatus.FAILED:
@@ -337,19 +359,17 @@ class ReceiverCore:
 
         return outcome
 
-    def _apply_and_release(
-        self, update: Update, staged: Sequence[torch.Tensor], fetched: _Fetched
-    ) -> Ack:
+    def _apply_and_release(self, update: Update, staged: _Staged, fetched: _Fetched) -> Ack:
         """Apply, then hand ``staged`` back to the transport unless the model took it
         over (zero copy). Runs at the safe point."""
         held = self.models[update.model]
         try:
             return self._apply(update, staged, fetched)
         finally:
-            if not held.adoption.lives_in(staged):
-                self.transport.release(update.payload, staged)
+            if not held.adoption.lives_in(staged.tensors):
+                self._release(update, staged)
 
-    def _apply(self, update: Update, staged: Sequence[torch.Tensor], fetched: _Fetched) -> Ack:
+    def _apply(self, update: Update, staged: _Staged, fetched: _Fetched) -> Ack:
         """Write ``staged`` into the model: point its tensors at it (zero copy) or copy
         it in place. Runs at the safe point."""
         apply_started = time.perf_counter()
@@ -362,14 +382,14 @@ class ReceiverCore:
             adopted = self.identity.zero_copy and held.adoption.take(
                 model_path.resolve(self.owner, held.path),
                 spec.names,
-                self._version_to_adopt(update, staged, spec),
+                self._version_to_adopt(update, staged),
                 actor=self.actor_name,
                 model_id=held.model_id,
             )
             if not adopted:
                 targets = [destination.tensors[name] for name in spec.names]
                 with torch.no_grad():
-                    torch._foreach_copy_(targets, list(staged))
+                    torch._foreach_copy_(targets, list(staged.tensors))
                 if destination.commit is not None:
                     destination.commit()
         except Exception:
@@ -392,16 +412,13 @@ class ReceiverCore:
         )
         return self._ack(update, AckStatus.APPLIED, timings=timings)
 
-    def _version_to_adopt(
-        self, update: Update, staged: Sequence[torch.Tensor], spec: WeightSpec
-    ) -> AdoptedVersion:
-        """What a zero-copy model takes as its memory: the staged version itself, or, for
-        a version cast on the wire, a copy of it in the model's own dtypes (the model
-        may live in a read-only staged version: it is never written into)."""
-        if update.wire_spec is None:
-            return AdoptedVersion(self.transport, update.payload, staged)
-        cast = [view.to(entry.dtype) for view, entry in zip(staged, spec.tensors, strict=True)]
-        return AdoptedVersion(None, None, cast)
+    def _version_to_adopt(self, update: Update, staged: _Staged) -> AdoptedVersion:
+        """What a zero-copy model takes as its memory: the staged version itself (handed
+        back to the transport when the model moves on), or the receiver's own copy of a
+        version cast on the wire (nothing to hand back)."""
+        if staged.in_transport:
+            return AdoptedVersion(self.transport, update.payload, staged.tensors)
+        return AdoptedVersion(None, None, staged.tensors)
 
     def _ack(
         self,
@@ -412,6 +429,15 @@ class ReceiverCore:
         timings: ReceiverTimings | None = None,
     ) -> Ack:
         return Ack(self.worker, update.model, update.version, status, error, timings)
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A fetched version waiting for its safe point: the tensors, and whether they are
+    the transport's (handed back with ``release``) or the receiver's own copy."""
+
+    tensors: Sequence[torch.Tensor]
+    in_transport: bool
 
 
 @dataclass(frozen=True)

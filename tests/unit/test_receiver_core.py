@@ -142,7 +142,8 @@ def test_a_version_cast_on_the_wire_is_cast_into_the_model():
 
 def test_a_zero_copy_model_takes_a_cast_copy_of_a_version_cast_on_the_wire():
     """It may live in a read-only staged version: the cast lands in new tensors of its
-    own dtype that it takes as its memory, and the staged data goes back at once."""
+    own dtype, made as the version is fetched (not at the safe point), and the staged
+    data goes back then; the model takes the copy as its memory at the safe point."""
     receiver = _Receiver(zero_copy=True)
     receiver.core.receive(receiver.update(1))  # lives in staged version 1
     lived_in = receiver.transport.staged[1]
@@ -154,7 +155,29 @@ def test_a_zero_copy_model_takes_a_cast_copy_of_a_version_cast_on_the_wire():
     assert weight.dtype == torch.float32 and torch.equal(weight, torch.full((2, 3), 2.0))
     assert all(weight.data_ptr() != t.data_ptr() for t in [*lived_in, *wire])
     assert all(bool((t == 1.0).all()) for t in lived_in)  # never written into
-    assert receiver.transport.released == [(1, True), (2, True)]
+    assert receiver.transport.released == [(2, True), (1, True)]
+
+
+def test_a_zero_copy_model_owns_every_tensor_of_a_cast_version_uncast_ones_too():
+    """Tensors that travel as they are (integers) are copied as well: the model never
+    lives in data handed back to the transport."""
+    receiver = _Receiver(zero_copy=True)
+    receiver.owner.policy.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+    receiver.spec = receiver.core.models["policy"].destination(receiver.owner)[1]
+    update = receiver.update(2)
+    wire = [
+        t if not t.is_floating_point() else t.to(torch.bfloat16)
+        for t in receiver.transport.staged[2]
+    ]
+    receiver.transport.staged[2] = wire
+    update = dataclasses.replace(
+        update, wire_spec=WeightSpec.of(dict(zip(receiver.spec.names, wire, strict=True)))
+    )
+    assert receiver.core.receive(update) == AckNow(_ack(2, AckStatus.APPLIED))
+    steps = receiver.owner.policy.steps
+    assert steps.dtype == torch.int64 and torch.equal(steps, torch.full((2,), 2))
+    assert all(t.data_ptr() != steps.data_ptr() for t in wire)
+    assert receiver.transport.released == [(2, True)]
 
 
 def test_on_applied_runs_after_each_version_and_what_it_raises_fails_the_ack():
