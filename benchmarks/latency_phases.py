@@ -1,10 +1,10 @@
 """Where a small broadcast's time goes: one timeline per (transport, size, receivers).
 
 Runs in the driver, which is the learner. For each cell it starts a hub and N receiver
-actors (the mixin, a state_dict of 16 float32 tensors), broadcasts ``--repeats`` times
-after ``--warmup`` untimed broadcasts, and splits each broadcast's wall time (from
-``hub.broadcast.remote`` to the report, on the learner's clock) with the report's
-``phases``:
+actors (the mixin, a state_dict of ``--tensors`` float32 tensors, 16 by default),
+broadcasts ``--repeats`` times after ``--warmup`` untimed broadcasts, and splits each
+broadcast's wall time (from ``hub.broadcast.remote`` to the report, on the learner's
+clock) with the report's ``phases``:
 
 * ``learner``  -- flatten, check, hand the data to the transport (``phases.learner_s``);
 * ``to_hub_and_back`` -- the wall time outside the hub's own span (``report.seconds``
@@ -40,18 +40,16 @@ from ray.experimental import internal_kv
 
 from raysync import WeightHub, WeightReceiver, available_transports
 
-_TENSORS = 16
 
-
-def _state(size_mb: float, value: float = 0.0) -> dict[str, torch.Tensor]:
-    per_tensor = max(1, int(size_mb * 2**20 / 4 / _TENSORS))
-    return {f"w{i}": torch.full((per_tensor,), value) for i in range(_TENSORS)}
+def _state(size_mb: float, tensors: int, value: float = 0.0) -> dict[str, torch.Tensor]:
+    per_tensor = max(1, int(size_mb * 2**20 / 4 / tensors))
+    return {f"w{i}": torch.full((per_tensor,), value) for i in range(tensors)}
 
 
 @ray.remote(num_cpus=0)
 class _Receiver(WeightReceiver):
-    def __init__(self, hub, size_mb: float):
-        self.weights = _state(size_mb)
+    def __init__(self, hub, size_mb: float, tensors: int):
+        self.weights = _state(size_mb, tensors)
         self.connect_hub(hub, {"m": "weights"})
 
     def noop(self) -> None:
@@ -84,16 +82,18 @@ def _timed(call: Callable[[], object], warmup: int, repeats: int) -> list[float]
     return samples
 
 
-def measure_cell(transport: str, size_mb: float, receivers: int, warmup: int, repeats: int) -> dict:
+def measure_cell(
+    transport: str, size_mb: float, receivers: int, tensors: int, warmup: int, repeats: int
+) -> dict:
     """One cell's timeline (milliseconds, p50 and p99 over ``repeats`` broadcasts)."""
     hub = WeightHub.remote(transport=transport, models=["m"])
-    actors = [_Receiver.remote(hub, size_mb) for _ in range(receivers)]
+    actors = [_Receiver.remote(hub, size_mb, tensors) for _ in range(receivers)]
     ray.get([a.__ray_ready__.remote() for a in actors])
     relay = _Relay.remote()
     walls, reports = [], []
     try:
         for i in range(warmup + repeats):
-            weights = _state(size_mb, float(i + 1))
+            weights = _state(size_mb, tensors, float(i + 1))
             started = time.perf_counter()
             report = ray.get(hub.broadcast.remote(weights, model="m"))
             wall = time.perf_counter() - started
@@ -129,6 +129,7 @@ def measure_cell(transport: str, size_mb: float, receivers: int, warmup: int, re
         "transport": transport,
         "size_mb": size_mb,
         "receivers": receivers,
+        "tensors": tensors,
         "wall": _ms(walls),
         "learner": _ms(learner),
         "to_hub_and_back": _ms([w - r.seconds for w, r in zip(walls, reports, strict=True)]),
@@ -160,11 +161,12 @@ _COLUMNS = (
 
 def print_table(cells: list[dict]) -> None:
     """A markdown table, milliseconds (p50 unless marked)."""
-    print("| transport | MB | N | " + " | ".join(name for name, _ in _COLUMNS) + " |")
-    print("|---|---|---|" + "---|" * len(_COLUMNS))
+    print("| transport | MB | N | tensors | " + " | ".join(name for name, _ in _COLUMNS) + " |")
+    print("|---|---|---|---|" + "---|" * len(_COLUMNS))
     for cell in cells:
         values = " | ".join(f"{value(cell):.2f}" for _, value in _COLUMNS)
-        print(f"| {cell['transport']} | {cell['size_mb']:g} | {cell['receivers']} | {values} |")
+        where = f"{cell['transport']} | {cell['size_mb']:g} | {cell['receivers']}"
+        print(f"| {where} | {cell.get('tensors', 16)} | {values} |")
 
 
 _PHASES = (
@@ -182,7 +184,10 @@ def plot(cells: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{c['transport']}\n{c['size_mb']:g} MB N={c['receivers']}" for c in cells]
+    labels = [
+        f"{c['transport']}\n{c['size_mb']:g} MB N={c['receivers']}\n{c.get('tensors', 16)} t"
+        for c in cells
+    ]
     x = range(len(cells))
     figure, axes = plt.subplots(figsize=(max(8, 0.9 * len(cells)), 5))
     bottom = [0.0] * len(cells)
@@ -210,6 +215,7 @@ def main() -> None:
     )
     parser.add_argument("--sizes", nargs="+", type=float, default=[0.1, 1.0, 8.0], help="MB")
     parser.add_argument("--receivers", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--tensors", nargs="+", type=int, default=[16], help="tensor counts")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
@@ -221,10 +227,11 @@ def main() -> None:
     ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
     try:
         cells = [
-            measure_cell(t, size, n, args.warmup, args.repeats)
+            measure_cell(t, size, n, count, args.warmup, args.repeats)
             for t in transports
             for size in args.sizes
             for n in args.receivers
+            for count in args.tensors
         ]
     finally:
         ray.shutdown()
