@@ -39,7 +39,7 @@ from raysync.transports.distributed import (
     run_broadcast,
     staging_device,
 )
-from raysync.transports.object_store import read_put
+from raysync.transports.object_store import as_tensor, read_put
 from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import bound_master_store, node_ip
 
@@ -131,7 +131,10 @@ class ProcessGroupActor:
         with warnings.catch_warnings():
             # Read-only views of the object store; we only read from them.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            layout.pack([torch.from_numpy(a) for a in arrays], buffer)
+            layout.pack(
+                [as_tensor(a, e.dtype) for a, e in zip(arrays, job.spec.tensors, strict=True)],
+                buffer,
+            )
         buffer[:HEADER_BYTES].copy_(header(job.generation.number, job.seq, layout.nbytes))
         return buffer
 
