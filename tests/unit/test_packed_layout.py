@@ -268,3 +268,39 @@ def test_random_specs_lay_out_aligned_disjoint_tensors_that_round_trip(seed):
     layout.pack([tensors[name] for name in spec.names], buffer)
     for name, view in zip(spec.names, layout.views(buffer), strict=True):
         assert _same_bits(view, tensors[name]), name
+
+
+@pytest.mark.parametrize("start", [8, 64, 4096 + 8])
+def test_pack_and_views_in_a_buffer_inside_a_larger_storage(start):
+    """A buffer may begin inside its storage (a slot in a segment), at a multiple of
+    the largest itemsize: views of every dtype alias exactly their bytes."""
+    tensors = _mixed()
+    spec = WeightSpec.of(tensors)
+    layout = PackedLayout.of(spec, HEADER_BYTES)
+    storage = torch.zeros(start + layout.nbytes + ALIGNMENT, dtype=torch.uint8)
+    buffer = storage[start : start + layout.nbytes]
+    layout.pack(tensors, buffer)
+    assert not storage[:start].any() and not storage[start + layout.nbytes :].any()
+    views = layout.views(buffer)
+    for name, view in zip(spec.names, views, strict=True):
+        assert _same_bits(view, tensors[name]), name
+        assert view.is_contiguous()
+    views[spec.names.index("k.f64")].fill_(2.5)
+    again = layout.views(buffer)[spec.names.index("k.f64")]
+    assert bool((again == 2.5).all())
+
+
+def test_pack_takes_shaped_sources_and_byte_views_in_one_call():
+    """Sources of their spec dtype and shape, flattened ones and uint8 byte views mix."""
+    tensors = _mixed()
+    spec = WeightSpec.of(tensors)
+    layout = PackedLayout.of(spec)
+    byte_views = layout.byte_views(tensors)
+    mixed = [
+        byte_views[i] if i % 3 == 0 else tensors[n].reshape(-1) if i % 3 == 1 else tensors[n]
+        for i, n in enumerate(spec.names)
+    ]
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    layout.pack(mixed, buffer)
+    for name, view in zip(spec.names, layout.views(buffer), strict=True):
+        assert _same_bits(view, tensors[name]), name
