@@ -148,7 +148,8 @@ class HubState:
         per hand-off, carrying ``wire_spec`` if given (a wire dtype), else ``spec``."""
         self.check_version(model, version)
         state = self.models.setdefault(model, ModelState())
-        state.spec = spec
+        if state.spec != spec:  # an equal spec keeps the known one, its digest computed
+            state.spec = spec
         state.version = state.version + 1 if version is None else version
         state.latest = HandedOver(model, state.version, spec.digest, dict(payloads), wire_spec)
         state.published.append((state.version, time.time() if at is None else at))
