@@ -82,9 +82,18 @@ def test_a_nested_state_dict_flattens_with_dotted_names():
     a, b, c = torch.arange(3.0), torch.ones(2, 2), torch.tensor(5, dtype=torch.int64)
     flat = flatten({"z": {"inner": {"leaf": a}}, "m": b, "k": {"x": c}})
     assert list(flat) == ["k.x", "m", "z.inner.leaf"]
-    assert flat["z.inner.leaf"] is not a  # detached views, same data
-    assert flat["z.inner.leaf"].data_ptr() == a.data_ptr()
+    assert flat["z.inner.leaf"].data_ptr() == a.data_ptr()  # the tensors, not copies
     assert torch.equal(flat["k.x"], c) and torch.equal(flat["m"], b)
+
+
+def test_parameters_that_require_grad_come_back_detached_views_of_the_same_data():
+    module = torch.nn.Linear(3, 2)
+    module.bias.requires_grad_(False)
+    flat = flatten(module)
+    assert not flat["weight"].requires_grad
+    assert flat["weight"].data_ptr() == module.weight.data_ptr()
+    assert flat["weight"].numpy().shape == (2, 3)  # what the object store needs of it
+    assert flat["bias"].data_ptr() == module.bias.data_ptr()
 
 
 def test_a_tensordict_and_a_tensordict_inside_a_dict_flatten_with_dotted_names():
@@ -288,8 +297,28 @@ def test_storage_fingerprint_changes_when_the_modules_tensors_move():
     assert replaced != fingerprint
     module.to(torch.float64)
     assert storage_fingerprint(module) != replaced
-    assert storage_fingerprint({"w": torch.ones(1)}) is None
-    assert storage_fingerprint(TensorDict({"w": torch.ones(1)})) is None
+
+
+@pytest.mark.parametrize("container", [dict, TensorDict], ids=["dict", "TensorDict"])
+def test_storage_fingerprint_of_a_container_follows_its_entries(container):
+    model = container({"w": torch.ones(2), "nets": {"b": torch.zeros(3)}})
+    fingerprint = storage_fingerprint(model)
+    assert fingerprint is not None and storage_fingerprint(model) == fingerprint
+    model["w"].add_(1.0)  # in place: same tensor, same storage
+    assert storage_fingerprint(model) == fingerprint
+    model["w"] = torch.ones(2)  # a new tensor under the same key
+    replaced = storage_fingerprint(model)
+    assert replaced != fingerprint
+    model["extra"] = torch.ones(1)
+    assert storage_fingerprint(model) != replaced
+    assert storage_fingerprint(container({"w": torch.ones(2)})) != storage_fingerprint(model)
+
+
+def test_storage_fingerprint_is_none_where_the_destination_is_rebuilt_each_time():
+    assert storage_fingerprint(_StateOnly()) is None
+    assert storage_fingerprint({"w": torch.ones(1), "note": "not a tensor"}) is None
+    lazy = LazyStackedTensorDict.lazy_stack([TensorDict({"w": torch.ones(2)}) for _ in range(2)])
+    assert storage_fingerprint(lazy) != storage_fingerprint(lazy)
 
 
 def test_a_refused_leaf_inside_a_nested_tensordict_is_named_by_its_full_key():
