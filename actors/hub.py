@@ -189,19 +189,17 @@ class WeightHubActor:
             await self._wait_for_first_model(timeout_s)
         model = self._state.resolve_model(request.model)
         self._state.check_known(model)
-        self._state.check_broadcast(model, request.spec)
+        spec = self._state.check_broadcast(model, request.spec)
         self._state.check_version(model, request.version)
         targets = self._state.targets(model, request.workers)
         handed = self._state.publish(
-            model, request.spec, request.payloads, request.version, wire_spec=request.wire_spec
+            model, spec, request.payloads, request.version, wire_spec=request.wire_spec
         )
         if request.workers is None:  # left out: joined by a transport the learner had not seen
             targets = [t for t in targets if handed.readable_by(t.transport)]
         self._snapshot.save(self._state.versions(), self._state.specs())
         task = asyncio.create_task(
-            self._deliver_all(
-                handed, request.spec, targets, timeout_s, started, request.learner_seconds
-            )
+            self._deliver_all(handed, spec, targets, timeout_s, started, request.learner_seconds)
         )
         reports = self._reports.setdefault(model, OrderedDict())
         reports[handed.version] = task

@@ -193,10 +193,12 @@ def test_a_broadcast_is_checked_against_the_hubs_spec():
     state = HubState()
     state.declare("policy")
     other = WeightSpec.of({"net.weight": torch.zeros(2, 2)})
-    state.check_broadcast("policy", other)  # no spec known yet: anything goes
-    state.check_broadcast("fresh", other)  # unknown model: nothing to check against
+    assert state.check_broadcast("policy", other) is other  # no spec known yet: anything goes
+    assert state.check_broadcast("fresh", other) is other  # unknown model: nothing to check
     state.register(_registration("w1", {"policy": POLICY}))
-    state.check_broadcast("policy", POLICY)
+    known = state.spec("policy")
+    equal = WeightSpec(tuple(POLICY.tensors))  # what a broadcast unpickles: equal, not known
+    assert state.check_broadcast("policy", equal) is known  # kept, its digest computed once
     with pytest.raises(SpecMismatchError) as info:
         state.check_broadcast("policy", other)
     message = str(info.value)
