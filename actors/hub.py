@@ -27,6 +27,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
+from raysync.actors.heap import settle_heap
 from raysync.background import BackgroundTasks
 from raysync.errors import (
     BroadcastError,
@@ -155,6 +156,7 @@ class WeightHubActor:
         self._background = BackgroundTasks("hub")
         #: (model, version) -> a version sent in parts, until it is whole or failed
         self._assemblies: OrderedDict[tuple[str, int], _Assembling] = OrderedDict()
+        settle_heap()
 
     # -- learner -------------------------------------------------------------------------
     async def submit(self, request: BroadcastRequest) -> BroadcastReport | BroadcastTicket:

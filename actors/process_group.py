@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raysync.actors.heap import settle_heap
 from raysync.layout import PackedLayout
 from raysync.transports.distributed import (
     HEADER_BYTES,
@@ -69,6 +70,7 @@ class ProcessGroupActor:
         self._buffer: torch.Tensor | None = None
         self._collectives = 0
         self._failures: list[str] = []
+        settle_heap()
 
     async def store_address(self) -> StoreAddress:
         return self._address

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raysync.actors.heap import settle_heap
 from raysync.transports.object_store import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
@@ -90,6 +91,7 @@ class RpcAgentActor:
         self._ranks = itertools.count(1 + max((rank for _, rank in known.values()), default=0))
         self._sent = 0
         self._failures: list[str] = []
+        settle_heap()
 
     async def admit(self, worker: str, process: str) -> RpcMember:
         """``worker``'s rank and RPC name: the same as before for the same process (a

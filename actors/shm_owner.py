@@ -29,6 +29,7 @@ import numpy as np
 import ray
 import torch
 
+from raysync.actors.heap import settle_heap
 from raysync.layout import HEADER_BYTES
 from raysync.ordering import InOrder
 from raysync.transports.base import TransportError
@@ -82,6 +83,7 @@ class ShmOwner:
         self._relays = 0
         self._exports = 0
         self._in_order = InOrder(ORDER_WAIT_S)
+        settle_heap()
 
     # -- learner -------------------------------------------------------------------------
     async def acquire(self, nbytes: int, timeout_s: float, learner: str = "") -> Slot:
