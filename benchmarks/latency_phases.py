@@ -2,7 +2,9 @@
 
 Runs in the driver, which is the learner. For each cell it starts a hub and N receiver
 actors (the mixin, a state_dict of ``--tensors`` float32 tensors, 16 by default),
-broadcasts ``--repeats`` times after ``--warmup`` untimed broadcasts, and splits each
+broadcasts ``--repeats`` times after ``--warmup`` untimed broadcasts and one full garbage
+collection in the learner and each receiver (Python runs each process's first early,
+~80 ms with torch imported: a sample would carry it at random), and splits each
 broadcast's wall time (from ``hub.broadcast.remote`` to the report, on the learner's
 clock) with the report's ``phases``:
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import time
@@ -93,6 +96,9 @@ def measure_cell(
     walls, reports = [], []
     try:
         for i in range(warmup + repeats):
+            if i == warmup:  # each process's first full GC, which Python runs early anyway
+                gc.collect()
+                ray.get([a.__ray_call__.remote(lambda _: gc.collect()) for a in actors])
             weights = _state(size_mb, tensors, float(i + 1))
             started = time.perf_counter()
             report = ray.get(hub.broadcast.remote(weights, model="m"))

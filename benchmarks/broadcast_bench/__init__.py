@@ -37,7 +37,9 @@ as long as they are connected (nixl agents, TensorPipe), and a floor timed next 
 would carry the transport's own overhead. Within each phase every method gets
 ``--warmup`` untimed runs (default 3: they form the transports' connections and groups,
 and transports that rotate buffers -- nixl and rdt two, shared_memory three slots --
-have then read each of them once), then ``--repeats`` timed rounds in a rotating order;
+have then read each of them once) and one full garbage collection in the learner and
+each receiver (a process's first, which Python runs early whatever the process does),
+then ``--repeats`` timed rounds in a rotating order;
 the median is reported, ``ratio_to_floor`` divides it by the same cell's floor and, in
 nixl cells, ``ratio_to_raw_read`` by the same cell's raw READ. The machine may be shared
 (and Ray's own start-up is busy), so each timed sample waits for the CPU to go quiet

@@ -6,6 +6,7 @@ the receivers connected and raysync's broadcast (and the baseline); medians come
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -154,6 +155,21 @@ class CellTimer:
         if method == "raysync":
             self.report_seconds.append(reported)
 
+    def collect_garbage(self) -> None:
+        """One full garbage collection in the learner (this process) and each receiver.
+
+        Python runs a process's first full collection early in its life, whatever it
+        does: with Ray and torch imported it walks ~200K objects (~80 ms on 2 cores). A
+        cell's few samples would carry it at random; after it, full collections are
+        rare (a quarter of the heap must have been promoted since). raysync's own
+        actors freeze their start-up heap (raysync/actors/heap.py).
+        """
+        gc.collect()
+        ray.get(
+            [r.__ray_call__.remote(lambda _: gc.collect()) for r in self.receivers],
+            timeout=self.args.call_timeout_s,
+        )
+
     def phase(self, names: tuple[str, ...]) -> None:
         """Warm-ups, then timed rounds in a rotating order (no method always runs first,
         or right after another)."""
@@ -161,6 +177,7 @@ class CellTimer:
         for method in names:
             for _ in range(args.warmup):
                 self.run_once(method)
+        self.collect_garbage()
         # What the cell's own processes use with nothing timed (a transport's background
         # threads, say): "quiet" means quiet apart from that, which every method pays.
         idle = METER.own_share(1.0)
