@@ -3,7 +3,7 @@
 Ray's GCS key-value store holds them under the actor's id, which a restarted actor
 keeps. Called from the hub actor's process only: versions are written on every
 broadcast (a few bytes), a model's spec only when it is new or changed (a 1000-tensor
-spec pickles to ~45 KB, too much to write again on every broadcast).
+spec pickles to ~23 KB, too much to write again on every broadcast).
 """
 
 from __future__ import annotations

@@ -8,10 +8,15 @@ receiver is touched.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import pickle
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -52,9 +57,37 @@ class WeightSpec:
 
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> WeightSpec:
-        """The spec of a flat ``name -> tensor`` mapping (see :func:`raysync.weights.flatten`)."""
-        return cls(
-            tuple(TensorSpec(name, tuple(t.shape), t.dtype) for name, t in sorted(tensors.items()))
+        """The spec of a flat ``name -> tensor`` mapping (see :func:`raysync.weights.flatten`).
+
+        A learner asks for the same spec on every broadcast: the same instance comes
+        back for the same names, shapes and dtypes (a few recent ones are kept), its
+        digest and its pickled form computed once.
+        """
+        key = tuple((name, t.shape, t.dtype) for name, t in sorted(tensors.items()))
+        with _RECENT_LOCK:
+            known = _RECENT_BY_ENTRIES.get(key)
+            if known is not None:
+                _RECENT_BY_ENTRIES.move_to_end(key)
+                return known
+        spec = cls(tuple(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in key))
+        with _RECENT_LOCK:
+            _RECENT_BY_ENTRIES[key] = spec
+            while len(_RECENT_BY_ENTRIES) > _RECENT_SPECS:
+                _RECENT_BY_ENTRIES.popitem(last=False)
+        return spec
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        """Pickled as its entries in plain types, once per instance; unpickled, equal
+        bytes give the same instance back (a hub receives the same spec with every
+        broadcast: it compares it by identity and hashes its digest once)."""
+        return _spec_from_wire, (self._wire,)
+
+    @cached_property
+    def _wire(self) -> bytes:
+        return pickle.dumps(
+            tuple(
+                (t.name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in self.tensors
+            )
         )
 
     @cached_property
@@ -123,6 +156,21 @@ class WeightSpec:
             f"  {expected}: {self.summary()}\n"
             f"  {got}: {other.summary()}"
         )
+
+
+#: How many specs :meth:`WeightSpec.of` and unpickling keep for reuse, per process.
+_RECENT_SPECS = 16
+_RECENT_BY_ENTRIES: OrderedDict[tuple[Any, ...], WeightSpec] = OrderedDict()
+_RECENT_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=_RECENT_SPECS)
+def _spec_from_wire(wire: bytes) -> WeightSpec:
+    """The spec :meth:`WeightSpec.__reduce__` pickled; the same instance for equal bytes."""
+    entries = pickle.loads(wire)
+    return WeightSpec(
+        tuple(TensorSpec(name, shape, getattr(torch, dtype)) for name, shape, dtype in entries)
+    )
 
 
 def keys_listed(names: list[str]) -> str:
