@@ -11,12 +11,14 @@ the spec, so both sides compute it and only the spec travels.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
+from raysync.copies import copy_all
 from raysync.spec import WeightSpec
 
 #: Every tensor starts at a multiple of this many bytes (a cache line; any dtype's itemsize).
@@ -40,12 +42,10 @@ class PackedLayout:
 
     @classmethod
     def of(cls, spec: WeightSpec, header_bytes: int = 0) -> PackedLayout:
-        """The layout of ``spec`` after a header of ``header_bytes`` (rounded up to 64)."""
-        offsets, end = [], _aligned(header_bytes)
-        for entry in spec.tensors:
-            offsets.append(end)
-            end = _aligned(end + entry.nbytes)
-        return cls(spec, _aligned(header_bytes), tuple(offsets), max(end, ALIGNMENT))
+        """The layout of ``spec`` after a header of ``header_bytes`` (rounded up to 64);
+        the same instance for the same spec while it is recent (senders and receivers
+        ask on every version)."""
+        return _layout_of(spec, header_bytes)
 
     def pack(
         self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], buffer: torch.Tensor
@@ -54,8 +54,8 @@ class PackedLayout:
 
         ``tensors`` is a mapping by spec name, or a sequence in spec order; each is
         contiguous, of its spec dtype and shape or already a uint8 view of its bytes.
-        One ``torch._foreach_copy_`` moves them all: a model of 1000 small tensors
-        pays one call, not 1000 rounds of slicing and viewing.
+        :func:`raysync.copies.copy_all` moves them all, on every core torch uses: a
+        model of 1000 small tensors pays no round of slicing and viewing per tensor.
         """
         sources = (
             [tensors[entry.name] for entry in self.spec.tensors]
@@ -76,8 +76,7 @@ class PackedLayout:
             sources[index] = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
             offset, nbytes = self.offsets[index], self.spec.tensors[index].nbytes
             destinations.append(buffer[offset : offset + nbytes])
-        with torch.no_grad():
-            torch._foreach_copy_(destinations, sources)
+        copy_all(destinations, sources, self.spec)
 
     def byte_views(
         self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
@@ -136,6 +135,15 @@ class PackedLayout:
     def _strides(self) -> tuple[tuple[int, ...], ...]:
         """Each tensor's contiguous strides, in elements."""
         return tuple(_contiguous_strides(entry.shape) for entry in self.spec.tensors)
+
+
+@functools.lru_cache(maxsize=32)
+def _layout_of(spec: WeightSpec, header_bytes: int) -> PackedLayout:
+    offsets, end = [], _aligned(header_bytes)
+    for entry in spec.tensors:
+        offsets.append(end)
+        end = _aligned(end + entry.nbytes)
+    return PackedLayout(spec, _aligned(header_bytes), tuple(offsets), max(end, ALIGNMENT))
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -36,6 +36,7 @@ import ray
 import torch
 
 from raysync import model_path, weights
+from raysync.copies import copy_all
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.gate import DEFERRED, ApplyGate
 from raysync.hub_handle import HubHandle
@@ -388,8 +389,7 @@ class ReceiverCore:
             )
             if not adopted:
                 targets = [destination.tensors[name] for name in spec.names]
-                with torch.no_grad():
-                    torch._foreach_copy_(targets, list(staged.tensors))
+                copy_all(targets, staged.tensors, spec)
                 if destination.commit is not None:
                     destination.commit()
         except Exception:
