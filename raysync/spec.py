@@ -108,6 +108,11 @@ class WeightSpec:
         text = "\n".join(f"{t.name}|{t.shape}|{t.dtype}" for t in self.tensors)
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
+    def __hash__(self) -> int:
+        """The digest's hash: computed once per instance (a 1000-tensor spec's tuple hash
+        walked every entry on every lookup; specs key layouts and staging pools)."""
+        return hash(self.digest)
+
     def __len__(self) -> int:
         return len(self.tensors)
 
