@@ -152,7 +152,9 @@ class RpcReceiver(TransportReceiver):
                 f"version #{payload.seq} landed with {len(tensors)} tensors, the update's "
                 f"spec has {len(spec)}"
             )
+        # Each landed in its shape (the learner put NumPy views of its tensors); only a
+        # dtype NumPy lacks (bfloat16, float8) arrives as a same-size integer stand-in.
         return [
-            raw.view(entry.dtype).view(entry.shape)
+            raw if raw.dtype == entry.dtype else raw.view(entry.dtype)
             for raw, entry in zip(tensors, spec.tensors, strict=True)
         ]
