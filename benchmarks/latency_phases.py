@@ -172,7 +172,7 @@ def print_table(cells: list[dict]) -> None:
     for cell in cells:
         values = " | ".join(f"{value(cell):.2f}" for _, value in _COLUMNS)
         where = f"{cell['transport']} | {cell['size_mb']:g} | {cell['receivers']}"
-        print(f"| {where} | {cell.get('tensors', 16)} | {values} |")
+        print(f"| {where} | {cell['tensors']} | {values} |")
 
 
 _PHASES = (
@@ -191,8 +191,7 @@ def plot(cells: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [
-        f"{c['transport']}\n{c['size_mb']:g} MB N={c['receivers']}\n{c.get('tensors', 16)} t"
-        for c in cells
+        f"{c['transport']}\n{c['size_mb']:g} MB N={c['receivers']}\n{c['tensors']} t" for c in cells
     ]
     x = range(len(cells))
     figure, axes = plt.subplots(figsize=(max(8, 0.9 * len(cells)), 5))

@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import pickle
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -63,18 +61,9 @@ class WeightSpec:
         back for the same names, shapes and dtypes (a few recent ones are kept), its
         digest and its pickled form computed once.
         """
-        key = tuple((name, t.shape, t.dtype) for name, t in sorted(tensors.items()))
-        with _RECENT_LOCK:
-            known = _RECENT_BY_ENTRIES.get(key)
-            if known is not None:
-                _RECENT_BY_ENTRIES.move_to_end(key)
-                return known
-        spec = cls(tuple(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in key))
-        with _RECENT_LOCK:
-            _RECENT_BY_ENTRIES[key] = spec
-            while len(_RECENT_BY_ENTRIES) > _RECENT_SPECS:
-                _RECENT_BY_ENTRIES.popitem(last=False)
-        return spec
+        return _spec_of_entries(
+            tuple((name, t.shape, t.dtype) for name, t in sorted(tensors.items()))
+        )
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         """Pickled as its entries in plain types, once per instance; unpickled, equal
@@ -165,8 +154,15 @@ class WeightSpec:
 
 #: How many specs :meth:`WeightSpec.of` and unpickling keep for reuse, per process.
 _RECENT_SPECS = 16
-_RECENT_BY_ENTRIES: OrderedDict[tuple[Any, ...], WeightSpec] = OrderedDict()
-_RECENT_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=_RECENT_SPECS)
+def _spec_of_entries(entries: tuple[tuple[str, torch.Size, torch.dtype], ...]) -> WeightSpec:
+    """The spec of ``(name, shape, dtype)`` entries sorted by name; the same instance
+    for equal entries (see :meth:`WeightSpec.of`)."""
+    return WeightSpec(
+        tuple(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in entries)
+    )
 
 
 @functools.lru_cache(maxsize=_RECENT_SPECS)

@@ -162,7 +162,7 @@ class CellTimer:
         does: with Ray and torch imported it walks ~200K objects (~80 ms on 2 cores). A
         cell's few samples would carry it at random; after it, full collections are
         rare (a quarter of the heap must have been promoted since). raysync's own
-        actors freeze their start-up heap (raysync/actors/heap.py).
+        actors freeze their start-up heap (actors/heap.py).
         """
         gc.collect()
         ray.get(

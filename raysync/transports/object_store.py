@@ -18,6 +18,7 @@ pulls it once per node from elsewhere), and each tensor is a view of it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,20 +50,16 @@ class ObjectStorePayload:
 
 #: Same-size stand-ins for the dtypes NumPy does not have (bfloat16, float8, ...).
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_numpy_has: dict[torch.dtype, bool] = {}
 
 
+@functools.cache
 def _numpy_dtype_of(dtype: torch.dtype) -> bool:
     """Whether ``Tensor.numpy()`` takes tensors of ``dtype`` (asked once per dtype)."""
-    known = _numpy_has.get(dtype)
-    if known is None:
-        try:
-            torch.empty(0, dtype=dtype).numpy()
-            known = True
-        except TypeError:
-            known = False
-        _numpy_has[dtype] = known
-    return known
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except TypeError:
+        return False
+    return True
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
