@@ -45,18 +45,21 @@ from raysync.messages import (
     BroadcastReport,
     BroadcastRequest,
     BroadcastTicket,
+    DeliveryMode,
+    DirectTarget,
     HubConfig,
     HubStatus,
     ReceiverTimings,
     RefusedRegistration,
     Registration,
+    Route,
     Update,
     Welcome,
 )
 from raysync.ordering import InOrder
 from raysync.part_assembly import PartAssembly
-from raysync.receiver_delivery import delivery_call
-from raysync.routing import HandedOver, hand_offs_for
+from raysync.receiver_delivery import delivery_call, refuse_learner_deliveries
+from raysync.routing import HandedOver, hand_off_of, hand_offs_for
 from raysync.spec import WeightSpec
 from raysync.transports import (
     Availability,
@@ -78,6 +81,11 @@ _REFUSALS_KEPT = 256
 _ORDER_WAIT_S = 1.0
 #: Versions sent in parts that failed, kept so that their late parts are told why.
 _FAILED_ASSEMBLIES_KEPT = 64
+#: Acks that reached the hub before the delivery awaiting them started (a learner's
+#: direct delivery applied at a safe point before its booking ran), kept for it.
+_EARLY_ACKS_KEPT = 4096
+#: How long ``close`` waits for receivers to hear that learners' own deliveries end.
+_CLOSE_NOTICE_S = 10.0
 #: How often a delivery asks an unavailable receiver (restarting, or unreachable for a
 #: moment) whether it answers again.
 _UNAVAILABLE_RETRY_S = 0.1
@@ -148,7 +156,9 @@ class WeightHubActor:
             self._state.restore(*self._snapshot.load())
             logger.warning("hub restarted; model versions restored: %s", self._state.versions())
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
-        self._pending_acks: dict[tuple[str, str, int], asyncio.Future[Ack]] = {}
+        #: (registration token, model, version, origin) -> the ack a delivery waits for
+        self._pending_acks: dict[tuple[str, str, int, str], asyncio.Future[Ack]] = {}
+        self._early_acks: OrderedDict[tuple[str, str, int, str], Ack] = OrderedDict()
         self._refused: dict[str, RefusedRegistration] = {}  #: worker -> last refusal
         self._closed = False
         self._model_known = asyncio.Event()
@@ -171,9 +181,12 @@ class WeightHubActor:
         started = time.perf_counter()
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
         await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
-        if request.parts > 1:
+        begun = None
+        if request.direct_calls is not None:
+            begun = self._book_direct(request, request.direct_calls, timeout_s, started)
+        if begun is None and request.parts > 1:
             begun = await self._assemble(request, timeout_s, started)
-        else:
+        elif begun is None:
             begun = await self._version_and_start(request, timeout_s, started)
         if not request.wait:
             return BroadcastTicket(begun.model, begun.version)
@@ -181,6 +194,127 @@ class WeightHubActor:
         if report.failed and request.raise_on_failure:
             raise BroadcastError(report)
         return report
+
+    def _book_direct(
+        self,
+        request: BroadcastRequest,
+        calls: dict[str, tuple[str, Any]],
+        timeout_s: float,
+        started: float,
+    ) -> _Started | None:
+        """A broadcast its learner delivered itself: book it under the version it was
+        delivered as and start collecting the acks; None if another broadcast took that
+        version first (the hub then versions it anew and delivers it itself)."""
+        version = request.direct_version
+        model = self._state.resolve_model(request.model)
+        published = self._state.models[model].version if model in self._state.models else 0
+        if version <= published:
+            logger.info(
+                "version %d of model %r, delivered by its learner, was taken by another "
+                "broadcast first: versioned anew and delivered by the hub",
+                version,
+                model,
+            )
+            self._background.spawn(_settled(calls), "direct calls of a taken version")
+            return None
+        spec = self._state.check_broadcast(model, request.spec)
+        if request.workers is None:
+            targets, gone = self._state.targets(model, None), {}
+        else:  # every one was registered when the route was made: some may be gone since
+            named = dict.fromkeys(request.workers)
+            targets = [self._state.receivers[w] for w in named if w in self._state.receivers]
+            gone = {
+                w: f"{w} left the hub (it died or closed) before version {version} of model "
+                f"{model!r} was booked"
+                for w in named
+                if w not in self._state.receivers
+            }
+        handed = self._state.publish(
+            model,
+            spec,
+            request.payloads,
+            version,
+            wire_spec=request.wire_spec,
+            origin=request.submitter,
+        )
+        self._save_snapshot()
+        targets = [t for t in targets if handed.readable_by(t.transport)]
+        first_calls = {
+            t.worker: call
+            for t in targets
+            for token, call in [calls.get(t.worker, ("", None))]
+            if call is not None and token == t.registration.token
+        }
+        unused = {w: c for w, c in calls.items() if w not in first_calls}
+        if unused:  # left or registered again since the route: the hub delivers them
+            self._background.spawn(_settled(unused), "direct calls to departed receivers")
+        return self._start(handed, spec, targets, timeout_s, started, request, first_calls, gone)
+
+    def _start(
+        self,
+        handed: HandedOver,
+        spec: WeightSpec,
+        targets: list[ReceiverEntry],
+        timeout_s: float,
+        started: float,
+        request: BroadcastRequest,
+        first_calls: dict[str, Any],
+        gone: dict[str, str] | None = None,
+    ) -> _Started:
+        """Start delivering ``handed`` and keep its report for ``wait_for``."""
+        task = asyncio.create_task(
+            self._deliver_all(
+                handed,
+                spec,
+                targets,
+                timeout_s,
+                started,
+                request.learner_seconds,
+                first_calls,
+                request.sent_at,
+                gone or {},
+            )
+        )
+        reports = self._reports.setdefault(handed.model, OrderedDict())
+        reports[handed.version] = task
+        while len(reports) > _REPORTS_KEPT:
+            reports.popitem(last=False)
+        return _Started(handed.model, handed.version, task)
+
+    def _save_snapshot(self) -> None:
+        """What a restarted hub reads back: versions and specs."""
+        self._snapshot.save(self._state.versions(), self._state.specs())
+
+    async def route(self, model: str | None, submitter: str) -> Route:
+        """Learner, one broadcast ahead: the hand-offs its next broadcast carries and,
+        when some receivers can be called by the learner itself, those receivers and
+        the model's next version (see :class:`~raysync.messages.Route`)."""
+        hand_offs = self.transports()
+        if self._closed or not self._state.models:
+            return Route(hand_offs)
+        try:
+            resolved = self._state.resolve_model(model)
+            self._state.check_known(resolved)
+            spec = self._state.spec(resolved)
+        except (UnknownModelError, ValueError):
+            return Route(hand_offs)  # its broadcast goes through the hub, which says why
+        targets = tuple(
+            DirectTarget(
+                entry.worker,
+                entry.registration.token,
+                entry.transport,
+                entry.registration.handle,
+                entry.registration.entry,
+                entry.registration.attachment,
+            )
+            for entry in self._state.targets(resolved, None)
+            if get_transport(entry.transport).learner_delivers
+            and hand_off_of(entry.transport) in hand_offs
+        )
+        if not targets:
+            return Route(hand_offs)
+        next_version = self._state.models[resolved].version + 1
+        return Route(hand_offs, resolved, next_version, spec, targets)
 
     async def _version_and_start(
         self, request: BroadcastRequest, timeout_s: float, started: float
@@ -195,19 +329,17 @@ class WeightHubActor:
         self._state.check_version(model, request.version)
         targets = self._state.targets(model, request.workers)
         handed = self._state.publish(
-            model, spec, request.payloads, request.version, wire_spec=request.wire_spec
+            model,
+            spec,
+            request.payloads,
+            request.version,
+            wire_spec=request.wire_spec,
+            origin=request.submitter,
         )
         if request.workers is None:  # left out: joined by a transport the learner had not seen
             targets = [t for t in targets if handed.readable_by(t.transport)]
-        self._snapshot.save(self._state.versions(), self._state.specs())
-        task = asyncio.create_task(
-            self._deliver_all(handed, spec, targets, timeout_s, started, request.learner_seconds)
-        )
-        reports = self._reports.setdefault(model, OrderedDict())
-        reports[handed.version] = task
-        while len(reports) > _REPORTS_KEPT:
-            reports.popitem(last=False)
-        return _Started(model, handed.version, task)
+        self._save_snapshot()
+        return self._start(handed, spec, targets, timeout_s, started, request, {})
 
     async def _assemble(
         self, request: BroadcastRequest, timeout_s: float, started: float
@@ -373,8 +505,13 @@ class WeightHubActor:
         """An acknowledgement sent after the delivery call returned (deferred applies)."""
         if ack.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED):
             self._state.record(ack.worker, ack.model, ack.version, ack.timings)
-        future = self._pending_acks.get((ack.worker, ack.model, ack.version))
-        if future is not None and not future.done():
+        key = (ack.token, ack.model, ack.version, ack.origin)
+        future = self._pending_acks.get(key)
+        if future is None:  # its delivery has not started here yet (the direct path)
+            self._early_acks[key] = ack
+            while len(self._early_acks) > _EARLY_ACKS_KEPT:
+                self._early_acks.popitem(last=False)
+        elif not future.done():
             future.set_result(ack)
 
     async def latest(
@@ -430,6 +567,7 @@ class WeightHubActor:
     async def close(self) -> None:
         """Refuse new broadcasts and wait for those in flight."""
         self._closed = True
+        await self._refuse_learner_deliveries()
         for key in list(self._assemblies):
             self._assembly_failed(key, "the hub is shutting down")
         tasks = [t for reports in self._reports.values() for t in reports.values()]
@@ -437,6 +575,25 @@ class WeightHubActor:
         await self._background.close()
         await asyncio.gather(*(planner.close() for planner in self._planners.values()))
         self._snapshot.delete()
+
+    async def _refuse_learner_deliveries(self) -> None:
+        """Shutting down: every receiver a learner may deliver to itself refuses such
+        deliveries from now on (a learner may hold a route from before). Waits at most
+        ``_CLOSE_NOTICE_S`` for receivers busy in a long method."""
+        calls = [
+            asyncio.ensure_future(
+                entry.registration.handle.__ray_call__.options(max_task_retries=0).remote(
+                    refuse_learner_deliveries, entry.registration.attachment
+                )
+            )
+            for entry in self._state.receivers.values()
+            if entry.registration.mode is DeliveryMode.PUSH
+            and get_transport(entry.transport).learner_delivers
+        ]
+        if calls:
+            await asyncio.wait(calls, timeout=_CLOSE_NOTICE_S)
+            for call in calls:
+                call.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     # -- delivery --------------------------------------------------------------------------
     async def _deliver_all(
@@ -447,22 +604,44 @@ class WeightHubActor:
         timeout_s: float,
         started: float,
         learner_seconds: float,
+        first_calls: dict[str, Any],
+        sent_at: float,
+        gone: dict[str, str],
     ) -> BroadcastReport:
+        """Deliver ``handed`` to ``targets`` and collect their acks. ``first_calls``:
+        the receivers the learner delivered to itself, with its call's ObjectRef (awaited
+        as the first delivery; the hub plans and calls the others). ``gone``: workers
+        the broadcast named that left since, failed with the reason."""
         deadline = time.monotonic() + timeout_s
         plan_started = time.perf_counter()
         travels = handed.wire_spec or spec  # what the transports carry
-        planned = await self._plan_all(handed, travels, targets, timeout_s)
+        planned = await self._plan_all(
+            handed, travels, [t for t in targets if t.worker not in first_calls], timeout_s
+        )
+        for entry in targets:
+            if entry.worker in first_calls:
+                planned[entry.worker] = _Plan(update=handed.update_for(entry.transport))
         plan_s = time.perf_counter() - plan_started
         outcomes = await asyncio.gather(
             *(
-                self._deliver_one(entry, plan.update, deadline, timeout_s)
+                self._deliver_one(
+                    entry,
+                    plan.update,
+                    deadline,
+                    timeout_s,
+                    first_calls.get(entry.worker),
+                    sent_at,
+                )
                 if plan.update is not None
                 else _failed(entry.worker, plan.reason)
                 for entry, plan in ((e, planned[e.worker]) for e in targets)
-            )
+            ),
+            *(_failed(worker, reason) for worker, reason in gone.items()),
         )
         acked = tuple(sorted(o.worker for o in outcomes if o.error is None))
         failed = {o.worker: o.error for o in outcomes if o.error is not None}
+        if first_calls:  # the version left the learner before this hub heard of it
+            started = min(started, time.perf_counter() - max(0.0, time.time() - sent_at))
         return BroadcastReport(
             model=handed.model,
             version=handed.version,
@@ -472,6 +651,7 @@ class WeightHubActor:
             seconds=learner_seconds + time.perf_counter() - started,
             transports=tuple(sorted({entry.transport for entry in targets})),
             phases=_phases(learner_seconds, plan_s, outcomes),
+            direct=tuple(sorted(first_calls)),
         )
 
     async def _plan_all(
@@ -549,9 +729,19 @@ class WeightHubActor:
         return hand_offs_for([self._transport, *self._state.transports()])
 
     async def _deliver_one(
-        self, entry: ReceiverEntry, update: Update, deadline: float, timeout_s: float
+        self,
+        entry: ReceiverEntry,
+        update: Update,
+        deadline: float,
+        timeout_s: float,
+        first_call: Any = None,
+        update_sent_at: float = 0.0,
     ) -> _Outcome:
         """Deliver to one receiver: its outcome, with the reason if it failed.
+
+        ``first_call``: the learner already called it (the direct path); that call's
+        ObjectRef stands for the first delivery, made at ``update_sent_at``
+        (``time.time()`` in the learner), and any retry is the hub's own.
 
         Ray's word decides a death: ``ActorDiedError`` drops the receiver (it is gone for
         good); ``ActorUnavailableError`` (Ray restarts it, or cannot reach it for now)
@@ -560,21 +750,34 @@ class WeightHubActor:
         gets the delivery again (a version already applied acks as superseded).
         """
         registration = entry.registration
-        key = (registration.worker, update.model, update.version)
+        key = (registration.token, update.model, update.version, update.origin)
         deferred_ack = asyncio.get_running_loop().create_future()
+        early = self._early_acks.pop(key, None)
+        if early is not None:
+            deferred_ack.set_result(early)
         self._pending_acks[key] = deferred_ack
         delivery_started = time.perf_counter()
+        if first_call is not None:  # from the learner's call, on the wall clock it sent
+            delivery_started -= max(0.0, time.time() - update_sent_at)
         try:
             while True:
                 try:
-                    ref = delivery_call(
-                        registration.handle, registration.entry, registration.attachment, update
-                    )
-                    ack = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
+                    if first_call is not None:
+                        ack = await _reply_or_ack(first_call, deferred_ack, deadline)
+                        first_call = None
+                    else:
+                        ref = delivery_call(
+                            registration.handle, registration.entry, registration.attachment, update
+                        )
+                        ack = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
                     if ack is None:  # applied later, at the receiver's next safe point
                         ack = await asyncio.wait_for(
                             deferred_ack, max(0.0, deadline - time.monotonic())
                         )
+                    if ack.status is AckStatus.CONFLICT:  # holds that number from another
+                        deferred_ack = asyncio.get_running_loop().create_future()
+                        self._pending_acks[key] = deferred_ack
+                        continue  # learner's own delivery: the hub's update replaces it
                     break
                 except ActorUnavailableError as err:
                     restarted = await self._restarted(registration, deadline)
@@ -614,6 +817,9 @@ class WeightHubActor:
             )
         self._state.record(registration.worker, update.model, update.version, ack.timings)
         delivered_s = time.perf_counter() - delivery_started
+        if ack.timings is not None:  # two clocks on the direct path: never below its parts
+            t = ack.timings
+            delivered_s = max(delivered_s, t.fetch_s + t.wait_s + t.apply_s)
         return _Outcome(registration.worker, None, delivered_s, ack.timings)
 
     async def _not_attached(
@@ -674,6 +880,32 @@ class WeightHubActor:
 def _process_of(actor: Any) -> str:
     """Runs inside a receiver actor (``__ray_call__``): its process's Ray worker id."""
     return ray.get_runtime_context().get_worker_id()
+
+
+async def _reply_or_ack(call: Any, acked: asyncio.Future[Ack], deadline: float) -> Ack | None:
+    """The first word on a learner's delivery call: the receiver's ack sent to the hub
+    (``acked``; it comes straight here) or the call's own reply (which reaches the hub
+    through the learner that owns it: later, but it is where a death shows). Raises what
+    the call raised; ``asyncio.TimeoutError`` past ``deadline``."""
+    reply = asyncio.ensure_future(call)
+    done, _ = await asyncio.wait(
+        {reply, acked},
+        timeout=max(0.0, deadline - time.monotonic()),
+        return_when=asyncio.FIRST_COMPLETED,
+    )
+    if acked in done:
+        reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return acked.result()
+    if reply in done:
+        return reply.result()
+    reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+    raise asyncio.TimeoutError
+
+
+async def _settled(calls: dict[str, tuple[str, Any]]) -> None:
+    """Await a learner's delivery calls the hub does not count (revoked, or to a
+    receiver gone since), so that their errors are retrieved, not reported as unhandled."""
+    await asyncio.gather(*(call for _, call in calls.values()), return_exceptions=True)
 
 
 def _quiet_future() -> asyncio.Future[Any]:

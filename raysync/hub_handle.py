@@ -21,7 +21,9 @@ from ray.actor import ActorHandle
 from raysync import weights as weights_mod
 from raysync.actor_classes import HUB, actor_class
 from raysync.errors import HubClosedError, HubNotFoundError, TransportUnavailableError
-from raysync.messages import BroadcastRequest, HubConfig
+from raysync.messages import BroadcastRequest, HubConfig, Route, Update
+from raysync.receiver_delivery import delivery_call
+from raysync.routing import hand_off_of
 from raysync.spec import WeightSpec
 from raysync.transports import (
     DEFAULT_TRANSPORT,
@@ -119,9 +121,17 @@ class _Broadcast:
         )
         travels = wire_spec or spec
         handle = self._handle
+        route = handle._route(model)
+        direct = (
+            route.next_version > 0
+            and version is None
+            and parts == 1
+            and route.spec == spec
+            and (workers is None or _all_listed(workers, route))
+        )
         try:
             # The hub's transport and those its receivers chose: one hand-off each.
-            senders = {name: handle._sender(name) for name in handle._hand_offs()}
+            senders = {name: handle._sender(name) for name in route.hand_offs}
             payloads = {name: sender.send(wire, travels) for name, sender in senders.items()}
         except TransportError as err:
             # A closed hub has stopped its transport: say that, not what broke below it.
@@ -131,7 +141,7 @@ class _Broadcast:
                 ) from err
             raise
         request = BroadcastRequest(
-            model=model,
+            model=route.model if direct else model,
             version=version,
             spec=spec,
             payloads=payloads,
@@ -148,13 +158,67 @@ class _Broadcast:
         with handle._submitting:  # numbers in the order the calls leave this process
             sequence = next(handle._sequence)
             floor = handle._in_flight.floor(sequence)
-            request = dataclasses.replace(request, sequence=sequence, floor=floor)
+            sent_at = time.time()
+            calls, direct_version = None, 0
+            if direct:
+                direct_version = handle._next_direct_version(route)
+                calls = _deliver_directly(
+                    route, direct_version, spec, payloads, wire_spec, workers, handle._submitter
+                )
+            request = dataclasses.replace(
+                request,
+                sequence=sequence,
+                floor=floor,
+                direct_version=direct_version,
+                direct_calls=calls,
+                sent_at=sent_at,
+            )
             result = handle.actor.submit.remote(request)
             handle._in_flight.add(sequence, result)
+            handle._ask_route_ahead(model)
         done = _BroadcastDone(handle.actor, result, waits=wait)
         for name, sender in senders.items():
             sender.submitted(payloads[name], done)
         return result
+
+
+def _all_listed(workers: Sequence[str], route: Route) -> bool:
+    """Whether ``workers`` names some receivers, each one the route lists (else the
+    broadcast goes through the hub, which says what is wrong with the list)."""
+    return bool(workers) and set(workers) <= {t.worker for t in route.targets}
+
+
+def _deliver_directly(
+    route: Route,
+    version: int,
+    spec: WeightSpec,
+    payloads: dict[str, Any],
+    wire_spec: WeightSpec | None,
+    workers: Sequence[str] | None,
+    origin: str,
+) -> dict[str, tuple[str, ray.ObjectRef]]:
+    """The direct path, in the learner: call each of ``route``'s receivers (those of
+    ``workers`` only, if given) with this broadcast as ``version``; per worker, its
+    registration and the call's ref (the hub awaits them as its first delivery, so
+    deaths, restarts and deferred acks are handled as for its own calls)."""
+    calls = {}
+    chosen = None if workers is None else set(workers)
+    for target in route.targets:
+        if chosen is not None and target.worker not in chosen:
+            continue
+        update = Update(
+            route.model,
+            version,
+            spec.digest,
+            target.transport,
+            payloads[hand_off_of(target.transport)],
+            wire_spec,
+            origin=origin,
+            from_learner=True,
+        )
+        call = delivery_call(target.handle, target.entry, target.attachment, update)
+        calls[target.worker] = (target.token, call)
+    return calls
 
 
 def _checked_part(part: int | None, parts: int | None, version: int | None) -> tuple[int, int]:
@@ -245,7 +309,10 @@ class HubHandle:
         for name, target in config.transports:
             register_transport(name, target)
         self._senders: dict[str, TransportSender] = {}
-        self._next_hand_offs: ray.ObjectRef | None = None
+        #: per ``model`` argument, the Route of its next broadcast, asked one ahead
+        self._next_routes: dict[str | None, ray.ObjectRef] = {}
+        #: per model, the version this handle last delivered itself
+        self._last_direct: dict[str, int] = {}
         #: This handle's broadcasts are numbered so the hub versions them in order.
         self._submitter = uuid.uuid4().hex
         self._sequence = itertools.count(1)
@@ -298,14 +365,30 @@ class HubHandle:
     def broadcast(self) -> _Broadcast:
         return _Broadcast(self)
 
-    def _hand_offs(self) -> tuple[str, ...]:
-        """The hand-offs this broadcast carries, as the hub listed them when the previous
-        broadcast was sent (asked ahead, so a broadcast waits for no extra round trip).
-        A receiver that registered by a new transport since is left out of this version
-        and gets the next one."""
-        ref = self._next_hand_offs or self.actor.transports.remote()
-        self._next_hand_offs = self.actor.transports.remote()
-        return ray.get(ref)
+    def _route(self, model: str | None) -> Route:
+        """This broadcast's :class:`~raysync.messages.Route`, as the hub gave it when
+        the previous broadcast of ``model`` was sent (asked ahead, so a broadcast waits
+        for no extra round trip): the hand-offs it carries and, for the direct path, the
+        model's next version then and the receivers to call. A receiver that registered
+        since gets this version from the hub (by a new transport: the next version)."""
+        return ray.get(self._next_routes.pop(model, None) or self._ask_route(model))
+
+    def _next_direct_version(self, route: Route) -> int:
+        """The version to deliver a direct broadcast as: the route's next one, or above
+        this handle's last direct one (the route may have been made before the hub
+        booked it). Called under ``_submitting``."""
+        version = max(route.next_version, self._last_direct.get(route.model, 0) + 1)
+        self._last_direct[route.model] = version
+        return version
+
+    def _ask_route(self, model: str | None) -> ray.ObjectRef:
+        return self.actor.route.remote(model, self._submitter)
+
+    def _ask_route_ahead(self, model: str | None) -> None:
+        """Ask for the next broadcast's route now, after this one's submit (so that its
+        next version is usually above this broadcast's, even an explicit one)."""
+        if model not in self._next_routes:
+            self._next_routes[model] = self._ask_route(model)
 
     def _sender(self, hand_off: str) -> TransportSender:
         """The learner half of transport ``hand_off``, opened in this process on first use."""

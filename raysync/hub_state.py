@@ -146,15 +146,19 @@ class HubState:
         version: int | None = None,
         at: float | None = None,
         wire_spec: WeightSpec | None = None,
+        origin: str = "",
     ) -> HandedOver:
         """Make this the latest version of ``model``: ``version``, or the next one,
         published ``at`` (``time.time()``; default now). ``payloads`` holds one payload
-        per hand-off, carrying ``wire_spec`` if given (a wire dtype), else ``spec``."""
+        per hand-off, carrying ``wire_spec`` if given (a wire dtype), else ``spec``;
+        ``origin`` names the learner handle that broadcast it."""
         self.check_version(model, version)
         state = self.models.setdefault(model, ModelState())
         state.spec = spec
         state.version = state.version + 1 if version is None else version
-        state.latest = HandedOver(model, state.version, spec.digest, dict(payloads), wire_spec)
+        state.latest = HandedOver(
+            model, state.version, spec.digest, dict(payloads), wire_spec, origin
+        )
         state.published.append((state.version, time.time() if at is None else at))
         return state.latest
 

@@ -29,6 +29,9 @@ class AckStatus(enum.Enum):
     #: the host process has no receiver under the registration's key: it closed it, or
     #: this is a new process (Ray restarted the actor) that has not attached again
     NOT_ATTACHED = "not attached"
+    #: a learner's own delivery of a version number the receiver holds from another
+    #: learner: not applied; the hub delivers the version it booked under that number
+    CONFLICT = "conflict"
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,49 @@ class BroadcastRequest:
     #: :mod:`raysync.transports.parts`): part ``part`` of ``parts``; 1 part: the whole.
     part: int = 0
     parts: int = 1
+    #: The direct path: the version the learner delivered it as (see :class:`Route`),
+    #: and per worker ``(registration token, the ObjectRef of the learner's delivery
+    #: call)``. Nested here, Ray passes the refs to the hub as refs; the hub awaits them
+    #: as its first delivery to each of those receivers.
+    direct_version: int = 0
+    direct_calls: dict[str, tuple[str, Any]] | None = None
+    #: ``time.time()`` in the learner when it made ``direct_calls`` (the report's
+    #: seconds and delivery phase start there).
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class DirectTarget:
+    """A receiver the learner may deliver to itself, as the hub registered it."""
+
+    worker: str
+    token: str  #: its registration: a receiver that registered again is delivered by the hub
+    transport: str
+    handle: Any
+    entry: Entry
+    attachment: str
+
+
+@dataclass(frozen=True)
+class Route:
+    """Hub -> learner, asked one broadcast ahead: what the next broadcast of a model
+    carries, and whether the learner may deliver it itself (the direct path).
+
+    ``hand_offs`` are the payloads to produce (always). With ``next_version`` > 0 (the
+    model's version after the latest published when the route was made), a broadcast
+    whose spec equals ``spec``, with no explicit version and no parts, whose workers
+    (if named) are all in ``targets``, calls them itself as the next version and books
+    it with the hub in parallel; the hub delivers every other receiver (another
+    transport, joined since) and collects the acks. Versions stay the hub's: if
+    another broadcast took that number first, the hub versions this one anew and
+    delivers it itself (see :class:`Update` ``origin`` for how receivers stay whole).
+    """
+
+    hand_offs: tuple[str, ...]
+    model: str = ""
+    next_version: int = 0
+    spec: WeightSpec | None = None
+    targets: tuple[DirectTarget, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +155,15 @@ class Update:
     #: The spec the bytes travel in when it differs from the model's (a wire dtype: the
     #: receiver fetches by it and casts into its own tensors); None: the model's.
     wire_spec: WeightSpec | None = None
+    #: The learner handle that broadcast it. Versions are the hub's order; a learner
+    #: delivering itself (``from_learner``) guesses the next one, and two learners may
+    #: guess the same: a receiver holding a version from one learner's own delivery
+    #: takes the hub's update of the same number from another (the hub's is the one
+    #: that counts), and answers another learner's own delivery of it with CONFLICT.
+    origin: str = ""
+    #: The learner delivered it (the direct path): the receiver sends its ack to the hub
+    #: too, which counts it without waiting to hear of the learner's call.
+    from_learner: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +178,12 @@ class Ack:
     #: Where this receiver's time went, for a version it applied (None otherwise). A
     #: measurement, not part of the outcome: acks compare equal without it.
     timings: ReceiverTimings | None = field(default=None, compare=False)
+    #: The update's origin (see :attr:`Update.origin`): which learner's version this is.
+    origin: str = ""
+    #: The registration of the receiver that answered (a restarted actor registers
+    #: again under a new one: its acks are not its former incarnation's). Where the
+    #: ack goes, not part of the outcome: acks compare equal without it.
+    token: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -252,6 +313,9 @@ class BroadcastReport:
     transports: tuple[str, ...]
     #: Where the time went (None in reports built without timing, e.g. a refused send).
     phases: BroadcastPhases | None = None
+    #: The receivers the learner delivered to itself (the direct path); the hub
+    #: delivered to the others.
+    direct: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:

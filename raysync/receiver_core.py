@@ -88,6 +88,7 @@ class HeldModel:
     model_id: str
     path: str
     version: int = 0
+    origin: str = ""  #: the learner handle whose broadcast ``version`` is (Update.origin)
     adoption: Adoption = field(default_factory=Adoption)  #: zero-copy state
     _cached: tuple[Any, weights.Destination, WeightSpec] | None = None
 
@@ -135,6 +136,7 @@ class ReceiverCore:
         self.worker = identity.worker
         self.actor_name = identity.actor
         self.token = token
+        self._learner_deliveries_refused = False
         self.transport = _open_transport(welcome)
         self.gate = ApplyGate(finish_deferred=self.send_ack)
         self.behind: set[str] = set()
@@ -262,14 +264,37 @@ class ReceiverCore:
 
     # -- updates ---------------------------------------------------------------------------
     def receive(self, update: Update) -> Receipt:
-        """Fetch ``update`` and apply it at the safe point (the hub's delivery call).
+        """Fetch ``update`` and apply it at the safe point (the hub's delivery call, or
+        the learner's on the direct path: its ack is then sent to the hub as well).
 
         Never raises: a failure becomes a FAILED ack carrying the traceback.
         """
+        if update.from_learner and self._learner_deliveries_refused:
+            self.transport.release(update.payload, None)
+            return AckNow(
+                self._ack(
+                    update,
+                    AckStatus.FAILED,
+                    "the hub is shutting down: a learner's own delivery is refused",
+                )
+            )
         try:
-            return self._stage_and_apply(update)
+            receipt = self._stage_and_apply(update)
         except Exception:
-            return AckNow(self._ack(update, AckStatus.FAILED, traceback.format_exc()))
+            receipt = AckNow(self._ack(update, AckStatus.FAILED, traceback.format_exc()))
+        if (
+            update.from_learner
+            and isinstance(receipt, AckNow)
+            and receipt.ack.status is not AckStatus.CONFLICT  # the hub hears it from the call
+        ):
+            # The learner made this call and owns its reply: the hub, which counts the
+            # acks, hears it sooner from here than through the learner.
+            self.send_ack(receipt.ack)
+        return receipt
+
+    def refuse_learner_deliveries(self) -> None:
+        """The hub is shutting down: apply no version a learner delivers itself."""
+        self._learner_deliveries_refused = True
 
     def apply_now(self, update: Update, during: str) -> None:
         """Apply ``update`` for a user-facing call (connect, pull) and ack it; raise if
@@ -300,11 +325,12 @@ class ReceiverCore:
         """Fetch ``update`` and apply it at the safe point. The transport's hold on the
         payload is released on every path, once nothing reads the staged data."""
         held = self.models.get(update.model)
-        if held is None or update.version <= held.version:
+        refused = None if held is None else _refusal(held, update)
+        if held is None or refused is not None:
             self.transport.release(update.payload, None)
             if held is None:
                 raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
-            return AckNow(self._ack(update, AckStatus.SUPERSEDED))
+            return AckNow(self._ack(update, refused))
         try:
             _, spec = held.destination(self.owner)
             _check_digest(spec, update, self.actor_name)
@@ -375,8 +401,9 @@ class ReceiverCore:
         it in place. Runs at the safe point."""
         apply_started = time.perf_counter()
         held = self.models[update.model]
-        if update.version <= held.version:
-            return self._ack(update, AckStatus.SUPERSEDED)
+        refused = _refusal(held, update)
+        if refused is not None:
+            return self._ack(update, refused)
         try:
             destination, spec = held.destination(self.owner)
             _check_digest(spec, update, self.actor_name)
@@ -394,7 +421,7 @@ class ReceiverCore:
                     destination.commit()
         except Exception:
             return self._ack(update, AckStatus.FAILED, traceback.format_exc())
-        held.version = update.version
+        held.version, held.origin = update.version, update.origin
         if self._on_applied is not None:
             try:
                 self._on_applied(update.model, update.version)
@@ -428,7 +455,32 @@ class ReceiverCore:
         *,
         timings: ReceiverTimings | None = None,
     ) -> Ack:
-        return Ack(self.worker, update.model, update.version, status, error, timings)
+        return Ack(
+            self.worker,
+            update.model,
+            update.version,
+            status,
+            error,
+            timings,
+            origin=update.origin,
+            token=self.token,
+        )
+
+
+def _refusal(held: HeldModel, update: Update) -> AckStatus | None:
+    """Why ``update`` is not applied to ``held``, or None if it is.
+
+    An older version, or the same one again, is SUPERSEDED. The same version number
+    from another learner (two learners delivering themselves guessed the same next
+    version, see :attr:`Update.origin`): the hub's update is the one it booked under
+    that number and replaces what is held; another learner's own delivery is a CONFLICT
+    (the hub then delivers what it booked).
+    """
+    if update.version > held.version:
+        return None
+    if update.version == held.version and update.origin != held.origin and held.origin:
+        return AckStatus.CONFLICT if update.from_learner else None
+    return AckStatus.SUPERSEDED
 
 
 @dataclass(frozen=True)
@@ -505,7 +557,9 @@ def _carried_over(previous: ReceiverCore | None, model_id: str, path: str) -> He
     if old is None:
         return HeldModel(model_id, path)
     adopted = old.adoption.current if old.path == path else None
-    return HeldModel(model_id, path, old.version, Adoption(adopted))
+    return HeldModel(
+        model_id, path, version=old.version, origin=old.origin, adoption=Adoption(adopted)
+    )
 
 
 def _host_actor() -> Any:

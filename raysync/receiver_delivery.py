@@ -39,6 +39,8 @@ class Deliverable(Protocol):
 
     def receive(self, update: Update) -> Receipt: ...
 
+    def refuse_learner_deliveries(self) -> None: ...
+
 
 class Attachments:
     """This process's receivers by attachment key (one registry per process)."""
@@ -95,6 +97,15 @@ def deliver(host: Any, key: str, update: Update) -> Ack | None:
     if loop is not None and not _running_on(loop):
         return asyncio.run_coroutine_threadsafe(_receive(receiver, update), loop).result()
     return reply_to_hub(receiver.receive(update))
+
+
+def refuse_learner_deliveries(host: Any, key: str) -> None:
+    """Runs in the host actor, called by a hub that is shutting down: the receiver under
+    ``key`` refuses every learner's own delivery from now on (a learner may still hold
+    a route the hub gave before; see :class:`raysync.messages.Route`)."""
+    receiver = attached.find(key, wait_s=0)
+    if receiver is not None:
+        receiver.refuse_learner_deliveries()
 
 
 async def _receive(receiver: Deliverable, update: Update) -> Ack | None:

@@ -38,6 +38,7 @@ class HandedOver:
     spec_digest: str
     payloads: Mapping[str, Any]  #: hand-off name -> the transport's payload
     wire_spec: WeightSpec | None = None  #: what the payloads carry, if not the model's spec
+    origin: str = ""  #: the learner handle that broadcast it (see :attr:`Update.origin`)
 
     def readable_by(self, transport: str) -> bool:
         """Whether receivers of ``transport`` can read this version."""
@@ -52,5 +53,11 @@ class HandedOver:
             return None
         payload = self.payloads[hand_off_of(transport)]
         return Update(
-            self.model, self.version, self.spec_digest, transport, payload, self.wire_spec
+            self.model,
+            self.version,
+            self.spec_digest,
+            transport,
+            payload,
+            self.wire_spec,
+            origin=self.origin,
         )

@@ -29,7 +29,10 @@ process that calls each method:
    each targeted worker to the payload it reads (default: the learner's payload for
    all). This is where a transport relays per node. The hub keeps the latest update
    for receivers that join later and never opens a payload itself, so it never
-   imports a transport's heavy dependency unless the planner does.
+   imports a transport's heavy dependency unless the planner does. A transport that
+   declares ``learner_delivers`` (its planner is the default) lets the learner call
+   its receivers itself with the payload (the direct path): the hub plans none of
+   those deliveries, only the others.
 6. receiver process, once per registration: ``receiver = Transport.open_receiver(info)``.
 7. receiver process, each update, *outside* the safe point:
    ``staged = receiver.fetch(payload, spec)`` returns one read-only tensor per spec
@@ -229,6 +232,10 @@ class Transport(ABC):
     #: then the :class:`~raysync.transports.parts.Parts`, and its resource actor reads
     #: every part), instead of the hub planning each part as a version of its own.
     parts_in_one_plan: ClassVar[bool] = False
+    #: Whether every receiver reads the learner's payload as it is (its planner is the
+    #: default, which forwards it): the learner may then call the receivers itself, the
+    #: hub booking the version in parallel (the direct path, :class:`raysync.Route`).
+    learner_delivers: ClassVar[bool] = False
     #: The transport whose learner half (sender and payload) this one uses: receivers
     #: of transports with the same hand-off share one payload per version.
     hand_off: ClassVar[str]

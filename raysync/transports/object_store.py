@@ -120,6 +120,7 @@ class ObjectStoreTransport(Transport):
     name = "object_store"
     #: The put (two versions alive while one is read); receivers read it in place.
     memory = MemoryFootprint(learner=2, per_receiver=0)
+    learner_delivers = True
 
     @classmethod
     def availability(cls) -> Availability:

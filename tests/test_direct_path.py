@@ -1,0 +1,109 @@
+"""The direct path: the learner calls the receivers itself and the hub books the version
+in parallel (see ``raysync.messages.Route``). Every guarantee of a broadcast through the
+hub holds: versions 1, 2, 3 in the hub's order, acks per worker, late joiners, failures
+named, and two learners guessing the same next version end in the hub's order."""
+
+from __future__ import annotations
+
+import ray
+
+from raysync import HubHandle
+from tests.helpers import assert_same, ready, start, start_hub
+from tests.receivers import Collector, make_policy, state_of
+
+
+def _hold(collectors, learner, version: int) -> None:
+    """Every collector holds ``learner``'s weights bit for bit, as ``version``."""
+    for c in collectors:
+        assert ray.get(c.version.remote()) == version
+        assert_same(ray.get(c.state.remote()), state_of(learner))
+
+
+def test_the_learner_delivers_each_version_itself(actors):
+    hub = start_hub(actors, "object_store")
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
+    ready(collectors)
+    for expected in range(1, 5):
+        learner = make_policy()
+        report = ray.get(hub.broadcast.remote(learner))
+        assert (report.version, report.acked) == (expected, ("c0", "c1", "c2"))
+        assert report.direct == ("c0", "c1", "c2")
+        _hold(collectors, learner, expected)
+        phases = report.phases
+        assert phases is not None and phases.fetch_s.max <= phases.deliver_s.max
+        assert phases.deliver_s.max <= report.seconds
+    status = ray.get(hub.status.remote())
+    assert status.versions == {"policy": 4}
+    assert {r.worker: r.lag["policy"] for r in status.receivers} == {"c0": 0, "c1": 0, "c2": 0}
+
+
+def test_broadcasts_through_the_hub_and_direct_ones_share_one_count(actors):
+    hub = start_hub(actors, "object_store")
+    a = start(actors, Collector, hub, worker_id="a")
+    b = start(actors, Collector, hub, worker_id="b")
+    ready([a, b])
+    assert ray.get(hub.broadcast.remote(make_policy())).direct == ("a", "b")
+    only_b = make_policy()
+    report = ray.get(hub.broadcast.remote(only_b, workers=["b"]))  # a subset: direct too
+    assert (report.version, report.acked, report.direct) == (2, ("b",), ("b",))
+    _hold([b], only_b, 2)
+    late = start(actors, Collector, hub, worker_id="late")
+    ready([late])
+    to_late = make_policy()  # names a worker the route does not list: through the hub
+    report = ray.get(hub.broadcast.remote(to_late, workers=["late"]))
+    assert (report.version, report.acked, report.direct) == (3, ("late",), ())
+    _hold([late], to_late, 3)
+    stepped = make_policy()
+    report = ray.get(hub.broadcast.remote(stepped, version=10))  # explicit: through the hub
+    assert (report.version, report.direct) == (10, ())
+    last = make_policy()
+    report = ray.get(hub.broadcast.remote(last))
+    assert (report.version, report.direct) == (11, ("a", "b", "late"))
+    _hold([a, b, late], last, 11)
+
+
+def test_a_receiver_that_joined_after_the_route_gets_the_version_from_the_hub(actors):
+    hub = start_hub(actors, "object_store")
+    early = start(actors, Collector, hub, worker_id="early")
+    ready([early])
+    ray.get(hub.broadcast.remote(make_policy()))  # the next route is asked here
+    late = start(actors, Collector, hub, worker_id="late")
+    ready([late])
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert report.acked == ("early", "late") and report.direct == ("early",)
+    _hold([early, late], learner, 2)
+
+
+def test_two_learners_guessing_the_same_version_stay_in_the_hubs_order(actors):
+    first = start_hub(actors, "object_store")
+    second = HubHandle(first.actor, first.config)  # another learner of the same hub
+    collectors = [start(actors, Collector, first, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    one = ray.get(first.broadcast.remote(make_policy()))
+    two = ray.get(second.broadcast.remote(make_policy()))
+    assert (one.version, one.direct) == (1, ("c0", "c1"))
+    assert (two.version, two.direct) == (2, ("c0", "c1"))
+    learner = make_policy()
+    three = ray.get(first.broadcast.remote(learner))
+    # The first learner delivered it as version 2 (its guess), which the second's took:
+    # the receivers answer CONFLICT, and the hub versions it 3 and delivers it itself.
+    assert (three.version, three.direct, three.acked) == (3, (), ("c0", "c1"))
+    _hold(collectors, learner, 3)
+    assert ray.get(first.status.remote()).versions == {"policy": 3}
+
+
+def test_a_receiver_killed_after_the_route_is_reported_dead(actors):
+    hub = start_hub(actors, "object_store")
+    survivor = start(actors, Collector, hub, worker_id="survivor")
+    victim = start(actors, Collector, hub, worker_id="victim")
+    ready([survivor, victim])
+    ray.get(hub.broadcast.remote(make_policy()))  # the next route lists the victim
+    ray.kill(victim, no_restart=True)
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, raise_on_failure=False))
+    assert report.acked == ("survivor",)
+    assert "victim" in report.failed and "died" in report.failed["victim"]
+    _hold([survivor], learner, 2)
+    after = ray.get(hub.broadcast.remote(make_policy()))  # dropped from the registry
+    assert after.acked == ("survivor",) and after.failed == {}
