@@ -161,8 +161,7 @@ class Update:
     #: takes the hub's update of the same number from another (the hub's is the one
     #: that counts), and answers another learner's own delivery of it with CONFLICT.
     origin: str = ""
-    #: The learner delivered it (the direct path): the receiver sends its ack to the hub
-    #: too, which counts it without waiting to hear of the learner's call.
+    #: The learner delivered it itself (the direct path; the hub awaits that call's reply).
     from_learner: bool = False
 
 

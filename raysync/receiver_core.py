@@ -265,7 +265,7 @@ class ReceiverCore:
     # -- updates ---------------------------------------------------------------------------
     def receive(self, update: Update) -> Receipt:
         """Fetch ``update`` and apply it at the safe point (the hub's delivery call, or
-        the learner's on the direct path: its ack is then sent to the hub as well).
+        the learner's on the direct path).
 
         Never raises: a failure becomes a FAILED ack carrying the traceback.
         """
@@ -279,18 +279,9 @@ class ReceiverCore:
                 )
             )
         try:
-            receipt = self._stage_and_apply(update)
+            return self._stage_and_apply(update)
         except Exception:
-            receipt = AckNow(self._ack(update, AckStatus.FAILED, traceback.format_exc()))
-        if (
-            update.from_learner
-            and isinstance(receipt, AckNow)
-            and receipt.ack.status is not AckStatus.CONFLICT  # the hub hears it from the call
-        ):
-            # The learner made this call and owns its reply: the hub, which counts the
-            # acks, hears it sooner from here than through the learner.
-            self.send_ack(receipt.ack)
-        return receipt
+            return AckNow(self._ack(update, AckStatus.FAILED, traceback.format_exc()))
 
     def refuse_learner_deliveries(self) -> None:
         """The hub is shutting down: apply no version a learner delivers itself."""
