@@ -56,6 +56,7 @@ from raysync.messages import (
     Update,
     Welcome,
 )
+from raysync.metrics import FailureCause, HubMetrics
 from raysync.ordering import InOrder
 from raysync.part_assembly import PartAssembly
 from raysync.receiver_delivery import delivery_call, refuse_learner_deliveries
@@ -109,6 +110,7 @@ class _Outcome:
     error: str | None
     delivered_s: float = 0.0
     timings: ReceiverTimings | None = None
+    cause: FailureCause | None = None  #: why it failed, in one word (metrics' tag)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +166,7 @@ class WeightHubActor:
         self._model_known = asyncio.Event()
         self._in_order = InOrder(_ORDER_WAIT_S)
         self._background = BackgroundTasks("hub")
+        self._metrics = HubMetrics(config.hub_id)
         #: (model, version) -> a version sent in parts, until it is whole or failed
         self._assemblies: OrderedDict[tuple[str, int], _Assembling] = OrderedDict()
         settle_heap()
@@ -262,7 +265,7 @@ class WeightHubActor:
         gone: dict[str, str] | None = None,
     ) -> _Started:
         """Start delivering ``handed`` and keep its report for ``wait_for``."""
-        task = asyncio.create_task(
+        task: asyncio.Task[BroadcastReport] = asyncio.create_task(
             self._deliver_all(
                 handed,
                 spec,
@@ -633,16 +636,17 @@ class WeightHubActor:
                     sent_at,
                 )
                 if plan.update is not None
-                else _failed(entry.worker, plan.reason)
+                else _failed(entry.worker, plan.reason, FailureCause.NOT_PLANNED)
                 for entry, plan in ((e, planned[e.worker]) for e in targets)
             ),
-            *(_failed(worker, reason) for worker, reason in gone.items()),
+            *(_failed(worker, reason, FailureCause.LEFT) for worker, reason in gone.items()),
         )
         acked = tuple(sorted(o.worker for o in outcomes if o.error is None))
         failed = {o.worker: o.error for o in outcomes if o.error is not None}
+        causes = [o.cause or FailureCause.RAISED for o in outcomes if o.error is not None]
         if first_calls:  # the version left the learner before this hub heard of it
             started = min(started, time.perf_counter() - max(0.0, time.time() - sent_at))
-        return BroadcastReport(
+        report = BroadcastReport(
             model=handed.model,
             version=handed.version,
             acked=acked,
@@ -653,6 +657,15 @@ class WeightHubActor:
             phases=_phases(learner_seconds, plan_s, outcomes),
             direct=tuple(sorted(first_calls)),
         )
+        # Off the critical path: queued behind the wake-up of whoever awaits the report.
+        loop = asyncio.get_running_loop()
+        loop.call_soon(loop.call_soon, self._record, report, causes)
+        return report
+
+    def _record(self, report: BroadcastReport, causes: list[FailureCause]) -> None:
+        """Ray metrics of one broadcast, and every receiver's lag after it."""
+        self._metrics.broadcast(report, causes)
+        self._metrics.lags(self._state.statuses())
 
     async def _plan_all(
         self,
@@ -788,12 +801,14 @@ class WeightHubActor:
                         f"{registration.actor} died before applying version {update.version} "
                         f"of model {update.model!r} ({type(err).__name__}: {err}); "
                         f"{restarted}",
+                        cause=FailureCause.DIED,
                     )
         except asyncio.TimeoutError:
             return _Outcome(
                 registration.worker,
                 f"{registration.actor} did not apply version {update.version} of model "
                 f"{update.model!r} within the {timeout_s:g} s timeout",
+                cause=FailureCause.TIMEOUT,
             )
         except RayActorError as err:
             self._drop(registration.worker, registration.token)
@@ -802,10 +817,13 @@ class WeightHubActor:
                 f"{registration.actor} died before applying version {update.version} of model "
                 f"{update.model!r}; dropped from the registry until it registers again "
                 f"({type(err).__name__}: {err})",
+                cause=FailureCause.DIED,
             )
         except RayError as err:
             return _Outcome(
-                registration.worker, f"{registration.actor} raised while receiving: {err}"
+                registration.worker,
+                f"{registration.actor} raised while receiving: {err}",
+                cause=FailureCause.RAISED,
             )
         finally:
             self._pending_acks.pop(key, None)
@@ -813,7 +831,9 @@ class WeightHubActor:
             return await self._not_attached(registration, update, ack, deadline)
         if ack.status is AckStatus.FAILED:
             return _Outcome(
-                registration.worker, f"{registration.actor} failed to apply: {ack.error}"
+                registration.worker,
+                f"{registration.actor} failed to apply: {ack.error}",
+                cause=FailureCause.APPLY_FAILED,
             )
         self._state.record(registration.worker, update.model, update.version, ack.timings)
         delivered_s = time.perf_counter() - delivery_started
@@ -838,11 +858,13 @@ class WeightHubActor:
                 registration.worker,
                 f"{registration.actor}: {ack.error}; dropped from the registry until it "
                 f"registers again",
+                cause=FailureCause.LEFT,
             )
         return _Outcome(
             registration.worker,
             f"{registration.actor} died before applying version {update.version} of model "
             f"{update.model!r}; {restarted}",
+            cause=FailureCause.DIED,
         )
 
     async def _restarted(self, registration: Registration, deadline: float) -> str | None:
@@ -916,8 +938,8 @@ def _quiet_future() -> asyncio.Future[Any]:
     return future
 
 
-async def _failed(worker: str, reason: str) -> _Outcome:
-    return _Outcome(worker, reason)
+async def _failed(worker: str, reason: str, cause: FailureCause) -> _Outcome:
+    return _Outcome(worker, reason, cause=cause)
 
 
 def _phases(learner_s: float, plan_s: float, outcomes: list[_Outcome]) -> BroadcastPhases:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import ray
@@ -18,17 +19,34 @@ _CLUSTER_CPUS = 32
 @pytest.fixture(scope="session")
 def ray_cluster():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Ray exports metrics every 10 s by default: the metrics test reads them sooner.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "500")
     ray.init(
         address="local",  # always a fresh cluster, never one left running on the machine
         num_cpus=_CLUSTER_CPUS,
         include_dashboard=False,
         object_store_memory=1 << 30,
         log_to_driver=True,
+        _metrics_export_port=_free_port(),
     )
     try:
         yield ray.get_runtime_context()
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def metrics_url(ray_cluster) -> str:
+    """Ray's Prometheus endpoint on this node (served by the dashboard agent of
+    ``ray[default]``, the ``metrics`` extra)."""
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    return f"http://127.0.0.1:{port}/metrics"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
