@@ -1,6 +1,8 @@
 """WeightHubActor: raysync's control plane, an async Ray actor.
 
-Called by the learner (``submit`` through :class:`raysync.HubHandle`), by receivers
+Called by the learner (``route`` one broadcast ahead, then ``submit``, through
+:class:`raysync.HubHandle`; on the direct path the learner has already called the
+receivers and ``submit`` books the version and awaits those calls), by receivers
 (``register``, ``heartbeat``, ``ack``, ``latest``) and by anyone watching (``status``,
 ``wait_for``). It never opens a transport payload: it validates specs, assigns
 versions, forwards payloads to receivers and collects their acks.

@@ -107,3 +107,20 @@ def test_a_receiver_killed_after_the_route_is_reported_dead(actors):
     _hold([survivor], learner, 2)
     after = ray.get(hub.broadcast.remote(make_policy()))  # dropped from the registry
     assert after.acked == ("survivor",) and after.failed == {}
+
+
+def test_a_named_receiver_that_left_after_the_route_is_reported_gone(actors):
+    hub = start_hub(actors, "object_store")
+    stays = start(actors, Collector, hub, worker_id="stays")
+    leaves = start(actors, Collector, hub, worker_id="leaves")
+    ready([stays, leaves])
+    ray.get(hub.broadcast.remote(make_policy()))  # the next route lists both
+    ray.get(leaves.__ray_call__.remote(lambda c: c._raysync_connected().close()))
+    learner = make_policy()
+    report = ray.get(
+        hub.broadcast.remote(learner, workers=["stays", "leaves"], raise_on_failure=False)
+    )
+    assert report.acked == ("stays",) and report.direct == ("stays",)
+    assert "left the hub" in report.failed["leaves"], report.failed
+    _hold([stays], learner, 2)
+    assert ray.get(leaves.version.remote()) == 1  # closed: it applied nothing more
