@@ -65,6 +65,7 @@ class _Pending:
     apply: Callable[[], Any]
     key: Hashable | None
     supersede: Callable[[], Callable[[Any], Any]] | None
+    rank: Any = 0  #: which of two writes of one key is the newer (the higher)
     followers: list[Callable[[Any], Any]] = field(default_factory=list)
 
 
@@ -153,21 +154,29 @@ class ApplyGate:
         apply: Callable[[], Any],
         key: Hashable | None = None,
         supersede: Callable[[], Callable[[Any], Any]] | None = None,
+        rank: Any = 0,
     ) -> Any:
         """Run ``apply`` when no user method is running; return its result or DEFERRED.
 
         A deferred write with a ``supersede`` is dropped if a newer write of the same
         ``key`` is deferred after it: ``supersede()`` runs then and returns a function
         that, given the newer write's result, makes this write's result (which goes to
-        ``finish_deferred`` like any deferred result).
+        ``finish_deferred`` like any deferred result). Newer means of a ``rank`` at
+        least as high: a write that comes while one of a higher rank waits (an older
+        version delivered late) is the one dropped, following the waiting one.
         """
         held = _held.get()
         if on_event_loop():
             if self._readers - held == 0 and not self._deferred:
                 return apply()
-            pending = _Pending(apply, key, supersede)
+            pending = _Pending(apply, key, supersede, rank)
             if key is not None:
-                for older in [p for p in self._deferred if p.key == key and p.supersede]:
+                waiting = [p for p in self._deferred if p.key == key and p.supersede]
+                newer = [p for p in waiting if p.rank > rank]
+                if newer and supersede is not None:
+                    newer[-1].followers.append(supersede())
+                    return DEFERRED
+                for older in waiting:
                     self._deferred.remove(older)
                     pending.followers += [older.supersede(), *older.followers]
             self._deferred.append(pending)

@@ -335,6 +335,8 @@ class ReceiverCore:
             functools.partial(self._apply_and_release, update, staged, fetched),
             key=update.model,
             supersede=functools.partial(self._superseded, update, staged),
+            # The hub's update of a number outranks a learner's own delivery of it.
+            rank=(update.version, not update.from_learner),
         )
         return ACK_LATER if result is DEFERRED else AckNow(result)
 

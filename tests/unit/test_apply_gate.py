@@ -662,3 +662,24 @@ def test_a_sync_read_on_the_event_loop_does_not_block_it():
 
     assert _run(main()) == 0
     assert model["v"] == 1 and finished == ["ack-1"]
+
+
+def test_a_write_that_comes_late_with_a_lower_rank_follows_the_waiting_one():
+    """An older version delivered after a newer one (a retry crossing a learner's own
+    delivery) must not drop the newer: it is the one superseded."""
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    applied: list[str] = []
+    superseded: list[str] = []
+
+    async def main() -> None:
+        reader = await _Parked(gate, {"v": 0}).started()
+        for name, rank in (("v5", 5), ("v4", 4)):
+            apply, supersede = _supersedable(name, applied, superseded)
+            assert gate.write(apply, key="policy", supersede=supersede, rank=rank) is DEFERRED
+        assert superseded == ["v4"]
+        await reader.finish()
+
+    _run(main())
+    assert applied == ["v5"]
+    assert finished == ["ack v5", "v4 superseded, after ack v5"]
