@@ -333,6 +333,8 @@ class WeightHubActor:
         spec = self._state.check_broadcast(model, request.spec)
         self._state.check_version(model, request.version)
         targets = self._state.targets(model, request.workers)
+        if request.bucket_bytes is not None:
+            _check_bucket_readers(targets)
         handed = self._state.publish(
             model,
             spec,
@@ -930,6 +932,18 @@ async def _settled(calls: dict[str, tuple[str, Any]]) -> None:
     """Await a learner's delivery calls the hub does not count (revoked, or to a
     receiver gone since), so that their errors are retrieved, not reported as unhandled."""
     await asyncio.gather(*(call for _, call in calls.values()), return_exceptions=True)
+
+
+def _check_bucket_readers(targets: list[ReceiverEntry]) -> None:
+    """ValueError, before any receiver is touched, if a target reads a bucketed version
+    through a transport that reads whole versions only."""
+    whole = [t for t in targets if not get_transport(t.transport).buckets]
+    if whole:
+        named = ", ".join(f"{t.worker} ({t.transport})" for t in whole[:5])
+        raise ValueError(
+            f"bucket_mb: these receivers read through transports that move whole versions "
+            f"only: {named}; broadcast without bucket_mb, or leave them out (workers=...)"
+        )
 
 
 def _quiet_future() -> asyncio.Future[Any]:

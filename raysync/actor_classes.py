@@ -19,6 +19,7 @@ HUB = "hub"  #: the control plane (``WeightHubActor``)
 PROCESS_GROUP = "process_group"  #: rank 0 of the ``distributed`` transport
 RPC_AGENT = "rpc_agent"  #: the sender of the ``rpc`` transport
 SHM_OWNER = "shm_owner"  #: a node's shared-memory segments
+BUCKET_BROKER = "bucket_broker"  #: hands out the buckets of bucketed versions
 
 
 def actor_class(role: str) -> type:

@@ -35,7 +35,8 @@ from raysync.transports import (
     register_transport,
     registered_transports,
 )
-from raysync.wire_dtype import check_wire_dtype, for_the_wire
+from raysync.transports.buckets import bucket_bytes_of
+from raysync.wire_dtype import check_wire_dtype, for_the_wire, wire_spec_of
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
@@ -60,6 +61,7 @@ class _Broadcast:
         wire_dtype: torch.dtype | None = None,
         part: int | None = None,
         parts: int | None = None,
+        bucket_mb: float | None = None,
     ) -> ray.ObjectRef:
         """Broadcast a new version of ``model``; return the ack future.
 
@@ -72,6 +74,13 @@ class _Broadcast:
         sends floating tensors in that dtype (``torch.bfloat16``): they are cast here,
         travel at that size, and each receiver casts them into its own tensors (see
         :mod:`raysync.wire_dtype`; zero-copy receivers copy those versions).
+        ``bucket_mb`` (default: the hub's, if it has one): a version that travels larger
+        than this many MiB moves in buckets of that size, a few at a time, so neither
+        the learner nor the object store holds it whole (each piece is cast to
+        ``wire_dtype`` as it is packed); this call then returns once the last bucket
+        left, and a receiver that joins afterwards starts from the next version (see
+        :mod:`raysync.transports.object_store.buckets`). Only transports that declare
+        ``buckets`` (``object_store``) take it: ``ValueError`` otherwise.
 
         Sharded learners: ``part=rank, parts=world`` (with ``version=step``, which tells
         the hub which parts belong together) sends this learner's slice of the model;
@@ -116,23 +125,33 @@ class _Broadcast:
             weights, what="broadcast weights", reject_nonfinite=config.reject_nonfinite
         )
         spec = WeightSpec.of(tensors)
-        wire, wire_spec = for_the_wire(
-            tensors, spec, config.wire_dtype if wire_dtype is None else wire_dtype
-        )
+        wire_dtype = config.wire_dtype if wire_dtype is None else wire_dtype
+        wire_spec = wire_spec_of(spec, wire_dtype)
         travels = wire_spec or spec
+        bucket_bytes = _bucket_bytes(config.bucket_mb if bucket_mb is None else bucket_mb, travels)
         handle = self._handle
         route = handle._route(model)
         direct = (
             route.next_version > 0
             and version is None
             and parts == 1
+            and bucket_bytes is None
             and route.spec == spec
             and (workers is None or _all_listed(workers, route))
         )
         try:
             # The hub's transport and those its receivers chose: one hand-off each.
             senders = {name: handle._sender(name) for name in route.hand_offs}
-            payloads = {name: sender.send(wire, travels) for name, sender in senders.items()}
+            if bucket_bytes is None:
+                wire, _ = for_the_wire(tensors, spec, wire_dtype)
+                payloads = {name: sender.send(wire, travels) for name, sender in senders.items()}
+            else:
+                _check_bucketed(senders)
+                stall_s = (config.default_timeout_s if timeout_s is None else timeout_s) / 2
+                payloads = {
+                    name: sender.send_buckets(tensors, travels, bucket_bytes, stall_s)
+                    for name, sender in senders.items()
+                }
         except TransportError as err:
             # A closed hub has stopped its transport: say that, not what broke below it.
             if ray.get(self._handle.actor.closed.remote()):
@@ -154,6 +173,7 @@ class _Broadcast:
             submitter=handle._submitter,
             part=part,
             parts=parts,
+            bucket_bytes=bucket_bytes,
         )
         with handle._submitting:  # numbers in the order the calls leave this process
             sequence = next(handle._sequence)
@@ -180,6 +200,28 @@ class _Broadcast:
         for name, sender in senders.items():
             sender.submitted(payloads[name], done)
         return result
+
+
+def _bucket_bytes(bucket_mb: float | None, travels: WeightSpec) -> int | None:
+    """The bucket size of a version that travels as ``travels``: None (whole) without
+    ``bucket_mb`` or when it fits in one bucket. ValueError for a size that is no
+    positive number."""
+    if bucket_mb is None:
+        return None
+    size = bucket_bytes_of(bucket_mb)
+    return size if travels.nbytes > size else None
+
+
+def _check_bucketed(senders: dict[str, TransportSender]) -> None:
+    """ValueError, before anything is sent, if a hand-off moves whole versions only."""
+    whole = sorted(name for name in senders if not get_transport(name).buckets)
+    if whole:
+        able = [n for n in known_transports() if get_transport(n).buckets]
+        raise ValueError(
+            f"bucket_mb: transport {', '.join(map(repr, whole))} moves whole versions only "
+            f"(transports that move buckets: {', '.join(able)}); broadcast without "
+            "bucket_mb, or have its receivers use one of those"
+        )
 
 
 def _all_listed(workers: Sequence[str], route: Route) -> bool:
@@ -427,6 +469,7 @@ class WeightHub:
         models: Sequence[str] = (),
         options: object | Sequence[object] = (),
         wire_dtype: torch.dtype | None = None,
+        bucket_mb: float | None = None,
     ) -> HubHandle:
         """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
         return HubLauncher({}).remote(
@@ -436,6 +479,7 @@ class WeightHub:
             models=models,
             options=options,
             wire_dtype=wire_dtype,
+            bucket_mb=bucket_mb,
         )
 
 
@@ -454,6 +498,7 @@ class HubLauncher:
         models: Sequence[str] = (),
         options: object | Sequence[object] = (),
         wire_dtype: torch.dtype | None = None,
+        bucket_mb: float | None = None,
     ) -> HubHandle:
         """Start the hub actor.
 
@@ -472,9 +517,16 @@ class HubLauncher:
         twice the same, and :class:`~raysync.TransportUnavailableError` if the transport
         cannot run here. ``wire_dtype`` is every broadcast's default (see
         ``broadcast.remote``); ``ValueError`` if it is not a floating dtype.
+        ``bucket_mb`` is every broadcast's default bucket size (see
+        ``broadcast.remote``); ``ValueError`` unless positive, or if ``transport``
+        moves whole versions only.
         """
         if wire_dtype is not None:
             check_wire_dtype(wire_dtype)
+        if bucket_mb is not None:
+            bucket_bytes_of(bucket_mb)
+            if not get_transport(transport).buckets:
+                raise ValueError(f"bucket_mb: transport {transport!r} moves whole versions only")
         availability = get_transport(transport).availability()
         if not availability.available:
             raise TransportUnavailableError(
@@ -493,6 +545,7 @@ class HubLauncher:
             transport_options=_transport_options(options),
             transports=registered_transports(),
             wire_dtype=wire_dtype,
+            bucket_mb=bucket_mb,
         )
         hub_class = ray.remote(actor_class(HUB))
         actor = hub_class.options(**self._actor_options).remote(config)

@@ -54,6 +54,9 @@ class HubConfig:
     #: Floating tensors travel in this dtype unless a broadcast says otherwise (None:
     #: as they are); see :mod:`raysync.wire_dtype`.
     wire_dtype: Any = None
+    #: Versions larger than this many MiB move in buckets of it unless a broadcast says
+    #: otherwise (None: whole); see :mod:`raysync.transports.buckets`.
+    bucket_mb: float | None = None
 
     def options_of(self, options_type: type | None) -> Any:
         """The options given for a transport whose options class is ``options_type``,
@@ -103,6 +106,8 @@ class BroadcastRequest:
     #: ``time.time()`` in the learner when it made ``direct_calls`` (the report's
     #: seconds and delivery phase start there).
     sent_at: float = 0.0
+    #: The version moves in buckets of this many bytes (``bucket_mb``); None: whole.
+    bucket_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ class PartAssembly:
             learner_seconds=max(r.learner_seconds for r in ordered),
             part=0,
             parts=1,
+            bucket_bytes=next((r.bucket_bytes for r in ordered if r.bucket_bytes), None),
         )
 
 

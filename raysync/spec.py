@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -64,6 +64,10 @@ class WeightSpec:
         return _spec_of_entries(
             tuple((name, t.shape, t.dtype) for name, t in sorted(tensors.items()))
         )
+
+    def cast(self, dtype_of: Callable[[torch.dtype], torch.dtype]) -> WeightSpec:
+        """This spec with each tensor's dtype replaced by ``dtype_of(dtype)``."""
+        return _spec_of_entries(tuple((t.name, t.shape, dtype_of(t.dtype)) for t in self.tensors))
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         """Pickled as its entries in plain types, once per instance; unpickled, equal

@@ -28,17 +28,17 @@ def check_wire_dtype(wire_dtype: object) -> torch.dtype:
     return wire_dtype
 
 
-def for_the_wire(
-    tensors: Mapping[str, torch.Tensor], spec: WeightSpec, wire_dtype: torch.dtype | None
-) -> tuple[Mapping[str, torch.Tensor], WeightSpec | None]:
-    """The tensors as they travel, and their spec if it differs from ``spec`` (else None).
+def wire_spec_of(spec: WeightSpec, wire_dtype: torch.dtype | None) -> WeightSpec | None:
+    """The spec ``spec``'s tensors travel in with ``wire_dtype``, or None if it is
+    ``spec`` itself (no wire dtype, or no floating tensor to cast). For senders that cast
+    while they pack (bucketed versions): nothing is cast here.
 
     Raises :class:`~raysync.InvalidWeightsError`, naming the tensor, if a floating
     tensor is narrower than ``wire_dtype`` (the wire would carry more bytes than the
     weights have: a mistake, never a saving).
     """
     if wire_dtype is None:
-        return tensors, None
+        return None
     wire_dtype = check_wire_dtype(wire_dtype)
     wide = wire_dtype.itemsize
     narrower = [
@@ -51,10 +51,24 @@ def for_the_wire(
             f"wire_dtype {wire_dtype} is wider than these weights: {', '.join(narrower[:5])}"
             + (f" and {len(narrower) - 5} more" if len(narrower) > 5 else "")
         )
-    cast = {name: _cast(tensor, wire_dtype) for name, tensor in tensors.items()}
-    if all(cast[name] is tensors[name] for name in tensors):
+    if all(_wire_dtype_of(entry.dtype, wire_dtype) == entry.dtype for entry in spec.tensors):
+        return None
+    return spec.cast(lambda dtype: _wire_dtype_of(dtype, wire_dtype))
+
+
+def for_the_wire(
+    tensors: Mapping[str, torch.Tensor], spec: WeightSpec, wire_dtype: torch.dtype | None
+) -> tuple[Mapping[str, torch.Tensor], WeightSpec | None]:
+    """The tensors as they travel, cast here, and their spec if it differs from ``spec``
+    (else None). Raises as :func:`wire_spec_of`."""
+    wire_spec = wire_spec_of(spec, wire_dtype)
+    if wire_spec is None:
         return tensors, None
-    return cast, WeightSpec.of(cast)
+    return {name: _cast(tensor, wire_dtype) for name, tensor in tensors.items()}, wire_spec
+
+
+def _wire_dtype_of(dtype: torch.dtype, wire_dtype: torch.dtype) -> torch.dtype:
+    return wire_dtype if dtype.is_floating_point else dtype
 
 
 def _cast(tensor: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:

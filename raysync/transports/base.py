@@ -122,6 +122,14 @@ class VersionDone(ABC):
         """Block until the broadcast ended (however it ended); ``TimeoutError`` after
         ``timeout_s``. Called in the learner process, from any thread."""
 
+    def ended(self) -> bool:
+        """Whether the broadcast has ended, without waiting."""
+        try:
+            self.wait(0)
+        except TimeoutError:
+            return False
+        return True
+
 
 class TransportSender(ABC):
     """Learner-side half of a transport. One per hub handle per learner process."""
@@ -129,6 +137,22 @@ class TransportSender(ABC):
     @abstractmethod
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> Any:
         """Make this version readable by receivers; return the payload the hub forwards."""
+
+    def send_buckets(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        spec: WeightSpec,
+        bucket_bytes: int,
+        stall_s: float,
+    ) -> Any:
+        """Start a version that moves in buckets of ``bucket_bytes`` (see
+        :mod:`raysync.transports.buckets`); return its payload. Only for transports that
+        declare ``buckets``. ``tensors`` are the learner's own (their dtypes may differ
+        from ``spec``'s, the wire's: the sender casts each piece as it packs it). The
+        buckets move in ``submitted``, which returns once the last is packed, so no
+        process holds the whole version beside the model; a receiver that keeps the
+        others waiting for more than ``stall_s`` is dropped from the version."""
+        raise NotImplementedError(f"{type(self).__name__} does not send buckets")
 
     def submitted(self, payload: Any, done: VersionDone) -> None:
         """``payload`` went to the hub; ``done`` says when that broadcast ended. Default:
@@ -236,6 +260,9 @@ class Transport(ABC):
     #: default, which forwards it): the learner may then call the receivers itself, the
     #: hub booking the version in parallel (the direct path, :class:`raysync.Route`).
     learner_delivers: ClassVar[bool] = False
+    #: Whether its sender moves a version in buckets under a memory cap
+    #: (``send_buckets``; ``bucket_mb`` of the hub and of a broadcast).
+    buckets: ClassVar[bool] = False
     #: The transport whose learner half (sender and payload) this one uses: receivers
     #: of transports with the same hand-off share one payload per version.
     hand_off: ClassVar[str]

@@ -13,6 +13,10 @@ lives. If the learner dies, the next broadcast after it restarts is what late jo
 
 Receiver process: ``ray.get`` maps that buffer read-only (zero-copy on the node; Ray
 pulls it once per node from elsewhere), and each tensor is a view of it.
+
+A version larger than ``bucket_mb`` (the hub's, or the broadcast's) moves in buckets
+instead, at most :data:`BUCKETS_IN_FLIGHT` in the object store at once
+(:mod:`raysync.transports.object_store.buckets`).
 """
 
 from __future__ import annotations
@@ -37,8 +41,33 @@ from raysync.transports.base import (
     TransportError,
     TransportReceiver,
     TransportSender,
+    VersionDone,
 )
+from raysync.transports.object_store.buckets import (
+    BUCKETS_IN_FLIGHT,
+    BucketStream,
+    Outgoing,
+    broker_name,
+    fetch_stream,
+    open_broker,
+    staging_buffer,
+    start_stream,
+    stream_out,
+)
+from raysync.transports.object_store.planner import ObjectStorePlanner
 from raysync.transports.parts import Parts
+from raysync.transports.staging import StagingPool
+
+__all__ = [
+    "BUCKETS_IN_FLIGHT",
+    "BucketStream",
+    "ObjectStorePayload",
+    "ObjectStoreTransport",
+    "as_array",
+    "as_tensor",
+    "broker_name",
+    "read_put",
+]
 
 
 @dataclass(frozen=True)
@@ -93,13 +122,51 @@ async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list
 
 
 class ObjectStoreSender(TransportSender):
+    def __init__(self, hub: HubContext) -> None:
+        self._hub_id = hub.hub_id
+        self._broker: Any = None
+        self._outgoing: dict[str, Outgoing] = {}
+
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> ObjectStorePayload:
         arrays = [as_array(tensors[name]) for name in spec.names]
         return ObjectStorePayload(ray.put(arrays))
 
+    def send_buckets(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        spec: WeightSpec,
+        bucket_bytes: int,
+        stall_s: float,
+    ) -> BucketStream:
+        if self._broker is None:
+            self._broker = open_broker(self._hub_id)
+        payload, outgoing = start_stream(self._broker, tensors, spec, bucket_bytes, stall_s)
+        self._outgoing[payload.key.id] = outgoing
+        return payload
+
+    def submitted(self, payload: Any, done: VersionDone) -> None:
+        if isinstance(payload, BucketStream):
+            stream_out(payload, self._outgoing.pop(payload.key.id), done)
+
+    def close(self) -> None:
+        self._broker = None
+
 
 class ObjectStoreReceiver(TransportReceiver):
-    def fetch(self, payload: ObjectStorePayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+    """Reads whole puts; and, given the receiver's worker id (``object_store``'s own
+    receivers), bucketed versions too (``distributed`` and ``rpc`` read whole puts)."""
+
+    def __init__(self, worker: str | None = None) -> None:
+        self._worker = worker
+        self._staging: StagingPool[torch.Tensor] = StagingPool(staging_buffer)
+
+    def fetch(
+        self, payload: ObjectStorePayload | BucketStream, spec: WeightSpec
+    ) -> Sequence[torch.Tensor]:
+        if isinstance(payload, BucketStream):
+            if self._worker is None:
+                raise TransportError("this transport reads whole versions, not buckets")
+            return fetch_stream(payload, spec, self._worker, self._staging)
         try:
             arrays = ray.get(payload.ref)
         except ray.exceptions.RayError as err:
@@ -115,21 +182,33 @@ class ObjectStoreReceiver(TransportReceiver):
                 for array, entry in zip(arrays, spec.tensors, strict=True)
             ]
 
+    def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
+        self._staging.release(staged)
+
+    def close(self) -> None:
+        self._staging.close()
+
 
 class ObjectStoreTransport(Transport):
     name = "object_store"
     #: The put (two versions alive while one is read); receivers read it in place.
+    #: Bucketed: two buckets in the object store, one staged version per receiver.
     memory = MemoryFootprint(learner=2, per_receiver=0)
     learner_delivers = True
+    buckets = True
 
     @classmethod
     def availability(cls) -> Availability:
         return Availability(True)
 
     @classmethod
+    def open_hub(cls, hub: HubContext) -> ObjectStorePlanner:
+        return ObjectStorePlanner()
+
+    @classmethod
     def open_sender(cls, hub: HubContext) -> ObjectStoreSender:
-        return ObjectStoreSender()
+        return ObjectStoreSender(hub)
 
     @classmethod
     def open_receiver(cls, info: Any) -> ObjectStoreReceiver:
-        return ObjectStoreReceiver()
+        return ObjectStoreReceiver(info)

@@ -1,0 +1,276 @@
+"""BucketBroker: hands one hub's bucketed versions from learners to receivers (an async
+Ray actor), a few buckets at a time.
+
+Started by the first learner that sends a bucketed version through the hub (named
+:func:`raysync.transports.object_store.broker_name`, so every learner of the hub finds
+the same one), stopped by the hub's object-store planner when the hub closes. It never
+holds bytes: each bucket is an object the learner put, and the broker keeps only its
+reference, from ``offer`` until every reader has taken it, so the object store holds at
+most :data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` buckets of a version
+whatever the model's size. Who calls what, per version (one *stream*):
+
+* the learner: ``offer(stream, k, [ref])`` for each bucket, and before putting bucket
+  ``k`` ``room(stream, k, stall_s)``, which returns once every reader has taken the
+  buckets before ``k - 1``; ``end(stream, why)`` if the broadcast ended before it was
+  done;
+* the hub's planner: ``readers(stream, workers)`` when it plans the version, and
+  ``drop_reader(worker)`` when a receiver dies or leaves;
+* each receiver: ``take(stream, k, worker)`` for bucket ``k`` — which also says it is
+  done with the buckets before ``k`` — and ``take(stream, count, worker)`` at the end.
+
+Ray does not keep an async actor's calls in order, so any of them may be the first the
+broker hears of a stream (a :class:`~raysync.transports.object_store.buckets.StreamId`:
+its id, bucket count and the receivers' wait): each one opens it. A stream the hub has
+not planned within that wait (it refused the version), or whose readers have not
+finished within it of its last bucket, ends and frees its buckets.
+
+A reader that has not taken bucket ``k - 1`` within ``stall_s`` of the learner asking
+for room is dropped from the stream (its ``take`` then answers why): one stuck receiver
+fails only itself, the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, StreamId
+
+#: Streams whose end is remembered, so a late ``take`` is told the buckets are gone.
+_ENDED_KEPT = 256
+
+
+@dataclass
+class _Stream:
+    key: StreamId
+    buckets: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
+    offered: int = 0  #: buckets the learner has put so far
+    readers: set[str] | None = None  #: the workers it goes to; None: not planned yet
+    taken: dict[str, int] = field(default_factory=dict)  #: worker -> buckets it copied
+    dropped: dict[str, str] = field(default_factory=dict)  #: worker -> why
+    ended: str | None = None  #: why the learner stopped sending it
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def behind(self, needed: int) -> list[str]:
+        """Readers that have copied fewer than ``needed`` buckets (all, unplanned)."""
+        if self.readers is None:
+            return ["(not planned yet)"]
+        return [w for w in self.readers if self.taken.get(w, 0) < needed]
+
+    def free_taken(self) -> None:
+        """Forget the buckets every reader has taken: the object store frees them."""
+        if self.readers is None:
+            return
+        lowest = min((self.taken.get(w, 0) for w in self.readers), default=self.key.count)
+        for index in [i for i in self.buckets if i < lowest]:
+            del self.buckets[index]
+
+    async def changed_now(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+
+@dataclass(frozen=True)
+class BrokerStats:
+    """What the broker holds, for tests and benchmarks."""
+
+    streams: int  #: versions being streamed now
+    peak_buckets: int  #: the most bucket references one stream held at once, ever
+
+
+class BucketBroker:
+    """See module docstring."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        #: stream id -> why it ended ("" once every reader took it), and who was dropped
+        self._ended: dict[str, tuple[str, dict[str, str]]] = {}
+        self._peak = 0
+
+    # -- the learner ------------------------------------------------------------------
+    async def offer(self, key: StreamId, index: int, boxed: list[ray.ObjectRef]) -> None:
+        """Bucket ``index`` is in the object store (``boxed``: its ref, in a list so that
+        Ray passes the ref, not the bytes)."""
+        state = self._open(key)
+        if state is None:
+            return
+        state.buckets[index] = boxed
+        state.offered = max(state.offered, index + 1)
+        state.free_taken()
+        self._peak = max(self._peak, len(state.buckets))
+        if state.offered == key.count:
+            loop = asyncio.get_running_loop()
+            loop.call_later(
+                key.wait_s, self._expire, state, "its readers did not finish in time", False
+            )
+        await state.changed_now()
+
+    async def room(self, key: StreamId, index: int, stall_s: float) -> str | None:
+        """Wait until bucket ``index`` may be put: every reader has copied the buckets
+        :data:`BUCKETS_IN_FLIGHT` before it. Readers still behind ``stall_s`` after the
+        version was planned are dropped. None, or why the stream cannot go on."""
+        state = self._open(key)
+        if state is None:
+            return self._ended.get(key.id, ("",))[0] or "the stream is over"
+        needed = index - BUCKETS_IN_FLIGHT + 1
+        deadline = None
+        async with state.changed:
+            while state.ended is None and state.behind(needed):
+                if state.readers is not None and deadline is None:
+                    deadline = time.monotonic() + stall_s
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    for worker in state.behind(needed):
+                        self._drop(
+                            state,
+                            worker,
+                            f"it had not taken bucket {needed - 1} of {key.count} within "
+                            f"{stall_s:g} s while the other receivers waited for it; the "
+                            "version went on without it",
+                        )
+                    break
+                try:
+                    await asyncio.wait_for(state.changed.wait(), remaining)
+                except TimeoutError:
+                    pass
+        if state.ended is not None:
+            return state.ended
+        if not state.readers:
+            return "no receiver reads this version any more"
+        return None
+
+    async def end(self, key: StreamId, why: str) -> None:
+        """The broadcast ended before every bucket was taken (``why``)."""
+        state = self._streams.pop(key.id, None)
+        self._remember_end(key.id, why, state)
+        if state is not None:
+            state.ended = why
+            state.buckets.clear()
+            await state.changed_now()
+
+    # -- the hub's planner ----------------------------------------------------------------
+    async def readers(self, key: StreamId, workers: list[str]) -> None:
+        """The version of ``key`` goes to ``workers``."""
+        state = self._open(key)
+        if state is None:
+            return
+        state.readers = {w for w in workers if w not in state.dropped}
+        state.free_taken()
+        await state.changed_now()
+
+    async def drop_reader(self, worker: str) -> None:
+        """``worker`` died or left; no stream waits for it."""
+        for state in list(self._streams.values()):
+            if state.readers is not None and worker in state.readers:
+                self._drop(state, worker, "the hub dropped it (it died or left)")
+                await state.changed_now()
+
+    # -- receivers -------------------------------------------------------------------------
+    async def take(
+        self, key: StreamId, index: int, worker: str
+    ) -> tuple[list[ray.ObjectRef] | None, str | None]:
+        """Bucket ``index`` for ``worker`` (waiting up to ``key.wait_s`` for the learner
+        to put it), which has copied every bucket before it. ``(boxed ref, None)``, or
+        ``(None, why not)``; ``index == count`` says the receiver is done: ``(None, None)``."""
+        state = self._open(key)
+        if state is None:
+            why, dropped = self._ended.get(key.id, ("", {}))
+            if worker in dropped:
+                return None, f"this receiver was dropped from the stream: {dropped[worker]}"
+            why = why or "every reader took it"
+            return None, (
+                f"the version's stream is over ({why}); its buckets are gone. A receiver "
+                "that was not among its readers gets the next version"
+            )
+        if worker in state.dropped:
+            return None, f"this receiver was dropped from the stream: {state.dropped[worker]}"
+        state.taken[worker] = max(state.taken.get(worker, 0), index)
+        state.free_taken()
+        if index >= key.count:
+            self._finish_reader(state, worker)
+            await state.changed_now()
+            return None, None
+        if index < state.offered and index not in state.buckets:
+            return None, (
+                f"bucket {index} of {key.count} is gone: every reader of the version took "
+                "it before this receiver asked (it was not among the version's readers)"
+            )
+        async with state.changed:
+            state.changed.notify_all()
+            try:
+                await asyncio.wait_for(
+                    state.changed.wait_for(
+                        lambda: (
+                            index in state.buckets
+                            or state.ended is not None
+                            or worker in state.dropped
+                        )
+                    ),
+                    key.wait_s,
+                )
+            except TimeoutError:
+                return None, (
+                    f"bucket {index} of {key.count} did not arrive within {key.wait_s:g} s "
+                    "(the learner may have died or stalled)"
+                )
+        if worker in state.dropped:
+            return None, f"this receiver was dropped from the stream: {state.dropped[worker]}"
+        if index in state.buckets:
+            return state.buckets[index], None
+        return None, f"the learner stopped sending this version: {state.ended}"
+
+    # -- tests and benchmarks ----------------------------------------------------------
+    def stats(self) -> BrokerStats:
+        return BrokerStats(streams=len(self._streams), peak_buckets=self._peak)
+
+    def taken(self, worker: str) -> int:
+        """The bucket ``worker`` asked for last in any stream (tests watch a reader's
+        progress with it)."""
+        return max((s.taken.get(worker, 0) for s in self._streams.values()), default=0)
+
+    # -- inside --------------------------------------------------------------------------
+    def _open(self, key: StreamId) -> _Stream | None:
+        """The stream of ``key``, opened if this is the first call about it; None if it
+        is over."""
+        if key.id in self._ended:
+            return None
+        state = self._streams.get(key.id)
+        if state is None:
+            state = self._streams[key.id] = _Stream(key)
+            asyncio.get_running_loop().call_later(
+                key.wait_s, self._expire, state, "the hub never planned this version", True
+            )
+        return state
+
+    def _expire(self, state: _Stream, why: str, unless_planned: bool) -> None:
+        """End ``state`` for ``why`` if it still runs (and, ``unless_planned``, was
+        never planned)."""
+        if self._streams.get(state.key.id) is not state:
+            return
+        if unless_planned and state.readers is not None:
+            return
+        asyncio.get_running_loop().create_task(self.end(state.key, why))
+
+    def _drop(self, state: _Stream, worker: str, why: str) -> None:
+        if state.readers is not None:
+            state.readers.discard(worker)
+        state.dropped[worker] = why
+        state.free_taken()
+
+    def _finish_reader(self, state: _Stream, worker: str) -> None:
+        """``worker`` took every bucket; the stream ends once every reader has."""
+        if state.readers is None:
+            return
+        state.readers.discard(worker)
+        state.free_taken()
+        if not state.readers:
+            self._streams.pop(state.key.id, None)
+            self._remember_end(state.key.id, "", state)
+
+    def _remember_end(self, stream: str, why: str, state: _Stream | None) -> None:
+        self._ended[stream] = (why, {} if state is None else state.dropped)
+        while len(self._ended) > _ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]

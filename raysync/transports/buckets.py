@@ -1,0 +1,95 @@
+"""Buckets: one version's bytes cut into fixed-size pieces that move one after another.
+
+A bucketed version is its :class:`~raysync.layout.PackedLayout` (no header) cut into
+buckets of ``bucket_bytes``: bucket ``k`` is the layout's bytes ``[k * bucket_bytes,
+(k + 1) * bucket_bytes)``. A tensor larger than a bucket spans several; a bucket may
+hold the end of one tensor and the start of the next. The cut is a pure function of
+the spec and the bucket size, so the learner (which packs the pieces) and each receiver
+(which copies them into its staging buffer) compute it alike and only the size travels.
+
+Bucket sizes are whole multiples of the layout's 64-byte alignment, so every cut
+inside a tensor falls on an element boundary of any dtype: a piece of a floating
+tensor can be cast to the wire dtype on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from raysync.layout import ALIGNMENT, PackedLayout
+from raysync.spec import WeightSpec
+
+#: Bytes in a mebibyte, the unit of ``bucket_mb``.
+MIB = 1 << 20
+
+
+def bucket_bytes_of(bucket_mb: float) -> int:
+    """``bucket_mb`` (mebibytes, fractions allowed) as bytes, rounded up to the layout's
+    alignment; ValueError unless positive."""
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
+    size = int(-(-bucket_mb * MIB // 1))
+    return max(ALIGNMENT, -(-size // ALIGNMENT) * ALIGNMENT)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The bytes ``[start, end)`` of tensor ``tensor`` (spec order), which sit at
+    ``at`` in the packed layout (a receiver's staging buffer)."""
+
+    tensor: int
+    start: int
+    end: int
+    at: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """How the version of ``spec`` is cut into buckets of ``bucket_bytes``."""
+
+    spec: WeightSpec
+    bucket_bytes: int
+
+    @classmethod
+    def of(cls, spec: WeightSpec, bucket_bytes: int) -> BucketPlan:
+        if bucket_bytes <= 0 or bucket_bytes % ALIGNMENT:
+            raise ValueError(
+                f"bucket_bytes must be a positive multiple of {ALIGNMENT}, got {bucket_bytes}"
+            )
+        return cls(spec, bucket_bytes)
+
+    @property
+    def layout(self) -> PackedLayout:
+        return PackedLayout.of(self.spec)
+
+    @property
+    def count(self) -> int:
+        """How many buckets the version takes (0 for a version with no bytes)."""
+        return len(self._pieces)
+
+    def pieces(self, index: int) -> tuple[Piece, ...]:
+        """The pieces of bucket ``index``, in layout order."""
+        return self._pieces[index]
+
+    @functools.cached_property
+    def _pieces(self) -> tuple[tuple[Piece, ...], ...]:
+        layout, size = self.layout, self.bucket_bytes
+        buckets: list[list[Piece]] = []
+        for index, (offset, entry) in enumerate(
+            zip(layout.offsets, self.spec.tensors, strict=True)
+        ):
+            start = 0
+            while start < entry.nbytes:
+                at = offset + start
+                bucket = at // size
+                end = min(entry.nbytes, (bucket + 1) * size - offset)
+                while len(buckets) <= bucket:
+                    buckets.append([])
+                buckets[bucket].append(Piece(index, start, end, at))
+                start = end
+        return tuple(tuple(bucket) for bucket in buckets)

@@ -1,0 +1,195 @@
+"""Bucketed versions through the object store: a few buckets in flight, whatever the size.
+
+A version larger than ``bucket_mb`` moves as :mod:`raysync.transports.buckets` cuts
+it. Who does what, per version:
+
+* learner process (``ObjectStoreSender``): :func:`start_stream` makes the payload, a
+  :class:`BucketStream`; :func:`stream_out` (from ``submitted``) packs bucket ``k``
+  from the learner's own tensors — casting each piece to the wire dtype as it goes —
+  into one ``ray.put``, hands its ref to the hub's :class:`BucketBroker` and, before
+  packing bucket ``k + 1``, waits until every reader has copied bucket ``k - 1``. So
+  the object store holds at most :data:`BUCKETS_IN_FLIGHT` buckets of the version and
+  the learner nothing beyond its model; the broadcast call returns once the last
+  bucket is put (the learner's weights are the source until then);
+* hub process (``ObjectStorePlanner``): tells the broker which receivers read the
+  version, and which receivers died or left;
+* receiver process (``ObjectStoreReceiver``): :func:`fetch_stream` copies each bucket
+  into a staging buffer of the version's packed layout (reused across versions),
+  outside the safe point. The model changes at its safe point as for a whole version,
+  from that buffer: a version whose later bucket fails never reaches the model.
+
+Where the bytes live between broadcasts: nowhere whole. Each receiver's model holds its
+version; the learner's tensors move on. A receiver that joins (or restarts) after a
+bucketed broadcast is not among its readers and starts from the next version; until
+then the hub reports it behind.
+"""
+
+from __future__ import annotations
+
+import uuid
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from raysync.actor_classes import BUCKET_BROKER, actor_class
+from raysync.layout import PackedLayout
+from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError, VersionDone
+from raysync.transports.buckets import BucketPlan
+from raysync.transports.staging import StagingPool
+
+#: Buckets of one version the object store holds at most: the one receivers copy, and
+#: the one the learner packs meanwhile.
+BUCKETS_IN_FLIGHT = 2
+#: Seconds between the learner's looks at whether its broadcast already ended (a
+#: refused version, receivers that all failed) while it waits for room.
+_LOOK_S = 0.5
+
+
+def broker_name(hub_id: str) -> str:
+    """The name of a hub's bucket broker (every learner of the hub finds the same)."""
+    return f"raysync-buckets-{hub_id}"
+
+
+@dataclass(frozen=True)
+class StreamId:
+    """One bucketed version at the broker: what every call about it carries (any may be
+    the first the broker hears of it)."""
+
+    id: str
+    count: int  #: how many buckets
+    #: How long a receiver waits for the next bucket; the broker ends a stream that is
+    #: not planned within it, or not read to the end within it of its last bucket.
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class BucketStream:
+    """The payload of a bucketed version: where its buckets are handed out."""
+
+    broker: Any  #: the hub's BucketBroker (an ActorHandle)
+    key: StreamId
+    bucket_bytes: int
+
+
+def open_broker(hub_id: str) -> Any:
+    """The hub's bucket broker, started by the first learner that needs it."""
+    broker_class = ray.remote(actor_class(BUCKET_BROKER))
+    return broker_class.options(
+        name=broker_name(hub_id), get_if_exists=True, num_cpus=0, max_concurrency=1000
+    ).remote()
+
+
+@dataclass
+class Outgoing:
+    """A bucketed version the learner has yet to stream (``submitted``)."""
+
+    sources: list[torch.Tensor]  #: the learner's tensors, in spec order
+    plan: BucketPlan
+    stall_s: float
+
+
+def start_stream(
+    broker: Any,
+    tensors: Mapping[str, torch.Tensor],
+    spec: WeightSpec,
+    bucket_bytes: int,
+    stall_s: float,
+) -> tuple[BucketStream, Outgoing]:
+    """Learner: the payload of a bucketed version of ``spec`` (the wire's), and what
+    :func:`stream_out` needs to send it."""
+    plan = BucketPlan.of(spec, bucket_bytes)
+    key = StreamId(uuid.uuid4().hex, plan.count, 2 * stall_s)
+    payload = BucketStream(broker, key, bucket_bytes)
+    return payload, Outgoing([tensors[name] for name in spec.names], plan, stall_s)
+
+
+def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> None:
+    """Learner: put the buckets one after another, each once there is room; stop early
+    if the broadcast ended (refused, or no reader left)."""
+    broker, key = payload.broker, payload.key
+    for index in range(key.count):
+        if index >= BUCKETS_IN_FLIGHT:
+            why = _wait_for_room(broker, key, index, outgoing.stall_s, done)
+            if why is not None:
+                broker.end.remote(key, why)
+                return
+        ref = ray.put(bucket_arrays(outgoing, index))
+        broker.offer.remote(key, index, [ref])
+        del ref  # the broker's reference keeps it until every reader took it
+
+
+def bucket_arrays(outgoing: Outgoing, index: int) -> list[np.ndarray]:
+    """Bucket ``index``'s pieces as uint8 arrays, cast to the wire dtype where the
+    learner's tensor has another (a piece-sized copy; the rest are views)."""
+    arrays = []
+    for piece in outgoing.plan.pieces(index):
+        wire = outgoing.plan.spec.tensors[piece.tensor].dtype
+        flat = outgoing.sources[piece.tensor].reshape(-1)
+        chunk = flat[piece.start // wire.itemsize : piece.end // wire.itemsize]
+        if chunk.dtype != wire:
+            chunk = chunk.to(wire)
+        arrays.append(chunk.view(torch.uint8).cpu().numpy())
+    return arrays
+
+
+def _wait_for_room(
+    broker: Any, key: StreamId, index: int, stall_s: float, done: VersionDone
+) -> str | None:
+    room = broker.room.remote(key, index, stall_s)
+    while not ray.wait([room], timeout=_LOOK_S)[0]:
+        if done.ended():
+            return "the broadcast ended before every bucket was sent"
+    return ray.get(room)
+
+
+def fetch_stream(
+    payload: BucketStream, spec: WeightSpec, worker: str, pool: StagingPool[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Receiver ``worker``: copy every bucket into a staging buffer; its tensors, in
+    spec order. TransportError if a bucket cannot be had (the buffer is freed)."""
+    plan = BucketPlan.of(spec, payload.bucket_bytes)
+    buffer = pool.take(spec)
+    try:
+        for index in range(plan.count):
+            boxed, why = ray.get(payload.broker.take.remote(payload.key, index, worker))
+            if why is not None:
+                raise TransportError(f"bucket {index} of {plan.count}: {why}")
+            _copy_bucket(buffer, plan, index, _read_bucket(boxed[0], index, plan.count))
+        payload.broker.take.remote(payload.key, plan.count, worker)
+    except BaseException:
+        pool.put_back(spec, buffer)
+        raise
+    views = plan.layout.views(buffer)
+    pool.lease(views, spec, buffer)
+    return views
+
+
+def staging_buffer(spec: WeightSpec) -> torch.Tensor:
+    """A receiver's staging buffer for versions of ``spec`` (the pool's ``create``)."""
+    return torch.empty(PackedLayout.of(spec).nbytes, dtype=torch.uint8)
+
+
+def _read_bucket(ref: ray.ObjectRef, index: int, count: int) -> Sequence[np.ndarray]:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError as err:
+        raise TransportError(
+            f"could not read bucket {index} of {count} from the object store "
+            f"({type(err).__name__}); the learner that put it may have died"
+        ) from err
+
+
+def _copy_bucket(
+    buffer: torch.Tensor, plan: BucketPlan, index: int, arrays: Sequence[np.ndarray]
+) -> None:
+    with warnings.catch_warnings():
+        # The arrays map the object store read-only; they are only read from.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for piece, array in zip(plan.pieces(index), arrays, strict=True):
+            buffer[piece.at : piece.at + piece.nbytes].copy_(torch.from_numpy(array))

@@ -1,0 +1,197 @@
+"""Bucketed versions (``bucket_mb``) on the object store, with tiny buckets: every
+version lands bitwise and whole at one safe point, the object store never holds more
+than two buckets of it, a receiver that holds the others up fails alone, a version
+whose learner dies after some buckets were copied leaves every model untouched."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from raysync.testing import (
+    MODEL,
+    ConformanceReceiver,
+    assert_bitwise,
+    special_weights,
+    uniform_weights,
+)
+from raysync.transports.object_store import BUCKETS_IN_FLIGHT, broker_name
+from tests.helpers import ready, start, start_hub
+
+#: 1 KiB buckets: the ~9 KB test model moves in about ten.
+TINY_MB = 1 / 1024
+
+
+@ray.remote(num_cpus=0)
+class Receiver(ConformanceReceiver):
+    def busy(self, seconds: float) -> None:
+        """Hold the actor's only method slot (a long rollout step): no delivery gets in."""
+        time.sleep(seconds)
+
+
+@ray.remote(num_cpus=0)
+class Learner:
+    """A learner process of its own, so the test can kill it mid-version."""
+
+    def __init__(self, hub) -> None:
+        self.hub = hub
+
+    def send(self, weights: dict[str, torch.Tensor], **broadcast) -> None:
+        self.hub.broadcast.remote(weights, model=MODEL, **broadcast)
+
+
+def broker_of(hub):
+    return ray.get_actor(broker_name(hub.config.hub_id))
+
+
+def test_bucketed_versions_land_bitwise_in_every_receiver(actors):
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    receivers = [start(actors, Receiver, hub, f"r{i}") for i in range(2)]
+    ready(receivers)
+    for seed in (1.0, 2.0, 3.0):
+        weights = special_weights(seed)
+        report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
+        assert report.acked == ("r0", "r1")
+        for receiver in receivers:
+            assert_bitwise(ray.get(receiver.state.remote()), weights)
+    assert [ray.get(r.version.remote()) for r in receivers] == [3, 3]
+    stats = ray.get(broker_of(hub).stats.remote())
+    assert stats.peak_buckets <= BUCKETS_IN_FLIGHT
+    assert stats.streams == 0  # every stream ended once its readers took it
+
+
+def test_a_broadcast_sets_its_own_bucket_size_and_small_versions_go_whole(actors):
+    hub = start_hub(actors, "object_store", models=[MODEL])
+    receiver = start(actors, Receiver, hub, "r0")
+    ready([receiver])
+    weights = special_weights(1.0)
+    ray.get(hub.broadcast.remote(weights, model=MODEL, bucket_mb=1.0), timeout=60)
+    assert_bitwise(ray.get(receiver.state.remote()), weights)
+    with pytest.raises(ValueError, match="no broker|not found|Failed to look up"):
+        broker_of(hub)  # the version fit in one bucket: it went whole, no broker started
+    weights = special_weights(2.0)
+    ray.get(hub.broadcast.remote(weights, model=MODEL, bucket_mb=TINY_MB), timeout=60)
+    assert_bitwise(ray.get(receiver.state.remote()), weights)
+    assert ray.get(broker_of(hub).stats.remote()).peak_buckets <= BUCKETS_IN_FLIGHT
+
+
+def test_bucketed_with_a_wire_dtype_casts_each_piece(actors):
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    receiver = start(actors, Receiver, hub, "r0")
+    ready([receiver])
+    weights = special_weights(1.5)
+    report = ray.get(
+        hub.broadcast.remote(weights, model=MODEL, wire_dtype=torch.bfloat16), timeout=60
+    )
+    expected = {
+        k: v.to(torch.bfloat16).to(v.dtype) if v.dtype.is_floating_point else v
+        for k, v in weights.items()
+    }
+    assert_bitwise(ray.get(receiver.state.remote()), expected)
+    wire_bytes = sum(
+        t.numel() * (2 if t.dtype.is_floating_point else t.element_size()) for t in weights.values()
+    )
+    assert report.bytes == wire_bytes
+
+
+def test_no_reader_sees_bucket_k_of_one_version_beside_another_versions(actors):
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    receivers = [start(actors, Receiver, hub, f"r{i}") for i in range(2)]
+    ready(receivers)
+    for value in range(1, 9):
+        ray.get(hub.broadcast.remote(uniform_weights(float(value)), model=MODEL), timeout=60)
+    for receiver in receivers:
+        applied = ray.get(receiver.applied_versions.remote())
+        assert [v for v, _ in applied] == list(range(1, 9))
+        assert all(uniform for _, uniform in applied), applied
+
+
+def test_a_receiver_that_holds_the_others_up_fails_alone(actors):
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    quick = start(actors, Receiver, hub, "quick")
+    stuck = start(actors, Receiver, hub, "stuck")
+    ready([quick, stuck])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+
+    blocked = stuck.busy.remote(8.0)  # its delivery waits behind this
+    weights = special_weights(2.0)
+    report = ray.get(
+        hub.broadcast.remote(weights, model=MODEL, timeout_s=4.0, raise_on_failure=False),
+        timeout=60,
+    )
+    assert report.acked == ("quick",)
+    assert set(report.failed) == {"stuck"}
+    assert_bitwise(ray.get(quick.state.remote()), weights)
+    ray.get(blocked)
+    # Its delivery ran after the stream went on without it: nothing of it was applied.
+    assert ray.get(stuck.version.remote()) == 1
+    assert_bitwise(ray.get(stuck.state.remote()), special_weights(1.0))
+    # And it takes the next version.
+    weights = special_weights(3.0)
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
+    assert report.acked == ("quick", "stuck")
+    assert_bitwise(ray.get(stuck.state.remote()), weights)
+
+
+def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors):
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    copier = start(actors, Receiver, hub, "copier")
+    stuck = start(actors, Receiver, hub, "stuck")
+    ready([copier, stuck])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+
+    # "stuck" holds the stream at two buckets; "copier" copies both and waits for the
+    # third, which never comes: the learner is killed there.
+    blocked = stuck.busy.remote(6.0)
+    learner = start(actors, Learner, hub)
+    learner.send.remote(special_weights(2.0), timeout_s=4.0)
+    broker = _wait_for_broker(hub)
+    _wait_until(lambda: _copier_waits_for_bucket(broker, "copier", BUCKETS_IN_FLIGHT))
+    ray.kill(learner)
+    ray.get(blocked)
+
+    for receiver in (copier, stuck):
+        assert ray.get(receiver.version.remote()) == 1
+        assert_bitwise(ray.get(receiver.state.remote()), special_weights(1.0))
+    weights = special_weights(3.0)
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
+    assert report.acked == ("copier", "stuck")
+    assert report.version == 3
+
+
+def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
+    with pytest.raises(ValueError, match="bucket_mb: transport 'rdt' moves whole versions"):
+        start_hub(actors, "rdt", bucket_mb=1)
+    with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB"):
+        start_hub(actors, "object_store", bucket_mb=0)
+    hub = start_hub(actors, "object_store", models=[MODEL])
+    receiver = start(actors, Receiver, hub, "r0", transport="rpc")
+    ready([receiver])
+    with pytest.raises(ValueError, match=r"r0 \(rpc\)"):
+        ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL, bucket_mb=TINY_MB))
+    assert ray.get(receiver.version.remote()) == 0
+
+
+def _wait_for_broker(hub, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return broker_of(hub)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _copier_waits_for_bucket(broker, worker: str, index: int) -> bool:
+    return ray.get(broker.taken.remote(worker)) >= index
+
+
+def _wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)

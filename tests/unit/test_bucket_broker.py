@@ -1,0 +1,171 @@
+"""BucketBroker (actors/bucket_broker.py), driven as the plain async class it is: the
+learner never gets more than two buckets ahead of the slowest reader, a reader that
+holds the others up is dropped with a reason, calls may arrive in any order, and every
+way a stream ends frees its buckets and answers its readers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from raysync.actors.bucket_broker import BucketBroker
+from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, StreamId
+
+TIMEOUT = 10.0
+
+
+def run(coro):
+    async def bounded():
+        return await asyncio.wait_for(coro, TIMEOUT)
+
+    return asyncio.run(bounded())
+
+
+def key(count: int = 6, wait_s: float = 5.0) -> StreamId:
+    return StreamId("s", count, wait_s)
+
+
+async def learner(broker: BucketBroker, k: StreamId, log: list, stall_s: float = 5.0) -> None:
+    """What the learner's stream_out does, with strings for object refs."""
+    for index in range(k.count):
+        if index >= BUCKETS_IN_FLIGHT:
+            why = await broker.room(k, index, stall_s)
+            if why is not None:
+                log.append(("stopped", why))
+                return
+        log.append(("put", index))
+        await broker.offer(k, index, [f"ref{index}"])
+
+
+async def reader(broker: BucketBroker, k: StreamId, worker: str, log: list) -> list[str]:
+    got = []
+    for index in range(k.count):
+        boxed, why = await broker.take(k, index, worker)
+        assert why is None, why
+        got.append(boxed[0])
+        log.append((worker, index, len(broker._streams["s"].buckets)))
+        await asyncio.sleep(0)  # let the learner run between buckets
+    assert await broker.take(k, k.count, worker) == (None, None)
+    return got
+
+
+def test_every_reader_gets_every_bucket_and_no_more_than_two_are_held():
+    async def main():
+        broker, k, log = BucketBroker(), key(), []
+        await broker.readers(k, ["a", "b"])
+        results = await asyncio.gather(
+            learner(broker, k, log), reader(broker, k, "a", log), reader(broker, k, "b", log)
+        )
+        return broker, log, results
+
+    broker, log, results = run(main())
+    assert results[1] == results[2] == [f"ref{i}" for i in range(6)]
+    assert broker.stats().peak_buckets <= BUCKETS_IN_FLIGHT
+    assert broker.stats().streams == 0
+    held = [entry[2] for entry in log if len(entry) == 3]  # buckets held at each take
+    assert len(held) == 12 and max(held) <= BUCKETS_IN_FLIGHT
+
+
+def test_calls_in_any_order_open_the_stream():
+    async def main():
+        broker, k = BucketBroker(), key(count=2)
+        taking = asyncio.ensure_future(broker.take(k, 0, "a"))  # before the offer and plan
+        await asyncio.sleep(0)
+        await broker.offer(k, 0, ["ref0"])
+        await broker.readers(k, ["a"])
+        return await taking
+
+    assert run(main()) == (["ref0"], None)
+
+
+def test_a_reader_that_holds_the_others_up_is_dropped_and_told_why():
+    async def main():
+        broker, k, log = BucketBroker(), key(count=4), []
+        await broker.readers(k, ["quick", "stuck"])
+        quick = asyncio.ensure_future(reader(broker, k, "quick", log))
+        await learner(broker, k, log, stall_s=0.2)
+        await quick
+        return await broker.take(k, 0, "stuck")
+
+    boxed, why = run(main())
+    assert boxed is None
+    assert "dropped from the stream: it had not taken bucket 0 of 4 within 0.2 s" in why
+
+
+def test_a_reader_the_hub_dropped_no_longer_holds_the_learner():
+    async def main():
+        broker, k, log = BucketBroker(), key(count=4), []
+        await broker.readers(k, ["quick", "dead"])
+        quick = asyncio.ensure_future(reader(broker, k, "quick", log))
+        sending = asyncio.ensure_future(learner(broker, k, log, stall_s=60))
+        while ("put", 1) not in log:
+            await asyncio.sleep(0)
+        await broker.drop_reader("dead")
+        await sending
+        await quick
+        return log
+
+    log = run(main())
+    assert [e for e in log if e[0] == "put"] == [("put", i) for i in range(4)]
+
+
+def test_a_stream_the_hub_never_plans_ends_and_frees_its_buckets():
+    async def main():
+        broker, k = BucketBroker(), key(count=3, wait_s=0.1)
+        await broker.offer(k, 0, ["ref0"])
+        why = await broker.room(k, 2, stall_s=60)  # waits for a plan that never comes
+        return broker, why, await broker.take(k, 0, "late")
+
+    broker, why, (boxed, late) = run(main())
+    assert why == "the hub never planned this version"
+    assert boxed is None and "the hub never planned this version" in late
+    assert broker.stats().streams == 0
+
+
+def test_the_learner_ending_a_stream_answers_readers_waiting_for_a_bucket():
+    async def main():
+        broker, k = BucketBroker(), key(count=3)
+        await broker.readers(k, ["a"])
+        waiting = asyncio.ensure_future(broker.take(k, 0, "a"))
+        await asyncio.sleep(0)
+        await broker.end(k, "the broadcast ended before every bucket was sent")
+        return await waiting
+
+    boxed, why = run(main())
+    assert boxed is None
+    stopped = "the broadcast ended before every bucket was sent"
+    assert why == f"the learner stopped sending this version: {stopped}"
+
+
+@pytest.mark.parametrize("wait_s", [0.05])
+def test_a_bucket_that_never_comes_times_the_reader_out(wait_s):
+    async def main():
+        broker, k = BucketBroker(), key(count=2, wait_s=wait_s)
+        await broker.readers(k, ["a"])
+        return await broker.take(k, 0, "a")
+
+    boxed, why = run(main())
+    assert boxed is None
+    assert (
+        why == "bucket 0 of 2 did not arrive within 0.05 s (the learner may have died or stalled)"
+    )
+
+
+def test_a_receiver_that_was_not_a_reader_is_told_the_buckets_are_gone():
+    async def main():
+        broker, k, log = BucketBroker(), key(count=3), []
+        await broker.readers(k, ["a", "b"])
+        sending = asyncio.ensure_future(learner(broker, k, log))
+        a = asyncio.ensure_future(reader(broker, k, "a", log))
+        for index in range(2):
+            await broker.take(k, index, "b")
+        late = await broker.take(k, 0, "joiner")
+        await broker.take(k, 2, "b")
+        await broker.take(k, 3, "b")
+        await asyncio.gather(sending, a)
+        return late, await broker.take(k, 0, "joiner")
+
+    (boxed, why), (_, after) = run(main())
+    assert boxed is None and "bucket 0 of 3 is gone" in why
+    assert "the version's stream is over (every reader took it)" in after
