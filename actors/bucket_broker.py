@@ -13,8 +13,10 @@ whatever the model's size. Who calls what, per version (one *stream*):
   ``k`` ``room(stream, k, stall_s)``, which returns once every reader has taken the
   buckets before ``k - 1``; ``end(stream, why)`` if the broadcast ended before it was
   done;
-* the hub's planner: ``readers(stream, workers)`` when it plans the version, and
-  ``drop_reader(worker)`` when a receiver dies or leaves;
+* the hub's planner: ``readers(stream, workers)`` when it plans the version,
+  ``drop_reader(worker)`` when a receiver dies or leaves, ``finished(stream)`` to find
+  receivers that hold a version a late joiner needs, and ``end(stream, why)`` when the
+  one it asked to serve it cannot;
 * each receiver: ``take(stream, k, worker)`` for bucket ``k`` — which also says it is
   done with the buckets before ``k`` — and ``take(stream, count, worker)`` at the end.
 
@@ -51,6 +53,7 @@ class _Stream:
     readers: set[str] | None = None  #: the workers it goes to; None: not planned yet
     taken: dict[str, int] = field(default_factory=dict)  #: worker -> buckets it copied
     dropped: dict[str, str] = field(default_factory=dict)  #: worker -> why
+    finished: list[str] = field(default_factory=list)  #: readers that took every bucket
     ended: str | None = None  #: why the learner stopped sending it
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
@@ -86,8 +89,9 @@ class BucketBroker:
 
     def __init__(self) -> None:
         self._streams: dict[str, _Stream] = {}
-        #: stream id -> why it ended ("" once every reader took it), and who was dropped
-        self._ended: dict[str, tuple[str, dict[str, str]]] = {}
+        #: stream id -> why it ended ("" once every reader took it), who was dropped,
+        #: who took every bucket
+        self._ended: dict[str, tuple[str, dict[str, str], list[str]]] = {}
         self._peak = 0
 
     # -- the learner ------------------------------------------------------------------
@@ -177,7 +181,7 @@ class BucketBroker:
         ``(None, why not)``; ``index == count`` says the receiver is done: ``(None, None)``."""
         state = self._open(key)
         if state is None:
-            why, dropped = self._ended.get(key.id, ("", {}))
+            why, dropped, _ = self._ended.get(key.id, ("", {}, []))
             if worker in dropped:
                 return None, f"this receiver was dropped from the stream: {dropped[worker]}"
             why = why or "every reader took it"
@@ -222,6 +226,14 @@ class BucketBroker:
             return state.buckets[index], None
         return None, f"the learner stopped sending this version: {state.ended}"
 
+    def finished(self, key: StreamId) -> list[str]:
+        """Hub's planner: the readers that took every bucket of ``key``'s stream (they
+        may serve the version to a late joiner)."""
+        state = self._streams.get(key.id)
+        if state is not None:
+            return list(state.finished)
+        return list(self._ended.get(key.id, ("", {}, []))[2])
+
     # -- tests and benchmarks ----------------------------------------------------------
     def stats(self) -> BrokerStats:
         return BrokerStats(streams=len(self._streams), peak_buckets=self._peak)
@@ -262,6 +274,7 @@ class BucketBroker:
 
     def _finish_reader(self, state: _Stream, worker: str) -> None:
         """``worker`` took every bucket; the stream ends once every reader has."""
+        state.finished.append(worker)
         if state.readers is None:
             return
         state.readers.discard(worker)
@@ -271,6 +284,8 @@ class BucketBroker:
             self._remember_end(state.key.id, "", state)
 
     def _remember_end(self, stream: str, why: str, state: _Stream | None) -> None:
-        self._ended[stream] = (why, {} if state is None else state.dropped)
+        self._ended[stream] = (
+            (why, {}, []) if state is None else (why, state.dropped, state.finished)
+        )
         while len(self._ended) > _ENDED_KEPT:
             del self._ended[next(iter(self._ended))]

@@ -80,6 +80,8 @@ class ReceiverEntry:
             process=r.process,
             handle=r.handle,
             kept=payloads_in(r.kept),
+            attachment=r.attachment,
+            entry=r.entry,
         )
 
 

@@ -171,6 +171,18 @@ class Update:
 
 
 @dataclass(frozen=True)
+class ServeRequest:
+    """Hub's planner -> a receiver holding ``version`` of ``model``: send it, as
+    ``spec`` (the keys and wire dtypes the reader expects), through ``payload`` (a
+    version whose bytes no other process holds: a bucketed one, for a late joiner)."""
+
+    model: str
+    version: int
+    spec: WeightSpec
+    payload: Any
+
+
+@dataclass(frozen=True)
 class Ack:
     """Receiver -> hub: the outcome of one update on one receiver."""
 

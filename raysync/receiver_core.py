@@ -47,6 +47,7 @@ from raysync.messages import (
     Entry,
     ReceiverTimings,
     Registration,
+    ServeRequest,
     Update,
     Welcome,
 )
@@ -286,6 +287,24 @@ class ReceiverCore:
     def refuse_learner_deliveries(self) -> None:
         """The hub is shutting down: apply no version a learner delivers itself."""
         self._learner_deliveries_refused = True
+
+    def serve(self, request: ServeRequest) -> str | None:
+        """Send the version of ``request.model`` this receiver holds to the receiver its
+        planner made ``request.payload`` for (a late joiner of a version no other process
+        holds whole), holding the model steady meanwhile. None once sent, or why not."""
+        held = self.models.get(request.model)
+        if held is None:
+            return f"{self.actor_name} does not hold model {request.model!r}"
+        with self.gate.reading():
+            if held.version != request.version:
+                return (
+                    f"{self.actor_name} holds version {held.version} of model "
+                    f"{request.model!r}, not {request.version}"
+                )
+            destination, _ = held.destination(self.owner)
+            tensors = {name: destination.tensors[name] for name in request.spec.names}
+            self.transport.serve(request.payload, tensors, request.spec)
+        return None
 
     def apply_now(self, update: Update, during: str) -> None:
         """Apply ``update`` for a user-facing call (connect, pull) and ack it; raise if

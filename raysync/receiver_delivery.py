@@ -20,7 +20,7 @@ import asyncio
 import threading
 from typing import Any, Protocol
 
-from raysync.messages import Ack, AckStatus, Entry, Update
+from raysync.messages import Ack, AckStatus, Entry, ServeRequest, Update
 from raysync.receiver_receipt import Receipt, reply_to_hub
 
 #: How long a delivery waits for a receiver that is still connecting (its key reserved,
@@ -40,6 +40,8 @@ class Deliverable(Protocol):
     def receive(self, update: Update) -> Receipt: ...
 
     def refuse_learner_deliveries(self) -> None: ...
+
+    def serve(self, request: ServeRequest) -> str | None: ...
 
 
 class Attachments:
@@ -106,6 +108,22 @@ def refuse_learner_deliveries(host: Any, key: str) -> None:
     receiver = attached.find(key, wait_s=0)
     if receiver is not None:
         receiver.refuse_learner_deliveries()
+
+
+def serve(host: Any, key: str, request: ServeRequest) -> str | None:
+    """Runs in the host actor, asked by a hub's planner: the receiver under ``key`` sends
+    the version it holds to another receiver (see :class:`ServeRequest`). None once sent,
+    or why it did not."""
+    receiver = attached.find(key, wait_s=0)
+    if receiver is None:
+        return f"no raysync receiver is attached under {key!r} any more"
+    return receiver.serve(request)
+
+
+def serve_call(handle: Any, key: str, request: ServeRequest) -> Any:
+    """Ask the host actor behind ``handle`` to serve ``request``; the call's ObjectRef.
+    Through ``__ray_call__`` (in the host's method queue), never retried."""
+    return handle.__ray_call__.options(max_task_retries=0).remote(serve, key, request)
 
 
 async def _receive(receiver: Deliverable, update: Update) -> Ack | None:

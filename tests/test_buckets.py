@@ -5,6 +5,7 @@ whose learner dies after some buckets were copied leaves every model untouched."
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -116,10 +117,10 @@ def test_a_receiver_that_holds_the_others_up_fails_alone(actors):
     ready([quick, stuck])
     ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
 
-    blocked = stuck.busy.remote(8.0)  # its delivery waits behind this
+    blocked = stuck.busy.remote(4.0)  # its delivery waits behind this
     weights = special_weights(2.0)
     report = ray.get(
-        hub.broadcast.remote(weights, model=MODEL, timeout_s=4.0, raise_on_failure=False),
+        hub.broadcast.remote(weights, model=MODEL, timeout_s=2.0, raise_on_failure=False),
         timeout=60,
     )
     assert report.acked == ("quick",)
@@ -145,7 +146,7 @@ def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors
 
     # "stuck" holds the stream at two buckets; "copier" copies both and waits for the
     # third, which never comes: the learner is killed there.
-    blocked = stuck.busy.remote(6.0)
+    blocked = stuck.busy.remote(3.0)
     learner = start(actors, Learner, hub)
     learner.send.remote(special_weights(2.0), timeout_s=4.0)
     broker = _wait_for_broker(hub)
@@ -162,6 +163,50 @@ def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors
     assert report.version == 3
 
 
+def test_late_joiners_and_restarted_receivers_start_on_the_latest_version(actors):
+    """Between broadcasts no process holds a bucketed version whole but the receivers'
+    models: a receiver that joins, or comes back after a restart, reads it from one of
+    them."""
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    holder = start(actors, Receiver, hub, "holder")
+    restarting = start(actors, Receiver.options(max_restarts=1), hub, "restarting")
+    ready([holder, restarting])
+    for seed in (1.0, 2.0):
+        latest = special_weights(seed)
+        ray.get(hub.broadcast.remote(latest, model=MODEL), timeout=60)
+
+    late = start(actors, Receiver, hub, "late")
+    assert ray.get(late.version.remote()) == 2  # before its first call returns
+    assert_bitwise(ray.get(late.state.remote()), latest)
+
+    old_pid = _pid(restarting)
+    ray.kill(restarting, no_restart=False)
+    _wait_until(lambda: _pid_or_none(restarting) not in (None, old_pid))
+    assert ray.get(restarting.version.remote()) == 2
+    assert_bitwise(ray.get(restarting.state.remote()), latest)
+
+    newest = special_weights(3.0)
+    report = ray.get(hub.broadcast.remote(newest, model=MODEL), timeout=60)
+    assert report.acked == ("holder", "late", "restarting")
+    for receiver in (holder, late, restarting):
+        assert_bitwise(ray.get(receiver.state.remote()), newest)
+
+
+def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors):
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    holder = start(actors, Receiver, hub, "holder")
+    ready([holder])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    ray.kill(holder)
+
+    late = start(actors, Receiver, hub, "late")  # connects: nobody can serve version 1
+    assert ray.get(late.version.remote(), timeout=30) == 0
+    newest = special_weights(2.0)
+    report = ray.get(hub.broadcast.remote(newest, model=MODEL, raise_on_failure=False))
+    assert "late" in report.acked
+    assert_bitwise(ray.get(late.state.remote()), newest)
+
+
 def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
     with pytest.raises(ValueError, match="bucket_mb: transport 'rdt' moves whole versions"):
         start_hub(actors, "rdt", bucket_mb=1)
@@ -173,6 +218,17 @@ def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
     with pytest.raises(ValueError, match=r"r0 \(rpc\)"):
         ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL, bucket_mb=TINY_MB))
     assert ray.get(receiver.version.remote()) == 0
+
+
+def _pid(handle) -> int:
+    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def _pid_or_none(handle) -> int | None:
+    try:
+        return _pid(handle)
+    except ray.exceptions.ActorUnavailableError:
+        return None
 
 
 def _wait_for_broker(hub, timeout_s: float = 30.0):

@@ -174,6 +174,10 @@ class ReceiverInfo:
     #: Payloads this receiver's zero-copy models live in, when a live process registers
     #: again: their memory must not be reused under it.
     kept: tuple[Any, ...] = ()
+    #: Its key in its host process and the host's entry point
+    #: (:func:`raysync.receiver_delivery.serve_call` asks it to serve a version it holds).
+    attachment: str = ""
+    entry: Any = None
 
 
 class TransportPlanner:
@@ -217,6 +221,14 @@ class TransportReceiver(ABC):
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         """Nothing reads ``staged`` (of ``payload``; None if never fetched) any more.
         Default: nothing to free."""
+
+    def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
+        """Send the version this receiver's model holds (``tensors``, its own) as
+        ``spec`` through ``payload``, which the planner made for another receiver to
+        read (a late joiner of a version no other process holds whole). Called in the
+        receiver process, under its model's read side. Only planners of transports
+        whose versions live nowhere else ask for it."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve versions")
 
     def close(self) -> None:
         """Release what the receiver holds. Default: nothing to release."""

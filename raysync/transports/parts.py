@@ -186,5 +186,8 @@ class PartedReceiver(TransportReceiver):
         for index, part in enumerate(payload.parts):
             self.inner.release(part.payload, None if fetched is None else fetched[index])
 
+    def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
+        self.inner.serve(payload, tensors, spec)
+
     def close(self) -> None:
         self.inner.close()

@@ -337,6 +337,8 @@ def test_a_receiver_entry_describes_itself_to_transport_planners():
         process="process-w1",
         handle=None,
         kept=kept,
+        attachment="w1-attachment",
+        entry=Entry.RAY_CALL,
     )
 
 

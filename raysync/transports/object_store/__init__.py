@@ -50,6 +50,7 @@ from raysync.transports.object_store.buckets import (
     broker_name,
     fetch_stream,
     open_broker,
+    serve_stream,
     staging_buffer,
     start_stream,
     stream_out,
@@ -184,6 +185,11 @@ class ObjectStoreReceiver(TransportReceiver):
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         self._staging.release(staged)
+
+    def serve(
+        self, payload: BucketStream, tensors: Mapping[str, torch.Tensor], spec: WeightSpec
+    ) -> None:
+        serve_stream(payload, tensors, spec)
 
     def close(self) -> None:
         self._staging.close()

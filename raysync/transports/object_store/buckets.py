@@ -18,10 +18,12 @@ it. Who does what, per version:
   outside the safe point. The model changes at its safe point as for a whole version,
   from that buffer: a version whose later bucket fails never reaches the model.
 
-Where the bytes live between broadcasts: nowhere whole. Each receiver's model holds its
-version; the learner's tensors move on. A receiver that joins (or restarts) after a
-bucketed broadcast is not among its readers and starts from the next version; until
-then the hub reports it behind.
+Where the bytes live between broadcasts: in the receivers' models, and nowhere else
+whole (the learner's tensors move on). A receiver that joins (or restarts) after a
+bucketed broadcast reads the version from one that applied it: the planner makes it a
+new stream and asks that receiver to :func:`serve_stream` its model into it, as the
+learner would, holding its model steady meanwhile. If none can (none left, or each has
+moved on), the newcomer is behind until the next broadcast, which reaches it anyway.
 """
 
 from __future__ import annotations
@@ -122,6 +124,27 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
         ref = ray.put(bucket_arrays(outgoing, index))
         broker.offer.remote(key, index, [ref])
         del ref  # the broker's reference keeps it until every reader took it
+
+
+def serve_stream(
+    payload: BucketStream, tensors: Mapping[str, torch.Tensor], spec: WeightSpec
+) -> None:
+    """Receiver holding the version: send its own ``tensors`` as ``spec`` (casting to the
+    wire dtype, exact for values that came through it) through ``payload``; returns once
+    the last bucket is put, or the reader is gone."""
+    plan = BucketPlan.of(spec, payload.bucket_bytes)
+    outgoing = Outgoing([tensors[name] for name in spec.names], plan, payload.key.wait_s / 2)
+    stream_out(payload, outgoing, _NEVER_DONE)
+
+
+class _NeverDone(VersionDone):
+    """A served version has no broadcast to end: the broker says when its reader is gone."""
+
+    def wait(self, timeout_s: float) -> None:
+        raise TimeoutError("a served version ends when its reader is done")
+
+
+_NEVER_DONE = _NeverDone()
 
 
 def bucket_arrays(outgoing: Outgoing, index: int) -> list[np.ndarray]:

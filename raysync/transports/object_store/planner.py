@@ -3,30 +3,41 @@
 A whole version's put is forwarded as it is (so the learner may deliver it itself: the
 direct path). For a bucketed version (:class:`BucketStream`), the planner tells the
 hub's bucket broker which receivers read it, and which receivers died or left, so the
-learner never waits for a reader that is gone.
+learner never waits for a reader that is gone; and a receiver that pulls it after the
+broadcast (joining, restarted) gets a new stream that a receiver which read the version
+serves from its model (:func:`~raysync.transports.object_store.buckets.serve_stream`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 
+from raysync.messages import ServeRequest
+from raysync.receiver_delivery import serve_call
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo, TransportPlanner
-from raysync.transports.object_store.buckets import BucketStream
+from raysync.transports.object_store.buckets import BucketStream, StreamId
 
 
 class ObjectStorePlanner(TransportPlanner):
     def __init__(self) -> None:
         self._broker: Any = None  #: the hub's bucket broker, once a bucketed version came
+        self._receivers: dict[str, ReceiverInfo] = {}
+        self._turn = 0  #: which holder serves the next late joiner
+        self._serving: set[asyncio.Task] = set()
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> str:
         """The receiver's worker id: how it names itself to the bucket broker."""
+        self._receivers[receiver.worker] = receiver
         return receiver.worker
 
     async def receiver_left(self, worker: str) -> None:
+        self._receivers.pop(worker, None)
         if self._broker is not None:
             await self._broker.drop_reader.remote(worker)
 
@@ -39,7 +50,43 @@ class ObjectStorePlanner(TransportPlanner):
             await payload.broker.readers.remote(payload.key, [t.worker for t in targets])
         return {receiver.worker: payload for receiver in targets}
 
+    async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
+        """A bucketed version's buckets are gone once its readers took them: a receiver
+        that read it serves it again, as ``spec``, in a stream of its own."""
+        payload = update.payload
+        if not isinstance(payload, BucketStream):
+            return payload
+        finished = await payload.broker.finished.remote(payload.key)
+        holders = [
+            self._receivers[w] for w in finished if w in self._receivers and w != receiver.worker
+        ]
+        if not holders:
+            return payload  # its fetch says the buckets are gone; the next version comes
+        holder = holders[self._turn % len(holders)]
+        self._turn += 1
+        key = StreamId(uuid.uuid4().hex, payload.key.count, payload.key.wait_s)
+        served = BucketStream(payload.broker, key, payload.bucket_bytes)
+        await payload.broker.readers.remote(key, [receiver.worker])
+        request = ServeRequest(update.model, update.version, spec, served)
+        call = serve_call(holder.handle, holder.attachment, request)
+        task = asyncio.ensure_future(self._served(call, served, holder.worker))
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+        return served
+
+    async def _served(self, call: ray.ObjectRef, served: BucketStream, holder: str) -> None:
+        """End ``served``'s stream with the reason if its holder could not serve it, so
+        its reader hears it at once instead of waiting for buckets."""
+        try:
+            why = await call
+        except ray.exceptions.RayError as err:
+            why = f"{holder} failed while serving it ({type(err).__name__})"
+        if why is not None:
+            await served.broker.end.remote(served.key, f"{holder} could not serve it: {why}")
+
     async def close(self) -> None:
+        for task in self._serving:
+            task.cancel()
         if self._broker is not None:
             ray.kill(self._broker)
             self._broker = None

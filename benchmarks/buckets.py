@@ -1,0 +1,297 @@
+"""Bucketed versions (``bucket_mb``) against whole versions: memory and time by model size.
+
+For each (size, mode) cell, a fresh hub on ``object_store`` and N receiver actors (the
+mixin, one float32 state_dict of 16 tensors) take ``--repeats`` broadcasts from this
+process (the learner). Modes: ``whole`` (one put per version), ``bucketed``
+(``bucket_mb``), ``bucketed_bf16`` (also ``wire_dtype=bfloat16``). Recorded per cell:
+
+* the seconds of each broadcast, until every receiver applied it (p50, and per GB);
+* the peak growth of private resident memory (``RssAnon``, sampled every 5 ms in each
+  process) during the broadcasts, over what the process held before them — the learner
+  (this process), each receiver, the hub, the bucket broker: what a process holds beyond
+  the model (the object store's shared pages it maps are the store's, below);
+* the object store's peak bytes pinned as primary copies (what it must hold) and peak
+  bytes in use (also objects every reference has left, which the raylet deletes in
+  batches, every second by default, and evicts sooner when space is needed), sampled
+  every 20 ms through the raylet, and bytes spilled to disk;
+* that the last version arrived bit for bit in every receiver (a blake2b of each
+  receiver's tensors against the learner's, cast through bfloat16 for that mode).
+
+``python benchmarks/buckets.py --sizes 256 512 1024 2048 4096 --out
+benchmarks/results/buckets.json`` (sizes in MiB; JSON + PNG). A model larger than the
+object store: ``--object-store-mb 1024 --sizes 3072 --modes bucketed --receivers 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import ray
+import torch
+from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+from raysync import WeightHub, WeightReceiver
+from raysync.transports.object_store import broker_name
+
+_MODEL = "m"
+_TENSORS = 16
+MODES = ("whole", "bucketed", "bucketed_bf16")
+
+
+def _state(size_mb: int, value: float) -> dict[str, torch.Tensor]:
+    per = size_mb * 2**20 // 4 // _TENSORS
+    generator = torch.Generator().manual_seed(int(value))
+    return {f"w{i:02d}": torch.randn(per, generator=generator) + value for i in range(_TENSORS)}
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _rss_anon_kb() -> int:
+    """This process's private (anonymous) resident memory, KiB: its heap and tensors,
+    not the object store's shared pages it maps (those count in VmRSS too)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon"))
+
+
+class _AnonPeak:
+    """Samples this process's RssAnon every 5 ms in a thread: its peak since ``reset``."""
+
+    def __init__(self) -> None:
+        self.base = self.peak = _rss_anon_kb()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def reset(self) -> None:
+        self.base = self.peak = _rss_anon_kb()
+
+    def growth_mb(self) -> float:
+        return (max(self.peak, _rss_anon_kb()) - self.base) / 1024
+
+    def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, _rss_anon_kb())
+            time.sleep(0.005)
+
+
+def _sample(actor) -> None:  # through __ray_call__: actor is the actor instance
+    """Start (or reset) the sampler in the actor's process."""
+    sampler = getattr(actor, "_bench_anon_peak", None)
+    if sampler is None:
+        actor._bench_anon_peak = _AnonPeak()
+    else:
+        sampler.reset()
+
+
+def _growth(actor) -> float:
+    return actor._bench_anon_peak.growth_mb()
+
+
+@ray.remote(num_cpus=0)
+class _Receiver(WeightReceiver):
+    def __init__(self, hub, size_mb: int):
+        self.weights = {k: torch.zeros_like(v) for k, v in _state(size_mb, 0.0).items()}
+        self.connect_hub(hub, {_MODEL: "weights"})
+
+    def digest(self) -> str:
+        return _digest(self.weights)
+
+
+class _StoreWatch:
+    """The object store's peak bytes in use and pinned while it runs (a thread polling the
+    raylet): the whole store's, so a cell starts once the previous cells' objects are
+    gone (:meth:`wait_empty`)."""
+
+    def __init__(self, address: str) -> None:
+        self._state = get_state_from_address(address)
+        self.peak = self.pinned_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def stats(self):
+        return get_memory_info_reply(self._state).store_stats
+
+    def wait_empty(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.stats().object_store_bytes_used and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            stats = self.stats()
+            self.peak = max(self.peak, stats.object_store_bytes_used)
+            self.pinned_peak = max(self.pinned_peak, stats.object_store_bytes_primary_copy)
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> _StoreWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) -> dict:
+    bucket_mb = None if mode == "whole" else args.bucket_mb
+    wire = torch.bfloat16 if mode.endswith("bf16") else None
+    _StoreWatch(address).wait_empty()
+    hub = WeightHub.remote(models=[_MODEL], timeout_s=args.timeout_s)
+    receivers = [_Receiver.remote(hub, size_mb) for _ in range(args.receivers)]
+    ray.get([r.__ray_ready__.remote() for r in receivers])
+    weights = _state(size_mb, 1.0)
+    seconds, broker = [], None
+    try:
+        # Untimed: starts the broker, opens the senders, touches the staging buffers.
+        ray.get(
+            hub.broadcast.remote(weights, bucket_mb=bucket_mb, wire_dtype=wire),
+            timeout=args.timeout_s,
+        )
+        if bucket_mb is not None and bucket_mb < size_mb:
+            broker = ray.get_actor(broker_name(hub.config.hub_id))
+        learner = _AnonPeak()
+        processes = {"hub": hub.actor} | ({"broker": broker} if broker is not None else {})
+        ray.get([r.__ray_call__.remote(_sample) for r in [*receivers, *processes.values()]])
+        spilled_before = _StoreWatch(address).stats().spilled_bytes_total
+        with _StoreWatch(address) as store:  # the whole store: the previous cell's is gone
+            for _ in range(args.repeats):
+                for t in weights.values():
+                    t.add_(1.0)
+                started = time.perf_counter()
+                ray.get(
+                    hub.broadcast.remote(weights, bucket_mb=bucket_mb, wire_dtype=wire),
+                    timeout=args.timeout_s,
+                )
+                seconds.append(time.perf_counter() - started)
+        spilled = store.stats().spilled_bytes_total - spilled_before
+        growth = {
+            "learner": learner.growth_mb(),
+            "receivers": max(ray.get([r.__ray_call__.remote(_growth) for r in receivers])),
+        }
+        for name, actor in processes.items():
+            growth[name] = ray.get(actor.__ray_call__.remote(_growth))
+        expected = weights if wire is None else {k: v.to(wire).float() for k, v in weights.items()}
+        bitwise = set(ray.get([r.digest.remote() for r in receivers])) == {_digest(expected)}
+        p50 = statistics.median(seconds)
+        return {
+            "size_mb": size_mb,
+            "mode": mode,
+            "bucket_mb": bucket_mb,
+            "receivers": args.receivers,
+            "seconds": seconds,
+            "p50_s": p50,
+            "s_per_gb": p50 / (size_mb / 1024),
+            "peak_growth_mb": growth,
+            "store_peak_mb": store.peak / 2**20,
+            "store_pinned_peak_mb": store.pinned_peak / 2**20,
+            "spilled_mb": spilled / 2**20,
+            "bitwise": bitwise,
+        }
+    finally:
+        ray.get(hub.close.remote())
+        for r in receivers:
+            ray.kill(r)
+        ray.kill(hub.actor)
+        if broker is not None:
+            ray.kill(broker)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {"whole": "--", "bucketed": "-", "bucketed_bf16": ":"}
+    for mode in MODES:
+        cells = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["size_mb"])
+        if not cells:
+            continue
+        sizes = [c["size_mb"] / 1024 for c in cells]
+        for what, color in (("learner", "C0"), ("receivers", "C1")):
+            mem.plot(
+                sizes,
+                [c["peak_growth_mb"][what] / 1024 for c in cells],
+                styles[mode],
+                color=color,
+                marker="o",
+                label=f"{what} ({mode})",
+            )
+        mem.plot(
+            sizes,
+            [c["store_pinned_peak_mb"] / 1024 for c in cells],
+            styles[mode],
+            color="C2",
+            marker="s",
+            label=f"object store, pinned ({mode})",
+        )
+        speed.plot(sizes, [c["s_per_gb"] for c in cells], styles[mode], marker="o", label=mode)
+    mem.set(
+        xlabel="model size (GiB)",
+        ylabel="peak growth during broadcasts (GiB)",
+        title="Memory beyond the model, by process",
+    )
+    speed.set(xlabel="model size (GiB)", ylabel="seconds per GiB (p50)", title="Time per GiB")
+    mem.legend(fontsize=7)
+    speed.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--whole-max-mb", type=int, default=2048, help="largest whole-version cell")
+    p.add_argument("--receivers", type=int, default=1)
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--object-store-mb", type=int, default=10 * 1024)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/buckets.json"))
+    args = p.parse_args()
+
+    ray.init(
+        num_cpus=16,
+        include_dashboard=False,
+        object_store_memory=args.object_store_mb * 2**20,
+        log_to_driver=False,
+    )
+    address = ray.get_runtime_context().gcs_address
+    rows = []
+    try:
+        for size in args.sizes:
+            for mode in args.modes:
+                if mode == "whole" and size > args.whole_max_mb:
+                    continue
+                row = run_cell(size, mode, args, address)
+                rows.append(row)
+                print(
+                    f"{size:5d} MiB {mode:14s} p50 {row['p50_s']:.2f} s "
+                    f"({row['s_per_gb']:.2f} s/GiB)  growth MiB: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in row["peak_growth_mb"].items())
+                    + f"; store pinned {row['store_pinned_peak_mb']:.0f} MiB, in use "
+                    f"{row['store_peak_mb']:.0f} MiB, spilled "
+                    f"{row['spilled_mb']:.0f} MiB, bitwise {row['bitwise']}",
+                    flush=True,
+                )
+    finally:
+        ray.shutdown()
+    meta = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": meta, "rows": rows}, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
