@@ -1,15 +1,16 @@
 """Bucketed versions (``bucket_mb``) against whole versions: memory and time by model size.
 
 For each (size, mode) cell, a fresh hub on ``object_store`` and N receiver actors (the
-mixin, one float32 state_dict of 16 tensors) take ``--repeats`` broadcasts from this
-process (the learner). Modes: ``whole`` (one put per version), ``bucketed``
+mixin, one float32 state_dict of 16 tensors) take one untimed and ``--repeats`` timed
+broadcasts from this process (the learner). Modes: ``whole`` (one put per version), ``bucketed``
 (``bucket_mb``), ``bucketed_bf16`` (also ``wire_dtype=bfloat16``). Recorded per cell:
 
 * the seconds of each broadcast, until every receiver applied it (p50, and per GB);
 * the peak growth of private resident memory (``RssAnon``, sampled every 5 ms in each
-  process) during the broadcasts, over what the process held before them — the learner
-  (this process), each receiver, the hub, the bucket broker: what a process holds beyond
-  the model (the object store's shared pages it maps are the store's, below);
+  process) from before the first broadcast to after the last — the learner (this
+  process), each receiver (its staging buffers included), the hub, the bucket broker
+  (from its start, during the first broadcast): what a process holds beyond the model
+  (the object store's shared pages it maps are the store's, below);
 * the object store's peak bytes pinned as primary copies (what it must hold) and peak
   bytes in use (also objects every reference has left, which the raylet deletes in
   batches, every second by default, and evicts sooner when space is needed), sampled
@@ -47,7 +48,14 @@ MODES = ("whole", "bucketed", "bucketed_bf16")
 def _state(size_mb: int, value: float) -> dict[str, torch.Tensor]:
     per = size_mb * 2**20 // 4 // _TENSORS
     generator = torch.Generator().manual_seed(int(value))
-    return {f"w{i:02d}": torch.randn(per, generator=generator) + value for i in range(_TENSORS)}
+    return {f"w{i:02d}": torch.randn(per, generator=generator).add_(value) for i in range(_TENSORS)}
+
+
+def _zeros(size_mb: int) -> dict[str, torch.Tensor]:
+    """A receiver's model, allocated as is (no freed heap left behind for the staging
+    buffers to reuse unseen)."""
+    per = size_mb * 2**20 // 4 // _TENSORS
+    return {f"w{i:02d}": torch.zeros(per) for i in range(_TENSORS)}
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -99,7 +107,7 @@ def _growth(actor) -> float:
 @ray.remote(num_cpus=0)
 class _Receiver(WeightReceiver):
     def __init__(self, hub, size_mb: int):
-        self.weights = {k: torch.zeros_like(v) for k, v in _state(size_mb, 0.0).items()}
+        self.weights = _zeros(size_mb)
         self.connect_hub(hub, {_MODEL: "weights"})
 
     def digest(self) -> str:
@@ -151,19 +159,14 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
     weights = _state(size_mb, 1.0)
     seconds, broker = [], None
     try:
-        # Untimed: starts the broker, opens the senders, touches the staging buffers.
-        ray.get(
-            hub.broadcast.remote(weights, bucket_mb=bucket_mb, wire_dtype=wire),
-            timeout=args.timeout_s,
-        )
-        if bucket_mb is not None and bucket_mb < size_mb:
-            broker = ray.get_actor(broker_name(hub.config.hub_id))
+        # Memory is watched from before the first broadcast (it allocates the receivers'
+        # staging buffers, kept for the next ones); that one is not timed (it also
+        # starts the broker and opens the senders).
         learner = _AnonPeak()
-        processes = {"hub": hub.actor} | ({"broker": broker} if broker is not None else {})
-        ray.get([r.__ray_call__.remote(_sample) for r in [*receivers, *processes.values()]])
+        ray.get([a.__ray_call__.remote(_sample) for a in [*receivers, hub.actor]])
         spilled_before = _StoreWatch(address).stats().spilled_bytes_total
         with _StoreWatch(address) as store:  # the whole store: the previous cell's is gone
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats + 1):
                 for t in weights.values():
                     t.add_(1.0)
                 started = time.perf_counter()
@@ -171,7 +174,12 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
                     hub.broadcast.remote(weights, bucket_mb=bucket_mb, wire_dtype=wire),
                     timeout=args.timeout_s,
                 )
-                seconds.append(time.perf_counter() - started)
+                if repeat:
+                    seconds.append(time.perf_counter() - started)
+                elif bucket_mb is not None and bucket_mb < size_mb:
+                    broker = ray.get_actor(broker_name(hub.config.hub_id))
+                    ray.get(broker.__ray_call__.remote(_sample))
+        processes = {"hub": hub.actor} | ({"broker": broker} if broker is not None else {})
         spilled = store.stats().spilled_bytes_total - spilled_before
         growth = {
             "learner": learner.growth_mb(),

@@ -15,8 +15,10 @@ import torch
 from raysync.testing import (
     MODEL,
     ConformanceReceiver,
+    PartLearner,
     assert_bitwise,
     special_weights,
+    split_in_parts,
     uniform_weights,
 )
 from raysync.transports.object_store import BUCKETS_IN_FLIGHT, broker_name
@@ -31,6 +33,9 @@ class Receiver(ConformanceReceiver):
     def busy(self, seconds: float) -> None:
         """Hold the actor's only method slot (a long rollout step): no delivery gets in."""
         time.sleep(seconds)
+
+
+ShardLearner = ray.remote(num_cpus=0)(PartLearner)
 
 
 @ray.remote(num_cpus=0)
@@ -205,6 +210,26 @@ def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors)
     report = ray.get(hub.broadcast.remote(newest, model=MODEL, raise_on_failure=False))
     assert "late" in report.acked
     assert_bitwise(ray.get(late.state.remote()), newest)
+
+
+def test_sharded_learners_each_stream_their_own_part(actors):
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    receivers = [start(actors, Receiver, hub, f"r{i}") for i in range(2)]
+    learners = [start(actors, ShardLearner, hub) for _ in range(2)]
+    ready(receivers)
+    weights = special_weights(4.0)
+    parts = split_in_parts(weights, 2)
+    reports = ray.get(
+        [
+            learner.send.remote(part, version=7, part=i, parts=2)
+            for i, (learner, part) in enumerate(zip(learners, parts, strict=True))
+        ],
+        timeout=60,
+    )
+    assert {r.version for r in reports} == {7}
+    assert reports[0].acked == ("r0", "r1")
+    for receiver in receivers:
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 
 def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
