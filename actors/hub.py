@@ -116,6 +116,25 @@ class _Outcome:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Delivery:
+    """One versioned broadcast as the hub delivers it: the version, its targets, and
+    what the report needs of the request."""
+
+    handed: HandedOver
+    spec: WeightSpec
+    targets: list[ReceiverEntry]
+    timeout_s: float
+    started: float  #: ``time.perf_counter()`` when the hub took the request
+    learner_seconds: float  #: what the learner spent before the request left
+    sent_at: float  #: ``time.time()`` when the learner made its own delivery calls
+    #: the receivers the learner delivered to itself, with its call's ObjectRef (awaited
+    #: as the first delivery; the hub plans and calls the others)
+    first_calls: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: workers the broadcast named that left since, failed with the reason
+    gone: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Started:
     """A broadcast the hub versioned and started delivering."""
 
@@ -253,33 +272,24 @@ class WeightHubActor:
         unused = {w: c for w, c in calls.items() if w not in first_calls}
         if unused:  # left or registered again since the route: the hub delivers them
             self._background.spawn(_settled(unused), "direct calls to departed receivers")
-        return self._start(handed, spec, targets, timeout_s, started, request, first_calls, gone)
-
-    def _start(
-        self,
-        handed: HandedOver,
-        spec: WeightSpec,
-        targets: list[ReceiverEntry],
-        timeout_s: float,
-        started: float,
-        request: BroadcastRequest,
-        first_calls: dict[str, Any],
-        gone: dict[str, str] | None = None,
-    ) -> _Started:
-        """Start delivering ``handed`` and keep its report for ``wait_for``."""
-        task: asyncio.Task[BroadcastReport] = asyncio.create_task(
-            self._deliver_all(
+        return self._start(
+            _Delivery(
                 handed,
                 spec,
                 targets,
                 timeout_s,
                 started,
                 request.learner_seconds,
-                first_calls,
                 request.sent_at,
-                gone or {},
+                first_calls,
+                gone,
             )
         )
+
+    def _start(self, delivery: _Delivery) -> _Started:
+        """Start delivering a version and keep its report for ``wait_for``."""
+        handed = delivery.handed
+        task: asyncio.Task[BroadcastReport] = asyncio.create_task(self._deliver_all(delivery))
         reports = self._reports.setdefault(handed.model, OrderedDict())
         reports[handed.version] = task
         while len(reports) > _REPORTS_KEPT:
@@ -346,7 +356,17 @@ class WeightHubActor:
         if request.workers is None:  # left out: joined by a transport the learner had not seen
             targets = [t for t in targets if handed.readable_by(t.transport)]
         self._save_snapshot()
-        return self._start(handed, spec, targets, timeout_s, started, request, {})
+        return self._start(
+            _Delivery(
+                handed,
+                spec,
+                targets,
+                timeout_s,
+                started,
+                request.learner_seconds,
+                request.sent_at,
+            )
+        )
 
     async def _assemble(
         self, request: BroadcastRequest, timeout_s: float, started: float
@@ -600,25 +620,13 @@ class WeightHubActor:
         if calls:
             await asyncio.wait(calls, timeout=_CLOSE_NOTICE_S)
             for call in calls:
-                call.add_done_callback(lambda f: f.cancelled() or f.exception())
+                _retrieve_outcome(call)
 
     # -- delivery --------------------------------------------------------------------------
-    async def _deliver_all(
-        self,
-        handed: HandedOver,
-        spec: WeightSpec,
-        targets: list[ReceiverEntry],
-        timeout_s: float,
-        started: float,
-        learner_seconds: float,
-        first_calls: dict[str, Any],
-        sent_at: float,
-        gone: dict[str, str],
-    ) -> BroadcastReport:
-        """Deliver ``handed`` to ``targets`` and collect their acks. ``first_calls``:
-        the receivers the learner delivered to itself, with its call's ObjectRef (awaited
-        as the first delivery; the hub plans and calls the others). ``gone``: workers
-        the broadcast named that left since, failed with the reason."""
+    async def _deliver_all(self, delivery: _Delivery) -> BroadcastReport:
+        """Deliver a version to its targets and collect their acks (see :class:`_Delivery`)."""
+        handed, spec, targets = delivery.handed, delivery.spec, delivery.targets
+        timeout_s, started, first_calls = delivery.timeout_s, delivery.started, delivery.first_calls
         deadline = time.monotonic() + timeout_s
         plan_started = time.perf_counter()
         travels = handed.wire_spec or spec  # what the transports carry
@@ -637,28 +645,31 @@ class WeightHubActor:
                     deadline,
                     timeout_s,
                     first_calls.get(entry.worker),
-                    sent_at,
+                    delivery.sent_at,
                 )
                 if plan.update is not None
                 else _failed(entry.worker, plan.reason, FailureCause.NOT_PLANNED)
                 for entry, plan in ((e, planned[e.worker]) for e in targets)
             ),
-            *(_failed(worker, reason, FailureCause.LEFT) for worker, reason in gone.items()),
+            *(
+                _failed(worker, reason, FailureCause.LEFT)
+                for worker, reason in delivery.gone.items()
+            ),
         )
         acked = tuple(sorted(o.worker for o in outcomes if o.error is None))
         failed = {o.worker: o.error for o in outcomes if o.error is not None}
         causes = [o.cause or FailureCause.RAISED for o in outcomes if o.error is not None]
         if first_calls:  # the version left the learner before this hub heard of it
-            started = min(started, time.perf_counter() - max(0.0, time.time() - sent_at))
+            started = min(started, time.perf_counter() - max(0.0, time.time() - delivery.sent_at))
         report = BroadcastReport(
             model=handed.model,
             version=handed.version,
             acked=acked,
             failed=failed,
             bytes=travels.nbytes,
-            seconds=learner_seconds + time.perf_counter() - started,
+            seconds=delivery.learner_seconds + time.perf_counter() - started,
             transports=tuple(sorted({entry.transport for entry in targets})),
-            phases=_phases(learner_seconds, plan_s, outcomes),
+            phases=_phases(delivery.learner_seconds, plan_s, outcomes),
             direct=tuple(sorted(first_calls)),
         )
         # Off the critical path: queued behind the wake-up of whoever awaits the report.
@@ -920,11 +931,11 @@ async def _reply_or_ack(call: Any, acked: asyncio.Future[Ack], deadline: float) 
         return_when=asyncio.FIRST_COMPLETED,
     )
     if acked in done:
-        reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+        _retrieve_outcome(reply)
         return acked.result()
     if reply in done:
         return reply.result()
-    reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+    _retrieve_outcome(reply)
     raise asyncio.TimeoutError
 
 
@@ -950,8 +961,14 @@ def _quiet_future() -> asyncio.Future[Any]:
     """A future whose exception is not logged as never retrieved (a version sent in
     parts may fail with no part left waiting for it)."""
     future = asyncio.get_running_loop().create_future()
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    _retrieve_outcome(future)
     return future
+
+
+def _retrieve_outcome(future: asyncio.Future[Any]) -> None:
+    """Retrieve ``future``'s exception once it is done, so that asyncio does not log it
+    as never retrieved: for futures whose outcome nobody else awaits."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 async def _failed(worker: str, reason: str, cause: FailureCause) -> _Outcome:
