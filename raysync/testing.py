@@ -4,8 +4,8 @@ A transport (built in, or a third party's registered with
 :func:`raysync.transports.register_transport`) passes when every version reaches every
 receiver bit for bit, late joiners and pulls start on the latest version, a learner
 that reuses its memory never lets a receiver see a torn or lost version, a dead receiver
-fails only itself, zero copy is honoured or refused as the transport declares, and the
-learner can release its side and broadcast again. Use it from pytest::
+fails only itself, zero copy and buckets are honoured or refused as the transport
+declares, and the learner can release its side and broadcast again. Use it from pytest::
 
     # test_my_transport.py
     from raysync.testing import TransportConformance
@@ -347,6 +347,24 @@ class TransportConformance:
             for seed in (8.0, 9.0):
                 send(special_weights(seed), ("zc-parts",))
                 assert_bitwise(ray.get(zero_copy.state.remote()), special_weights(seed))
+
+    def test_bucketed_versions_land_bitwise_or_bucket_mb_is_refused_by_name(self, hub, crew):
+        """A transport that declares ``buckets`` moves a version in (here, 1 KiB)
+        buckets, bit for bit; any other refuses ``bucket_mb`` naming itself (or the
+        receivers reading through it) before any receiver is touched."""
+        workers = ("crew0", "crew1")
+        before = [ray.get(crew[w].version.remote()) for w in workers]
+        weights = special_weights(6.0)
+        if get_transport(self.transport).buckets:
+            report = self.broadcast(hub, weights, workers, bucket_mb=1 / 1024)
+            assert (report.acked, report.failed) == (workers, {})
+            for worker in workers:
+                assert_bitwise(ray.get(crew[worker].state.remote()), weights)
+            return
+        with pytest.raises(ValueError, match=r"bucket_mb: .*whole versions only") as refused:
+            self.broadcast(hub, weights, workers, bucket_mb=1 / 1024)
+        assert self.transport in str(refused.value)
+        assert [ray.get(crew[w].version.remote()) for w in workers] == before
 
     def test_declares_what_it_keeps_in_memory(self):
         """Capacity plans (and the benchmarks) read it: copies of a version alive on
