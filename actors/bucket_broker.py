@@ -3,7 +3,9 @@ Ray actor), a few buckets at a time.
 
 Started by the first learner that sends a bucketed version through the hub (named
 :func:`raysync.transports.object_store.broker_name`, so every learner of the hub finds
-the same one), stopped by the hub's object-store planner when the hub closes. It never
+the same one), detached from that learner (a sharded learner's rank may die; the others'
+versions go on), stopped by the hub's object-store planner when the hub closes, and by
+itself once its hub is closed or dead. It never
 holds bytes: each bucket is an object the learner put, and the broker keeps only its
 reference, from ``offer`` until every reader has taken it, so the object store holds at
 most :data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` buckets of a version
@@ -36,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import ray
 
@@ -43,6 +46,8 @@ from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, StreamId
 
 #: Streams whose end is remembered, so a late ``take`` is told the buckets are gone.
 _ENDED_KEPT = 256
+#: Seconds between the broker's looks at whether its hub still runs.
+_HUB_LOOK_S = 5.0
 
 
 @dataclass
@@ -87,7 +92,10 @@ class BrokerStats:
 class BucketBroker:
     """See module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, hub: Any) -> None:
+        """``hub``: the hub's actor handle; the broker ends itself once it is gone."""
+        self._hub = hub
+        self._watching: asyncio.Task | None = None
         self._streams: dict[str, _Stream] = {}
         #: stream id -> why it ended ("" once every reader took it), who was dropped,
         #: who took every bucket
@@ -247,6 +255,8 @@ class BucketBroker:
     def _open(self, key: StreamId) -> _Stream | None:
         """The stream of ``key``, opened if this is the first call about it; None if it
         is over."""
+        if self._watching is None:
+            self._watching = asyncio.get_running_loop().create_task(self._outlive_hub())
         if key.id in self._ended:
             return None
         state = self._streams.get(key.id)
@@ -256,6 +266,21 @@ class BucketBroker:
                 key.wait_s, self._expire, state, "the hub never planned this version", True
             )
         return state
+
+    async def _outlive_hub(self) -> None:
+        """End this actor once its hub is closed or dead (it is detached: nothing else
+        would, if the hub's planner never heard of it)."""
+        while True:
+            await asyncio.sleep(_HUB_LOOK_S)
+            try:
+                closed = await self._hub.closed.remote()
+            except ray.exceptions.ActorDiedError:
+                closed = True
+            except ray.exceptions.RayError:
+                continue  # restarting, or slow to answer
+            if closed:
+                ray.kill(ray.get_runtime_context().current_actor)
+                return
 
     def _expire(self, state: _Stream, why: str, unless_planned: bool) -> None:
         """End ``state`` for ``why`` if it still runs (and, ``unless_planned``, was

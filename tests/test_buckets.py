@@ -232,6 +232,23 @@ def test_sharded_learners_each_stream_their_own_part(actors):
         assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 
+def test_a_hubs_broker_ends_with_the_hub_closed_or_dead(actors):
+    """The broker is detached from the learner that started it; the hub's end is its."""
+    brokers = []
+    for end in ("close", "kill"):
+        hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+        receiver = start(actors, Receiver, hub, f"r-{end}")
+        ready([receiver])
+        ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+        brokers.append(broker_of(hub))
+        if end == "close":
+            ray.get(hub.close.remote())
+        else:
+            ray.kill(hub.actor)
+    for broker in brokers:
+        _wait_until(lambda b=broker: not _alive(b))
+
+
 def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
     with pytest.raises(ValueError, match="bucket_mb: transport 'rdt' moves whole versions"):
         start_hub(actors, "rdt", bucket_mb=1)
@@ -254,6 +271,14 @@ def _pid_or_none(handle) -> int | None:
         return _pid(handle)
     except ray.exceptions.ActorUnavailableError:
         return None
+
+
+def _alive(actor) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return False
+    return True
 
 
 def _wait_for_broker(hub, timeout_s: float = 30.0):

@@ -13,6 +13,8 @@ from raysync.actors.bucket_broker import BucketBroker
 from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, StreamId
 
 TIMEOUT = 10.0
+#: The broker looks at its hub every few seconds; these tests end before its first look.
+_NO_HUB = object()
 
 
 def run(coro):
@@ -52,7 +54,7 @@ async def reader(broker: BucketBroker, k: StreamId, worker: str, log: list) -> l
 
 def test_every_reader_gets_every_bucket_and_no_more_than_two_are_held():
     async def main():
-        broker, k, log = BucketBroker(), key(), []
+        broker, k, log = BucketBroker(_NO_HUB), key(), []
         await broker.readers(k, ["a", "b"])
         results = await asyncio.gather(
             learner(broker, k, log), reader(broker, k, "a", log), reader(broker, k, "b", log)
@@ -69,7 +71,7 @@ def test_every_reader_gets_every_bucket_and_no_more_than_two_are_held():
 
 def test_calls_in_any_order_open_the_stream():
     async def main():
-        broker, k = BucketBroker(), key(count=2)
+        broker, k = BucketBroker(_NO_HUB), key(count=2)
         taking = asyncio.ensure_future(broker.take(k, 0, "a"))  # before the offer and plan
         await asyncio.sleep(0)
         await broker.offer(k, 0, ["ref0"])
@@ -81,7 +83,7 @@ def test_calls_in_any_order_open_the_stream():
 
 def test_a_reader_that_holds_the_others_up_is_dropped_and_told_why():
     async def main():
-        broker, k, log = BucketBroker(), key(count=4), []
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4), []
         await broker.readers(k, ["quick", "stuck"])
         quick = asyncio.ensure_future(reader(broker, k, "quick", log))
         await learner(broker, k, log, stall_s=0.2)
@@ -95,7 +97,7 @@ def test_a_reader_that_holds_the_others_up_is_dropped_and_told_why():
 
 def test_a_reader_the_hub_dropped_no_longer_holds_the_learner():
     async def main():
-        broker, k, log = BucketBroker(), key(count=4), []
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4), []
         await broker.readers(k, ["quick", "dead"])
         quick = asyncio.ensure_future(reader(broker, k, "quick", log))
         sending = asyncio.ensure_future(learner(broker, k, log, stall_s=60))
@@ -112,7 +114,7 @@ def test_a_reader_the_hub_dropped_no_longer_holds_the_learner():
 
 def test_a_stream_the_hub_never_plans_ends_and_frees_its_buckets():
     async def main():
-        broker, k = BucketBroker(), key(count=3, wait_s=0.1)
+        broker, k = BucketBroker(_NO_HUB), key(count=3, wait_s=0.1)
         await broker.offer(k, 0, ["ref0"])
         why = await broker.room(k, 2, stall_s=60)  # waits for a plan that never comes
         return broker, why, await broker.take(k, 0, "late")
@@ -125,7 +127,7 @@ def test_a_stream_the_hub_never_plans_ends_and_frees_its_buckets():
 
 def test_the_learner_ending_a_stream_answers_readers_waiting_for_a_bucket():
     async def main():
-        broker, k = BucketBroker(), key(count=3)
+        broker, k = BucketBroker(_NO_HUB), key(count=3)
         await broker.readers(k, ["a"])
         waiting = asyncio.ensure_future(broker.take(k, 0, "a"))
         await asyncio.sleep(0)
@@ -141,7 +143,7 @@ def test_the_learner_ending_a_stream_answers_readers_waiting_for_a_bucket():
 @pytest.mark.parametrize("wait_s", [0.05])
 def test_a_bucket_that_never_comes_times_the_reader_out(wait_s):
     async def main():
-        broker, k = BucketBroker(), key(count=2, wait_s=wait_s)
+        broker, k = BucketBroker(_NO_HUB), key(count=2, wait_s=wait_s)
         await broker.readers(k, ["a"])
         return await broker.take(k, 0, "a")
 
@@ -154,7 +156,7 @@ def test_a_bucket_that_never_comes_times_the_reader_out(wait_s):
 
 def test_a_receiver_that_was_not_a_reader_is_told_the_buckets_are_gone():
     async def main():
-        broker, k, log = BucketBroker(), key(count=3), []
+        broker, k, log = BucketBroker(_NO_HUB), key(count=3), []
         await broker.readers(k, ["a", "b"])
         sending = asyncio.ensure_future(learner(broker, k, log))
         a = asyncio.ensure_future(reader(broker, k, "a", log))

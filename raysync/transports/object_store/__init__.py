@@ -124,7 +124,7 @@ async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list
 
 class ObjectStoreSender(TransportSender):
     def __init__(self, hub: HubContext) -> None:
-        self._hub_id = hub.hub_id
+        self._hub = hub
         self._broker: Any = None
         self._outgoing: dict[str, Outgoing] = {}
 
@@ -140,7 +140,7 @@ class ObjectStoreSender(TransportSender):
         stall_s: float,
     ) -> BucketStream:
         if self._broker is None:
-            self._broker = open_broker(self._hub_id)
+            self._broker = open_broker(self._hub)
         payload, outgoing = start_stream(self._broker, tensors, spec, bucket_bytes, stall_s)
         self._outgoing[payload.key.id] = outgoing
         return payload

@@ -41,7 +41,7 @@ import torch
 from raysync.actor_classes import BUCKET_BROKER, actor_class
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.base import TransportError, VersionDone
+from raysync.transports.base import HubContext, TransportError, VersionDone
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.staging import StagingPool
 
@@ -79,12 +79,17 @@ class BucketStream:
     bucket_bytes: int
 
 
-def open_broker(hub_id: str) -> Any:
-    """The hub's bucket broker, started by the first learner that needs it."""
+def open_broker(hub: HubContext) -> Any:
+    """The hub's bucket broker, started by the first learner that needs it (detached
+    from that learner: it lives as long as the hub)."""
     broker_class = ray.remote(actor_class(BUCKET_BROKER))
     return broker_class.options(
-        name=broker_name(hub_id), get_if_exists=True, num_cpus=0, max_concurrency=1000
-    ).remote()
+        name=broker_name(hub.hub_id),
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        max_concurrency=1000,
+    ).remote(hub.actor)
 
 
 @dataclass
@@ -180,7 +185,7 @@ def fetch_stream(
     buffer = pool.take(spec)
     try:
         for index in range(plan.count):
-            boxed, why = ray.get(payload.broker.take.remote(payload.key, index, worker))
+            boxed, why = _take(payload, index, worker)
             if why is not None:
                 raise TransportError(f"bucket {index} of {plan.count}: {why}")
             _copy_bucket(buffer, plan, index, _read_bucket(boxed[0], index, plan.count))
@@ -191,6 +196,14 @@ def fetch_stream(
     views = plan.layout.views(buffer)
     pool.lease(views, spec, buffer)
     return views
+
+
+def _take(payload: BucketStream, index: int, worker: str) -> tuple[Any, str | None]:
+    """The broker's answer for bucket ``index``; its death is the stream's end."""
+    try:
+        return ray.get(payload.broker.take.remote(payload.key, index, worker))
+    except ray.exceptions.RayActorError as err:
+        return None, f"the hub's bucket broker is gone ({type(err).__name__})"
 
 
 def staging_buffer(spec: WeightSpec) -> torch.Tensor:

@@ -39,7 +39,10 @@ class ObjectStorePlanner(TransportPlanner):
     async def receiver_left(self, worker: str) -> None:
         self._receivers.pop(worker, None)
         if self._broker is not None:
-            await self._broker.drop_reader.remote(worker)
+            try:
+                await self._broker.drop_reader.remote(worker)
+            except ray.exceptions.RayActorError:
+                self._broker = None  # gone with its streams: nothing waits for the worker
 
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
@@ -56,7 +59,10 @@ class ObjectStorePlanner(TransportPlanner):
         payload = update.payload
         if not isinstance(payload, BucketStream):
             return payload
-        finished = await payload.broker.finished.remote(payload.key)
+        try:
+            finished = await payload.broker.finished.remote(payload.key)
+        except ray.exceptions.RayActorError:
+            return payload  # the broker is gone: its fetch says so; the next version comes
         holders = [
             self._receivers[w] for w in finished if w in self._receivers and w != receiver.worker
         ]
@@ -82,11 +88,11 @@ class ObjectStorePlanner(TransportPlanner):
         except ray.exceptions.RayError as err:
             why = f"{holder} failed while serving it ({type(err).__name__})"
         if why is not None:
-            await served.broker.end.remote(served.key, f"{holder} could not serve it: {why}")
+            served.broker.end.remote(served.key, f"{holder} could not serve it: {why}")
 
     async def close(self) -> None:
         for task in self._serving:
             task.cancel()
         if self._broker is not None:
-            ray.kill(self._broker)
+            ray.kill(self._broker)  # a dead one too: no error
             self._broker = None
