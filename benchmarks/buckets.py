@@ -38,7 +38,7 @@ import torch
 from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
 from raysync import WeightHub, WeightReceiver
-from raysync.transports.object_store import broker_name
+from raysync.transports.object_store import BROKER_NAMESPACE, broker_name
 
 _MODEL = "m"
 _TENSORS = 16
@@ -177,7 +177,8 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
                 if repeat:
                     seconds.append(time.perf_counter() - started)
                 elif bucket_mb is not None and bucket_mb < size_mb:
-                    broker = ray.get_actor(broker_name(hub.config.hub_id))
+                    name = broker_name(hub.config.hub_id)
+                    broker = ray.get_actor(name, namespace=BROKER_NAMESPACE)
                     ray.get(broker.__ray_call__.remote(_sample))
         processes = {"hub": hub.actor} | ({"broker": broker} if broker is not None else {})
         spilled = store.stats().spilled_bytes_total - spilled_before

@@ -9,7 +9,8 @@ it); the whole model from one learner actor (``parts=1``) is the baseline, timed
 same way. Also recorded per cell: the bytes each learner handed to its transport (its
 own slice: nothing funnels through one rank) and each learner's peak RSS.
 
-``python benchmarks/sharded.py --out benchmarks/results/sharded.json`` (JSON + PNG).
+``python benchmarks/sharded.py --out benchmarks/results/sharded.json`` (JSON + PNG);
+with ``--bucket-mb 64`` each learner streams its part in buckets (``object_store``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import ray
 import torch
 
 from raysync import WeightHub, WeightReceiver, available_transports
+from raysync.transports import get_transport
 
 _TENSORS_PER_PART = 16
 _MODEL = "m"
@@ -75,10 +77,16 @@ class _Learner:
 
 
 def measure_cell(
-    transport: str, size_mb: int, parts: int, receivers: int, warmup: int, repeats: int
+    transport: str,
+    size_mb: int,
+    parts: int,
+    receivers: int,
+    warmup: int,
+    repeats: int,
+    bucket_mb: float | None = None,
 ) -> dict:
     names = _names(parts)
-    hub = WeightHub.remote(transport=transport, models=[_MODEL])
+    hub = WeightHub.remote(transport=transport, models=[_MODEL], bucket_mb=bucket_mb)
     readers = [_Receiver.remote(hub, size_mb, names) for _ in range(receivers)]
     ray.get([r.__ray_ready__.remote() for r in readers])
     learners = [_Learner.remote(hub, size_mb, names, names[i::parts]) for i in range(parts)]
@@ -106,6 +114,7 @@ def measure_cell(
         "transport": transport,
         "size_mb": size_mb,
         "parts": parts,
+        "bucket_mb": bucket_mb,
         "receivers": receivers,
         "seconds_p50": statistics.median(samples),
         "seconds": samples,
@@ -172,6 +181,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--object-store-gb", type=float, default=8.0)
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        help="the hub's bucket_mb (each learner streams its part in buckets of it); "
+        "transports that move whole versions are skipped",
+    )
     p.add_argument("--out", type=Path)
     p.add_argument("--plot", type=Path)
     args = p.parse_args()
@@ -189,9 +204,18 @@ def main() -> None:
                 if transport not in runnable:
                     print(f"skipping {transport}: not available here")
                     continue
+                if args.bucket_mb is not None and not get_transport(transport).buckets:
+                    print(f"skipping {transport}: it moves whole versions only")
+                    continue
                 for parts in args.parts:
                     cell = measure_cell(
-                        transport, size, parts, args.receivers, args.warmup, args.repeats
+                        transport,
+                        size,
+                        parts,
+                        args.receivers,
+                        args.warmup,
+                        args.repeats,
+                        args.bucket_mb,
                     )
                     cells.append(cell)
                     print(

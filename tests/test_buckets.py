@@ -21,7 +21,7 @@ from raysync.testing import (
     split_in_parts,
     uniform_weights,
 )
-from raysync.transports.object_store import BUCKETS_IN_FLIGHT, broker_name
+from raysync.transports.object_store import BROKER_NAMESPACE, BUCKETS_IN_FLIGHT, broker_name
 from tests.helpers import ready, start, start_hub
 
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
@@ -50,7 +50,7 @@ class Learner:
 
 
 def broker_of(hub):
-    return ray.get_actor(broker_name(hub.config.hub_id))
+    return ray.get_actor(broker_name(hub.config.hub_id), namespace=BROKER_NAMESPACE)
 
 
 def test_bucketed_versions_land_bitwise_in_every_receiver(actors):

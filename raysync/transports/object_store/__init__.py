@@ -44,6 +44,7 @@ from raysync.transports.base import (
     VersionDone,
 )
 from raysync.transports.object_store.buckets import (
+    BROKER_NAMESPACE,
     BUCKETS_IN_FLIGHT,
     BucketStream,
     Outgoing,
@@ -60,6 +61,7 @@ from raysync.transports.parts import Parts
 from raysync.transports.staging import StagingPool
 
 __all__ = [
+    "BROKER_NAMESPACE",
     "BUCKETS_IN_FLIGHT",
     "BucketStream",
     "ObjectStorePayload",

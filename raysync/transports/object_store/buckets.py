@@ -53,6 +53,11 @@ BUCKETS_IN_FLIGHT = 2
 _LOOK_S = 0.5
 
 
+#: The namespace of the brokers (detached actors are named in a namespace of their own
+#: rather than the learner's job's, which is anonymous unless the job names one).
+BROKER_NAMESPACE = "raysync"
+
+
 def broker_name(hub_id: str) -> str:
     """The name of a hub's bucket broker (every learner of the hub finds the same)."""
     return f"raysync-buckets-{hub_id}"
@@ -85,6 +90,7 @@ def open_broker(hub: HubContext) -> Any:
     broker_class = ray.remote(actor_class(BUCKET_BROKER))
     return broker_class.options(
         name=broker_name(hub.hub_id),
+        namespace=BROKER_NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
         num_cpus=0,
