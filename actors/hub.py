@@ -133,6 +133,31 @@ class _Delivery:
     #: workers the broadcast named that left since, failed with the reason
     gone: dict[str, str] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def of(
+        cls,
+        request: BroadcastRequest,
+        handed: HandedOver,
+        spec: WeightSpec,
+        targets: list[ReceiverEntry],
+        timeout_s: float,
+        started: float,
+        first_calls: dict[str, Any] | None = None,
+        gone: dict[str, str] | None = None,
+    ) -> _Delivery:
+        """The delivery of ``request``, versioned as ``handed``."""
+        return cls(
+            handed,
+            spec,
+            targets,
+            timeout_s,
+            started,
+            request.learner_seconds,
+            request.sent_at,
+            first_calls or {},
+            gone or {},
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class _Started:
@@ -273,17 +298,7 @@ class WeightHubActor:
         if unused:  # left or registered again since the route: the hub delivers them
             self._background.spawn(_settled(unused), "direct calls to departed receivers")
         return self._start(
-            _Delivery(
-                handed,
-                spec,
-                targets,
-                timeout_s,
-                started,
-                request.learner_seconds,
-                request.sent_at,
-                first_calls,
-                gone,
-            )
+            _Delivery.of(request, handed, spec, targets, timeout_s, started, first_calls, gone)
         )
 
     def _start(self, delivery: _Delivery) -> _Started:
@@ -356,17 +371,7 @@ class WeightHubActor:
         if request.workers is None:  # left out: joined by a transport the learner had not seen
             targets = [t for t in targets if handed.readable_by(t.transport)]
         self._save_snapshot()
-        return self._start(
-            _Delivery(
-                handed,
-                spec,
-                targets,
-                timeout_s,
-                started,
-                request.learner_seconds,
-                request.sent_at,
-            )
-        )
+        return self._start(_Delivery.of(request, handed, spec, targets, timeout_s, started))
 
     async def _assemble(
         self, request: BroadcastRequest, timeout_s: float, started: float

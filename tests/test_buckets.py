@@ -115,12 +115,17 @@ def test_no_reader_sees_bucket_k_of_one_version_beside_another_versions(actors):
         assert all(uniform for _, uniform in applied), applied
 
 
-def test_a_receiver_that_holds_the_others_up_fails_alone(actors):
+def at_version_one(actors, *workers: str) -> tuple:
+    """A bucketed hub and receivers ``workers``, all holding ``special_weights(1.0)``."""
     hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
-    quick = start(actors, Receiver, hub, "quick")
-    stuck = start(actors, Receiver, hub, "stuck")
-    ready([quick, stuck])
+    receivers = [start(actors, Receiver, hub, worker) for worker in workers]
+    ready(receivers)
     ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    return hub, *receivers
+
+
+def test_a_receiver_that_holds_the_others_up_fails_alone(actors):
+    hub, quick, stuck = at_version_one(actors, "quick", "stuck")
 
     blocked = stuck.busy.remote(4.0)  # its delivery waits behind this
     weights = special_weights(2.0)
@@ -143,11 +148,7 @@ def test_a_receiver_that_holds_the_others_up_fails_alone(actors):
 
 
 def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors):
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
-    copier = start(actors, Receiver, hub, "copier")
-    stuck = start(actors, Receiver, hub, "stuck")
-    ready([copier, stuck])
-    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    hub, copier, stuck = at_version_one(actors, "copier", "stuck")
 
     # "stuck" holds the stream at two buckets; "copier" copies both and waits for the
     # third, which never comes: the learner is killed there.
@@ -198,10 +199,7 @@ def test_late_joiners_and_restarted_receivers_start_on_the_latest_version(actors
 
 
 def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors):
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
-    holder = start(actors, Receiver, hub, "holder")
-    ready([holder])
-    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    hub, holder = at_version_one(actors, "holder")
     ray.kill(holder)
 
     late = start(actors, Receiver, hub, "late")  # connects: nobody can serve version 1
@@ -213,6 +211,7 @@ def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors)
 
 
 def test_sharded_learners_each_stream_their_own_part(actors):
+    """And a receiver that joins afterwards reads each part from one that holds it."""
     hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
     receivers = [start(actors, Receiver, hub, f"r{i}") for i in range(2)]
     learners = [start(actors, ShardLearner, hub) for _ in range(2)]
@@ -221,15 +220,21 @@ def test_sharded_learners_each_stream_their_own_part(actors):
     parts = split_in_parts(weights, 2)
     reports = ray.get(
         [
-            learner.send.remote(part, version=7, part=i, parts=2)
+            learner.send.remote(part, version=7, part=i, parts=2, wire_dtype=torch.bfloat16)
             for i, (learner, part) in enumerate(zip(learners, parts, strict=True))
         ],
         timeout=60,
     )
     assert {r.version for r in reports} == {7}
     assert reports[0].acked == ("r0", "r1")
-    for receiver in receivers:
-        assert_bitwise(ray.get(receiver.state.remote()), weights)
+    expected = {
+        k: v.to(torch.bfloat16).to(v.dtype) if v.dtype.is_floating_point else v
+        for k, v in weights.items()
+    }
+    late = start(actors, Receiver, hub, "late")
+    for receiver in [*receivers, late]:
+        assert ray.get(receiver.version.remote()) == 7
+        assert_bitwise(ray.get(receiver.state.remote()), expected)
 
 
 def test_a_hubs_broker_ends_with_the_hub_closed_or_dead(actors):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -69,6 +70,16 @@ def part_stream(model: str, index: int, parts: int) -> str:
     """The model name a planner sees for one part: each part is a stream of its own in
     the planner's bookkeeping (its latest version, its relays, its holds)."""
     return f"{model}[part {index} of {parts}]"
+
+
+def model_of_stream(stream: str) -> str:
+    """The model a planner's stream name is of: ``stream`` itself, or the model whose
+    part :func:`part_stream` named (what a receiver knows its model by)."""
+    found = _PART_STREAM.fullmatch(stream)
+    return stream if found is None else found.group(1)
+
+
+_PART_STREAM = re.compile(r"(.*)\[part \d+ of \d+\]", re.DOTALL)
 
 
 def payloads_in(kept: Sequence[Any]) -> tuple[Any, ...]:

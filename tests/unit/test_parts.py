@@ -19,6 +19,7 @@ from raysync.transports.parts import (
     Part,
     PartedReceiver,
     Parts,
+    model_of_stream,
     part_stream,
     payloads_in,
     plan_parts,
@@ -235,3 +236,10 @@ def test_a_transport_planning_parts_in_one_plan_gets_the_whole_update():
 
 def test_kept_payloads_are_listed_part_by_part():
     assert payloads_in(("x", PARTED)) == ("x", "put1", "put2")
+
+
+def test_a_part_streams_name_leads_back_to_its_model():
+    assert model_of_stream(part_stream("policy", 1, 4)) == "policy"
+    assert model_of_stream("policy") == "policy"
+    # A model id that looks like a part's name itself is one part deeper.
+    assert model_of_stream(part_stream("m[part 0 of 2]", 0, 3)) == "m[part 0 of 2]"

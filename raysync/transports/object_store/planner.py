@@ -22,6 +22,7 @@ from raysync.receiver_delivery import serve_call
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo, TransportPlanner
 from raysync.transports.object_store.buckets import BucketStream, StreamId
+from raysync.transports.parts import model_of_stream
 
 
 class ObjectStorePlanner(TransportPlanner):
@@ -73,7 +74,7 @@ class ObjectStorePlanner(TransportPlanner):
         key = StreamId(uuid.uuid4().hex, payload.key.count, payload.key.wait_s)
         served = BucketStream(payload.broker, key, payload.bucket_bytes)
         await payload.broker.readers.remote(key, [receiver.worker])
-        request = ServeRequest(update.model, update.version, spec, served)
+        request = ServeRequest(model_of_stream(update.model), update.version, spec, served)
         call = serve_call(holder.handle, holder.attachment, request)
         task = asyncio.ensure_future(self._served(call, served, holder.worker))
         self._serving.add(task)
