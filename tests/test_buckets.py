@@ -12,6 +12,7 @@ import pytest
 import ray
 import torch
 
+from raysync import WeightReceiver
 from raysync.testing import (
     MODEL,
     ConformanceReceiver,
@@ -252,6 +253,39 @@ def test_a_hubs_broker_ends_with_the_hub_closed_or_dead(actors):
             ray.kill(hub.actor)
     for broker in brokers:
         _wait_until(lambda b=broker: not _alive(b))
+
+
+@ray.remote(num_cpus=0, num_gpus=1)
+class CudaReceiver(WeightReceiver):
+    """A model in VRAM: buckets are staged on the host, copied to the device at the
+    safe point."""
+
+    def __init__(self, hub, worker: str):
+        self.sd = {k: torch.zeros_like(v, device="cuda") for k, v in special_weights().items()}
+        self.connect_hub(hub, models={MODEL: "sd"}, worker_id=worker)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.cpu() for k, v in self.sd.items()}
+
+
+@pytest.mark.gpu
+def test_a_cuda_learner_streams_buckets_to_a_cuda_receiver(actors):
+    if ray.cluster_resources().get("GPU", 0) < 1:
+        pytest.skip("the receiver needs a GPU of its own")
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    receiver = start(actors, CudaReceiver, hub, "gpu0")
+    ready([receiver])
+    weights = special_weights(3.0)
+    on_device = {k: v.cuda() for k, v in weights.items()}
+    report = ray.get(
+        hub.broadcast.remote(on_device, model=MODEL, wire_dtype=torch.bfloat16), timeout=60
+    )
+    assert report.acked == ("gpu0",)
+    expected = {
+        k: v.to(torch.bfloat16).to(v.dtype) if v.dtype.is_floating_point else v
+        for k, v in weights.items()
+    }
+    assert_bitwise(ray.get(receiver.state.remote()), expected)
 
 
 def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
