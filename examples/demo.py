@@ -1,4 +1,5 @@
-"""`make demo`: every transport that runs here, side by side on the same ~100 MB model.
+"""`make demo`: every transport that runs here, side by side on the same ~100 MB model
+(``object_store`` also with versions in 16 MiB buckets).
 
 A local Ray cluster; per transport, a hub and 4 receivers, a few broadcasts of the
 same model. Prints one row per transport (median seconds per broadcast, GB/s
@@ -57,10 +58,11 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def run_transport(transport: str, args: argparse.Namespace) -> Row:
-    """A hub on ``transport``, its receivers, ``args.broadcasts`` broadcasts; then both go."""
+def run_transport(transport: str, args: argparse.Namespace, bucket_mb: float | None = None) -> Row:
+    """A hub on ``transport``, its receivers, ``args.broadcasts`` broadcasts; then both go.
+    With ``bucket_mb``, versions move in buckets of that many MiB."""
     worker_class = _RDT_WORKER if transport == "rdt" else _WORKER
-    hub = WeightHub.remote(transport=transport)
+    hub = WeightHub.remote(transport=transport, bucket_mb=bucket_mb)
     workers = [
         worker_class.remote(hub, args.width, args.layers, f"worker-{i}")
         for i in range(args.receivers)
@@ -80,7 +82,7 @@ def run_transport(transport: str, args: argparse.Namespace) -> Row:
         lags = [s.lag["model"] for s in ray.get(hub.status.remote()).receivers]
         median = statistics.median(seconds)
         return Row(
-            transport,
+            transport if bucket_mb is None else f"{transport}+buckets",
             median,
             nbytes / median / 1e9,
             bitwise=digests == [_digest(learner)] * len(workers),
@@ -133,6 +135,12 @@ def main() -> None:
     parser.add_argument(
         "--transports", nargs="*", default=None, help="default: every one that runs here"
     )
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=16.0,
+        help="object_store also runs with versions in buckets of this many MiB (0: not)",
+    )
     parser.add_argument("--png", type=Path, default=Path("demo_transports.png"))
     args = parser.parse_args()
 
@@ -146,6 +154,9 @@ def main() -> None:
                 continue
             print(f"{transport} ...", flush=True)
             rows.append(run_transport(transport, args))
+            if get_transport(transport).buckets and args.bucket_mb > 0:
+                print(f"{transport}, {args.bucket_mb:g} MiB buckets ...", flush=True)
+                rows.append(run_transport(transport, args, bucket_mb=args.bucket_mb))
         print_table(rows, skipped, args)
         plot(rows, args.png)
         print(f"chart: {args.png.resolve()}")

@@ -12,10 +12,10 @@ def test_demo_prints_a_row_per_transport_and_writes_its_chart(tmp_path):
         "demo.py",
         *("--transports", "object_store", "shared_memory"),
         *("--receivers", "1", "--broadcasts", "2", "--width", "64", "--layers", "2"),
-        *("--png", str(png)),
+        *("--bucket-mb", "0.01", "--png", str(png)),
         cwd=tmp_path,
     )
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line}
-    for transport in ("object_store", "shared_memory"):
+    for transport in ("object_store", "object_store+buckets", "shared_memory"):
         assert rows[transport][3:5] == ["yes", "0"], rows[transport]  # bitwise, no lag
     assert png.stat().st_size > 0
