@@ -36,7 +36,7 @@ from raysync.transports import (
     registered_transports,
 )
 from raysync.transports.buckets import bucket_bytes_of
-from raysync.wire_dtype import check_wire_dtype, for_the_wire, wire_spec_of
+from raysync.wire_dtype import cast_to_wire, check_wire_dtype, wire_spec_of
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
@@ -143,7 +143,7 @@ class _Broadcast:
             # The hub's transport and those its receivers chose: one hand-off each.
             senders = {name: handle._sender(name) for name in route.hand_offs}
             if bucket_bytes is None:
-                wire, _ = for_the_wire(tensors, spec, wire_dtype)
+                wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
                 payloads = {name: sender.send(wire, travels) for name, sender in senders.items()}
             else:
                 _check_bucketed(senders)

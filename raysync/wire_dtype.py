@@ -1,11 +1,13 @@
 """A narrower dtype on the wire: floating tensors travel cast, receivers cast back.
 
 Called in the learner process by ``HubHandle.broadcast`` (:func:`check_wire_dtype`,
-:func:`for_the_wire`). The model's spec (its own dtypes) is what the hub checks against
-the receivers'; the *wire spec* is what the transport carries. A receiver fetches by the
-wire spec (``Update.wire_spec``) and copies into its own tensors, which casts: the model
-ends equal to ``w.to(wire_dtype).to(its_dtype)``, bit for bit. Integer and bool
-tensors, and floating tensors already at the wire dtype, travel as they are.
+:func:`wire_spec_of`, then :func:`cast_to_wire` for a version sent whole; a bucketed
+one is cast piece by piece as it is packed). The model's spec (its own dtypes) is what
+the hub checks against the receivers'; the *wire spec* is what the transport carries.
+A receiver fetches by the wire spec (``Update.wire_spec``) and copies into its own
+tensors, which casts: the model ends equal to ``w.to(wire_dtype).to(its_dtype)``, bit
+for bit. Integer and bool tensors, and floating tensors already at the wire dtype,
+travel as they are.
 """
 
 from __future__ import annotations
@@ -56,22 +58,18 @@ def wire_spec_of(spec: WeightSpec, wire_dtype: torch.dtype | None) -> WeightSpec
     return spec.cast(lambda dtype: _wire_dtype_of(dtype, wire_dtype))
 
 
-def for_the_wire(
-    tensors: Mapping[str, torch.Tensor], spec: WeightSpec, wire_dtype: torch.dtype | None
-) -> tuple[Mapping[str, torch.Tensor], WeightSpec | None]:
-    """The tensors as they travel, cast here, and their spec if it differs from ``spec``
-    (else None). Raises as :func:`wire_spec_of`."""
-    wire_spec = wire_spec_of(spec, wire_dtype)
-    if wire_spec is None:
-        return tensors, None
-    return {name: _cast(tensor, wire_dtype) for name, tensor in tensors.items()}, wire_spec
+def cast_to_wire(
+    tensors: Mapping[str, torch.Tensor], wire_spec: WeightSpec
+) -> dict[str, torch.Tensor]:
+    """``tensors`` in the dtypes of ``wire_spec`` (from :func:`wire_spec_of`): each
+    tensor whose dtype differs is cast (a wire-sized copy), the others pass as they are."""
+    return {
+        entry.name: tensors[entry.name]
+        if tensors[entry.name].dtype == entry.dtype
+        else tensors[entry.name].to(entry.dtype)
+        for entry in wire_spec.tensors
+    }
 
 
 def _wire_dtype_of(dtype: torch.dtype, wire_dtype: torch.dtype) -> torch.dtype:
     return wire_dtype if dtype.is_floating_point else dtype
-
-
-def _cast(tensor: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
-    if not tensor.dtype.is_floating_point or tensor.dtype == wire_dtype:
-        return tensor
-    return tensor.to(wire_dtype)

@@ -7,7 +7,7 @@ import torch
 
 from raysync.errors import InvalidWeightsError
 from raysync.spec import WeightSpec
-from raysync.wire_dtype import check_wire_dtype, for_the_wire
+from raysync.wire_dtype import cast_to_wire, check_wire_dtype, wire_spec_of
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -22,7 +22,8 @@ def _weights() -> dict[str, torch.Tensor]:
 
 def test_floating_tensors_travel_cast_and_others_as_they_are():
     weights = _weights()
-    wire, wire_spec = for_the_wire(weights, WeightSpec.of(weights), torch.bfloat16)
+    wire_spec = wire_spec_of(WeightSpec.of(weights), torch.bfloat16)
+    wire = cast_to_wire(weights, wire_spec)
     assert {k: v.dtype for k, v in wire.items()} == {
         "w": torch.bfloat16,
         "b": torch.bfloat16,
@@ -39,14 +40,15 @@ def test_floating_tensors_travel_cast_and_others_as_they_are():
 def test_nothing_to_cast_sends_the_weights_themselves():
     weights = {"w": torch.randn(3, dtype=torch.bfloat16), "steps": torch.arange(3)}
     spec = WeightSpec.of(weights)
-    assert for_the_wire(weights, spec, torch.bfloat16) == (weights, None)
-    assert for_the_wire(_weights(), WeightSpec.of(_weights()), None)[1] is None
+    assert wire_spec_of(spec, torch.bfloat16) is None
+    assert all(cast_to_wire(weights, spec)[k] is weights[k] for k in weights)  # no copy
+    assert wire_spec_of(WeightSpec.of(_weights()), None) is None
 
 
 def test_a_wire_dtype_wider_than_the_weights_is_refused_naming_them():
     weights = {"w": torch.randn(3, dtype=torch.bfloat16), "x": torch.randn(2)}
     with pytest.raises(InvalidWeightsError, match=r"float32 is wider .*w \(torch.bfloat16\)"):
-        for_the_wire(weights, WeightSpec.of(weights), torch.float32)
+        wire_spec_of(WeightSpec.of(weights), torch.float32)
 
 
 @pytest.mark.parametrize("bad", [torch.int8, torch.bool, "bfloat16", None])
