@@ -12,7 +12,7 @@ most :data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` buckets of a ver
 whatever the model's size. Who calls what, per version (one *stream*):
 
 * the learner: ``offer(stream, k, [ref])`` for each bucket, and before putting bucket
-  ``k`` ``room(stream, k, stall_s)``, which returns once every reader has taken the
+  ``k`` ``room(stream, k)``, which returns once every reader has taken the
   buckets before ``k - 1``; ``end(stream, why)`` if the broadcast ended before it was
   done;
 * the hub's planner: ``readers(stream, workers)`` when it plans the version,
@@ -28,7 +28,8 @@ its id, bucket count and the receivers' wait): each one opens it. A stream the h
 not planned within that wait (it refused the version), or whose readers have not
 finished within it of its last bucket, ends and frees its buckets.
 
-A reader that has not taken bucket ``k - 1`` within ``stall_s`` of the learner asking
+A reader that has not taken bucket ``k - 1`` within the stream's ``stall_s`` (half its
+``wait_s``) of the learner asking
 for room is dropped from the stream (its ``take`` then answers why): one stuck receiver
 fails only itself, the others go on.
 """
@@ -120,10 +121,11 @@ class BucketBroker:
             )
         await state.changed_now()
 
-    async def room(self, key: StreamId, index: int, stall_s: float) -> str | None:
+    async def room(self, key: StreamId, index: int) -> str | None:
         """Wait until bucket ``index`` may be put: every reader has copied the buckets
-        :data:`BUCKETS_IN_FLIGHT` before it. Readers still behind ``stall_s`` after the
-        version was planned are dropped. None, or why the stream cannot go on."""
+        :data:`BUCKETS_IN_FLIGHT` before it. Readers still behind ``key.stall_s`` after
+        the version was planned are dropped. None, or why the stream cannot go on."""
+        stall_s = key.stall_s
         state = self._open(key)
         if state is None:
             return self._ended.get(key.id, ("",))[0] or "the stream is over"
@@ -146,8 +148,8 @@ class BucketBroker:
                     break
                 try:
                     await asyncio.wait_for(state.changed.wait(), remaining)
-                except TimeoutError:
-                    pass
+                except asyncio.TimeoutError:
+                    pass  # the stall deadline passed: the next turn drops who is behind
         if state.ended is not None:
             return state.ended
         if not state.readers:
@@ -223,7 +225,7 @@ class BucketBroker:
                     ),
                     key.wait_s,
                 )
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
                 return None, (
                     f"bucket {index} of {key.count} did not arrive within {key.wait_s:g} s "
                     "(the learner may have died or stalled)"

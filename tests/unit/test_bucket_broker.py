@@ -28,11 +28,11 @@ def key(count: int = 6, wait_s: float = 5.0) -> StreamId:
     return StreamId("s", count, wait_s)
 
 
-async def learner(broker: BucketBroker, k: StreamId, log: list, stall_s: float = 5.0) -> None:
+async def learner(broker: BucketBroker, k: StreamId, log: list) -> None:
     """What the learner's stream_out does, with strings for object refs."""
     for index in range(k.count):
         if index >= BUCKETS_IN_FLIGHT:
-            why = await broker.room(k, index, stall_s)
+            why = await broker.room(k, index)
             if why is not None:
                 log.append(("stopped", why))
                 return
@@ -83,10 +83,10 @@ def test_calls_in_any_order_open_the_stream():
 
 def test_a_reader_that_holds_the_others_up_is_dropped_and_told_why():
     async def main():
-        broker, k, log = BucketBroker(_NO_HUB), key(count=4), []
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4, wait_s=0.4), []  # stall 0.2 s
         await broker.readers(k, ["quick", "stuck"])
         quick = asyncio.ensure_future(reader(broker, k, "quick", log))
-        await learner(broker, k, log, stall_s=0.2)
+        await learner(broker, k, log)
         await quick
         return await broker.take(k, 0, "stuck")
 
@@ -97,10 +97,11 @@ def test_a_reader_that_holds_the_others_up_is_dropped_and_told_why():
 
 def test_a_reader_the_hub_dropped_no_longer_holds_the_learner():
     async def main():
-        broker, k, log = BucketBroker(_NO_HUB), key(count=4), []
+        # A 60 s stall: only the hub's word can let the learner go on in time.
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4, wait_s=120), []
         await broker.readers(k, ["quick", "dead"])
         quick = asyncio.ensure_future(reader(broker, k, "quick", log))
-        sending = asyncio.ensure_future(learner(broker, k, log, stall_s=60))
+        sending = asyncio.ensure_future(learner(broker, k, log))
         while ("put", 1) not in log:
             await asyncio.sleep(0)
         await broker.drop_reader("dead")
@@ -116,7 +117,7 @@ def test_a_stream_the_hub_never_plans_ends_and_frees_its_buckets():
     async def main():
         broker, k = BucketBroker(_NO_HUB), key(count=3, wait_s=0.1)
         await broker.offer(k, 0, ["ref0"])
-        why = await broker.room(k, 2, stall_s=60)  # waits for a plan that never comes
+        why = await broker.room(k, 2)  # waits for a plan that never comes
         return broker, why, await broker.take(k, 0, "late")
 
     broker, why, (boxed, late) = run(main())

@@ -35,7 +35,7 @@ def _through_buckets(
 ) -> list[torch.Tensor]:
     """What a receiver stages: each bucket's pieces copied to their place, in order."""
     plan = BucketPlan.of(wire, bucket_bytes)
-    outgoing = Outgoing([tensors[name] for name in wire.names], plan, stall_s=1.0)
+    outgoing = Outgoing([tensors[name] for name in wire.names], plan)
     buffer = torch.zeros(plan.layout.nbytes, dtype=torch.uint8)
     for index in range(plan.count):
         arrays = bucket_arrays(outgoing, index)

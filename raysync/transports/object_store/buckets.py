@@ -74,6 +74,12 @@ class StreamId:
     #: not planned within it, or not read to the end within it of its last bucket.
     wait_s: float
 
+    @property
+    def stall_s(self) -> float:
+        """How long the others wait for a reader that holds them up before it is
+        dropped: half of ``wait_s``, so that it is dropped before they time out."""
+        return self.wait_s / 2
+
 
 @dataclass(frozen=True)
 class BucketStream:
@@ -104,7 +110,6 @@ class Outgoing:
 
     sources: list[torch.Tensor]  #: the learner's tensors, in spec order
     plan: BucketPlan
-    stall_s: float
 
 
 def start_stream(
@@ -119,7 +124,7 @@ def start_stream(
     plan = BucketPlan.of(spec, bucket_bytes)
     key = StreamId(uuid.uuid4().hex, plan.count, 2 * stall_s)
     payload = BucketStream(broker, key, bucket_bytes)
-    return payload, Outgoing([tensors[name] for name in spec.names], plan, stall_s)
+    return payload, Outgoing([tensors[name] for name in spec.names], plan)
 
 
 def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> None:
@@ -128,7 +133,7 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
     broker, key = payload.broker, payload.key
     for index in range(key.count):
         if index >= BUCKETS_IN_FLIGHT:
-            why = _wait_for_room(broker, key, index, outgoing.stall_s, done)
+            why = _wait_for_room(broker, key, index, done)
             if why is not None:
                 broker.end.remote(key, why)
                 return
@@ -144,7 +149,7 @@ def serve_stream(
     wire dtype, exact for values that came through it) through ``payload``; returns once
     the last bucket is put, or the reader is gone."""
     plan = BucketPlan.of(spec, payload.bucket_bytes)
-    outgoing = Outgoing([tensors[name] for name in spec.names], plan, payload.key.wait_s / 2)
+    outgoing = Outgoing([tensors[name] for name in spec.names], plan)
     stream_out(payload, outgoing, _NEVER_DONE)
 
 
@@ -172,10 +177,8 @@ def bucket_arrays(outgoing: Outgoing, index: int) -> list[np.ndarray]:
     return arrays
 
 
-def _wait_for_room(
-    broker: Any, key: StreamId, index: int, stall_s: float, done: VersionDone
-) -> str | None:
-    room = broker.room.remote(key, index, stall_s)
+def _wait_for_room(broker: Any, key: StreamId, index: int, done: VersionDone) -> str | None:
+    room = broker.room.remote(key, index)
     while not ray.wait([room], timeout=_LOOK_S)[0]:
         if done.ended():
             return "the broadcast ended before every bucket was sent"
