@@ -315,10 +315,14 @@ class WeightHubActor:
         """What a restarted hub reads back: versions and specs."""
         self._snapshot.save(self._state.versions(), self._state.specs())
 
-    async def route(self, model: str | None, submitter: str) -> Route:
+    async def route(self, model: str | None, submitter: str, after: int = 0) -> Route:
         """Learner, one broadcast ahead: the hand-offs its next broadcast carries and,
         when some receivers can be called by the learner itself, those receivers and
-        the model's next version (see :class:`~raysync.messages.Route`)."""
+        the model's next version (see :class:`~raysync.messages.Route`). ``after``: the
+        number of the submitter's broadcast sent just before this call; Ray may start
+        this call first, so it waits for that broadcast's turn, and the next version it
+        names is above that broadcast's (an explicit version included)."""
+        await self._in_order.wait_passed(submitter, after)
         hand_offs = self.transports()
         if self._closed or not self._state.models:
             return Route(hand_offs)

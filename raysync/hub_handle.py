@@ -195,7 +195,7 @@ class _Broadcast:
             )
             result = handle.actor.submit.remote(request)
             handle._in_flight.add(sequence, result)
-            handle._ask_route_ahead(model)
+            handle._ask_route_ahead(model, sequence)
         done = _BroadcastDone(handle.actor, result, waits=wait)
         for name, sender in senders.items():
             sender.submitted(payloads[name], done)
@@ -423,14 +423,15 @@ class HubHandle:
         self._last_direct[route.model] = version
         return version
 
-    def _ask_route(self, model: str | None) -> ray.ObjectRef:
-        return self.actor.route.remote(model, self._submitter)
+    def _ask_route(self, model: str | None, after: int = 0) -> ray.ObjectRef:
+        return self.actor.route.remote(model, self._submitter, after)
 
-    def _ask_route_ahead(self, model: str | None) -> None:
-        """Ask for the next broadcast's route now, after this one's submit (so that its
-        next version is usually above this broadcast's, even an explicit one)."""
+    def _ask_route_ahead(self, model: str | None, after: int) -> None:
+        """Ask for the next broadcast's route now, after this one's submit (numbered
+        ``after``: the hub answers once it has versioned that one, so the route's next
+        version is above it, even an explicit one). Called under ``_submitting``."""
         if model not in self._next_routes:
-            self._next_routes[model] = self._ask_route(model)
+            self._next_routes[model] = self._ask_route(model, after)
 
     def _sender(self, hand_off: str) -> TransportSender:
         """The learner half of transport ``hand_off``, opened in this process on first use."""

@@ -60,6 +60,25 @@ class InOrder:
                 self._next[stream] = max(self._next[stream], number + 1)
                 self._changed.notify_all()
 
+    async def wait_passed(self, stream: str, number: int) -> None:
+        """Return once call ``number`` of ``stream`` has had its turn and run up to its
+        next ``await`` (or ``wait_s`` passed: a lost call is not waited for longer).
+        A reader of what that call changes sees the change; number 0 returns at once."""
+        if number > 0:
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: self._next.get(stream, 1) > number),
+                        self._wait_s,
+                    )
+                except asyncio.TimeoutError:
+                    logger.info(
+                        "stream %s: call %d did not have its turn within %g s; reading without it",
+                        stream,
+                        number,
+                        self._wait_s,
+                    )
+
     def _skip_to_lowest_waiting(self, stream: str) -> None:
         """Give up on the numbers missing below the lowest section waiting (lock held)."""
         lowest = min(self._waiting[stream])

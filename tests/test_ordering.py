@@ -50,3 +50,39 @@ def test_numbers_below_the_callers_floor_are_not_waited_for():
 
     asyncio.run(main())
     assert ran == [7, 8]
+
+
+def test_a_reader_started_before_a_call_sees_what_that_call_changed():
+    # The hub's route (the reader) may start before the submit it follows: it waits for
+    # that submit's turn and reads the version the submit booked, not the one before.
+    gate = InOrder(wait_s=30)
+    booked = {"version": 0}
+    read: list[int] = []
+
+    async def submit(number: int, version: int) -> None:
+        await gate.wait_turn("learner", number)
+        booked["version"] = version
+
+    async def route(after: int) -> None:
+        await gate.wait_passed("learner", after)
+        read.append(booked["version"])
+
+    async def main() -> None:
+        await asyncio.wait_for(
+            asyncio.gather(route(2), route(0), submit(2, 10), submit(1, 3)), timeout=5
+        )
+
+    asyncio.run(main())
+    assert read == [0, 10]
+
+
+def test_a_reader_of_a_lost_call_reads_without_it_after_the_wait():
+    gate = InOrder(wait_s=0.2)
+    read: list[str] = []
+
+    async def route() -> None:
+        await gate.wait_passed("learner", 1)  # call 1 never comes
+        read.append("read")
+
+    asyncio.run(asyncio.wait_for(route(), timeout=5))
+    assert read == ["read"]
