@@ -167,11 +167,13 @@ class BucketBroker:
 
     # -- the hub's planner ----------------------------------------------------------------
     async def readers(self, key: StreamId, workers: list[str]) -> None:
-        """The version of ``key`` goes to ``workers``."""
+        """The version of ``key`` goes to ``workers`` too: each planner whose receivers
+        read it names its readers (the object store's: receivers; ``rpc``'s: its agent).
+        The hub plans every transport of a delivery before any receiver reads it."""
         state = self._open(key)
         if state is None:
             return
-        state.readers = {w for w in workers if w not in state.dropped}
+        state.readers = (state.readers or set()) | {w for w in workers if w not in state.dropped}
         state.free_taken()
         await state.changed_now()
 
@@ -184,11 +186,13 @@ class BucketBroker:
 
     # -- receivers -------------------------------------------------------------------------
     async def take(
-        self, key: StreamId, index: int, worker: str
+        self, key: StreamId, index: int, worker: str, passed_on: tuple[str, ...] = ()
     ) -> tuple[list[ray.ObjectRef] | None, str | None]:
         """Bucket ``index`` for ``worker`` (waiting up to ``key.wait_s`` for the learner
         to put it), which has copied every bucket before it. ``(boxed ref, None)``, or
-        ``(None, why not)``; ``index == count`` says the receiver is done: ``(None, None)``."""
+        ``(None, why not)``; ``index == count`` says the reader is done: ``(None, None)``,
+        and ``passed_on`` names the receivers it handed every bucket to (a relaying
+        reader, ``rpc``'s agent): like readers that finished, they may serve the version."""
         state = self._open(key)
         if state is None:
             why, dropped, _ = self._ended.get(key.id, ("", {}, []))
@@ -204,6 +208,7 @@ class BucketBroker:
         state.taken[worker] = max(state.taken.get(worker, 0), index)
         state.free_taken()
         if index >= key.count:
+            state.finished.extend(passed_on)
             self._finish_reader(state, worker)
             await state.changed_now()
             return None, None

@@ -24,22 +24,30 @@ import asyncio
 import itertools
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from raysync.actors.heap import settle_heap
+from raysync.layout import PackedLayout
+from raysync.transports.base import TransportError
 from raysync.transports.object_store import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
 from raysync.transports.rpc import (
     RpcJob,
     RpcMember,
+    abandon,
+    agent_reader,
     answer_ping,
+    finish,
     init_rpc,
+    is_bucketed,
     land,
+    land_bucket,
     open_master_store,
+    read_buckets,
     rpc_name,
 )
 
@@ -60,8 +68,9 @@ class _Admitted:
 class AgentStatus:
     url: str
     members: dict[str, str]  #: worker id -> RPC name
-    sent: int  #: RPCs that landed
+    sent: int  #: versions that landed (whole, or every bucket)
     failures: tuple[str, ...]  #: why RPCs failed, oldest first (last 16)
+    reader: str  #: how it names itself to the hub's bucket broker
 
 
 class RpcAgentActor:
@@ -85,7 +94,7 @@ class RpcAgentActor:
         self._name = rpc_name(key, 0)
         known = known or {}
         self._members: dict[str, _Admitted] = {
-            worker: _Admitted(process, self._member(rank))
+            worker: _Admitted(process, self._member(rank, worker))
             for worker, (process, rank) in known.items()
         }
         self._ranks = itertools.count(1 + max((rank for _, rank in known.values()), default=0))
@@ -103,7 +112,7 @@ class RpcAgentActor:
         if known is not None:
             await asyncio.to_thread(self._unlist, {known.member.name})
         await asyncio.to_thread(self._prune)
-        member = self._member(next(self._ranks))
+        member = self._member(next(self._ranks), worker)
         self._members[worker] = _Admitted(process, member)
         return member
 
@@ -114,9 +123,15 @@ class RpcAgentActor:
         """worker -> its place in the group."""
         return {worker: admitted.member for worker, admitted in self._members.items()}
 
-    def _member(self, rank: int) -> RpcMember:
+    def _member(self, rank: int, worker: str) -> RpcMember:
         return RpcMember(
-            self._url, self._key, self._hub, rpc_name(self._key, rank), rank, self._settings
+            self._url,
+            self._key,
+            self._hub,
+            rpc_name(self._key, rank),
+            rank,
+            self._settings,
+            worker,
         )
 
     async def forget(self, worker: str) -> None:
@@ -126,16 +141,57 @@ class RpcAgentActor:
             await asyncio.to_thread(self._unlist, {gone.member.name})
 
     async def send(self, job: RpcJob) -> dict[str, str | None]:
+        if is_bucketed(job.source):
+            return await self._send_buckets(job)
         try:  # read the learner's copy here: a blocking get would hold the event loop
             arrays = await read_put(job.source, self._settings.timeout_s)
         except Exception as err:
             reason = f"could not read the update: {err!r}"
             return self._fail(job, dict.fromkeys(job.workers, reason))
-        return await asyncio.to_thread(self._send, job, arrays)
+        with warnings.catch_warnings():
+            # Read-only views of the object store; RPC only reads them.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            tensors = [torch.from_numpy(a) for a in arrays]
+        outcomes = await asyncio.to_thread(
+            self._call_each, job.workers, land, (self._key, job.seq, tensors)
+        )
+        self._sent += sum(why is None for why in outcomes.values())
+        return self._fail(job, outcomes)
+
+    async def _send_buckets(self, job: RpcJob) -> dict[str, str | None]:
+        """One ``land_bucket`` call per bucket and receiver, bucket after bucket (see
+        :mod:`raysync.transports.rpc.buckets`); a receiver whose call fails gets no more."""
+        reader = agent_reader(self._key)
+        nbytes = PackedLayout.of(job.spec).nbytes
+        outcomes: dict[str, str | None] = {}
+        live = list(job.workers)
+        try:
+            buckets = read_buckets(job.source, job.spec, reader, self._settings.timeout_s)
+            async for bucket in buckets:
+                args = (self._key, job.seq, nbytes, bucket.ats, bucket.tensors)
+                called = await asyncio.to_thread(self._call_each, live, land_bucket, args)
+                for worker, why in called.items():
+                    if why is not None:
+                        outcomes[worker] = why
+                        live.remove(worker)
+                if not live:
+                    break
+        except TransportError as err:
+            why = f"the agent could not read the version: {err}"
+            await asyncio.to_thread(self._call_each, live, abandon, (self._key, job.seq, why))
+            outcomes.update(dict.fromkeys(live, why))
+            live = []
+        finally:
+            finish(job.source, reader, live)
+        outcomes.update(dict.fromkeys(live))
+        self._sent += len(live)
+        return self._fail(job, outcomes)
 
     async def describe(self) -> AgentStatus:
         members = {w: a.member.name for w, a in self._members.items()}
-        return AgentStatus(self._url, members, self._sent, tuple(self._failures))
+        return AgentStatus(
+            self._url, members, self._sent, tuple(self._failures), agent_reader(self._key)
+        )
 
     async def close(self) -> None:
         import torch.distributed.rpc as rpc
@@ -143,24 +199,22 @@ class RpcAgentActor:
         await asyncio.to_thread(rpc.shutdown, graceful=False)
 
     # -- worker threads --------------------------------------------------------------------
-    def _send(self, job: RpcJob, arrays: list[np.ndarray]) -> dict[str, str | None]:
+    def _call_each(
+        self, workers: Sequence[str], fn: Callable, args: tuple
+    ) -> dict[str, str | None]:
+        """``rpc_async(worker, fn, args)`` to each of ``workers``, then wait for every
+        call: None, or why it failed, per worker."""
         deadline = time.monotonic() + self._settings.timeout_s
         outcomes: dict[str, str | None] = {}
-        with warnings.catch_warnings():
-            # Read-only views of the object store; RPC only reads them.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            tensors = [torch.from_numpy(a) for a in arrays]
         futures = {}
-        for worker in job.workers:
+        for worker in workers:
             admitted = self._members.get(worker)
             if admitted is None:
                 outcomes[worker] = "not a member of the RPC group (it left or died)"
                 continue
             name = admitted.member.name
             try:
-                futures[worker] = self._land_when_reachable(
-                    name, (self._key, job.seq, tensors), deadline
-                )
+                futures[worker] = self._call_when_reachable(name, fn, args, deadline)
             except Exception as err:
                 outcomes[worker] = f"could not send to {name}: {err}"
         for worker, future in futures.items():
@@ -170,8 +224,7 @@ class RpcAgentActor:
                 outcomes[worker] = f"RPC to {worker} failed: {err}"
             else:
                 outcomes[worker] = None
-                self._sent += 1
-        return self._fail(job, outcomes)
+        return outcomes
 
     def _fail(self, job: RpcJob, outcomes: dict[str, str | None]) -> dict[str, str | None]:
         for worker, reason in outcomes.items():
@@ -182,8 +235,10 @@ class RpcAgentActor:
                 ]
         return outcomes
 
-    def _land_when_reachable(self, name: str, args: tuple, deadline: float) -> torch.futures.Future:
-        """``rpc_async(name, land, args)`` as soon as torch can send to ``name``.
+    def _call_when_reachable(
+        self, name: str, fn: Callable, args: tuple, deadline: float
+    ) -> torch.futures.Future:
+        """``rpc_async(name, fn, args)`` as soon as torch can send to ``name``.
 
         A receiver admitted a moment ago, or moving here from a dead agent's group, may
         still be inside ``init_rpc``: until its join reaches this process ``rpc_async``
@@ -196,7 +251,7 @@ class RpcAgentActor:
         while True:
             try:
                 return rpc.rpc_async(
-                    name, land, args=args, timeout=max(0.1, deadline - time.monotonic())
+                    name, fn, args=args, timeout=max(0.1, deadline - time.monotonic())
                 )
             except RuntimeError:
                 if time.monotonic() > deadline:

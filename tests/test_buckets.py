@@ -1,7 +1,8 @@
-"""Bucketed versions (``bucket_mb``) on the object store, with tiny buckets: every
-version lands bitwise and whole at one safe point, the object store never holds more
-than two buckets of it, a receiver that holds the others up fails alone, a version
-whose learner dies after some buckets were copied leaves every model untouched."""
+"""Bucketed versions (``bucket_mb``) with tiny buckets, on the object store and on RPC
+(one call per bucket): every version lands bitwise and whole at one safe point, the
+object store never holds more than two buckets of it, a receiver that holds the others
+up (or dies) fails alone, a version whose learner dies after some buckets were copied
+leaves every model untouched, late joiners read the latest version from a holder."""
 
 from __future__ import annotations
 
@@ -23,10 +24,13 @@ from raysync.testing import (
     uniform_weights,
 )
 from raysync.transports.object_store import BROKER_NAMESPACE, BUCKETS_IN_FLIGHT, broker_name
+from raysync.transports.rpc import agent_name
 from tests.helpers import ready, start, start_hub
 
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
 TINY_MB = 1 / 1024
+#: The transports that move buckets; each test of both runs on a hub of each.
+BUCKETED = pytest.mark.parametrize("transport", ["object_store", "rpc"])
 
 
 @ray.remote(num_cpus=0)
@@ -54,8 +58,9 @@ def broker_of(hub):
     return ray.get_actor(broker_name(hub.config.hub_id), namespace=BROKER_NAMESPACE)
 
 
-def test_bucketed_versions_land_bitwise_in_every_receiver(actors):
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+@BUCKETED
+def test_bucketed_versions_land_bitwise_in_every_receiver(actors, transport):
+    hub = start_hub(actors, transport, models=[MODEL], bucket_mb=TINY_MB)
     receivers = [start(actors, Receiver, hub, f"r{i}") for i in range(2)]
     ready(receivers)
     for seed in (1.0, 2.0, 3.0):
@@ -87,8 +92,9 @@ def test_a_broadcast_sets_its_own_bucket_size_and_small_versions_go_whole(actors
     assert ray.get(broker_of(hub).stats.remote()).peak_buckets <= BUCKETS_IN_FLIGHT
 
 
-def test_bucketed_with_a_wire_dtype_casts_each_piece(actors):
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+@BUCKETED
+def test_bucketed_with_a_wire_dtype_casts_each_piece(actors, transport):
+    hub = start_hub(actors, transport, models=[MODEL], bucket_mb=TINY_MB)
     receiver = start(actors, Receiver, hub, "r0")
     ready([receiver])
     weights = special_weights(1.5)
@@ -106,8 +112,9 @@ def test_bucketed_with_a_wire_dtype_casts_each_piece(actors):
     assert report.bytes == wire_bytes
 
 
-def test_no_reader_sees_bucket_k_of_one_version_beside_another_versions(actors):
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+@BUCKETED
+def test_no_reader_sees_bucket_k_of_one_version_beside_another_versions(actors, transport):
+    hub = start_hub(actors, transport, models=[MODEL], bucket_mb=TINY_MB)
     receivers = [start(actors, Receiver, hub, f"r{i}") for i in range(2)]
     ready(receivers)
     for value in range(1, 9):
@@ -172,11 +179,62 @@ def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors
     assert report.version == 3
 
 
-def test_late_joiners_and_restarted_receivers_start_on_the_latest_version(actors):
+def test_one_stream_feeds_object_store_and_rpc_readers_and_a_dead_learner_touches_neither(
+    actors,
+):
+    """Receivers of both transports read one bucket stream: the object store's through
+    the broker, RPC's through its agent. "stuck" holds the stream at two buckets; the
+    agent relays both to "copier" and waits for the third, which never comes: the
+    learner is killed there. Nothing of the version reaches either model."""
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    copier = start(actors, Receiver, hub, "copier", transport="rpc")
+    stuck = start(actors, Receiver, hub, "stuck")
+    ready([copier, stuck])
+    report = ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    assert report.acked == ("copier", "stuck")
+    assert_bitwise(ray.get(copier.state.remote()), special_weights(1.0))
+
+    blocked = stuck.busy.remote(3.0)
+    learner = start(actors, Learner, hub)
+    learner.send.remote(special_weights(2.0), timeout_s=4.0)
+    broker = _wait_for_broker(hub)
+    agent = ray.get_actor(agent_name(hub.config.hub_id))
+    reader = ray.get(agent.describe.remote()).reader
+    _wait_until(lambda: _copier_waits_for_bucket(broker, reader, BUCKETS_IN_FLIGHT))
+    ray.kill(learner)
+    ray.get(blocked)
+
+    for receiver in (copier, stuck):
+        assert ray.get(receiver.version.remote()) == 1
+        assert_bitwise(ray.get(receiver.state.remote()), special_weights(1.0))
+    weights = special_weights(3.0)
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
+    assert (report.acked, report.version) == (("copier", "stuck"), 3)
+    for receiver in (copier, stuck):
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
+
+
+def test_an_rpc_receiver_that_dies_fails_alone_and_the_stream_goes_on(actors):
+    hub = start_hub(actors, "rpc", models=[MODEL], bucket_mb=TINY_MB)
+    survivors = [start(actors, Receiver, hub, f"r{i}") for i in range(2)]
+    doomed = start(actors, Receiver, hub, "doomed")
+    ready([*survivors, doomed])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    ray.kill(doomed)  # the hub may or may not have noticed by the next broadcast
+    weights = special_weights(2.0)
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL, raise_on_failure=False), timeout=60)
+    assert report.acked == ("r0", "r1")
+    assert set(report.failed) <= {"doomed"}
+    for receiver in survivors:
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
+
+
+@BUCKETED
+def test_late_joiners_and_restarted_receivers_start_on_the_latest_version(actors, transport):
     """Between broadcasts no process holds a bucketed version whole but the receivers'
     models: a receiver that joins, or comes back after a restart, reads it from one of
     them."""
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    hub = start_hub(actors, transport, models=[MODEL], bucket_mb=TINY_MB)
     holder = start(actors, Receiver, hub, "holder")
     restarting = start(actors, Receiver.options(max_restarts=1), hub, "restarting")
     ready([holder, restarting])
@@ -213,9 +271,10 @@ def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors)
     assert_bitwise(ray.get(late.state.remote()), newest)
 
 
-def test_sharded_learners_each_stream_their_own_part(actors):
+@BUCKETED
+def test_sharded_learners_each_stream_their_own_part(actors, transport):
     """And a receiver that joins afterwards reads each part from one that holds it."""
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    hub = start_hub(actors, transport, models=[MODEL], bucket_mb=TINY_MB)
     receivers = [start(actors, Receiver, hub, f"r{i}") for i in range(2)]
     learners = [start(actors, ShardLearner, hub) for _ in range(2)]
     ready(receivers)
@@ -296,9 +355,9 @@ def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
     with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB"):
         start_hub(actors, "object_store", bucket_mb=0)
     hub = start_hub(actors, "object_store", models=[MODEL])
-    receiver = start(actors, Receiver, hub, "r0", transport="rpc")
+    receiver = start(actors, Receiver, hub, "r0", transport="distributed")
     ready([receiver])
-    with pytest.raises(ValueError, match=r"r0 \(rpc\)"):
+    with pytest.raises(ValueError, match=r"r0 \(distributed\)"):
         ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL, bucket_mb=TINY_MB))
     assert ray.get(receiver.version.remote()) == 0
 

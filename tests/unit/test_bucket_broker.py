@@ -172,3 +172,26 @@ def test_a_receiver_that_was_not_a_reader_is_told_the_buckets_are_gone():
     (boxed, why), (_, after) = run(main())
     assert boxed is None and "bucket 0 of 3 is gone" in why
     assert "the version's stream is over (every reader took it)" in after
+
+
+def test_each_planner_adds_its_readers_and_a_relay_names_who_it_passed_every_bucket_to():
+    # One stream read by object-store receivers and by RPC's agent, which relays it.
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=3), []
+        await broker.readers(k, ["a"])
+        await broker.readers(k, ["agent"])
+
+        async def agent() -> None:
+            for index in range(k.count):
+                assert (await broker.take(k, index, "agent"))[1] is None
+                await asyncio.sleep(0)
+            assert await broker.take(k, k.count, "agent", ("r0", "r1")) == (None, None)
+
+        got, *_ = await asyncio.gather(
+            reader(broker, k, "a", log), agent(), learner(broker, k, log)
+        )
+        return got, broker.finished(k)
+
+    got, finished = run(main())
+    assert got == ["ref0", "ref1", "ref2"]
+    assert sorted(finished) == ["a", "agent", "r0", "r1"]

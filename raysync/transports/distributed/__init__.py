@@ -63,7 +63,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
+from raysync.transports.base import (
+    Availability,
+    HubContext,
+    MemoryFootprint,
+    Transport,
+    TransportSender,
+)
 from raysync.transports.distributed.group import join_group, run_broadcast, staging_device
 from raysync.transports.distributed.planner import DistributedPlanner
 from raysync.transports.distributed.receiver import DistributedReceiver
@@ -76,7 +82,7 @@ from raysync.transports.distributed.wire import (
     header,
     process_group_name,
 )
-from raysync.transports.object_store import ObjectStoreSender
+from raysync.transports.object_store import ObjectStoreTransport
 from raysync.transports.options import DistributedOptions
 
 __all__ = [
@@ -122,8 +128,8 @@ class DistributedTransport(Transport):
         return DistributedPlanner(hub)
 
     @classmethod
-    def open_sender(cls, hub: HubContext) -> ObjectStoreSender:
-        return ObjectStoreSender()
+    def open_sender(cls, hub: HubContext) -> TransportSender:
+        return ObjectStoreTransport.open_sender(hub)  # its hand-off's: never called as its own
 
     @classmethod
     def open_receiver(cls, info: Any) -> DistributedReceiver:

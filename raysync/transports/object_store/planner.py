@@ -29,8 +29,7 @@ class ObjectStorePlanner(TransportPlanner):
     def __init__(self) -> None:
         self._broker: Any = None  #: the hub's bucket broker, once a bucketed version came
         self._receivers: dict[str, ReceiverInfo] = {}
-        self._turn = 0  #: which holder serves the next late joiner
-        self._serving: set[asyncio.Task] = set()
+        self._serving = BucketServing(self._receivers)
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> str:
         """The receiver's worker id: how it names itself to the bucket broker."""
@@ -55,8 +54,31 @@ class ObjectStorePlanner(TransportPlanner):
         return {receiver.worker: payload for receiver in targets}
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
-        """A bucketed version's buckets are gone once its readers took them: a receiver
-        that read it serves it again, as ``spec``, in a stream of its own."""
+        return await self._serving.plan_pull(update, spec, receiver)
+
+    async def close(self) -> None:
+        self._serving.close()
+        if self._broker is not None:
+            ray.kill(self._broker)  # a dead one too: no error
+            self._broker = None
+
+
+class BucketServing:
+    """Hub process: a bucketed version again, for a receiver that pulls it after the
+    broadcast (joining, restarted). Its buckets are gone once its readers took them: a
+    receiver that read it (one of ``receivers``, a planner's own, live map) serves it,
+    as the puller's ``spec``, in a stream of its own that the puller reads from the
+    broker as any object-store reader does."""
+
+    def __init__(self, receivers: Mapping[str, ReceiverInfo]) -> None:
+        self._receivers = receivers
+        self._turn = 0  #: which holder serves the next late joiner
+        self._serving: set[asyncio.Task] = set()
+
+    async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
+        """The payload ``receiver`` reads: a new stream for a bucketed version (the
+        version's own when nobody can serve it: its fetch says the buckets are gone, and
+        the next version comes), the learner's payload otherwise."""
         payload = update.payload
         if not isinstance(payload, BucketStream):
             return payload
@@ -68,7 +90,7 @@ class ObjectStorePlanner(TransportPlanner):
             self._receivers[w] for w in finished if w in self._receivers and w != receiver.worker
         ]
         if not holders:
-            return payload  # its fetch says the buckets are gone; the next version comes
+            return payload
         holder = holders[self._turn % len(holders)]
         self._turn += 1
         key = StreamId(uuid.uuid4().hex, payload.key.count, payload.key.wait_s)
@@ -91,9 +113,6 @@ class ObjectStorePlanner(TransportPlanner):
         if why is not None:
             served.broker.end.remote(served.key, f"{holder} could not serve it: {why}")
 
-    async def close(self) -> None:
+    def close(self) -> None:
         for task in self._serving:
             task.cancel()
-        if self._broker is not None:
-            ray.kill(self._broker)  # a dead one too: no error
-            self._broker = None

@@ -61,40 +61,66 @@ peers: run on a trusted cluster network.
 
 from __future__ import annotations
 
-from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
-from raysync.transports.object_store import ObjectStoreSender
+from raysync.transports.base import (
+    Availability,
+    HubContext,
+    MemoryFootprint,
+    Transport,
+    TransportSender,
+)
+from raysync.transports.object_store import ObjectStoreTransport
 from raysync.transports.options import RpcOptions
+from raysync.transports.rpc.buckets import (
+    Bucket,
+    agent_reader,
+    bucket_count,
+    finish,
+    is_bucketed,
+    read_buckets,
+    streams_of,
+)
 from raysync.transports.rpc.planner import RpcPlanner
-from raysync.transports.rpc.receiver import RpcReceiver, answer_ping, land
+from raysync.transports.rpc.receiver import RpcReceiver, abandon, answer_ping, land, land_bucket
 from raysync.transports.rpc.rendezvous import SCHEME, init_rpc, interface_of, open_master_store
 from raysync.transports.rpc.wire import RpcJob, RpcMember, RpcPayload, agent_name, rpc_name
 
 __all__ = [
     "SCHEME",
+    "Bucket",
     "RpcJob",
     "RpcMember",
     "RpcPayload",
     "RpcPlanner",
     "RpcReceiver",
     "RpcTransport",
+    "abandon",
     "agent_name",
+    "agent_reader",
     "answer_ping",
+    "bucket_count",
+    "finish",
     "init_rpc",
     "interface_of",
+    "is_bucketed",
     "land",
+    "land_bucket",
     "open_master_store",
+    "read_buckets",
     "rpc_name",
+    "streams_of",
 ]
 
 
 class RpcTransport(Transport):
     name = "rpc"
     #: The learner's put (two alive); the landed tensors in each receiver's inbox.
+    #: Bucketed: two buckets in the object store, one staged version per receiver.
     memory = MemoryFootprint(learner=2, per_receiver=1)
     hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
     #: Sharded learners: its resource actor reads every part's put and sends the version
     #: whole (one collective / one call per receiver), so members enter it once.
     parts_in_one_plan = True
+    buckets = True
     options = RpcOptions
 
     @classmethod
@@ -114,8 +140,8 @@ class RpcTransport(Transport):
         return RpcPlanner(hub)
 
     @classmethod
-    def open_sender(cls, hub: HubContext) -> ObjectStoreSender:
-        return ObjectStoreSender()
+    def open_sender(cls, hub: HubContext) -> TransportSender:
+        return ObjectStoreTransport.open_sender(hub)  # its hand-off's: never called as its own
 
     @classmethod
     def open_receiver(cls, info: RpcMember) -> RpcReceiver:

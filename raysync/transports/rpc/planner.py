@@ -17,7 +17,10 @@ from raysync.actor_classes import RPC_AGENT, actor_class
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
+from raysync.transports.object_store.planner import BucketServing
 from raysync.transports.options import RpcOptions
+from raysync.transports.parts import plan_pull_parts
+from raysync.transports.rpc.buckets import agent_reader, bucket_count, is_bucketed, streams_of
 from raysync.transports.rpc.wire import RpcJob, RpcMember, RpcPayload, agent_name
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,9 @@ class RpcPlanner(TransportPlanner):
         self._key, self._actor = self._start_agent()
         self._seq = 0
         self._lock = asyncio.Lock()  #: agent replacement and plans, one at a time
+        self._receivers: dict[str, ReceiverInfo] = {}
+        self._serving = BucketServing(self._receivers)  #: bucketed versions, pulled
+        self._broker: Any = None  #: the hub's bucket broker, once a bucketed version came
 
     def _start_agent(self) -> tuple[str, Any]:
         """A new agent (new key, new group) that re-admits every known member at its rank."""
@@ -62,6 +68,8 @@ class RpcPlanner(TransportPlanner):
             return self._actor
         except ray.exceptions.RayActorError as err:
             logger.warning("the RPC agent %s died (%s); starting a new group", self._name, err)
+        if self._broker is not None:  # no bucketed version waits for the dead agent
+            self._broker.drop_reader.remote(agent_reader(self._key))
         self._key, self._actor = self._start_agent()
         try:
             self._members = await self._actor.members.remote()
@@ -74,12 +82,14 @@ class RpcPlanner(TransportPlanner):
             agent = await self._live_agent()
             member = await agent.admit.remote(receiver.worker, receiver.process)
             self._members[receiver.worker] = member
+            self._receivers[receiver.worker] = receiver
             self._ranks.set(receiver.worker, receiver.process, member.rank)
             return member
 
     async def receiver_left(self, worker: str) -> None:
         async with self._lock:
             self._members.pop(worker, None)
+            self._receivers.pop(worker, None)
             self._ranks.remove(worker)
             try:
                 await self._actor.forget.remote(worker)
@@ -95,16 +105,32 @@ class RpcPlanner(TransportPlanner):
             agent = await self._live_agent()
             self._seq += 1
             workers = tuple(t.worker for t in targets)
-            job = RpcJob(self._seq, update.model, update.version, workers, update.payload)
+            for stream in streams_of(update.payload):  # the agent reads and relays it
+                self._broker = stream.broker
+                await stream.broker.readers.remote(stream.key, [agent_reader(self._key)])
+            buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
+            job = RpcJob(self._seq, update.model, update.version, workers, update.payload, spec)
             agent.send.remote(job)  # its outcome is the receivers' to report
             return {
                 worker: RpcPayload(
-                    self._key, job.seq, self._settings.timeout_s, self._members[worker]
+                    self._key,
+                    job.seq,
+                    self._settings.timeout_s,
+                    self._members[worker],
+                    buckets,
                 )
                 for worker in workers
             }
 
+    async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
+        """The learner's put, read directly; a bucketed version is served again by a
+        receiver that got it, one stream per part (read from the broker)."""
+        if not is_bucketed(update.payload):
+            return update.payload
+        return await plan_pull_parts(self._serving, update, spec, receiver, in_one_plan=False)
+
     async def close(self) -> None:
+        self._serving.close()
         try:
             await self._actor.close.remote()
         except ray.exceptions.RayActorError:

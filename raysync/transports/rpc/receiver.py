@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
-from raysync.transports.object_store import ObjectStorePayload, ObjectStoreReceiver
+from raysync.transports.object_store import ObjectStoreReceiver
 from raysync.transports.parts import PartedReceiver
 from raysync.transports.rpc.rendezvous import init_rpc
-from raysync.transports.rpc.wire import RpcMember
+from raysync.transports.rpc.wire import RpcMember, RpcPayload
 
 #: When a receiver takes version #n from its inbox, versions older than #(n - this) that
 #: landed but were never taken (superseded: their delivery skipped them) are dropped.
@@ -60,6 +62,90 @@ class _Inbox:
 _INBOX = _Inbox()
 
 
+@dataclass
+class _Landing:
+    """A bucketed version landing: its staging buffer and how far it got."""
+
+    buffer: torch.Tensor
+    landed: int = 0
+    failed: str | None = None
+
+
+class _BucketInbox:
+    """Per process: bucketed versions landing by RPC, each into a staging buffer of its
+    packed layout, until ``fetch`` takes the buffer; buffers come back with ``release``
+    and are reused (one kept free per size)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._landing: dict[tuple[str, int], _Landing] = {}
+        self._free: dict[int, torch.Tensor] = {}
+
+    def put(self, key: str, seq: int, nbytes: int, ats: list[int], pieces: list[torch.Tensor]):
+        with self._cond:
+            landing = self._landing.get((key, seq))
+            if landing is None:
+                buffer = self._free.pop(nbytes, None)
+                if buffer is None:
+                    buffer = torch.empty(nbytes, dtype=torch.uint8)
+                landing = self._landing[(key, seq)] = _Landing(buffer)
+        # One bucket of a version lands at a time (the agent waits for each call).
+        for at, piece in zip(ats, pieces, strict=True):
+            raw = piece.reshape(-1).view(torch.uint8)
+            landing.buffer[at : at + raw.numel()].copy_(raw)
+        with self._cond:
+            landing.landed += 1
+            self._cond.notify_all()
+
+    def fail(self, key: str, seq: int, why: str) -> None:
+        with self._cond:
+            landing = self._landing.get((key, seq))
+            if landing is None:
+                landing = self._landing[(key, seq)] = _Landing(torch.empty(0, dtype=torch.uint8))
+            landing.failed = why
+            self._cond.notify_all()
+
+    def take(self, key: str, seq: int, count: int, timeout_s: float) -> torch.Tensor:
+        """The buffer of version #``seq`` once its ``count`` buckets landed; TransportError
+        if the agent gave it up, or no bucket landed for ``timeout_s``."""
+        with self._cond:
+            for stale in [k for k in self._landing if k[0] == key and k[1] < seq - _INBOX_WINDOW]:
+                self._drop(stale)
+            progress, deadline = -1, 0.0
+            while True:
+                landing = self._landing.get((key, seq))
+                if landing is not None and landing.failed is not None:
+                    self._drop((key, seq))
+                    raise TransportError(f"version #{seq} of RPC hub {key[:12]}: {landing.failed}")
+                landed = 0 if landing is None else landing.landed
+                if landed >= count:
+                    return self._landing.pop((key, seq)).buffer
+                if landed != progress:
+                    progress, deadline = landed, time.monotonic() + timeout_s
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._drop((key, seq))
+                    raise TransportError(
+                        f"version #{seq} of RPC hub {key[:12]}: bucket {landed} of {count} did "
+                        f"not land within {timeout_s:g} s; the RPC agent may have died or "
+                        "could not reach this receiver"
+                    )
+                self._cond.wait(remaining)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._cond:
+            self._free[buffer.numel()] = buffer
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        """Forget a landing and reuse its buffer (holds the lock)."""
+        landing = self._landing.pop(key, None)
+        if landing is not None and landing.buffer.numel():
+            self._free[landing.buffer.numel()] = landing.buffer
+
+
+_BUCKETS = _BucketInbox()
+
+
 def answer_ping() -> bool:
     """The agent's liveness probe of a listed member (runs on its RPC thread pool)."""
     return True
@@ -69,6 +155,18 @@ def land(key: str, seq: int, tensors: list[torch.Tensor]) -> int:
     """Runs on the receiver's RPC thread pool when the agent's ``rpc_async`` arrives."""
     _INBOX.put(key, seq, tensors)
     return seq
+
+
+def land_bucket(key: str, seq: int, nbytes: int, ats: list[int], pieces: list[torch.Tensor]) -> int:
+    """One bucket of bucketed version #``seq`` (RPC thread pool): its ``pieces`` go at
+    ``ats`` in the version's staging buffer of ``nbytes``."""
+    _BUCKETS.put(key, seq, nbytes, ats, pieces)
+    return seq
+
+
+def abandon(key: str, seq: int, why: str) -> None:
+    """The agent gave bucketed version #``seq`` up (RPC thread pool): its fetch raises."""
+    _BUCKETS.fail(key, seq, why)
 
 
 class _Membership:
@@ -140,12 +238,21 @@ class _Membership:
 class RpcReceiver(TransportReceiver):
     def __init__(self, member: RpcMember) -> None:
         self._member = _Membership.join(member)
-        self._pull = PartedReceiver(ObjectStoreReceiver())  # the learner's put(s)
+        #: the learner's put(s), or a bucket stream served to this receiver
+        self._pull = PartedReceiver(ObjectStoreReceiver(member.worker))
+        self._lock = threading.Lock()
+        self._leased: dict[int, torch.Tensor] = {}  #: id(staged) -> its landed buffer
 
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
-        if isinstance(payload, ObjectStorePayload):  # pull mode: the learner's copy
+        if not isinstance(payload, RpcPayload):  # pull mode: from the object store
             return self._pull.fetch(payload, spec)
         _Membership.follow(payload.member)
+        if payload.buckets:
+            buffer = _BUCKETS.take(payload.key, payload.seq, payload.buckets, payload.timeout_s)
+            staged = PackedLayout.of(spec).views(buffer)
+            with self._lock:
+                self._leased[id(staged)] = buffer
+            return staged
         tensors = _INBOX.take(payload.key, payload.seq, payload.timeout_s)
         if len(tensors) != len(spec):
             raise TransportError(
@@ -158,3 +265,18 @@ class RpcReceiver(TransportReceiver):
             raw if raw.dtype == entry.dtype else raw.view(entry.dtype)
             for raw, entry in zip(tensors, spec.tensors, strict=True)
         ]
+
+    def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
+        if not isinstance(payload, RpcPayload):
+            self._pull.release(payload, staged)
+            return
+        with self._lock:
+            buffer = None if staged is None else self._leased.pop(id(staged), None)
+        if buffer is not None:
+            _BUCKETS.give_back(buffer)
+
+    def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
+        self._pull.serve(payload, tensors, spec)
+
+    def close(self) -> None:
+        self._pull.close()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raysync.transports.object_store import ObjectStorePayload
+from raysync.spec import WeightSpec
+from raysync.transports.object_store import BucketStream, ObjectStorePayload
 from raysync.transports.options import RpcOptions
 from raysync.transports.parts import Parts
 
@@ -19,6 +20,7 @@ class RpcMember:
     name: str  #: this receiver's RPC name
     rank: int
     settings: RpcOptions
+    worker: str  #: the receiver's worker id (how it reads a served bucket stream)
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,9 @@ class RpcJob:
     model: str
     version: int
     workers: tuple[str, ...]
-    source: ObjectStorePayload | Parts  #: the learner's put (one per part if sent in parts)
+    #: the learner's put, or its bucket stream (one per part if sent in parts)
+    source: ObjectStorePayload | BucketStream | Parts
+    spec: WeightSpec  #: what travels (the wire's): a bucket's place in the receivers' buffer
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class RpcPayload:
     seq: int
     timeout_s: float
     member: RpcMember
+    #: how many buckets the version lands in (one call each), 0 if it lands whole
+    buckets: int = 0
 
 
 def agent_name(hub_id: str) -> str:
