@@ -5,7 +5,8 @@ direct path). For a bucketed version (:class:`BucketStream`), the planner tells 
 hub's bucket broker which receivers read it, and which receivers died or left, so the
 learner never waits for a reader that is gone; and a receiver that pulls it after the
 broadcast (joining, restarted) gets a new stream that a receiver which read the version
-serves from its model (:func:`~raysync.transports.object_store.buckets.serve_stream`).
+serves from its model (:func:`~raysync.transports.object_store.buckets.serve_stream`):
+:class:`BucketServing`, which ``rpc``'s planner uses too.
 """
 
 from __future__ import annotations

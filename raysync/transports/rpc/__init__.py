@@ -48,6 +48,10 @@ reserves those ranks, and receivers move to the new group when they register aga
 Memory: every version pushed to a receiver waits in its inbox until its delivery takes
 it, so a receiver kept busy for many broadcasts holds each of them meanwhile.
 
+A version larger than ``bucket_mb`` leaves the learner as the object store's bucket
+stream; the agent relays it bucket by bucket, one call per bucket and receiver, into
+each receiver's staging buffer (:mod:`raysync.transports.rpc.buckets`).
+
 Settings: ``WeightHub.remote(options=RpcOptions(timeout_s=...))``
 (:class:`~raysync.transports.options.RpcOptions`: the timeout of the rendezvous, of
 every RPC and of the wait in ``fetch``, default 30 s).
