@@ -10,7 +10,8 @@ process, one per hub, and killed with it. It owns
 * rank 0 of the current generation: a ``ProcessGroupGloo``/``ProcessGroupNCCL``
   object, never the process's default group;
 * the send buffer: the learner's object-store copy packed behind a header, reused while
-  its size stays the same.
+  its size stays the same; for a bucketed version, one bucket at a time
+  (:mod:`raysync.transports.bucket_relay`: one collective per bucket).
 
 ``broadcast`` runs one collective in a worker thread (the event loop stays free for
 ``describe``) and returns ``None`` or the reason it failed. A failure shuts the
@@ -30,6 +31,15 @@ import torch
 
 from raysync.actors.heap import settle_heap
 from raysync.layout import PackedLayout
+from raysync.transports.base import TransportError
+from raysync.transports.bucket_relay import (
+    RelayedBucket,
+    adopt,
+    finish,
+    is_bucketed,
+    read_bucket,
+    relay_plan,
+)
 from raysync.transports.distributed import (
     HEADER_BYTES,
     BroadcastJob,
@@ -64,7 +74,8 @@ class ProcessGroupActor:
         host = node_ip()
         port, self._store = bound_master_store(host, settings.timeout_s)
         self._address = StoreAddress(host, port)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  #: the group and its buffer, in worker threads
+        self._jobs = asyncio.Lock()  #: one version's collectives at a time
         self._generation: Generation | None = None
         self._group = None
         self._buffer: torch.Tensor | None = None
@@ -75,14 +86,46 @@ class ProcessGroupActor:
     async def store_address(self) -> StoreAddress:
         return self._address
 
-    async def broadcast(self, job: BroadcastJob) -> str | None:
-        """Run collective ``job.seq`` of ``job.generation`` as rank 0; None or why not."""
-        arrays: list[np.ndarray] | BaseException
-        try:  # read the learner's copy here: a blocking get would hold the event loop
-            arrays = await read_put(job.source, job.generation.settings.timeout_s)
-        except Exception as err:
-            arrays = err  # the collective fails with it, so members stop waiting at once
-        return await asyncio.to_thread(self._broadcast, job, arrays)
+    async def broadcast(self, job: BroadcastJob, reader: str) -> str | None:
+        """Run collective ``job.seq`` of ``job.generation`` as rank 0 (one per bucket for
+        a bucketed version, read from the hub's bucket broker as ``reader``); None or
+        why not."""
+        async with self._jobs:
+            if is_bucketed(job.source):
+                return await self._relay(job, reader)
+            arrays: list[np.ndarray] | BaseException
+            try:  # read the learner's copy here: a blocking get would hold the event loop
+                arrays = await read_put(job.source, job.generation.settings.timeout_s)
+            except Exception as err:
+                arrays = err  # the collective fails with it, so members stop waiting at once
+            return await asyncio.to_thread(self._broadcast, job, arrays)
+
+    async def _relay(self, job: BroadcastJob, reader: str) -> str | None:
+        """One collective per bucket (:mod:`raysync.transports.bucket_relay`), each bucket
+        taken once the previous one's collective is done. If one fails, the members read
+        the rest of the version from the broker themselves (they are made its readers
+        first), so a dead member costs the others nothing."""
+        settings = job.generation.settings
+        plan = relay_plan(job.source, job.spec)
+        size = HEADER_BYTES + max(bucket.nbytes for bucket in plan)
+        passed_on: tuple[str, ...] = ()
+        try:
+            for number, bucket in enumerate(plan, start=1):
+                pieces: list[torch.Tensor] | BaseException
+                try:
+                    pieces = await read_bucket(bucket, reader, settings.timeout_s)
+                except TransportError as err:
+                    pieces = err  # the collective fails with it: members stop waiting
+                reason = await asyncio.to_thread(
+                    self._broadcast_bucket, job, number, size, bucket, pieces
+                )
+                if reason is not None:
+                    await adopt(job.source, job.generation.members)
+                    return reason
+            passed_on = job.generation.members
+            return None
+        finally:
+            finish(job.source, reader, passed_on)
 
     async def describe(self) -> GroupStatus:
         generation = self._generation
@@ -122,14 +165,58 @@ class ProcessGroupActor:
             self._collectives += 1
             return None
 
+    def _broadcast_bucket(
+        self,
+        job: BroadcastJob,
+        number: int,
+        size: int,
+        bucket: RelayedBucket,
+        pieces: list[torch.Tensor] | BaseException,
+    ) -> str | None:
+        """Bucket ``number`` (from 1) of ``job`` as one collective of ``size`` bytes: the
+        header, then the bucket's pieces back to back."""
+        generation = job.generation
+        with self._lock:
+            try:
+                if self._generation != generation:
+                    self._leave()
+                    self._generation = generation
+                    self._group = join_group(generation, 0, self._store)
+                if self._group is None:
+                    raise RuntimeError("the group broke in an earlier collective")
+                if isinstance(pieces, BaseException):
+                    raise RuntimeError(f"could not read the bucket: {pieces}") from pieces
+                buffer = self._send_buffer(size, staging_device(generation.settings))
+                buffer[:HEADER_BYTES].copy_(header(generation.number, job.seq, size, number))
+                at = HEADER_BYTES
+                for piece in pieces:
+                    buffer[at : at + piece.numel()].copy_(piece)
+                    at += piece.numel()
+                run_broadcast(self._group, buffer, generation.settings)
+            except Exception as err:
+                self._leave()
+                reason = (
+                    f"collective {job.seq} (bucket {number}) of generation {generation.number} "
+                    f"(version {job.version} of model {job.model!r} to "
+                    f"{', '.join(generation.members)}) failed on rank 0: {err}"
+                )
+                self._failures = [*self._failures[-15:], reason]
+                return reason
+            self._collectives += 1
+            return None
+
+    def _send_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The send buffer, reused while its size and device stay the same."""
+        buffer = self._buffer
+        if buffer is None or buffer.numel() != nbytes or buffer.device != device:
+            buffer = self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buffer
+
     def _pack(self, job: BroadcastJob, arrays: list[np.ndarray] | BaseException) -> torch.Tensor:
         if isinstance(arrays, BaseException):
             raise RuntimeError(f"could not read the learner's copy: {arrays!r}") from arrays
         layout = PackedLayout.of(job.spec, HEADER_BYTES)
-        device = staging_device(job.generation.settings)
-        buffer = self._buffer
-        if buffer is None or buffer.numel() != layout.nbytes or buffer.device != device:
-            buffer = self._buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        buffer = self._send_buffer(layout.nbytes, staging_device(job.generation.settings))
         with warnings.catch_warnings():
             # Read-only views of the object store; we only read from them.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

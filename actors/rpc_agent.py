@@ -32,6 +32,7 @@ import torch
 from raysync.actors.heap import settle_heap
 from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
+from raysync.transports.bucket_relay import finish, is_bucketed, read_buckets, relay_reader
 from raysync.transports.object_store import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
@@ -39,15 +40,11 @@ from raysync.transports.rpc import (
     RpcJob,
     RpcMember,
     abandon,
-    agent_reader,
     answer_ping,
-    finish,
     init_rpc,
-    is_bucketed,
     land,
     land_bucket,
     open_master_store,
-    read_buckets,
     rpc_name,
 )
 
@@ -160,15 +157,16 @@ class RpcAgentActor:
 
     async def _send_buckets(self, job: RpcJob) -> dict[str, str | None]:
         """One ``land_bucket`` call per bucket and receiver, bucket after bucket (see
-        :mod:`raysync.transports.rpc.buckets`); a receiver whose call fails gets no more."""
-        reader = agent_reader(self._key)
+        :mod:`raysync.transports.bucket_relay`); a receiver whose call fails gets no more."""
+        reader = relay_reader(self._key)
         nbytes = PackedLayout.of(job.spec).nbytes
         outcomes: dict[str, str | None] = {}
         live = list(job.workers)
         try:
             buckets = read_buckets(job.source, job.spec, reader, self._settings.timeout_s)
-            async for bucket in buckets:
-                args = (self._key, job.seq, nbytes, bucket.ats, bucket.tensors)
+            async for bucket, pieces in buckets:
+                ats = [at for at, _ in bucket.pieces]
+                args = (self._key, job.seq, nbytes, ats, pieces)
                 called = await asyncio.to_thread(self._call_each, live, land_bucket, args)
                 for worker, why in called.items():
                     if why is not None:
@@ -190,7 +188,7 @@ class RpcAgentActor:
     async def describe(self) -> AgentStatus:
         members = {w: a.member.name for w, a in self._members.items()}
         return AgentStatus(
-            self._url, members, self._sent, tuple(self._failures), agent_reader(self._key)
+            self._url, members, self._sent, tuple(self._failures), relay_reader(self._key)
         )
 
     async def close(self) -> None:

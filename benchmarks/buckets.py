@@ -1,6 +1,7 @@
 """Bucketed versions (``bucket_mb``) against whole versions: memory and time by model size.
 
-For each (size, mode) cell, a fresh hub on ``object_store`` and N receiver actors (the
+For each (size, mode) cell, a fresh hub on ``--transport`` (``object_store``; ``rpc``
+or ``distributed``, whose agent / rank 0 relays each bucket) and N receiver actors (the
 mixin, one float32 state_dict of 16 tensors) take one untimed and ``--repeats`` timed
 broadcasts from this process (the learner). Modes: ``whole`` (one put per version), ``bucketed``
 (``bucket_mb``), ``bucketed_bf16`` (also ``wire_dtype=bfloat16``). Recorded per cell:
@@ -9,8 +10,8 @@ broadcasts from this process (the learner). Modes: ``whole`` (one put per versio
 * the peak growth of private resident memory (``RssAnon``, sampled every 5 ms in each
   process) from before the first broadcast to after the last — the learner (this
   process), each receiver (its staging buffers included), the hub, the bucket broker
-  (from its start, during the first broadcast): what a process holds beyond the model
-  (the object store's shared pages it maps are the store's, below);
+  (from its start, during the first broadcast), the relay: what a process holds
+  beyond the model (the object store's shared pages it maps are the store's, below);
 * the object store's peak bytes pinned as primary copies (what it must hold) and peak
   bytes in use (also objects every reference has left, which the raylet deletes in
   batches, every second by default, and evicts sooner when space is needed), sampled
@@ -21,6 +22,7 @@ broadcasts from this process (the learner). Modes: ``whole`` (one put per versio
 ``python benchmarks/buckets.py --sizes 256 512 1024 2048 4096 --out
 benchmarks/results/buckets.json`` (sizes in MiB; JSON + PNG). A model larger than the
 object store: ``--object-store-mb 1024 --sizes 3072 --modes bucketed --receivers 2``.
+On ``rpc``: ``--transport rpc --sizes 1024 --out benchmarks/results/buckets_rpc.json``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ import torch
 from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
 from raysync import WeightHub, WeightReceiver
+from raysync.transports.distributed import process_group_name
 from raysync.transports.object_store import BROKER_NAMESPACE, broker_name
+from raysync.transports.rpc import agent_name
 
 _MODEL = "m"
 _TENSORS = 16
@@ -149,11 +153,20 @@ class _StoreWatch:
         self._thread.join()
 
 
+def _relays(transport: str, hub_id: str) -> dict:
+    """The actor that relays a bucketed version to the receivers of ``transport``."""
+    if transport == "rpc":
+        return {"agent": ray.get_actor(agent_name(hub_id))}
+    if transport == "distributed":
+        return {"rank0": ray.get_actor(process_group_name(hub_id))}
+    return {}
+
+
 def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) -> dict:
     bucket_mb = None if mode == "whole" else args.bucket_mb
     wire = torch.bfloat16 if mode.endswith("bf16") else None
     _StoreWatch(address).wait_empty()
-    hub = WeightHub.remote(models=[_MODEL], timeout_s=args.timeout_s)
+    hub = WeightHub.remote(models=[_MODEL], timeout_s=args.timeout_s, transport=args.transport)
     receivers = [_Receiver.remote(hub, size_mb) for _ in range(args.receivers)]
     ray.get([r.__ray_ready__.remote() for r in receivers])
     weights = _state(size_mb, 1.0)
@@ -163,7 +176,9 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
         # staging buffers, kept for the next ones); that one is not timed (it also
         # starts the broker and opens the senders).
         learner = _AnonPeak()
-        ray.get([a.__ray_call__.remote(_sample) for a in [*receivers, hub.actor]])
+        relays = _relays(args.transport, hub.config.hub_id)
+        watched = [*receivers, hub.actor, *relays.values()]
+        ray.get([a.__ray_call__.remote(_sample) for a in watched])
         spilled_before = _StoreWatch(address).stats().spilled_bytes_total
         with _StoreWatch(address) as store:  # the whole store: the previous cell's is gone
             for repeat in range(args.repeats + 1):
@@ -180,7 +195,7 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
                     name = broker_name(hub.config.hub_id)
                     broker = ray.get_actor(name, namespace=BROKER_NAMESPACE)
                     ray.get(broker.__ray_call__.remote(_sample))
-        processes = {"hub": hub.actor} | ({"broker": broker} if broker is not None else {})
+        processes = {"hub": hub.actor, **relays} | ({"broker": broker} if broker else {})
         spilled = store.stats().spilled_bytes_total - spilled_before
         growth = {
             "learner": learner.growth_mb(),
@@ -193,6 +208,7 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
         p50 = statistics.median(seconds)
         return {
             "size_mb": size_mb,
+            "transport": args.transport,
             "mode": mode,
             "bucket_mb": bucket_mb,
             "receivers": args.receivers,
@@ -263,6 +279,9 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--whole-max-mb", type=int, default=2048, help="largest whole-version cell")
     p.add_argument("--receivers", type=int, default=1)
+    p.add_argument(
+        "--transport", choices=("object_store", "rpc", "distributed"), default="object_store"
+    )
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=600.0)

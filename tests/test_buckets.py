@@ -1,8 +1,9 @@
-"""Bucketed versions (``bucket_mb``) with tiny buckets, on the object store and on RPC
-(one call per bucket): every version lands bitwise and whole at one safe point, the
-object store never holds more than two buckets of it, a receiver that holds the others
-up (or dies) fails alone, a version whose learner dies after some buckets were copied
-leaves every model untouched, late joiners read the latest version from a holder."""
+"""Bucketed versions (``bucket_mb``) with tiny buckets, on the object store, on RPC (one
+call per bucket) and on torch.distributed (one collective per bucket): every version
+lands bitwise and whole at one safe point, the object store never holds more than two
+buckets of it, a receiver that holds the others up (or dies) fails alone, a version
+whose learner dies after some buckets were copied leaves every model untouched, late
+joiners read the latest version from a holder."""
 
 from __future__ import annotations
 
@@ -23,14 +24,17 @@ from raysync.testing import (
     split_in_parts,
     uniform_weights,
 )
+from raysync.transports import register_transport
+from raysync.transports.distributed import process_group_name, rank0_reader
 from raysync.transports.object_store import BROKER_NAMESPACE, BUCKETS_IN_FLIGHT, broker_name
 from raysync.transports.rpc import agent_name
 from tests.helpers import ready, start, start_hub
+from tests.third_party_transport import PutReaderTransport
 
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
 TINY_MB = 1 / 1024
 #: The transports that move buckets; each test of both runs on a hub of each.
-BUCKETED = pytest.mark.parametrize("transport", ["object_store", "rpc"])
+BUCKETED = pytest.mark.parametrize("transport", ["object_store", "rpc", "distributed"])
 
 
 @ray.remote(num_cpus=0)
@@ -52,6 +56,11 @@ class Learner:
 
     def send(self, weights: dict[str, torch.Tensor], **broadcast) -> None:
         self.hub.broadcast.remote(weights, model=MODEL, **broadcast)
+
+    def report(self, weights: dict[str, torch.Tensor], **broadcast):
+        """Broadcast and wait for the report (the call returns once every bucket is put,
+        which here waits for a busy reader: the test goes on meanwhile)."""
+        return ray.get(self.hub.broadcast.remote(weights, model=MODEL, **broadcast))
 
 
 def broker_of(hub):
@@ -214,8 +223,40 @@ def test_one_stream_feeds_object_store_and_rpc_readers_and_a_dead_learner_touche
         assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 
-def test_an_rpc_receiver_that_dies_fails_alone_and_the_stream_goes_on(actors):
-    hub = start_hub(actors, "rpc", models=[MODEL], bucket_mb=TINY_MB)
+def test_a_distributed_member_that_dies_midway_fails_alone(actors):
+    """Rank 0 relays buckets 0 and 1 by collective and waits for bucket 2 ("stuck", an
+    object-store reader of the same stream, holds it up); a member dies there. The
+    collective of bucket 2 fails; the survivor reads it and the rest from the broker."""
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    survivor = start(actors, Receiver, hub, "survivor", transport="distributed")
+    doomed = start(actors, Receiver, hub, "doomed", transport="distributed")
+    stuck = start(actors, Receiver, hub, "stuck")
+    ready([survivor, doomed, stuck])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+
+    blocked = stuck.busy.remote(3.0)
+    weights = special_weights(2.0)
+    learner = start(actors, Learner, hub)
+    sent = learner.report.remote(weights, timeout_s=12.0, raise_on_failure=False)
+    broker = _wait_for_broker(hub)
+    reader = rank0_reader(hub.config.hub_id)
+    _wait_until(lambda: _copier_waits_for_bucket(broker, reader, BUCKETS_IN_FLIGHT))
+    ray.kill(doomed)
+    ray.get(blocked)
+
+    report = ray.get(sent, timeout=60)
+    assert report.acked == ("stuck", "survivor")
+    assert set(report.failed) == {"doomed"}
+    for receiver in (survivor, stuck):
+        assert ray.get(receiver.version.remote()) == 2
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
+    status = ray.get(ray.get_actor(process_group_name(hub.config.hub_id)).describe.remote())
+    assert any("bucket 3" in failure for failure in status.failures), status.failures
+
+
+@pytest.mark.parametrize("transport", ["rpc", "distributed"])
+def test_a_relayed_receiver_that_dies_fails_alone(actors, transport):
+    hub = start_hub(actors, transport, models=[MODEL], bucket_mb=TINY_MB)
     survivors = [start(actors, Receiver, hub, f"r{i}") for i in range(2)]
     doomed = start(actors, Receiver, hub, "doomed")
     ready([*survivors, doomed])
@@ -355,11 +396,27 @@ def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
     with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB"):
         start_hub(actors, "object_store", bucket_mb=0)
     hub = start_hub(actors, "object_store", models=[MODEL])
-    receiver = start(actors, Receiver, hub, "r0", transport="distributed")
+    receiver = start(actors, Receiver, hub, "r0", transport="shared_memory")
     ready([receiver])
-    with pytest.raises(ValueError, match=r"r0 \(distributed\)"):
+    with pytest.raises(ValueError, match=r"transport 'shared_memory' moves whole versions"):
         ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL, bucket_mb=TINY_MB))
     assert ray.get(receiver.version.remote()) == 0
+
+
+def test_the_hub_refuses_a_bucketed_version_for_receivers_of_a_whole_version_transport(actors):
+    """``put_reader`` reads the object store's hand-off, which moves buckets, but reads
+    whole puts only: the hub names its receivers before any receiver is touched."""
+    register_transport("put_reader", PutReaderTransport)
+    hub = start_hub(actors, "object_store", models=[MODEL])
+    whole = start(actors, Receiver, hub, "whole", transport="put_reader")
+    bucketed = start(actors, Receiver, hub, "bucketed")
+    ready([whole, bucketed])
+    with pytest.raises(ValueError, match=r"whole versions only: whole \(put_reader\)"):
+        ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL, bucket_mb=TINY_MB))
+    assert [ray.get(r.version.remote()) for r in (whole, bucketed)] == [0, 0]
+    report = ray.get(hub.broadcast.remote(special_weights(2.0), model=MODEL), timeout=60)
+    assert report.acked == ("bucketed", "whole")
+    assert_bitwise(ray.get(whole.state.remote()), special_weights(2.0))
 
 
 def _pid(handle) -> int:

@@ -5,6 +5,10 @@
 ``packed_object``: the learner packs a version into one uint8 buffer and puts it in
 Ray's object store; a receiver gets it (zero-copy on its node) and views the tensors in
 place. No planner of its own: every receiver reads the learner's object.
+
+``put_reader``: a receiver half only, reading the ``object_store`` transport's whole put
+(its ``hand_off``); it moves no buckets, so the hub refuses a bucketed version for its
+receivers.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from raysync.transports import (
     TransportReceiver,
     TransportSender,
 )
+from raysync.transports.object_store import ObjectStorePayload, as_tensor
 
 
 @dataclass(frozen=True)
@@ -67,3 +72,30 @@ class PackedObjectTransport(Transport):
     @classmethod
     def open_receiver(cls, info: Any) -> PackedReceiver:
         return PackedReceiver()
+
+
+class PutReader(TransportReceiver):
+    def fetch(self, payload: ObjectStorePayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        arrays = ray.get(payload.ref)
+        with warnings.catch_warnings():  # torch warns of a read-only array: never written
+            warnings.simplefilter("ignore", UserWarning)
+            return [as_tensor(a, e.dtype) for a, e in zip(arrays, spec.tensors, strict=True)]
+
+
+class PutReaderTransport(Transport):
+    name = "put_reader"
+    hand_off = "object_store"
+    #: The object store's put (two alive); receivers read it in place.
+    memory = MemoryFootprint(learner=2, per_receiver=0)
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability(True)
+
+    @classmethod
+    def open_sender(cls, hub: HubContext) -> TransportSender:
+        raise NotImplementedError("its hand-off's sender sends for it")
+
+    @classmethod
+    def open_receiver(cls, info: Any) -> PutReader:
+        return PutReader()

@@ -47,6 +47,16 @@ member fails; the next version goes to a new generation without it. Pull mode
 object-store copy directly: the hub hands them the learner's payload, and a collective
 cannot be arranged for one receiver that asks on its own schedule.
 
+A version larger than ``bucket_mb`` leaves the learner as the object store's bucket
+stream; rank 0 relays it (:mod:`raysync.transports.bucket_relay`): one collective per
+bucket, each bucket taken from the hub's bucket broker once the previous collective is
+done, members placing each into a staging buffer and applying the version at one safe
+point. If a collective fails, rank 0 first makes every member a reader of the stream at
+the broker (which still holds the bucket it stopped at), and each member that did not
+get the bucket reads it and the rest from there, as an object-store receiver would: one
+death still fails only the dead member. A member that pulls a bucketed version later
+reads it from the broker, served by a receiver that got it.
+
 Settings: ``WeightHub.remote(options=DistributedOptions(backend=..., timeout_s=...))``
 (:class:`~raysync.transports.options.DistributedOptions`: ``gloo`` or ``nccl``, and the
 timeout of every rendezvous and collective, default 30 s).
@@ -81,6 +91,7 @@ from raysync.transports.distributed.wire import (
     StoreAddress,
     header,
     process_group_name,
+    rank0_reader,
 )
 from raysync.transports.object_store import ObjectStoreTransport
 from raysync.transports.options import DistributedOptions
@@ -97,6 +108,7 @@ __all__ = [
     "header",
     "join_group",
     "process_group_name",
+    "rank0_reader",
     "run_broadcast",
     "staging_device",
 ]
@@ -105,12 +117,14 @@ __all__ = [
 class DistributedTransport(Transport):
     name = "distributed"
     #: The learner's put (two alive), rank 0's read of it and its packed send buffer;
-    #: each receiver's receive buffer.
+    #: each receiver's receive buffer. Bucketed: two buckets in the object store, one in
+    #: rank 0's send buffer, one staged version per receiver.
     memory = MemoryFootprint(learner=4, per_receiver=1)
     hand_off = "object_store"  #: the learner puts once; the hub's side reads that copy
     #: Sharded learners: its resource actor reads every part's put and sends the version
     #: whole (one collective / one call per receiver), so members enter it once.
     parts_in_one_plan = True
+    buckets = True
     options = DistributedOptions
 
     @classmethod
@@ -133,4 +147,4 @@ class DistributedTransport(Transport):
 
     @classmethod
     def open_receiver(cls, info: Any) -> DistributedReceiver:
-        return DistributedReceiver()
+        return DistributedReceiver(info)

@@ -14,14 +14,18 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raysync.actor_classes import PROCESS_GROUP, actor_class
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
+from raysync.transports.bucket_relay import bucket_count, is_bucketed, streams_of
 from raysync.transports.distributed.wire import (
     BroadcastJob,
     Generation,
     GroupPayload,
     StoreAddress,
     process_group_name,
+    rank0_reader,
 )
+from raysync.transports.object_store.planner import BucketServing
 from raysync.transports.options import DistributedOptions
+from raysync.transports.parts import plan_pull_parts
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +58,25 @@ class DistributedPlanner(TransportPlanner):
         #: rank 0's result of the last collective planned: None, or why it failed.
         self._last_job: Any = None
         self._lock = asyncio.Lock()  #: plans run one at a time, in call order
+        self._reader = rank0_reader(hub.hub_id)  #: rank 0, to the bucket broker
+        self._receivers: dict[str, ReceiverInfo] = {}
+        self._serving = BucketServing(self._receivers)  #: bucketed versions, pulled
+        self._broker: Any = None  #: the hub's bucket broker, once a bucketed version came
 
-    async def receiver_joined(self, receiver: ReceiverInfo) -> None:
+    async def receiver_joined(self, receiver: ReceiverInfo) -> str:
+        """The receiver's worker id: how it names itself to the bucket broker."""
         self._forget(receiver.worker)  # a re-registered worker is a new process
+        self._receivers[receiver.worker] = receiver
+        return receiver.worker
 
     async def receiver_left(self, worker: str) -> None:
         self._forget(worker)
+        self._receivers.pop(worker, None)
+        if self._broker is not None:  # it may read a version itself, its group broken
+            try:
+                await self._broker.drop_reader.remote(worker)
+            except ray.exceptions.RayActorError:
+                self._broker = None
 
     def _forget(self, worker: str) -> None:
         if self._generation is not None and worker in self._generation.members:
@@ -92,12 +109,25 @@ class DistributedPlanner(TransportPlanner):
                 self._next_seq = 0
             seq = self._next_seq
             self._next_seq += 1
+            for stream in streams_of(update.payload):  # rank 0 reads and relays it
+                self._broker = stream.broker
+                await stream.broker.readers.remote(stream.key, [self._reader])
+            buckets = bucket_count(update.payload, spec) if is_bucketed(update.payload) else 0
             job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
-            self._last_job = self._actor.broadcast.remote(job)
+            self._last_job = self._actor.broadcast.remote(job, self._reader)
             return {
-                worker: GroupPayload(generation, generation.rank_of(worker), seq, update.payload)
+                worker: GroupPayload(
+                    generation, generation.rank_of(worker), seq, update.payload, buckets
+                )
                 for worker in members
             }
+
+    async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
+        """The learner's put, read directly; a bucketed version is served again by a
+        receiver that got it, one stream per part (read from the broker)."""
+        if not is_bucketed(update.payload):
+            return update.payload
+        return await plan_pull_parts(self._serving, update, spec, receiver, in_one_plan=False)
 
     @staticmethod
     async def _collective_failed(job: Any) -> bool:
@@ -126,6 +156,7 @@ class DistributedPlanner(TransportPlanner):
                 ) from err
 
     async def close(self) -> None:
+        self._serving.close()
         try:
             await self._actor.close.remote()
         finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,10 +13,18 @@ import torch
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
+from raysync.transports.bucket_relay import (
+    RelayedBucket,
+    finish,
+    place,
+    read_bucket_now,
+    relay_plan,
+)
 from raysync.transports.distributed.group import join_group, run_broadcast, staging_device
 from raysync.transports.distributed.wire import HEADER_BYTES, MAGIC, Generation, GroupPayload
-from raysync.transports.object_store import ObjectStorePayload, ObjectStoreReceiver
+from raysync.transports.object_store import ObjectStoreReceiver
 from raysync.transports.parts import PartedReceiver
+from raysync.transports.staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +32,16 @@ logger = logging.getLogger(__name__)
 class DistributedReceiver(TransportReceiver):
     """Runs in the receiver process: a member of at most one generation at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: str | None = None) -> None:
         self._turn = threading.Condition()
         self._generation: Generation | None = None
         self._group: Any = None
         self._next_seq = 0
         self._broken: dict[int, str] = {}  #: generation number -> why it broke here
-        self._pull = PartedReceiver(ObjectStoreReceiver())  # the learner's put(s)
+        #: the learner's put(s), or a bucket stream served to this receiver
+        self._pull = PartedReceiver(ObjectStoreReceiver(worker))
+        self._device = torch.device("cpu")  #: where bucketed versions are staged
+        self._staging: StagingPool[torch.Tensor] = StagingPool(self._staging_buffer)
 
     @property
     def generation(self) -> int:
@@ -38,8 +49,10 @@ class DistributedReceiver(TransportReceiver):
         return 0 if self._generation is None else self._generation.number
 
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
-        if isinstance(payload, ObjectStorePayload):  # pull mode: the learner's copy
+        if not isinstance(payload, GroupPayload):  # pull mode: from the object store
             return self._pull.fetch(payload, spec)
+        if payload.buckets:
+            return self._fetch_buckets(payload, spec)
         try:
             return self._receive(payload, spec)
         except TransportError as err:
@@ -50,6 +63,88 @@ class DistributedReceiver(TransportReceiver):
                 return self._pull.fetch(payload.source, spec)
             except TransportError as fallback:
                 raise TransportError(f"{err}; and then {fallback}") from fallback
+
+    def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
+        if not isinstance(payload, GroupPayload):
+            self._pull.release(payload, staged)
+        else:
+            self._staging.release(staged)  # a bucketed version's staging buffer
+
+    def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
+        self._pull.serve(payload, tensors, spec)
+
+    def _fetch_buckets(self, payload: GroupPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        """A bucketed version: one collective per bucket into a staging buffer; if one
+        fails (a member died), the rest read from the hub's bucket broker instead."""
+        settings = payload.generation.settings
+        plan = relay_plan(payload.source, spec)
+        self._device = staging_device(settings)
+        buffer = self._staging.take(spec)
+        try:
+            failed_at, err = self._receive_buckets(payload, plan, buffer)
+            if err is not None:
+                logger.warning(
+                    "%s; reading buckets %d to %d from the hub's bucket broker instead",
+                    err,
+                    failed_at + 1,
+                    len(plan),
+                )
+                wait_s = settings.timeout_s
+                try:
+                    for bucket in plan[failed_at:]:
+                        place(buffer, bucket, read_bucket_now(bucket, payload.worker, wait_s))
+                except TransportError as fallback:
+                    raise TransportError(f"{err}; and then {fallback}") from fallback
+                finally:
+                    finish(payload.source, payload.worker)
+        except BaseException:
+            self._staging.put_back(spec, buffer)
+            raise
+        views = PackedLayout.of(spec).views(buffer)
+        self._staging.lease(views, spec, buffer)
+        return views
+
+    def _receive_buckets(
+        self, payload: GroupPayload, plan: list[RelayedBucket], buffer: torch.Tensor
+    ) -> tuple[int, TransportError | None]:
+        """Enter one collective per bucket of ``plan`` and place each into ``buffer``:
+        ``(0, None)``, or the index of the bucket that failed and why."""
+        generation, settings = payload.generation, payload.generation.settings
+        size = HEADER_BYTES + max(bucket.nbytes for bucket in plan)
+        deadline = time.monotonic() + settings.timeout_s
+        index = 0
+        with self._turn:
+            self._wait_for_turn(payload, deadline)
+            try:
+                if self._generation != generation:
+                    self._switch_to(generation, payload.rank)
+                incoming = torch.empty(size, dtype=torch.uint8, device=self._device)
+                for index, bucket in enumerate(plan):
+                    run_broadcast(self._group, incoming, settings)
+                    got = incoming[:HEADER_BYTES].cpu().view(torch.int64)[:5].tolist()
+                    expected = [MAGIC, generation.number, payload.seq, size, index + 1]
+                    if got != expected:
+                        raise TransportError(
+                            f"received (generation, collective, bytes, bucket) = "
+                            f"{tuple(got[1:])}, expected {tuple(expected[1:])}: the group "
+                            "is out of step"
+                        )
+                    place(buffer, bucket, [incoming[HEADER_BYTES : HEADER_BYTES + bucket.nbytes]])
+                return 0, None
+            except Exception as err:
+                self._break(generation, f"collective {payload.seq} failed: {err}")
+                return index, TransportError(
+                    f"rank {payload.rank} could not receive bucket {index + 1} of {len(plan)} "
+                    f"(collective {payload.seq} of process-group generation "
+                    f"{generation.number}, {settings.backend}, {generation.world_size} "
+                    f"ranks): {err}"
+                )
+            finally:
+                self._next_seq = max(self._next_seq, payload.seq + 1)
+                self._turn.notify_all()
+
+    def _staging_buffer(self, spec: WeightSpec) -> torch.Tensor:
+        return torch.empty(PackedLayout.of(spec).nbytes, dtype=torch.uint8, device=self._device)
 
     def _receive(self, payload: GroupPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
         """Enter ``payload``'s collective and return views of what rank 0 sent."""

@@ -8,7 +8,8 @@ import torch
 
 from raysync.layout import HEADER_BYTES
 from raysync.spec import WeightSpec
-from raysync.transports.object_store import ObjectStorePayload
+from raysync.transports.bucket_relay import relay_reader
+from raysync.transports.object_store import BucketStream, ObjectStorePayload
 from raysync.transports.options import DistributedOptions
 from raysync.transports.parts import Parts
 
@@ -52,7 +53,8 @@ class BroadcastJob:
     model: str
     version: int
     spec: WeightSpec
-    source: ObjectStorePayload | Parts  #: the learner's put (one per part if sent in parts)
+    #: the learner's put, or its bucket stream (one per part if sent in parts)
+    source: ObjectStorePayload | BucketStream | Parts
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,19 @@ class GroupPayload:
     generation: Generation
     rank: int
     seq: int
-    source: ObjectStorePayload | Parts  #: the learner's put (one per part if sent in parts)
+    #: the learner's put, or its bucket stream (one per part if sent in parts)
+    source: ObjectStorePayload | BucketStream | Parts
+    #: how many collectives (one per bucket) carry the version, 0 if one carries it whole
+    buckets: int = 0
+
+    @property
+    def worker(self) -> str:
+        return self.generation.members[self.rank - 1]
+
+
+def rank0_reader(hub_id: str) -> str:
+    """How rank 0 of hub ``hub_id`` names itself to the hub's bucket broker."""
+    return relay_reader(f"rank0-{hub_id}")
 
 
 def process_group_name(hub_id: str) -> str:
@@ -72,7 +86,9 @@ def process_group_name(hub_id: str) -> str:
     return f"raysync-process-group-{hub_id}"
 
 
-def header(generation: int, seq: int, nbytes: int) -> torch.Tensor:
+def header(generation: int, seq: int, nbytes: int, bucket: int = 0) -> torch.Tensor:
+    """The words in front of a collective's buffer: magic, generation, collective,
+    buffer bytes, and for a bucketed version the bucket's number from 1."""
     words = torch.zeros(HEADER_BYTES // 8, dtype=torch.int64)
-    words[:4] = torch.tensor([MAGIC, generation, seq, nbytes])
+    words[:5] = torch.tensor([MAGIC, generation, seq, nbytes, bucket])
     return words.view(torch.uint8)

@@ -49,8 +49,16 @@ Memory: every version pushed to a receiver waits in its inbox until its delivery
 it, so a receiver kept busy for many broadcasts holds each of them meanwhile.
 
 A version larger than ``bucket_mb`` leaves the learner as the object store's bucket
-stream; the agent relays it bucket by bucket, one call per bucket and receiver, into
-each receiver's staging buffer (:mod:`raysync.transports.rpc.buckets`).
+stream (at most two buckets in the object store). The agent relays it
+(:mod:`raysync.transports.bucket_relay`): it takes bucket ``k`` from the hub's bucket
+broker, calls ``land_bucket`` on every receiver still in the version, waits for those
+calls, then takes ``k + 1``. ``land_bucket`` copies the pieces into the receiver's
+staging buffer on its RPC threads (a busy actor never holds the stream up); ``fetch``
+waits until every bucket landed, so the model changes at one safe point and a version
+whose later bucket fails never reaches it. A receiver whose call fails gets no further
+bucket and fails alone; a stream that ends early is abandoned on every receiver at
+once, with the reason. A receiver that pulls a bucketed version later (joining,
+restarted) reads it from the broker, served by a receiver that got it.
 
 Settings: ``WeightHub.remote(options=RpcOptions(timeout_s=...))``
 (:class:`~raysync.transports.options.RpcOptions`: the timeout of the rendezvous, of
@@ -74,15 +82,6 @@ from raysync.transports.base import (
 )
 from raysync.transports.object_store import ObjectStoreTransport
 from raysync.transports.options import RpcOptions
-from raysync.transports.rpc.buckets import (
-    Bucket,
-    agent_reader,
-    bucket_count,
-    finish,
-    is_bucketed,
-    read_buckets,
-    streams_of,
-)
 from raysync.transports.rpc.planner import RpcPlanner
 from raysync.transports.rpc.receiver import RpcReceiver, abandon, answer_ping, land, land_bucket
 from raysync.transports.rpc.rendezvous import SCHEME, init_rpc, interface_of, open_master_store
@@ -90,7 +89,6 @@ from raysync.transports.rpc.wire import RpcJob, RpcMember, RpcPayload, agent_nam
 
 __all__ = [
     "SCHEME",
-    "Bucket",
     "RpcJob",
     "RpcMember",
     "RpcPayload",
@@ -99,19 +97,13 @@ __all__ = [
     "RpcTransport",
     "abandon",
     "agent_name",
-    "agent_reader",
     "answer_ping",
-    "bucket_count",
-    "finish",
     "init_rpc",
     "interface_of",
-    "is_bucketed",
     "land",
     "land_bucket",
     "open_master_store",
-    "read_buckets",
     "rpc_name",
-    "streams_of",
 ]
 
 

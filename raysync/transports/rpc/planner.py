@@ -17,10 +17,10 @@ from raysync.actor_classes import RPC_AGENT, actor_class
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
+from raysync.transports.bucket_relay import bucket_count, is_bucketed, relay_reader, streams_of
 from raysync.transports.object_store.planner import BucketServing
 from raysync.transports.options import RpcOptions
 from raysync.transports.parts import plan_pull_parts
-from raysync.transports.rpc.buckets import agent_reader, bucket_count, is_bucketed, streams_of
 from raysync.transports.rpc.wire import RpcJob, RpcMember, RpcPayload, agent_name
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class RpcPlanner(TransportPlanner):
         except ray.exceptions.RayActorError as err:
             logger.warning("the RPC agent %s died (%s); starting a new group", self._name, err)
         if self._broker is not None:  # no bucketed version waits for the dead agent
-            self._broker.drop_reader.remote(agent_reader(self._key))
+            self._broker.drop_reader.remote(relay_reader(self._key))
         self._key, self._actor = self._start_agent()
         try:
             self._members = await self._actor.members.remote()
@@ -107,8 +107,8 @@ class RpcPlanner(TransportPlanner):
             workers = tuple(t.worker for t in targets)
             for stream in streams_of(update.payload):  # the agent reads and relays it
                 self._broker = stream.broker
-                await stream.broker.readers.remote(stream.key, [agent_reader(self._key)])
-            buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
+                await stream.broker.readers.remote(stream.key, [relay_reader(self._key)])
+            buckets = bucket_count(update.payload, spec) if is_bucketed(update.payload) else 0
             job = RpcJob(self._seq, update.model, update.version, workers, update.payload, spec)
             agent.send.remote(job)  # its outcome is the receivers' to report
             return {

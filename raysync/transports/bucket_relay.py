@@ -1,0 +1,198 @@
+"""Relaying a bucketed version: a resource actor reads the learner's bucket stream and
+passes each bucket on (``rpc``'s agent, one call per receiver; ``distributed``'s rank 0,
+one collective).
+
+A version that travels in buckets leaves the learner as the object store's bucket stream
+(:mod:`raysync.transports.object_store.buckets`); sent in parts, each part is a stream
+of its own, or a whole put if it fit in one bucket. :func:`relay_plan` numbers every
+bucket of the version — part after part — and says where each of its pieces sits in the
+receivers' staging buffer (the whole version's packed layout): the relay and the
+receivers compute it alike from the payload and the spec. Who calls what:
+
+* hub process: the planner names the relay (:func:`relay_reader`) a reader of every
+  stream (:func:`streams_of`) and tells receivers how many buckets come
+  (:func:`bucket_count`);
+* the relay (its event loop): :func:`read_buckets` takes each bucket once the
+  previous one was passed on, so the object store holds at most two; then
+  :func:`finish`, naming the receivers that got every bucket (they may serve the
+  version to a late joiner);
+* receiver process: copies each bucket's pieces to their places (:func:`place`); a
+  receiver that lost its relay midway (a collective broke) reads the remaining buckets
+  itself with :func:`read_bucket_now`, as an object-store reader would — the relay made
+  it a reader of the stream before letting go of the bucket it stopped at
+  (:func:`adopt`) — and then :func:`finish` es them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import ray
+import torch
+
+from raysync.layout import PackedLayout
+from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError
+from raysync.transports.buckets import BucketPlan
+from raysync.transports.object_store import BucketStream, read_put
+from raysync.transports.parts import Parts
+
+T = TypeVar("T")
+
+
+def relay_reader(relay: str) -> str:
+    """How relay ``relay`` (a resource actor's key) names itself to the bucket broker."""
+    return f"relay-{relay}"
+
+
+def _parts_of(source: object) -> list[tuple[Any, WeightSpec | None]]:
+    """The learner payloads of a version with each part's spec (None: the whole's)."""
+    if isinstance(source, Parts):
+        return [(part.payload, part.spec) for part in source.parts]
+    return [(source, None)]
+
+
+def is_bucketed(source: object) -> bool:
+    """Whether a version (or some part of it) travels in buckets."""
+    return any(isinstance(payload, BucketStream) for payload, _ in _parts_of(source))
+
+
+def streams_of(source: object) -> list[BucketStream]:
+    """The bucket streams of a version (one per bucketed part if sent in parts)."""
+    return [payload for payload, _ in _parts_of(source) if isinstance(payload, BucketStream)]
+
+
+@dataclass(frozen=True)
+class RelayedBucket:
+    """Bucket ``index`` of ``payload`` (a stream; or a part's whole put, ``index`` 0):
+    its pieces' places in the staging buffer, as (offset, bytes)."""
+
+    payload: Any
+    index: int
+    pieces: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.pieces)
+
+
+def relay_plan(source: object, spec: WeightSpec) -> list[RelayedBucket]:
+    """Every bucket of a bucketed version, in the order a relay passes them on. ``spec``:
+    the whole version, as it travels (the wire dtype's)."""
+    offset_of = dict(zip(spec.names, PackedLayout.of(spec).offsets, strict=True))
+    plan: list[RelayedBucket] = []
+    for payload, part_spec in _parts_of(source):
+        part_spec = part_spec or spec
+        offsets = [offset_of[name] for name in part_spec.names]
+        if not isinstance(payload, BucketStream):
+            pieces = tuple(zip(offsets, (t.nbytes for t in part_spec.tensors), strict=True))
+            plan.append(RelayedBucket(payload, 0, pieces))
+            continue
+        cut = BucketPlan.of(part_spec, payload.bucket_bytes)
+        for index in range(cut.count):
+            pieces = tuple((offsets[p.tensor] + p.start, p.nbytes) for p in cut.pieces(index))
+            plan.append(RelayedBucket(payload, index, pieces))
+    return plan
+
+
+def bucket_count(source: object, spec: WeightSpec) -> int:
+    """How many buckets a relay passes on for a bucketed version."""
+    return len(relay_plan(source, spec))
+
+
+async def read_bucket(bucket: RelayedBucket, reader: str, timeout_s: float) -> list[torch.Tensor]:
+    """``bucket``'s pieces (uint8, read-only views of the object store), taken from the
+    broker as ``reader`` — or read from the part's put within ``timeout_s``. Awaited on
+    an event loop; TransportError if it cannot be had."""
+    payload, index = bucket.payload, bucket.index
+    if not isinstance(payload, BucketStream):
+        arrays = await _read(read_put(payload, timeout_s), "a part sent whole")
+        return [_bytes(a) for a in arrays]
+    count = payload.key.count
+    what = f"bucket {index} of {count}"
+    boxed, why = await _read(payload.broker.take.remote(payload.key, index, reader), what)
+    if why is not None:
+        raise TransportError(f"{what}: {why}")
+    return [_bytes(a) for a in await _read(boxed[0], what)]
+
+
+def read_bucket_now(bucket: RelayedBucket, reader: str, timeout_s: float) -> list[torch.Tensor]:
+    """:func:`read_bucket`, blocking: for a receiver's ``fetch`` (a worker thread)."""
+    payload, index = bucket.payload, bucket.index
+    what = (
+        "a part sent whole"
+        if not isinstance(payload, BucketStream)
+        else (f"bucket {index} of {payload.key.count}")
+    )
+    try:
+        if not isinstance(payload, BucketStream):
+            return [_bytes(a) for a in ray.get(payload.ref, timeout=timeout_s)]
+        boxed, why = ray.get(payload.broker.take.remote(payload.key, index, reader))
+        if why is not None:
+            raise TransportError(f"{what}: {why}")
+        return [_bytes(a) for a in ray.get(boxed[0], timeout=timeout_s)]
+    except ray.exceptions.RayError as err:  # GetTimeoutError included
+        raise TransportError(
+            f"could not read {what} ({type(err).__name__}); the learner or the hub's "
+            "bucket broker may have died"
+        ) from err
+
+
+async def read_buckets(
+    source: object, spec: WeightSpec, reader: str, timeout_s: float
+) -> AsyncIterator[tuple[RelayedBucket, list[torch.Tensor]]]:
+    """The relay: every bucket of ``source`` with its pieces, in order; each is taken
+    once the caller has passed the previous one on (taking bucket ``k + 1`` tells the
+    broker the relay is done with ``k``)."""
+    for bucket in relay_plan(source, spec):
+        yield bucket, await read_bucket(bucket, reader, timeout_s)
+
+
+async def adopt(source: object, readers: Sequence[str]) -> None:
+    """The relay, before it gives a version up midway: ``readers`` read its streams
+    themselves from the bucket it stopped at (the broker keeps it for them)."""
+    await asyncio.gather(
+        *(stream.broker.readers.remote(stream.key, list(readers)) for stream in streams_of(source))
+    )
+
+
+def finish(source: object, reader: str, passed_on: Sequence[str] = ()) -> None:
+    """Done with ``source``'s streams as ``reader`` (every bucket passed on, or given
+    up); ``passed_on`` got every bucket of them."""
+    for stream in streams_of(source):
+        stream.broker.take.remote(stream.key, stream.key.count, reader, tuple(passed_on))
+
+
+def place(buffer: torch.Tensor, bucket: RelayedBucket, pieces: Sequence[torch.Tensor]) -> None:
+    """Receiver: copy ``bucket``'s pieces (one per place, or all of them back to back in
+    one tensor) into the staging ``buffer``."""
+    if len(pieces) == 1 and len(bucket.pieces) > 1:
+        flat, start = pieces[0].reshape(-1).view(torch.uint8), 0
+        for at, size in bucket.pieces:
+            buffer[at : at + size].copy_(flat[start : start + size])
+            start += size
+        return
+    for (at, size), piece in zip(bucket.pieces, pieces, strict=True):
+        buffer[at : at + size].copy_(piece.reshape(-1).view(torch.uint8))
+
+
+async def _read(awaitable: Awaitable[T], what: str) -> T:
+    try:
+        return await awaitable
+    except (ray.exceptions.RayError, asyncio.TimeoutError) as err:
+        raise TransportError(
+            f"could not read {what} ({type(err).__name__}); the learner or the hub's "
+            "bucket broker may have died"
+        ) from err
+
+
+def _bytes(array: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # Read-only views of the object store; only read from.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array).reshape(-1).view(torch.uint8)
