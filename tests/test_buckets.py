@@ -34,7 +34,9 @@ from tests.third_party_transport import PutReaderTransport
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
 TINY_MB = 1 / 1024
 #: The transports that move buckets; each test of both runs on a hub of each.
-BUCKETED = pytest.mark.parametrize("transport", ["object_store", "rpc", "distributed"])
+BUCKETED = pytest.mark.parametrize(
+    "transport", ["object_store", "shared_memory", "rpc", "distributed"]
+)
 
 
 @ray.remote(num_cpus=0)
@@ -186,6 +188,23 @@ def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors
     report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
     assert report.acked == ("copier", "stuck")
     assert report.version == 3
+
+
+def test_a_zero_copy_shared_memory_model_lives_in_its_staging_buffer_then_in_a_slot(actors):
+    """A bucketed version gives a zero-copy model a private staging buffer to live in;
+    a whole one (a larger bucket size for that broadcast) a read-only slot again."""
+    hub = start_hub(actors, "shared_memory", models=[MODEL], bucket_mb=TINY_MB)
+    zero_copy = start(actors, Receiver, hub, "zc", zero_copy=True)
+    copying = start(actors, Receiver, hub, "copy")
+    ready([zero_copy, copying])
+    for seed, bucket_mb in ((1.0, None), (2.0, None), (3.0, 1.0), (4.0, None)):
+        weights = special_weights(seed)
+        report = ray.get(
+            hub.broadcast.remote(weights, model=MODEL, bucket_mb=bucket_mb), timeout=60
+        )
+        assert report.acked == ("copy", "zc")
+        for receiver in (zero_copy, copying):
+            assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 
 def test_one_stream_feeds_object_store_and_rpc_readers_and_a_dead_learner_touches_neither(
@@ -396,9 +415,9 @@ def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
     with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB"):
         start_hub(actors, "object_store", bucket_mb=0)
     hub = start_hub(actors, "object_store", models=[MODEL])
-    receiver = start(actors, Receiver, hub, "r0", transport="shared_memory")
+    receiver = start(actors, Receiver, hub, "r0", transport="nixl")
     ready([receiver])
-    with pytest.raises(ValueError, match=r"transport 'shared_memory' moves whole versions"):
+    with pytest.raises(ValueError, match=r"transport 'nixl' moves whole versions"):
         ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL, bucket_mb=TINY_MB))
     assert ray.get(receiver.version.remote()) == 0
 

@@ -39,6 +39,13 @@ an owner keeps three slots per model size (latest, in flight, next), up to
 ``MAX_SLOTS`` while receivers lag. Segments are allocated when created, off the path
 of a broadcast.
 
+A version larger than ``bucket_mb`` does not take a slot: it travels as the object
+store's bucket stream (:mod:`raysync.transports.object_store.buckets`; Ray's object
+store is the node's shared memory too, and Ray moves each bucket once per node), and
+receivers copy it into a private staging buffer, as ``object_store`` receivers do (a
+zero-copy model lives in that buffer). Bucket-sized slots in the owner's segments are
+not built.
+
 Each learner's sender has its own pool of slots at the owner, and the hub's planning of
 a learner's newer version frees only that learner's slots it never planned: several
 learners on one node (a sharded model, one part each) neither wait for nor free each
@@ -92,9 +99,11 @@ class SharedMemoryTransport(Transport):
     name = "shared_memory"
     #: Three slots per node (latest, in flight, next); receivers map them. Zero-copy
     #: models live in a slot: one more.
+    #: Bucketed: two buckets in the object store, one staged version per receiver.
     memory = MemoryFootprint(learner=3, per_receiver=0)
     zero_copy_memory = MemoryFootprint(learner=4, per_receiver=0)
     zero_copy = "read_only"
+    buckets = True
 
     @classmethod
     def availability(cls) -> Availability:

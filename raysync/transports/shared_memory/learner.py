@@ -14,7 +14,8 @@ from ray.exceptions import RayActorError
 
 from raysync.layout import HEADER_BYTES, PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.base import HubContext, TransportError, TransportSender
+from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
+from raysync.transports.object_store import BucketStream, ObjectStoreSender
 from raysync.transports.shared_memory.segments import Mappings
 from raysync.transports.shared_memory.wire import (
     OWNER_NAMESPACE,
@@ -43,6 +44,8 @@ class SharedMemorySender(TransportSender):
         #: The slot asked for right after the previous send, by size: the owner's answer
         #: is usually back before the next send needs it.
         self._next: tuple[int, ray.ObjectRef] | None = None
+        #: Bucketed versions travel as the object store's bucket stream (opened on use).
+        self._streams: ObjectStoreSender | None = None
 
     def _find_owner(self) -> Any:
         """This node's owner; waits while the hub restarts one that died."""
@@ -108,5 +111,24 @@ class SharedMemorySender(TransportSender):
         )
         return SharedMemoryPayload(slot)
 
+    def send_buckets(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        spec: WeightSpec,
+        bucket_bytes: int,
+        stall_s: float,
+    ) -> BucketStream:
+        """A version larger than a bucket: the object store's bucket stream (two buckets
+        in Ray's shared memory at once; Ray moves each once per node), not a slot."""
+        if self._streams is None:
+            self._streams = ObjectStoreSender(self._hub)
+        return self._streams.send_buckets(tensors, spec, bucket_bytes, stall_s)
+
+    def submitted(self, payload: Any, done: VersionDone) -> None:
+        if self._streams is not None and isinstance(payload, BucketStream):
+            self._streams.submitted(payload, done)
+
     def close(self) -> None:
         self._mappings.clear()
+        if self._streams is not None:
+            self._streams.close()

@@ -15,6 +15,8 @@ from raysync.actor_classes import SHM_OWNER, actor_class
 from raysync.background import BackgroundTasks
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
+from raysync.transports.object_store import BucketStream
+from raysync.transports.object_store.planner import ObjectStorePlanner
 from raysync.transports.shared_memory.wire import (
     MAX_SLOTS,
     OWNER_NAMESPACE,
@@ -39,6 +41,8 @@ class SharedMemoryPlanner(TransportPlanner):
         self._background = BackgroundTasks("shared-memory planner")
         #: per model: (version, node -> payload) of the latest version planned.
         self._latest: dict[str, tuple[int, dict[str, SharedMemoryPayload]]] = {}
+        #: Bucketed versions: the object store's bucket stream, planned as it plans them.
+        self._streams = ObjectStorePlanner()
         for node in ray.nodes():
             if node["Alive"]:
                 self._start_owner(node["NodeID"])
@@ -87,9 +91,11 @@ class SharedMemoryPlanner(TransportPlanner):
             if isinstance(p, SharedMemoryPayload) and p.slot.node_id == receiver.node_id
         )
         await self._owner(receiver.node_id).drop_worker.remote(receiver.worker, kept)
+        await self._streams.receiver_joined(receiver)
         return SharedMemoryReceiverInfo(receiver.worker, owner_name(self._hub_id, receiver.node_id))
 
     async def receiver_left(self, worker: str) -> None:
+        await self._streams.receiver_left(worker)
         for owner in list(self._owners.values()):
             try:
                 await owner.drop_worker.remote(worker)
@@ -97,12 +103,17 @@ class SharedMemoryPlanner(TransportPlanner):
                 continue  # its watch restarts it; a new owner holds nothing
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
-        """A puller reads its own node's copy, held for it like a broadcast's target."""
+        """A puller reads its own node's copy, held for it like a broadcast's target (a
+        bucketed version: from a receiver that holds it, through the bucket broker)."""
+        if isinstance(update.payload, BucketStream):
+            return await self._streams.plan_pull(update, spec, receiver)
         return (await self.plan(update, spec, [receiver]))[receiver.worker]
 
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
     ) -> Mapping[str, Any]:
+        if isinstance(update.payload, BucketStream):
+            return await self._streams.plan(update, spec, targets)
         source: SharedMemoryPayload = update.payload
         slot = source.slot
         by_node: dict[str, list[str]] = {}
@@ -173,6 +184,7 @@ class SharedMemoryPlanner(TransportPlanner):
 
     async def close(self) -> None:
         self._closed = True
+        await self._streams.close()
         await self._background.close()
         for owner in self._owners.values():
             try:

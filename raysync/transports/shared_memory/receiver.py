@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -11,6 +11,7 @@ import torch
 from raysync.layout import HEADER_BYTES, PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
+from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
 from raysync.transports.shared_memory.segments import Mappings
 from raysync.transports.shared_memory.wire import (
     OWNER_NAMESPACE,
@@ -29,8 +30,14 @@ class SharedMemoryReceiver(TransportReceiver):
         self._owner: tuple[int, Any] | None = None  #: (pid, handle) of the owner last used
         self._node_id = ray.get_runtime_context().get_node_id()
         self._mappings = Mappings(writable=False)
+        #: Bucketed versions: read from the bucket broker into a private staging buffer.
+        self._streams = ObjectStoreReceiver(info.worker)
 
-    def fetch(self, payload: SharedMemoryPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+    def fetch(
+        self, payload: SharedMemoryPayload | BucketStream, spec: WeightSpec
+    ) -> Sequence[torch.Tensor]:
+        if isinstance(payload, BucketStream):
+            return self._streams.fetch(payload, spec)
         slot = payload.slot
         if slot.node_id != self._node_id:
             raise TransportError(
@@ -53,7 +60,12 @@ class SharedMemoryReceiver(TransportReceiver):
             )
         return layout.views(buffer)
 
-    def release(self, payload: SharedMemoryPayload, staged: Sequence[torch.Tensor] | None) -> None:
+    def release(
+        self, payload: SharedMemoryPayload | BucketStream, staged: Sequence[torch.Tensor] | None
+    ) -> None:
+        if isinstance(payload, BucketStream):
+            self._streams.release(payload, staged)
+            return
         slot = payload.slot
         if self._owner is None or self._owner[0] != slot.pid:
             try:
@@ -64,5 +76,9 @@ class SharedMemoryReceiver(TransportReceiver):
         # The owner ignores it if it is not the slot's owner (it was restarted meanwhile).
         self._owner[1].release.remote(slot.pid, slot.seq, self._worker)
 
+    def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
+        self._streams.serve(payload, tensors, spec)
+
     def close(self) -> None:
         self._mappings.clear()
+        self._streams.close()
