@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,6 @@ from raysync.actors.heap import settle_heap
 from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
 from raysync.transports.bucket_relay import (
-    RelayedBucket,
     adopt,
     finish,
     is_bucketed,
@@ -116,9 +116,7 @@ class ProcessGroupActor:
                     pieces = await read_bucket(bucket, reader, settings.timeout_s)
                 except TransportError as err:
                     pieces = err  # the collective fails with it: members stop waiting
-                reason = await asyncio.to_thread(
-                    self._broadcast_bucket, job, number, size, bucket, pieces
-                )
+                reason = await asyncio.to_thread(self._broadcast_bucket, job, number, size, pieces)
                 if reason is not None:
                     await adopt(job.source, job.generation.members)
                     return reason
@@ -142,39 +140,37 @@ class ProcessGroupActor:
 
     # -- worker thread ---------------------------------------------------------------------
     def _broadcast(self, job: BroadcastJob, arrays: list[np.ndarray] | BaseException) -> str | None:
-        with self._lock:
-            generation = job.generation
-            try:
-                if self._generation != generation:
-                    self._leave()
-                    self._generation = generation
-                    self._group = join_group(generation, 0, self._store)
-                if self._group is None:
-                    raise RuntimeError("the group broke in an earlier collective")
-                buffer = self._pack(job, arrays)
-                run_broadcast(self._group, buffer, generation.settings)
-            except Exception as err:
-                self._leave()
-                reason = (
-                    f"collective {job.seq} of generation {generation.number} (version "
-                    f"{job.version} of model {job.model!r} to {', '.join(generation.members)}) "
-                    f"failed on rank 0: {err}"
-                )
-                self._failures = [*self._failures[-15:], reason]
-                return reason
-            self._collectives += 1
-            return None
+        return self._collective(job, f"collective {job.seq}", lambda: self._pack(job, arrays))
 
     def _broadcast_bucket(
         self,
         job: BroadcastJob,
         number: int,
         size: int,
-        bucket: RelayedBucket,
         pieces: list[torch.Tensor] | BaseException,
     ) -> str | None:
         """Bucket ``number`` (from 1) of ``job`` as one collective of ``size`` bytes: the
         header, then the bucket's pieces back to back."""
+
+        def fill() -> torch.Tensor:
+            if isinstance(pieces, BaseException):
+                raise RuntimeError(f"could not read the bucket: {pieces}") from pieces
+            generation = job.generation
+            buffer = self._send_buffer(size, staging_device(generation.settings))
+            buffer[:HEADER_BYTES].copy_(header(generation.number, job.seq, size, number))
+            at = HEADER_BYTES
+            for piece in pieces:
+                buffer[at : at + piece.numel()].copy_(piece)
+                at += piece.numel()
+            return buffer
+
+        return self._collective(job, f"collective {job.seq} (bucket {number})", fill)
+
+    def _collective(
+        self, job: BroadcastJob, what: str, fill: Callable[[], torch.Tensor]
+    ) -> str | None:
+        """Join ``job``'s generation if need be and broadcast the buffer ``fill`` makes;
+        None, or why not (the group is left: members blocked in it fail fast)."""
         generation = job.generation
         with self._lock:
             try:
@@ -184,21 +180,13 @@ class ProcessGroupActor:
                     self._group = join_group(generation, 0, self._store)
                 if self._group is None:
                     raise RuntimeError("the group broke in an earlier collective")
-                if isinstance(pieces, BaseException):
-                    raise RuntimeError(f"could not read the bucket: {pieces}") from pieces
-                buffer = self._send_buffer(size, staging_device(generation.settings))
-                buffer[:HEADER_BYTES].copy_(header(generation.number, job.seq, size, number))
-                at = HEADER_BYTES
-                for piece in pieces:
-                    buffer[at : at + piece.numel()].copy_(piece)
-                    at += piece.numel()
-                run_broadcast(self._group, buffer, generation.settings)
+                run_broadcast(self._group, fill(), generation.settings)
             except Exception as err:
                 self._leave()
                 reason = (
-                    f"collective {job.seq} (bucket {number}) of generation {generation.number} "
-                    f"(version {job.version} of model {job.model!r} to "
-                    f"{', '.join(generation.members)}) failed on rank 0: {err}"
+                    f"{what} of generation {generation.number} (version {job.version} of "
+                    f"model {job.model!r} to {', '.join(generation.members)}) failed on "
+                    f"rank 0: {err}"
                 )
                 self._failures = [*self._failures[-15:], reason]
                 return reason

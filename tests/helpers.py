@@ -5,6 +5,7 @@ kit's (``raysync.testing``)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,22 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     for key in expected:
         assert actual[key].dtype == expected[key].dtype, key
         assert torch.equal(actual[key], expected[key]), f"{key} differs"
+
+
+@ray.remote(num_cpus=0)
+class Gate:
+    """A signal between a test and its actors: ``wait`` returns once ``open`` was called
+    (an actor blocked in ``ray.get(gate.wait.remote())`` holds its method slot until
+    the test says so, however slow the machine)."""
+
+    def __init__(self) -> None:
+        self._opened = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self._opened.wait()
+
+    async def open(self) -> None:
+        self._opened.set()
 
 
 def start(actors: list, cls, *args, **kwargs):
