@@ -20,7 +20,7 @@ receivers compute it alike from the payload and the spec. Who calls what:
   receiver that lost its relay midway (a collective broke) reads the remaining buckets
   itself with :func:`read_bucket_now`, as an object-store reader would — the relay made
   it a reader of the stream before letting go of the bucket it stopped at
-  (:func:`adopt`) — and then :func:`finish` es them.
+  (:func:`adopt`) — and then tells the broker it is done with them (:func:`finish`).
 """
 
 from __future__ import annotations
