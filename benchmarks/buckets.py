@@ -280,7 +280,9 @@ def main() -> None:
     p.add_argument("--whole-max-mb", type=int, default=2048, help="largest whole-version cell")
     p.add_argument("--receivers", type=int, default=1)
     p.add_argument(
-        "--transport", choices=("object_store", "rpc", "distributed"), default="object_store"
+        "--transport",
+        choices=("object_store", "shared_memory", "rpc", "distributed"),
+        default="object_store",
     )
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=3)
