@@ -165,8 +165,7 @@ class RpcAgentActor:
         try:
             buckets = read_buckets(job.source, job.spec, reader, self._settings.timeout_s)
             async for bucket, pieces in buckets:
-                ats = [at for at, _ in bucket.pieces]
-                args = (self._key, job.seq, nbytes, ats, pieces)
+                args = (self._key, job.seq, nbytes, bucket.pieces, pieces)
                 called = await asyncio.to_thread(self._call_each, live, land_bucket, args)
                 for worker, why in called.items():
                     if why is not None:

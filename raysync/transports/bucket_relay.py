@@ -100,9 +100,13 @@ def relay_plan(source: object, spec: WeightSpec) -> list[RelayedBucket]:
     return plan
 
 
-def bucket_count(source: object, spec: WeightSpec) -> int:
-    """How many buckets a relay passes on for a bucketed version."""
-    return len(relay_plan(source, spec))
+def bucket_count(source: object) -> int:
+    """How many buckets a relay passes on for a bucketed version (``len`` of its
+    :func:`relay_plan`, read off the payload: the hub plans without cutting it)."""
+    return sum(
+        payload.key.count if isinstance(payload, BucketStream) else 1
+        for payload, _ in _parts_of(source)
+    )
 
 
 async def read_bucket(bucket: RelayedBucket, reader: str, timeout_s: float) -> list[torch.Tensor]:
@@ -168,16 +172,19 @@ def finish(source: object, reader: str, passed_on: Sequence[str] = ()) -> None:
         stream.broker.take.remote(stream.key, stream.key.count, reader, tuple(passed_on))
 
 
-def place(buffer: torch.Tensor, bucket: RelayedBucket, pieces: Sequence[torch.Tensor]) -> None:
-    """Receiver: copy ``bucket``'s pieces (one per place, or all of them back to back in
-    one tensor) into the staging ``buffer``."""
-    if len(pieces) == 1 and len(bucket.pieces) > 1:
+def place(
+    buffer: torch.Tensor, places: Sequence[tuple[int, int]], pieces: Sequence[torch.Tensor]
+) -> None:
+    """Receiver: copy a bucket's pieces to their ``places`` ((offset, bytes), a
+    :attr:`RelayedBucket.pieces`) in the staging ``buffer``; ``pieces`` holds one tensor
+    per place, or all of them back to back in one."""
+    if len(pieces) == 1 and len(places) > 1:
         flat, start = pieces[0].reshape(-1).view(torch.uint8), 0
-        for at, size in bucket.pieces:
+        for at, size in places:
             buffer[at : at + size].copy_(flat[start : start + size])
             start += size
         return
-    for (at, size), piece in zip(bucket.pieces, pieces, strict=True):
+    for (at, size), piece in zip(places, pieces, strict=True):
         buffer[at : at + size].copy_(piece.reshape(-1).view(torch.uint8))
 
 

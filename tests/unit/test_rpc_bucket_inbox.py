@@ -20,7 +20,9 @@ def test_buckets_land_at_their_offsets_and_take_returns_the_whole_buffer():
 
     def land_all():
         for at in range(0, 64, 16):
-            inbox.put("hub", 1, 64, [at, at + 8], [data[at : at + 8], data[at + 8 : at + 16]])
+            inbox.put(
+                "hub", 1, 64, [(at, 8), (at + 8, 8)], [data[at : at + 8], data[at + 8 : at + 16]]
+            )
 
     landing = threading.Thread(target=land_all)
     landing.start()
@@ -28,13 +30,13 @@ def test_buckets_land_at_their_offsets_and_take_returns_the_whole_buffer():
     landing.join()
     assert torch.equal(buffer, data)
     inbox.give_back(buffer)
-    inbox.put("hub", 2, 64, [0], [data])
+    inbox.put("hub", 2, 64, [(0, 64)], [data])
     assert inbox.take("hub", 2, count=1, timeout_s=10).data_ptr() == buffer.data_ptr()
 
 
 def test_a_version_the_agent_gave_up_raises_its_reason():
     inbox = _BucketInbox()
-    inbox.put("hub", 1, 64, [0], [torch.zeros(16, dtype=torch.uint8)])
+    inbox.put("hub", 1, 64, [(0, 16)], [torch.zeros(16, dtype=torch.uint8)])
     inbox.fail("hub", 1, "bucket 1 of 4: the learner stopped sending this version")
     with pytest.raises(TransportError, match="#1 of RPC hub hub: bucket 1 of 4: the learner"):
         inbox.take("hub", 1, count=4, timeout_s=10)
@@ -42,15 +44,15 @@ def test_a_version_the_agent_gave_up_raises_its_reason():
 
 def test_a_version_that_stops_landing_raises_after_the_timeout_naming_the_bucket():
     inbox = _BucketInbox()
-    inbox.put("hub", 1, 64, [0], [torch.zeros(16, dtype=torch.uint8)])
+    inbox.put("hub", 1, 64, [(0, 16)], [torch.zeros(16, dtype=torch.uint8)])
     with pytest.raises(TransportError, match=r"bucket 1 of 3 did not land within 0.1 s"):
         inbox.take("hub", 1, count=3, timeout_s=0.1)
 
 
 def test_versions_left_far_behind_are_dropped_when_a_newer_one_is_taken():
     inbox = _BucketInbox()
-    inbox.put("hub", 1, 64, [0], [torch.ones(16, dtype=torch.uint8)])  # never taken
-    inbox.put("hub", 10, 64, [0], [torch.zeros(64, dtype=torch.uint8)])
+    inbox.put("hub", 1, 64, [(0, 16)], [torch.ones(16, dtype=torch.uint8)])  # never taken
+    inbox.put("hub", 10, 64, [(0, 64)], [torch.zeros(64, dtype=torch.uint8)])
     inbox.take("hub", 10, count=1, timeout_s=10)
     with pytest.raises(TransportError, match="did not land"):
         inbox.take("hub", 1, count=1, timeout_s=0.05)

@@ -112,7 +112,7 @@ class DistributedPlanner(TransportPlanner):
             for stream in streams_of(update.payload):  # rank 0 reads and relays it
                 self._broker = stream.broker
                 await stream.broker.readers.remote(stream.key, [self._reader])
-            buckets = bucket_count(update.payload, spec) if is_bucketed(update.payload) else 0
+            buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
             job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
             self._last_job = self._actor.broadcast.remote(job, self._reader)
             return {

@@ -92,7 +92,9 @@ class DistributedReceiver(TransportReceiver):
                 wait_s = settings.timeout_s
                 try:
                     for bucket in plan[failed_at:]:
-                        place(buffer, bucket, read_bucket_now(bucket, payload.worker, wait_s))
+                        place(
+                            buffer, bucket.pieces, read_bucket_now(bucket, payload.worker, wait_s)
+                        )
                 except TransportError as fallback:
                     raise TransportError(f"{err}; and then {fallback}") from fallback
                 finally:
@@ -132,7 +134,11 @@ class DistributedReceiver(TransportReceiver):
                             f"{tuple(got[1:])}, expected {tuple(expected[1:])}: the group "
                             "is out of step"
                         )
-                    place(buffer, bucket, [incoming[HEADER_BYTES : HEADER_BYTES + bucket.nbytes]])
+                    place(
+                        buffer,
+                        bucket.pieces,
+                        [incoming[HEADER_BYTES : HEADER_BYTES + bucket.nbytes]],
+                    )
                 return 0, None
             except Exception as err:
                 self._break(generation, f"collective {payload.seq} failed: {err}")

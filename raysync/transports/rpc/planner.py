@@ -108,7 +108,7 @@ class RpcPlanner(TransportPlanner):
             for stream in streams_of(update.payload):  # the agent reads and relays it
                 self._broker = stream.broker
                 await stream.broker.readers.remote(stream.key, [relay_reader(self._key)])
-            buckets = bucket_count(update.payload, spec) if is_bucketed(update.payload) else 0
+            buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
             job = RpcJob(self._seq, update.model, update.version, workers, update.payload, spec)
             agent.send.remote(job)  # its outcome is the receivers' to report
             return {

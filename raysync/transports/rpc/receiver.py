@@ -13,6 +13,7 @@ import torch
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
+from raysync.transports.bucket_relay import place
 from raysync.transports.object_store import ObjectStoreReceiver
 from raysync.transports.parts import PartedReceiver
 from raysync.transports.rpc.rendezvous import init_rpc
@@ -81,7 +82,14 @@ class _BucketInbox:
         self._landing: dict[tuple[str, int], _Landing] = {}
         self._free: dict[int, torch.Tensor] = {}
 
-    def put(self, key: str, seq: int, nbytes: int, ats: list[int], pieces: list[torch.Tensor]):
+    def put(
+        self,
+        key: str,
+        seq: int,
+        nbytes: int,
+        places: Sequence[tuple[int, int]],
+        pieces: list[torch.Tensor],
+    ) -> None:
         with self._cond:
             landing = self._landing.get((key, seq))
             if landing is None:
@@ -90,9 +98,7 @@ class _BucketInbox:
                     buffer = torch.empty(nbytes, dtype=torch.uint8)
                 landing = self._landing[(key, seq)] = _Landing(buffer)
         # One bucket of a version lands at a time (the agent waits for each call).
-        for at, piece in zip(ats, pieces, strict=True):
-            raw = piece.reshape(-1).view(torch.uint8)
-            landing.buffer[at : at + raw.numel()].copy_(raw)
+        place(landing.buffer, places, pieces)
         with self._cond:
             landing.landed += 1
             self._cond.notify_all()
@@ -157,10 +163,16 @@ def land(key: str, seq: int, tensors: list[torch.Tensor]) -> int:
     return seq
 
 
-def land_bucket(key: str, seq: int, nbytes: int, ats: list[int], pieces: list[torch.Tensor]) -> int:
-    """One bucket of bucketed version #``seq`` (RPC thread pool): its ``pieces`` go at
-    ``ats`` in the version's staging buffer of ``nbytes``."""
-    _BUCKETS.put(key, seq, nbytes, ats, pieces)
+def land_bucket(
+    key: str,
+    seq: int,
+    nbytes: int,
+    places: Sequence[tuple[int, int]],
+    pieces: list[torch.Tensor],
+) -> int:
+    """One bucket of bucketed version #``seq`` (RPC thread pool): its ``pieces`` go to
+    their ``places`` ((offset, bytes)) in the version's staging buffer of ``nbytes``."""
+    _BUCKETS.put(key, seq, nbytes, places, pieces)
     return seq
 
 
