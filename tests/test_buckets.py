@@ -27,15 +27,18 @@ from raysync.testing import (
 from raysync.transports import register_transport
 from raysync.transports.distributed import process_group_name, rank0_reader
 from raysync.transports.object_store import BROKER_NAMESPACE, BUCKETS_IN_FLIGHT, broker_name
+from raysync.transports.rdt import RdtTransport
 from raysync.transports.rpc import agent_name
 from tests.helpers import Gate, ready, start, start_hub
+from tests.nixl_actors import RdtCollector
+from tests.receivers import make_policy
 from tests.third_party_transport import PutReaderTransport
 
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
 TINY_MB = 1 / 1024
 #: The transports that move buckets; each test of both runs on a hub of each.
 BUCKETED = pytest.mark.parametrize(
-    "transport", ["object_store", "shared_memory", "rpc", "distributed"]
+    "transport", ["object_store", "shared_memory", "rpc", "distributed", "nixl"]
 )
 
 
@@ -140,17 +143,20 @@ def test_no_reader_sees_bucket_k_of_one_version_beside_another_versions(actors, 
         assert all(uniform for _, uniform in applied), applied
 
 
-def at_version_one(actors, *workers: str) -> tuple:
+def at_version_one(actors, *workers: str, transport: str = "object_store") -> tuple:
     """A bucketed hub and receivers ``workers``, all holding ``special_weights(1.0)``."""
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    hub = start_hub(actors, transport, models=[MODEL], bucket_mb=TINY_MB)
     receivers = [start(actors, Receiver, hub, worker) for worker in workers]
     ready(receivers)
     ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
     return hub, *receivers
 
 
-def test_a_receiver_that_holds_the_others_up_fails_alone(actors):
-    hub, quick, stuck = at_version_one(actors, "quick", "stuck")
+@pytest.mark.parametrize("transport", ["object_store", "nixl"])
+def test_a_receiver_that_holds_the_others_up_fails_alone(actors, transport):
+    """On ``nixl`` the learner writes its ring's slots again once the stuck receiver is
+    dropped: the stuck one must not read them later."""
+    hub, quick, stuck = at_version_one(actors, "quick", "stuck", transport=transport)
 
     blocked = stuck.busy.remote(4.0)  # its delivery waits behind this
     weights = special_weights(2.0)
@@ -376,10 +382,13 @@ class CudaReceiver(WeightReceiver):
 
 
 @pytest.mark.gpu
-def test_a_cuda_learner_streams_buckets_to_a_cuda_receiver(actors):
+@pytest.mark.parametrize("transport", ["object_store", "nixl"])
+def test_a_cuda_learner_streams_buckets_to_a_cuda_receiver(actors, transport):
+    """``object_store``: host buckets, copied to the device at the safe point; ``nixl``:
+    the learner packs on its device into a VRAM ring, the receiver READs into VRAM."""
     if ray.cluster_resources().get("GPU", 0) < 1:
         pytest.skip("the receiver needs a GPU of its own")
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    hub = start_hub(actors, transport, models=[MODEL], bucket_mb=TINY_MB)
     receiver = start(actors, CudaReceiver, hub, "gpu0")
     ready([receiver])
     weights = special_weights(3.0)
@@ -400,11 +409,20 @@ def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
         start_hub(actors, "rdt", bucket_mb=1)
     with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB"):
         start_hub(actors, "object_store", bucket_mb=0)
-    hub = start_hub(actors, "object_store", models=[MODEL])
-    receiver = start(actors, Receiver, hub, "r0", transport="nixl")
+
+
+@pytest.mark.skipif(
+    not RdtTransport.availability().available,
+    reason=f"rdt unavailable: {RdtTransport.availability().reason}",
+)
+def test_the_learner_refuses_a_bucketed_version_its_receivers_hand_off_cannot_move(actors):
+    """An ``rdt`` receiver on an object-store hub: the learner's rdt hand-off moves whole
+    versions only, so the broadcast is refused in the learner, naming the transport."""
+    hub = start_hub(actors, "object_store")
+    receiver = start(actors, RdtCollector, hub, transport="rdt")
     ready([receiver])
-    with pytest.raises(ValueError, match=r"transport 'nixl' moves whole versions"):
-        ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL, bucket_mb=TINY_MB))
+    with pytest.raises(ValueError, match=r"transport 'rdt' moves whole versions"):
+        ray.get(hub.broadcast.remote(make_policy(), bucket_mb=TINY_MB))
     assert ray.get(receiver.version.remote()) == 0
 
 

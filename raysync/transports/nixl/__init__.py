@@ -44,17 +44,22 @@ left idle for a while needs it again; a daemon thread progresses it every
 
 GPU: CUDA weights are packed into VRAM buffers on their device, and a receiver process
 that sees a CUDA device stages in VRAM; NIXL moves the bytes the same way.
+
+Bucketed versions (``bucket_mb``): not the pair, but a ring of two registered buckets
+per bucket size, handed out by the hub's bucket broker (:mod:`raysync.transports.nixl.ring`);
+receivers READ each bucket straight into a registered staging buffer of the version's
+layout. A late joiner reads a bucketed version from a receiver that holds it, through
+the object store, as ``object_store`` receivers do.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
 from raysync.transports.nixl.agent import nixl_availability
 from raysync.transports.nixl.learner import REUSE_WAIT_S, NixlSender
 from raysync.transports.nixl.receiver import READ_TIMEOUT_S, NixlReceiver
 from raysync.transports.nixl.wire import ABANDONED, BUCKET_BYTES, NixlPayload, NixlRegion
+from raysync.transports.object_store.planner import ObjectStorePlanner
 
 __all__ = [
     "ABANDONED",
@@ -74,9 +79,11 @@ class NixlTransport(Transport):
     name = "nixl"
     #: The learner's registered pair; a staging buffer in each receiver, two with zero
     #: copy (the model lives in one while the next version lands in the other).
+    #: Bucketed: a ring of two buckets in the learner, one staged version per receiver.
     memory = MemoryFootprint(learner=2, per_receiver=1)
     zero_copy_memory = MemoryFootprint(learner=2, per_receiver=2)
     zero_copy = "private"
+    buckets = True
 
     @classmethod
     def availability(cls) -> Availability:
@@ -84,9 +91,16 @@ class NixlTransport(Transport):
         return nixl_availability()
 
     @classmethod
-    def open_sender(cls, hub: HubContext) -> NixlSender:
-        return NixlSender()
+    def open_hub(cls, hub: HubContext) -> ObjectStorePlanner:
+        """Whole versions go as the learner sent them; bucketed ones are planned as the
+        object store's (readers at the broker, late joiners served by a holder)."""
+        return ObjectStorePlanner()
 
     @classmethod
-    def open_receiver(cls, info: Any) -> NixlReceiver:
-        return NixlReceiver()
+    def open_sender(cls, hub: HubContext) -> NixlSender:
+        return NixlSender(hub)
+
+    @classmethod
+    def open_receiver(cls, info: str) -> NixlReceiver:
+        """``info``: the receiver's worker id (the planner's ``receiver_joined``)."""
+        return NixlReceiver(info)

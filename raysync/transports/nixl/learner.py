@@ -13,9 +13,19 @@ import numpy
 import torch
 
 from raysync.spec import WeightSpec
-from raysync.transports.base import TransportError, TransportSender, VersionDone
+from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
 from raysync.transports.nixl.agent import device_index, memory_type, new_agent
-from raysync.transports.nixl.wire import ABANDONED, Frame, NixlPayload, NixlRegion
+from raysync.transports.nixl.ring import BucketRing
+from raysync.transports.nixl.wire import (
+    ABANDONED,
+    RING_SLOTS,
+    SLOT_HEADER,
+    Frame,
+    NixlBucketStream,
+    NixlPayload,
+    NixlRegion,
+)
+from raysync.transports.object_store.buckets import Outgoing, open_broker, start_stream
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +88,23 @@ class _SourcePair:
 
 
 class NixlSender(TransportSender):
-    def __init__(self) -> None:
+    def __init__(self, hub: HubContext | None = None) -> None:
+        """``hub``: the hub it broadcasts through, whose bucket broker hands bucketed
+        versions out (None: it sends whole versions only)."""
+        self._hub = hub
         self._agent = new_agent("learner", shared=True)
         _start_progress(self, self._agent)
         self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
         self._by_address: dict[int, _SourceBuffer] = {}
+        #: Bucketed versions: a ring per (bucket bytes, device), the hub's broker, and
+        #: each version ``send_buckets`` started until ``submitted`` streams it out.
+        self._rings: dict[tuple[int, torch.device], tuple[BucketRing, Any]] = {}
+        self._broker: Any = None
+        self._outgoing: dict[str, tuple[BucketRing, Outgoing]] = {}
         self._registration = 0
         self._metadata = self._agent.get_agent_metadata()
         self._stamp = 0
+        self._stamp_lock = threading.Lock()
         self._lock = threading.Lock()
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> NixlPayload:
@@ -96,17 +115,60 @@ class NixlSender(TransportSender):
             buffer = pair.buffers[pair.next]
             pair.next ^= 1
             self._wait_until_read(buffer)
-            self._stamp += 1
+            stamp = self._next_stamp()
             buffer.frame.stamps(buffer.tensor).zero_()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            buffer.pending = (self._stamp, buffer.frame.layout.byte_views(tensors))
+            buffer.pending = (stamp, buffer.frame.layout.byte_views(tensors))
             return NixlPayload(
-                self._agent.name, self._metadata, self._registration, buffer.region, self._stamp
+                self._agent.name, self._metadata, self._registration, buffer.region, stamp
             )
 
-    def submitted(self, payload: NixlPayload, done: VersionDone | None) -> None:
-        """Write the version into its buffer, bucket by bucket, while receivers read it."""
+    def _next_stamp(self) -> int:
+        """A fresh stamp, larger than every one before (whole buffers and ring slots)."""
+        with self._stamp_lock:
+            self._stamp += 1
+            return self._stamp
+
+    def send_buckets(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        spec: WeightSpec,
+        bucket_bytes: int,
+        stall_s: float,
+    ) -> NixlBucketStream:
+        """A version larger than a bucket: streamed out of the ring (see
+        :mod:`raysync.transports.nixl.ring`) by ``submitted``."""
+        if self._hub is None:
+            raise TransportError("this sender was opened without a hub: whole versions only")
+        device = tensors[spec.names[0]].device
+        with self._lock:
+            if self._broker is None:
+                self._broker = open_broker(self._hub)
+            ring, _ = self._rings.get((bucket_bytes, device)) or self._register_ring(
+                bucket_bytes, device
+            )
+            stream, outgoing = start_stream(self._broker, tensors, spec, bucket_bytes, stall_s)
+            payload = NixlBucketStream(
+                stream.broker,
+                stream.key,
+                stream.bucket_bytes,
+                agent=self._agent.name,
+                metadata=self._metadata,
+                registration=self._registration,
+                ring=ring.regions,
+            )
+            self._outgoing[payload.key.id] = (ring, outgoing)
+            return payload
+
+    def submitted(self, payload: NixlPayload | NixlBucketStream, done: VersionDone | None) -> None:
+        """Write the version into its buffer, bucket by bucket, while receivers read it;
+        or stream a bucketed one out of its ring."""
+        if isinstance(payload, NixlBucketStream):
+            with self._lock:
+                ring, outgoing = self._outgoing.pop(payload.key.id)
+            ring.stream_out(payload, outgoing, done, _copy_on_this_thread, self._next_stamp)
+            return
         with self._lock:
             buffer = self._by_address[payload.region.address]
             buffer.broadcast = done
@@ -138,7 +200,7 @@ class NixlSender(TransportSender):
         tensors = [
             torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
         ]
-        registered = self._agent.register_memory(tensors)
+        registered = self._registered(tensors)
         buffers = tuple(
             _SourceBuffer(
                 t,
@@ -151,9 +213,27 @@ class NixlSender(TransportSender):
         self._pairs[(spec, device)] = pair
         for buffer in buffers:
             self._by_address[buffer.region.address] = buffer
+        return pair
+
+    def _register_ring(self, bucket_bytes: int, device: torch.device) -> tuple[BucketRing, Any]:
+        tensors = [
+            torch.zeros(SLOT_HEADER + bucket_bytes, dtype=torch.uint8, device=device)
+            for _ in range(RING_SLOTS)
+        ]
+        registered = self._registered(tensors)
+        regions = tuple(
+            NixlRegion(t.data_ptr(), t.numel(), device_index(device), memory_type(device))
+            for t in tensors
+        )
+        self._rings[(bucket_bytes, device)] = entry = (BucketRing(tensors, regions), registered)
+        return entry
+
+    def _registered(self, tensors: list[torch.Tensor]) -> Any:
+        """Register ``tensors`` with the agent; receivers load its new metadata."""
+        registered = self._agent.register_memory(tensors)
         self._registration += 1
         self._metadata = self._agent.get_agent_metadata()
-        return pair
+        return registered
 
     def _wait_until_read(self, buffer: _SourceBuffer) -> None:
         """Wait for the broadcast that last filled ``buffer`` to complete (see the package doc)."""
@@ -173,5 +253,9 @@ class NixlSender(TransportSender):
         with self._lock:
             for pair in self._pairs.values():
                 self._agent.deregister_memory(pair.registered)
+            for _, registered in self._rings.values():
+                self._agent.deregister_memory(registered)
             self._pairs.clear()
+            self._rings.clear()
+            self._outgoing.clear()
             self._by_address.clear()

@@ -1,20 +1,39 @@
-"""Receiver process: the NIXL receiver, READing versions into registered staging buffers."""
+"""Receiver process: the NIXL receiver, READing versions into registered staging buffers.
+
+Whole versions come from the learner's pair of buffers (see the package doc); bucketed
+ones (:class:`NixlBucketStream`) bucket by bucket from its ring (see
+:mod:`raysync.transports.nixl.ring`), each READ straight to its place in a staging
+buffer of the version's packed layout, as the hub's bucket broker hands it out. A
+bucketed version served to a late joiner by another receiver comes through the object
+store (:class:`BucketStream`), read as ``object_store`` receivers read it."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
+from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl.agent import device_index, memory_type, new_agent
-from raysync.transports.nixl.wire import ABANDONED, Frame, NixlPayload, descs
+from raysync.transports.nixl.wire import (
+    ABANDONED,
+    SLOT_HEADER,
+    Frame,
+    NixlBucketStream,
+    NixlPayload,
+    RingBucket,
+    descs,
+)
+from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
+from raysync.transports.object_store.buckets import take_bucket
 from raysync.transports.staging import StagingPool, staging_device
 
 logger = logging.getLogger(__name__)
@@ -39,10 +58,7 @@ class _Read:
 
     def release(self) -> None:
         for handle in (*self.data, *self.stamp, self.stamps, self.remote):
-            try:
-                handle.release()
-            except Exception as err:  # a request to a dead peer may refuse to abort
-                logger.debug("could not release %r: %s", handle, err)
+            _release(handle)
 
 
 @dataclass
@@ -54,16 +70,46 @@ class _Staging:
     reads: dict[tuple[str, int], _Read] = field(default_factory=dict)
 
 
+@dataclass
+class _RingStaging:
+    """A staging buffer for bucketed versions: ``SLOT_HEADER`` bytes (where a slot's
+    stamp lands), then the spec's packed layout; registered."""
+
+    tensor: torch.Tensor
+    views: list[torch.Tensor]
+    registered: Any  #: nixlRegDList
+
+    @property
+    def stamp(self) -> int:
+        return int(self.tensor[:8].view(torch.int64)[0])
+
+
 class NixlReceiver(TransportReceiver):
-    def __init__(self) -> None:
+    def __init__(self, worker: str | None = None) -> None:
+        """``worker``: this receiver's worker id, how it names itself to the hub's bucket
+        broker (None: it reads whole versions only)."""
+        self._worker = worker
         self._agent = new_agent("receiver")
         self._device = staging_device()
         self._pool: StagingPool[_Staging] = StagingPool(self._new_staging)
+        self._ring_pool: StagingPool[_RingStaging] = StagingPool(self._new_ring_staging)
+        #: Bucketed versions another receiver serves through the object store.
+        self._served = ObjectStoreReceiver(worker)
         self._sources: dict[str, int] = {}  #: agent -> registration whose metadata is loaded
         self._lock = threading.Lock()
 
-    def fetch(self, payload: NixlPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
-        """READ the version bucket by bucket, each once the learner has written it."""
+    def fetch(
+        self, payload: NixlPayload | NixlBucketStream | BucketStream, spec: WeightSpec
+    ) -> Sequence[torch.Tensor]:
+        """READ the version bucket by bucket, each once the learner has written it (a
+        bucketed one, each once the broker hands it out)."""
+        if isinstance(payload, NixlBucketStream):
+            if self._worker is None:
+                raise TransportError("this receiver reads whole versions, not buckets")
+            with self._lock:
+                return self._fetch_stream(payload, spec, self._worker)
+        if isinstance(payload, BucketStream):
+            return self._served.fetch(payload, spec)
         frame = Frame.of(spec)
         with self._lock:
             staging = self._pool.take(spec)
@@ -77,8 +123,10 @@ class NixlReceiver(TransportReceiver):
                 stamps = frame.stamps(staging.tensor)
                 for index in range(len(frame.buckets)):
                     self._await_bucket(read, index, payload, stamps)
-                    self._post(read.data[index], payload, f"bucket {index}")
-                self._post(read.stamps, payload, "stamps")
+                    self._post(
+                        read.data[index], payload.agent, f"bucket {index} of stamp {payload.stamp}"
+                    )
+                self._post(read.stamps, payload.agent, f"stamps of stamp {payload.stamp}")
                 for found in stamps.tolist():
                     if found != payload.stamp:
                         raise self._not_that_version(payload, found)
@@ -90,7 +138,119 @@ class NixlReceiver(TransportReceiver):
             return staged
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
-        self._pool.release(staged)
+        if isinstance(payload, NixlBucketStream):
+            self._ring_pool.release(staged)
+        elif isinstance(payload, BucketStream):
+            self._served.release(payload, staged)
+        else:
+            self._pool.release(staged)
+
+    def serve(
+        self, payload: BucketStream, tensors: Mapping[str, torch.Tensor], spec: WeightSpec
+    ) -> None:
+        """Serve the version this receiver holds to a late joiner through the object
+        store (this receiver's memory is registered for reading, not for serving)."""
+        self._served.serve(payload, tensors, spec)
+
+    def _fetch_stream(
+        self, payload: NixlBucketStream, spec: WeightSpec, worker: str
+    ) -> list[torch.Tensor]:
+        """Every bucket of a bucketed version, READ into a staging buffer as the broker
+        hands it out; TransportError (the buffer freed) if one cannot be had whole."""
+        plan = BucketPlan.of(spec, payload.bucket_bytes)
+        staging = self._ring_pool.take(spec)
+        try:
+            self._load(payload.agent, payload.metadata, payload.registration)
+            for index in range(plan.count):
+                boxed, why = take_bucket(payload, index, worker)
+                if why is not None:
+                    raise TransportError(f"bucket {index} of {plan.count}: {why}")
+                self._read_ring_bucket(payload, staging, plan, index, boxed[0])
+            payload.broker.take.remote(payload.key, plan.count, worker)
+        except BaseException:
+            self._ring_pool.put_back(spec, staging)
+            raise
+        staged = list(staging.views)
+        self._ring_pool.lease(staged, spec, staging)
+        return staged
+
+    def _read_ring_bucket(
+        self,
+        payload: NixlBucketStream,
+        staging: _RingStaging,
+        plan: BucketPlan,
+        index: int,
+        bucket: RingBucket,
+    ) -> None:
+        """READ bucket ``index`` from its ring slot to its place in ``staging``, with
+        the slot's stamp, then the stamp again: both must be the one the broker named
+        (else the learner wrote the slot again during the read: this receiver was
+        dropped for holding the others up, or the learner failed)."""
+        start = index * plan.bucket_bytes
+        length = min(plan.bucket_bytes, staging.tensor.numel() - SLOT_HEADER - start)
+        slot = payload.ring[bucket.slot]
+        local_at, device = staging.tensor.data_ptr(), device_index(staging.tensor.device)
+        remote_at, remote_device = slot.address, slot.device_id
+        what = f"bucket {index} of {plan.count} (stamp {bucket.stamp})"
+        self._read(
+            payload.agent,
+            [(local_at, 8, device), (local_at + SLOT_HEADER + start, length, device)],
+            [(remote_at, 8, remote_device), (remote_at + SLOT_HEADER, length, remote_device)],
+            slot.mem_type,
+            what,
+        )
+        stamp_before = staging.stamp
+        self._read(
+            payload.agent,
+            [(local_at, 8, device)],
+            [(remote_at, 8, remote_device)],
+            slot.mem_type,
+            f"stamp of {what}",
+        )
+        for found in (stamp_before, staging.stamp):
+            if found == ABANDONED:
+                raise TransportError(
+                    f"the learner (agent {payload.agent}) failed while writing {what}; "
+                    "this version is dropped"
+                )
+            if found != bucket.stamp:
+                raise TransportError(
+                    f"the learner (agent {payload.agent}) wrote the ring slot of {what} again "
+                    f"while this receiver read it (found stamp {found}): the broker had "
+                    "dropped this receiver for holding the others up; this version is dropped"
+                )
+
+    def _read(
+        self,
+        agent: str,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        remote_type: str,
+        what: str,
+    ) -> None:
+        """One READ of ``remote`` (at ``agent``) into ``local``, waited for."""
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ",
+                self._agent.get_xfer_descs(local, memory_type(self._device)),
+                self._agent.get_xfer_descs(remote, remote_type),
+                agent,
+            )
+        except Exception as err:
+            self._forget(agent)
+            raise TransportError(
+                f"could not prepare a READ of the {what} from learner agent {agent}: {err}"
+            ) from err
+        try:
+            self._post(handle, agent, what)
+        finally:
+            _release(handle)
+
+    def _new_ring_staging(self, spec: WeightSpec) -> _RingStaging:
+        """A staging buffer for bucketed versions of ``spec``, registered."""
+        layout = PackedLayout.of(spec, SLOT_HEADER)
+        tensor = torch.zeros(layout.nbytes, dtype=torch.uint8, device=self._device)
+        return _RingStaging(tensor, layout.views(tensor), self._agent.register_memory(tensor))
 
     def _await_bucket(
         self, read: _Read, index: int, payload: NixlPayload, stamps: torch.Tensor
@@ -98,7 +258,9 @@ class NixlReceiver(TransportReceiver):
         """Until the learner has written bucket ``index`` of this version (its stamp)."""
         started = time.monotonic()
         while True:
-            self._post(read.stamp[index], payload, f"stamp of bucket {index}")
+            self._post(
+                read.stamp[index], payload.agent, f"stamp of bucket {index} of {payload.stamp}"
+            )
             found = int(stamps[index])
             if found == payload.stamp:
                 return
@@ -138,16 +300,21 @@ class NixlReceiver(TransportReceiver):
         )
         return _Staging(tensor, frame.layout.views(tensor), registered, local)
 
+    def _load(self, agent: str, metadata: bytes, registration: int) -> None:
+        """Load learner ``agent``'s metadata unless this registration of it is loaded."""
+        if self._sources.get(agent) == registration:
+            return
+        try:
+            self._agent.add_remote_agent(metadata)
+        except Exception as err:
+            raise TransportError(
+                f"could not load the metadata of learner agent {agent}: {err}"
+            ) from err
+        self._sources[agent] = registration
+
     def _prepared(self, payload: NixlPayload, staging: _Staging, frame: Frame) -> _Read:
         """The READs from ``payload``'s buffer into ``staging``, prepared on first use."""
-        if self._sources.get(payload.agent) != payload.registration:
-            try:
-                self._agent.add_remote_agent(payload.metadata)
-            except Exception as err:
-                raise TransportError(
-                    f"could not load the metadata of learner agent {payload.agent}: {err}"
-                ) from err
-            self._sources[payload.agent] = payload.registration
+        self._load(payload.agent, payload.metadata, payload.registration)
         key = (payload.agent, payload.region.address)
         read = staging.reads.get(key)
         if read is not None:
@@ -177,7 +344,7 @@ class NixlReceiver(TransportReceiver):
         staging.reads[key] = read
         return read
 
-    def _post(self, handle: Any, payload: NixlPayload, what: str) -> None:
+    def _post(self, handle: Any, agent: str, what: str) -> None:
         """Post one prepared READ and wait for it; TransportError on failure or timeout."""
         started = time.monotonic()
         try:
@@ -185,27 +352,27 @@ class NixlReceiver(TransportReceiver):
             while state == "PROC":
                 elapsed = time.monotonic() - started
                 if elapsed > READ_TIMEOUT_S:
-                    self._forget(payload.agent)
+                    self._forget(agent)
                     raise TransportError(
-                        f"READ of the {what} of stamp {payload.stamp} from learner agent "
-                        f"{payload.agent} did not finish within {READ_TIMEOUT_S:g} s"
+                        f"READ of the {what} from learner agent {agent}"
+                        f" did not finish within {READ_TIMEOUT_S:g} s"
                     )
                 time.sleep(0 if elapsed < _SPIN_S else _POLL_SLEEP_S)
                 state = self._agent.check_xfer_state(handle)
         except TransportError:
             raise
         except Exception as err:
-            self._forget(payload.agent)
+            self._forget(agent)
             raise TransportError(
-                f"READ of the {what} of stamp {payload.stamp} from learner agent "
-                f"{payload.agent} failed ({type(err).__name__}: {err}); the learner process "
+                f"READ of the {what} from learner agent {agent}"
+                f" failed ({type(err).__name__}: {err}); the learner process "
                 "may have died during the transfer"
             ) from err
         if state != "DONE":
-            self._forget(payload.agent)
+            self._forget(agent)
             raise TransportError(
-                f"READ of the {what} of stamp {payload.stamp} from learner agent "
-                f"{payload.agent} ended in state {state}; the learner process may have died"
+                f"READ of the {what} from learner agent {agent}"
+                f" ended in state {state}; the learner process may have died"
             )
 
     def _forget(self, agent: str) -> None:
@@ -226,3 +393,13 @@ class NixlReceiver(TransportReceiver):
             for staging in self._pool.close():
                 staging.local.release()
                 self._agent.deregister_memory(staging.registered)
+            for ring_staging in self._ring_pool.close():
+                self._agent.deregister_memory(ring_staging.registered)
+            self._served.close()
+
+
+def _release(handle: Any) -> None:
+    try:
+        handle.release()
+    except Exception as err:  # a request to a dead peer may refuse to abort
+        logger.debug("could not release %r: %s", handle, err)

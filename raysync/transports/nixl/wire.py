@@ -9,6 +9,7 @@ import torch
 
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
+from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, BucketStream
 
 #: A version is written and read in pieces of this many bytes (the last one shorter):
 #: receivers read one while the learner packs the next.
@@ -74,3 +75,33 @@ def descs(address: int, device_id: int, frame: Frame) -> list[tuple[int, int, in
         *((address + start, end - start, device_id) for start, end in frame.buckets),
         *((address + 8 * k, 8, device_id) for k in range(count)),
     ]
+
+
+#: Slots in a learner's ring of registered buckets: receivers read one while the
+#: learner packs the other (the broker's flow control lets as many be in flight).
+RING_SLOTS = BUCKETS_IN_FLIGHT
+#: Bytes before a ring slot's data (its int64 stamp, then padding to the layout's
+#: alignment); a receiver's staging buffer has the same header, where the stamp it
+#: reads lands.
+SLOT_HEADER = 64
+
+
+@dataclass(frozen=True)
+class RingBucket:
+    """Where the broker says bucket ``k`` of a stream is: a slot of the learner's ring,
+    and the stamp that slot holds while it holds that bucket."""
+
+    slot: int
+    stamp: int
+
+
+@dataclass(frozen=True)
+class NixlBucketStream(BucketStream):
+    """A bucketed version through NIXL: the broker hands out :class:`RingBucket` s
+    instead of object-store refs, and receivers READ each from the learner's ring.
+    Planners treat it as any bucket stream (readers, late joiners)."""
+
+    agent: str  #: the learner's agent name
+    metadata: bytes  #: the learner agent's metadata, loaded by receivers on change
+    registration: int  #: bumps whenever the learner registers memory
+    ring: tuple[NixlRegion, ...]  #: the slots, each ``SLOT_HEADER`` + bucket bytes

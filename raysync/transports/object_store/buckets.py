@@ -133,7 +133,7 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
     broker, key = payload.broker, payload.key
     for index in range(key.count):
         if index >= BUCKETS_IN_FLIGHT:
-            why = _wait_for_room(broker, key, index, done)
+            why = wait_for_room(broker, key, index, done)
             if why is not None:
                 broker.end.remote(key, why)
                 return
@@ -177,7 +177,9 @@ def bucket_arrays(outgoing: Outgoing, index: int) -> list[np.ndarray]:
     return arrays
 
 
-def _wait_for_room(broker: Any, key: StreamId, index: int, done: VersionDone) -> str | None:
+def wait_for_room(broker: Any, key: StreamId, index: int, done: VersionDone) -> str | None:
+    """Learner: wait until bucket ``index`` of ``key``'s stream may be put (the broker's
+    ``room``). None, or why the stream cannot go on (``done``: its broadcast ended)."""
     room = broker.room.remote(key, index)
     while not ray.wait([room], timeout=_LOOK_S)[0]:
         if done.ended():
@@ -194,7 +196,7 @@ def fetch_stream(
     buffer = pool.take(spec)
     try:
         for index in range(plan.count):
-            boxed, why = _take(payload, index, worker)
+            boxed, why = take_bucket(payload, index, worker)
             if why is not None:
                 raise TransportError(f"bucket {index} of {plan.count}: {why}")
             _copy_bucket(buffer, plan, index, _read_bucket(boxed[0], index, plan.count))
@@ -207,7 +209,7 @@ def fetch_stream(
     return views
 
 
-def _take(payload: BucketStream, index: int, worker: str) -> tuple[Any, str | None]:
+def take_bucket(payload: BucketStream, index: int, worker: str) -> tuple[Any, str | None]:
     """The broker's answer for bucket ``index``; its death is the stream's end."""
     try:
         return ray.get(payload.broker.take.remote(payload.key, index, worker))
