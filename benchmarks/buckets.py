@@ -1,7 +1,8 @@
 """Bucketed versions (``bucket_mb``) against whole versions: memory and time by model size.
 
 For each (size, mode) cell, a fresh hub on ``--transport`` (``object_store``; ``rpc``
-or ``distributed``, whose agent / rank 0 relays each bucket) and N receiver actors (the
+or ``distributed``, whose agent / rank 0 relays each bucket; ``shared_memory``;
+``nixl``, whose learner streams buckets from a registered ring) and N receiver actors (the
 mixin, one float32 state_dict of 16 tensors) take one untimed and ``--repeats`` timed
 broadcasts from this process (the learner). Modes: ``whole`` (one put per version), ``bucketed``
 (``bucket_mb``), ``bucketed_bf16`` (also ``wire_dtype=bfloat16``). Recorded per cell:
@@ -281,7 +282,7 @@ def main() -> None:
     p.add_argument("--receivers", type=int, default=1)
     p.add_argument(
         "--transport",
-        choices=("object_store", "shared_memory", "rpc", "distributed"),
+        choices=("object_store", "shared_memory", "rpc", "distributed", "nixl"),
         default="object_store",
     )
     p.add_argument("--bucket-mb", type=float, default=64.0)

@@ -78,9 +78,10 @@ class _Broadcast:
         than this many MiB moves in buckets of that size, a few at a time, so neither
         the learner nor the object store holds it whole (each piece is cast to
         ``wire_dtype`` as it is packed); this call then returns once the last bucket
-        left, and a receiver that joins afterwards starts from the next version (see
-        :mod:`raysync.transports.object_store.buckets`). Only transports that declare
-        ``buckets`` (``object_store``) take it: ``ValueError`` otherwise.
+        left, and a receiver that joins afterwards reads the version from a receiver
+        that holds it (see :mod:`raysync.transports.object_store.buckets`). Only
+        transports that declare ``buckets`` take it (all built-in ones but ``rdt``):
+        ``ValueError`` otherwise, naming the transport.
 
         Sharded learners: ``part=rank, parts=world`` (with ``version=step``, which tells
         the hub which parts belong together) sends this learner's slice of the model;
