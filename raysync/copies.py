@@ -11,6 +11,9 @@ on 2 cores a 64 MB copy took 9.9 ms instead of 5.8. Here the small tensors are d
 by bytes, to as many threads as torch uses (``torch.get_num_threads()``), each running
 one foreach copy of its share (torch releases the GIL inside it): 6.5 ms. Which tensor
 goes to which thread is planned once per spec (:func:`copy_shares`), not per copy.
+
+The opposite, for a learner packing buckets while receivers read the previous ones:
+:func:`copy_on_this_thread`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy
 import torch
 
 from raysync.spec import WeightSpec
@@ -104,3 +108,15 @@ def _executor(workers: int) -> ThreadPoolExecutor:
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="raysync-copy")
             _pool_workers = workers
         return _pool
+
+
+def copy_on_this_thread(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy CPU bytes with this thread alone (numpy's memcpy, GIL released). torch's
+    ``copy_`` fans a large copy out to every core, and its idle workers spin between
+    buckets: the pack would then starve the very readers, hub and Ray threads it is
+    meant to overlap with. One thread packs faster than one reader reads. A source on
+    another device (a GPU tensor among CPU weights) goes through torch."""
+    if source.device.type != "cpu" or destination.device.type != "cpu":
+        destination.copy_(source)
+        return
+    numpy.copyto(destination.numpy(), source.numpy())

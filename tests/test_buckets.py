@@ -27,12 +27,9 @@ from raysync.testing import (
 from raysync.transports import register_transport
 from raysync.transports.distributed import process_group_name, rank0_reader
 from raysync.transports.object_store import BROKER_NAMESPACE, BUCKETS_IN_FLIGHT, broker_name
-from raysync.transports.rdt import RdtTransport
 from raysync.transports.rpc import agent_name
 from tests.helpers import Gate, ready, start, start_hub
-from tests.nixl_actors import RdtCollector
-from tests.receivers import make_policy
-from tests.third_party_transport import PutReaderTransport
+from tests.third_party_transport import PackedObjectTransport, PutReaderTransport
 
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
 TINY_MB = 1 / 1024
@@ -405,24 +402,19 @@ def test_a_cuda_learner_streams_buckets_to_a_cuda_receiver(actors, transport):
 
 
 def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
-    with pytest.raises(ValueError, match="bucket_mb: transport 'rdt' moves whole versions"):
-        start_hub(actors, "rdt", bucket_mb=1)
+    """Every built-in transport moves buckets; one written outside raysync that does not
+    declare ``buckets`` is refused by name, at the hub's start and in the learner (a
+    receiver reading through it on a bucketed hub), before anything is sent."""
+    register_transport("packed_object", PackedObjectTransport)
+    with pytest.raises(ValueError, match="bucket_mb: transport 'packed_object' moves whole"):
+        start_hub(actors, "packed_object", bucket_mb=1)
     with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB"):
         start_hub(actors, "object_store", bucket_mb=0)
-
-
-@pytest.mark.skipif(
-    not RdtTransport.availability().available,
-    reason=f"rdt unavailable: {RdtTransport.availability().reason}",
-)
-def test_the_learner_refuses_a_bucketed_version_its_receivers_hand_off_cannot_move(actors):
-    """An ``rdt`` receiver on an object-store hub: the learner's rdt hand-off moves whole
-    versions only, so the broadcast is refused in the learner, naming the transport."""
-    hub = start_hub(actors, "object_store")
-    receiver = start(actors, RdtCollector, hub, transport="rdt")
+    hub = start_hub(actors, "object_store", models=[MODEL])
+    receiver = start(actors, Receiver, hub, "r0", transport="packed_object")
     ready([receiver])
-    with pytest.raises(ValueError, match=r"transport 'rdt' moves whole versions"):
-        ray.get(hub.broadcast.remote(make_policy(), bucket_mb=TINY_MB))
+    with pytest.raises(ValueError, match=r"transport 'packed_object' moves whole versions"):
+        ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL, bucket_mb=TINY_MB))
     assert ray.get(receiver.version.remote()) == 0
 
 

@@ -66,6 +66,30 @@ def test_every_version_bitwise_late_join_and_pull(actors):
     assert_same(ray.get(pull.state.remote()), state_of(learner))
 
 
+def test_bucketed_versions_bitwise_wire_dtype_and_late_join(actors):
+    """1 KiB buckets (the policy's ~2.6 KB in three), each an RDT object out of the
+    learner's two slots: every version lands bitwise (through bfloat16 too), back to
+    back, and a late joiner reads the latest from a receiver that holds it."""
+    hub = start_hub(actors, "rdt", bucket_mb=1 / 1024)
+    receivers = [start(actors, RdtCollector, hub) for _ in range(2)]
+    ready(receivers)
+    learner = make_policy()
+    for step in range(1, 5):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(torch.randn_like(p))
+        report = ray.get(hub.broadcast.remote(learner), timeout=60)
+        assert report.version == step and len(report.acked) == 2
+        for receiver in receivers:
+            assert_same(ray.get(receiver.state.remote()), state_of(learner))
+    report = ray.get(hub.broadcast.remote(learner, wire_dtype=torch.bfloat16), timeout=60)
+    through_bf16 = {k: v.to(torch.bfloat16).float() for k, v in state_of(learner).items()}
+    for receiver in receivers:
+        assert_same(ray.get(receiver.state.remote()), through_bf16)
+    late = start(actors, RdtCollector, hub)
+    assert_same(ray.get(late.state.remote()), through_bf16)
+
+
 def test_back_to_back_broadcasts_never_tear(actors):
     hub = start_hub(actors, "rdt")
     receivers = [start(actors, RdtHashingCollector, hub) for _ in range(2)]

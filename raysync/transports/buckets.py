@@ -15,7 +15,10 @@ tensor can be cast to the wire dtype on its own.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from raysync.layout import ALIGNMENT, PackedLayout
 from raysync.spec import WeightSpec
@@ -93,3 +96,26 @@ class BucketPlan:
                 buckets[bucket].append(Piece(index, start, end, at))
                 start = end
         return tuple(tuple(bucket) for bucket in buckets)
+
+
+def pack_bucket(
+    data: torch.Tensor,
+    plan: BucketPlan,
+    sources: Sequence[torch.Tensor],
+    index: int,
+    copy: Callable[[torch.Tensor, torch.Tensor], None] = torch.Tensor.copy_,
+) -> None:
+    """Learner: bucket ``index`` of ``plan`` from ``sources`` (the learner's tensors, in
+    spec order) into ``data`` (uint8, at least the bucket's bytes), each piece at its
+    place in the bucket, cast to the wire dtype while copied where its source has
+    another dtype (no piece-sized copy); ``copy`` copies bytes of one dtype."""
+    base = index * plan.bucket_bytes
+    for piece in plan.pieces(index):
+        wire = plan.spec.tensors[piece.tensor].dtype
+        flat = sources[piece.tensor].reshape(-1)
+        chunk = flat[piece.start // wire.itemsize : piece.end // wire.itemsize]
+        target = data[piece.at - base : piece.at - base + piece.nbytes]
+        if chunk.dtype == wire:
+            copy(target, chunk.view(torch.uint8))
+        else:
+            target.view(wire).copy_(chunk)

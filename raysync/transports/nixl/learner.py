@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy
 import torch
 
+from raysync.copies import copy_on_this_thread
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
 from raysync.transports.nixl.agent import device_index, memory_type, new_agent
@@ -37,18 +37,6 @@ REUSE_WAIT_S = 600.0
 #: The learner's agent is progressed this often (seconds). It serves only connection
 #: set-up and upkeep, never the data, so it can be slow: each wake-up costs little.
 _SOURCE_PROGRESS_S = 0.005
-
-
-def _copy_on_this_thread(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy CPU bytes with this thread alone (numpy's memcpy, GIL released). torch's
-    ``copy_`` fans a large copy out to every core, and its idle workers spin between
-    buckets: the pack would then starve the very readers, hub and Ray threads it is
-    meant to overlap with. One thread packs faster than one reader reads. A source on
-    another device (a GPU tensor among CPU weights) goes through torch."""
-    if source.device.type != "cpu":
-        destination.copy_(source)
-        return
-    numpy.copyto(destination.numpy(), source.numpy())
 
 
 def _progress(agent: Any, stop: threading.Event) -> None:
@@ -167,7 +155,7 @@ class NixlSender(TransportSender):
         if isinstance(payload, NixlBucketStream):
             with self._lock:
                 ring, outgoing = self._outgoing.pop(payload.key.id)
-            ring.stream_out(payload, outgoing, done, _copy_on_this_thread, self._next_stamp)
+            ring.stream_out(payload, outgoing, done, copy_on_this_thread, self._next_stamp)
             return
         with self._lock:
             buffer = self._by_address[payload.region.address]
@@ -188,7 +176,7 @@ class NixlSender(TransportSender):
                 return
             for index, (start, end) in enumerate(buffer.frame.buckets):
                 buffer.frame.layout.pack_range(
-                    sources, buffer.tensor, start, end, copy=_copy_on_this_thread
+                    sources, buffer.tensor, start, end, copy=copy_on_this_thread
                 )
                 stamps[index] = stamp
         except BaseException:

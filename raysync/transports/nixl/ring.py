@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from raysync.transports.base import VersionDone
-from raysync.transports.buckets import BucketPlan
+from raysync.transports.buckets import pack_bucket
 from raysync.transports.nixl.wire import (
     ABANDONED,
     SLOT_HEADER,
@@ -106,7 +106,7 @@ class BucketRing:
                 try:
                     slot.stamp.fill_(0)
                     _sync(slot.tensor)
-                    _pack(slot.data, outgoing.plan, outgoing.sources, index, copy)
+                    pack_bucket(slot.data, outgoing.plan, outgoing.sources, index, copy)
                     _sync(slot.tensor)
                     slot.stamp.fill_(stamp)
                     _sync(slot.tensor)
@@ -132,27 +132,6 @@ class BucketRing:
         if held.key == key or done.ended():
             return why
         return None  # an older version's stream ended: its slot is free all the same
-
-
-def _pack(
-    data: torch.Tensor,
-    plan: BucketPlan,
-    sources: list[torch.Tensor],
-    index: int,
-    copy: Callable[[torch.Tensor, torch.Tensor], None],
-) -> None:
-    """Bucket ``index`` of ``plan`` into ``data`` (its bytes at their place in the
-    bucket), each piece cast to the wire dtype while copied where its source differs."""
-    base = index * plan.bucket_bytes
-    for piece in plan.pieces(index):
-        wire = plan.spec.tensors[piece.tensor].dtype
-        flat = sources[piece.tensor].reshape(-1)
-        chunk = flat[piece.start // wire.itemsize : piece.end // wire.itemsize]
-        target = data[piece.at - base : piece.at - base + piece.nbytes]
-        if chunk.dtype == wire:
-            copy(target, chunk.view(torch.uint8))
-        else:
-            target.view(wire).copy_(chunk)
 
 
 def _sync(tensor: torch.Tensor) -> None:

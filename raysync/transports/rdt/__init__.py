@@ -17,11 +17,15 @@ Ray requires ``enable_tensor_transport=True`` on every actor that sends or recei
 objects (otherwise a transfer waits 60 s, then the receiving worker crashes). The hub
 refuses to register a receiver without it and a learner actor without it cannot open
 a sender; both errors say what to add. A learner that is the driver needs nothing.
+
+Bucketed versions (``bucket_mb``): not the pair, but two registered bucket slots per
+bucket size, each bucket one RDT object handed out by the hub's bucket broker
+(:mod:`raysync.transports.rdt.ring`); receivers point each at its place in their
+staging buffer. A late joiner reads a bucketed version from a receiver that holds it,
+through the object store, as ``object_store`` receivers do.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
 from raysync.transports.nixl import nixl_availability
@@ -44,7 +48,9 @@ __all__ = [
 class RdtTransport(Transport):
     name = "rdt"
     #: The learner's registered pair; a staging buffer in each receiver.
+    #: Bucketed: two registered buckets in the learner, one staged version per receiver.
     memory = MemoryFootprint(learner=2, per_receiver=1)
+    buckets = True
 
     @classmethod
     def availability(cls) -> Availability:
@@ -56,8 +62,9 @@ class RdtTransport(Transport):
 
     @classmethod
     def open_sender(cls, hub: HubContext) -> RdtSender:
-        return RdtSender()
+        return RdtSender(hub)
 
     @classmethod
-    def open_receiver(cls, info: Any) -> RdtReceiver:
-        return RdtReceiver()
+    def open_receiver(cls, info: str) -> RdtReceiver:
+        """``info``: the receiver's worker id (the planner's ``receiver_joined``)."""
+        return RdtReceiver(info)

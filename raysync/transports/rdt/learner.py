@@ -10,21 +10,36 @@ import torch
 
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.base import TransportError, TransportSender
-from raysync.transports.rdt.wire import REQUIREMENT, RdtPayload, tensor_transport_enabled
+from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
+from raysync.transports.object_store.buckets import Outgoing, open_broker, start_stream
+from raysync.transports.rdt.ring import RdtRing
+from raysync.transports.rdt.wire import (
+    REQUIREMENT,
+    RdtBucketStream,
+    RdtPayload,
+    tensor_transport_enabled,
+)
 
 #: Seconds ``send`` waits for Ray to free the buffer it is about to overwrite.
 REUSE_WAIT_S = 600.0
 
 
 class RdtSender(TransportSender):
-    def __init__(self) -> None:
+    def __init__(self, hub: HubContext | None = None) -> None:
+        """``hub``: the hub it broadcasts through, whose bucket broker hands bucketed
+        versions out (None: it sends whole versions only)."""
         context = ray.get_runtime_context()
         if context.get_actor_id() is not None and not tensor_transport_enabled(
             context.current_actor
         ):
             raise TransportError(f"the learner actor {context.get_actor_id()} {REQUIREMENT}")
+        self._hub = hub
         self._pairs: dict[tuple[WeightSpec, torch.device], list[torch.Tensor]] = {}
+        #: Bucketed versions: two registered slots per (bucket bytes, device), the
+        #: hub's broker, and each version ``send_buckets`` started until ``submitted``.
+        self._rings: dict[tuple[int, torch.device], tuple[RdtRing, list[torch.Tensor]]] = {}
+        self._broker = None
+        self._outgoing: dict[str, tuple[RdtRing, Outgoing]] = {}
         self._lock = threading.Lock()
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> RdtPayload:
@@ -55,6 +70,43 @@ class RdtSender(TransportSender):
                 torch.cuda.synchronize(device)
             return RdtPayload(ray.put([buffer], _tensor_transport="nixl"))
 
+    def send_buckets(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        spec: WeightSpec,
+        bucket_bytes: int,
+        stall_s: float,
+    ) -> RdtBucketStream:
+        """A version larger than a bucket: published bucket by bucket out of two
+        registered slots (see :mod:`raysync.transports.rdt.ring`) by ``submitted``."""
+        from ray.experimental import register_nixl_memory
+
+        if self._hub is None:
+            raise TransportError("this sender was opened without a hub: whole versions only")
+        device = tensors[spec.names[0]].device
+        with self._lock:
+            if self._broker is None:
+                self._broker = open_broker(self._hub)
+            entry = self._rings.get((bucket_bytes, device))
+            if entry is None:
+                slots = [
+                    torch.zeros(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)
+                ]
+                for slot in slots:
+                    register_nixl_memory(slot)
+                entry = self._rings[(bucket_bytes, device)] = (RdtRing(slots, REUSE_WAIT_S), slots)
+            stream, outgoing = start_stream(self._broker, tensors, spec, bucket_bytes, stall_s)
+            payload = RdtBucketStream(stream.broker, stream.key, stream.bucket_bytes)
+            self._outgoing[payload.key.id] = (entry[0], outgoing)
+            return payload
+
+    def submitted(self, payload: RdtPayload | RdtBucketStream, done: VersionDone) -> None:
+        """Stream a bucketed version out of its ring (a whole one is already published)."""
+        if isinstance(payload, RdtBucketStream):
+            with self._lock:
+                ring, outgoing = self._outgoing.pop(payload.key.id)
+            ring.stream_out(payload, outgoing, done)
+
     def close(self) -> None:
         from ray.experimental import deregister_nixl_memory
 
@@ -62,4 +114,9 @@ class RdtSender(TransportSender):
             for pair in self._pairs.values():
                 for buffer in pair:
                     deregister_nixl_memory(buffer)
+            for _, slots in self._rings.values():
+                for slot in slots:
+                    deregister_nixl_memory(slot)
             self._pairs.clear()
+            self._rings.clear()
+            self._outgoing.clear()

@@ -1,8 +1,13 @@
-"""Receiver process: the RDT receiver, pointing each ref at a registered staging buffer."""
+"""Receiver process: the RDT receiver, pointing each ref at a registered staging buffer.
+
+A bucketed version (:class:`RdtBucketStream`) comes one RDT object per bucket, as the
+hub's bucket broker hands them out; each is pointed at the bucket's place in the
+staging buffer, so Ray's agent READs it there. One served to a late joiner by another
+receiver comes through the object store (:class:`BucketStream`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -11,7 +16,10 @@ import torch
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
-from raysync.transports.rdt.wire import RdtPayload
+from raysync.transports.buckets import BucketPlan
+from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
+from raysync.transports.object_store.buckets import take_bucket
+from raysync.transports.rdt.wire import RdtBucketStream, RdtPayload
 from raysync.transports.staging import StagingPool, staging_device
 
 #: Seconds a receiver's ``ray.get`` of one version may take.
@@ -19,12 +27,26 @@ READ_TIMEOUT_S = 60.0
 
 
 class RdtReceiver(TransportReceiver):
-    def __init__(self) -> None:
+    def __init__(self, worker: str | None = None) -> None:
+        """``worker``: this receiver's worker id, how it names itself to the hub's bucket
+        broker (None: it reads whole versions only)."""
+        self._worker = worker
         self._device = staging_device()
         self._pool: StagingPool[torch.Tensor] = StagingPool(self._new_staging)
+        #: Bucketed versions another receiver serves through the object store.
+        self._served = ObjectStoreReceiver(worker)
 
-    def fetch(self, payload: RdtPayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
+    def fetch(
+        self, payload: RdtPayload | RdtBucketStream | BucketStream, spec: WeightSpec
+    ) -> Sequence[torch.Tensor]:
         from ray.experimental import set_target_for_ref
+
+        if isinstance(payload, RdtBucketStream):
+            if self._worker is None:
+                raise TransportError("this receiver reads whole versions, not buckets")
+            return self._fetch_stream(payload, spec, self._worker)
+        if isinstance(payload, BucketStream):
+            return self._served.fetch(payload, spec)
 
         layout = PackedLayout.of(spec)
         staging = self._pool.take(spec)
@@ -44,7 +66,53 @@ class RdtReceiver(TransportReceiver):
         return staged
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
-        self._pool.release(staged)
+        if isinstance(payload, BucketStream) and not isinstance(payload, RdtBucketStream):
+            self._served.release(payload, staged)
+        else:
+            self._pool.release(staged)
+
+    def serve(
+        self, payload: BucketStream, tensors: Mapping[str, torch.Tensor], spec: WeightSpec
+    ) -> None:
+        """Serve the version this receiver holds to a late joiner through the object store."""
+        self._served.serve(payload, tensors, spec)
+
+    def _fetch_stream(
+        self, payload: RdtBucketStream, spec: WeightSpec, worker: str
+    ) -> list[torch.Tensor]:
+        """Every bucket of a bucketed version, each RDT object READ to its place in a
+        staging buffer as the broker hands it out; TransportError (the buffer freed) if
+        one cannot be had."""
+        from ray.experimental import set_target_for_ref
+
+        plan = BucketPlan.of(spec, payload.bucket_bytes)
+        staging = self._pool.take(spec)
+        try:
+            for index in range(plan.count):
+                boxed, why = take_bucket(payload, index, worker)
+                if why is not None:
+                    raise TransportError(f"bucket {index} of {plan.count}: {why}")
+                start = index * plan.bucket_bytes
+                place = staging[start : start + min(plan.bucket_bytes, staging.numel() - start)]
+                try:
+                    set_target_for_ref(boxed[0], [place])
+                    (received,) = ray.get(boxed[0], timeout=READ_TIMEOUT_S)
+                except (ray.exceptions.RayError, ValueError) as err:
+                    raise TransportError(
+                        f"Ray's NIXL tensor transport could not fetch bucket {index} of "
+                        f"{plan.count} ({type(err).__name__}: {err}); the learner process may "
+                        "have died"
+                    ) from err
+                if received.data_ptr() != place.data_ptr():
+                    raise TransportError("Ray's NIXL tensor transport ignored the target buffer")
+                del boxed, received
+            payload.broker.take.remote(payload.key, plan.count, worker)
+        except BaseException:
+            self._pool.put_back(spec, staging)
+            raise
+        staged = PackedLayout.of(spec).views(staging)
+        self._pool.lease(staged, spec, staging)
+        return staged
 
     def _new_staging(self, spec: WeightSpec) -> torch.Tensor:
         """A staging buffer for ``spec``, registered with Ray's NIXL agent."""
@@ -59,3 +127,4 @@ class RdtReceiver(TransportReceiver):
 
         for staging in self._pool.close():
             deregister_nixl_memory(staging)
+        self._served.close()

@@ -7,6 +7,8 @@ from typing import Any
 
 import ray
 
+from raysync.transports.object_store.buckets import BucketStream
+
 REQUIREMENT = (
     "must be declared with enable_tensor_transport=True to use transport 'rdt' (Ray's "
     "NIXL tensor transport): add it to the class decorator, "
@@ -23,3 +25,10 @@ class RdtPayload:
 
 def tensor_transport_enabled(handle: Any) -> bool:
     return bool(handle._ray_enable_tensor_transport)
+
+
+@dataclass(frozen=True)
+class RdtBucketStream(BucketStream):
+    """A bucketed version through RDT: each bucket the broker hands out is an RDT object
+    holding ``[bucket]`` (a view of one of the learner's two registered bucket slots),
+    which a receiver points at the bucket's place in its staging buffer."""

@@ -1,0 +1,97 @@
+"""Learner process: bucketed versions through RDT, out of two registered bucket slots.
+
+A version larger than ``bucket_mb`` is not packed into the sender's whole-version pair.
+Per bucket size and device the sender registers two slots with Ray's NIXL agent, once;
+:func:`stream_out` packs bucket ``k`` into slot ``k`` mod 2 — each piece cast to the
+wire dtype as it is copied — publishes it as an RDT object (``ray.put([bucket],
+_tensor_transport="nixl")``, a view of the slot: Ray keeps no copy) and hands the ref
+to the hub's bucket broker, as the object store's stream hands its puts. Before
+writing a slot again the learner waits twice: for the broker's room (every reader took
+the bucket after the one the slot holds; a reader that holds the others up is dropped
+there) and for Ray to report every reference to the slot's last object gone
+(``wait_tensor_freed``: the broker forgot it and no receiver's get still runs). So the
+learner holds two buckets beyond its model, the object store none, and no read is torn.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from raysync.copies import copy_on_this_thread
+from raysync.transports.base import TransportError, VersionDone
+from raysync.transports.buckets import pack_bucket
+from raysync.transports.object_store.buckets import (
+    BUCKETS_IN_FLIGHT,
+    Outgoing,
+    wait_for_room,
+)
+from raysync.transports.rdt.wire import RdtBucketStream
+
+
+@dataclass
+class _Slot:
+    tensor: torch.Tensor  #: uint8, one bucket, registered with Ray's NIXL agent
+    #: The view last published from it: Ray tracks an RDT object's tensors by identity.
+    published: torch.Tensor | None = field(default=None)
+
+
+class RdtRing:
+    """A sender's two registered bucket slots for one bucket size on one device."""
+
+    def __init__(self, tensors: list[torch.Tensor], reuse_wait_s: float) -> None:
+        self._slots = [_Slot(t) for t in tensors]
+        self._reuse_wait_s = reuse_wait_s
+        self._next = 0
+        #: One version streams out at a time (two learner threads share the ring).
+        self._streaming = threading.Lock()
+
+    def stream_out(
+        self,
+        payload: RdtBucketStream,
+        outgoing: Outgoing,
+        done: VersionDone,
+    ) -> None:
+        """Pack and publish every bucket of ``payload``'s version, each once its slot
+        is free; stop early if the broadcast ended (refused, or no reader left)."""
+        broker, key = payload.broker, payload.key
+        plan = outgoing.plan
+        with self._streaming:
+            for index in range(key.count):
+                if index >= BUCKETS_IN_FLIGHT:
+                    why = wait_for_room(broker, key, index, done)
+                    if why is not None:
+                        broker.end.remote(key, why)
+                        return
+                slot = self._slots[self._next]
+                self._wait_until_freed(slot)
+                start = index * plan.bucket_bytes
+                length = min(plan.bucket_bytes, plan.layout.nbytes - start)
+                bucket = slot.tensor[:length]
+                try:
+                    pack_bucket(bucket, plan, outgoing.sources, index, copy_on_this_thread)
+                    ref = ray.put([bucket], _tensor_transport="nixl")
+                except BaseException as err:
+                    broker.end.remote(key, f"the learner failed packing bucket {index}: {err!r}")
+                    raise
+                slot.published = bucket
+                self._next = (self._next + 1) % len(self._slots)
+                broker.offer.remote(key, index, [ref])
+                del ref  # the broker's reference keeps it until every reader took it
+
+    def _wait_until_freed(self, slot: _Slot) -> None:
+        from ray.experimental import wait_tensor_freed
+
+        if slot.published is None:
+            return
+        try:
+            wait_tensor_freed(slot.published, timeout=self._reuse_wait_s)
+        except TimeoutError as err:
+            raise TransportError(
+                f"a bucket in this learner's rdt ring is still referenced after "
+                f"{self._reuse_wait_s:g} s (a receiver or the broker still holds its ObjectRef)"
+            ) from err
+        slot.published = None
