@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
+from raysync.copies import copy_on_this_thread
 from raysync.layout import ALIGNMENT, PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.buckets import BucketPlan, bucket_bytes_of
+from raysync.transports.buckets import BucketPlan, bucket_bytes_of, pack_bucket
 from raysync.transports.object_store.buckets import Outgoing, bucket_arrays
 from raysync.wire_dtype import wire_spec_of
 
@@ -106,3 +107,27 @@ def test_bucket_sizes_round_up_to_the_alignment_and_refuse_nonsense():
             bucket_bytes_of(bad)
     with pytest.raises(ValueError, match="positive multiple of 64"):
         BucketPlan.of(WeightSpec.of({"w": torch.zeros(3)}), 100)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("bucket_bytes", [64, 960])
+def test_a_packed_bucket_is_the_wire_layouts_bytes_at_its_place(seed, bucket_bytes):
+    """``pack_bucket`` (the NIXL and RDT rings): bucket k, READ to ``k * bucket_bytes`` of
+    a receiver's staging buffer, rebuilds the version cast to the wire dtype."""
+    tensors = {n: t for n, t in _model(seed).items() if t.dtype != torch.float16}
+    wire = wire_spec_of(WeightSpec.of(tensors), torch.bfloat16) or WeightSpec.of(tensors)
+    plan = BucketPlan.of(wire, bucket_bytes)
+    sources = [tensors[name] for name in wire.names]
+    staging = torch.zeros(plan.layout.nbytes, dtype=torch.uint8)
+    for index in range(plan.count):
+        slot = torch.full((bucket_bytes,), 0xAB, dtype=torch.uint8)  # last user's bytes
+        pack_bucket(slot, plan, sources, index, copy_on_this_thread)
+        start = index * bucket_bytes
+        length = min(bucket_bytes, plan.layout.nbytes - start)
+        staging[start : start + length] = slot[:length]
+    for name, view in zip(wire.names, plan.layout.views(staging), strict=True):
+        source = tensors[name]
+        expected = source.to(torch.bfloat16) if source.dtype.is_floating_point else source
+        assert torch.equal(
+            view.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)
+        )

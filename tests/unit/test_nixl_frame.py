@@ -16,11 +16,11 @@ import itertools
 import pytest
 import torch
 
+from raysync.copies import copy_on_this_thread
 from raysync.layout import ALIGNMENT, PackedLayout
 from raysync.spec import TensorSpec, WeightSpec
 from raysync.transports.base import TransportError
 from raysync.transports.nixl import ABANDONED, BUCKET_BYTES, NixlPayload, NixlReceiver, NixlRegion
-from raysync.transports.nixl.learner import _copy_on_this_thread
 from raysync.transports.nixl.wire import Frame
 from raysync.transports.nixl.wire import descs as descriptor_list
 
@@ -67,7 +67,7 @@ def _write_like_the_learner(frame: Frame, tensors: dict[str, torch.Tensor], stam
     sources = frame.layout.byte_views(tensors)
     written = []
     for index, (start, end) in enumerate(frame.buckets):
-        frame.layout.pack_range(sources, buffer, start, end, copy=_copy_on_this_thread)
+        frame.layout.pack_range(sources, buffer, start, end, copy=copy_on_this_thread)
         stamps[index] = stamp
         written.append(stamps.tolist())
     return buffer, written
@@ -158,7 +158,7 @@ def test_a_bucket_by_bucket_write_equals_the_whole_pack_and_stamps_each_bucket(t
 def test_the_single_thread_copy_moves_bytes_like_copy():
     source = torch.randint(0, 256, (1000,), dtype=torch.uint8)
     destination = torch.zeros(1200, dtype=torch.uint8)
-    _copy_on_this_thread(destination[100:1100], source)
+    copy_on_this_thread(destination[100:1100], source)
     assert torch.equal(destination[100:1100], source)
     assert destination[:100].sum().item() == 0 and destination[1100:].sum().item() == 0
 
