@@ -20,7 +20,9 @@ whatever the model's size. Who calls what, per version (one *stream*):
   receivers that hold a version a late joiner needs, and ``end(stream, why)`` when the
   one it asked to serve it cannot;
 * each receiver: ``take(stream, k, worker)`` for bucket ``k`` — which also says it is
-  done with the buckets before ``k`` — and ``take(stream, count, worker)`` at the end.
+  done with the buckets before ``k``, or, asking ahead while it reads bucket ``k - 1``,
+  ``take(stream, k, worker, copied=k - 1)`` — and ``take(stream, count, worker)`` at
+  the end.
 
 Ray does not keep an async actor's calls in order, so any of them may be the first the
 broker hears of a stream (a :class:`~raysync.transports.object_store.buckets.StreamId`:
@@ -186,13 +188,20 @@ class BucketBroker:
 
     # -- receivers -------------------------------------------------------------------------
     async def take(
-        self, key: StreamId, index: int, worker: str, passed_on: tuple[str, ...] = ()
+        self,
+        key: StreamId,
+        index: int,
+        worker: str,
+        passed_on: tuple[str, ...] = (),
+        copied: int | None = None,
     ) -> tuple[list[ray.ObjectRef] | None, str | None]:
         """Bucket ``index`` for ``worker`` (waiting up to ``key.wait_s`` for the learner
-        to put it), which has copied every bucket before it. ``(boxed ref, None)``, or
-        ``(None, why not)``; ``index == count`` says the reader is done: ``(None, None)``,
-        and ``passed_on`` names the receivers it handed every bucket to (a relaying
-        reader, ``rpc``'s agent): like readers that finished, they may serve the version."""
+        to put it), which has copied the ``copied`` buckets before it (default: every
+        bucket before ``index``; one less when it asks for the next bucket while it
+        still reads this one). ``(boxed ref, None)``, or ``(None, why not)``;
+        ``index == count`` says the reader is done: ``(None, None)``, and ``passed_on``
+        names the receivers it handed every bucket to (a relaying reader, ``rpc``'s
+        agent): like readers that finished, they may serve the version."""
         state = self._open(key)
         if state is None:
             why, dropped, _ = self._ended.get(key.id, ("", {}, []))
@@ -205,7 +214,7 @@ class BucketBroker:
             )
         if worker in state.dropped:
             return None, f"this receiver was dropped from the stream: {state.dropped[worker]}"
-        state.taken[worker] = max(state.taken.get(worker, 0), index)
+        state.taken[worker] = max(state.taken.get(worker, 0), index if copied is None else copied)
         state.free_taken()
         if index >= key.count:
             state.finished.extend(passed_on)

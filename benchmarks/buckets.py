@@ -2,7 +2,8 @@
 
 For each (size, mode) cell, a fresh hub on ``--transport`` (``object_store``; ``rpc``
 or ``distributed``, whose agent / rank 0 relays each bucket; ``shared_memory``;
-``nixl``, whose learner streams buckets from a registered ring) and N receiver actors (the
+``nixl`` and ``rdt``, whose learner streams buckets from two registered slots) and N
+receiver actors (the
 mixin, one float32 state_dict of 16 tensors) take one untimed and ``--repeats`` timed
 broadcasts from this process (the learner). Modes: ``whole`` (one put per version), ``bucketed``
 (``bucket_mb``), ``bucketed_bf16`` (also ``wire_dtype=bfloat16``). Recorded per cell:
@@ -109,7 +110,6 @@ def _growth(actor) -> float:
     return actor._bench_anon_peak.growth_mb()
 
 
-@ray.remote(num_cpus=0)
 class _Receiver(WeightReceiver):
     def __init__(self, hub, size_mb: int):
         self.weights = _zeros(size_mb)
@@ -117,6 +117,13 @@ class _Receiver(WeightReceiver):
 
     def digest(self) -> str:
         return _digest(self.weights)
+
+
+#: The receiver actor per transport (``rdt`` needs Ray's tensor transport declared).
+_RECEIVERS = {
+    "rdt": ray.remote(num_cpus=0, enable_tensor_transport=True)(_Receiver),
+}
+_PLAIN_RECEIVER = ray.remote(num_cpus=0)(_Receiver)
 
 
 class _StoreWatch:
@@ -168,7 +175,8 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
     wire = torch.bfloat16 if mode.endswith("bf16") else None
     _StoreWatch(address).wait_empty()
     hub = WeightHub.remote(models=[_MODEL], timeout_s=args.timeout_s, transport=args.transport)
-    receivers = [_Receiver.remote(hub, size_mb) for _ in range(args.receivers)]
+    receiver_class = _RECEIVERS.get(args.transport, _PLAIN_RECEIVER)
+    receivers = [receiver_class.remote(hub, size_mb) for _ in range(args.receivers)]
     ray.get([r.__ray_ready__.remote() for r in receivers])
     weights = _state(size_mb, 1.0)
     seconds, broker = [], None
@@ -282,7 +290,7 @@ def main() -> None:
     p.add_argument("--receivers", type=int, default=1)
     p.add_argument(
         "--transport",
-        choices=("object_store", "shared_memory", "rpc", "distributed", "nixl"),
+        choices=("object_store", "shared_memory", "rpc", "distributed", "nixl", "rdt"),
         default="object_store",
     )
     p.add_argument("--bucket-mb", type=float, default=64.0)

@@ -69,6 +69,33 @@ def test_every_reader_gets_every_bucket_and_no_more_than_two_are_held():
     assert len(held) == 12 and max(held) <= BUCKETS_IN_FLIGHT
 
 
+def test_a_reader_asking_ahead_keeps_the_bucket_it_still_reads():
+    """``take(k + 1, copied=k)`` while bucket ``k`` is read: the learner gets no room
+    for bucket ``k + 2`` (which would reuse ``k``'s place) until the reader says it
+    copied ``k`` too."""
+
+    async def main():
+        broker, k = BucketBroker(_NO_HUB), key(count=4)
+        await broker.readers(k, ["a"])
+        for index in range(2):
+            await broker.offer(k, index, [f"ref{index}"])
+        assert await broker.take(k, 0, "a") == (["ref0"], None)
+        assert await broker.take(k, 1, "a", (), 0) == (["ref1"], None)  # reads 0 still
+        room = asyncio.ensure_future(broker.room(k, 2))
+        for _ in range(10):  # every turn the broker's room could take without waiting
+            await asyncio.sleep(0)
+        blocked = not room.done()
+        asked = asyncio.ensure_future(broker.take(k, 2, "a", (), 1))  # copied 0, reads 1
+        why = await room
+        await broker.offer(k, 2, ["ref2"])
+        return blocked, why, await asked, broker.stats().peak_buckets
+
+    blocked, why, asked, peak = run(main())
+    assert blocked and why is None
+    assert asked == (["ref2"], None)
+    assert peak <= BUCKETS_IN_FLIGHT
+
+
 def test_calls_in_any_order_open_the_stream():
     async def main():
         broker, k = BucketBroker(_NO_HUB), key(count=2)

@@ -33,7 +33,7 @@ from raysync.transports.nixl.wire import (
     descs,
 )
 from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
-from raysync.transports.object_store.buckets import take_bucket
+from raysync.transports.object_store.buckets import buckets_of
 from raysync.transports.staging import StagingPool, staging_device
 
 logger = logging.getLogger(__name__)
@@ -161,12 +161,8 @@ class NixlReceiver(TransportReceiver):
         staging = self._ring_pool.take(spec)
         try:
             self._load(payload.agent, payload.metadata, payload.registration)
-            for index in range(plan.count):
-                boxed, why = take_bucket(payload, index, worker)
-                if why is not None:
-                    raise TransportError(f"bucket {index} of {plan.count}: {why}")
+            for index, boxed in buckets_of(payload, plan.count, worker):
                 self._read_ring_bucket(payload, staging, plan, index, boxed[0])
-            payload.broker.take.remote(payload.key, plan.count, worker)
         except BaseException:
             self._ring_pool.put_back(spec, staging)
             raise

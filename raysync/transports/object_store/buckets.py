@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,12 +195,8 @@ def fetch_stream(
     plan = BucketPlan.of(spec, payload.bucket_bytes)
     buffer = pool.take(spec)
     try:
-        for index in range(plan.count):
-            boxed, why = take_bucket(payload, index, worker)
-            if why is not None:
-                raise TransportError(f"bucket {index} of {plan.count}: {why}")
+        for index, boxed in buckets_of(payload, plan.count, worker):
             _copy_bucket(buffer, plan, index, _read_bucket(boxed[0], index, plan.count))
-        payload.broker.take.remote(payload.key, plan.count, worker)
     except BaseException:
         pool.put_back(spec, buffer)
         raise
@@ -209,10 +205,28 @@ def fetch_stream(
     return views
 
 
-def take_bucket(payload: BucketStream, index: int, worker: str) -> tuple[Any, str | None]:
-    """The broker's answer for bucket ``index``; its death is the stream's end."""
+def buckets_of(payload: BucketStream, count: int, worker: str) -> Iterator[tuple[int, Any]]:
+    """Receiver ``worker``: each bucket's box from the broker, in order (``(index,
+    boxed)``), asking for bucket ``k + 1`` while the caller reads bucket ``k`` (so the
+    broker's answer travels during the read, not between reads); the caller reads
+    bucket ``k`` before it asks for the next. Done once every bucket was read: tells the
+    broker. TransportError, naming the bucket, for one that cannot be had."""
+    broker, key = payload.broker, payload.key
+    asked = broker.take.remote(key, 0, worker)
+    for index in range(count):
+        boxed, why = _answer(asked)
+        if why is not None:
+            raise TransportError(f"bucket {index} of {count}: {why}")
+        if index + 1 < count:
+            asked = broker.take.remote(key, index + 1, worker, (), index)
+        yield index, boxed
+    broker.take.remote(key, count, worker)
+
+
+def _answer(asked: ray.ObjectRef) -> tuple[Any, str | None]:
+    """The broker's answer to a ``take``; its death is the stream's end."""
     try:
-        return ray.get(payload.broker.take.remote(payload.key, index, worker))
+        return ray.get(asked)
     except ray.exceptions.RayActorError as err:
         return None, f"the hub's bucket broker is gone ({type(err).__name__})"
 

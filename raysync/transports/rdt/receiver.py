@@ -18,7 +18,7 @@ from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
-from raysync.transports.object_store.buckets import take_bucket
+from raysync.transports.object_store.buckets import buckets_of
 from raysync.transports.rdt.wire import RdtBucketStream, RdtPayload
 from raysync.transports.staging import StagingPool, staging_device
 
@@ -88,10 +88,7 @@ class RdtReceiver(TransportReceiver):
         plan = BucketPlan.of(spec, payload.bucket_bytes)
         staging = self._pool.take(spec)
         try:
-            for index in range(plan.count):
-                boxed, why = take_bucket(payload, index, worker)
-                if why is not None:
-                    raise TransportError(f"bucket {index} of {plan.count}: {why}")
+            for index, boxed in buckets_of(payload, plan.count, worker):
                 start = index * plan.bucket_bytes
                 place = staging[start : start + min(plan.bucket_bytes, staging.numel() - start)]
                 try:
@@ -106,7 +103,6 @@ class RdtReceiver(TransportReceiver):
                 if received.data_ptr() != place.data_ptr():
                     raise TransportError("Ray's NIXL tensor transport ignored the target buffer")
                 del boxed, received
-            payload.broker.take.remote(payload.key, plan.count, worker)
         except BaseException:
             self._pool.put_back(spec, staging)
             raise
