@@ -12,8 +12,9 @@ receivers compute it alike from the payload and the spec. Who calls what:
 * hub process: the planner names the relay (:func:`relay_reader`) a reader of every
   stream (:func:`streams_of`) and tells receivers how many buckets come
   (:func:`bucket_count`);
-* the relay (its event loop): :func:`read_buckets` takes each bucket once the
-  previous one was passed on, so the object store holds at most two; then
+* the relay (its event loop): :func:`read_buckets` reads bucket ``k + 1`` while the
+  previous one is passed on, and is done with ``k`` once it asks for ``k + 2``, so the
+  object store holds at most two; then
   :func:`finish`, naming the receivers that got every bucket (they may serve the
   version to a late joiner);
 * receiver process: copies each bucket's pieces to their places (:func:`place`); a
@@ -109,17 +110,21 @@ def bucket_count(source: object) -> int:
     )
 
 
-async def read_bucket(bucket: RelayedBucket, reader: str, timeout_s: float) -> list[torch.Tensor]:
+async def read_bucket(
+    bucket: RelayedBucket, reader: str, timeout_s: float, copied: int | None = None
+) -> list[torch.Tensor]:
     """``bucket``'s pieces (uint8, read-only views of the object store), taken from the
-    broker as ``reader`` — or read from the part's put within ``timeout_s``. Awaited on
-    an event loop; TransportError if it cannot be had."""
+    broker as ``reader`` — or read from the part's put within ``timeout_s``. ``copied``:
+    how many buckets of its stream the reader is done with (default: every one before
+    it). Awaited on an event loop; TransportError if it cannot be had."""
     payload, index = bucket.payload, bucket.index
     if not isinstance(payload, BucketStream):
         arrays = await _read(read_put(payload, timeout_s), "a part sent whole")
         return [_bytes(a) for a in arrays]
     count = payload.key.count
     what = f"bucket {index} of {count}"
-    boxed, why = await _read(payload.broker.take.remote(payload.key, index, reader), what)
+    asked = payload.broker.take.remote(payload.key, index, reader, (), copied)
+    boxed, why = await _read(asked, what)
     if why is not None:
         raise TransportError(f"{what}: {why}")
     return [_bytes(a) for a in await _read(boxed[0], what)]
@@ -150,11 +155,27 @@ def read_bucket_now(bucket: RelayedBucket, reader: str, timeout_s: float) -> lis
 async def read_buckets(
     source: object, spec: WeightSpec, reader: str, timeout_s: float
 ) -> AsyncIterator[tuple[RelayedBucket, list[torch.Tensor]]]:
-    """The relay: every bucket of ``source`` with its pieces, in order; each is taken
-    once the caller has passed the previous one on (taking bucket ``k + 1`` tells the
-    broker the relay is done with ``k``)."""
-    for bucket in relay_plan(source, spec):
-        yield bucket, await read_bucket(bucket, reader, timeout_s)
+    """The relay: every bucket of ``source`` with its pieces, in order. Bucket ``k + 1``
+    is read while the caller passes bucket ``k`` on (the broker hears that the relay
+    still holds ``k``), and the relay is done with ``k`` once it asks for ``k + 2``: the
+    object store still holds two buckets of a stream at most."""
+    plan = relay_plan(source, spec)
+    if not plan:
+        return
+    reading = asyncio.ensure_future(read_bucket(plan[0], reader, timeout_s))
+    try:
+        for number, bucket in enumerate(plan):
+            pieces = await reading
+            if number + 1 < len(plan):
+                following = plan[number + 1]
+                held = bucket.index if following.payload is bucket.payload else None
+                reading = asyncio.ensure_future(read_bucket(following, reader, timeout_s, held))
+            yield bucket, pieces
+    finally:
+        if not reading.done():
+            reading.cancel()
+        elif not reading.cancelled():
+            reading.exception()  # retrieved: the caller stopped, or it raised above
 
 
 async def adopt(source: object, readers: Sequence[str]) -> None:
