@@ -14,9 +14,11 @@ import torch
 
 from raysync import BroadcastReport, TransportUnavailableError, WeightHub
 from raysync.spec import WeightSpec
-from raysync.transports import TransportError
+from raysync.transports import HubContext, TransportError, VersionDone
+from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
 from raysync.transports.nixl.agent import new_agent
+from raysync.transports.object_store import BROKER_NAMESPACE, broker_name
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.nixl_actors import BigCollector, HashingCollector, Learner, big_model, digest
 from tests.receivers import Collector, make_policy, state_of
@@ -86,6 +88,55 @@ def test_overwritten_buffer_is_detected_never_returned():
             staged = receiver.fetch(payload, spec)
             assert_same(dict(zip(spec.names, staged, strict=True)), _weights(value))
             receiver.release(payload, staged)
+    finally:
+        receiver.close()
+        sender.close()
+
+
+class _Never(VersionDone):
+    """A broadcast that never ends (the test plays the hub)."""
+
+    def wait(self, timeout_s: float) -> None:
+        raise TimeoutError
+
+
+def test_a_ring_slot_written_again_is_detected_never_applied(actors):
+    """A reader that took bucket 0 of a bucketed version and was then dropped (it held
+    the others up) reads it only after the learner's ring moved on to the next version:
+    the slot's stamp says so, and the read fails instead of staging another version's
+    bytes. The test plays the hub's planner (it names the readers at the broker)."""
+    hub = start_hub(actors, "nixl")
+    broker_of = lambda: ray.get_actor(  # noqa: E731
+        broker_name(hub.config.hub_id), namespace=BROKER_NAMESPACE
+    )
+    sender = NixlSender(HubContext(hub.actor, hub.config.hub_id))
+    receiver = NixlReceiver("slow")
+    weights = {"a": torch.arange(3000, dtype=torch.float32)}
+    spec = WeightSpec.of(weights)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = sender.send_buckets(weights, spec, 1024, stall_s=30.0)
+            ray.get(broker_of().readers.remote(first.key, ["slow"]))
+            streaming = pool.submit(sender.submitted, first, _Never())
+            boxed, why = ray.get(first.broker.take.remote(first.key, 0, "slow"))
+            assert why is None
+            ray.get(first.broker.drop_reader.remote("slow"))  # the hub drops it
+            streaming.result(timeout=30)  # no reader left: the learner stops the version
+            second = sender.send_buckets({"a": -weights["a"]}, spec, 1024, stall_s=30.0)
+            ray.get(first.broker.readers.remote(second.key, ["other"]))
+            streaming = pool.submit(sender.submitted, second, _Never())
+            again, why = ray.get(second.broker.take.remote(second.key, 0, "other"))
+            assert why is None and again[0].slot == boxed[0].slot  # the same slot, rewritten
+            plan = BucketPlan.of(spec, 1024)
+            staging = receiver._ring_pool.take(spec)
+            receiver._load(first.agent, first.metadata, first.registration)
+            with pytest.raises(TransportError, match="wrote the ring slot of bucket 0"):
+                receiver._read_ring_bucket(first, staging, plan, 0, boxed[0])
+            receiver._read_ring_bucket(second, staging, plan, 0, again[0])  # the current one
+            bucket = staging.views[0][: 1024 // 4]
+            assert torch.equal(bucket, -weights["a"][: 1024 // 4])
+            ray.get(second.broker.end.remote(second.key, "the test is over"))
+            streaming.result(timeout=30)
     finally:
         receiver.close()
         sender.close()
