@@ -18,7 +18,6 @@ from raysync.transports import HubContext, TransportError, VersionDone
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
 from raysync.transports.nixl.agent import new_agent
-from raysync.transports.object_store import BROKER_NAMESPACE, broker_name
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.nixl_actors import BigCollector, HashingCollector, Learner, big_model, digest
 from tests.receivers import Collector, make_policy, state_of
@@ -106,9 +105,6 @@ def test_a_ring_slot_written_again_is_detected_never_applied(actors):
     the slot's stamp says so, and the read fails instead of staging another version's
     bytes. The test plays the hub's planner (it names the readers at the broker)."""
     hub = start_hub(actors, "nixl")
-    broker_of = lambda: ray.get_actor(  # noqa: E731
-        broker_name(hub.config.hub_id), namespace=BROKER_NAMESPACE
-    )
     sender = NixlSender(HubContext(hub.actor, hub.config.hub_id))
     receiver = NixlReceiver("slow")
     weights = {"a": torch.arange(3000, dtype=torch.float32)}
@@ -116,7 +112,7 @@ def test_a_ring_slot_written_again_is_detected_never_applied(actors):
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first = sender.send_buckets(weights, spec, 1024, stall_s=30.0)
-            ray.get(broker_of().readers.remote(first.key, ["slow"]))
+            ray.get(first.broker.readers.remote(first.key, ["slow"]))
             streaming = pool.submit(sender.submitted, first, _Never())
             boxed, why = ray.get(first.broker.take.remote(first.key, 0, "slow"))
             assert why is None
