@@ -97,14 +97,15 @@ def run_transport(transport: str, args: argparse.Namespace, bucket_mb: float | N
 def print_table(rows: list[Row], skipped: dict[str, str], args: argparse.Namespace) -> None:
     mb = sum(p.numel() * 4 for p in make_model(args.width, args.layers).parameters()) / 1e6
     print(f"\n{mb:.0f} MB model, {args.receivers} receivers, {args.broadcasts} broadcasts each")
-    print(f"{'transport':<14} {'s/broadcast':>11} {'GB/s':>6}  bitwise  max lag")
+    width = max([len("transport"), *(len(r.transport) for r in rows), *map(len, skipped)])
+    print(f"{'transport':<{width}} {'s/broadcast':>11} {'GB/s':>6}  bitwise  max lag")
     for row in rows:
         print(
-            f"{row.transport:<14} {row.seconds:>11.3f} {row.gb_per_s:>6.2f}  "
+            f"{row.transport:<{width}} {row.seconds:>11.3f} {row.gb_per_s:>6.2f}  "
             f"{'yes' if row.bitwise else 'NO':<7}  {row.max_lag}"
         )
     for transport, reason in skipped.items():
-        print(f"{transport:<14} not run: {reason}")
+        print(f"{transport:<{width}} not run: {reason}")
 
 
 def plot(rows: list[Row], path: Path) -> None:
