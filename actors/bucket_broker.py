@@ -60,6 +60,7 @@ class _Stream:
     offered: int = 0  #: buckets the learner has put so far
     readers: set[str] | None = None  #: the workers it goes to; None: not planned yet
     taken: dict[str, int] = field(default_factory=dict)  #: worker -> buckets it copied
+    asked: dict[str, int] = field(default_factory=dict)  #: worker -> bucket it asked for last
     dropped: dict[str, str] = field(default_factory=dict)  #: worker -> why
     finished: list[str] = field(default_factory=list)  #: readers that took every bucket
     ended: str | None = None  #: why the learner stopped sending it
@@ -215,6 +216,7 @@ class BucketBroker:
         if worker in state.dropped:
             return None, f"this receiver was dropped from the stream: {state.dropped[worker]}"
         state.taken[worker] = max(state.taken.get(worker, 0), index if copied is None else copied)
+        state.asked[worker] = max(state.asked.get(worker, 0), index)
         state.free_taken()
         if index >= key.count:
             state.finished.extend(passed_on)
@@ -265,7 +267,7 @@ class BucketBroker:
     def taken(self, worker: str) -> int:
         """The bucket ``worker`` asked for last in any stream (tests watch a reader's
         progress with it)."""
-        return max((s.taken.get(worker, 0) for s in self._streams.values()), default=0)
+        return max((s.asked.get(worker, 0) for s in self._streams.values()), default=0)
 
     # -- inside --------------------------------------------------------------------------
     def _open(self, key: StreamId) -> _Stream | None:

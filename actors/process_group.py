@@ -22,6 +22,7 @@ their timeout; the planner then starts a new generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from raysync.transports.bucket_relay import (
     adopt,
     finish,
     is_bucketed,
-    read_bucket,
+    read_buckets,
     relay_plan,
 )
 from raysync.transports.distributed import (
@@ -101,23 +102,32 @@ class ProcessGroupActor:
             return await asyncio.to_thread(self._broadcast, job, arrays)
 
     async def _relay(self, job: BroadcastJob, reader: str) -> str | None:
-        """One collective per bucket (:mod:`raysync.transports.bucket_relay`), each bucket
-        taken once the previous one's collective is done. If one fails, the members read
+        """One collective per bucket (:mod:`raysync.transports.bucket_relay`), bucket
+        ``k + 1`` read while bucket ``k``'s collective runs. If one fails, the members read
         the rest of the version from the broker themselves (they are made its readers
         first), so a dead member costs the others nothing."""
         settings = job.generation.settings
-        plan = relay_plan(job.source, job.spec)
-        size = HEADER_BYTES + max(bucket.nbytes for bucket in plan)
+        size = HEADER_BYTES + max(bucket.nbytes for bucket in relay_plan(job.source, job.spec))
         passed_on: tuple[str, ...] = ()
+        number = 0  #: of the bucket being broadcast, from 1
         try:
-            for number, bucket in enumerate(plan, start=1):
-                pieces: list[torch.Tensor] | BaseException
+            async with contextlib.aclosing(
+                read_buckets(job.source, job.spec, reader, settings.timeout_s)
+            ) as buckets:
                 try:
-                    pieces = await read_bucket(bucket, reader, settings.timeout_s)
+                    async for _, pieces in buckets:
+                        number += 1
+                        reason = await asyncio.to_thread(
+                            self._broadcast_bucket, job, number, size, pieces
+                        )
+                        if reason is not None:
+                            await adopt(job.source, job.generation.members)
+                            return reason
                 except TransportError as err:
-                    pieces = err  # the collective fails with it: members stop waiting
-                reason = await asyncio.to_thread(self._broadcast_bucket, job, number, size, pieces)
-                if reason is not None:
+                    # The collective fails with it, so members stop waiting at once.
+                    reason = await asyncio.to_thread(
+                        self._broadcast_bucket, job, number + 1, size, err
+                    )
                     await adopt(job.source, job.generation.members)
                     return reason
             passed_on = job.generation.members

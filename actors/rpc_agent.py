@@ -21,6 +21,7 @@ result maps each target to ``None`` or why its RPC failed; failures are kept for
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import warnings
@@ -163,16 +164,18 @@ class RpcAgentActor:
         outcomes: dict[str, str | None] = {}
         live = list(job.workers)
         try:
-            buckets = read_buckets(job.source, job.spec, reader, self._settings.timeout_s)
-            async for bucket, pieces in buckets:
-                args = (self._key, job.seq, nbytes, bucket.pieces, pieces)
-                called = await asyncio.to_thread(self._call_each, live, land_bucket, args)
-                for worker, why in called.items():
-                    if why is not None:
-                        outcomes[worker] = why
-                        live.remove(worker)
-                if not live:
-                    break
+            async with contextlib.aclosing(
+                read_buckets(job.source, job.spec, reader, self._settings.timeout_s)
+            ) as buckets:
+                async for bucket, pieces in buckets:
+                    args = (self._key, job.seq, nbytes, bucket.pieces, pieces)
+                    called = await asyncio.to_thread(self._call_each, live, land_bucket, args)
+                    for worker, why in called.items():
+                        if why is not None:
+                            outcomes[worker] = why
+                            live.remove(worker)
+                    if not live:
+                        break
         except TransportError as err:
             why = f"the agent could not read the version: {err}"
             await asyncio.to_thread(self._call_each, live, abandon, (self._key, job.seq, why))

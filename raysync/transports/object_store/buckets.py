@@ -16,8 +16,9 @@ it. Who does what, per version:
 * receiver process (``ObjectStoreReceiver``): :func:`fetch_stream` copies each bucket
   into a staging buffer of the version's packed layout (reused across versions),
   outside the safe point, asking the broker for bucket ``k + 1`` while it copies ``k``
-  (:func:`buckets_of`, which ``nixl`` and ``rdt`` receivers use too). The model changes at its safe point as for a whole version,
-  from that buffer: a version whose later bucket fails never reaches the model.
+  (:func:`buckets_of`, which ``nixl`` and ``rdt`` receivers use too). The model
+  changes at its safe point as for a whole version, from that buffer: a version whose
+  later bucket fails never reaches the model.
 
 Where the bytes live between broadcasts: in the receivers' models, and nowhere else
 whole (the learner's tensors move on). A receiver that joins (or restarts) after a
