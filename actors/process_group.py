@@ -107,12 +107,13 @@ class ProcessGroupActor:
         the rest of the version from the broker themselves (they are made its readers
         first), so a dead member costs the others nothing."""
         settings = job.generation.settings
-        size = HEADER_BYTES + max(bucket.nbytes for bucket in relay_plan(job.source, job.spec))
+        plan = relay_plan(job.source, job.spec)
+        size = HEADER_BYTES + max(bucket.nbytes for bucket in plan)
         passed_on: tuple[str, ...] = ()
         number = 0  #: of the bucket being broadcast, from 1
         try:
             async with contextlib.aclosing(
-                read_buckets(job.source, job.spec, reader, settings.timeout_s)
+                read_buckets(plan, reader, settings.timeout_s)
             ) as buckets:
                 try:
                     async for _, pieces in buckets:

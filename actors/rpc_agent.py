@@ -33,7 +33,13 @@ import torch
 from raysync.actors.heap import settle_heap
 from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
-from raysync.transports.bucket_relay import finish, is_bucketed, read_buckets, relay_reader
+from raysync.transports.bucket_relay import (
+    finish,
+    is_bucketed,
+    read_buckets,
+    relay_plan,
+    relay_reader,
+)
 from raysync.transports.object_store import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
@@ -165,7 +171,7 @@ class RpcAgentActor:
         live = list(job.workers)
         try:
             async with contextlib.aclosing(
-                read_buckets(job.source, job.spec, reader, self._settings.timeout_s)
+                read_buckets(relay_plan(job.source, job.spec), reader, self._settings.timeout_s)
             ) as buckets:
                 async for bucket, pieces in buckets:
                     args = (self._key, job.seq, nbytes, bucket.pieces, pieces)

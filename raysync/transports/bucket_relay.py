@@ -153,13 +153,13 @@ def read_bucket_now(bucket: RelayedBucket, reader: str, timeout_s: float) -> lis
 
 
 async def read_buckets(
-    source: object, spec: WeightSpec, reader: str, timeout_s: float
+    plan: Sequence[RelayedBucket], reader: str, timeout_s: float
 ) -> AsyncIterator[tuple[RelayedBucket, list[torch.Tensor]]]:
-    """The relay: every bucket of ``source`` with its pieces, in order. Bucket ``k + 1``
+    """The relay: every bucket of ``plan`` (a :func:`relay_plan`) with its pieces, in
+    order. Bucket ``k + 1``
     is read while the caller passes bucket ``k`` on (the broker hears that the relay
     still holds ``k``), and the relay is done with ``k`` once it asks for ``k + 2``: the
     object store still holds two buckets of a stream at most."""
-    plan = relay_plan(source, spec)
     if not plan:
         return
     reading = asyncio.ensure_future(read_bucket(plan[0], reader, timeout_s))
