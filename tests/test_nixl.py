@@ -124,7 +124,7 @@ def test_a_ring_slot_written_again_is_detected_never_applied(actors):
             again, why = ray.get(second.broker.take.remote(second.key, 0, "other"))
             assert why is None and again[0].slot == boxed[0].slot  # the same slot, rewritten
             plan = BucketPlan.of(spec, 1024)
-            staging = receiver._ring_pool.take(spec)
+            staging = receiver._ring_pool._take(spec)  # outside a fill: a probe
             receiver._load(first.agent, first.metadata, first.registration)
             with pytest.raises(TransportError, match="wrote the ring slot of bucket 0"):
                 receiver._read_ring_bucket(first, staging, plan, 0, boxed[0])

@@ -1,13 +1,13 @@
 """Receiver process: registered staging buffers reused across versions (``nixl``, ``rdt``).
 
 A transport that reads each version into memory it registered with an agent keeps one
-:class:`StagingPool` per receiver. ``fetch`` takes a buffer for the version's spec (a
-free one, else one the transport creates and registers), and leases it with the views
-it returns; the receiver core hands those views back through ``release`` once the
-version is applied (or, with zero copy, replaced), and the buffer is free again. A
-buffer is never written while leased, so a model that lives in it never changes
-under its reader. ``close`` hands every buffer the pool created back to the transport
-to deregister.
+:class:`StagingPool` per receiver. ``fetch`` fills a buffer for the version's spec (a
+free one, else one the transport creates and registers) and returns the views the fill
+made, leased with the buffer; the receiver core hands those views back through
+``release`` once the version is applied (or, with zero copy, replaced), and the buffer
+is free again. A fill that fails frees its buffer at once. A buffer is never written
+while leased, so a model that lives in it never changes under its reader. ``close``
+hands every buffer the pool created back to the transport to deregister.
 """
 
 from __future__ import annotations
@@ -45,9 +45,25 @@ class StagingPool(Generic[Buffer]):
         self._created: list[Buffer] = []
         self._leased: dict[int, tuple[WeightSpec, Buffer]] = {}
 
-    def take(self, spec: WeightSpec) -> Buffer:
-        """A buffer for ``spec`` that no lease holds: give it back with :meth:`put_back`
-        if the fetch fails, or :meth:`lease` it with the views the fetch returns."""
+    def fill(
+        self, spec: WeightSpec, write: Callable[[Buffer], Sequence[torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """``write(buffer)`` a version of ``spec`` into a buffer no lease holds; the views
+        it returns, leased with that buffer until :meth:`release`. If ``write`` raises,
+        the buffer is free again and the error goes on."""
+        buffer = self._take(spec)
+        try:
+            staged = list(write(buffer))
+        except BaseException:
+            with self._lock:
+                self._free.setdefault(spec, []).append(buffer)
+            raise
+        with self._lock:
+            self._leased[id(staged)] = (spec, buffer)
+        return staged
+
+    def _take(self, spec: WeightSpec) -> Buffer:
+        """A buffer for ``spec`` that no lease holds (made if none is free)."""
         with self._lock:
             free = self._free.setdefault(spec, [])
             if free:
@@ -56,16 +72,6 @@ class StagingPool(Generic[Buffer]):
         with self._lock:
             self._created.append(buffer)
         return buffer
-
-    def put_back(self, spec: WeightSpec, buffer: Buffer) -> None:
-        """A buffer :meth:`take` gave whose fetch failed: free again."""
-        with self._lock:
-            self._free.setdefault(spec, []).append(buffer)
-
-    def lease(self, staged: Sequence[torch.Tensor], spec: WeightSpec, buffer: Buffer) -> None:
-        """``staged`` (the views ``fetch`` returns) holds ``buffer`` until :meth:`release`."""
-        with self._lock:
-            self._leased[id(staged)] = (spec, buffer)
 
     def release(self, staged: Sequence[torch.Tensor] | None) -> None:
         """The receiver is done with ``staged``: its buffer is free again. ``None`` (the

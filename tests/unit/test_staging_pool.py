@@ -1,7 +1,8 @@
-"""The staging pool nixl and rdt receivers read versions into (raysync/transports/staging.py)."""
+"""The staging pool receivers read versions into (raysync/transports/staging.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from raysync.spec import WeightSpec
@@ -21,48 +22,72 @@ def _pool() -> tuple[StagingPool[torch.Tensor], list[WeightSpec]]:
     return StagingPool(create), made
 
 
-def test_a_leased_buffer_is_not_handed_out_again_until_released():
+def _filled(pool: StagingPool[torch.Tensor], spec: WeightSpec) -> tuple[list, torch.Tensor]:
+    """Fill a buffer of ``spec`` with ones: the leased views, and the buffer."""
+    seen: list[torch.Tensor] = []
+
+    def write(buffer: torch.Tensor) -> list[torch.Tensor]:
+        seen.append(buffer)
+        buffer.fill_(1)
+        return [buffer[:4]]
+
+    return pool.fill(spec, write), seen[0]
+
+
+class _Broke(Exception):
+    pass
+
+
+def _fail(buffer: torch.Tensor) -> list[torch.Tensor]:
+    buffer.fill_(2)
+    raise _Broke("the read failed")
+
+
+def test_a_leased_buffer_is_not_filled_again_until_released():
     pool, made = _pool()
-    first = pool.take(SMALL)
-    staged = [first[:4]]
-    pool.lease(staged, SMALL, first)
-    second = pool.take(SMALL)
+    staged, first = _filled(pool, SMALL)
+    assert torch.equal(staged[0], torch.ones(4, dtype=torch.uint8))
+    _, second = _filled(pool, SMALL)
     assert second is not first and made == [SMALL, SMALL]
     pool.release(staged)
-    assert pool.take(SMALL) is first and len(made) == 2
+    _, third = _filled(pool, SMALL)
+    assert third is first and len(made) == 2
 
 
-def test_a_failed_fetch_puts_its_buffer_back():
+def test_a_failed_fill_frees_its_buffer_and_raises():
     pool, made = _pool()
-    buffer = pool.take(SMALL)
-    pool.put_back(SMALL, buffer)
-    assert pool.take(SMALL) is buffer and made == [SMALL]
+    with pytest.raises(_Broke, match="the read failed"):
+        pool.fill(SMALL, _fail)
+    _, buffer = _filled(pool, SMALL)
+    assert made == [SMALL]  # the failed fill's buffer, taken again
+    assert pool.created() == [buffer]
 
 
 def test_buffers_are_kept_per_spec():
     pool, made = _pool()
-    small = pool.take(SMALL)
-    pool.put_back(SMALL, small)
-    large = pool.take(LARGE)
+    small_views, small = _filled(pool, SMALL)
+    pool.release(small_views)
+    _, large = _filled(pool, LARGE)
     assert large is not small and made == [SMALL, LARGE]
     assert large.numel() == 256
 
 
 def test_release_of_nothing_or_of_unknown_views_is_ignored():
-    pool, _ = _pool()
-    buffer = pool.take(SMALL)
+    pool, made = _pool()
+    _, buffer = _filled(pool, SMALL)
     pool.release(None)
-    pool.release([buffer])  # never leased
-    assert pool.created() == [buffer]
+    pool.release([buffer])  # never leased: the buffer stays leased
+    _, other = _filled(pool, SMALL)
+    assert other is not buffer and len(made) == 2
 
 
 def test_close_returns_every_buffer_made_and_forgets_leases():
     pool, made = _pool()
-    leased, free = pool.take(SMALL), pool.take(SMALL)
-    staged = [leased]
-    pool.lease(staged, SMALL, leased)
-    pool.put_back(SMALL, free)
+    leased_views, leased = _filled(pool, SMALL)
+    free_views, free = _filled(pool, SMALL)
+    pool.release(free_views)
     assert pool.close() == [leased, free]
     assert pool.created() == []
-    pool.release(staged)  # a release after close changes nothing
-    assert pool.take(SMALL) is not free and len(made) == 3
+    pool.release(leased_views)  # a release after close changes nothing
+    _, fresh = _filled(pool, SMALL)
+    assert fresh is not free and fresh is not leased and len(made) == 3

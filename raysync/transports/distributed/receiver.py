@@ -79,8 +79,8 @@ class DistributedReceiver(TransportReceiver):
         settings = payload.generation.settings
         plan = relay_plan(payload.source, spec)
         self._device = staging_device(settings)
-        buffer = self._staging.take(spec)
-        try:
+
+        def write(buffer: torch.Tensor) -> list[torch.Tensor]:
             failed_at, err = self._receive_buckets(payload, plan, buffer)
             if err is not None:
                 logger.warning(
@@ -99,12 +99,9 @@ class DistributedReceiver(TransportReceiver):
                     raise TransportError(f"{err}; and then {fallback}") from fallback
                 finally:
                     finish(payload.source, payload.worker)
-        except BaseException:
-            self._staging.put_back(spec, buffer)
-            raise
-        views = PackedLayout.of(spec).views(buffer)
-        self._staging.lease(views, spec, buffer)
-        return views
+            return PackedLayout.of(spec).views(buffer)
+
+        return self._staging.fill(spec, write)
 
     def _receive_buckets(
         self, payload: GroupPayload, plan: list[RelayedBucket], buffer: torch.Tensor

@@ -111,31 +111,28 @@ class NixlReceiver(TransportReceiver):
         if isinstance(payload, BucketStream):
             return self._served.fetch(payload, spec)
         frame = Frame.of(spec)
+
+        def write(staging: _Staging) -> list[torch.Tensor]:
+            if payload.region.nbytes != staging.tensor.numel():
+                raise TransportError(
+                    f"learner agent {payload.agent} sent a {payload.region.nbytes}-byte "
+                    f"buffer for a spec of {staging.tensor.numel()} bytes ({spec.summary()})"
+                )
+            read = self._prepared(payload, staging, frame)
+            stamps = frame.stamps(staging.tensor)
+            for index in range(len(frame.buckets)):
+                self._await_bucket(read, index, payload, stamps)
+                self._post(
+                    read.data[index], payload.agent, f"bucket {index} of stamp {payload.stamp}"
+                )
+            self._post(read.stamps, payload.agent, f"stamps of stamp {payload.stamp}")
+            for found in stamps.tolist():
+                if found != payload.stamp:
+                    raise self._not_that_version(payload, found)
+            return staging.views
+
         with self._lock:
-            staging = self._pool.take(spec)
-            try:
-                if payload.region.nbytes != staging.tensor.numel():
-                    raise TransportError(
-                        f"learner agent {payload.agent} sent a {payload.region.nbytes}-byte "
-                        f"buffer for a spec of {staging.tensor.numel()} bytes ({spec.summary()})"
-                    )
-                read = self._prepared(payload, staging, frame)
-                stamps = frame.stamps(staging.tensor)
-                for index in range(len(frame.buckets)):
-                    self._await_bucket(read, index, payload, stamps)
-                    self._post(
-                        read.data[index], payload.agent, f"bucket {index} of stamp {payload.stamp}"
-                    )
-                self._post(read.stamps, payload.agent, f"stamps of stamp {payload.stamp}")
-                for found in stamps.tolist():
-                    if found != payload.stamp:
-                        raise self._not_that_version(payload, found)
-            except BaseException:
-                self._pool.put_back(spec, staging)
-                raise
-            staged = list(staging.views)
-            self._pool.lease(staged, spec, staging)
-            return staged
+            return self._pool.fill(spec, write)
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         if isinstance(payload, NixlBucketStream):
@@ -158,17 +155,14 @@ class NixlReceiver(TransportReceiver):
         """Every bucket of a bucketed version, READ into a staging buffer as the broker
         hands it out; TransportError (the buffer freed) if one cannot be had whole."""
         plan = BucketPlan.of(spec, payload.bucket_bytes)
-        staging = self._ring_pool.take(spec)
-        try:
+
+        def write(staging: _RingStaging) -> list[torch.Tensor]:
             self._load(payload.agent, payload.metadata, payload.registration)
             for index, boxed in buckets_of(payload, plan.count, worker):
                 self._read_ring_bucket(payload, staging, plan, index, boxed[0])
-        except BaseException:
-            self._ring_pool.put_back(spec, staging)
-            raise
-        staged = list(staging.views)
-        self._ring_pool.lease(staged, spec, staging)
-        return staged
+            return staging.views
+
+        return self._ring_pool.fill(spec, write)
 
     def _read_ring_bucket(
         self,

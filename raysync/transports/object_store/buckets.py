@@ -195,16 +195,13 @@ def fetch_stream(
     """Receiver ``worker``: copy every bucket into a staging buffer; its tensors, in
     spec order. TransportError if a bucket cannot be had (the buffer is freed)."""
     plan = BucketPlan.of(spec, payload.bucket_bytes)
-    buffer = pool.take(spec)
-    try:
+
+    def write(buffer: torch.Tensor) -> list[torch.Tensor]:
         for index, boxed in buckets_of(payload, plan.count, worker):
             _copy_bucket(buffer, plan, index, _read_bucket(boxed[0], index, plan.count))
-    except BaseException:
-        pool.put_back(spec, buffer)
-        raise
-    views = plan.layout.views(buffer)
-    pool.lease(views, spec, buffer)
-    return views
+        return plan.layout.views(buffer)
+
+    return pool.fill(spec, write)
 
 
 def buckets_of(payload: BucketStream, count: int, worker: str) -> Iterator[tuple[int, Any]]:

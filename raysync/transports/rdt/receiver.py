@@ -48,22 +48,21 @@ class RdtReceiver(TransportReceiver):
         if isinstance(payload, BucketStream):
             return self._served.fetch(payload, spec)
 
-        layout = PackedLayout.of(spec)
-        staging = self._pool.take(spec)
-        try:
-            set_target_for_ref(payload.ref, [staging])
-            (received,) = ray.get(payload.ref, timeout=READ_TIMEOUT_S)
-        except (ray.exceptions.RayError, ValueError) as err:
-            self._pool.put_back(spec, staging)
-            raise TransportError(
-                f"Ray's NIXL tensor transport could not fetch the update ({type(err).__name__}: "
-                f"{err}); the learner process may have died or released it"
-            ) from err
-        if received.data_ptr() != staging.data_ptr():
-            raise TransportError("Ray's NIXL tensor transport ignored the target buffer")
-        staged = layout.views(staging)
-        self._pool.lease(staged, spec, staging)
-        return staged
+        def write(staging: torch.Tensor) -> list[torch.Tensor]:
+            try:
+                set_target_for_ref(payload.ref, [staging])
+                (received,) = ray.get(payload.ref, timeout=READ_TIMEOUT_S)
+            except (ray.exceptions.RayError, ValueError) as err:
+                raise TransportError(
+                    f"Ray's NIXL tensor transport could not fetch the update "
+                    f"({type(err).__name__}: {err}); the learner process may have died or "
+                    "released it"
+                ) from err
+            if received.data_ptr() != staging.data_ptr():
+                raise TransportError("Ray's NIXL tensor transport ignored the target buffer")
+            return PackedLayout.of(spec).views(staging)
+
+        return self._pool.fill(spec, write)
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         if isinstance(payload, BucketStream) and not isinstance(payload, RdtBucketStream):
@@ -86,8 +85,8 @@ class RdtReceiver(TransportReceiver):
         from ray.experimental import set_target_for_ref
 
         plan = BucketPlan.of(spec, payload.bucket_bytes)
-        staging = self._pool.take(spec)
-        try:
+
+        def write(staging: torch.Tensor) -> list[torch.Tensor]:
             for index, boxed in buckets_of(payload, plan.count, worker):
                 start = index * plan.bucket_bytes
                 place = staging[start : start + min(plan.bucket_bytes, staging.numel() - start)]
@@ -103,12 +102,9 @@ class RdtReceiver(TransportReceiver):
                 if received.data_ptr() != place.data_ptr():
                     raise TransportError("Ray's NIXL tensor transport ignored the target buffer")
                 del boxed, received
-        except BaseException:
-            self._pool.put_back(spec, staging)
-            raise
-        staged = PackedLayout.of(spec).views(staging)
-        self._pool.lease(staged, spec, staging)
-        return staged
+            return PackedLayout.of(spec).views(staging)
+
+        return self._pool.fill(spec, write)
 
     def _new_staging(self, spec: WeightSpec) -> torch.Tensor:
         """A staging buffer for ``spec``, registered with Ray's NIXL agent."""
