@@ -181,9 +181,11 @@ class BucketBroker:
         await state.changed_now()
 
     async def drop_reader(self, worker: str) -> None:
-        """``worker`` died or left; no stream waits for it."""
+        """``worker`` died or left; no stream waits for it: not one it reads, nor one
+        it is named a reader of later (a relay that gives a version up hands its
+        members the rest, and may not have heard of the death)."""
         for state in list(self._streams.values()):
-            if state.readers is not None and worker in state.readers:
+            if worker not in state.dropped:
                 self._drop(state, worker, "the hub dropped it (it died or left)")
                 await state.changed_now()
 

@@ -140,6 +140,31 @@ def test_a_reader_the_hub_dropped_no_longer_holds_the_learner():
     assert [e for e in log if e[0] == "put"] == [("put", i) for i in range(4)]
 
 
+def test_a_receiver_the_hub_dropped_before_a_relay_adopts_it_is_not_waited_for():
+    """A relay (distributed's rank 0) that gives a version up names its members readers
+    of the rest; the hub may have dropped one of them (dead) before that: the stream
+    must not wait for it."""
+
+    async def main():
+        # A 60 s stall: waiting for the dead member would time the test out.
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4, wait_s=120), []
+        await broker.readers(k, ["rank0"])
+        await broker.drop_reader("dead")  # the hub heard of the death first
+        await broker.readers(k, ["live", "dead"])  # the relay adopts its members
+        assert await broker.take(k, 0, "dead") == (
+            None,
+            "this receiver was dropped from the stream: the hub dropped it (it died or left)",
+        )
+        assert await broker.take(k, k.count, "rank0") == (None, None)  # it gave up
+        live = asyncio.ensure_future(reader(broker, k, "live", log))
+        await learner(broker, k, log)
+        await live
+        return log
+
+    log = run(main())
+    assert [e for e in log if e[0] == "put"] == [("put", i) for i in range(4)]
+
+
 def test_a_stream_the_hub_never_plans_ends_and_frees_its_buckets():
     async def main():
         broker, k = BucketBroker(_NO_HUB), key(count=3, wait_s=0.1)
