@@ -27,6 +27,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ from raysync.transports.distributed import (
     BroadcastJob,
     Generation,
     StoreAddress,
+    call_off,
     header,
     join_group,
     run_broadcast,
@@ -75,6 +77,7 @@ class ProcessGroupActor:
         host = node_ip()
         port, self._store = bound_master_store(host, settings.timeout_s)
         self._address = StoreAddress(host, port)
+        self._caller: Any = None  #: a second client of the store, to call generations off
         self._lock = threading.Lock()  #: the group and its buffer, in worker threads
         self._jobs = asyncio.Lock()  #: one version's collectives at a time
         self._generation: Generation | None = None
@@ -135,6 +138,13 @@ class ProcessGroupActor:
             return None
         finally:
             finish(job.source, reader, passed_on)
+
+    async def call_off(self, generation: Generation, why: str) -> None:
+        """The hub: a member of ``generation`` will never join it (it died, or left).
+        Every member still waiting at its rendezvous, this actor's own collective
+        among them, stops waiting and fails at once (then reads from the broker or the
+        learner's copy) instead of waiting out the timeout."""
+        await asyncio.to_thread(self._call_off, generation, why)
 
     async def describe(self) -> GroupStatus:
         generation = self._generation
@@ -203,6 +213,20 @@ class ProcessGroupActor:
                 return reason
             self._collectives += 1
             return None
+
+    def _call_off(self, generation: Generation, why: str) -> None:
+        """On a client connection of its own: the store's own connection is held by a
+        rendezvous wait in the collective thread for as long as it waits."""
+        import torch.distributed as dist
+
+        if self._caller is None:
+            self._caller = dist.TCPStore(
+                self._address.host,
+                self._address.port,
+                is_master=False,
+                timeout=self._settings.timeout,
+            )
+        call_off(self._caller, generation, why)
 
     def _send_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """The send buffer, reused while its size and device stay the same."""

@@ -96,6 +96,36 @@ def test_killed_receiver_fails_and_the_next_broadcast_reaches_the_others(actors)
     assert status.members == ("ok0", "ok1")
 
 
+def test_a_member_dead_before_its_generation_formed_does_not_hold_up_the_others(actors):
+    """The hub hears of a death from its delivery to the dead member; a generation it
+    formed before that (a receiver joined) has the dead member in it, and every other
+    rank waits for it at the rendezvous. The hub calls that generation off at once: the
+    others read the learner's copy instead of waiting out the collective timeout
+    (longer here than the broadcast's own, so waiting would fail them)."""
+    options = DistributedOptions(timeout_s=120)
+    hub = start(actors, WeightHub, transport="distributed", options=options)
+    first, victim = (start(actors, Collector, hub, worker_id=w) for w in ("c0", "victim"))
+    ready([first, victim])
+    ray.get(hub.broadcast.remote(make_policy()))
+    ray.kill(victim)
+    late = start(actors, Collector, hub, worker_id="late")
+    ready([late])
+
+    learner = make_policy()
+    report = ray.get(
+        hub.broadcast.remote(learner, timeout_s=30, raise_on_failure=False), timeout=60
+    )
+    assert report.acked == ("c0", "late") and set(report.failed) == {"victim"}, report
+    for receiver in (first, late):
+        assert_bitwise(ray.get(receiver.state.remote()), state_of(learner))
+    status = group_status(hub)
+    assert any(
+        "the hub called it off: member victim died or left" in failure
+        for failure in status.failures
+    ), status.failures
+    assert_policy_reaches(hub, [first, late], ("c0", "late"))
+
+
 def start_two_holders_and_a_busy_one(actors):
     """A gloo hub, holders h0 and h1 and a third one, "busy", all at version 1."""
     hub = start_dist_hub(actors)

@@ -80,7 +80,12 @@ from raysync.transports.base import (
     Transport,
     TransportSender,
 )
-from raysync.transports.distributed.group import join_group, run_broadcast, staging_device
+from raysync.transports.distributed.group import (
+    call_off,
+    join_group,
+    run_broadcast,
+    staging_device,
+)
 from raysync.transports.distributed.planner import DistributedPlanner
 from raysync.transports.distributed.receiver import DistributedReceiver
 from raysync.transports.distributed.wire import (
@@ -105,6 +110,7 @@ __all__ = [
     "Generation",
     "GroupPayload",
     "StoreAddress",
+    "call_off",
     "header",
     "join_group",
     "process_group_name",

@@ -1,4 +1,5 @@
-"""Receiver processes and the rank-0 actor: joining a generation and its broadcasts."""
+"""Receiver processes and the rank-0 actor: joining a generation and its broadcasts;
+the hub, through rank 0's actor, calling a generation off."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ from raysync.transports.distributed.wire import Generation
 from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import node_ip
 
+#: Keys under a generation's prefix: how many members arrived at its rendezvous, and
+#: what ended the wait: ``_EVERYONE`` (the last member to arrive), or why the hub called
+#: it off. Whichever comes first is the word every member reads (a compare-and-set).
+_ARRIVED, _GO = "raysync/arrived", "raysync/go"
+_EVERYONE = b"everyone"
+
 
 def join_group(
     generation: Generation,
@@ -20,7 +27,8 @@ def join_group(
 
     ``store`` is the master store (rank 0); other ranks connect to the generation's
     address. Returns once every member has joined, so the rendezvous keys are no
-    longer needed; raises on timeout.
+    longer needed; raises on timeout, or as soon as the hub calls the generation off
+    (:func:`call_off`: a member it knows is dead will never join).
     """
     import torch.distributed as dist
 
@@ -33,6 +41,7 @@ def join_group(
             timeout=settings.timeout,
         )
     prefixed = dist.PrefixStore(generation.prefix, store)
+    _everyone_here(prefixed, generation, rank)
     if settings.backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = settings.timeout
@@ -45,6 +54,41 @@ def join_group(
     barrier = group.barrier()
     barrier.wait(settings.timeout)
     return group
+
+
+def _everyone_here(store: Any, generation: Generation, rank: int) -> None:
+    """Wait until every member of ``generation`` has arrived at its rendezvous, or the
+    hub called it off; raise on the timeout, or with why it was called off.
+
+    One blocking wait on one key, set once, by the last member to arrive or by
+    :func:`call_off`: gloo's own rendezvous would wait the whole timeout for a member
+    that died before joining, and every member with it.
+    """
+    import torch.distributed as dist
+
+    if store.add(_ARRIVED, 1) == generation.world_size:
+        store.compare_set(_GO, "", _EVERYONE)
+    try:
+        store.wait([_GO], generation.settings.timeout)
+    except dist.DistStoreError as err:
+        raise RuntimeError(
+            f"rank {rank}: not every one of the {generation.world_size} ranks of process-group "
+            f"generation {generation.number} joined within {generation.settings.timeout_s:g} s"
+        ) from err
+    word = store.get(_GO)
+    if word != _EVERYONE:
+        raise RuntimeError(f"process-group generation {generation.number}: {word.decode()}")
+
+
+def call_off(store: Any, generation: Generation, why: str) -> None:
+    """Rank 0's actor, for the hub: members waiting at ``generation``'s rendezvous stop
+    waiting and raise with ``why`` (``store`` is the master store). Once every member
+    has arrived, the generation goes on: a member that died after joining fails its
+    collectives, which then fail at once for every other member."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(generation.prefix, store)
+    prefixed.compare_set(_GO, "", f"the hub called it off: {why}".encode())
 
 
 def run_broadcast(group: Any, buffer: torch.Tensor, settings: DistributedOptions) -> None:

@@ -65,12 +65,12 @@ class DistributedPlanner(TransportPlanner):
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> str:
         """The receiver's worker id: how it names itself to the bucket broker."""
-        self._forget(receiver.worker)  # a re-registered worker is a new process
+        await self._forget(receiver.worker, "registered again (a new process)")
         self._receivers[receiver.worker] = receiver
         return receiver.worker
 
     async def receiver_left(self, worker: str) -> None:
-        self._forget(worker)
+        await self._forget(worker, "died or left")
         self._receivers.pop(worker, None)
         if self._broker is not None:  # it may read a version itself, its group broken
             try:
@@ -78,9 +78,18 @@ class DistributedPlanner(TransportPlanner):
             except ray.exceptions.RayActorError:
                 self._broker = None
 
-    def _forget(self, worker: str) -> None:
-        if self._generation is not None and worker in self._generation.members:
-            self._generation = None
+    async def _forget(self, worker: str, why: str) -> None:
+        """``worker`` will not join the current generation: the next plan forms a new
+        one, and rank 0 calls this one off, so that members still waiting at its
+        rendezvous (the version planned before the hub heard) stop waiting for it."""
+        generation = self._generation
+        if generation is None or worker not in generation.members:
+            return
+        self._generation = None
+        try:
+            await self._actor.call_off.remote(generation, f"member {worker} {why}")
+        except ray.exceptions.RayActorError as err:  # restarting: a new rendezvous anyway
+            logger.info("could not call generation %d off: %s", generation.number, err)
 
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
