@@ -346,7 +346,7 @@ def start_victim(hub, name: str, stall_dir: str, *, restarts: bool):
 
 @ray.remote(num_cpus=0)
 class Holder(WeightReceiver):
-    """A receiver of an arbitrary state_dict, with a busy method that blocks deliveries."""
+    """A receiver of an arbitrary state_dict, with a method that blocks deliveries."""
 
     def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str):
         self.sd = {k: torch.zeros_like(v) for k, v in template.items()}
@@ -358,8 +358,10 @@ class Holder(WeightReceiver):
     def version(self) -> int:
         return self.weights_version()
 
-    def busy(self, seconds: float) -> None:
-        time.sleep(seconds)
+    def hold(self, gate) -> None:
+        """Hold the actor's only method slot (a long rollout step) until the test opens
+        ``gate`` (``tests.helpers.Gate``): no delivery gets in meanwhile."""
+        ray.get(gate.wait.remote())
 
 
 # -- hosts written without raysync: receivers attach to them (raysync.attach) -------------

@@ -41,10 +41,6 @@ BUCKETED = pytest.mark.parametrize(
 
 @ray.remote(num_cpus=0)
 class Receiver(ConformanceReceiver):
-    def busy(self, seconds: float) -> None:
-        """Hold the actor's only method slot (a long rollout step): no delivery gets in."""
-        time.sleep(seconds)
-
     def hold(self, gate) -> None:
         """Hold the actor's only method slot until the test opens ``gate``."""
         ray.get(gate.wait.remote())
@@ -155,7 +151,8 @@ def test_a_receiver_that_holds_the_others_up_fails_alone(actors, transport):
     dropped: the stuck one must not read them later."""
     hub, quick, stuck = at_version_one(actors, "quick", "stuck", transport=transport)
 
-    blocked = stuck.busy.remote(4.0)  # its delivery waits behind this
+    gate = start(actors, Gate)
+    blocked = stuck.hold.remote(gate)  # its delivery waits behind this
     weights = special_weights(2.0)
     report = ray.get(
         hub.broadcast.remote(weights, model=MODEL, timeout_s=2.0, raise_on_failure=False),
@@ -164,6 +161,7 @@ def test_a_receiver_that_holds_the_others_up_fails_alone(actors, transport):
     assert report.acked == ("quick",)
     assert set(report.failed) == {"stuck"}
     assert_bitwise(ray.get(quick.state.remote()), weights)
+    ray.get(gate.open.remote())
     ray.get(blocked)
     # Its delivery ran after the stream went on without it: nothing of it was applied.
     assert ray.get(stuck.version.remote()) == 1

@@ -13,7 +13,7 @@ import torch
 from raysync import DistributedOptions, WeightHub, WeightReceiver
 from raysync.actors.process_group import GroupStatus
 from raysync.testing import special_weights
-from tests.helpers import assert_bitwise, assert_policy_reaches, ready, start
+from tests.helpers import Gate, assert_bitwise, assert_policy_reaches, ready, start
 from tests.receivers import Collector, Holder, make_policy, state_of
 
 #: Short collective timeout: a member that never enters fails the collective fast.
@@ -140,12 +140,14 @@ def start_two_holders_and_a_busy_one(actors):
 def test_member_that_never_enters_does_not_hang_the_hub(actors):
     hub, holders, busy = start_two_holders_and_a_busy_one(actors)
 
-    blocked = busy.busy.remote(3 * _TIMEOUT_S)  # one method at a time: no delivery gets in
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)  # one method at a time: no delivery gets in
     ref = hub.broadcast.remote(
         {"w": torch.randn(2048, 1024)}, timeout_s=2 * _TIMEOUT_S, raise_on_failure=False
     )
     report = ray.get(ref, timeout=60)  # the hub answers; a hang would fail here
     assert "busy" in report.failed
+    ray.get(gate.open.remote())
     ray.get(blocked)
 
     # Whatever that collective left behind, the next version reaches every member.
@@ -219,10 +221,12 @@ def test_process_group_actor_killed_mid_collective_loses_no_version(actors):
 
     # "busy" keeps the collective from completing while rank 0 dies. Whenever the kill
     # lands, the members read the learner's object-store copy instead: nobody fails.
-    blocked = busy.busy.remote(2)
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)
     weights = {"w": torch.randn(2048, 1024)}
     ref = hub.broadcast.remote(weights, timeout_s=3 * _TIMEOUT_S, raise_on_failure=False)
     _kill_process_group_actor(hub)
+    ray.get(gate.open.remote())
     report = ray.get(ref, timeout=60)
     ray.get(blocked)
     assert report.acked == ("busy", "h0", "h1") and report.failed == {}, report

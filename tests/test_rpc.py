@@ -15,7 +15,7 @@ import torch
 from raysync import RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
 from raysync.testing import special_weights
-from tests.helpers import assert_bitwise, assert_policy_reaches, ready, start
+from tests.helpers import Gate, assert_bitwise, assert_policy_reaches, ready, start
 from tests.receivers import Collector, Holder, make_policy, state_of
 
 _TIMEOUT_S = 10
@@ -103,13 +103,15 @@ def test_busy_receiver_times_out_alone_and_catches_up(actors):
     busy = start(actors, Holder, hub, template, "busy")
     ready([*holders, busy])
 
-    blocked = busy.busy.remote(6.0)  # one method at a time: its delivery waits
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)  # one method at a time: its delivery waits
     weights = {"w": torch.randn(2048, 1024)}
     report = ray.get(
         hub.broadcast.remote(weights, timeout_s=3.0, raise_on_failure=False), timeout=60
     )
     assert report.acked == ("h0", "h1")
     assert "within the 3 s timeout" in report.failed["busy"]
+    ray.get(gate.open.remote())
     ray.get(blocked)
 
     weights = {"w": torch.randn(2048, 1024)}
