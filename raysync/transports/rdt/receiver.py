@@ -39,8 +39,6 @@ class RdtReceiver(TransportReceiver):
     def fetch(
         self, payload: RdtPayload | RdtBucketStream | BucketStream, spec: WeightSpec
     ) -> Sequence[torch.Tensor]:
-        from ray.experimental import set_target_for_ref
-
         if isinstance(payload, RdtBucketStream):
             if self._worker is None:
                 raise TransportError("this receiver reads whole versions, not buckets")
@@ -49,17 +47,7 @@ class RdtReceiver(TransportReceiver):
             return self._served.fetch(payload, spec)
 
         def write(staging: torch.Tensor) -> list[torch.Tensor]:
-            try:
-                set_target_for_ref(payload.ref, [staging])
-                (received,) = ray.get(payload.ref, timeout=READ_TIMEOUT_S)
-            except (ray.exceptions.RayError, ValueError) as err:
-                raise TransportError(
-                    f"Ray's NIXL tensor transport could not fetch the update "
-                    f"({type(err).__name__}: {err}); the learner process may have died or "
-                    "released it"
-                ) from err
-            if received.data_ptr() != staging.data_ptr():
-                raise TransportError("Ray's NIXL tensor transport ignored the target buffer")
+            _read_into(payload.ref, staging, "the update")
             return PackedLayout.of(spec).views(staging)
 
         return self._pool.fill(spec, write)
@@ -82,26 +70,14 @@ class RdtReceiver(TransportReceiver):
         """Every bucket of a bucketed version, each RDT object READ to its place in a
         staging buffer as the broker hands it out; TransportError (the buffer freed) if
         one cannot be had."""
-        from ray.experimental import set_target_for_ref
-
         plan = BucketPlan.of(spec, payload.bucket_bytes)
 
         def write(staging: torch.Tensor) -> list[torch.Tensor]:
             for index, boxed in buckets_of(payload, plan.count, worker):
                 start = index * plan.bucket_bytes
                 place = staging[start : start + min(plan.bucket_bytes, staging.numel() - start)]
-                try:
-                    set_target_for_ref(boxed[0], [place])
-                    (received,) = ray.get(boxed[0], timeout=READ_TIMEOUT_S)
-                except (ray.exceptions.RayError, ValueError) as err:
-                    raise TransportError(
-                        f"Ray's NIXL tensor transport could not fetch bucket {index} of "
-                        f"{plan.count} ({type(err).__name__}: {err}); the learner process may "
-                        "have died"
-                    ) from err
-                if received.data_ptr() != place.data_ptr():
-                    raise TransportError("Ray's NIXL tensor transport ignored the target buffer")
-                del boxed, received
+                _read_into(boxed[0], place, f"bucket {index} of {plan.count}")
+                del boxed
             return PackedLayout.of(spec).views(staging)
 
         return self._pool.fill(spec, write)
@@ -120,3 +96,21 @@ class RdtReceiver(TransportReceiver):
         for staging in self._pool.close():
             deregister_nixl_memory(staging)
         self._served.close()
+
+
+def _read_into(ref: ray.ObjectRef, place: torch.Tensor, what: str) -> None:
+    """READ the RDT object ``ref`` (one tensor) straight into ``place``, registered
+    memory of this process; TransportError naming ``what`` if it cannot be had, or if
+    Ray put it anywhere else."""
+    from ray.experimental import set_target_for_ref
+
+    try:
+        set_target_for_ref(ref, [place])
+        (received,) = ray.get(ref, timeout=READ_TIMEOUT_S)
+    except (ray.exceptions.RayError, ValueError) as err:
+        raise TransportError(
+            f"Ray's NIXL tensor transport could not fetch {what} ({type(err).__name__}: "
+            f"{err}); the learner process may have died or released it"
+        ) from err
+    if received.data_ptr() != place.data_ptr():
+        raise TransportError(f"Ray's NIXL tensor transport ignored the target buffer of {what}")
