@@ -11,7 +11,8 @@ reference, from ``offer`` until every reader has taken it, so the object store h
 most :data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` buckets of a version
 whatever the model's size. Who calls what, per version (one *stream*):
 
-* the learner: ``offer(stream, k, [ref])`` for each bucket, and before putting bucket
+* the learner: ``offer(stream, k, [ref], sender)`` for each bucket (``sender``: its
+  own actor handle, watched while the stream runs), and before putting bucket
   ``k`` ``room(stream, k)``, which returns once every reader has taken the
   buckets before ``k - 1``; ``end(stream, why)`` if the broadcast ended before it was
   done;
@@ -51,6 +52,8 @@ from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, StreamId
 _ENDED_KEPT = 256
 #: Seconds between the broker's looks at whether its hub still runs.
 _HUB_LOOK_S = 5.0
+#: Seconds between looks at a stream's sender that answers at once (an async actor).
+_SENDER_LOOK_S = 1.0
 
 
 @dataclass
@@ -65,6 +68,7 @@ class _Stream:
     finished: list[str] = field(default_factory=list)  #: readers that took every bucket
     ended: str | None = None  #: why the learner stopped sending it
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    sender_watch: asyncio.Task | None = None  #: ends the stream if its sender dies
 
     def behind(self, needed: int) -> list[str]:
         """Readers that have copied fewer than ``needed`` buckets (all, unplanned)."""
@@ -107,12 +111,19 @@ class BucketBroker:
         self._peak = 0
 
     # -- the learner ------------------------------------------------------------------
-    async def offer(self, key: StreamId, index: int, boxed: list[ray.ObjectRef]) -> None:
+    async def offer(
+        self, key: StreamId, index: int, boxed: list[ray.ObjectRef], sender: Any = None
+    ) -> None:
         """Bucket ``index`` is in the object store (``boxed``: its ref, in a list so that
-        Ray passes the ref, not the bytes)."""
+        Ray passes the ref, not the bytes). ``sender``: the actor handle of the process
+        that puts the stream (None: a driver); if it dies, the stream ends at once
+        instead of its readers waiting ``key.wait_s`` for a bucket that never comes."""
         state = self._open(key)
         if state is None:
             return
+        if sender is not None and state.sender_watch is None:
+            loop = asyncio.get_running_loop()
+            state.sender_watch = loop.create_task(self._watch_sender(state, sender))
         state.buckets[index] = boxed
         state.offered = max(state.offered, index + 1)
         state.free_taken()
@@ -302,6 +313,22 @@ class BucketBroker:
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
 
+    async def _watch_sender(self, state: _Stream, sender: Any) -> None:
+        """End ``state`` once its sender's actor is dead (or restarting: its new process
+        holds none of the stream). A call to a sync actor waits behind the method that
+        sends the stream, and fails at once if the actor dies; one to an async or
+        threaded actor returns at once, and is made again every ``_SENDER_LOOK_S``.
+        Cancelled when the stream ends."""
+        while True:
+            try:
+                await sender.__ray_ready__.remote()
+            except ray.exceptions.RayActorError as err:
+                await self.end(
+                    state.key, f"the process sending it died ({type(err).__name__}: {err})"
+                )
+                return
+            await asyncio.sleep(_SENDER_LOOK_S)
+
     def _expire(self, state: _Stream, why: str, unless_planned: bool) -> None:
         """End ``state`` for ``why`` if it still runs (and, ``unless_planned``, was
         never planned)."""
@@ -329,6 +356,10 @@ class BucketBroker:
             self._remember_end(state.key.id, "", state)
 
     def _remember_end(self, stream: str, why: str, state: _Stream | None) -> None:
+        """``stream`` ended (``state``: what it was, if the broker had it open)."""
+        watch = None if state is None else state.sender_watch
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
         self._ended[stream] = (
             (why, {}, []) if state is None else (why, state.dropped, state.finished)
         )

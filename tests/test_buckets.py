@@ -177,7 +177,9 @@ def test_a_receiver_that_holds_the_others_up_fails_alone(actors, transport):
 def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors, copier_transport):
     """ "stuck" holds the stream at two buckets; "copier" copies both — itself, or through
     RPC's agent, both reading one stream — and waits for the third, which never comes:
-    the learner is killed there. Nothing of the version reaches either model."""
+    the learner is killed there. Nothing of the version reaches either model, and its
+    readers hear of the death at once (the broker watches the learner's actor) instead
+    of waiting out the version's timeout (120 s here)."""
     hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
     copier = start(actors, Receiver, hub, "copier", transport=copier_transport)
     stuck = start(actors, Receiver, hub, "stuck")
@@ -187,7 +189,7 @@ def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors
     gate = start(actors, Gate)
     blocked = stuck.hold.remote(gate)
     learner = start(actors, Learner, hub)
-    learner.send.remote(special_weights(2.0), timeout_s=8.0)
+    learner.send.remote(special_weights(2.0), timeout_s=120.0)
     broker = _wait_for_broker(hub)
     reader = "copier"
     if copier_transport == "rpc":
@@ -198,7 +200,8 @@ def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors
     ray.get(blocked)
 
     for receiver in (copier, stuck):
-        assert ray.get(receiver.version.remote()) == 1
+        # A reader still waiting for the third bucket would hold this call for 120 s.
+        assert ray.get(receiver.version.remote(), timeout=30) == 1
         assert_bitwise(ray.get(receiver.state.remote()), special_weights(1.0))
     weights = special_weights(3.0)
     report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)

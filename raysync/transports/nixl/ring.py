@@ -45,6 +45,7 @@ from raysync.transports.object_store.buckets import (
     BUCKETS_IN_FLIGHT,
     Outgoing,
     StreamId,
+    this_actor,
     wait_for_room,
 )
 
@@ -94,6 +95,7 @@ class BucketRing:
         free; stop early if the broadcast ended (refused, or no reader left). ``copy``
         copies bytes of the same dtype; ``next_stamp`` gives a fresh stamp."""
         broker, key = payload.broker, payload.key
+        sender = this_actor()
         with self._streaming:
             for index in range(key.count):
                 slot_number = self._next
@@ -117,7 +119,7 @@ class BucketRing:
                     raise
                 slot.held = _Held(key, index, done)
                 self._next = (slot_number + 1) % len(self._slots)
-                broker.offer.remote(key, index, [RingBucket(slot_number, stamp)])
+                broker.offer.remote(key, index, [RingBucket(slot_number, stamp)], sender)
 
     @staticmethod
     def _wait_until_free(broker: Any, slot: _Slot, key: StreamId, done: VersionDone) -> str | None:

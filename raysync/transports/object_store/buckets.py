@@ -133,6 +133,7 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
     """Learner: put the buckets one after another, each once there is room; stop early
     if the broadcast ended (refused, or no reader left)."""
     broker, key = payload.broker, payload.key
+    sender = this_actor()
     for index in range(key.count):
         if index >= BUCKETS_IN_FLIGHT:
             why = wait_for_room(broker, key, index, done)
@@ -140,7 +141,7 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
                 broker.end.remote(key, why)
                 return
         ref = ray.put(bucket_arrays(outgoing, index))
-        broker.offer.remote(key, index, [ref])
+        broker.offer.remote(key, index, [ref], sender)
         del ref  # the broker's reference keeps it until every reader took it
 
 
@@ -177,6 +178,13 @@ def bucket_arrays(outgoing: Outgoing, index: int) -> list[np.ndarray]:
             chunk = chunk.to(wire)
         arrays.append(chunk.view(torch.uint8).cpu().numpy())
     return arrays
+
+
+def this_actor() -> Any:
+    """This process's actor handle, for the broker to watch the streams it sends; None
+    in a driver."""
+    context = ray.get_runtime_context()
+    return None if context.get_actor_id() is None else context.current_actor
 
 
 def wait_for_room(broker: Any, key: StreamId, index: int, done: VersionDone) -> str | None:

@@ -27,6 +27,7 @@ from raysync.transports.buckets import pack_bucket
 from raysync.transports.object_store.buckets import (
     BUCKETS_IN_FLIGHT,
     Outgoing,
+    this_actor,
     wait_for_room,
 )
 from raysync.transports.rdt.wire import RdtBucketStream
@@ -59,6 +60,7 @@ class RdtRing:
         is free; stop early if the broadcast ended (refused, or no reader left)."""
         broker, key = payload.broker, payload.key
         plan = outgoing.plan
+        sender = this_actor()
         with self._streaming:
             for index in range(key.count):
                 if index >= BUCKETS_IN_FLIGHT:
@@ -79,7 +81,7 @@ class RdtRing:
                     raise
                 slot.published = bucket
                 self._next = (self._next + 1) % len(self._slots)
-                broker.offer.remote(key, index, [ref])
+                broker.offer.remote(key, index, [ref], sender)
                 del ref  # the broker's reference keeps it until every reader took it
 
     def _wait_until_freed(self, slot: _Slot) -> None:
