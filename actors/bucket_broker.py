@@ -12,7 +12,7 @@ most :data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` buckets of a ver
 whatever the model's size. Who calls what, per version (one *stream*):
 
 * the learner: ``offer(stream, k, [ref], sender)`` for each bucket (``sender``: its
-  own actor handle, watched while the stream runs), and before putting bucket
+  own actor, watched while any stream of it runs), and before putting bucket
   ``k`` ``room(stream, k)``, which returns once every reader has taken the
   buckets before ``k - 1``; ``end(stream, why)`` if the broadcast ended before it was
   done;
@@ -46,7 +46,7 @@ from typing import Any
 
 import ray
 
-from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, StreamId
+from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, SenderActor, StreamId
 
 #: Streams whose end is remembered, so a late ``take`` is told the buckets are gone.
 _ENDED_KEPT = 256
@@ -68,7 +68,7 @@ class _Stream:
     finished: list[str] = field(default_factory=list)  #: readers that took every bucket
     ended: str | None = None  #: why the learner stopped sending it
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-    sender_watch: asyncio.Task | None = None  #: ends the stream if its sender dies
+    sender: str | None = None  #: the actor id of the process that puts it, if watched
 
     def behind(self, needed: int) -> list[str]:
         """Readers that have copied fewer than ``needed`` buckets (all, unplanned)."""
@@ -109,21 +109,33 @@ class BucketBroker:
         #: who took every bucket
         self._ended: dict[str, tuple[str, dict[str, str], list[str]]] = {}
         self._peak = 0
+        #: actor id of a stream's sender -> the ids of its streams that still run
+        self._sending: dict[str, set[str]] = {}
+        #: actor id -> the one task watching it (it outlives the sender's streams while
+        #: its call waits behind a long method, and covers the sender's next streams)
+        self._watches: dict[str, asyncio.Task] = {}
 
     # -- the learner ------------------------------------------------------------------
     async def offer(
-        self, key: StreamId, index: int, boxed: list[ray.ObjectRef], sender: Any = None
+        self,
+        key: StreamId,
+        index: int,
+        boxed: list[ray.ObjectRef],
+        sender: SenderActor | None = None,
     ) -> None:
         """Bucket ``index`` is in the object store (``boxed``: its ref, in a list so that
-        Ray passes the ref, not the bytes). ``sender``: the actor handle of the process
-        that puts the stream (None: a driver); if it dies, the stream ends at once
-        instead of its readers waiting ``key.wait_s`` for a bucket that never comes."""
+        Ray passes the ref, not the bytes). ``sender``: the actor that puts the stream
+        (None: a driver); if it dies, the stream ends at once instead of its readers
+        waiting ``key.wait_s`` for a bucket that never comes."""
         state = self._open(key)
         if state is None:
             return
-        if sender is not None and state.sender_watch is None:
-            loop = asyncio.get_running_loop()
-            state.sender_watch = loop.create_task(self._watch_sender(state, sender))
+        if sender is not None and state.sender is None:
+            state.sender = sender.actor_id
+            self._sending.setdefault(sender.actor_id, set()).add(key.id)
+            if sender.actor_id not in self._watches:
+                watch = asyncio.get_running_loop().create_task(self._watch_sender(sender))
+                self._watches[sender.actor_id] = watch
         state.buckets[index] = boxed
         state.offered = max(state.offered, index + 1)
         state.free_taken()
@@ -313,21 +325,29 @@ class BucketBroker:
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
 
-    async def _watch_sender(self, state: _Stream, sender: Any) -> None:
-        """End ``state`` once its sender's actor is dead (or restarting: its new process
-        holds none of the stream). A call to a sync actor waits behind the method that
-        sends the stream, and fails at once if the actor dies; one to an async or
-        threaded actor returns at once, and is made again every ``_SENDER_LOOK_S``.
-        Cancelled when the stream ends."""
-        while True:
+    async def _watch_sender(self, sender: SenderActor) -> None:
+        """End every stream ``sender`` puts once its actor is dead (or restarting: its
+        new process holds none of them); stop once none of its streams runs. One call
+        at a time: to a sync actor it waits behind the method that sends (a training
+        loop may run for hours) and fails at once if the actor dies; to an async or
+        threaded actor it returns at once, and is made again every ``_SENDER_LOOK_S``."""
+        while self._sending.get(sender.actor_id):
             try:
-                await sender.__ray_ready__.remote()
+                await sender.handle.__ray_ready__.remote()
             except ray.exceptions.RayActorError as err:
-                await self.end(
-                    state.key, f"the process sending it died ({type(err).__name__}: {err})"
-                )
-                return
+                why = f"the process sending it died ({type(err).__name__}: {err})"
+                for stream in list(self._sending.get(sender.actor_id, ())):
+                    state = self._streams.get(stream)
+                    if state is not None:
+                        await self.end(state.key, why)
+                break
             await asyncio.sleep(_SENDER_LOOK_S)
+        if self._sending.get(sender.actor_id):  # a restarted incarnation's, begun meanwhile
+            loop = asyncio.get_running_loop()
+            self._watches[sender.actor_id] = loop.create_task(self._watch_sender(sender))
+        else:
+            self._sending.pop(sender.actor_id, None)
+            del self._watches[sender.actor_id]
 
     def _expire(self, state: _Stream, why: str, unless_planned: bool) -> None:
         """End ``state`` for ``why`` if it still runs (and, ``unless_planned``, was
@@ -357,9 +377,8 @@ class BucketBroker:
 
     def _remember_end(self, stream: str, why: str, state: _Stream | None) -> None:
         """``stream`` ended (``state``: what it was, if the broker had it open)."""
-        watch = None if state is None else state.sender_watch
-        if watch is not None and watch is not asyncio.current_task():
-            watch.cancel()
+        if state is not None and state.sender is not None:
+            self._sending.get(state.sender, set()).discard(stream)
         self._ended[stream] = (
             (why, {}, []) if state is None else (why, state.dropped, state.finished)
         )

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 
+from raysync.actors import bucket_broker
 from raysync.actors.bucket_broker import BucketBroker
-from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, StreamId
+from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, SenderActor, StreamId
 
 TIMEOUT = 10.0
 #: The broker looks at its hub every few seconds; these tests end before its first look.
@@ -247,3 +249,62 @@ def test_each_planner_adds_its_readers_and_a_relay_names_who_it_passed_every_buc
     got, finished = run(main())
     assert got == ["ref0", "ref1", "ref2"]
     assert sorted(finished) == ["a", "agent", "r0", "r1"]
+
+
+class _Sender:
+    """A sender's actor handle as the broker uses it: each ``__ray_ready__.remote()``
+    is a future the test settles (a sync actor answers it once its sending method
+    returns; a dead one fails it)."""
+
+    def __init__(self) -> None:
+        self.calls: list[asyncio.Future] = []
+
+    @property
+    def __ray_ready__(self) -> _Sender:
+        return self
+
+    def remote(self) -> asyncio.Future:
+        self.calls.append(asyncio.get_running_loop().create_future())
+        return self.calls[-1]
+
+
+def test_a_dead_senders_streams_end_at_once_and_one_call_watches_them_all():
+    async def main():
+        broker, handle = BucketBroker(_NO_HUB), _Sender()
+        sender = SenderActor("learner", handle)
+        keys = [StreamId(f"s{i}", 4, 120.0) for i in range(3)]
+        for k in keys:
+            await broker.readers(k, ["r"])
+            await broker.offer(k, 0, ["ref0"], sender)
+        waiting = asyncio.ensure_future(broker.take(keys[0], 1, "r"))  # never offered
+        await asyncio.sleep(0)
+        calls = len(handle.calls)
+        handle.calls[0].set_exception(ray.exceptions.ActorDiedError())
+        return calls, await waiting, [await broker.take(k, 1, "r") for k in keys[1:]]
+
+    calls, (boxed, why), later = run(main())
+    assert calls == 1  # one call, waiting behind the sending method, for all three
+    assert boxed is None
+    assert why.startswith("the learner stopped sending this version: the process sending it died")
+    for boxed, why in later:
+        assert boxed is None and "the process sending it died (ActorDiedError" in why
+
+
+def test_a_sender_is_watched_no_more_once_its_streams_ended(monkeypatch):
+    monkeypatch.setattr(bucket_broker, "_SENDER_LOOK_S", 0.0)
+
+    async def main():
+        broker, handle = BucketBroker(_NO_HUB), _Sender()
+        sender = SenderActor("learner", handle)
+        first, second = StreamId("a", 1, 120.0), StreamId("b", 1, 120.0)
+        for k in (first, second):
+            await broker.readers(k, ["r"])
+            await broker.offer(k, 0, ["ref0"], sender)
+            await asyncio.sleep(0)  # the watch makes its call
+            assert await broker.take(k, 1, "r") == (None, None)  # read to the end
+        handle.calls[0].set_result(None)  # the sending method returned
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return len(handle.calls)
+
+    assert run(main()) == 1  # the second stream rode on the first call; none after

@@ -84,6 +84,15 @@ class StreamId:
 
 
 @dataclass(frozen=True)
+class SenderActor:
+    """The actor that puts a stream (the learner, or a receiver serving a late joiner):
+    the broker watches it while any stream of it runs."""
+
+    actor_id: str
+    handle: Any  #: its ActorHandle
+
+
+@dataclass(frozen=True)
 class BucketStream:
     """The payload of a bucketed version: where its buckets are handed out."""
 
@@ -180,11 +189,12 @@ def bucket_arrays(outgoing: Outgoing, index: int) -> list[np.ndarray]:
     return arrays
 
 
-def this_actor() -> Any:
-    """This process's actor handle, for the broker to watch the streams it sends; None
-    in a driver."""
+def this_actor() -> SenderActor | None:
+    """This process's actor, for the broker to watch the streams it sends; None in a
+    driver."""
     context = ray.get_runtime_context()
-    return None if context.get_actor_id() is None else context.current_actor
+    actor_id = context.get_actor_id()
+    return None if actor_id is None else SenderActor(actor_id, context.current_actor)
 
 
 def wait_for_room(broker: Any, key: StreamId, index: int, done: VersionDone) -> str | None:
