@@ -1,13 +1,15 @@
-"""Receiver process: registered staging buffers reused across versions (``nixl``, ``rdt``).
+"""Receiver process: staging buffers reused across versions.
 
-A transport that reads each version into memory it registered with an agent keeps one
-:class:`StagingPool` per receiver. ``fetch`` fills a buffer for the version's spec (a
-free one, else one the transport creates and registers) and returns the views the fill
-made, leased with the buffer; the receiver core hands those views back through
-``release`` once the version is applied (or, with zero copy, replaced), and the buffer
-is free again. A fill that fails frees its buffer at once. A buffer is never written
-while leased, so a model that lives in it never changes under its reader. ``close``
-hands every buffer the pool created back to the transport to deregister.
+A transport that reads each version into memory of its own — registered with an agent
+(``nixl``, ``rdt``), or a plain buffer a bucketed version is assembled in
+(``object_store``, ``distributed``) — keeps one :class:`StagingPool` per receiver.
+``fetch`` fills a buffer for the version's spec (a free one, else one the transport
+creates, and registers if it must) and returns the views the fill made, leased with the
+buffer; the receiver core hands those views back through ``release`` once the version
+is applied (or, with zero copy, replaced), and the buffer is free again. A fill that
+fails frees its buffer at once. A buffer is never written while leased, so a model that
+lives in it never changes under its reader. ``close`` hands every buffer the pool
+created back to the transport to deregister.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class StagingPool(Generic[Buffer]):
         the buffer is free again and the error goes on."""
         buffer = self._take(spec)
         try:
+            # A list of its own: the lease is keyed by its identity, and a write may
+            # return a list it keeps (nixl's staging views) for every fill.
             staged = list(write(buffer))
         except BaseException:
             with self._lock:
