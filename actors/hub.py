@@ -31,6 +31,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from raysync.actors.heap import settle_heap
 from raysync.background import BackgroundTasks
+from raysync.channel_replies import ChannelReplies
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
@@ -47,6 +48,9 @@ from raysync.messages import (
     BroadcastReport,
     BroadcastRequest,
     BroadcastTicket,
+    ChannelCall,
+    ChannelLost,
+    ChannelReply,
     DeliveryMode,
     DirectTarget,
     HubConfig,
@@ -132,6 +136,8 @@ class _Delivery:
     first_calls: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: workers the broadcast named that left since, failed with the reason
     gone: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: of ``first_calls``, those the learner reached through its channel
+    channel: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -207,6 +213,7 @@ class WeightHubActor:
         #: (registration token, model, version, origin) -> the ack a delivery waits for
         self._pending_acks: dict[tuple[str, str, int, str], asyncio.Future[Ack]] = {}
         self._early_acks: OrderedDict[tuple[str, str, int, str], Ack] = OrderedDict()
+        self._channel_replies = ChannelReplies()  #: learners' channels (direct path)
         self._refused: dict[str, RefusedRegistration] = {}  #: worker -> last refusal
         self._closed = False
         self._model_known = asyncio.Event()
@@ -297,9 +304,29 @@ class WeightHubActor:
         unused = {w: c for w, c in calls.items() if w not in first_calls}
         if unused:  # left or registered again since the route: the hub delivers them
             self._background.spawn(_settled(unused), "direct calls to departed receivers")
-        return self._start(
-            _Delivery.of(request, handed, spec, targets, timeout_s, started, first_calls, gone)
+        by_channel = sorted(
+            w for w, call in first_calls.items() if isinstance(call, ChannelCall | ChannelReply)
         )
+        replies = [  # written into the learner's channel, the reply to come apart
+            (request.submitter, model, version, w)
+            for w in by_channel
+            if isinstance(first_calls[w], ChannelCall)
+        ]
+        for worker in by_channel:
+            call = first_calls[worker]
+            if isinstance(call, ChannelReply):
+                first_calls[worker] = _done(call.reply)
+            else:
+                first_calls[worker] = self._channel_replies.expect(
+                    (request.submitter, model, version, worker)
+                )
+        delivery = _Delivery.of(
+            request, handed, spec, targets, timeout_s, started, first_calls, gone
+        )
+        begun = self._start(dataclasses.replace(delivery, channel=tuple(by_channel)))
+        if replies:
+            begun.report.add_done_callback(lambda _: self._channel_replies.forget(replies))
+        return begun
 
     def _start(self, delivery: _Delivery) -> _Started:
         """Start delivering a version and keep its report for ``wait_for``."""
@@ -340,6 +367,7 @@ class WeightHubActor:
                 entry.registration.handle,
                 entry.registration.entry,
                 entry.registration.attachment,
+                entry.registration.node_id,
             )
             for entry in self._state.targets(resolved, None)
             if get_transport(entry.transport).learner_delivers
@@ -537,6 +565,18 @@ class WeightHubActor:
             planner = self._planners[entry.transport]
             self._background.spawn(planner.receiver_left(worker), f"{worker} left")
 
+    async def channel_replies(
+        self,
+        submitter: str,
+        model: str,
+        version: int,
+        replies: dict[str, Ack | ChannelLost | None],
+    ) -> None:
+        """Learner: its receivers' replies to ``version``, written into its channel
+        (:mod:`raysync.learner_channel`), as each delivery call's reply would be."""
+        for worker, reply in replies.items():
+            self._channel_replies.arrive((submitter, model, version, worker), reply)
+
     async def ack(self, ack: Ack) -> None:
         """An acknowledgement sent after the delivery call returned (deferred applies)."""
         if ack.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED):
@@ -680,6 +720,7 @@ class WeightHubActor:
             transports=tuple(sorted({entry.transport for entry in targets})),
             phases=_phases(delivery.learner_seconds, plan_s, outcomes),
             direct=tuple(sorted(first_calls)),
+            channel=delivery.channel,
         )
         # Off the critical path: queued behind the wake-up of whoever awaits the report.
         loop = asyncio.get_running_loop()
@@ -802,6 +843,8 @@ class WeightHubActor:
                     if first_call is not None:
                         ack = await _reply_or_ack(first_call, deferred_ack, deadline)
                         first_call = None
+                        if isinstance(ack, ChannelLost):  # never reached it: deliver here
+                            continue
                     else:
                         ref = delivery_call(
                             registration.handle, registration.entry, registration.attachment, update
@@ -951,7 +994,8 @@ async def _reply_or_ack(call: Any, acked: asyncio.Future[Ack], deadline: float) 
 async def _settled(calls: dict[str, tuple[str, Any]]) -> None:
     """Await a learner's delivery calls the hub does not count (revoked, or to a
     receiver gone since), so that their errors are retrieved, not reported as unhandled."""
-    await asyncio.gather(*(call for _, call in calls.values()), return_exceptions=True)
+    refs = (call for _, call in calls.values() if not isinstance(call, ChannelCall | ChannelReply))
+    await asyncio.gather(*refs, return_exceptions=True)
 
 
 def _check_bucket_readers(targets: list[ReceiverEntry]) -> None:
@@ -964,6 +1008,13 @@ def _check_bucket_readers(targets: list[ReceiverEntry]) -> None:
             f"bucket_mb: these receivers read through transports that move whole versions "
             f"only: {named}; broadcast without bucket_mb, or leave them out (workers=...)"
         )
+
+
+def _done(result: Any) -> asyncio.Future[Any]:
+    """A future that holds ``result`` already."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(result)
+    return future
 
 
 def _quiet_future() -> asyncio.Future[Any]:

@@ -86,16 +86,22 @@ def _timed(call: Callable[[], object], warmup: int, repeats: int) -> list[float]
 
 
 def measure_cell(
-    transport: str, size_mb: float, receivers: int, tensors: int, warmup: int, repeats: int
+    name: str, size_mb: float, receivers: int, tensors: int, warmup: int, repeats: int
 ) -> dict:
-    """One cell's timeline (milliseconds, p50 and p99 over ``repeats`` broadcasts)."""
-    hub = WeightHub.remote(transport=transport, models=["m"])
+    """One cell's timeline (milliseconds, p50 and p99 over ``repeats`` broadcasts).
+    ``name`` is a transport, or ``object_store+channels`` for a hub started with
+    ``channels=True`` (every timed broadcast must then go by the learner's channel)."""
+    transport, _, variant = name.partition("+")
+    channels = variant == "channels"
+    hub = WeightHub.remote(transport=transport, models=["m"], channels=channels)
     actors = [_Receiver.remote(hub, size_mb, tensors) for _ in range(receivers)]
     ray.get([a.__ray_ready__.remote() for a in actors])
     relay = _Relay.remote()
     walls, reports = [], []
     try:
         for i in range(warmup + repeats):
+            if i == 1 and channels:  # the first broadcast asked for the channel
+                hub.wait_channel("m")
             if i == warmup:  # each process's first full GC, which Python runs early anyway
                 gc.collect()
                 ray.get([a.__ray_call__.remote(lambda _: gc.collect()) for a in actors])
@@ -104,7 +110,9 @@ def measure_cell(
             report = ray.get(hub.broadcast.remote(weights, model="m"))
             wall = time.perf_counter() - started
             if len(report.acked) != receivers:
-                raise RuntimeError(f"{transport}: broadcast {i} not acked by all: {report}")
+                raise RuntimeError(f"{name}: broadcast {i} not acked by all: {report}")
+            if channels and i >= warmup and len(report.channel) != receivers:
+                raise RuntimeError(f"{name}: broadcast {i} not all by channel: {report}")
             if i >= warmup:
                 walls.append(wall)
                 reports.append(report)
@@ -132,7 +140,7 @@ def measure_cell(
     in_hub = [r.seconds - p.learner_s for r, p in zip(reports, phases, strict=True)]
     deliver = [p.deliver_s.max for p in phases]
     return {
-        "transport": transport,
+        "transport": name,
         "size_mb": size_mb,
         "receivers": receivers,
         "tensors": tensors,

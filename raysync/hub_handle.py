@@ -6,12 +6,13 @@ hub only the spec and the transport's payload.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import ray
@@ -21,6 +22,13 @@ from ray.actor import ActorHandle
 from raysync import weights as weights_mod
 from raysync.actor_classes import HUB, actor_class
 from raysync.errors import HubClosedError, HubNotFoundError, TransportUnavailableError
+from raysync.learner_channel import (
+    CHANNEL_MAX_BYTES,
+    COLLECT_WAIT_S,
+    ReceiverChannel,
+    Written,
+    channel_targets,
+)
 from raysync.messages import BroadcastRequest, HubConfig, Route, Update
 from raysync.receiver_delivery import delivery_call
 from raysync.routing import hand_off_of
@@ -36,6 +44,7 @@ from raysync.transports import (
     registered_transports,
 )
 from raysync.transports.buckets import bucket_bytes_of
+from raysync.transports.object_store import InlinePayload, ObjectStoreTransport, as_array
 from raysync.wire_dtype import cast_to_wire, check_wire_dtype, wire_spec_of
 
 #: Default seconds a broadcast waits for every receiver's ack.
@@ -140,67 +149,142 @@ class _Broadcast:
             and route.spec == spec
             and (workers is None or _all_listed(workers, route))
         )
-        try:
-            # The hub's transport and those its receivers chose: one hand-off each.
-            senders = {name: handle._sender(name) for name in route.hand_offs}
-            if bucket_bytes is None:
-                wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
-                payloads = {name: sender.send(wire, travels) for name, sender in senders.items()}
-            else:
-                _check_bucketed(senders)
-                stall_s = (config.default_timeout_s if timeout_s is None else timeout_s) / 2
-                payloads = {
-                    name: sender.send_buckets(tensors, travels, bucket_bytes, stall_s)
-                    for name, sender in senders.items()
-                }
-        except TransportError as err:
-            # A closed hub has stopped its transport: say that, not what broke below it.
-            if ray.get(self._handle.actor.closed.remote()):
-                raise HubClosedError(
-                    "the hub is shutting down and accepts no more broadcasts"
-                ) from err
-            raise
-        request = BroadcastRequest(
-            model=route.model if direct else model,
-            version=version,
-            spec=spec,
-            payloads=payloads,
-            workers=None if workers is None else tuple(workers),
-            timeout_s=timeout_s,
-            wait=wait,
-            raise_on_failure=raise_on_failure,
-            learner_seconds=time.perf_counter() - started,
-            wire_spec=wire_spec,
-            submitter=handle._submitter,
-            part=part,
-            parts=parts,
-            bucket_bytes=bucket_bytes,
-        )
-        with handle._submitting:  # numbers in the order the calls leave this process
-            sequence = next(handle._sequence)
-            floor = handle._in_flight.floor(sequence)
-            sent_at = time.time()
-            calls, direct_version = None, 0
-            if direct:
+        channel = handle._channel(route, travels) if direct else None
+        # A version written into the learner's channel leaves before its object-store
+        # copy is made (the receivers apply it meanwhile): numbered from the write on.
+        with handle._submitting if channel is not None else contextlib.nullcontext():
+            written, direct_version = None, 0
+            if channel is not None:
                 direct_version = handle._next_direct_version(route)
-                calls = _deliver_directly(
-                    route, direct_version, spec, payloads, wire_spec, workers, handle._submitter
+                written = _write_channel(
+                    channel,
+                    route,
+                    direct_version,
+                    spec,
+                    wire_spec,
+                    tensors,
+                    workers,
+                    handle,
+                    config.default_timeout_s if timeout_s is None else timeout_s,
                 )
-            request = dataclasses.replace(
-                request,
-                sequence=sequence,
-                floor=floor,
-                direct_version=direct_version,
-                direct_calls=calls,
-                sent_at=sent_at,
+            senders, payloads = self._hand_off(
+                route, tensors, travels, wire_spec, bucket_bytes, timeout_s
             )
-            result = handle.actor.submit.remote(request)
-            handle._in_flight.add(sequence, result)
-            handle._ask_route_ahead(model, sequence)
+            request = BroadcastRequest(
+                model=route.model if direct else model,
+                version=version,
+                spec=spec,
+                payloads=payloads,
+                workers=None if workers is None else tuple(workers),
+                timeout_s=timeout_s,
+                wait=wait,
+                raise_on_failure=raise_on_failure,
+                learner_seconds=time.perf_counter() - started,
+                wire_spec=wire_spec,
+                submitter=handle._submitter,
+                part=part,
+                parts=parts,
+                bucket_bytes=bucket_bytes,
+            )
+            with handle._submitting:  # numbers in the order the calls leave this process
+                sequence = next(handle._sequence)
+                floor = handle._in_flight.floor(sequence)
+                sent_at = time.time()
+                calls = None
+                if direct:
+                    calls = {}
+                    if written is not None:
+                        calls = channel.collect(written, COLLECT_WAIT_S)
+                    if not direct_version:
+                        direct_version = handle._next_direct_version(route)
+                    calls |= _deliver_directly(
+                        route,
+                        direct_version,
+                        spec,
+                        payloads,
+                        wire_spec,
+                        workers,
+                        handle._submitter,
+                        reached=calls,
+                    )
+                request = dataclasses.replace(
+                    request,
+                    sequence=sequence,
+                    floor=floor,
+                    direct_version=direct_version,
+                    direct_calls=calls,
+                    sent_at=sent_at if written is None else written.sent_at,
+                )
+                result = handle.actor.submit.remote(request)
+                handle._in_flight.add(sequence, result)
+                handle._ask_route_ahead(model, sequence)
         done = _BroadcastDone(handle.actor, result, waits=wait)
         for name, sender in senders.items():
             sender.submitted(payloads[name], done)
         return result
+
+    def _hand_off(
+        self,
+        route: Route,
+        tensors: dict[str, torch.Tensor],
+        travels: WeightSpec,
+        wire_spec: WeightSpec | None,
+        bucket_bytes: int | None,
+        timeout_s: float | None,
+    ) -> tuple[dict[str, TransportSender], dict[str, Any]]:
+        """Hand the version to the hub's transport and those its receivers chose, in
+        this process: the senders and their payloads, one per hand-off."""
+        handle = self._handle
+        try:
+            senders = {name: handle._sender(name) for name in route.hand_offs}
+            if bucket_bytes is None:
+                wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
+                return senders, {name: s.send(wire, travels) for name, s in senders.items()}
+            _check_bucketed(senders)
+            config = handle.config
+            stall_s = (config.default_timeout_s if timeout_s is None else timeout_s) / 2
+            return senders, {
+                name: sender.send_buckets(tensors, travels, bucket_bytes, stall_s)
+                for name, sender in senders.items()
+            }
+        except TransportError as err:
+            # A closed hub has stopped its transport: say that, not what broke below it.
+            if ray.get(handle.actor.closed.remote()):
+                raise HubClosedError(
+                    "the hub is shutting down and accepts no more broadcasts"
+                ) from err
+            raise
+
+
+def _write_channel(
+    channel: ReceiverChannel,
+    route: Route,
+    version: int,
+    spec: WeightSpec,
+    wire_spec: WeightSpec | None,
+    tensors: dict[str, torch.Tensor],
+    workers: Sequence[str] | None,
+    handle: HubHandle,
+    timeout_s: float,
+) -> Written | None:
+    """Write this broadcast, as ``version``, into the learner's channel to the route's
+    eligible receivers (those of ``workers``, if given: all of them or none); None if
+    the channel cannot take it now (the broadcast calls them itself)."""
+    eligible = channel_targets(route, handle._node_id)
+    chosen = None if workers is None else set(workers) & {t.worker for t in eligible}
+    wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
+    travels = wire_spec or spec
+    update = Update(
+        route.model,
+        version,
+        spec.digest,
+        ObjectStoreTransport.name,
+        InlinePayload(tuple(as_array(wire[name]) for name in travels.names)),
+        wire_spec,
+        origin=handle._submitter,
+        from_learner=True,
+    )
+    return channel.write(eligible, chosen, update, timeout_s)
 
 
 def _bucket_bytes(bucket_mb: float | None, travels: WeightSpec) -> int | None:
@@ -239,15 +323,17 @@ def _deliver_directly(
     wire_spec: WeightSpec | None,
     workers: Sequence[str] | None,
     origin: str,
-) -> dict[str, tuple[str, ray.ObjectRef]]:
+    reached: Collection[str] = (),
+) -> dict[str, tuple[str, Any]]:
     """The direct path, in the learner: call each of ``route``'s receivers (those of
-    ``workers`` only, if given) with this broadcast as ``version``; per worker, its
-    registration and the call's ref (the hub awaits them as its first delivery, so
-    deaths, restarts and deferred acks are handled as for its own calls)."""
-    calls = {}
+    ``workers`` only, if given, and none ``reached`` already through the learner's
+    channel) with this broadcast as ``version``; per worker, its registration and the
+    call's ref (the hub awaits them as its first delivery, so deaths, restarts and
+    deferred acks are handled as for its own calls)."""
+    calls: dict[str, tuple[str, Any]] = {}
     chosen = None if workers is None else set(workers)
     for target in route.targets:
-        if chosen is not None and target.worker not in chosen:
+        if (chosen is not None and target.worker not in chosen) or target.worker in reached:
             continue
         update = Update(
             route.model,
@@ -352,6 +438,8 @@ class HubHandle:
         for name, target in config.transports:
             register_transport(name, target)
         self._senders: dict[str, TransportSender] = {}
+        self._channels: dict[str, ReceiverChannel] = {}  #: per model, with ``channels``
+        self._node_id = ""
         #: per ``model`` argument, the Route of its next broadcast, asked one ahead
         self._next_routes: dict[str | None, ray.ObjectRef] = {}
         #: per model, the version this handle last delivered itself
@@ -359,7 +447,7 @@ class HubHandle:
         #: This handle's broadcasts are numbered so the hub versions them in order.
         self._submitter = uuid.uuid4().hex
         self._sequence = itertools.count(1)
-        self._submitting = threading.Lock()
+        self._submitting = threading.RLock()
         self._in_flight = _InFlight()
 
     # -- the hub actor's own methods --------------------------------------------------
@@ -399,6 +487,9 @@ class HubHandle:
         senders, self._senders = self._senders, {}
         for sender in senders.values():
             sender.close()
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            channel.close()
 
     @property
     def transport(self) -> str:
@@ -423,6 +514,28 @@ class HubHandle:
         version = max(route.next_version, self._last_direct.get(route.model, 0) + 1)
         self._last_direct[route.model] = version
         return version
+
+    def wait_channel(self, model: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[str, ...]:
+        """With ``channels=True``: wait until this learner's channel to ``model``'s
+        receivers is built (a broadcast that finds a new set of receivers asks for it;
+        the broadcasts after it use it); the workers it reaches, none if it has no
+        channel (another learner's holds one of them, or none is eligible)."""
+        channel = self._channels.get(model)
+        return () if channel is None else channel.wait_built(timeout_s)
+
+    def _channel(self, route: Route, travels: WeightSpec) -> ReceiverChannel | None:
+        """The channel to ``route``'s model's receivers, for a version that travels as
+        ``travels``: None unless the hub was started with ``channels=True`` and the
+        version is small enough. Called under ``_submitting``."""
+        if not self.config.channels or travels.nbytes > CHANNEL_MAX_BYTES:
+            return None
+        channel = self._channels.get(route.model)
+        if channel is None:
+            self._node_id = ray.get_runtime_context().get_node_id()
+            channel = self._channels[route.model] = ReceiverChannel(
+                self.actor, self._submitter, route.model
+            )
+        return channel
 
     def _ask_route(self, model: str | None, after: int = 0) -> ray.ObjectRef:
         return self.actor.route.remote(model, self._submitter, after)
@@ -472,6 +585,7 @@ class WeightHub:
         options: object | Sequence[object] = (),
         wire_dtype: torch.dtype | None = None,
         bucket_mb: float | None = None,
+        channels: bool = False,
     ) -> HubHandle:
         """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
         return HubLauncher({}).remote(
@@ -482,6 +596,7 @@ class WeightHub:
             options=options,
             wire_dtype=wire_dtype,
             bucket_mb=bucket_mb,
+            channels=channels,
         )
 
 
@@ -501,6 +616,7 @@ class HubLauncher:
         options: object | Sequence[object] = (),
         wire_dtype: torch.dtype | None = None,
         bucket_mb: float | None = None,
+        channels: bool = False,
     ) -> HubHandle:
         """Start the hub actor.
 
@@ -521,7 +637,12 @@ class HubLauncher:
         ``broadcast.remote``); ``ValueError`` if it is not a floating dtype.
         ``bucket_mb`` is every broadcast's default bucket size (see
         ``broadcast.remote``); ``ValueError`` unless positive, or if ``transport``
-        moves whole versions only.
+        moves whole versions only. ``channels=True``: each learner writes versions of
+        up to 16 MiB into a Ray compiled graph to the ``WeightReceiver`` actors on its
+        node that read by ``object_store`` (one write for all, acks back the same way)
+        instead of calling each one (see :mod:`raysync.learner_channel`); it takes the
+        receivers' compiled-graph thread, so leave it off for actors that run a compiled
+        graph of their own (vLLM's workers) or use ``rdt``.
         """
         if wire_dtype is not None:
             check_wire_dtype(wire_dtype)
@@ -548,6 +669,7 @@ class HubLauncher:
             transports=registered_transports(),
             wire_dtype=wire_dtype,
             bucket_mb=bucket_mb,
+            channels=channels,
         )
         hub_class = ray.remote(actor_class(HUB))
         actor = hub_class.options(**self._actor_options).remote(config)

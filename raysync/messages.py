@@ -57,6 +57,9 @@ class HubConfig:
     #: Versions larger than this many MiB move in buckets of it unless a broadcast says
     #: otherwise (None: whole); see :mod:`raysync.transports.buckets`.
     bucket_mb: float | None = None
+    #: Learners deliver small versions to eligible receivers through a compiled-graph
+    #: channel (see :mod:`raysync.learner_channel`) instead of one Ray call each.
+    channels: bool = False
 
     def options_of(self, options_type: type | None) -> Any:
         """The options given for a transport whose options class is ``options_type``,
@@ -120,6 +123,31 @@ class DirectTarget:
     handle: Any
     entry: Entry
     attachment: str
+    node_id: str = ""  #: the node its host runs on (channels reach receivers on the learner's)
+
+
+@dataclass(frozen=True)
+class ChannelCall:
+    """In ``BroadcastRequest.direct_calls`` instead of a call's ref: the learner wrote
+    the version into its compiled-graph channel to this receiver; the receiver's reply
+    reaches the hub in a ``channel_replies`` call (see :mod:`raysync.learner_channel`)."""
+
+
+@dataclass(frozen=True)
+class ChannelReply:
+    """In ``BroadcastRequest.direct_calls`` instead of a call's ref: the learner wrote
+    the version into its channel and has the receiver's reply already."""
+
+    reply: Any  #: Ack | ChannelLost | None, as a delivery call's reply
+
+
+@dataclass(frozen=True)
+class ChannelLost:
+    """A receiver's reply in ``channel_replies`` when the channel broke before it came
+    (a receiver of the graph died, or did not answer in time): the hub delivers that
+    receiver itself, as if the learner had never called it."""
+
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -332,6 +360,9 @@ class BroadcastReport:
     #: The receivers the learner delivered to itself (the direct path); the hub
     #: delivered to the others.
     direct: tuple[str, ...] = ()
+    #: Of ``direct``, those it reached through its compiled-graph channel
+    #: (``WeightHub.remote(channels=True)``, :mod:`raysync.learner_channel`).
+    channel: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:

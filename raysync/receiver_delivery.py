@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import traceback
 from typing import Any, Protocol
 
 from raysync.messages import Ack, AckStatus, Entry, ServeRequest, Update
@@ -99,6 +100,53 @@ def deliver(host: Any, key: str, update: Update) -> Ack | None:
     if loop is not None and not _running_on(loop):
         return asyncio.run_coroutine_threadsafe(_receive(receiver, update), loop).result()
     return reply_to_hub(receiver.receive(update))
+
+
+def deliver_on_channel(host: Any, key: str, update: Update) -> Ack | None:
+    """Runs in the host actor on Ray's compiled-graph thread, for each version a
+    learner writes into its channel (:mod:`raysync.learner_channel`): as
+    :func:`deliver`, concurrently with the host's methods (the mixin's gate holds the
+    write until they leave it). Never raises: an error is a FAILED ack, so that the
+    graph, shared by every receiver of the channel, keeps running."""
+    try:
+        return deliver(host, key, update)
+    except Exception:
+        return Ack("?", update.model, update.version, AckStatus.FAILED, traceback.format_exc())
+
+
+class _ChannelClaim:
+    """Which learner's compiled graph this process serves: Ray runs one graph at a
+    time on an actor's compiled-graph thread, and a second would wait for ever."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holder: str | None = None
+
+    def claim(self, holder: str) -> bool:
+        with self._lock:
+            if self._holder not in (None, holder):
+                return False
+            self._holder = holder
+            return True
+
+    def release(self, holder: str) -> None:
+        with self._lock:
+            if self._holder == holder:
+                self._holder = None
+
+
+_channel_claim = _ChannelClaim()
+
+
+def claim_channel(host: Any, holder: str) -> bool:
+    """Runs in the host actor, asked by a learner before it builds a channel: whether
+    ``holder``'s graph may use this process's compiled-graph thread (False: another's does)."""
+    return _channel_claim.claim(holder)
+
+
+def release_channel(host: Any, holder: str) -> None:
+    """Runs in the host actor once ``holder``'s graph was torn down."""
+    _channel_claim.release(holder)
 
 
 def refuse_learner_deliveries(host: Any, key: str) -> None:

@@ -444,3 +444,20 @@ class AsyncHost:
                 seen.append(values[0])
             await asyncio.sleep(0)  # between reads: where a waiting version lands
         return {"torn": torn, "seen": seen, "reads": reads}
+
+
+@ray.remote(num_cpus=0)
+class Reader(WeightReceiver, _Inspect):
+    """A collector whose method reads its policy twice, at a moment the test chooses."""
+
+    def __init__(self, hub, worker_id: str):
+        self.policy = make_policy()
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=worker_id)
+
+    def read_across(self, entered, leave) -> tuple[dict, dict]:
+        """The policy when the method starts and again once the test opens ``leave``
+        (``tests.helpers.Gate``; ``entered`` is opened on the way in)."""
+        first = state_of(self.policy)
+        ray.get(entered.open.remote())
+        ray.get(leave.wait.remote())
+        return first, state_of(self.policy)

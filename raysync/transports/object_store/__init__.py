@@ -64,6 +64,7 @@ __all__ = [
     "BROKER_NAMESPACE",
     "BUCKETS_IN_FLIGHT",
     "BucketStream",
+    "InlinePayload",
     "ObjectStorePayload",
     "ObjectStoreTransport",
     "as_array",
@@ -78,6 +79,16 @@ class ObjectStorePayload:
     """The reference to one version's object. Nested in an Update, Ray passes it as a ref."""
 
     ref: ray.ObjectRef
+
+
+@dataclass(frozen=True)
+class InlinePayload:
+    """A small version carried in the update itself, as the arrays :func:`as_array`
+    makes, in spec order: what a learner writes into its compiled-graph channel
+    (:mod:`raysync.learner_channel`). The receiver copies them out at once (they are
+    views of the channel's buffer, which the next version overwrites)."""
+
+    arrays: tuple[np.ndarray, ...]
 
 
 #: Same-size stand-ins for the dtypes NumPy does not have (bfloat16, float8, ...).
@@ -164,8 +175,13 @@ class ObjectStoreReceiver(TransportReceiver):
         self._staging: StagingPool[torch.Tensor] = StagingPool(staging_buffer)
 
     def fetch(
-        self, payload: ObjectStorePayload | BucketStream, spec: WeightSpec
+        self, payload: ObjectStorePayload | InlinePayload | BucketStream, spec: WeightSpec
     ) -> Sequence[torch.Tensor]:
+        if isinstance(payload, InlinePayload):
+            return [
+                as_tensor(np.array(array, copy=True), entry.dtype)
+                for array, entry in zip(payload.arrays, spec.tensors, strict=True)
+            ]
         if isinstance(payload, BucketStream):
             if self._worker is None:
                 raise TransportError("this transport reads whole versions, not buckets")

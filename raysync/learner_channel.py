@@ -1,0 +1,292 @@
+"""A learner's compiled-graph channel to its receivers: ``WeightHub.remote(channels=True)``.
+
+A small version's direct delivery (see :class:`raysync.messages.Route`) costs a Ray call
+to each receiver, a put into the object store and a fetch from it; on a busy node those
+messages, not the bytes, are the broadcast's time. A Ray compiled graph (``ray.dag``)
+keeps shared-memory channels open from the learner to each receiver and back instead:
+one write of the version reaches every receiver on the node, and their acks return the
+same way.
+
+Who runs what:
+
+* Learner process: one :class:`ReceiverChannel` per hub handle and model. The broadcast
+  calls :meth:`ReceiverChannel.deliver` with the route's eligible receivers; it writes
+  the version into the graph when the graph is built for exactly those receivers and
+  idle, and else answers "not now" (the broadcast calls them the plain way). Its thread
+  builds graphs (a new set of receivers: one broadcast later, off the broadcast's path),
+  reads the receivers' replies and passes them to the hub (``channel_replies``), and
+  tears a broken graph down.
+* Receiver host: Ray runs :func:`raysync.receiver_delivery.deliver_on_channel` on the
+  actor's compiled-graph thread (Ray's ``_ray_system`` concurrency group), beside its
+  methods; the mixin's gate holds the write until none of them reads the model.
+* Hub: books the version as for any direct delivery and awaits each receiver's reply
+  from ``channel_replies`` (a :class:`~raysync.messages.ChannelLost` reply: the hub
+  delivers that receiver itself, so a death is found and reported as before).
+
+Eligible receivers: the mixin's (every method of theirs holds the gate; an ``attach``
+host's methods may not, and its safe point is its method queue), reading by
+``object_store``, on the learner's node, for versions of at most
+:data:`CHANNEL_MAX_BYTES`. Ray runs one compiled graph at a time on an actor, so a
+receiver serves one learner's channel (:func:`raysync.receiver_delivery.claim_channel`);
+other learners call it the plain way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.dag import InputNode, MultiOutputNode
+
+from raysync.messages import (
+    Ack,
+    ChannelCall,
+    ChannelLost,
+    ChannelReply,
+    DirectTarget,
+    Entry,
+    Route,
+    Update,
+)
+from raysync.receiver_delivery import claim_channel, deliver_on_channel, release_channel
+from raysync.routing import hand_off_of
+from raysync.transports.object_store import ObjectStoreTransport
+
+logger = logging.getLogger(__name__)
+
+#: Versions up to this size travel by channel; larger ones the plain way (at that size
+#: the bytes, not the messages, are the time, and the channel's buffer would grow to it).
+CHANNEL_MAX_BYTES = 16 * 2**20
+
+#: How long a broadcast waits for its receivers' replies before it goes on (and the
+#: channel's thread passes them to the hub when they come): they come within a few ms
+#: when the receivers are idle; a receiver busy in a method answers after it.
+COLLECT_WAIT_S = 0.01
+
+#: How long building a graph may wait for its receivers' claims.
+CLAIM_WAIT_S = 10.0
+
+
+def channel_targets(route: Route, node_id: str) -> tuple[DirectTarget, ...]:
+    """The receivers of ``route`` a channel from a learner on ``node_id`` may reach."""
+    return tuple(
+        t
+        for t in route.targets
+        if t.entry is Entry.MIXIN_METHOD
+        and t.node_id == node_id
+        and hand_off_of(t.transport) == ObjectStoreTransport.name
+    )
+
+
+@dataclass(frozen=True)
+class _Build:
+    members: tuple[tuple[str, str], ...]
+    targets: tuple[DirectTarget, ...]
+
+
+@dataclass(frozen=True)
+class _Teardown:
+    graph: Any
+    targets: tuple[DirectTarget, ...]
+
+
+@dataclass
+class Written:
+    """One version written into the channel, until its replies are in."""
+
+    model: str
+    version: int
+    timeout_s: float  #: the broadcast's: a reply not in by then is ChannelLost
+    tokens: dict[str, str]  #: worker -> its registration, in the graph's output order
+    refs: Any  #: the graph's CompiledDAGRefs, one per worker
+    sent_at: float = dataclasses.field(default_factory=time.time)  #: when it was written
+    replies: dict[str, Ack | ChannelLost | None] = field(default_factory=dict)
+    done: bool = False  #: every reply is in
+    forward: bool = False  #: the broadcast went on without them: the thread tells the hub
+
+
+class ReceiverChannel:
+    """In the learner: the compiled graph to one model's eligible receivers (see the
+    module's doc). Thread-safe; :meth:`write` never waits for a receiver."""
+
+    def __init__(self, hub: Any, submitter: str, model: str) -> None:
+        self._hub = hub
+        self._submitter = submitter
+        self._holder = f"{submitter}/{model}"
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  #: a build ended, replies came
+        self._builds = 0  #: builds asked for and not ended
+        self._graph: Any = None
+        self._targets: tuple[DirectTarget, ...] = ()  #: the graph's, in its output order
+        self._members: tuple[tuple[str, str], ...] = ()  #: (worker, token) of the graph
+        self._wanted: tuple[tuple[str, str], ...] = ()  #: the last set asked to be built
+        self._refused: set[tuple[tuple[str, str], ...]] = set()  #: sets another holds
+        self._out: Written | None = None  #: the version whose replies are still out
+        self._jobs: queue.SimpleQueue[_Build | _Teardown | Written | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="raysync-channel", daemon=True)
+        self._thread.start()
+
+    def write(
+        self,
+        targets: Sequence[DirectTarget],
+        workers: set[str] | None,
+        update: Update,
+        timeout_s: float,
+    ) -> Written | None:
+        """Write ``update`` to ``targets`` (the route's eligible receivers; ``workers``:
+        the broadcast's chosen ones among them, None for all). None when the graph is
+        not built for exactly those receivers or a version's replies are still out: the
+        broadcast then calls them itself. A new set of receivers is built for the
+        broadcasts after this one."""
+        members = tuple(sorted((t.worker, t.token) for t in targets))
+        with self._lock:
+            if members != self._members or self._graph is None:
+                if members and members != self._wanted and members not in self._refused:
+                    self._wanted = members
+                    self._builds += 1
+                    self._jobs.put(_Build(members, tuple(targets)))
+                return None
+            tokens = {t.worker: t.token for t in self._targets}
+            if self._out is not None or (workers is not None and workers != set(tokens)):
+                return None
+            try:
+                refs = self._graph.execute(update)
+            except Exception as err:  # Ray tore the graph down: a receiver of it died
+                logger.info("channel to %s broken: %s", ", ".join(tokens), err)
+                broken, self._graph, self._members, self._wanted = self._graph, None, (), ()
+                self._jobs.put(_Teardown(broken, self._targets))
+                return None
+            self._out = Written(update.model, update.version, timeout_s, tokens, refs)
+        self._jobs.put(self._out)
+        return self._out
+
+    def collect(
+        self, written: Written, wait_s: float
+    ) -> dict[str, tuple[str, ChannelReply | ChannelCall]]:
+        """Per worker of ``written``, its registration and its reply if every reply
+        came within ``wait_s``; else a :class:`ChannelCall` each, and the thread passes
+        the replies to the hub (``channel_replies``) when they come."""
+        with self._changed:
+            self._changed.wait_for(lambda: written.done, wait_s)
+            if not written.done:
+                written.forward = True
+                return {w: (token, ChannelCall()) for w, token in written.tokens.items()}
+        return {w: (token, ChannelReply(written.replies[w])) for w, token in written.tokens.items()}
+
+    def wait_built(self, timeout_s: float) -> tuple[str, ...]:
+        """Wait up to ``timeout_s`` for the builds asked for to end; the workers the
+        channel reaches now (none: no graph, or another learner's channel holds one of
+        them)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._builds == 0, timeout_s)
+            return tuple(t.worker for t in self._targets) if self._graph is not None else ()
+
+    def close(self) -> None:
+        """Tear the graph down and stop the thread (the handle's ``release``)."""
+        self._jobs.put(None)
+        self._thread.join(timeout=60)
+
+    # -- the channel's thread --------------------------------------------------------
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if isinstance(job, _Build):
+                try:
+                    self._build(job)
+                finally:
+                    with self._changed:
+                        self._builds -= 1
+                        self._changed.notify_all()
+            elif isinstance(job, _Teardown):
+                self._teardown(job.graph, job.targets)
+            else:
+                self._answer(job)
+        self._teardown()
+
+    def _build(self, job: _Build) -> None:
+        with self._lock:
+            if job.members != self._wanted:
+                return  # a newer set was asked for since
+        self._teardown()
+        claims = [
+            t.handle.__ray_call__.options(max_task_retries=0).remote(claim_channel, self._holder)
+            for t in job.targets
+        ]
+        try:
+            claimed = ray.get(claims, timeout=CLAIM_WAIT_S)
+        except ray.exceptions.RayError as err:  # a receiver died, or did not answer
+            logger.info("no channel to %d receivers: %s", len(job.targets), err)
+            claimed = [False]
+        if not all(claimed):
+            self._release(job.targets)
+            with self._lock:
+                self._refused.add(job.members)
+            return
+        with InputNode() as version:
+            dag = MultiOutputNode(
+                [
+                    t.handle.__ray_call__.bind(deliver_on_channel, t.attachment, version)
+                    for t in job.targets
+                ]
+            )
+        try:
+            graph = dag.experimental_compile()
+        except Exception as err:  # a receiver died meanwhile; Ray refused the graph
+            logger.warning("no channel to %d receivers: %s", len(job.targets), err)
+            self._release(job.targets)
+            with self._lock:
+                self._refused.add(job.members)
+            return
+        with self._lock:
+            self._graph, self._targets, self._members = graph, job.targets, job.members
+
+    def _answer(self, written: Written) -> None:
+        """Read one version's replies; hand them to the broadcast waiting in
+        :meth:`collect`, or to the hub if it went on. A channel that broke is torn down
+        (every reply still out is :class:`ChannelLost`)."""
+        replies: dict[str, Ack | ChannelLost | None] = {}
+        broken = None
+        for worker, ref in zip(written.tokens, written.refs, strict=True):
+            if broken is None:
+                try:
+                    replies[worker] = ref.get(timeout=written.timeout_s)
+                    continue
+                except Exception as err:  # Ray's channel errors, a death, a time-out
+                    broken = f"the learner's channel broke ({type(err).__name__}: {err})"
+            replies[worker] = ChannelLost(broken)
+        with self._changed:
+            written.replies, written.done, self._out = replies, True, None
+            self._changed.notify_all()
+            forward = written.forward
+            graph, targets = self._graph, self._targets
+            if broken is not None and graph is not None:
+                self._graph, self._members, self._wanted = None, (), ()
+        if forward:
+            self._hub.channel_replies.remote(
+                self._submitter, written.model, written.version, replies
+            )
+        if broken is not None and graph is not None:
+            self._teardown(graph, targets)
+
+    def _teardown(self, graph: Any = None, targets: tuple[DirectTarget, ...] | None = None) -> None:
+        """Tear down ``graph`` (default: the current one) and free its receivers' claims."""
+        if graph is None:
+            with self._lock:
+                graph, targets, self._graph = self._graph, self._targets, None
+        if graph is None or targets is None:
+            return
+        try:
+            graph.teardown()
+        except Exception as err:  # a receiver that died cannot be cancelled: nothing left
+            logger.info("channel teardown: %s", err)
+        self._release(targets)
+
+    def _release(self, targets: Sequence[DirectTarget]) -> None:
+        for t in targets:
+            t.handle.__ray_call__.options(max_task_retries=0).remote(release_channel, self._holder)

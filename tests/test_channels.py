@@ -1,0 +1,150 @@
+"""Learners' channels (``WeightHub.remote(channels=True)``, raysync/learner_channel.py):
+small versions written once into a Ray compiled graph to the mixin receivers on the
+learner's node, with every guarantee of the direct path: versions in the hub's order,
+acks per worker, bitwise weights, a model changed only at a safe point, a death that
+fails only its receiver (the channel is rebuilt without it), and a receiver another
+learner's channel holds reached the plain way."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from raysync import BroadcastError, HubHandle
+from tests.helpers import Gate, assert_same, ready, start, start_hub
+from tests.receivers import Collector, Reader, make_policy, state_of
+
+
+@pytest.fixture
+def channel_hub(actors):
+    """A hub with channels; the learner's channels torn down after the test."""
+    hub = start_hub(actors, "object_store", channels=True)
+    yield hub
+    hub.release()
+
+
+def _hold(receivers, learner, version: int) -> None:
+    for r in receivers:
+        assert ray.get(r.version.remote()) == version
+        assert_same(ray.get(r.state.remote()), state_of(learner))
+
+
+def test_small_versions_travel_by_channel_once_it_is_built(actors, channel_hub):
+    hub = channel_hub
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
+    ready(collectors)
+    report = ray.get(hub.broadcast.remote(make_policy()))  # asks for the channel
+    assert (report.version, report.direct, report.channel) == (1, ("c0", "c1", "c2"), ())
+    assert sorted(hub.wait_channel("policy")) == ["c0", "c1", "c2"]
+    for expected in range(2, 6):
+        learner = make_policy()
+        report = ray.get(hub.broadcast.remote(learner))
+        assert (report.version, report.acked, report.failed) == (expected, ("c0", "c1", "c2"), {})
+        assert report.channel == ("c0", "c1", "c2")
+        _hold(collectors, learner, expected)
+    assert all(
+        ray.get(c.applied_versions.remote()) == [("policy", v) for v in range(1, 6)]
+        for c in collectors
+    )
+    # A receiver that joins is delivered by the hub; the channel is built again with it.
+    late = start(actors, Collector, hub, worker_id="late")
+    ready([late])
+    ray.get(hub.broadcast.remote(make_policy()))  # its route was asked before the join
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert report.acked == ("c0", "c1", "c2", "late") and report.channel == ()
+    _hold([*collectors, late], learner, 7)
+    assert sorted(hub.wait_channel("policy")) == ["c0", "c1", "c2", "late"]
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert (report.version, report.channel) == (8, ("c0", "c1", "c2", "late"))
+    _hold([*collectors, late], learner, 8)
+
+
+def test_a_version_cast_on_the_wire_arrives_as_the_cast(actors, channel_hub):
+    hub = channel_hub
+    collector = start(actors, Collector, hub, worker_id="c")
+    ready([collector])
+    ray.get(hub.broadcast.remote(make_policy()))
+    assert hub.wait_channel("policy") == ("c",)
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, wire_dtype=torch.bfloat16))
+    assert report.channel == ("c",)
+    assert report.bytes == sum(v.numel() * 2 for v in learner.state_dict().values())
+    expected = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in state_of(learner).items()}
+    assert_same(ray.get(collector.state.remote()), expected)
+
+
+def test_a_receiver_busy_in_a_method_gets_the_version_after_it(actors, channel_hub):
+    hub = channel_hub
+    reader = start(actors, Reader, hub, worker_id="r")
+    ready([reader])
+    first = make_policy()
+    ray.get(hub.broadcast.remote(first))
+    assert hub.wait_channel("policy") == ("r",)
+    entered, leave = Gate.remote(), Gate.remote()
+    actors.extend([entered, leave])
+    read = reader.read_across.remote(entered, leave)
+    ray.get(entered.wait.remote())
+    second = make_policy()
+    report_ref = hub.broadcast.remote(second)  # waits for the method to leave
+    ray.get(leave.open.remote())
+    at_entry, at_exit = ray.get(read)
+    assert_same(at_entry, state_of(first))
+    assert_same(at_exit, state_of(first))  # never changed under the running method
+    report = ray.get(report_ref)
+    assert (report.version, report.acked, report.channel) == (2, ("r",), ("r",))
+    _hold([reader], second, 2)
+
+
+def test_a_receiver_killed_fails_alone_and_the_channel_is_built_without_it(actors, channel_hub):
+    hub = channel_hub
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
+    ready(collectors)
+    ray.get(hub.broadcast.remote(make_policy()))
+    assert sorted(hub.wait_channel("policy")) == ["c0", "c1", "c2"]
+    ray.kill(collectors[2])
+    learner = make_policy()
+    with pytest.raises(BroadcastError) as caught:
+        ray.get(hub.broadcast.remote(learner))
+    report = caught.value.report
+    assert report.acked == ("c0", "c1") and set(report.failed) == {"c2"}
+    assert "died" in report.failed["c2"]
+    _hold(collectors[:2], learner, 2)
+    # The hub dropped it: a later route leaves it out, and the channel is built again.
+    for _ in range(3):
+        ray.get(hub.broadcast.remote(make_policy()))
+        if sorted(hub.wait_channel("policy")) == ["c0", "c1"]:
+            break
+    assert sorted(hub.wait_channel("policy")) == ["c0", "c1"]
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert report.channel == ("c0", "c1") and report.failed == {}
+    _hold(collectors[:2], learner, report.version)
+
+
+def test_a_receiver_in_another_learners_channel_is_called_the_plain_way(actors, channel_hub):
+    first = channel_hub
+    second = HubHandle(first.actor, first.config)  # another learner of the same hub
+    collectors = [start(actors, Collector, first, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    ray.get(first.broadcast.remote(make_policy()))
+    assert sorted(first.wait_channel("policy")) == ["c0", "c1"]
+    try:
+        ray.get(second.broadcast.remote(make_policy()))
+        assert second.wait_channel("policy") == ()  # the first learner's holds them
+        # A learner whose route is stale (the other took its guess) goes through the hub.
+        for handle, expected, by_channel in (
+            (second, 3, ()),
+            (first, 4, ()),
+            (first, 5, ("c0", "c1")),
+            (second, 6, ()),
+        ):
+            learner = make_policy()
+            report = ray.get(handle.broadcast.remote(learner))
+            assert (report.version, report.acked) == (expected, ("c0", "c1"))
+            assert report.channel == by_channel
+            _hold(collectors, learner, expected)
+    finally:
+        second.release()

@@ -1,0 +1,95 @@
+"""The pure parts of learners' channels (raysync/learner_channel.py), without Ray: the
+hub's matching of channel replies to deliveries (a reply may come before its booking),
+a receiver process's claim on its compiled-graph thread, the object store receiver's
+copy of an inline version, and which route targets a channel may reach."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+
+from raysync.channel_replies import EARLY_REPLIES_KEPT, ChannelReplies
+from raysync.learner_channel import channel_targets
+from raysync.messages import DirectTarget, Entry, Route
+from raysync.receiver_delivery import _ChannelClaim
+from raysync.spec import WeightSpec
+from raysync.transports.object_store import InlinePayload, ObjectStoreReceiver, as_array
+
+
+def test_a_reply_that_comes_after_its_booking_resolves_the_awaited_future():
+    async def scenario():
+        replies = ChannelReplies()
+        future = replies.expect(("learner", "policy", 3, "c0"))
+        assert not future.done()
+        replies.arrive(("learner", "policy", 3, "c0"), "ack")
+        return await future, len(replies)
+
+    assert asyncio.run(scenario()) == ("ack", 0)
+
+
+def test_a_reply_that_comes_before_its_booking_is_kept_for_it():
+    async def scenario():
+        replies = ChannelReplies()
+        replies.arrive(("learner", "policy", 3, "c0"), None)
+        future = replies.expect(("learner", "policy", 3, "c0"))
+        other = replies.expect(("learner", "policy", 3, "c1"))  # no reply yet
+        return future.done(), future.result(), other.done(), len(replies)
+
+    assert asyncio.run(scenario()) == (True, None, False, 1)
+
+
+def test_replies_never_booked_are_kept_up_to_a_bound_and_forgotten_deliveries_dropped():
+    async def scenario():
+        replies = ChannelReplies()
+        for version in range(EARLY_REPLIES_KEPT + 10):
+            replies.arrive(("learner", "policy", version, "c0"), None)
+        kept = len(replies)
+        oldest = replies.expect(("learner", "policy", 0, "c0"))  # pushed out: waits
+        replies.forget([("learner", "policy", 0, "c0")])
+        return kept, oldest.done(), len(replies)
+
+    assert asyncio.run(scenario()) == (EARLY_REPLIES_KEPT, False, EARLY_REPLIES_KEPT)
+
+
+def test_a_process_serves_one_learners_channel_at_a_time():
+    claim = _ChannelClaim()
+    assert claim.claim("a/policy") and claim.claim("a/policy")  # its own again: a rebuild
+    assert not claim.claim("b/policy")
+    claim.release("b/policy")  # not the holder: no effect
+    assert not claim.claim("b/policy")
+    claim.release("a/policy")
+    assert claim.claim("b/policy")
+
+
+def test_an_inline_version_is_copied_out_of_the_channels_buffer():
+    weights = {"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, dtype=torch.bfloat16)}
+    spec = WeightSpec.of(weights)
+    arrays = tuple(as_array(weights[name]) for name in spec.names)
+    for array in arrays:
+        array.flags.writeable = False  # as the channel hands them over
+    fetched = ObjectStoreReceiver().fetch(InlinePayload(arrays), spec)
+    for name, array, tensor in zip(spec.names, arrays, fetched, strict=True):
+        assert torch.equal(tensor, weights[name]) and tensor.dtype == weights[name].dtype
+        assert not np.shares_memory(tensor.view(torch.uint8).numpy(), array)
+
+
+def _target(worker: str, *, entry=Entry.MIXIN_METHOD, node="n1", transport="object_store"):
+    return DirectTarget(worker, f"token-{worker}", transport, None, entry, f"key-{worker}", node)
+
+
+def test_a_channel_reaches_mixin_receivers_on_the_learners_node_that_read_the_object_store():
+    route = Route(
+        ("object_store",),
+        "policy",
+        4,
+        None,
+        (
+            _target("mixin"),
+            _target("attached", entry=Entry.RAY_CALL),
+            _target("elsewhere", node="n2"),
+            _target("by_nixl", transport="nixl"),
+        ),
+    )
+    assert [t.worker for t in channel_targets(route, "n1")] == ["mixin"]
