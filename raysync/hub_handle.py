@@ -213,7 +213,7 @@ class _Broadcast:
                     floor=floor,
                     direct_version=direct_version,
                     direct_calls=calls,
-                    sent_at=sent_at if written is None else written.sent_at,
+                    sent_at=sent_at,
                 )
                 result = handle.actor.submit.remote(request)
                 handle._in_flight.add(sequence, result)
@@ -638,7 +638,7 @@ class HubLauncher:
         ``bucket_mb`` is every broadcast's default bucket size (see
         ``broadcast.remote``); ``ValueError`` unless positive, or if ``transport``
         moves whole versions only. ``channels=True``: each learner writes versions of
-        up to 16 MiB into a Ray compiled graph to the ``WeightReceiver`` actors on its
+        up to 2 MiB into a Ray compiled graph to the ``WeightReceiver`` actors on its
         node that read by ``object_store`` (one write for all, acks back the same way)
         instead of calling each one (see :mod:`raysync.learner_channel`); it takes the
         receivers' compiled-graph thread, so leave it off for actors that run a compiled

@@ -33,11 +33,9 @@ other learners call it the plain way.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,9 +59,11 @@ from raysync.transports.object_store import ObjectStoreTransport
 
 logger = logging.getLogger(__name__)
 
-#: Versions up to this size travel by channel; larger ones the plain way (at that size
-#: the bytes, not the messages, are the time, and the channel's buffer would grow to it).
-CHANNEL_MAX_BYTES = 16 * 2**20
+#: Versions up to this size travel by channel; larger ones the plain way. Measured on
+#: two cores (docs/latency.md): 0.1 and 1 MB are faster by channel from one receiver up,
+#: 8 MB slower (the learner serializes it into the channel and every receiver copies it
+#: out, where the object store maps one copy per node).
+CHANNEL_MAX_BYTES = 2 * 2**20
 
 #: How long a broadcast waits for its receivers' replies before it goes on (and the
 #: channel's thread passes them to the hub when they come): they come within a few ms
@@ -106,7 +106,6 @@ class Written:
     timeout_s: float  #: the broadcast's: a reply not in by then is ChannelLost
     tokens: dict[str, str]  #: worker -> its registration, in the graph's output order
     refs: Any  #: the graph's CompiledDAGRefs, one per worker
-    sent_at: float = dataclasses.field(default_factory=time.time)  #: when it was written
     replies: dict[str, Ack | ChannelLost | None] = field(default_factory=dict)
     done: bool = False  #: every reply is in
     forward: bool = False  #: the broadcast went on without them: the thread tells the hub

@@ -8,6 +8,10 @@ host's method queue, like any of its methods — through ``__ray_call__``, so no
 the host's class is needed, or through the mixin's ``_raysync_deliver``. :func:`deliver`
 finds the receiver by its key in this process's :data:`attached` registry.
 
+A learner's compiled-graph channel (:mod:`raysync.learner_channel`) reaches the host
+another way: Ray runs :func:`deliver_on_channel` on the actor's compiled-graph thread,
+once the learner's :func:`claim_channel` on that thread succeeded.
+
 Who calls what: the host process fills the registry (:meth:`Attachments.reserve` before
 registering with the hub, :meth:`Attachments.fill` once the receiver exists,
 :meth:`Attachments.remove` when it closes); the hub process and the hub watch call
