@@ -12,6 +12,11 @@ weight, plus a ballast parameter making up the size. The time is
 ``--repeats`` after ``--warmup``), schemes interleaved cell by cell. After each timed
 update one batch is collected and must show the new weight in every collector's
 actions: a scheme whose update returns before the collectors hold it fails the cell.
+
+Beside them, in the same cells and run, raysync's own broadcast without TorchRL: a hub
+(``object_store``, and with ``channels=True``) and N ``WeightReceiver`` actors holding
+the same policy; the time is ``ray.get(hub.broadcast.remote(policy))``, and after each
+sample every receiver must hold the new weight (``--hubs`` picks them, none to skip).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torchrl.collectors.distributed import RayCollector
 from torchrl.testing.mocking_classes import CountingEnv
 from torchrl.weight_update import RayWeightSyncScheme
 
+from raysync import WeightHub, WeightReceiver
 from raysync.torchrl import RaySyncScheme
 
 FRAMES = 4  # per collector and batch: the batch only checks the weights
@@ -85,6 +91,50 @@ def time_scheme(name: str, size_mb: float, n: int, warmup: int, repeats: int) ->
     return samples
 
 
+@ray.remote(num_cpus=0)
+class HubReceiver(WeightReceiver):
+    """A receiver of the benchmark's policy, written with the mixin."""
+
+    def __init__(self, hub, size_mb: float) -> None:
+        self.policy = BallastPolicy(size_mb)
+        self.connect_hub(hub, {"policy": "policy"})
+
+    def weight(self) -> float:
+        return float(self.policy.weight)
+
+
+def time_hub(variant: str, size_mb: float, n: int, warmup: int, repeats: int) -> list[float]:
+    """Seconds per broadcast of raysync's own hub (``object_store`` or
+    ``object_store+channels``) to N mixin receivers, each checked after its sample."""
+    hub = WeightHub.remote(models=["policy"], channels=variant.endswith("+channels"))
+    receivers = [HubReceiver.remote(hub, size_mb) for _ in range(n)]
+    ray.get([r.__ray_ready__.remote() for r in receivers])
+    policy = BallastPolicy(size_mb)
+    samples = []
+    try:
+        for i in range(warmup + repeats):
+            if i == 1:
+                hub.wait_channel("policy")  # the first broadcast asked for it
+            value = float(i + 2)
+            with torch.no_grad():
+                policy.weight.fill_(value)
+                policy.ballast.fill_(value)
+            started = time.perf_counter()
+            ray.get(hub.broadcast.remote(policy))
+            elapsed = time.perf_counter() - started
+            held = set(ray.get([r.weight.remote() for r in receivers]))
+            if held != {value}:
+                raise RuntimeError(f"{variant}: after broadcast {i} receivers hold {held}")
+            if i >= warmup:
+                samples.append(elapsed)
+    finally:
+        hub.release()
+        ray.get(hub.close.remote())
+        for actor in [hub.actor, *receivers]:
+            ray.kill(actor)
+    return samples
+
+
 def plot(cells: list[dict], path: Path) -> None:
     """Milliseconds per update, a bar pair per cell."""
     import matplotlib
@@ -94,11 +144,20 @@ def plot(cells: list[dict], path: Path) -> None:
 
     labels = [f"{c['size_mb']:g} MB N={c['collectors']}" for c in cells]
     x = range(len(cells))
-    figure, axes = plt.subplots(figsize=(8, 4))
-    for offset, (key, name) in zip(
-        (-0.2, 0.2), (("torchrl_ray", "TorchRL Ray scheme"), ("raysync", "raysync")), strict=True
-    ):
-        axes.bar([i + offset for i in x], [c[key]["p50_ms"] for c in cells], 0.4, label=name)
+    names = {
+        "torchrl_ray": "TorchRL Ray scheme",
+        "raysync": "RaySyncScheme",
+        "object_store": "raysync broadcast",
+        "object_store+channels": "raysync broadcast, channels",
+    }
+    series = [key for key in names if key in cells[0]]
+    width = 0.8 / len(series)
+    figure, axes = plt.subplots(figsize=(9, 4))
+    for k, key in enumerate(series):
+        offset = (k - (len(series) - 1) / 2) * width
+        axes.bar(
+            [i + offset for i in x], [c[key]["p50_ms"] for c in cells], width, label=names[key]
+        )
     axes.set_xticks(list(x), labels)
     axes.set_ylabel("ms per update_policy_weights_() (p50)")
     axes.legend()
@@ -112,6 +171,13 @@ def main() -> None:
     parser.add_argument("--collectors", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--hubs",
+        nargs="*",
+        default=["object_store", "object_store+channels"],
+        choices=["object_store", "object_store+channels"],
+        help="raysync's own broadcast beside the schemes",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out's)")
     args = parser.parse_args()
@@ -121,16 +187,16 @@ def main() -> None:
         for size in args.sizes:
             for n in args.collectors:
                 cell = {"size_mb": size, "collectors": n}
-                for name in ("torchrl_ray", "raysync"):
-                    samples = time_scheme(name, size, n, args.warmup, args.repeats)
+                for name in ("torchrl_ray", "raysync", *args.hubs):
+                    timed = time_scheme if name in ("torchrl_ray", "raysync") else time_hub
+                    samples = timed(name, size, n, args.warmup, args.repeats)
                     cell[name] = {"p50_ms": statistics.median(samples) * 1e3, "all_s": samples}
                 cells.append(cell)
-                theirs, ours = cell["torchrl_ray"]["p50_ms"], cell["raysync"]["p50_ms"]
-                print(
-                    f"{size:g} MB, N={n}: TorchRL's Ray scheme {theirs:.1f} ms, "
-                    f"raysync {ours:.1f} ms",
-                    flush=True,
+                times = ", ".join(
+                    f"{name} {cell[name]['p50_ms']:.1f} ms"
+                    for name in ("torchrl_ray", "raysync", *args.hubs)
                 )
+                print(f"{size:g} MB, N={n}: {times}", flush=True)
     finally:
         ray.shutdown()
     if args.out is not None:

@@ -150,6 +150,9 @@ class _Broadcast:
             and (workers is None or _all_listed(workers, route))
         )
         channel = handle._channel(route, travels) if direct else None
+        wire = None  # what travels of a whole version: cast once, for every hand-off
+        if bucket_bytes is None:
+            wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
         # A version written into the learner's channel leaves before its object-store
         # copy is made (the receivers apply it meanwhile): numbered from the write on.
         with handle._submitting if channel is not None else contextlib.nullcontext():
@@ -162,13 +165,13 @@ class _Broadcast:
                     direct_version,
                     spec,
                     wire_spec,
-                    tensors,
+                    wire,
                     workers,
                     handle,
                     config.default_timeout_s if timeout_s is None else timeout_s,
                 )
             senders, payloads = self._hand_off(
-                route, tensors, travels, wire_spec, bucket_bytes, timeout_s
+                route, tensors, wire, travels, bucket_bytes, timeout_s
             )
             request = BroadcastRequest(
                 model=route.model if direct else model,
@@ -227,18 +230,18 @@ class _Broadcast:
         self,
         route: Route,
         tensors: dict[str, torch.Tensor],
+        wire: dict[str, torch.Tensor] | None,
         travels: WeightSpec,
-        wire_spec: WeightSpec | None,
         bucket_bytes: int | None,
         timeout_s: float | None,
     ) -> tuple[dict[str, TransportSender], dict[str, Any]]:
         """Hand the version to the hub's transport and those its receivers chose, in
-        this process: the senders and their payloads, one per hand-off."""
+        this process: the senders and their payloads, one per hand-off. ``wire``: a
+        whole version's tensors as they travel; buckets are cast as they are packed."""
         handle = self._handle
         try:
             senders = {name: handle._sender(name) for name in route.hand_offs}
-            if bucket_bytes is None:
-                wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
+            if wire is not None:
                 return senders, {name: s.send(wire, travels) for name, s in senders.items()}
             _check_bucketed(senders)
             config = handle.config
@@ -262,7 +265,7 @@ def _write_channel(
     version: int,
     spec: WeightSpec,
     wire_spec: WeightSpec | None,
-    tensors: dict[str, torch.Tensor],
+    wire: dict[str, torch.Tensor],
     workers: Sequence[str] | None,
     handle: HubHandle,
     timeout_s: float,
@@ -272,7 +275,6 @@ def _write_channel(
     the channel cannot take it now (the broadcast calls them itself)."""
     eligible = channel_targets(route, handle._node_id)
     chosen = None if workers is None else set(workers) & {t.worker for t in eligible}
-    wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
     travels = wire_spec or spec
     update = Update(
         route.model,
@@ -526,16 +528,17 @@ class HubHandle:
     def _channel(self, route: Route, travels: WeightSpec) -> ReceiverChannel | None:
         """The channel to ``route``'s model's receivers, for a version that travels as
         ``travels``: None unless the hub was started with ``channels=True`` and the
-        version is small enough. Called under ``_submitting``."""
+        version is small enough."""
         if not self.config.channels or travels.nbytes > CHANNEL_MAX_BYTES:
             return None
-        channel = self._channels.get(route.model)
-        if channel is None:
-            self._node_id = ray.get_runtime_context().get_node_id()
-            channel = self._channels[route.model] = ReceiverChannel(
-                self.actor, self._submitter, route.model
-            )
-        return channel
+        with self._submitting:
+            channel = self._channels.get(route.model)
+            if channel is None:
+                self._node_id = ray.get_runtime_context().get_node_id()
+                channel = self._channels[route.model] = ReceiverChannel(
+                    self.actor, self._submitter, route.model
+                )
+            return channel
 
     def _ask_route(self, model: str | None, after: int = 0) -> ray.ObjectRef:
         return self.actor.route.remote(model, self._submitter, after)

@@ -73,6 +73,9 @@ COLLECT_WAIT_S = 0.01
 #: How long building a graph may wait for its receivers' claims.
 CLAIM_WAIT_S = 10.0
 
+#: How long ``close`` waits for the thread to tear the graph down.
+CLOSE_WAIT_S = 5.0
+
 
 def channel_targets(route: Route, node_id: str) -> tuple[DirectTarget, ...]:
     """The receivers of ``route`` a channel from a learner on ``node_id`` may reach."""
@@ -188,9 +191,11 @@ class ReceiverChannel:
             return tuple(t.worker for t in self._targets) if self._graph is not None else ()
 
     def close(self) -> None:
-        """Tear the graph down and stop the thread (the handle's ``release``)."""
+        """Tear the graph down and stop the thread (the handle's ``release``). Waits a
+        few seconds at most: replies still out (a receiver busy in a method) are read
+        first, and the graph goes once they are in."""
         self._jobs.put(None)
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=CLOSE_WAIT_S)
 
     # -- the channel's thread --------------------------------------------------------
     def _run(self) -> None:
@@ -223,9 +228,7 @@ class ReceiverChannel:
             logger.info("no channel to %d receivers: %s", len(job.targets), err)
             claimed = [False]
         if not all(claimed):
-            self._release(job.targets)
-            with self._lock:
-                self._refused.add(job.members)
+            self._refuse(job)
             return
         with InputNode() as version:
             dag = MultiOutputNode(
@@ -238,12 +241,16 @@ class ReceiverChannel:
             graph = dag.experimental_compile()
         except Exception as err:  # a receiver died meanwhile; Ray refused the graph
             logger.warning("no channel to %d receivers: %s", len(job.targets), err)
-            self._release(job.targets)
-            with self._lock:
-                self._refused.add(job.members)
+            self._refuse(job)
             return
         with self._lock:
             self._graph, self._targets, self._members = graph, job.targets, job.members
+
+    def _refuse(self, job: _Build) -> None:
+        """No graph for ``job``'s receivers, ever: free what was claimed."""
+        self._release(job.targets)
+        with self._lock:
+            self._refused.add(job.members)
 
     def _answer(self, written: Written) -> None:
         """Read one version's replies; hand them to the broadcast waiting in
