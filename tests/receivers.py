@@ -197,8 +197,8 @@ def _uniform_read(model: torch.nn.Module, split: bool = False):
 class ThreadedProbe(WeightReceiver):
     """Threaded actor: reads its whole model in a loop while updates land."""
 
-    def __init__(self, hub, zero_copy=False):
-        self.model = make_probe_model()
+    def __init__(self, hub, zero_copy=False, width=256):
+        self.model = make_probe_model(width)
         self.connect_hub(hub, models={"probe": "model"}, zero_copy=zero_copy)
 
     def probe(self, seconds: float, safe_points: bool) -> dict:
@@ -218,8 +218,8 @@ class ThreadedProbe(WeightReceiver):
 class AsyncProbe(WeightReceiver):
     """Async actor: each read spans an await, so a write in between would tear it."""
 
-    def __init__(self, hub):
-        self.model = make_probe_model()
+    def __init__(self, hub, width=256):
+        self.model = make_probe_model(width)
         self.applied: list[int] = []
         self.connect_hub(hub, models={"probe": "model"})
 

@@ -16,41 +16,57 @@ from tests.receivers import AsyncProbe, ThreadedProbe, filled, make_probe_model
 _TEMPLATE = make_probe_model()
 
 
-def _probe_while_broadcasting(hub, probe, safe_points: bool, first: int, broadcasts: int = 12):
+def _probe_while_broadcasting(
+    hub, probe, safe_points: bool, first: int, broadcasts: int = 12, template=_TEMPLATE
+):
     """Broadcast value ``first``, then ``broadcasts`` more while the probe reads its model
     for 2.5 s; the probe's result (reads, torn reads, the values it saw)."""
-    ray.get(hub.broadcast.remote(filled(_TEMPLATE, float(first))))
+    ray.get(hub.broadcast.remote(filled(template, float(first))))
+    if hub.config.channels:  # the first broadcast asked for the learner's channel
+        assert hub.wait_channel("probe") != ()
     result_ref = probe.probe.remote(2.5, safe_points)
     acks = [
-        hub.broadcast.remote(filled(_TEMPLATE, float(v)), wait=False)
+        hub.broadcast.remote(filled(template, float(v)), wait=False)
         for v in range(first + 1, first + broadcasts + 1)
     ]
     tickets = ray.get(acks)
     result = ray.get(result_ref)
     reports = ray.get([hub.wait_for.remote(t) for t in tickets])
     assert all(r.failed == {} for r in reports)
+    if hub.config.channels:  # some of them came by channel, on the compiled-graph thread
+        assert any(r.channel for r in reports), reports
     return result
 
 
 @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])
+@pytest.mark.parametrize("channels", [False, True], ids=["calls", "channels"])
 @pytest.mark.parametrize("probe_cls", [ThreadedProbe, AsyncProbe], ids=["threaded", "async"])
-def test_user_code_never_sees_a_torn_model(actors, transport, probe_cls):
+def test_user_code_never_sees_a_torn_model(actors, transport, channels, probe_cls):
     """With safe points, updates land between the actor's reads and none is torn;
     without them, the model holds one version for the whole method (a threaded actor's
-    method that never reaches a safe point, an async actor's until it returns)."""
-    hub = start_hub(actors, transport)
-    probe = start(actors, probe_cls, hub)
+    method that never reaches a safe point, an async actor's until it returns). With
+    channels the writes come on Ray's compiled-graph thread, beside the methods (a
+    model small enough to travel by channel)."""
+    width = 128 if channels else 256
+    template = make_probe_model(width)
+    hub = start_hub(actors, transport, channels=channels)
+    probe = start(actors, probe_cls, hub, width=width)
     ready([probe])
+    try:
+        result = _probe_while_broadcasting(hub, probe, True, first=1, template=template)
+        assert result["reads"] > 10
+        assert result["torn"] == 0
+        # Updates really landed while the probe ran: it saw several versions.
+        assert len(result["seen"]) > 1, result
 
-    result = _probe_while_broadcasting(hub, probe, safe_points=True, first=1)
-    assert result["reads"] > 10
-    assert result["torn"] == 0
-    # Updates really landed while the probe ran: it saw several versions.
-    assert len(result["seen"]) > 1, result
-
-    result = _probe_while_broadcasting(hub, probe, safe_points=False, first=100)
-    assert result["torn"] == 0
-    assert result["seen"] == [100.0], result
+        result = _probe_while_broadcasting(hub, probe, False, first=100, template=template)
+        assert result["torn"] == 0
+        if channels:  # a write on the graph's thread may land before the queued method starts
+            assert len(result["seen"]) == 1 and result["seen"][0] >= 100.0, result
+        else:  # the deliveries queue behind the method's call
+            assert result["seen"] == [100.0], result
+    finally:
+        hub.release()
 
 
 @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])
