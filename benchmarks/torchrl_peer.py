@@ -22,6 +22,7 @@ sample every receiver must hold the new weight (``--hubs`` picks them, none to s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -74,6 +75,8 @@ def time_scheme(name: str, size_mb: float, n: int, warmup: int, repeats: int) ->
     try:
         next(batches)
         for i in range(warmup + repeats):
+            if i == warmup:  # the learner's first full collection, out of the samples
+                gc.collect()
             value = float(i + 2)
             with torch.no_grad():
                 policy.weight.fill_(value)
@@ -115,6 +118,8 @@ def time_hub(variant: str, size_mb: float, n: int, warmup: int, repeats: int) ->
         for i in range(warmup + repeats):
             if i == 1:
                 hub.wait_channel("policy")  # the first broadcast asked for it
+            if i == warmup:
+                gc.collect()
             value = float(i + 2)
             with torch.no_grad():
                 policy.weight.fill_(value)
@@ -169,7 +174,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=float, default=[1.0, 8.0, 64.0], help="MB")
     parser.add_argument("--collectors", nargs="+", type=int, default=[1, 4])
-    parser.add_argument("--warmup", type=int, default=2)
+    # Ray's compiled graphs (channels) run their first ~10 executions several times
+    # slower than later ones, even by hand: every series gets that many untimed.
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument(
         "--hubs",

@@ -70,6 +70,9 @@ CHANNEL_MAX_BYTES = 2 * 2**20
 #: when the receivers are idle; a receiver busy in a method answers after it.
 COLLECT_WAIT_S = 0.01
 
+#: Room in the graph's buffers beyond the version's bytes (the update's fields, pickled).
+BUFFER_SLACK = 64 * 2**10
+
 #: How long building a graph may wait for its receivers' claims.
 CLAIM_WAIT_S = 10.0
 
@@ -92,6 +95,7 @@ def channel_targets(route: Route, node_id: str) -> tuple[DirectTarget, ...]:
 class _Build:
     members: tuple[tuple[str, str], ...]
     targets: tuple[DirectTarget, ...]
+    nbytes: int  #: the version's size: the graph's buffers start that large
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ class ReceiverChannel:
                 if members and members != self._wanted and members not in self._refused:
                     self._wanted = members
                     self._builds += 1
-                    self._jobs.put(_Build(members, tuple(targets)))
+                    nbytes = sum(a.nbytes for a in update.payload.arrays)
+                    self._jobs.put(_Build(members, tuple(targets), nbytes))
                 return None
             tokens = {t.worker: t.token for t in self._targets}
             if self._out is not None or (workers is not None and workers != set(tokens)):
@@ -237,8 +242,8 @@ class ReceiverChannel:
                     for t in job.targets
                 ]
             )
-        try:
-            graph = dag.experimental_compile()
+        try:  # buffers the version's size from the start (Ray grows small ones slowly)
+            graph = dag.experimental_compile(_buffer_size_bytes=job.nbytes + BUFFER_SLACK)
         except Exception as err:  # a receiver died meanwhile; Ray refused the graph
             logger.warning("no channel to %d receivers: %s", len(job.targets), err)
             self._refuse(job)
