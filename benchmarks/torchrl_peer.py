@@ -164,7 +164,7 @@ def plot(cells: list[dict], path: Path) -> None:
             [i + offset for i in x], [c[key]["p50_ms"] for c in cells], width, label=names[key]
         )
     axes.set_xticks(list(x), labels)
-    axes.set_ylabel("ms per update_policy_weights_() (p50)")
+    axes.set_ylabel("ms per update or broadcast (p50)")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
