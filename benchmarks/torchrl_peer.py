@@ -71,26 +71,39 @@ def time_scheme(name: str, size_mb: float, n: int, warmup: int, repeats: int) ->
         weight_sync_schemes={"policy": scheme},
     )
     batches = iter(collector)
-    samples = []
     try:
         next(batches)
-        for i in range(warmup + repeats):
-            if i == warmup:  # the learner's first full collection, out of the samples
-                gc.collect()
-            value = float(i + 2)
-            with torch.no_grad():
-                policy.weight.fill_(value)
-                policy.ballast.fill_(value)
-            started = time.perf_counter()
-            collector.update_policy_weights_()
-            elapsed = time.perf_counter() - started
-            seen = set(next(batches)["action"].float().flatten().tolist())
-            if seen != {value}:
-                raise RuntimeError(f"{name}: after update {i} the batch acted with {seen}")
-            if i >= warmup:
-                samples.append(elapsed)
+        return _timed_updates(
+            name,
+            policy,
+            warmup,
+            repeats,
+            update=lambda _: collector.update_policy_weights_(),
+            held=lambda: set(next(batches)["action"].float().flatten().tolist()),
+        )
     finally:
         collector.shutdown()
+
+
+def _timed_updates(name, policy, warmup: int, repeats: int, update, held) -> list[float]:
+    """Seconds per ``update(i)`` after ``policy`` took the value of update ``i``;
+    ``held()`` is then the set of values the receivers act with, which must be it."""
+    samples = []
+    for i in range(warmup + repeats):
+        if i == warmup:  # the learner's first full collection, out of the samples
+            gc.collect()
+        value = float(i + 2)
+        with torch.no_grad():
+            policy.weight.fill_(value)
+            policy.ballast.fill_(value)
+        started = time.perf_counter()
+        update(i)
+        elapsed = time.perf_counter() - started
+        seen = held()
+        if seen != {value}:
+            raise RuntimeError(f"{name}: after update {i} the receivers act with {seen}")
+        if i >= warmup:
+            samples.append(elapsed)
     return samples
 
 
@@ -113,31 +126,26 @@ def time_hub(variant: str, size_mb: float, n: int, warmup: int, repeats: int) ->
     receivers = [HubReceiver.remote(hub, size_mb) for _ in range(n)]
     ray.get([r.__ray_ready__.remote() for r in receivers])
     policy = BallastPolicy(size_mb)
-    samples = []
+
+    def update(i: int) -> None:
+        ray.get(hub.broadcast.remote(policy))
+        if i == 0:  # the first broadcast asked for the channel (untimed: a warm-up)
+            hub.wait_channel("policy")
+
     try:
-        for i in range(warmup + repeats):
-            if i == 1:
-                hub.wait_channel("policy")  # the first broadcast asked for it
-            if i == warmup:
-                gc.collect()
-            value = float(i + 2)
-            with torch.no_grad():
-                policy.weight.fill_(value)
-                policy.ballast.fill_(value)
-            started = time.perf_counter()
-            ray.get(hub.broadcast.remote(policy))
-            elapsed = time.perf_counter() - started
-            held = set(ray.get([r.weight.remote() for r in receivers]))
-            if held != {value}:
-                raise RuntimeError(f"{variant}: after broadcast {i} receivers hold {held}")
-            if i >= warmup:
-                samples.append(elapsed)
+        return _timed_updates(
+            variant,
+            policy,
+            warmup,
+            repeats,
+            update,
+            held=lambda: set(ray.get([r.weight.remote() for r in receivers])),
+        )
     finally:
         hub.release()
         ray.get(hub.close.remote())
         for actor in [hub.actor, *receivers]:
             ray.kill(actor)
-    return samples
 
 
 def plot(cells: list[dict], path: Path) -> None:
