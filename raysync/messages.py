@@ -102,8 +102,9 @@ class BroadcastRequest:
     parts: int = 1
     #: The direct path: the version the learner delivered it as (see :class:`Route`),
     #: and per worker ``(registration token, the ObjectRef of the learner's delivery
-    #: call)``. Nested here, Ray passes the refs to the hub as refs; the hub awaits them
-    #: as its first delivery to each of those receivers.
+    #: call)``, or, for a receiver reached through the learner's channel, its
+    #: :class:`ChannelReply` or a :class:`ChannelCall`. Nested here, Ray passes the refs
+    #: to the hub as refs; the hub awaits them as its first delivery to each receiver.
     direct_version: int = 0
     direct_calls: dict[str, tuple[str, Any]] | None = None
     #: ``time.time()`` in the learner when it made ``direct_calls`` (the report's
