@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,15 @@ class Gate:
 
     async def open(self) -> None:
         self._opened.set()
+
+
+def wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
+    """The handshake with an actor's stall point (see ``tests.receivers._Stalls``): wait
+    until it touched ``path``."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
+        time.sleep(0.01)
 
 
 def start(actors: list, cls, *args, **kwargs):

@@ -8,7 +8,7 @@ import ray
 import torch
 
 from raysync import WeightReceiver
-from tests.receivers import Collector, make_policy, state_of
+from tests.receivers import Collector, _stall_fetches, _Stalls, make_policy, state_of
 
 #: Big enough that one READ takes tens of milliseconds, so kills land mid-transfer.
 _BIG_NUMEL = 32 << 20  # 128 MB of float32
@@ -60,6 +60,19 @@ class BigCollector(WeightReceiver):
     def summary(self) -> tuple[int, float, float]:
         w = self.sd["w"]
         return self.weights_version(), float(w.min()), float(w.max())
+
+
+@ray.remote(num_cpus=0)
+class StallingBigCollector(BigCollector.__ray_actor_class__, _Stalls):
+    """A BigCollector whose fetches wait while ``<stall_dir>/stall-fetch-<name>``
+    exists, having touched ``inside-fetch-<name>`` (``tests.receivers._Stalls``)."""
+
+    def __init__(self, hub, name: str, stall_dir: str):
+        self.sd = big_model()
+        self.name, self.stall_dir = name, stall_dir
+        self.first = self._first_incarnation(stall_dir, name)
+        self.connect_hub(hub, models={"big": "sd"}, worker_id=name)
+        _stall_fetches(self, self._raysync_receiver.core.transport)
 
 
 @ray.remote(num_cpus=0)

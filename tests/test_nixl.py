@@ -18,8 +18,15 @@ from raysync.transports import HubContext, TransportError, VersionDone
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
 from raysync.transports.nixl.agent import new_agent
-from tests.helpers import assert_same, ready, start, start_hub
-from tests.nixl_actors import BigCollector, HashingCollector, Learner, big_model, digest
+from tests.helpers import assert_same, ready, start, start_hub, wait_for_file
+from tests.nixl_actors import (
+    BigCollector,
+    HashingCollector,
+    Learner,
+    StallingBigCollector,
+    big_model,
+    digest,
+)
 from tests.receivers import Collector, make_policy, state_of
 
 pytestmark = [
@@ -301,26 +308,36 @@ def test_new_spec_registers_new_buffers_and_receivers_follow(actors):
     assert_same(ray.get(receiver.state.remote("nets.critic")), state_of(critic))
 
 
-def test_killed_learner_mid_read_fails_the_broadcast_within_the_timeout(actors):
+def test_learner_killed_while_receivers_read_fails_the_broadcast_within_the_timeout(
+    actors, tmp_path
+):
     hub = start_hub(actors, "nixl")
-    receivers = [start(actors, BigCollector, hub) for _ in range(2)]
+    names = ("b0", "b1")
+    receivers = [start(actors, StallingBigCollector, hub, n, str(tmp_path)) for n in names]
     ready(receivers)
     learner = Learner.remote(hub)
     actors.append(learner)
     first = ray.get(learner.broadcast.remote(1.0, 30))
     assert _report(hub, first, 45).ok  # version 1 everywhere: connections are up
+    for name in names:  # version 2's fetches wait for the learner's death
+        (tmp_path / f"stall-fetch-{name}").touch()
     ticket = ray.get(learner.broadcast.remote(2.0, 30))
+    for name in names:
+        wait_for_file(tmp_path / f"inside-fetch-{name}")
     ray.kill(learner)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(learner.__ray_ready__.remote(), timeout=60)
+    for name in names:
+        (tmp_path / f"stall-fetch-{name}").unlink()
     report = _report(hub, ticket, 45)
-    assert report.failed, f"the kill landed after every read finished: {report}"
+    assert set(report.failed) == set(names), report
     for worker, reason in report.failed.items():
         assert "TransportError" in reason and "learner agent raysync-learner-" in reason, (
             worker,
             reason,
         )
-    for receiver in receivers:
-        version, low, high = ray.get(receiver.summary.remote())
-        assert (version, low, high) in ((1, 1.0, 1.0), (2, 2.0, 2.0))  # never torn
+    for receiver in receivers:  # the failed version never reached the model
+        assert ray.get(receiver.summary.remote()) == (1, 1.0, 1.0)
     # A new learner (the driver) reaches every receiver: they forgot the dead agent.
     weights = big_model()
     weights["w"].fill_(3.0)

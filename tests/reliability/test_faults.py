@@ -14,7 +14,14 @@ import torch
 
 from raysync import BroadcastError, HubNotFoundError, WeightReceiver
 from raysync.transports import DEFAULT_TRANSPORT
-from tests.helpers import assert_same, ready, start, start_hub, transport_params
+from tests.helpers import (
+    assert_same,
+    ready,
+    start,
+    start_hub,
+    transport_params,
+    wait_for_file,
+)
 from tests.receivers import Collector, make_policy, state_of
 
 HEARTBEAT_S = 0.3
@@ -84,7 +91,7 @@ def test_rotating_victim_killed_mid_broadcast_20_times(actors, transport, tmp_pa
         stall.touch()
         learner = make_policy()
         ref = hub.broadcast.remote(learner, timeout_s=30, raise_on_failure=False)
-        _wait_for_file(inside)  # the victim is inside its update: the kill lands mid-broadcast
+        wait_for_file(inside)  # the victim is inside its update: the kill lands mid-broadcast
         ray.kill(receivers[victim], no_restart=False)
         report = ray.get(ref, timeout=60)  # the stall outlives the kill: it cannot ack
         stall.unlink()  # let the restarted incarnation apply the latest version
@@ -101,13 +108,6 @@ def test_rotating_victim_killed_mid_broadcast_20_times(actors, transport, tmp_pa
         assert ray.get(receivers[victim].version.remote(), timeout=60) == report.version
         assert_same(ray.get(receivers[victim].state.remote()), state_of(learner))
         inside.unlink()  # touched again by the restarted incarnation's first apply
-
-
-def _wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
-        time.sleep(0.01)
 
 
 def test_hub_restart_receivers_reattach_versions_never_go_back(actors, transport):

@@ -34,7 +34,7 @@ import pytest
 import ray
 
 from raysync import DistributedOptions, RpcOptions
-from tests.helpers import assert_same, ready, start_hub, transport_params
+from tests.helpers import assert_same, ready, start_hub, transport_params, wait_for_file
 from tests.receivers import make_policy, start_victim, state_of
 
 MOMENTS = ("before", "queued", "transfer", "apply")
@@ -49,14 +49,6 @@ _OPTIONS = (
     DistributedOptions(timeout_s=_TRANSPORT_TIMEOUT_S),
     RpcOptions(timeout_s=_TRANSPORT_TIMEOUT_S),
 )
-
-
-def _wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
-    """The handshake with the victim's stall point (see ``tests.receivers._Stalls``)."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout_s} s"
-        time.sleep(0.01)
 
 
 def _wait_for_incarnation_after(victim, killed_at: float, timeout_s: float = 60.0) -> None:
@@ -125,10 +117,10 @@ def _kill_at(hub, receivers, alive, victim_name, moment, restarts) -> float | No
         stall.touch()
         if where == "busy":
             victim.busy.remote()
-            _wait_for_file(stall_dir / f"inside-busy-{victim_name}")
+            wait_for_file(stall_dir / f"inside-busy-{victim_name}")
         ref = hub.broadcast.remote(learner, timeout_s=_BROADCAST_TIMEOUT_S, raise_on_failure=False)
         if where != "busy":
-            _wait_for_file(stall_dir / f"inside-{where}-{victim_name}")
+            wait_for_file(stall_dir / f"inside-{where}-{victim_name}")
         killed_at = time.time()
         ray.kill(victim, no_restart=not restarts)
     report = ray.get(ref, timeout=_BROADCAST_TIMEOUT_S + 30)
