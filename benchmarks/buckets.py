@@ -21,6 +21,10 @@ broadcasts from this process (the learner). Modes: ``whole`` (one put per versio
 * that the last version arrived bit for bit in every receiver (a blake2b of each
   receiver's tensors against the learner's, cast through bfloat16 for that mode).
 
+With ``--device cuda`` the learner's weights and each receiver's model live in VRAM
+(receivers share the GPU: ``num_gpus`` 0.1 each); the learner's peak of CUDA memory
+allocated beyond its weights is recorded too.
+
 ``python benchmarks/buckets.py --sizes 256 512 1024 2048 4096 --out
 benchmarks/results/buckets.json`` (sizes in MiB; JSON + PNG). A model larger than the
 object store: ``--object-store-mb 1024 --sizes 3072 --modes bucketed --receivers 2``.
@@ -30,8 +34,10 @@ On ``rpc``: ``--transport rpc --sizes 1024 --out benchmarks/results/buckets_rpc.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
+import signal
 import statistics
 import threading
 import time
@@ -51,23 +57,26 @@ _TENSORS = 16
 MODES = ("whole", "bucketed", "bucketed_bf16")
 
 
-def _state(size_mb: int, value: float) -> dict[str, torch.Tensor]:
+def _state(size_mb: int, value: float, device: str = "cpu") -> dict[str, torch.Tensor]:
     per = size_mb * 2**20 // 4 // _TENSORS
     generator = torch.Generator().manual_seed(int(value))
-    return {f"w{i:02d}": torch.randn(per, generator=generator).add_(value) for i in range(_TENSORS)}
+    return {
+        f"w{i:02d}": torch.randn(per, generator=generator).add_(value).to(device)
+        for i in range(_TENSORS)
+    }
 
 
-def _zeros(size_mb: int) -> dict[str, torch.Tensor]:
+def _zeros(size_mb: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """A receiver's model, allocated as is (no freed heap left behind for the staging
     buffers to reuse unseen)."""
     per = size_mb * 2**20 // 4 // _TENSORS
-    return {f"w{i:02d}": torch.zeros(per) for i in range(_TENSORS)}
+    return {f"w{i:02d}": torch.zeros(per, device=device) for i in range(_TENSORS)}
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(tensors):
-        h.update(tensors[name].contiguous().view(torch.uint8).numpy())
+        h.update(tensors[name].contiguous().cpu().view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -111,8 +120,8 @@ def _growth(actor) -> float:
 
 
 class _Receiver(WeightReceiver):
-    def __init__(self, hub, size_mb: int):
-        self.weights = _zeros(size_mb)
+    def __init__(self, hub, size_mb: int, device: str = "cpu"):
+        self.weights = _zeros(size_mb, device)
         self.connect_hub(hub, {_MODEL: "weights"})
 
     def digest(self) -> str:
@@ -176,9 +185,15 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
     _StoreWatch(address).wait_empty()
     hub = WeightHub.remote(models=[_MODEL], timeout_s=args.timeout_s, transport=args.transport)
     receiver_class = _RECEIVERS.get(args.transport, _PLAIN_RECEIVER)
-    receivers = [receiver_class.remote(hub, size_mb) for _ in range(args.receivers)]
+    if args.device == "cuda":
+        receiver_class = receiver_class.options(num_gpus=0.1)
+    receivers = [receiver_class.remote(hub, size_mb, args.device) for _ in range(args.receivers)]
     ray.get([r.__ray_ready__.remote() for r in receivers])
-    weights = _state(size_mb, 1.0)
+    weights = _state(size_mb, 1.0, args.device)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        cuda_base = torch.cuda.memory_allocated()
     seconds, broker = [], None
     try:
         # Memory is watched from before the first broadcast (it allocates the receivers'
@@ -198,8 +213,11 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
                     hub.broadcast.remote(weights, bucket_mb=bucket_mb, wire_dtype=wire),
                     timeout=args.timeout_s,
                 )
+                elapsed = time.perf_counter() - started
+                if args.progress:
+                    print(f"  broadcast {repeat}: {elapsed:.3f} s", flush=True)
                 if repeat:
-                    seconds.append(time.perf_counter() - started)
+                    seconds.append(elapsed)
                 elif bucket_mb is not None and bucket_mb < size_mb:
                     name = broker_name(hub.config.hub_id)
                     broker = ray.get_actor(name, namespace=BROKER_NAMESPACE)
@@ -214,9 +232,12 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
             growth[name] = ray.get(actor.__ray_call__.remote(_growth))
         expected = weights if wire is None else {k: v.to(wire).float() for k, v in weights.items()}
         bitwise = set(ray.get([r.digest.remote() for r in receivers])) == {_digest(expected)}
+        if args.device == "cuda":
+            growth["learner_cuda"] = (torch.cuda.max_memory_allocated() - cuda_base) / 2**20
         p50 = statistics.median(seconds)
         return {
             "size_mb": size_mb,
+            "device": args.device,
             "transport": args.transport,
             "mode": mode,
             "bucket_mb": bucket_mb,
@@ -293,12 +314,15 @@ def main() -> None:
         choices=("object_store", "shared_memory", "rpc", "distributed", "nixl", "rdt"),
         default="object_store",
     )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--bucket-mb", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--object-store-mb", type=int, default=10 * 1024)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/buckets.json"))
+    p.add_argument("--progress", action="store_true", help="print each broadcast's time")
     args = p.parse_args()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack
 
     ray.init(
         num_cpus=16,

@@ -395,9 +395,11 @@ def test_a_cuda_learner_streams_buckets_to_a_cuda_receiver(actors, transport):
         hub.broadcast.remote(on_device, model=MODEL, wire_dtype=torch.bfloat16), timeout=60
     )
     assert report.acked == ("gpu0",)
+    # Cast where raysync casts, on the learner's device: CUDA writes a NaN as bfloat16
+    # 0x7FFF where the CPU writes 0x7FC0 (seen on an H100: f32's NaN differed).
     expected = {
-        k: v.to(torch.bfloat16).to(v.dtype) if v.dtype.is_floating_point else v
-        for k, v in weights.items()
+        k: v.to(torch.bfloat16).to(v.dtype).cpu() if v.dtype.is_floating_point else v.cpu()
+        for k, v in on_device.items()
     }
     assert_bitwise(ray.get(receiver.state.remote()), expected)
 
