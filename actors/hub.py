@@ -304,22 +304,15 @@ class WeightHubActor:
         unused = {w: c for w, c in calls.items() if w not in first_calls}
         if unused:  # left or registered again since the route: the hub delivers them
             self._background.spawn(_settled(unused), "direct calls to departed receivers")
-        by_channel = sorted(
-            w for w, call in first_calls.items() if isinstance(call, ChannelCall | ChannelReply)
-        )
-        replies = [  # written into the learner's channel, the reply to come apart
-            (request.submitter, model, version, w)
-            for w in by_channel
-            if isinstance(first_calls[w], ChannelCall)
-        ]
+        by_channel = sorted(w for w, call in first_calls.items() if _by_channel(call))
+        replies = []  # written into the learner's channel, the reply to come apart
         for worker in by_channel:
             call = first_calls[worker]
             if isinstance(call, ChannelReply):
                 first_calls[worker] = _done(call.reply)
             else:
-                first_calls[worker] = self._channel_replies.expect(
-                    (request.submitter, model, version, worker)
-                )
+                replies.append((request.submitter, model, version, worker))
+                first_calls[worker] = self._channel_replies.expect(replies[-1])
         delivery = _Delivery.of(
             request, handed, spec, targets, timeout_s, started, first_calls, gone
         )
@@ -994,8 +987,14 @@ async def _reply_or_ack(call: Any, acked: asyncio.Future[Ack], deadline: float) 
 async def _settled(calls: dict[str, tuple[str, Any]]) -> None:
     """Await a learner's delivery calls the hub does not count (revoked, or to a
     receiver gone since), so that their errors are retrieved, not reported as unhandled."""
-    refs = (call for _, call in calls.values() if not isinstance(call, ChannelCall | ChannelReply))
+    refs = (call for _, call in calls.values() if not _by_channel(call))
     await asyncio.gather(*refs, return_exceptions=True)
+
+
+def _by_channel(call: Any) -> bool:
+    """Whether a learner's first delivery to a receiver went through its channel (the
+    reply, or word that it comes later) rather than as a Ray call (an ObjectRef)."""
+    return isinstance(call, ChannelCall | ChannelReply)
 
 
 def _check_bucket_readers(targets: list[ReceiverEntry]) -> None:

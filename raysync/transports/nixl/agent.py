@@ -12,11 +12,13 @@ import torch
 
 from raysync.transports.base import Availability, TransportError
 
-#: UCX settings every agent is created with unless the user set them. A receiver READs
-#: (a UCX GET), and UCX turns ``cuda_ipc`` GETs off when NVML finds no NVLink (one GPU, or
-#: a VM): VRAM then moved over ``tcp/lo`` at 0.25 GiB/s on an H100. Two processes on one
-#: GPU can still map each other's memory; UCX checks that before it uses the transport.
-UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+#: UCX settings an agent is created with in a process that sees CUDA, unless the user
+#: set them. A receiver READs (a UCX GET), and UCX turns ``cuda_ipc`` GETs off when NVML
+#: finds no NVLink (one GPU, or a VM): VRAM then moved over ``tcp/lo`` at 0.25 GiB/s on an
+#: H100. Two processes on one GPU can still map each other's memory; UCX checks that
+#: before it uses the transport. (Without CUDA, UCX loads no ``cuda_ipc`` and would warn
+#: on stdout of an unused variable.)
+UCX_CUDA_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 
 
 def new_agent(role: str, *, shared: bool = False) -> Any:
@@ -26,8 +28,9 @@ def new_agent(role: str, *, shared: bool = False) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     quiet_nixl_logs()
-    for name, value in UCX_DEFAULTS.items():  # UCX reads them as the agent starts
-        os.environ.setdefault(name, value)
+    if torch.cuda.is_available():
+        for name, value in UCX_CUDA_DEFAULTS.items():  # UCX reads them as the agent starts
+            os.environ.setdefault(name, value)
     sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if shared else None
     agent = nixl_agent(
         f"raysync-{role}-{uuid.uuid4().hex[:12]}",
