@@ -366,10 +366,10 @@ def test_a_hubs_broker_ends_with_the_hub_closed_or_dead(actors):
         _wait_until(lambda b=broker: not _alive(b))
 
 
-@ray.remote(num_cpus=0, num_gpus=1)
+@ray.remote(num_cpus=0, num_gpus=1, enable_tensor_transport=True)
 class CudaReceiver(WeightReceiver):
     """A model in VRAM: buckets are staged on the host, copied to the device at the
-    safe point."""
+    safe point (``object_store``), or READ into VRAM staging (``nixl``, ``rdt``)."""
 
     def __init__(self, hub, worker: str):
         self.sd = {k: torch.zeros_like(v, device="cuda") for k, v in special_weights().items()}
@@ -380,10 +380,11 @@ class CudaReceiver(WeightReceiver):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["object_store", "nixl"])
+@pytest.mark.parametrize("transport", ["object_store", "nixl", "rdt"])
 def test_a_cuda_learner_streams_buckets_to_a_cuda_receiver(actors, transport):
-    """``object_store``: host buckets, copied to the device at the safe point; ``nixl``:
-    the learner packs on its device into a VRAM ring, the receiver READs into VRAM."""
+    """``object_store``: host buckets, copied to the device at the safe point; ``nixl``
+    and ``rdt``: the learner packs on its device into a VRAM ring, the receiver READs
+    into VRAM (its own agent, or Ray's)."""
     if ray.cluster_resources().get("GPU", 0) < 1:
         pytest.skip("the receiver needs a GPU of its own")
     hub = start_hub(actors, transport, models=[MODEL], bucket_mb=TINY_MB)

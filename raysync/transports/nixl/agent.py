@@ -28,9 +28,7 @@ def new_agent(role: str, *, shared: bool = False) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     quiet_nixl_logs()
-    if torch.cuda.is_available():
-        for name, value in UCX_CUDA_DEFAULTS.items():  # UCX reads them as the agent starts
-            os.environ.setdefault(name, value)
+    apply_ucx_cuda_defaults()
     sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if shared else None
     agent = nixl_agent(
         f"raysync-{role}-{uuid.uuid4().hex[:12]}",
@@ -41,6 +39,15 @@ def new_agent(role: str, *, shared: bool = False) -> Any:
             "nixl has no UCX backend plugin (only: " + ", ".join(agent.get_plugin_list()) + ")"
         )
     return agent
+
+
+def apply_ucx_cuda_defaults() -> None:
+    """Set :data:`UCX_CUDA_DEFAULTS` in this process's environment where it sees CUDA,
+    keeping any the user set. UCX reads them when a NIXL agent starts: called before
+    raysync creates one, and by ``rdt``'s sender and receiver before Ray's does."""
+    if torch.cuda.is_available():
+        for name, value in UCX_CUDA_DEFAULTS.items():
+            os.environ.setdefault(name, value)
 
 
 def quiet_nixl_logs() -> None:

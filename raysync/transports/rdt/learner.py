@@ -11,6 +11,7 @@ import torch
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
+from raysync.transports.nixl.agent import apply_ucx_cuda_defaults
 from raysync.transports.object_store.buckets import Outgoing, open_broker, start_stream
 from raysync.transports.rdt.ring import RdtRing
 from raysync.transports.rdt.wire import (
@@ -33,6 +34,7 @@ class RdtSender(TransportSender):
             context.current_actor
         ):
             raise TransportError(f"the learner actor {context.get_actor_id()} {REQUIREMENT}")
+        apply_ucx_cuda_defaults()  # before Ray's NIXL agent starts in this process
         self._hub = hub
         self._pairs: dict[tuple[WeightSpec, torch.device], list[torch.Tensor]] = {}
         #: Bucketed versions: two registered slots per (bucket bytes, device), the

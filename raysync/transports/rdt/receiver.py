@@ -17,6 +17,7 @@ from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.buckets import BucketPlan
+from raysync.transports.nixl.agent import apply_ucx_cuda_defaults
 from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
 from raysync.transports.object_store.buckets import buckets_of
 from raysync.transports.rdt.wire import RdtBucketStream, RdtPayload
@@ -30,6 +31,7 @@ class RdtReceiver(TransportReceiver):
     def __init__(self, worker: str | None = None) -> None:
         """``worker``: this receiver's worker id, how it names itself to the hub's bucket
         broker (None: it reads whole versions only)."""
+        apply_ucx_cuda_defaults()  # before Ray's NIXL agent starts in this process
         self._worker = worker
         self._device = staging_device()
         self._pool: StagingPool[torch.Tensor] = StagingPool(self._new_staging)
