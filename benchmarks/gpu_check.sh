@@ -1,0 +1,26 @@
+#!/bin/bash
+# The GPU checks in one run, for a machine with CUDA where raysync and its dependencies
+# import (ray, nixl with its CUDA build, tensordict): the `gpu` tests, then bucketed and
+# whole versions from a CUDA learner to two GPU receivers on `nixl`, `rdt` and
+# `object_store` (benchmarks/buckets.py --device cuda). Each step is time-boxed so that
+# a slow path shows up as a cut step, not a hung run.
+#
+#   bash benchmarks/gpu_check.sh OUTDIR     # gpu-tests.log, buckets_gpu_<transport>.{json,png}
+set -o pipefail
+out=${1:?usage: gpu_check.sh OUTDIR}
+mkdir -p "$out"
+start=$(date +%s)
+export PYTHONUNBUFFERED=1
+python3 -c "import ray, nixl, tensordict, torch, raysync; print('ray', ray.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rA --timeout 90 \
+  tests/test_nixl.py tests/test_buckets.py tests/test_distributed.py 2>&1 \
+  | grep -v "WARNING authentication" > "$out/gpu-tests.log"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu-tests.log" | tail -12
+echo "tests done at $(( $(date +%s) - start )) s"
+for transport in nixl rdt object_store; do
+  timeout -k 10 100 python3 benchmarks/buckets.py --device cuda --transport "$transport" \
+    --sizes 256 1024 --modes whole bucketed --receivers 2 --repeats 2 --timeout-s 60 \
+    --progress --out "$out/buckets_gpu_$transport.json" 2>&1 | grep -E "MiB|broadcast|Error"
+  echo "$transport done at $(( $(date +%s) - start )) s"
+done
