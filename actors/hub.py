@@ -672,9 +672,8 @@ class WeightHubActor:
         deadline = time.monotonic() + timeout_s
         plan_started = time.perf_counter()
         travels = handed.wire_spec or spec  # what the transports carry
-        planned = await self._plan_all(
-            handed, travels, [t for t in targets if t.worker not in first_calls], timeout_s
-        )
+        to_plan = [t for t in targets if t.worker not in first_calls or _books_direct(t)]
+        planned = await self._plan_all(handed, travels, to_plan, timeout_s)
         for entry in targets:
             if entry.worker in first_calls:
                 planned[entry.worker] = _Plan(update=handed.update_for(entry.transport))
@@ -989,6 +988,11 @@ async def _settled(calls: dict[str, tuple[str, Any]]) -> None:
     receiver gone since), so that their errors are retrieved, not reported as unhandled."""
     refs = (call for _, call in calls.values() if not _by_channel(call))
     await asyncio.gather(*refs, return_exceptions=True)
+
+
+def _books_direct(entry: ReceiverEntry) -> bool:
+    """Whether the planner of ``entry``'s transport books the learner's own deliveries."""
+    return get_transport(entry.transport).plans_learner_deliveries
 
 
 def _by_channel(call: Any) -> bool:

@@ -208,6 +208,7 @@ class _Broadcast:
                         wire_spec,
                         workers,
                         handle._submitter,
+                        handle._learner_node(),
                         reached=calls,
                     )
                 request = dataclasses.replace(
@@ -273,7 +274,7 @@ def _write_channel(
     """Write this broadcast, as ``version``, into the learner's channel to the route's
     eligible receivers (those of ``workers``, if given: all of them or none); None if
     the channel cannot take it now (the broadcast calls them itself)."""
-    eligible = channel_targets(route, handle._node_id)
+    eligible = channel_targets(route, handle._learner_node())
     chosen = None if workers is None else set(workers) & {t.worker for t in eligible}
     travels = wire_spec or spec
     update = Update(
@@ -325,17 +326,22 @@ def _deliver_directly(
     wire_spec: WeightSpec | None,
     workers: Sequence[str] | None,
     origin: str,
+    node_id: str,
     reached: Collection[str] = (),
 ) -> dict[str, tuple[str, Any]]:
-    """The direct path, in the learner: call each of ``route``'s receivers (those of
-    ``workers`` only, if given, and none ``reached`` already through the learner's
-    channel) with this broadcast as ``version``; per worker, its registration and the
-    call's ref (the hub awaits them as its first delivery, so deaths, restarts and
-    deferred acks are handled as for its own calls)."""
+    """The direct path, in the learner (on node ``node_id``): call each of ``route``'s
+    receivers (those of ``workers`` only, if given, none ``reached`` already through the
+    learner's channel, and, of a transport whose payload is read on the learner's node
+    only, those on it) with this broadcast as ``version``; per worker, its registration
+    and the call's ref (the hub awaits them as its first delivery, so deaths, restarts
+    and deferred acks are handled as for its own calls; it delivers to the others)."""
     calls: dict[str, tuple[str, Any]] = {}
     chosen = None if workers is None else set(workers)
     for target in route.targets:
         if (chosen is not None and target.worker not in chosen) or target.worker in reached:
+            continue
+        transport = get_transport(target.transport)
+        if transport.learner_delivers_on_its_node and target.node_id != node_id:
             continue
         update = Update(
             route.model,
@@ -525,6 +531,12 @@ class HubHandle:
         channel = self._channels.get(model)
         return () if channel is None else channel.wait_built(timeout_s)
 
+    def _learner_node(self) -> str:
+        """The node this learner process runs on (asked of Ray once)."""
+        if not self._node_id:
+            self._node_id = ray.get_runtime_context().get_node_id()
+        return self._node_id
+
     def _channel(self, route: Route, travels: WeightSpec) -> ReceiverChannel | None:
         """The channel to ``route``'s model's receivers, for a version that travels as
         ``travels``: None unless the hub was started with ``channels=True`` and the
@@ -534,7 +546,6 @@ class HubHandle:
         with self._submitting:
             channel = self._channels.get(route.model)
             if channel is None:
-                self._node_id = ray.get_runtime_context().get_node_id()
                 channel = self._channels[route.model] = ReceiverChannel(
                     self.actor, self._submitter, route.model
                 )

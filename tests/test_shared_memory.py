@@ -152,6 +152,35 @@ def test_back_to_back_broadcasts_never_tear_a_lagging_reader(actors):
     _wait_until(lambda: set(_holds(hub)) - {"pending"} == {"latest/probe"}, what="holds released")
 
 
+def test_the_learner_delivers_its_slot_itself_and_the_holds_land_after(actors):
+    """The direct path: after the first broadcast (which tells the learner its route),
+    the learner calls the receivers on its node with its slot and the hub books their
+    holds in parallel. Receivers are done with a slot before its holds land: the owner
+    remembers their releases, so more versions than slots go through and no receiver's
+    hold is left behind."""
+    hub = start_hub(actors, TRANSPORT)
+    receivers = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
+    ready(receivers)
+    learner = make_policy()
+    directs = []
+    for _ in range(2 * MAX_SLOTS + 1):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(1.0)
+        report = ray.get(hub.broadcast.remote(learner))
+        assert report.acked == ("c0", "c1", "c2"), report
+        directs.append(report.direct)
+        for r in receivers:
+            assert_same(ray.get(r.state.remote()), state_of(learner))
+    assert set(directs[1:]) == {("c0", "c1", "c2")}, directs
+    assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
+    _wait_until(
+        lambda: not any(h.startswith("worker/") for h in _holds(hub)),
+        what="every receiver's hold released",
+    )
+    assert "latest/policy" in _holds(hub)
+
+
 def test_killed_receiver_releases_its_holds(actors):
     hub = start_hub(actors, TRANSPORT)
     survivors = [start(actors, Collector, hub, worker_id=f"ok{i}") for i in range(2)]

@@ -30,9 +30,10 @@ process that calls each method:
    all). This is where a transport relays per node. The hub keeps the latest update
    for receivers that join later and never opens a payload itself, so it never
    imports a transport's heavy dependency unless the planner does. A transport that
-   declares ``learner_delivers`` (its planner is the default) lets the learner call
-   its receivers itself with the payload (the direct path): the hub plans none of
-   those deliveries, only the others.
+   declares ``learner_delivers`` lets the learner call its receivers itself with the
+   payload (the direct path): the hub plans none of those deliveries, only the others
+   (unless it declares ``plans_learner_deliveries``: then its planner books them too,
+   once they left, and their payloads stay the learner's).
 6. receiver process, once per registration: ``receiver = Transport.open_receiver(info)``.
 7. receiver process, each update, *outside* the safe point:
    ``staged = receiver.fetch(payload, spec)`` returns one read-only tensor per spec
@@ -268,10 +269,19 @@ class Transport(ABC):
     #: then the :class:`~raysync.transports.parts.Parts`, and its resource actor reads
     #: every part), instead of the hub planning each part as a version of its own.
     parts_in_one_plan: ClassVar[bool] = False
-    #: Whether every receiver reads the learner's payload as it is (its planner is the
-    #: default, which forwards it): the learner may then call the receivers itself, the
-    #: hub booking the version in parallel (the direct path, :class:`raysync.Route`).
+    #: Whether receivers read the learner's payload as it is (its planner forwards it,
+    #: at least on the learner's node): the learner may then call the receivers itself,
+    #: the hub booking the version in parallel (the direct path, :class:`raysync.Route`).
     learner_delivers: ClassVar[bool] = False
+    #: With ``learner_delivers``: the learner's payload is readable on its own node only
+    #: (receivers elsewhere read what the planner relays there): the learner calls only
+    #: the receivers on its node, and the hub delivers to the others.
+    learner_delivers_on_its_node: ClassVar[bool] = False
+    #: With ``learner_delivers``: its planner keeps books on every delivery (a slot held
+    #: per receiver), so the hub also plans the learner's own deliveries, after they
+    #: left, and ignores the payloads it returns for them. Their receivers may be done
+    #: with the payload (and say so to the transport) before that plan lands.
+    plans_learner_deliveries: ClassVar[bool] = False
     #: Whether its sender moves a version in buckets under a memory cap
     #: (``send_buckets``; ``bucket_mb`` of the hub and of a broadcast).
     buckets: ClassVar[bool] = False

@@ -46,6 +46,13 @@ receivers copy it into a private staging buffer, as ``object_store`` receivers d
 zero-copy model lives in that buffer). Bucket-sized slots in the owner's segments are
 not built.
 
+The direct path (``learner_delivers``): the learner calls the receivers on its own node
+itself with its slot, as ``object_store`` learners do, and the hub books the version in
+parallel; the planner's holds for those receivers land after the call, and a receiver
+that is done with the slot first has its release remembered by the owner (the
+learner's ``PENDING`` hold covers the slot until the hub's holds land). Receivers on
+other nodes are delivered by the hub, through their node's relayed slot.
+
 Each learner's sender has its own pool of slots at the owner, and the hub's planning of
 a learner's newer version frees only that learner's slots it never planned: several
 learners on one node (a sharded model, one part each) neither wait for nor free each
@@ -104,6 +111,11 @@ class SharedMemoryTransport(Transport):
     zero_copy_memory = MemoryFootprint(learner=4, per_receiver=0)
     zero_copy = "read_only"
     buckets = True
+    #: The learner calls the receivers on its node with its slot; the hub books their
+    #: holds after (the owner remembers a release that comes first).
+    learner_delivers = True
+    learner_delivers_on_its_node = True
+    plans_learner_deliveries = True
 
     @classmethod
     def availability(cls) -> Availability:
