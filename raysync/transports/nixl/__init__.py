@@ -47,7 +47,7 @@ that sees a CUDA device stages in VRAM; NIXL moves the bytes the same way. UCX's
 ``cuda_ipc`` does those READs (GETs) only if asked to where NVML sees no NVLink (one GPU,
 a VM), else they fall back to TCP: an agent in a process that sees CUDA is created with
 ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`` unless the environment already sets it
-(:data:`raysync.transports.nixl.agent.UCX_CUDA_DEFAULTS`; `rdt` sets it too, for Ray's agents).
+(:data:`raysync.transports.nixl.agent.UCX_CUDA_DEFAULTS`; ``rdt`` sets it too, for Ray's agents).
 
 Bucketed versions (``bucket_mb``): not the pair, but a ring of two registered buckets
 per bucket size, handed out by the hub's bucket broker (:mod:`raysync.transports.nixl.ring`);
