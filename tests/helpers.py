@@ -55,6 +55,20 @@ def wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def wait_dead(actor, timeout_s: float = 60.0) -> None:
+    """Wait until a killed actor is gone. ``ray.kill`` returns before the process dies,
+    and a call sent in between may still run (and return) in it: ask again until a
+    call fails with the actor's death."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"{actor} still answers {timeout_s} s after it was killed"
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=remaining)
+        except ray.exceptions.RayActorError:
+            return
+
+
 def start(actors: list, cls, *args, **kwargs):
     """``cls.remote(...)``, killed after the test (``actors`` is the conftest fixture)."""
     handle = cls.remote(*args, **kwargs)

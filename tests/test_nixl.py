@@ -18,7 +18,7 @@ from raysync.transports import HubContext, TransportError, VersionDone
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
 from raysync.transports.nixl.agent import new_agent
-from tests.helpers import assert_same, ready, start, start_hub, wait_for_file
+from tests.helpers import assert_same, ready, start, start_hub, wait_dead, wait_for_file
 from tests.nixl_actors import (
     BigCollector,
     HashingCollector,
@@ -339,8 +339,7 @@ def test_learner_killed_while_receivers_read_fails_the_broadcast_within_the_time
     for name in names:
         wait_for_file(tmp_path / f"inside-fetch-{name}")
     ray.kill(learner)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(learner.__ray_ready__.remote(), timeout=60)
+    wait_dead(learner)
     for name in names:
         (tmp_path / f"stall-fetch-{name}").unlink()
     report = _report(hub, ticket, 45)

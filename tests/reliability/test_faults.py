@@ -20,6 +20,7 @@ from tests.helpers import (
     start,
     start_hub,
     transport_params,
+    wait_dead,
     wait_for_file,
 )
 from tests.receivers import Collector, make_policy, state_of
@@ -199,6 +200,7 @@ def test_dead_hub_makes_broadcast_fail_not_hang(actors, transport):
     collector = start(actors, Collector, hub)
     ready([collector])
     ray.kill(hub.actor)
+    wait_dead(hub.actor)  # a call sent before the kill lands may still be answered
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(hub.broadcast.remote(make_policy()), timeout=60)
     assert ray.get(collector.version.remote()) == 0  # it keeps serving
