@@ -13,6 +13,11 @@ weight, plus a ballast parameter making up the size. The time is
 update one batch is collected and must show the new weight in every collector's
 actions: a scheme whose update returns before the collectors hold it fails the cell.
 
+After the timed series, ``--cpu-repeats`` more updates (unchecked but the last) run
+under :class:`broadcast_bench.cpu_use.CpuMeter`: the CPU milliseconds every process of the
+machine burnt per update, by kind (the learner is ``driver``). On two cores that, not
+the number of hops, bounds a small update's wall time.
+
 Beside them, in the same cells and run, raysync's own broadcast without TorchRL: a hub
 (``object_store``, and with ``channels=True``) and N ``WeightReceiver`` actors holding
 the same policy; the time is ``ray.get(hub.broadcast.remote(policy))``, and after each
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import ray
 import torch
+from broadcast_bench.cpu_use import CpuMeter
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 from torchrl.collectors.distributed import RayCollector
@@ -57,8 +63,11 @@ class BallastPolicy(TensorDictModuleBase):
         return tensordict
 
 
-def time_scheme(name: str, size_mb: float, n: int, warmup: int, repeats: int) -> list[float]:
-    """Seconds per ``update_policy_weights_()`` of one scheme in one cell."""
+def time_scheme(
+    name: str, size_mb: float, n: int, warmup: int, repeats: int, cpu_repeats: int
+) -> tuple[list[float], dict[str, float]]:
+    """Seconds per ``update_policy_weights_()`` of one scheme in one cell, and its CPU
+    milliseconds per update by kind of process."""
     scheme = RayWeightSyncScheme() if name == "torchrl_ray" else RaySyncScheme()
     policy = BallastPolicy(size_mb)
     collector = RayCollector(
@@ -78,6 +87,7 @@ def time_scheme(name: str, size_mb: float, n: int, warmup: int, repeats: int) ->
             policy,
             warmup,
             repeats,
+            cpu_repeats,
             update=lambda _: collector.update_policy_weights_(),
             held=lambda: set(next(batches)["action"].float().flatten().tolist()),
         )
@@ -85,26 +95,47 @@ def time_scheme(name: str, size_mb: float, n: int, warmup: int, repeats: int) ->
         collector.shutdown()
 
 
-def _timed_updates(name, policy, warmup: int, repeats: int, update, held) -> list[float]:
+def _timed_updates(
+    name, policy, warmup: int, repeats: int, cpu_repeats: int, update, held
+) -> tuple[list[float], dict[str, float]]:
     """Seconds per ``update(i)`` after ``policy`` took the value of update ``i``;
-    ``held()`` is then the set of values the receivers act with, which must be it."""
+    ``held()`` is then the set of values the receivers act with, which must be it. Then
+    ``cpu_repeats`` updates in a row, checked after the last: CPU ms per update."""
     samples = []
     for i in range(warmup + repeats):
         if i == warmup:  # the learner's first full collection, out of the samples
             gc.collect()
-        value = float(i + 2)
-        with torch.no_grad():
-            policy.weight.fill_(value)
-            policy.ballast.fill_(value)
+        value = _set(policy, i)
         started = time.perf_counter()
         update(i)
         elapsed = time.perf_counter() - started
-        seen = held()
-        if seen != {value}:
-            raise RuntimeError(f"{name}: after update {i} the receivers act with {seen}")
+        _check(name, i, value, held)
         if i >= warmup:
             samples.append(elapsed)
-    return samples
+    meter = CpuMeter()
+    meter.start()
+    for i in range(warmup + repeats, warmup + repeats + cpu_repeats):
+        value = _set(policy, i)
+        update(i)
+    cpu = meter.per_op(cpu_repeats) if cpu_repeats else {}
+    if cpu_repeats:
+        _check(name, i, value, held)
+    return samples, cpu
+
+
+def _set(policy, i: int) -> float:
+    """Give ``policy`` update ``i``'s value; return it."""
+    value = float(i + 2)
+    with torch.no_grad():
+        policy.weight.fill_(value)
+        policy.ballast.fill_(value)
+    return value
+
+
+def _check(name: str, i: int, value: float, held) -> None:
+    seen = held()
+    if seen != {value}:
+        raise RuntimeError(f"{name}: after update {i} the receivers act with {seen}")
 
 
 @ray.remote(num_cpus=0)
@@ -119,9 +150,12 @@ class HubReceiver(WeightReceiver):
         return float(self.policy.weight)
 
 
-def time_hub(variant: str, size_mb: float, n: int, warmup: int, repeats: int) -> list[float]:
+def time_hub(
+    variant: str, size_mb: float, n: int, warmup: int, repeats: int, cpu_repeats: int
+) -> tuple[list[float], dict[str, float]]:
     """Seconds per broadcast of raysync's own hub (``object_store`` or
-    ``object_store+channels``) to N mixin receivers, each checked after its sample."""
+    ``object_store+channels``) to N mixin receivers, each checked after its sample; and
+    CPU ms per broadcast by kind of process."""
     hub = WeightHub.remote(models=["policy"], channels=variant.endswith("+channels"))
     receivers = [HubReceiver.remote(hub, size_mb) for _ in range(n)]
     ray.get([r.__ray_ready__.remote() for r in receivers])
@@ -138,6 +172,7 @@ def time_hub(variant: str, size_mb: float, n: int, warmup: int, repeats: int) ->
             policy,
             warmup,
             repeats,
+            cpu_repeats,
             update,
             held=lambda: set(ray.get([r.weight.remote() for r in receivers])),
         )
@@ -187,6 +222,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument(
+        "--cpu-repeats", type=int, default=30, help="updates measured for CPU, 0 to skip"
+    )
+    parser.add_argument(
         "--hubs",
         nargs="*",
         default=["object_store", "object_store+channels"],
@@ -204,11 +242,16 @@ def main() -> None:
                 cell = {"size_mb": size, "collectors": n}
                 for name in ("torchrl_ray", "raysync", *args.hubs):
                     timed = time_scheme if name in ("torchrl_ray", "raysync") else time_hub
-                    samples = timed(name, size, n, args.warmup, args.repeats)
-                    cell[name] = {"p50_ms": statistics.median(samples) * 1e3, "all_s": samples}
+                    samples, cpu = timed(name, size, n, args.warmup, args.repeats, args.cpu_repeats)
+                    cell[name] = {
+                        "p50_ms": statistics.median(samples) * 1e3,
+                        "all_s": samples,
+                        "cpu_ms_per_update": cpu,
+                    }
                 cells.append(cell)
                 times = ", ".join(
                     f"{name} {cell[name]['p50_ms']:.1f} ms"
+                    f" (CPU {cell[name]['cpu_ms_per_update'].get('all', 0):.1f} ms)"
                     for name in ("torchrl_ray", "raysync", *args.hubs)
                 )
                 print(f"{size:g} MB, N={n}: {times}", flush=True)
