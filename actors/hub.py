@@ -1,8 +1,9 @@
 """WeightHubActor: raysync's control plane, an async Ray actor.
 
-Called by the learner (``route`` one broadcast ahead, then ``submit``, through
-:class:`raysync.HubHandle`; on the direct path the learner has already called the
-receivers and ``submit`` books the version and awaits those calls), by receivers
+Called by the learner (``submit``, whose result carries the route of the learner's next
+broadcast, and ``route`` when it has none, through :class:`raysync.HubHandle`; on the
+direct path the learner has already called the receivers and ``submit`` books the
+version and awaits those calls), by receivers
 (``register``, ``heartbeat``, ``ack``, ``latest``) and by anyone watching (``status``,
 ``wait_for``). It never opens a transport payload: it validates specs, assigns
 versions, forwards payloads to receivers and collects their acks.
@@ -245,11 +246,14 @@ class WeightHubActor:
         elif begun is None:
             begun = await self._version_and_start(request, timeout_s, started)
         if not request.wait:
-            return BroadcastTicket(begun.model, begun.version)
+            return BroadcastTicket(
+                begun.model, begun.version, route=self._route(request.model, request.known)
+            )
         report = await begun.report
         if report.failed and request.raise_on_failure:
             raise BroadcastError(report)
-        return report
+        # The learner's next broadcast reads its route here instead of asking for it.
+        return dataclasses.replace(report, route=self._route(request.model, request.known))
 
     def _book_direct(
         self,
@@ -335,14 +339,26 @@ class WeightHubActor:
         """What a restarted hub reads back: versions and specs."""
         self._snapshot.save(self._state.versions(), self._state.specs())
 
-    async def route(self, model: str | None, submitter: str, after: int = 0) -> Route:
-        """Learner, one broadcast ahead: the hand-offs its next broadcast carries and,
-        when some receivers can be called by the learner itself, those receivers and
-        the model's next version (see :class:`~raysync.messages.Route`). ``after``: the
+    async def route(
+        self,
+        model: str | None,
+        submitter: str,
+        after: int = 0,
+        known: frozenset[str] = frozenset(),
+    ) -> Route:
+        """Learner, one broadcast ahead, when its last broadcast's result has no route
+        yet (see :meth:`submit`): the hand-offs its next broadcast carries and, when
+        some receivers can be called by the learner itself, those receivers and the
+        model's next version (see :class:`~raysync.messages.Route`). ``after``: the
         number of the submitter's broadcast sent just before this call; Ray may start
         this call first, so it waits for that broadcast's turn, and the next version it
-        names is above that broadcast's (an explicit version included)."""
+        names is above that broadcast's (an explicit version included). ``known``: the
+        registrations whose actor handles the learner holds (sent without them)."""
         await self._in_order.wait_passed(submitter, after)
+        return self._route(model, known)
+
+    def _route(self, model: str | None, known: frozenset[str]) -> Route:
+        """The route of ``model``'s next broadcast, as of now (see :meth:`route`)."""
         hand_offs = self.transports()
         if self._closed or not self._state.models:
             return Route(hand_offs)
@@ -357,7 +373,7 @@ class WeightHubActor:
                 entry.worker,
                 entry.registration.token,
                 entry.transport,
-                entry.registration.handle,
+                None if entry.registration.token in known else entry.registration.handle,
                 entry.registration.entry,
                 entry.registration.attachment,
                 entry.registration.node_id,

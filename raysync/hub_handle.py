@@ -110,8 +110,9 @@ class _Broadcast:
         It returns once the learner's side of the transport has what it needs: the
         learner may change ``weights`` right after (the next training step), while
         receivers are still reading. What it blocks the calling thread on, in order:
-        the hand-off list the hub sent for the previous broadcast (asked one broadcast
-        ahead, so usually already here; the first broadcast waits one hub round trip);
+        the hand-off list the hub sent with the previous broadcast's result (the first
+        broadcast, and one sent before the previous one's result came back, wait one
+        hub round trip for it);
         flattening and checking ``weights``; the transport's send — one copy into the
         object store (``object_store``, ``distributed``, ``rpc``), one into the node's
         shared-memory slot (``shared_memory``), or, with ``nixl`` and ``rdt``, for the
@@ -218,10 +219,11 @@ class _Broadcast:
                     direct_version=direct_version,
                     direct_calls=calls,
                     sent_at=sent_at,
+                    known=handle._known_receivers(model),
                 )
                 result = handle.actor.submit.remote(request)
                 handle._in_flight.add(sequence, result)
-                handle._ask_route_ahead(model, sequence)
+                handle._last_results[model] = (sequence, result)
         done = _BroadcastDone(handle.actor, result, waits=wait)
         for name, sender in senders.items():
             sender.submitted(payloads[name], done)
@@ -288,6 +290,20 @@ def _write_channel(
         from_learner=True,
     )
     return channel.write(eligible, chosen, update, timeout_s)
+
+
+def _route_in(result: ray.ObjectRef) -> Route | None:
+    """The next broadcast's route in a broadcast's result, if that came back with one:
+    None while it is out (the learner broadcasts again without waiting) or if it
+    raised (failed receivers, a refused spec, a closed hub: the learner asks)."""
+    ready, _ = ray.wait([result], timeout=0, fetch_local=False)
+    if not ready:
+        return None
+    try:
+        outcome = ray.get(result)
+    except ray.exceptions.RayError:
+        return None
+    return getattr(outcome, "route", None)
 
 
 def _bucket_bytes(bucket_mb: float | None, travels: WeightSpec) -> int | None:
@@ -448,8 +464,12 @@ class HubHandle:
         self._senders: dict[str, TransportSender] = {}
         self._channels: dict[str, ReceiverChannel] = {}  #: per model, with ``channels``
         self._node_id = ""
-        #: per ``model`` argument, the Route of its next broadcast, asked one ahead
-        self._next_routes: dict[str | None, ray.ObjectRef] = {}
+        #: per ``model`` argument, the number and result of its last broadcast, whose
+        #: report (or ticket) carries the next broadcast's Route
+        self._last_results: dict[str | None, tuple[int, ray.ObjectRef]] = {}
+        #: per ``model`` argument, the receivers' actor handles by registration, as the
+        #: last route listed them (the hub leaves them out of the routes it sends back)
+        self._handles: dict[str | None, dict[str, ActorHandle]] = {}
         #: per model, the version this handle last delivered itself
         self._last_direct: dict[str, int] = {}
         #: This handle's broadcasts are numbered so the hub versions them in order.
@@ -508,12 +528,44 @@ class HubHandle:
         return _Broadcast(self)
 
     def _route(self, model: str | None) -> Route:
-        """This broadcast's :class:`~raysync.messages.Route`, as the hub gave it when
-        the previous broadcast of ``model`` was sent (asked ahead, so a broadcast waits
-        for no extra round trip): the hand-offs it carries and, for the direct path, the
-        model's next version then and the receivers to call. A receiver that registered
-        since gets this version from the hub (by a new transport: the next version)."""
-        return ray.get(self._next_routes.pop(model, None) or self._ask_route(model))
+        """This broadcast's :class:`~raysync.messages.Route`: the hand-offs it carries
+        and, for the direct path, the model's next version and the receivers to call. It
+        comes with the result of the previous broadcast of ``model`` (the hub makes it
+        when it answers that broadcast: no round trip of its own); a broadcast whose
+        previous one is still out (or failed, or the first) asks the hub for it. A
+        receiver that registered since gets this version from the hub (by a new
+        transport: the next version)."""
+        sequence, last = self._last_results.get(model, (0, None))
+        route = _route_in(last) if last is not None else None
+        if route is None:
+            route = ray.get(self._ask_route(model, sequence, self._known_receivers(model)))
+        filled = self._with_handles(model, route)
+        if filled is None:  # left out a handle this process let go of: ask with every one
+            filled = self._with_handles(model, ray.get(self._ask_route(model, sequence)))
+        assert filled is not None  # a route with every handle needs none from here
+        return filled
+
+    def _known_receivers(self, model: str | None) -> frozenset[str]:
+        """The registrations of ``model``'s receivers whose handles this process holds."""
+        with self._submitting:
+            return frozenset(self._handles.get(model, ()))
+
+    def _with_handles(self, model: str | None, route: Route) -> Route | None:
+        """``route`` with each receiver's actor handle (the hub leaves out those this
+        process holds); None if it left out one this process does not hold. Keeps the
+        handles of ``route``'s receivers only: a registration it does not list is gone."""
+        with self._submitting:
+            held = self._handles.get(model, {})
+            targets = []
+            for target in route.targets:
+                if target.handle is None:
+                    handle = held.get(target.token)
+                    if handle is None:
+                        return None
+                    target = dataclasses.replace(target, handle=handle)
+                targets.append(target)
+            self._handles[model] = {t.token: t.handle for t in targets}
+        return dataclasses.replace(route, targets=tuple(targets)) if targets else route
 
     def _next_direct_version(self, route: Route) -> int:
         """The version to deliver a direct broadcast as: the route's next one, or above
@@ -551,15 +603,13 @@ class HubHandle:
                 )
             return channel
 
-    def _ask_route(self, model: str | None, after: int = 0) -> ray.ObjectRef:
-        return self.actor.route.remote(model, self._submitter, after)
-
-    def _ask_route_ahead(self, model: str | None, after: int) -> None:
-        """Ask for the next broadcast's route now, after this one's submit (numbered
-        ``after``: the hub answers once it has versioned that one, so the route's next
-        version is above it, even an explicit one). Called under ``_submitting``."""
-        if model not in self._next_routes:
-            self._next_routes[model] = self._ask_route(model, after)
+    def _ask_route(
+        self, model: str | None, after: int, known: frozenset[str] = frozenset()
+    ) -> ray.ObjectRef:
+        """Ask the hub for ``model``'s route after this handle's broadcast numbered
+        ``after`` (the hub answers once it has versioned that one, so the route's next
+        version is above it, even an explicit one), leaving out the ``known`` handles."""
+        return self.actor.route.remote(model, self._submitter, after, known)
 
     def _sender(self, hand_off: str) -> TransportSender:
         """The learner half of transport ``hand_off``, opened in this process on first use."""

@@ -112,6 +112,9 @@ class BroadcastRequest:
     sent_at: float = 0.0
     #: The version moves in buckets of this many bytes (``bucket_mb``); None: whole.
     bucket_bytes: int | None = None
+    #: The receivers' registrations whose actor handles the learner holds: the route
+    #: the hub sends back with the result leaves those handles out.
+    known: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class DirectTarget:
     worker: str
     token: str  #: its registration: a receiver that registered again is delivered by the hub
     transport: str
+    #: The receiver's host actor; None in a route from the hub when the learner said it
+    #: holds it already (deserializing N actor handles per broadcast costs the learner).
     handle: Any
     entry: Entry
     attachment: str
@@ -153,8 +158,9 @@ class ChannelLost:
 
 @dataclass(frozen=True)
 class Route:
-    """Hub -> learner, asked one broadcast ahead: what the next broadcast of a model
-    carries, and whether the learner may deliver it itself (the direct path).
+    """Hub -> learner, one broadcast ahead (in the result of the learner's previous
+    broadcast, or asked for): what the next broadcast of a model carries, and whether
+    the learner may deliver it itself (the direct path).
 
     ``hand_offs`` are the payloads to produce (always). With ``next_version`` > 0 (the
     model's version after the latest published when the route was made), a broadcast
@@ -336,6 +342,8 @@ class BroadcastTicket:
 
     model: str
     version: int
+    #: For the learner handle that sent it: the route of its next broadcast.
+    route: Route | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -364,6 +372,10 @@ class BroadcastReport:
     #: Of ``direct``, those it reached through its compiled-graph channel
     #: (``WeightHub.remote(channels=True)``, :mod:`raysync.learner_channel`).
     channel: tuple[str, ...] = ()
+    #: For the learner handle that sent it: the route of its next broadcast, made when
+    #: this report was (one Ray call per broadcast fewer than asking for it). None in
+    #: reports from ``wait_for``.
+    route: Route | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:

@@ -75,6 +75,37 @@ def test_a_receiver_that_joined_after_the_route_gets_the_version_from_the_hub(ac
     _hold([early, late], learner, 2)
 
 
+def test_each_result_brings_the_next_route_and_a_handle_travels_once(actors):
+    """The learner asks for a route only before its first broadcast: each report
+    carries the next one, without the handles the learner already holds."""
+    hub = start_hub(actors, "object_store")
+    a = start(actors, Collector, hub, worker_id="a")
+    ready([a])
+    asked = []
+    ask = hub._ask_route
+    hub._ask_route = lambda *args: asked.append(args) or ask(*args)
+    for expected in range(1, 4):
+        report = ray.get(hub.broadcast.remote(make_policy()))
+        assert (report.version, report.direct) == (expected, ("a",))
+        assert report.route.next_version == expected + 1
+        assert [(t.worker, t.handle) for t in report.route.targets] == [("a", None)]
+    assert len(asked) == 1
+    b = start(actors, Collector, hub, worker_id="b")
+    ready([b])
+    report = ray.get(hub.broadcast.remote(make_policy()))  # b joined after the route
+    assert (report.acked, report.direct) == (("a", "b"), ("a",))
+    assert {t.worker: t.handle is None for t in report.route.targets} == {"a": True, "b": False}
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert (report.version, report.direct) == (5, ("a", "b"))
+    _hold([a, b], learner, 5)
+    ticket = ray.get(hub.broadcast.remote(make_policy(), wait=False))
+    assert ticket.route.next_version == 7
+    report = ray.get(hub.wait_for.remote(ticket))
+    assert (report.version, report.direct) == (6, ("a", "b"))
+    assert len(asked) == 1
+
+
 def test_two_learners_guessing_the_same_version_stay_in_the_hubs_order(actors):
     first = start_hub(actors, "object_store")
     second = HubHandle(first.actor, first.config)  # another learner of the same hub
