@@ -21,7 +21,10 @@ clock) with the report's ``phases``:
 Beside them, Ray's own floors in the same cluster, with no data and no work: one actor
 call from the learner; the learner calling the N receivers at once; the learner calling
 an async relay actor that calls the N receivers at once (the hub's shape); and one GCS
-key-value write of 64 bytes (what the hub's snapshot costs per broadcast).
+key-value write of 64 bytes (what the hub's snapshot costs per broadcast). And ``cpu``:
+the CPU milliseconds per timed broadcast of every process on the machine, by kind
+(``broadcast_bench.cpu_use``; the learner is ``driver``): on two cores, what bounds the
+wall time.
 
 ``python benchmarks/latency_phases.py --out benchmarks/results/latency_phases.json``.
 """
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import ray
 import torch
+from broadcast_bench.cpu_use import CpuMeter
 from ray.experimental import internal_kv
 
 from raysync import WeightHub, WeightReceiver, available_transports
@@ -97,7 +101,9 @@ def measure_cell(
     actors = [_Receiver.remote(hub, size_mb, tensors) for _ in range(receivers)]
     ray.get([a.__ray_ready__.remote() for a in actors])
     relay = _Relay.remote()
+    ray.get(relay.__ray_ready__.remote())  # its start-up outside the CPU measured below
     walls, reports = [], []
+    meter = CpuMeter()
     try:
         for i in range(warmup + repeats):
             if i == 1 and channels:  # the first broadcast asked for the channel
@@ -105,6 +111,7 @@ def measure_cell(
             if i == warmup:  # each process's first full GC, which Python runs early anyway
                 gc.collect()
                 ray.get([a.__ray_call__.remote(lambda _: gc.collect()) for a in actors])
+                meter.start()
             weights = _state(size_mb, tensors, float(i + 1))
             started = time.perf_counter()
             report = ray.get(hub.broadcast.remote(weights, model="m"))
@@ -116,6 +123,7 @@ def measure_cell(
             if i >= warmup:
                 walls.append(wall)
                 reports.append(report)
+        cpu = meter.per_op(repeats)
         floors = {
             "one_call": _timed(lambda: ray.get(actors[0].noop.remote()), warmup, repeats),
             "direct_fan_out": _timed(
@@ -154,6 +162,7 @@ def measure_cell(
         "wait": _ms([p.wait_s.p50 for p in phases]),
         "apply": _ms([p.apply_s.p50 for p in phases]),
         "floors": {name: _ms(samples) for name, samples in floors.items()},
+        "cpu": cpu,
     }
 
 
@@ -170,6 +179,10 @@ _COLUMNS = (
     ("ray direct", lambda c: c["floors"]["direct_fan_out"]["p50"]),
     ("ray relay", lambda c: c["floors"]["relay_fan_out"]["p50"]),
     ("gcs put", lambda c: c["floors"]["gcs_kv_put"]["p50"]),
+    ("CPU", lambda c: c["cpu"]["all"]),
+    ("CPU learner", lambda c: c["cpu"].get("driver", 0.0)),
+    ("CPU hub", lambda c: c["cpu"].get("WeightHubActor", 0.0)),
+    ("CPU receivers", lambda c: c["cpu"].get("_Receiver", 0.0)),
 )
 
 
