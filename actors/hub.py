@@ -10,10 +10,11 @@ versions, forwards payloads to receivers and collects their acks.
 
 Restarts (``max_restarts``): each model's version counter and spec are kept in
 Ray's GCS key-value store (:mod:`raysync.hub_snapshot`) and read back when Ray
-restarts the actor, so versions never go backwards. Receivers notice that the new incarnation does
-not know them (their heartbeat) and register again by themselves. The weights
-themselves are not kept by the hub: receivers keep the version they hold, and the
-learner's next broadcast brings everyone forward (late joiners wait for it).
+restarts the actor, so versions never go backwards (a hub started without
+``max_restarts`` writes none: no incarnation would read it). Receivers notice that the
+new incarnation does not know them (their heartbeat) and register again by themselves.
+The weights themselves are not kept by the hub: receivers keep the version they hold,
+and the learner's next broadcast brings everyone forward (late joiners wait for it).
 """
 
 from __future__ import annotations
@@ -203,11 +204,12 @@ class WeightHubActor:
             self._state.declare(model)
         self._boot_id = uuid.uuid4().hex
         context = ray.get_runtime_context()
-        self._snapshot = HubSnapshot(context.get_actor_id())
+        #: Where a restarted incarnation reads versions back; None if Ray never restarts it.
+        self._snapshot = HubSnapshot(context.get_actor_id()) if config.restartable else None
         with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
             warnings.simplefilter("ignore")
             restarted = context.was_current_actor_reconstructed
-        if restarted:
+        if restarted and self._snapshot is not None:
             self._state.restore(*self._snapshot.load())
             logger.warning("hub restarted; model versions restored: %s", self._state.versions())
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
@@ -336,8 +338,10 @@ class WeightHubActor:
         return _Started(handed.model, handed.version, task)
 
     def _save_snapshot(self) -> None:
-        """What a restarted hub reads back: versions and specs."""
-        self._snapshot.save(self._state.versions(), self._state.specs())
+        """What a restarted hub reads back: versions and specs (a GCS write per version,
+        on the event loop: skipped by a hub Ray never restarts)."""
+        if self._snapshot is not None:
+            self._snapshot.save(self._state.versions(), self._state.specs())
 
     async def route(
         self,
@@ -659,7 +663,8 @@ class WeightHubActor:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._background.close()
         await asyncio.gather(*(planner.close() for planner in self._planners.values()))
-        self._snapshot.delete()
+        if self._snapshot is not None:
+            self._snapshot.delete()
 
     async def _refuse_learner_deliveries(self) -> None:
         """Shutting down: every receiver a learner may deliver to itself refuses such

@@ -734,6 +734,7 @@ class HubLauncher:
             wire_dtype=wire_dtype,
             bucket_mb=bucket_mb,
             channels=channels,
+            restartable=self._actor_options.get("max_restarts", 0) != 0,
         )
         hub_class = ray.remote(actor_class(HUB))
         actor = hub_class.options(**self._actor_options).remote(config)

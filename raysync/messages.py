@@ -60,6 +60,10 @@ class HubConfig:
     #: Learners deliver small versions to eligible receivers through a compiled-graph
     #: channel (see :mod:`raysync.learner_channel`) instead of one Ray call each.
     channels: bool = False
+    #: Ray may restart the hub actor (``max_restarts`` given and not 0): it keeps its
+    #: versions and specs where a restarted incarnation reads them back
+    #: (:mod:`raysync.hub_snapshot`). A hub Ray never restarts writes no snapshot.
+    restartable: bool = False
 
     def options_of(self, options_type: type | None) -> Any:
         """The options given for a transport whose options class is ``options_type``,

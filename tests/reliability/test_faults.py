@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from ray.experimental import internal_kv
 
 from raysync import BroadcastError, HubNotFoundError, WeightReceiver
+from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.transports import DEFAULT_TRANSPORT
 from tests.helpers import (
     assert_same,
@@ -140,6 +142,24 @@ def test_hub_restart_receivers_reattach_versions_never_go_back(actors, transport
     for r in receivers:
         assert ray.get(r.version.remote()) == 4
         assert_same(ray.get(r.state.remote()), state_of(learner))
+
+
+def test_only_a_hub_ray_may_restart_keeps_a_snapshot(actors):
+    """A snapshot is a GCS write per version on the hub's event loop: a hub without
+    ``max_restarts`` has no incarnation to read it, and writes none."""
+    once = start_hub(actors, DEFAULT_TRANSPORT, models=["m"])
+    restartable = start_hub(actors, DEFAULT_TRANSPORT, {"max_restarts": 1}, models=["m"])
+    for hub in (once, restartable):
+        assert ray.get(hub.broadcast.remote({"w": torch.ones(4)}, model="m")).version == 1
+
+    def saved(hub) -> list:
+        prefix = f"hub/{hub.actor._actor_id.hex()}/"
+        return internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)
+
+    assert saved(once) == []
+    assert sorted(saved(restartable)) == [
+        f"hub/{restartable.actor._actor_id.hex()}/{key}".encode() for key in ("spec/m", "versions")
+    ]
 
 
 def test_learner_dies_receivers_keep_last_good_version(actors, transport):
