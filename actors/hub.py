@@ -3,10 +3,10 @@
 Called by the learner (``submit``, whose result carries the route of the learner's next
 broadcast, and ``route`` when it has none, through :class:`raysync.HubHandle`; on the
 direct path the learner has already called the receivers and ``submit`` books the
-version and awaits those calls), by receivers
-(``register``, ``heartbeat``, ``ack``, ``latest``) and by anyone watching (``status``,
-``wait_for``). It never opens a transport payload: it validates specs, assigns
-versions, forwards payloads to receivers and collects their acks.
+version and awaits those calls), by receivers (``register``, ``heartbeat``, ``ack``,
+``latest``) and by anyone watching (``status``, ``wait_for``). It never opens a
+transport payload: it validates specs, assigns versions, forwards payloads to receivers
+and collects their acks.
 
 Restarts (``max_restarts``): each model's version counter and spec are kept in
 Ray's GCS key-value store (:mod:`raysync.hub_snapshot`) and read back when Ray
