@@ -56,17 +56,18 @@ def wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
 
 
 def wait_dead(actor, timeout_s: float = 60.0) -> None:
-    """Wait until a killed actor is gone. ``ray.kill`` returns before the process dies,
-    and a call sent in between may still run (and return) in it: ask again until a
-    call fails with the actor's death."""
+    """Wait until an actor is gone (killed, or ending by itself). ``ray.kill`` returns
+    before the process dies, and a call sent in between may still run (and return) in
+    it: ask again until a call fails with the actor's death."""
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()
-        assert remaining > 0, f"{actor} still answers {timeout_s} s after it was killed"
+        assert remaining > 0, f"{actor} still answers {timeout_s} s after it should be gone"
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=remaining)
         except ray.exceptions.RayActorError:
             return
+        time.sleep(0.05)  # alive still: ask again shortly, not in a busy loop
 
 
 def start(actors: list, cls, *args, **kwargs):

@@ -28,7 +28,7 @@ from raysync.transports import register_transport
 from raysync.transports.distributed import process_group_name, rank0_reader
 from raysync.transports.object_store import BROKER_NAMESPACE, BUCKETS_IN_FLIGHT, broker_name
 from raysync.transports.rpc import agent_name
-from tests.helpers import Gate, ready, start, start_hub
+from tests.helpers import Gate, ready, start, start_hub, wait_dead
 from tests.third_party_transport import PackedObjectTransport, PutReaderTransport
 
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
@@ -247,7 +247,7 @@ def test_a_distributed_member_that_dies_midway_fails_alone(actors):
     reader = rank0_reader(hub.config.hub_id)
     _wait_until(lambda: _copier_waits_for_bucket(broker, reader, BUCKETS_IN_FLIGHT))
     ray.kill(doomed)
-    _wait_until(lambda: not _alive(doomed))
+    wait_dead(doomed, timeout_s=30)
     ray.get(gate.open.remote())
     ray.get(blocked)
 
@@ -363,7 +363,7 @@ def test_a_hubs_broker_ends_with_the_hub_closed_or_dead(actors):
         else:
             ray.kill(hub.actor)
     for broker in brokers:
-        _wait_until(lambda b=broker: not _alive(b))
+        wait_dead(broker, timeout_s=30)
 
 
 @ray.remote(num_cpus=0, num_gpus=1, enable_tensor_transport=True)
@@ -447,14 +447,6 @@ def _pid_or_none(handle) -> int | None:
         return _pid(handle)
     except ray.exceptions.ActorUnavailableError:
         return None
-
-
-def _alive(actor) -> bool:
-    try:
-        ray.get(actor.__ray_ready__.remote(), timeout=10)
-    except ray.exceptions.RayActorError:
-        return False
-    return True
 
 
 def _wait_for_broker(hub, timeout_s: float = 30.0):
