@@ -112,14 +112,15 @@ def _timed_updates(
         _check(name, i, value, held)
         if i >= warmup:
             samples.append(elapsed)
+    if not cpu_repeats:
+        return samples, {}
     meter = CpuMeter()
     meter.start()
     for i in range(warmup + repeats, warmup + repeats + cpu_repeats):
         value = _set(policy, i)
         update(i)
-    cpu = meter.per_op(cpu_repeats) if cpu_repeats else {}
-    if cpu_repeats:
-        _check(name, i, value, held)
+    cpu = meter.per_op(cpu_repeats)
+    _check(name, i, value, held)
     return samples, cpu
 
 
