@@ -1,4 +1,4 @@
-"""ShmOwner: owns the shared-memory segments of one hub on one node (an async Ray actor).
+"""ShmOwner: owns the shared-memory segments of one hub on one node (a threaded Ray actor).
 
 Started by :class:`raysync.transports.shared_memory.SharedMemoryPlanner` on every
 node, named :func:`~raysync.transports.shared_memory.owner_name` so the learner finds
@@ -11,18 +11,21 @@ rewritten:
 * ``("latest", model)``: the newest version of ``model`` here, for late joiners;
 * ``RELAYING``: the owner itself is copying a relayed version in.
 
-A slot with no hold may be given out again. Only this actor's event loop touches the
-holds, so each method sees and leaves them consistent. ``close`` (the planner calls it
-when the hub closes) closes every segment; if the actor dies instead, its process's
-descriptors close with it and the kernel frees the memory once receivers unmap it.
+A slot with no hold may be given out again. The actor runs its calls in a pool of
+threads (``OWNER_THREADS``); every method touches the holds holding one lock, so each
+sees and leaves them consistent, and the waits (a free slot, a call's turn) let the
+others run. ``close`` (the planner calls it when the hub closes) closes every segment;
+if the actor dies instead, its process's descriptors close with it and the kernel frees
+the memory once receivers unmap it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import mmap
 import os
 import secrets
+import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +34,7 @@ import torch
 
 from raysync.actors.heap import settle_heap
 from raysync.layout import HEADER_BYTES
-from raysync.ordering import InOrder
+from raysync.ordering import ThreadsInOrder
 from raysync.transports.base import TransportError
 from raysync.transports.shared_memory import ORDER_WAIT_S, TOKEN_BYTES, Slot, write_seq
 
@@ -78,23 +81,25 @@ class ShmOwner:
         self._by_seq: dict[int, _Segment] = {}
         self._latest: dict[str, int] = {}  #: model -> seq of its latest version here
         self._next_seq = 1
-        self._released = asyncio.Condition()
-        self._closed = asyncio.Event()
+        self._in_order = ThreadsInOrder(ORDER_WAIT_S)
+        #: Guards every field; notified whenever a hold goes.
+        self._lock = self._in_order.lock
+        self._closed = threading.Event()
         self._relays = 0
         self._exports = 0
-        self._in_order = InOrder(ORDER_WAIT_S)
         settle_heap()
 
     # -- learner -------------------------------------------------------------------------
-    async def acquire(self, nbytes: int, timeout_s: float, learner: str = "") -> Slot:
+    def acquire(self, nbytes: int, timeout_s: float, learner: str = "") -> Slot:
         """A slot of ``nbytes`` for the next version of ``learner`` (its sender's id),
         held ``PENDING``."""
-        segment = await self._free_segment(learner, nbytes, timeout_s)
-        segment.holds.add(PENDING)
-        return self._assign(segment)
+        with self._lock:
+            segment = self._free_segment(learner, nbytes, timeout_s)
+            segment.holds.add(PENDING)
+            return self._assign(segment)
 
     # -- hub's planner -------------------------------------------------------------------
-    async def deliver(
+    def deliver(
         self, pid: int, seq: int, model: str, workers: tuple[str, ...], order: int = 0
     ) -> Slot:
         """Hold version ``seq`` of ``model`` for ``workers`` and as the latest of ``model``.
@@ -106,10 +111,11 @@ class ShmOwner:
         ``pid`` names the owner the slot came from: a restarted owner knows none of its
         slots.
         """
-        await self._in_order.wait_turn("hub", order)
-        return await self._deliver(pid, seq, model, workers)
+        with self._in_order.turn("hub", order):
+            return self._deliver(pid, seq, model, workers)
 
-    async def _deliver(self, pid: int, seq: int, model: str, workers: tuple[str, ...]) -> Slot:
+    def _deliver(self, pid: int, seq: int, model: str, workers: tuple[str, ...]) -> Slot:
+        """(Lock held.)"""
         segment = self._by_seq.get(seq) if pid == self._pid else None
         if segment is None:
             raise TransportError(
@@ -128,20 +134,23 @@ class ShmOwner:
                 previous.holds.discard(("latest", model))
             self._latest[model] = seq
             segment.holds.add(("latest", model))
-        await self._notify()
+        self._lock.notify_all()
         return self._slot(segment)
 
-    async def export(self, pid: int, seq: int) -> list[ray.ObjectRef]:
+    def export(self, pid: int, seq: int) -> list[ray.ObjectRef]:
         """Put version ``seq`` into the object store once, for other nodes' owners."""
-        segment = self._by_seq.get(seq) if pid == self._pid else None
-        if segment is None or not segment.holds:
-            raise TransportError(
-                f"sequence {seq} is not held on node {self._node_id}; cannot export it"
-            )
-        self._exports += 1
-        return [ray.put(segment.buffer[HEADER_BYTES:].numpy())]
+        with self._lock:
+            segment = self._by_seq.get(seq) if pid == self._pid else None
+            if segment is None or not segment.holds:
+                raise TransportError(
+                    f"sequence {seq} is not held on node {self._node_id}; cannot export it"
+                )
+            self._exports += 1
+            # Held (by the hub's holds on it) while the lock is out: not rewritten.
+            data = segment.buffer[HEADER_BYTES:].numpy()
+        return [ray.put(data)]
 
-    async def relay(
+    def relay(
         self,
         refs: list[ray.ObjectRef],
         nbytes: int,
@@ -150,93 +159,98 @@ class ShmOwner:
         timeout_s: float,
     ) -> Slot:
         """Copy an exported version into a slot here; hold it like :meth:`deliver`."""
-        segment = await self._free_segment(f"relays of {model}", nbytes, timeout_s)
-        segment.holds.add(RELAYING)
+        with self._lock:
+            segment = self._free_segment(f"relays of {model}", nbytes, timeout_s)
+            segment.holds.add(RELAYING)
         try:
-            data = await refs[0]
-            slot = self._assign(segment)
+            data = ray.get(refs[0])
+            with self._lock:
+                slot = self._assign(segment)
             write_seq(segment.buffer, 0)
             np.copyto(segment.buffer[HEADER_BYTES:].numpy(), data)
             write_seq(segment.buffer, slot.seq)
         finally:
-            segment.holds.discard(RELAYING)
-        self._relays += 1
-        return await self._deliver(self._pid, slot.seq, model, workers)
+            with self._lock:
+                segment.holds.discard(RELAYING)
+                self._lock.notify_all()
+        with self._lock:
+            self._relays += 1
+            return self._deliver(self._pid, slot.seq, model, workers)
 
-    async def release(self, pid: int, seq: int, worker: str) -> None:
+    def release(self, pid: int, seq: int, worker: str) -> None:
         """``worker`` is done with version ``seq`` (copied or skipped it). It may come
         before the hub's hold for it (the hub does not wait for its holds to land)."""
-        segment = self._by_seq.get(seq) if pid == self._pid else None
-        if segment is None:
-            return
-        if ("worker", worker) in segment.holds:
-            segment.holds.discard(("worker", worker))
-            await self._notify()
-        else:
-            segment.released.add(worker)
+        with self._lock:
+            segment = self._by_seq.get(seq) if pid == self._pid else None
+            if segment is None:
+                return
+            if ("worker", worker) in segment.holds:
+                segment.holds.discard(("worker", worker))
+                self._lock.notify_all()
+            else:
+                segment.released.add(worker)
 
-    async def drop_worker(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> None:
+    def drop_worker(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> None:
         """``worker`` died, left or re-registered: it holds nothing any more, but the
         slots in ``keep`` ((owner pid, seq) pairs: its zero-copy models live there)."""
         kept = {seq for pid, seq in keep if pid == self._pid}
-        for segment in self._by_seq.values():
-            if segment.seq in kept:
-                continue
-            segment.holds.discard(("worker", worker))
-            segment.released.discard(worker)
-        await self._notify()
+        with self._lock:
+            for segment in self._by_seq.values():
+                if segment.seq in kept:
+                    continue
+                segment.holds.discard(("worker", worker))
+                segment.released.discard(worker)
+            self._lock.notify_all()
 
-    async def stats(self) -> OwnerStats:
-        segments = [s for pool in self._pools.values() for s in pool]
-        return OwnerStats(
-            node_id=self._node_id,
-            segments=len(segments),
-            segment_bytes=sum(s.buffer.numel() for s in segments),
-            relays=self._relays,
-            exports=self._exports,
-            holds=tuple(sorted("/".join(h) for s in segments for h in s.holds)),
-        )
+    def stats(self) -> OwnerStats:
+        with self._lock:
+            segments = [s for pool in self._pools.values() for s in pool]
+            return OwnerStats(
+                node_id=self._node_id,
+                segments=len(segments),
+                segment_bytes=sum(s.buffer.numel() for s in segments),
+                relays=self._relays,
+                exports=self._exports,
+                holds=tuple(sorted("/".join(h) for s in segments for h in s.holds)),
+            )
 
-    async def closed(self) -> None:
+    def closed(self) -> None:
         """Returns once :meth:`close` ran; the planner watches it to notice a death."""
-        await self._closed.wait()
+        self._closed.wait()
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Close every segment (receivers' existing mappings stay valid until unmapped)."""
-        for pool in self._pools.values():
-            for segment in pool:
-                os.close(segment.fd)
-        self._pools.clear()
-        self._by_seq.clear()
+        with self._lock:
+            for pool in self._pools.values():
+                for segment in pool:
+                    os.close(segment.fd)
+            self._pools.clear()
+            self._by_seq.clear()
+            self._lock.notify_all()
         self._closed.set()
 
-    # -- slots ---------------------------------------------------------------------------
-    async def _free_segment(self, stream: str, nbytes: int, timeout_s: float) -> _Segment:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+    # -- slots (lock held) -----------------------------------------------------------------
+    def _free_segment(self, stream: str, nbytes: int, timeout_s: float) -> _Segment:
+        deadline = time.monotonic() + timeout_s
         pool = self._pools.setdefault((stream, nbytes), [])
-        async with self._released:
-            while True:
-                for segment in pool:
-                    if not segment.holds:
-                        return segment
-                if len(pool) < self._max_slots:
-                    segment = self._create(nbytes, stream)
-                    pool.append(segment)
+        while True:
+            for segment in pool:
+                if not segment.holds:
                     return segment
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    holders = sorted({"/".join(h) for s in pool for h in s.holds})
-                    raise TransportError(
-                        f"all {len(pool)} shared-memory slots of {nbytes} bytes on node "
-                        f"{self._node_id} stayed held for {timeout_s:g} s by: "
-                        f"{', '.join(holders)}; a receiver that never reaches a safe point "
-                        "holds the versions it was sent"
-                    )
-                try:
-                    await asyncio.wait_for(self._released.wait(), remaining)
-                except asyncio.TimeoutError:
-                    continue
+            if len(pool) < self._max_slots:
+                segment = self._create(nbytes, stream)
+                pool.append(segment)
+                return segment
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                holders = sorted({"/".join(h) for s in pool for h in s.holds})
+                raise TransportError(
+                    f"all {len(pool)} shared-memory slots of {nbytes} bytes on node "
+                    f"{self._node_id} stayed held for {timeout_s:g} s by: "
+                    f"{', '.join(holders)}; a receiver that never reaches a safe point "
+                    "holds the versions it was sent"
+                )
+            self._lock.wait(remaining)
 
     def _create(self, nbytes: int, stream: str) -> _Segment:
         token = secrets.token_bytes(TOKEN_BYTES)
@@ -267,7 +281,3 @@ class ShmOwner:
             segment.buffer.numel(),
             segment.seq,
         )
-
-    async def _notify(self) -> None:
-        async with self._released:
-            self._released.notify_all()

@@ -1,26 +1,75 @@
-"""Calls that must run in the order their caller sent them, inside an async Ray actor.
+"""Calls that must run in the order their caller sent them, inside a concurrent Ray actor.
 
-Ray starts an async actor's calls out of order (``allow_out_of_order_execution`` is
-forced on for async actors): two broadcasts a learner submits back to back may reach
-the hub's code in either order, and two holds the hub sends a shared-memory owner
-likewise. Where order carries meaning (versions follow the learner's order; an owner
-frees the slots of versions older than the one it is told about), the caller numbers
-its calls 1, 2, 3, ... per *stream* and the actor waits for each call's turn with
-:class:`InOrder` before the part that must keep the order.
-
-Used in the hub process and in shared-memory owner processes (their event loops).
+Ray starts the calls of an async actor, or of a threaded one (``max_concurrency`` > 1),
+out of order (``allow_out_of_order_execution`` is forced on for async actors): two
+broadcasts a learner submits back to back may reach the hub's code in either order,
+and two holds the hub sends a shared-memory owner likewise. Where order carries meaning
+(versions follow the learner's order; an owner frees the slots of versions older than
+the one it is told about), the caller numbers its calls 1, 2, 3, ... per *stream* and
+the actor waits for each call's turn before the part that must keep the order: with
+:class:`InOrder` on an event loop (the hub process), with :class:`ThreadsInOrder` in a
+threaded actor (shared-memory owner processes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
 
+class _Turns:
+    """Whose turn it is, per stream: the bookkeeping both kinds of waiting share. Its
+    owner calls every method with its condition's lock held."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self._next: dict[str, int] = {}
+        self._waiting: dict[str, set[int]] = {}
+
+    def enter(self, stream: str, number: int, floor: int) -> None:
+        self._next[stream] = max(self._next.get(stream, 1), floor)
+        self._waiting.setdefault(stream, set()).add(number)
+
+    def has_turn(self, stream: str, number: int) -> bool:
+        return self._next[stream] >= number
+
+    def leave(self, stream: str, number: int, ran: bool) -> None:
+        self._waiting[stream].discard(number)
+        if ran:
+            self._next[stream] = max(self._next[stream], number + 1)
+
+    def passed(self, stream: str, number: int) -> bool:
+        return self._next.get(stream, 1) > number
+
+    def skip_to_lowest_waiting(self, stream: str) -> None:
+        """Give up on the numbers missing below the lowest section waiting."""
+        lowest = min(self._waiting[stream])
+        if self._next[stream] < lowest:
+            logger.info(
+                "stream %s: calls %d to %d did not come within %g s; going on without them",
+                stream,
+                self._next[stream],
+                lowest - 1,
+                self.wait_s,
+            )
+            self._next[stream] = lowest
+
+    def log_read_without(self, stream: str, number: int) -> None:
+        logger.info(
+            "stream %s: call %d did not have its turn within %g s; reading without it",
+            stream,
+            number,
+            self.wait_s,
+        )
+
+
 class InOrder:
-    """Turns for calls numbered per stream, in their number order.
+    """Turns for calls numbered per stream, in their number order, on an event loop.
 
     A call waits for the calls numbered before it in its stream to have had their turn,
     at most ``wait_s`` (a number that never comes — a lost call — is skipped, logged,
@@ -31,9 +80,7 @@ class InOrder:
     """
 
     def __init__(self, wait_s: float) -> None:
-        self._wait_s = wait_s
-        self._next: dict[str, int] = {}
-        self._waiting: dict[str, set[int]] = {}
+        self._turns = _Turns(wait_s)
         self._changed = asyncio.Condition()
 
     async def wait_turn(self, stream: str, number: int, floor: int = 0) -> None:
@@ -41,54 +88,71 @@ class InOrder:
         passed). ``floor``: the caller knows every number below it is done with (it
         completed or failed), so none of those is waited for — what lets a stream that
         began before this actor restarted go on at once."""
-        if number > 0:
-            async with self._changed:
-                self._next[stream] = max(self._next.get(stream, 1), floor)
-                waiting = self._waiting.setdefault(stream, set())
-                waiting.add(number)
-                try:
-                    while self._next[stream] < number:
-                        try:
-                            await asyncio.wait_for(
-                                self._changed.wait_for(lambda: self._next[stream] >= number),
-                                self._wait_s,
-                            )
-                        except asyncio.TimeoutError:
-                            self._skip_to_lowest_waiting(stream)
-                finally:
-                    waiting.discard(number)
-                self._next[stream] = max(self._next[stream], number + 1)
-                self._changed.notify_all()
+        if number <= 0:
+            return
+        turns = self._turns
+        async with self._changed:
+            turns.enter(stream, number, floor)
+            ran = False
+            try:
+                while not turns.has_turn(stream, number):
+                    try:
+                        await asyncio.wait_for(
+                            self._changed.wait_for(lambda: turns.has_turn(stream, number)),
+                            turns.wait_s,
+                        )
+                    except asyncio.TimeoutError:
+                        turns.skip_to_lowest_waiting(stream)
+                        self._changed.notify_all()
+                ran = True
+            finally:
+                turns.leave(stream, number, ran)
+            self._changed.notify_all()
 
     async def wait_passed(self, stream: str, number: int) -> None:
         """Return once call ``number`` of ``stream`` has had its turn and run up to its
         next ``await`` (or ``wait_s`` passed: a lost call is not waited for longer).
         A reader of what that call changes sees the change; number 0 returns at once."""
-        if number > 0:
-            async with self._changed:
-                try:
-                    await asyncio.wait_for(
-                        self._changed.wait_for(lambda: self._next.get(stream, 1) > number),
-                        self._wait_s,
-                    )
-                except asyncio.TimeoutError:
-                    logger.info(
-                        "stream %s: call %d did not have its turn within %g s; reading without it",
-                        stream,
-                        number,
-                        self._wait_s,
-                    )
+        if number <= 0:
+            return
+        turns = self._turns
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: turns.passed(stream, number)), turns.wait_s
+                )
+            except asyncio.TimeoutError:
+                turns.log_read_without(stream, number)
 
-    def _skip_to_lowest_waiting(self, stream: str) -> None:
-        """Give up on the numbers missing below the lowest section waiting (lock held)."""
-        lowest = min(self._waiting[stream])
-        if self._next[stream] < lowest:
-            logger.info(
-                "stream %s: calls %d to %d did not come within %g s; going on without them",
-                stream,
-                self._next[stream],
-                lowest - 1,
-                self._wait_s,
-            )
-            self._next[stream] = lowest
-            self._changed.notify_all()
+
+class ThreadsInOrder:
+    """:class:`InOrder` for a threaded actor. A call's turn is a section run holding
+    :attr:`lock` (``with in_order.turn(stream, number): ...``), so what it does there
+    runs before any later call's turn. The actor may guard the rest of its state with
+    the same lock (a condition: its waits let turns pass)."""
+
+    def __init__(self, wait_s: float) -> None:
+        self._turns = _Turns(wait_s)
+        self.lock = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, stream: str, number: int) -> Iterator[None]:
+        """The turn of call ``number`` of ``stream``: entering waits for every lower
+        number to have had its own (at most ``wait_s``, as :meth:`InOrder.wait_turn`).
+        Number 0 only takes the lock."""
+        turns = self._turns
+        with self.lock:
+            if number <= 0:
+                yield
+                return
+            turns.enter(stream, number, 0)
+            ran = False
+            try:
+                while not self.lock.wait_for(lambda: turns.has_turn(stream, number), turns.wait_s):
+                    turns.skip_to_lowest_waiting(stream)
+                    self.lock.notify_all()
+                ran = True  # had its turn: later numbers go on, even if the section raises
+                yield
+            finally:
+                turns.leave(stream, number, ran)
+                self.lock.notify_all()

@@ -1,10 +1,12 @@
-"""InOrder: numbered sections of an async actor run in their callers' order."""
+"""InOrder and ThreadsInOrder: numbered sections of an async or threaded actor run in
+their callers' order."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
-from raysync.ordering import InOrder
+from raysync.ordering import InOrder, ThreadsInOrder
 
 
 def _run(gate: InOrder, calls: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -86,3 +88,41 @@ def test_a_reader_of_a_lost_call_reads_without_it_after_the_wait():
 
     asyncio.run(asyncio.wait_for(route(), timeout=5))
     assert read == ["read"]
+
+
+def _run_threads(gate: ThreadsInOrder, calls: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """:func:`_run` for a threaded actor: one thread per section, started in the given
+    order, each one started once the one before waits for its turn (or ran)."""
+    ran: list[tuple[str, int]] = []
+    threads = []
+    for stream, number in calls:
+
+        def section(stream: str = stream, number: int = number) -> None:
+            with gate.turn(stream, number):
+                ran.append((stream, number))
+
+        thread = threading.Thread(target=section)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    return ran
+
+
+def test_threads_run_their_sections_in_number_order():
+    calls = [("learner", n) for n in (3, 1, 4, 2, 5)]
+    assert _run_threads(ThreadsInOrder(wait_s=30), calls) == [("learner", n) for n in range(1, 6)]
+
+
+def test_threads_skip_a_missing_number_after_the_wait_and_a_raising_section_passes_its_turn():
+    gate = ThreadsInOrder(wait_s=0.2)
+    try:
+        with gate.turn("a", 1):
+            raise ValueError("the section failed")
+    except ValueError:
+        pass
+    # 1 had its turn although it raised: 2 goes on at once; 4 waits for the missing 3.
+    ran = _run_threads(gate, [("a", 4), ("a", 2), ("b", 0)])
+    assert sorted(ran[:2]) == [("a", 2), ("b", 0)]
+    assert ran[2:] == [("a", 4)]

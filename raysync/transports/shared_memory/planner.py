@@ -20,6 +20,7 @@ from raysync.transports.object_store.planner import ObjectStorePlanner
 from raysync.transports.shared_memory.wire import (
     MAX_SLOTS,
     OWNER_NAMESPACE,
+    OWNER_THREADS,
     SLOT_WAIT_S,
     SharedMemoryPayload,
     SharedMemoryReceiverInfo,
@@ -54,6 +55,7 @@ class SharedMemoryPlanner(TransportPlanner):
                 name=owner_name(self._hub_id, node_id),
                 namespace=OWNER_NAMESPACE,
                 num_cpus=0,
+                max_concurrency=OWNER_THREADS,
                 scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                     node_id, soft=False
                 ),

@@ -16,6 +16,10 @@ SLOT_WAIT_S = 60.0
 OWNER_WAIT_S = 30.0
 #: How long an owner waits for the hub's earlier holds when a later one comes first.
 ORDER_WAIT_S = 1.0
+#: Threads of an owner (a threaded actor: cheaper per call than an event loop, which
+#: counts at one release per receiver per version). Calls that wait take one each: a
+#: learner's ``acquire``, a hold waiting for its turn, a relay, the planner's watch.
+OWNER_THREADS = 32
 
 #: Header: [0:16] segment token, [16:24] sequence number of the version in the slot
 #: (0 while it is being written), little-endian int64.
