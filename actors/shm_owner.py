@@ -7,7 +7,9 @@ docstring), hands out slots, and keeps the *holds* that decide when a slot may b
 rewritten:
 
 * ``PENDING``: the learner is writing it, or wrote it and the hub has not planned it yet;
-* ``("worker", id)``: a receiver the version was planned for has not released it yet;
+* ``("worker", id)``: a receiver the version was planned for has not released it yet
+  (on the owner's *release board*, :class:`~raysync.transports.shared_memory.Board`,
+  or by calling :meth:`ShmOwner.release`);
 * ``("latest", model)``: the newest version of ``model`` here, for late joiners;
 * ``RELAYING``: the owner itself is copying a relayed version in.
 
@@ -37,6 +39,12 @@ from raysync.layout import HEADER_BYTES
 from raysync.ordering import ThreadsInOrder
 from raysync.transports.base import TransportError
 from raysync.transports.shared_memory import ORDER_WAIT_S, TOKEN_BYTES, Slot, write_seq
+from raysync.transports.shared_memory.wire import (
+    BOARD_COLUMNS,
+    BOARD_POLL_S,
+    BOARD_ROWS,
+    Board,
+)
 
 PENDING = ("pending",)
 RELAYING = ("relaying",)
@@ -47,6 +55,7 @@ class _Segment:
     fd: int
     buffer: torch.Tensor  #: uint8 view of the whole mapping
     token: bytes
+    column: int  #: its column on the release board (-1: none)
     seq: int = 0  #: the version written into it (0: none yet)
     #: whose slots it is among: a learner's sender (``acquire``), or the relays of a model
     stream: str = ""
@@ -65,6 +74,8 @@ class OwnerStats:
     relays: int  #: versions it received from another node through the object store
     exports: int  #: versions it put into the object store for other nodes
     holds: tuple[str, ...]  #: every hold on its slots, e.g. "worker/w0", "latest/policy"
+    board_releases: int  #: receivers' releases it read on its board
+    release_calls: int  #: receivers' holds released by a call (no row or column)
 
 
 class ShmOwner:
@@ -87,6 +98,16 @@ class ShmOwner:
         self._closed = threading.Event()
         self._relays = 0
         self._exports = 0
+        self._board = self._create(
+            HEADER_BYTES + BOARD_ROWS * BOARD_COLUMNS * 8, "release board", column=-1
+        )
+        #: every row the board has (a row is never given to another worker: a former
+        #: holder of it may still write there)
+        self._cells = self._board.buffer[HEADER_BYTES:].view(torch.int64).view(-1, BOARD_COLUMNS)
+        self._rows: dict[str, int] = {}
+        self._next_column = 0
+        self._board_releases = 0
+        self._release_calls = 0
         settle_heap()
 
     # -- learner -------------------------------------------------------------------------
@@ -126,7 +147,11 @@ class ShmOwner:
             if other.seq < seq and other.stream == segment.stream:
                 other.holds.discard(PENDING)
         segment.holds.discard(PENDING)
-        segment.holds.update(("worker", w) for w in workers if w not in segment.released)
+        for worker in workers:
+            if self._on_board(segment, worker):  # done with it before its hold came
+                self._board_releases += 1
+            elif worker not in segment.released:
+                segment.holds.add(("worker", worker))
         latest = self._latest.get(model, 0)
         if seq > latest:
             previous = self._by_seq.get(latest)
@@ -186,9 +211,21 @@ class ShmOwner:
                 return
             if ("worker", worker) in segment.holds:
                 segment.holds.discard(("worker", worker))
+                self._release_calls += 1
                 self._lock.notify_all()
             else:
                 segment.released.add(worker)
+
+    def join(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> Board | None:
+        """``worker`` (re)joined on this node: as :meth:`drop_worker`, and its row of the
+        release board (the same one again if it had one; None once every row is
+        taken: it then releases by call)."""
+        self.drop_worker(worker, keep)
+        with self._lock:
+            row = self._rows.get(worker)
+            if row is None and len(self._rows) < BOARD_ROWS:
+                row = self._rows[worker] = len(self._rows)
+            return None if row is None else Board(self._slot(self._board), row)
 
     def drop_worker(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> None:
         """``worker`` died, left or re-registered: it holds nothing any more, but the
@@ -205,6 +242,8 @@ class ShmOwner:
     def stats(self) -> OwnerStats:
         with self._lock:
             segments = [s for pool in self._pools.values() for s in pool]
+            for segment in segments:
+                self._read_board(segment)
             return OwnerStats(
                 node_id=self._node_id,
                 segments=len(segments),
@@ -212,6 +251,8 @@ class ShmOwner:
                 relays=self._relays,
                 exports=self._exports,
                 holds=tuple(sorted("/".join(h) for s in segments for h in s.holds)),
+                board_releases=self._board_releases,
+                release_calls=self._release_calls,
             )
 
     def closed(self) -> None:
@@ -224,6 +265,7 @@ class ShmOwner:
             for pool in self._pools.values():
                 for segment in pool:
                     os.close(segment.fd)
+            os.close(self._board.fd)
             self._pools.clear()
             self._by_seq.clear()
             self._lock.notify_all()
@@ -235,10 +277,11 @@ class ShmOwner:
         pool = self._pools.setdefault((stream, nbytes), [])
         while True:
             for segment in pool:
+                self._read_board(segment)
                 if not segment.holds:
                     return segment
             if len(pool) < self._max_slots:
-                segment = self._create(nbytes, stream)
+                segment = self._create(nbytes, stream, self._new_column())
                 pool.append(segment)
                 return segment
             remaining = deadline - time.monotonic()
@@ -250,9 +293,37 @@ class ShmOwner:
                     f"{', '.join(holders)}; a receiver that never reaches a safe point "
                     "holds the versions it was sent"
                 )
-            self._lock.wait(remaining)
+            # Releases on the board notify nobody: read it again soon.
+            self._lock.wait(min(remaining, BOARD_POLL_S))
 
-    def _create(self, nbytes: int, stream: str) -> _Segment:
+    def _on_board(self, segment: _Segment, worker: str) -> bool:
+        """Whether ``worker`` wrote on the board that it is done with ``segment``'s
+        version (each cell holds the last sequence its receiver released there)."""
+        row = self._rows.get(worker)
+        if row is None or segment.column < 0:
+            return False
+        return int(self._cells[row, segment.column]) == segment.seq
+
+    def _read_board(self, segment: _Segment) -> None:
+        """Drop the holds of receivers that released ``segment`` on the board."""
+        if segment.column < 0:
+            return
+        released = [
+            hold
+            for hold in segment.holds
+            if hold[0] == "worker" and self._on_board(segment, hold[1])
+        ]
+        segment.holds.difference_update(released)
+        self._board_releases += len(released)
+
+    def _new_column(self) -> int:
+        """The next free column of the release board, -1 once they are all taken."""
+        if self._next_column >= BOARD_COLUMNS:
+            return -1
+        self._next_column += 1
+        return self._next_column - 1
+
+    def _create(self, nbytes: int, stream: str, column: int) -> _Segment:
         token = secrets.token_bytes(TOKEN_BYTES)
         fd = os.memfd_create("raysync-segment", os.MFD_CLOEXEC)
         os.ftruncate(fd, nbytes)
@@ -261,7 +332,7 @@ class ShmOwner:
         os.posix_fallocate(fd, 0, nbytes)
         buffer = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
         buffer[:TOKEN_BYTES] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
-        return _Segment(fd, buffer, token, stream=stream)
+        return _Segment(fd, buffer, token, column, stream=stream)
 
     def _assign(self, segment: _Segment) -> Slot:
         """Give ``segment`` the next sequence number (its previous version is gone)."""
@@ -280,4 +351,5 @@ class ShmOwner:
             segment.token,
             segment.buffer.numel(),
             segment.seq,
+            segment.column,
         )

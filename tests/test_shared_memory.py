@@ -157,7 +157,7 @@ def test_the_learner_delivers_its_slot_itself_and_the_holds_land_after(actors):
     the learner calls the receivers on its node with its slot and the hub books their
     holds in parallel. Receivers are done with a slot before its holds land: the owner
     remembers their releases, so more versions than slots go through and no receiver's
-    hold is left behind."""
+    hold is left behind. Releases are written on the owner's release board, not sent."""
     hub = start_hub(actors, TRANSPORT)
     receivers = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
     ready(receivers)
@@ -179,6 +179,9 @@ def test_the_learner_delivers_its_slot_itself_and_the_holds_land_after(actors):
         what="every receiver's hold released",
     )
     assert "latest/policy" in _holds(hub)
+    # Each receiver released each version on its row of the owner's board: no call.
+    stats = ray.get(_owner(hub).stats.remote())
+    assert (stats.board_releases, stats.release_calls) == (3 * len(directs), 0), stats
 
 
 def test_killed_receiver_releases_its_holds(actors):
@@ -221,6 +224,12 @@ def test_killed_owner_is_restarted_and_leaves_nothing(actors):
     assert ray.get(hub.latest.remote("probe")).payload.slot.pid != owner_pid
     for r in receivers:
         assert ray.get(r.record.remote())[-1] == (2, 2.0, 2.0)
+    # The receivers' rows were on the dead owner's board: they release to the new
+    # owner by call, so more versions than slots still go through.
+    for value in range(3, MAX_SLOTS + 4):
+        assert ray.get(hub.broadcast.remote(filled(template, float(value)))).acked == ("r0", "r1")
+    _wait_until(lambda: not any(h.startswith("worker/") for h in _holds(hub)), what="released")
+    assert ray.get(_owner(hub).stats.remote()).release_calls > 0
     assert _our_dev_shm() == []
 
 

@@ -92,9 +92,11 @@ class SharedMemoryPlanner(TransportPlanner):
             for p in receiver.kept
             if isinstance(p, SharedMemoryPayload) and p.slot.node_id == receiver.node_id
         )
-        await self._owner(receiver.node_id).drop_worker.remote(receiver.worker, kept)
+        board = await self._owner(receiver.node_id).join.remote(receiver.worker, kept)
         await self._streams.receiver_joined(receiver)
-        return SharedMemoryReceiverInfo(receiver.worker, owner_name(self._hub_id, receiver.node_id))
+        return SharedMemoryReceiverInfo(
+            receiver.worker, owner_name(self._hub_id, receiver.node_id), board
+        )
 
     async def receiver_left(self, worker: str) -> None:
         await self._streams.receiver_left(worker)

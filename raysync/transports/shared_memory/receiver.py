@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,11 +13,12 @@ from raysync.layout import HEADER_BYTES, PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
-from raysync.transports.shared_memory.segments import Mappings
+from raysync.transports.shared_memory.segments import Mappings, open_segment_fd
 from raysync.transports.shared_memory.wire import (
     OWNER_NAMESPACE,
     SharedMemoryPayload,
     SharedMemoryReceiverInfo,
+    Slot,
     read_seq,
 )
 
@@ -28,6 +30,8 @@ class SharedMemoryReceiver(TransportReceiver):
         self._worker = info.worker
         self._owner_name = info.owner
         self._owner: tuple[int, Any] | None = None  #: (pid, handle) of the owner last used
+        self._board = info.board
+        self._board_fd: int | None = None  #: the board, opened on the first release
         self._node_id = ray.get_runtime_context().get_node_id()
         self._mappings = Mappings(writable=False)
         #: Bucketed versions: read from the bucket broker into a private staging buffer.
@@ -67,6 +71,8 @@ class SharedMemoryReceiver(TransportReceiver):
             self._streams.release(payload, staged)
             return
         slot = payload.slot
+        if self._released_on_board(slot):
+            return
         if self._owner is None or self._owner[0] != slot.pid:
             try:
                 handle = ray.get_actor(self._owner_name, namespace=OWNER_NAMESPACE)
@@ -76,9 +82,29 @@ class SharedMemoryReceiver(TransportReceiver):
         # The owner ignores it if it is not the slot's owner (it was restarted meanwhile).
         self._owner[1].release.remote(slot.pid, slot.seq, self._worker)
 
+    def _released_on_board(self, slot: Slot) -> bool:
+        """Release ``slot`` on this receiver's row of its owner's board; False if it
+        has none there (no row or column, or the slot is a restarted owner's)."""
+        board = self._board
+        if board is None or slot.column < 0 or board.segment.pid != slot.pid:
+            return False
+        if self._board_fd is None:
+            try:
+                self._board_fd = open_segment_fd(board.segment, writable=True)
+            except TransportError:
+                self._board = None  # its owner died: release by call (to its successor)
+                return False
+        # A system call: what this process read from the slot is read before the
+        # owner can see the release.
+        os.pwrite(self._board_fd, slot.seq.to_bytes(8, "little"), board.offset(slot.column))
+        return True
+
     def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
         self._streams.serve(payload, tensors, spec)
 
     def close(self) -> None:
+        if self._board_fd is not None:
+            os.close(self._board_fd)
+            self._board_fd = None
         self._mappings.clear()
         self._streams.close()

@@ -12,9 +12,9 @@ from raysync.transports.base import TransportError
 from raysync.transports.shared_memory.wire import TOKEN_BYTES, Slot
 
 
-def _open(slot: Slot, writable: bool) -> torch.Tensor:
-    """Map ``slot``'s segment (shared; read-only for readers) as a uint8 tensor, page
-    tables filled up front; check its token."""
+def open_segment_fd(slot: Slot, writable: bool) -> int:
+    """A descriptor of ``slot``'s segment in this process (``/proc/<owner>/fd/<fd>``),
+    its token checked; TransportError if the owner is gone or another."""
     path = f"/proc/{slot.pid}/fd/{slot.fd}"
     try:
         fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
@@ -23,6 +23,19 @@ def _open(slot: Slot, writable: bool) -> torch.Tensor:
             f"cannot open shared-memory segment {path} of the owner on node {slot.node_id} "
             f"({err.strerror}); the owner may have died or runs as another user"
         ) from err
+    if os.pread(fd, TOKEN_BYTES, 0) != slot.token:
+        os.close(fd)
+        raise TransportError(
+            f"{path} is not the shared-memory segment it should be (token mismatch); "
+            f"the owner on node {slot.node_id} may have been replaced"
+        )
+    return fd
+
+
+def _open(slot: Slot, writable: bool) -> torch.Tensor:
+    """Map ``slot``'s segment (shared; read-only for readers) as a uint8 tensor, page
+    tables filled up front; check its token."""
+    fd = open_segment_fd(slot, writable)
     try:
         segment = mmap.mmap(
             fd,
@@ -32,11 +45,6 @@ def _open(slot: Slot, writable: bool) -> torch.Tensor:
         )
     finally:
         os.close(fd)
-    if segment[:TOKEN_BYTES] != slot.token:
-        raise TransportError(
-            f"{path} is not the shared-memory segment it should be (token mismatch); "
-            f"the owner on node {slot.node_id} may have been replaced"
-        )
     with warnings.catch_warnings():
         # Readers map the segment read-only and only ever read from it.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raysync.layout import HEADER_BYTES
+
 #: Namespace of the owner actors (named per hub and node, looked up by the learner).
 OWNER_NAMESPACE = "raysync"
 #: Most slots an owner keeps per segment size; a learner waits once all are held.
@@ -20,6 +22,14 @@ ORDER_WAIT_S = 1.0
 #: counts at one release per receiver per version). Calls that wait take one each: a
 #: learner's ``acquire``, a hold waiting for its turn, a relay, the planner's watch.
 OWNER_THREADS = 32
+#: The release board of an owner (see :class:`Board`): a row per receiver that joined
+#: on its node, a column per segment; receivers beyond the rows, and segments beyond
+#: the columns, release by calling the owner instead.
+BOARD_ROWS = 1024
+BOARD_COLUMNS = 64
+#: How often an owner with no free slot reads its board again while it waits (the
+#: board's writes notify nobody; releases by call wake it at once).
+BOARD_POLL_S = 0.005
 
 #: Header: [0:16] segment token, [16:24] sequence number of the version in the slot
 #: (0 while it is being written), little-endian int64.
@@ -42,6 +52,8 @@ class Slot:
     token: bytes  #: random, also in the segment's header
     nbytes: int
     seq: int  #: owner-wide sequence number of the version written into it
+    #: the segment's column on its owner's release board (-1: none, release by call)
+    column: int = -1
 
 
 @dataclass(frozen=True)
@@ -52,9 +64,27 @@ class SharedMemoryPayload:
 
 
 @dataclass(frozen=True)
+class Board:
+    """Where one receiver releases its slots: its row of its node's owner's *release
+    board*, a segment of int64 cells, one per (receiver, segment), that only that
+    receiver writes (the sequence number it is done with) and the owner reads when it
+    looks for a free slot. A release is one ``pwrite`` there instead of one Ray call
+    per receiver per version."""
+
+    segment: Slot  #: the board's segment (its ``nbytes`` and ``pid``: the owner's)
+    row: int  #: the receiver's row
+
+    def offset(self, column: int) -> int:
+        """Byte offset of the receiver's cell for the segment in ``column``."""
+        return HEADER_BYTES + (self.row * BOARD_COLUMNS + column) * 8
+
+
+@dataclass(frozen=True)
 class SharedMemoryReceiverInfo:
     worker: str  #: the receiver's worker id, named in its holds
     owner: str  #: name of the owner on the receiver's node, to release slots to
+    #: its row of that owner's release board; None: it releases by calling the owner
+    board: Board | None = None
 
 
 def write_seq(buffer: torch.Tensor, seq: int) -> None:
