@@ -19,9 +19,10 @@ machine burnt per update, by kind (the learner is ``driver``). On two cores that
 the number of hops, bounds a small update's wall time.
 
 Beside them, in the same cells and run, raysync's own broadcast without TorchRL: a hub
-(``object_store``, and with ``channels=True``) and N ``WeightReceiver`` actors holding
-the same policy; the time is ``ray.get(hub.broadcast.remote(policy))``, and after each
-sample every receiver must hold the new weight (``--hubs`` picks them, none to skip).
+(``object_store``, with ``channels=True``, and ``shared_memory``) and N
+``WeightReceiver`` actors holding the same policy; the time is
+``ray.get(hub.broadcast.remote(policy))``, and after each sample every receiver must
+hold the new weight (``--hubs`` picks them, none to skip).
 """
 
 from __future__ import annotations
@@ -154,10 +155,11 @@ class HubReceiver(WeightReceiver):
 def time_hub(
     variant: str, size_mb: float, n: int, warmup: int, repeats: int, cpu_repeats: int
 ) -> tuple[list[float], dict[str, float]]:
-    """Seconds per broadcast of raysync's own hub (``object_store`` or
-    ``object_store+channels``) to N mixin receivers, each checked after its sample; and
-    CPU ms per broadcast by kind of process."""
-    hub = WeightHub.remote(models=["policy"], channels=variant.endswith("+channels"))
+    """Seconds per broadcast of raysync's own hub (``object_store``,
+    ``object_store+channels`` or ``shared_memory``) to N mixin receivers, each checked
+    after its sample; and CPU ms per broadcast by kind of process."""
+    transport, _, options = variant.partition("+")
+    hub = WeightHub.remote(models=["policy"], transport=transport, channels=options == "channels")
     receivers = [HubReceiver.remote(hub, size_mb) for _ in range(n)]
     ray.get([r.__ray_ready__.remote() for r in receivers])
     policy = BallastPolicy(size_mb)
@@ -198,6 +200,7 @@ def plot(cells: list[dict], path: Path) -> None:
         "raysync": "RaySyncScheme",
         "object_store": "raysync broadcast",
         "object_store+channels": "raysync broadcast, channels",
+        "shared_memory": "raysync broadcast, shared_memory",
     }
     series = [key for key in names if key in cells[0]]
     width = 0.8 / len(series)
@@ -228,8 +231,8 @@ def main() -> None:
     parser.add_argument(
         "--hubs",
         nargs="*",
-        default=["object_store", "object_store+channels"],
-        choices=["object_store", "object_store+channels"],
+        default=["object_store", "object_store+channels", "shared_memory"],
+        choices=["object_store", "object_store+channels", "shared_memory"],
         help="raysync's own broadcast beside the schemes",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
