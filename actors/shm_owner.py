@@ -101,9 +101,11 @@ class ShmOwner:
         self._board = self._create(
             HEADER_BYTES + BOARD_ROWS * BOARD_COLUMNS * 8, "release board", column=-1
         )
-        #: every row the board has (a row is never given to another worker: a former
-        #: holder of it may still write there)
+        #: [row, column]: the last sequence that row's receiver released in the segment
+        #: of that column (receivers write it; only the owner reads it)
         self._cells = self._board.buffer[HEADER_BYTES:].view(torch.int64).view(-1, BOARD_COLUMNS)
+        #: worker -> its row; never given to another worker (a former holder of a row
+        #: may still write there)
         self._rows: dict[str, int] = {}
         self._next_column = 0
         self._board_releases = 0
