@@ -98,12 +98,10 @@ class ShmOwner:
         self._closed = threading.Event()
         self._relays = 0
         self._exports = 0
-        self._board = self._create(
-            HEADER_BYTES + BOARD_ROWS * BOARD_COLUMNS * 8, "release board", column=-1
-        )
+        self._board = self._create(Board.NBYTES, "release board", column=-1)
         #: [row, column]: the last sequence that row's receiver released in the segment
         #: of that column (receivers write it; only the owner reads it)
-        self._cells = self._board.buffer[HEADER_BYTES:].view(torch.int64).view(-1, BOARD_COLUMNS)
+        self._cells = Board.cells(self._board.buffer)
         #: worker -> its row; never given to another worker (a former holder of a row
         #: may still write there)
         self._rows: dict[str, int] = {}

@@ -74,9 +74,18 @@ class Board:
     segment: Slot  #: the board's segment (its ``nbytes`` and ``pid``: the owner's)
     row: int  #: the receiver's row
 
+    #: The board segment's size: its header, then the cells row by row.
+    NBYTES = HEADER_BYTES + BOARD_ROWS * BOARD_COLUMNS * 8
+
     def offset(self, column: int) -> int:
-        """Byte offset of the receiver's cell for the segment in ``column``."""
+        """Byte offset of the receiver's cell for the segment in ``column`` (what
+        :meth:`cells` shows at ``[row, column]``)."""
         return HEADER_BYTES + (self.row * BOARD_COLUMNS + column) * 8
+
+    @staticmethod
+    def cells(buffer: torch.Tensor) -> torch.Tensor:
+        """The cells of a board segment (its uint8 ``buffer``) as int64 ``[row, column]``."""
+        return buffer[HEADER_BYTES:].view(torch.int64).view(BOARD_ROWS, BOARD_COLUMNS)
 
 
 @dataclass(frozen=True)
