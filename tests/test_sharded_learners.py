@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from raysync import BroadcastError, IncompleteVersionError, SpecMismatchError
+from raysync import BroadcastError, IncompleteVersionError, SpecMismatchError, WeightHub
 from raysync.testing import (
     MODEL,
     ConformanceReceiver,
@@ -18,19 +18,30 @@ from raysync.testing import (
     special_weights,
     split_in_parts,
 )
-from tests.helpers import start, start_hub
+from tests.helpers import start
 
 Receiver = ray.remote(num_cpus=0)(ConformanceReceiver)
 
 
-@pytest.fixture
-def hub_and_receiver(actors):
-    """A hub and one receiver holding version 1 (``special_weights(1.0)``)."""
-    hub = start_hub(actors, "object_store", models=[MODEL])
-    receiver = start(actors, Receiver, hub, "r0")
+@pytest.fixture(scope="module")
+def pair(ray_cluster):
+    """A hub and one receiver for the module's tests (none kills them)."""
+    hub = WeightHub.remote(transport="object_store", models=[MODEL])
+    receiver = Receiver.remote(hub, "r0")
     ray.get(receiver.__ray_ready__.remote())
-    assert ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL)).version == 1
-    return hub, receiver
+    yield hub, receiver
+    for handle in (hub.actor, receiver):
+        ray.kill(handle)
+
+
+@pytest.fixture
+def hub_and_receiver(pair):
+    """The module's hub and receiver, the receiver holding a fresh version ``v`` of
+    ``special_weights(1.0)``: ``(hub, receiver, v)``. Each test numbers its parts'
+    versions from ``v``."""
+    hub, receiver = pair
+    version = ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60).version
+    return hub, receiver, version
 
 
 def send_parts(hub, parts: list[dict], version: int, **kw) -> list[ray.ObjectRef]:
@@ -41,25 +52,26 @@ def send_parts(hub, parts: list[dict], version: int, **kw) -> list[ray.ObjectRef
     ]
 
 
-def assert_untouched(receiver) -> None:
-    assert ray.get(receiver.version.remote()) == 1
+def assert_untouched(receiver, version: int) -> None:
+    """``receiver`` still holds ``version``, ``special_weights(1.0)``."""
+    assert ray.get(receiver.version.remote()) == version
     assert_bitwise(ray.get(receiver.state.remote()), special_weights(1.0))
 
 
 def test_a_part_that_never_arrives_fails_the_version_for_every_part(hub_and_receiver):
-    hub, receiver = hub_and_receiver
+    hub, receiver, v = hub_and_receiver
     first, second = split_in_parts(special_weights(2.0), 2)
-    alone = hub.broadcast.remote(first, model=MODEL, version=2, part=0, parts=2, timeout_s=1)
+    alone = hub.broadcast.remote(first, model=MODEL, version=v + 1, part=0, parts=2, timeout_s=1)
     with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive within 1 s"):
         ray.get(alone, timeout=30)
-    late = hub.broadcast.remote(second, model=MODEL, version=2, part=1, parts=2)
+    late = hub.broadcast.remote(second, model=MODEL, version=v + 1, part=1, parts=2)
     with pytest.raises(IncompleteVersionError, match="part 1 .* arrived after the version failed"):
         ray.get(late, timeout=30)
-    assert_untouched(receiver)
+    assert_untouched(receiver, v)
     assert ray.get(hub.status.remote()).assembling == {}
     # The learners go on: the next version, whole, lands.
     weights = special_weights(3.0)
-    reports = ray.get(send_parts(hub, split_in_parts(weights, 2), version=3), timeout=60)
+    reports = ray.get(send_parts(hub, split_in_parts(weights, 2), version=v + 2), timeout=60)
     assert reports[0] == reports[1] and reports[0].acked == ("r0",)
     assert_bitwise(ray.get(receiver.state.remote()), weights)
 
@@ -80,30 +92,30 @@ def test_parts_that_do_not_make_the_model_are_refused_naming_the_key(
 ):
     """The second part shows it: it is refused naming the key, the first part is told
     why the version failed, and nothing is applied."""
-    hub, receiver = hub_and_receiver
+    hub, receiver, v = hub_and_receiver
     weights = special_weights(2.0)
     parts = [{k: weights[k] for k in first}, {k: weights[k] for k in second}]
-    told, refused = send_parts(hub, parts, version=2)
+    told, refused = send_parts(hub, parts, version=v + 1)
     with pytest.raises(SpecMismatchError, match=refusal):
         ray.get(refused, timeout=30)
     with pytest.raises(IncompleteVersionError, match=f"part 1 was refused .*{reason}"):
         ray.get(told, timeout=30)
-    assert_untouched(receiver)
+    assert_untouched(receiver, v)
 
 
 def test_a_part_with_a_key_the_model_lacks_or_a_wrong_shape_is_refused(hub_and_receiver):
-    hub, receiver = hub_and_receiver
+    hub, receiver, v = hub_and_receiver
     first, second = split_in_parts(special_weights(2.0), 2)
     stranger = dict(second, extra=special_weights()["w"])
-    refs = send_parts(hub, [first, stranger], version=2)
+    refs = send_parts(hub, [first, stranger], version=v + 1)
     with pytest.raises(SpecMismatchError, match="key\\(s\\) the model does not have: 'extra'"):
         ray.get(refs[1], timeout=30)
     name = sorted(second)[0]
     reshaped = dict(second, **{name: second[name].reshape(-1)[:1].clone()})
-    refs = send_parts(hub, [first, reshaped], version=3)
+    refs = send_parts(hub, [first, reshaped], version=v + 2)
     with pytest.raises(SpecMismatchError, match=f"key '{name}' has shape"):
         ray.get(refs[1], timeout=30)
-    assert_untouched(receiver)
+    assert_untouched(receiver, v)
 
 
 @pytest.mark.parametrize(
@@ -116,10 +128,10 @@ def test_a_part_with_a_key_the_model_lacks_or_a_wrong_shape_is_refused(hub_and_r
     ],
 )
 def test_bad_part_arguments_raise_in_the_learner(hub_and_receiver, kw, message):
-    hub, receiver = hub_and_receiver
+    hub, receiver, v = hub_and_receiver
     with pytest.raises(ValueError, match=message):
         hub.broadcast.remote(special_weights(2.0), model=MODEL, **kw)
-    assert_untouched(receiver)
+    assert_untouched(receiver, v)
 
 
 @ray.remote
@@ -146,15 +158,17 @@ class LosingLearner(PartLearner):
 def test_a_part_whose_bytes_are_lost_leaves_the_model_untouched(actors, hub_and_receiver):
     """Part 1's bytes cannot be read: every receiver fails the version (the error says
     so) after reading part 0, and applies nothing of it."""
-    hub, receiver = hub_and_receiver
+    hub, receiver, v = hub_and_receiver
     first, second = split_in_parts(special_weights(2.0), 2)
     losing = start(actors, LosingLearner, hub)
-    lost = losing.send.remote(second, version=2, part=1, parts=2)
+    lost = losing.send.remote(second, version=v + 1, part=1, parts=2)
     with pytest.raises(BroadcastError) as info:
-        ray.get(hub.broadcast.remote(first, model=MODEL, version=2, part=0, parts=2), timeout=60)
+        ray.get(
+            hub.broadcast.remote(first, model=MODEL, version=v + 1, part=0, parts=2), timeout=60
+        )
     assert set(info.value.report.failed) == {"r0"}
     assert "could not read the object-store copy" in info.value.report.failed["r0"]
     with pytest.raises(BroadcastError):
         ray.get(lost, timeout=60)
-    assert_untouched(receiver)
+    assert_untouched(receiver, v)
     assert ray.get(hub.status.remote()).assembling == {}
