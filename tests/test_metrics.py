@@ -36,8 +36,9 @@ def _samples(url: str, hub_id: str) -> dict[tuple[str, frozenset], float]:
     return out
 
 
-def _scrape_until(url: str, hub_id: str, done: Callable[[dict], bool], timeout_s: float = 60):
-    """Scrape until ``done`` holds (Ray exports every ``metrics_report_interval_ms``)."""
+def _scrape_until(url: str, hub_id: str, done: Callable[[dict], bool], timeout_s: float = 90):
+    """Scrape until ``done`` holds (Ray exports every ``metrics_report_interval_ms``, 10 s
+    by default: a value may take two exports to show)."""
     deadline = time.monotonic() + timeout_s
     while True:
         samples = _samples(url, hub_id)
