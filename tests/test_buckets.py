@@ -33,7 +33,8 @@ from tests.third_party_transport import PackedObjectTransport, PutReaderTranspor
 
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
 TINY_MB = 1 / 1024
-#: The transports that move buckets; each test of both runs on a hub of each.
+#: The transports that move buckets: each test marked ``BUCKETED`` runs on a hub of each,
+#: and the ``crew`` fixture starts one of each.
 BUCKETED_TRANSPORTS = ["object_store", "shared_memory", "rpc", "distributed", "nixl"]
 BUCKETED = pytest.mark.parametrize("transport", BUCKETED_TRANSPORTS)
 #: The receivers of each transport's shared hub (the ``crew`` fixture).
