@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import ray
 import torch
 
 from raysync import BroadcastReport, TransportUnavailableError, WeightHub
+from raysync.copies import copy_on_this_thread
 from raysync.spec import WeightSpec
 from raysync.transports import HubContext, TransportError, VersionDone
 from raysync.transports.buckets import BucketPlan
@@ -136,7 +138,7 @@ def test_a_ring_slot_written_again_is_detected_never_applied(actors):
             with pytest.raises(TransportError, match="wrote the ring slot of bucket 0"):
                 receiver._read_ring_bucket(first, staging, plan, 0, boxed[0])
             receiver._read_ring_bucket(second, staging, plan, 0, again[0])  # the current one
-            bucket = staging.views[0][: 1024 // 4]
+            bucket = staging.views[0][: 1024 // 4].cpu()  # VRAM where the machine has CUDA
             assert torch.equal(bucket, -weights["a"][: 1024 // 4])
             ray.get(second.broker.end.remote(second.key, "the test is over"))
             streaming.result(timeout=30)
@@ -235,6 +237,58 @@ def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
             sender.submitted(payload, None)
         with pytest.raises(TransportError, match="failed while writing"):
             receiver.fetch(payload, spec)
+    finally:
+        receiver.close()
+        sender.close()
+        wire.Frame.of.cache_clear()
+
+
+def test_a_reader_reads_what_is_written_then_waits_for_the_rest(monkeypatch):
+    """The learner stops before bucket 3 until the reader waits for it: the reader has
+    read buckets 0-2 as written, reads the rest as they come and gets the version; a
+    reader that looks after the learner is done reads it in one request."""
+    from raysync.transports.nixl import learner, wire
+
+    monkeypatch.setattr(wire, "BUCKET_BYTES", 1024)
+    wire.Frame.of.cache_clear()
+    sender, receiver = NixlSender(), NixlReceiver()
+    big = {"a": torch.arange(3000, dtype=torch.float32), "b": torch.arange(5, dtype=torch.int64)}
+    spec = WeightSpec.of(big)
+    frame = wire.Frame.of(spec)
+    awaited: list[int] = []
+    reader_at_bucket_3 = threading.Event()
+    await_buckets = receiver._await_buckets
+
+    def recording(read, index, payload, stamps):
+        awaited.append(index)
+        if index == 3:
+            reader_at_bucket_3.set()
+        return await_buckets(read, index, payload, stamps)
+
+    monkeypatch.setattr(receiver, "_await_buckets", recording)
+    try:
+        payload = sender.send(big, spec)
+        bucket_3_at = payload.region.address + frame.buckets[3][0]
+
+        def copy_after_the_reader_waits(destination, source):
+            if destination.data_ptr() >= bucket_3_at:
+                assert reader_at_bucket_3.wait(30), "the reader never waited for bucket 3"
+            copy_on_this_thread(destination, source)
+
+        monkeypatch.setattr(learner, "copy_on_this_thread", copy_after_the_reader_waits)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fetched = pool.submit(receiver.fetch, payload, spec)
+            sender.submitted(payload, None)
+            staged = fetched.result(timeout=30)
+        assert len(frame.buckets) > 5 and 3 in awaited
+        assert_same(dict(zip(spec.names, staged, strict=True)), big)
+        receiver.release(payload, staged)
+
+        awaited.clear()
+        staged = receiver.fetch(payload, spec)  # written whole by now
+        assert awaited == [0]
+        assert_same(dict(zip(spec.names, staged, strict=True)), big)
+        receiver.release(payload, staged)
     finally:
         receiver.close()
         sender.close()

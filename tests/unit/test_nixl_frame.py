@@ -163,18 +163,17 @@ def test_the_single_thread_copy_moves_bytes_like_copy():
     assert destination[:100].sum().item() == 0 and destination[1100:].sum().item() == 0
 
 
-def test_the_descriptor_list_is_all_stamps_then_each_bucket_then_each_stamp():
+def test_the_descriptor_list_is_all_stamps_then_each_bucket():
     frame = Frame.of(_big_spec())
     address, device = 0x7F0000001000, 3
     descs = descriptor_list(address, device, frame)
     count = len(frame.buckets)
-    assert len(descs) == 1 + 2 * count
-    # The receiver prepares READs by index: 0 all stamps, 1 + k bucket k's data,
-    # 1 + count + k bucket k's stamp.
+    assert len(descs) == 1 + count
+    # The receiver prepares READs by index: 0 all stamps, 1 + k bucket k's data (and
+    # 1 .. count together: all the data in one request).
     assert descs[0] == (address, 8 * count, device)
     for k, (start, end) in enumerate(frame.buckets):
         assert descs[1 + k] == (address + start, end - start, device)
-        assert descs[1 + count + k] == (address + 8 * k, 8, device)
     # Together the buckets cover every byte after the header exactly once.
     covered = sum(size for _, size, _ in descs[1 : 1 + count])
     assert covered == frame.layout.nbytes - frame.layout.header_bytes

@@ -28,9 +28,11 @@ detected, never applied. A learner that fails while packing sets the stamps to
 Receiver process (:class:`NixlReceiver`): one agent; per spec a registered staging
 buffer with the source's layout (more only while fetched updates wait for a safe
 point, see ``release``, or while a zero-copy model lives in one); per (source buffer,
-staging buffer) the descriptor lists and the READ requests (per bucket its stamp and
-its data, then all stamps) are prepared once and posted again for every update. A new
-learner (new agent) or new registrations (new spec) make it load the agent metadata
+staging buffer) the descriptor lists and the READ requests (all stamps, each bucket's
+data, all the data at once) are prepared once and posted again for every update. A
+receiver reads the stamps first: if every bucket is written already it reads the data
+in one request, else each bucket as the stamps show it written; then the stamps again.
+A new learner (new agent) or new registrations (new spec) make it load the agent metadata
 again; a failed or timed-out read raises :class:`TransportError` naming the learner's
 agent and forgets that agent, so a restarted learner starts clean.
 

@@ -52,12 +52,12 @@ class _Read:
     """Prepared READs from one source buffer into one staging buffer."""
 
     remote: Any  #: prepped remote dlist, laid out like the local one (``descs``)
-    stamps: Any  #: xfer handle: every bucket's stamp, read after the data
+    stamps: Any  #: xfer handle: every bucket's stamp
     data: list[Any]  #: xfer handle per bucket: its bytes
-    stamp: list[Any]  #: xfer handle per bucket: its stamp
+    all_data: Any  #: xfer handle: every bucket's bytes, one request
 
     def release(self) -> None:
-        for handle in (*self.data, *self.stamp, self.stamps, self.remote):
+        for handle in (*self.data, self.all_data, self.stamps, self.remote):
             _release(handle)
 
 
@@ -101,8 +101,9 @@ class NixlReceiver(TransportReceiver):
     def fetch(
         self, payload: NixlPayload | NixlBucketStream | BucketStream, spec: WeightSpec
     ) -> Sequence[torch.Tensor]:
-        """READ the version bucket by bucket, each once the learner has written it (a
-        bucketed one, each once the broker hands it out)."""
+        """READ the version: in one request if the learner has written every bucket,
+        else bucket by bucket as it writes them (a bucketed one, each bucket once the
+        broker hands it out)."""
         if isinstance(payload, NixlBucketStream):
             if self._worker is None:
                 raise TransportError("this receiver reads whole versions, not buckets")
@@ -120,11 +121,20 @@ class NixlReceiver(TransportReceiver):
                 )
             read = self._prepared(payload, staging, frame)
             stamps = frame.stamps(staging.tensor)
-            for index in range(len(frame.buckets)):
-                self._await_bucket(read, index, payload, stamps)
-                self._post(
-                    read.data[index], payload.agent, f"bucket {index} of stamp {payload.stamp}"
-                )
+            count = len(frame.buckets)
+            written = self._await_buckets(read, 0, payload, stamps)
+            if written == count:  # the learner was done packing: one READ of it all
+                self._post(read.all_data, payload.agent, f"buckets of stamp {payload.stamp}")
+            else:  # read behind the learner, bucket by bucket as it writes them
+                index = 0
+                while index < count:
+                    for k in range(index, written):
+                        self._post(
+                            read.data[k], payload.agent, f"bucket {k} of stamp {payload.stamp}"
+                        )
+                    index = written
+                    if index < count:
+                        written = self._await_buckets(read, index, payload, stamps)
             self._post(read.stamps, payload.agent, f"stamps of stamp {payload.stamp}")
             for found in stamps.tolist():
                 if found != payload.stamp:
@@ -242,18 +252,21 @@ class NixlReceiver(TransportReceiver):
         tensor = torch.zeros(layout.nbytes, dtype=torch.uint8, device=self._device)
         return _RingStaging(tensor, layout.views(tensor), self._agent.register_memory(tensor))
 
-    def _await_bucket(
+    def _await_buckets(
         self, read: _Read, index: int, payload: NixlPayload, stamps: torch.Tensor
-    ) -> None:
-        """Until the learner has written bucket ``index`` of this version (its stamp)."""
+    ) -> int:
+        """Read every stamp until the learner has written bucket ``index`` of this
+        version; how many buckets from the first on it has written by then."""
         started = time.monotonic()
         while True:
-            self._post(
-                read.stamp[index], payload.agent, f"stamp of bucket {index} of {payload.stamp}"
-            )
-            found = int(stamps[index])
+            self._post(read.stamps, payload.agent, f"stamps of {payload.stamp}")
+            found_all = stamps.tolist()
+            found = found_all[index]
             if found == payload.stamp:
-                return
+                written = index + 1
+                while written < len(found_all) and found_all[written] == payload.stamp:
+                    written += 1
+                return written
             if found != 0:
                 raise self._not_that_version(payload, found)
             if time.monotonic() - started > READ_TIMEOUT_S:
@@ -315,16 +328,16 @@ class NixlReceiver(TransportReceiver):
                 payload.agent, descs(region.address, region.device_id, frame), region.mem_type
             )
 
-            def prepped(index: int) -> Any:
+            def prepped(indices: list[int]) -> Any:
                 return self._agent.make_prepped_xfer(
-                    "READ", staging.local, [index], remote, [index]
+                    "READ", staging.local, indices, remote, indices
                 )
 
             read = _Read(
                 remote,
-                stamps=prepped(0),
-                data=[prepped(1 + k) for k in range(count)],
-                stamp=[prepped(1 + count + k) for k in range(count)],
+                stamps=prepped([0]),
+                data=[prepped([1 + k]) for k in range(count)],
+                all_data=prepped([1 + k for k in range(count)]),
             )
         except Exception as err:
             self._forget(payload.agent)

@@ -67,13 +67,11 @@ class Frame:
 
 
 def descs(address: int, device_id: int, frame: Frame) -> list[tuple[int, int, int]]:
-    """A buffer's descriptor list, the same on both sides: every stamp, each bucket's
-    bytes, each bucket's stamp."""
-    count = len(frame.buckets)
+    """A buffer's descriptor list, the same on both sides: every stamp, then each
+    bucket's bytes."""
     return [
-        (address, 8 * count, device_id),
+        (address, 8 * len(frame.buckets), device_id),
         *((address + start, end - start, device_id) for start, end in frame.buckets),
-        *((address + 8 * k, 8, device_id) for k in range(count)),
     ]
 
 
