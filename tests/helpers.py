@@ -23,11 +23,12 @@ _ROOT = Path(__file__).parents[1]
 
 
 def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """Same keys, dtypes and values (``torch.equal``: NaN never equals NaN)."""
+    """Same keys, dtypes and values (``torch.equal``: NaN never equals NaN), wherever
+    each lives (a receiver on a machine with CUDA stages in VRAM)."""
     assert actual.keys() == expected.keys()
     for key in expected:
         assert actual[key].dtype == expected[key].dtype, key
-        assert torch.equal(actual[key], expected[key]), f"{key} differs"
+        assert torch.equal(actual[key].cpu(), expected[key].cpu()), f"{key} differs"
 
 
 @ray.remote(num_cpus=0)
