@@ -1,15 +1,16 @@
 """BucketBroker: hands one hub's bucketed versions from learners to receivers (an async
 Ray actor), a few buckets at a time.
 
-Started by the first learner that sends a bucketed version through the hub (named
-:func:`raysync.transports.object_store.broker_name`, so every learner of the hub finds
-the same one), detached from that learner (a sharded learner's rank may die; the others'
-versions go on), stopped by the hub's object-store planner when the hub closes, and by
-itself once its hub is closed or dead. It never
-holds bytes: each bucket is an object the learner put, and the broker keeps only its
-reference, from ``offer`` until every reader has taken it, so the object store holds at
-most :data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` buckets of a version
-whatever the model's size. Who calls what, per version (one *stream*):
+Started by a hub that has a ``bucket_mb`` as it starts (so its first bucketed broadcast
+does not wait for this process), else by the first learner that sends a bucketed version
+through the hub (named :func:`raysync.transports.object_store.broker_name`, so every
+learner of the hub finds the same one), detached from that learner (a sharded learner's
+rank may die; the others' versions go on), stopped by the hub when it closes, and by
+itself once its hub is closed or dead. It never holds bytes: each bucket is an object
+the learner put, and the broker keeps only its reference, from ``offer`` until every
+reader has taken it, so the object store holds at most
+:data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` buckets of a version whatever
+the model's size. Who calls what, per version (one *stream*):
 
 * the learner: ``offer(stream, k, [ref], sender)`` for each bucket (``sender``: its
   own actor, watched while any stream of it runs), and before putting bucket

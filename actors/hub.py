@@ -76,6 +76,7 @@ from raysync.transports import (
     get_transport,
     register_transport,
 )
+from raysync.transports.object_store import open_broker
 from raysync.transports.parts import plan_parts, plan_pull_parts
 
 logger = logging.getLogger(__name__)
@@ -198,6 +199,13 @@ class WeightHubActor:
         #: One planner per transport in use: the hub's, and any a receiver asked for.
         self._planners: dict[str, TransportPlanner] = {}
         self._planner(config.transport)
+        #: A hub that buckets by default starts its bucket broker now, so that its first
+        #: bucketed broadcast does not wait seconds for the broker's process; learners
+        #: find it by name. Otherwise the first learner that buckets starts it.
+        self._broker = None
+        if config.bucket_mb is not None:
+            actor = ray.get_runtime_context().current_actor
+            self._broker = open_broker(config.context(actor, get_transport(self._transport)))
         self._default_timeout_s = config.default_timeout_s
         self._state = HubState()
         for model in config.models:
@@ -663,6 +671,8 @@ class WeightHubActor:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._background.close()
         await asyncio.gather(*(planner.close() for planner in self._planners.values()))
+        if self._broker is not None:
+            ray.kill(self._broker)  # already gone (a planner stopped it): no error
         if self._snapshot is not None:
             self._snapshot.delete()
 

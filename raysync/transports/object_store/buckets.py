@@ -102,8 +102,9 @@ class BucketStream:
 
 
 def open_broker(hub: HubContext) -> Any:
-    """The hub's bucket broker, started by the first learner that needs it (detached
-    from that learner: it lives as long as the hub)."""
+    """The hub's bucket broker: started by a hub that has a ``bucket_mb`` as it starts,
+    else by the first learner that needs it (detached from that learner: it lives as
+    long as the hub). Either finds the one running."""
     broker_class = ray.remote(actor_class(BUCKET_BROKER))
     return broker_class.options(
         name=broker_name(hub.hub_id),
