@@ -5,7 +5,7 @@
 # `object_store` (benchmarks/buckets.py --device cuda). Each step is time-boxed so that
 # a slow path shows up as a cut step, not a hung run.
 #
-#   bash benchmarks/gpu_check.sh OUTDIR     # gpu-tests.log, buckets_gpu_<transport>.{json,png}
+#   bash benchmarks/gpu_check.sh OUTDIR     # gpu-tests.log, buckets_gpu_*.{json,png}
 set -o pipefail
 out=${1:?usage: gpu_check.sh OUTDIR}
 mkdir -p "$out"
@@ -24,3 +24,8 @@ for transport in nixl rdt object_store; do
     --progress --out "$out/buckets_gpu_$transport.json" 2>&1 | grep -E "MiB|broadcast|Error"
   echo "$transport done at $(( $(date +%s) - start )) s"
 done
+# The broker's hand-off per bucket against the bucket size: 1 GiB in 4 buckets, not 16.
+timeout -k 10 80 python3 benchmarks/buckets.py --device cuda --transport nixl --sizes 1024 \
+  --modes bucketed --bucket-mb 256 --receivers 2 --repeats 2 --timeout-s 60 --progress \
+  --out "$out/buckets_gpu_nixl_256mb_buckets.json" 2>&1 | grep -E "MiB|broadcast|Error"
+echo "nixl, 256 MiB buckets, done at $(( $(date +%s) - start )) s"
