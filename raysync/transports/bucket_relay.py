@@ -40,7 +40,7 @@ from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError
 from raysync.transports.buckets import BucketPlan
-from raysync.transports.object_store import BucketStream, read_put
+from raysync.transports.object_store import BucketStream, arrays_of, read_put
 from raysync.transports.parts import Parts
 
 T = TypeVar("T")
@@ -127,7 +127,7 @@ async def read_bucket(
     boxed, why = await _read(asked, what)
     if why is not None:
         raise TransportError(f"{what}: {why}")
-    return [_bytes(a) for a in await _read(boxed[0], what)]
+    return [_bytes(a) for a in arrays_of(await _read(boxed[0], what))]
 
 
 def read_bucket_now(bucket: RelayedBucket, reader: str, timeout_s: float) -> list[torch.Tensor]:
@@ -140,11 +140,11 @@ def read_bucket_now(bucket: RelayedBucket, reader: str, timeout_s: float) -> lis
     )
     try:
         if not isinstance(payload, BucketStream):
-            return [_bytes(a) for a in ray.get(payload.ref, timeout=timeout_s)]
+            return [_bytes(a) for a in arrays_of(ray.get(payload.ref, timeout=timeout_s))]
         boxed, why = ray.get(payload.broker.take.remote(payload.key, index, reader))
         if why is not None:
             raise TransportError(f"{what}: {why}")
-        return [_bytes(a) for a in ray.get(boxed[0], timeout=timeout_s)]
+        return [_bytes(a) for a in arrays_of(ray.get(boxed[0], timeout=timeout_s))]
     except ray.exceptions.RayError as err:  # GetTimeoutError included
         raise TransportError(
             f"could not read {what} ({type(err).__name__}); the learner or the hub's "

@@ -1,5 +1,6 @@
-"""The object store's NumPy hand-off (raysync/transports/object_store.py): every dtype
-travels as a view of the tensor itself and comes back bit for bit, in its shape."""
+"""The object store's NumPy hand-off (raysync/transports/object_store/arrays.py): every
+dtype travels as a view of the tensor itself, out of band, and comes back bit for bit,
+in its shape."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from raysync.transports.object_store import as_array, as_tensor
+from raysync.transports.object_store import arrays_of, as_array, as_tensor
 
 _DTYPES = [
     torch.float32,
@@ -46,9 +47,12 @@ def test_a_tensor_round_trips_bit_for_bit_through_its_array(dtype, shape):
     # The array views the tensor: no copy in the learner before ray.put.
     if count:
         assert array.ctypes.data == tensor.data_ptr()
-    # What Ray's serializer does with it: pickle protocol 5, the bytes out of band.
+    # What Ray's serializer does with put_arrays' list: pickle protocol 5, the bytes
+    # out of band, nothing of the array pickled in band but its buffer's place.
     buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(array, protocol=5, buffer_callback=buffers.append)
-    back = as_tensor(pickle.loads(data, buffers=buffers), dtype)
+    data = pickle.dumps([pickle.PickleBuffer(array)], protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1 and len(data) < 64
+    [back_array] = arrays_of(pickle.loads(data, buffers=buffers))
+    back = as_tensor(back_array, dtype)
     assert back.dtype == dtype and back.shape == tensor.shape
     assert torch.equal(_bits(back), _bits(tensor))

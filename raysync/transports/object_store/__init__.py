@@ -1,12 +1,11 @@
 """Ray's object store as the data path: one put per broadcast, zero-copy reads per node.
 
 Learner process: each tensor is handed to ``ray.put`` as a NumPy view of itself (its
-shape and dtype; a same-size integer dtype where NumPy has none, as for bfloat16), so
-Ray's serializer writes the bytes out-of-band, back to back (64-byte aligned) into *one*
-object-store buffer: a single copy from the learner's tensors into shared memory, no
-pickling by value and no intermediate packing buffer. One ``Tensor.numpy()`` per tensor
-on each side, and no reshape or byte view, keeps a 1000-tensor model's cost near a
-16-tensor one's. The learner process owns the
+shape and dtype; a same-size integer dtype where NumPy has none, as for bfloat16) in an
+out-of-band buffer (:mod:`raysync.transports.object_store.arrays`), so Ray's serializer
+writes the bytes back to back (64-byte aligned) into *one* object-store buffer: a single
+copy from the learner's tensors into shared memory, no pickling by value and no
+intermediate packing buffer. The learner process owns the
 object (Ray 2.56 removed ``ray.put(_owner=...)``); the hub holds a reference to the
 latest version, so it stays readable for receivers that join later while the learner
 lives. If the learner dies, the next broadcast after it restarts is what late joiners get.
@@ -22,7 +21,6 @@ instead, at most :data:`BUCKETS_IN_FLIGHT` in the object store at once
 from __future__ import annotations
 
 import asyncio
-import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ import ray
 import torch
 
 from raysync.spec import WeightSpec
+from raysync.transports.object_store.arrays import arrays_of, as_array, as_tensor, put_arrays
 from raysync.transports.base import (
     Availability,
     HubContext,
@@ -67,9 +66,11 @@ __all__ = [
     "InlinePayload",
     "ObjectStorePayload",
     "ObjectStoreTransport",
+    "arrays_of",
     "as_array",
     "as_tensor",
     "broker_name",
+    "put_arrays",
     "read_put",
 ]
 
@@ -91,37 +92,6 @@ class InlinePayload:
     arrays: tuple[np.ndarray, ...]
 
 
-#: Same-size stand-ins for the dtypes NumPy does not have (bfloat16, float8, ...).
-_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@functools.cache
-def _numpy_dtype_of(dtype: torch.dtype) -> bool:
-    """Whether ``Tensor.numpy()`` takes tensors of ``dtype`` (asked once per dtype)."""
-    try:
-        torch.empty(0, dtype=dtype).numpy()
-    except TypeError:
-        return False
-    return True
-
-
-def as_array(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a contiguous tensor, in its shape: of its own dtype, or of the
-    same-size integer dtype where NumPy has none (``bfloat16`` -> ``int16``). GPU
-    tensors are copied to host first. :func:`as_tensor` undoes it."""
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if not _numpy_dtype_of(tensor.dtype):
-        tensor = tensor.view(_INTEGER_OF_SIZE[tensor.dtype.itemsize])
-    return tensor.numpy()
-
-
-def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor of dtype ``dtype`` that :func:`as_array` made ``array`` of (no copy)."""
-    tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
-
-
 async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list[np.ndarray]:
     """The arrays of a version's put (see :func:`as_array`), in spec order; of every
     part's put for a version sent in parts. Awaited in an async resource actor (a
@@ -131,8 +101,8 @@ async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list
         per_part = await asyncio.wait_for(
             asyncio.gather(*(part.payload.ref for part in source.parts)), timeout_s
         )
-        return source.in_spec_order(per_part)
-    return await asyncio.wait_for(source.ref, timeout_s)
+        return source.in_spec_order([arrays_of(value) for value in per_part])
+    return arrays_of(await asyncio.wait_for(source.ref, timeout_s))
 
 
 class ObjectStoreSender(TransportSender):
@@ -142,8 +112,7 @@ class ObjectStoreSender(TransportSender):
         self._outgoing: dict[str, Outgoing] = {}
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> ObjectStorePayload:
-        arrays = [as_array(tensors[name]) for name in spec.names]
-        return ObjectStorePayload(ray.put(arrays))
+        return ObjectStorePayload(put_arrays(as_array(tensors[name]) for name in spec.names))
 
     def send_buckets(
         self,
@@ -187,7 +156,7 @@ class ObjectStoreReceiver(TransportReceiver):
                 raise TransportError("this transport reads whole versions, not buckets")
             return fetch_stream(payload, spec, self._worker, self._staging)
         try:
-            arrays = ray.get(payload.ref)
+            arrays = arrays_of(ray.get(payload.ref))
         except ray.exceptions.RayError as err:
             raise TransportError(
                 f"could not read the object-store copy of the update ({type(err).__name__}); "

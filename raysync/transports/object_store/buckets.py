@@ -45,6 +45,7 @@ from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, VersionDone
 from raysync.transports.buckets import BucketPlan
+from raysync.transports.object_store.arrays import arrays_of, put_arrays
 from raysync.transports.staging import StagingPool
 
 #: Buckets of one version the object store holds at most: the one receivers copy, and
@@ -150,7 +151,7 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
             if why is not None:
                 broker.end.remote(key, why)
                 return
-        ref = ray.put(bucket_arrays(outgoing, index))
+        ref = put_arrays(bucket_arrays(outgoing, index))
         broker.offer.remote(key, index, [ref], sender)
         del ref  # the broker's reference keeps it until every reader took it
 
@@ -256,7 +257,7 @@ def staging_buffer(spec: WeightSpec) -> torch.Tensor:
 
 def _read_bucket(ref: ray.ObjectRef, index: int, count: int) -> Sequence[np.ndarray]:
     try:
-        return ray.get(ref)
+        return arrays_of(ray.get(ref))
     except ray.exceptions.RayError as err:
         raise TransportError(
             f"could not read bucket {index} of {count} from the object store "
