@@ -31,7 +31,6 @@ import ray
 import torch
 
 from raysync.spec import WeightSpec
-from raysync.transports.object_store.arrays import arrays_of, as_array, as_tensor, put_arrays
 from raysync.transports.base import (
     Availability,
     HubContext,
@@ -42,6 +41,7 @@ from raysync.transports.base import (
     TransportSender,
     VersionDone,
 )
+from raysync.transports.object_store.arrays import arrays_of, as_array, as_tensor, put_arrays
 from raysync.transports.object_store.buckets import (
     BROKER_NAMESPACE,
     BUCKETS_IN_FLIGHT,
