@@ -48,12 +48,16 @@ class PackedLayout:
         return _layout_of(spec, header_bytes)
 
     def pack(
-        self, tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor], buffer: torch.Tensor
+        self,
+        tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+        buffer: torch.Tensor,
+        typed: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """Copy ``tensors`` into their places in the uint8 ``buffer`` (any device).
 
         ``tensors`` is a mapping by spec name, or a sequence in spec order; each is
         contiguous, of its spec dtype and shape or already a uint8 view of its bytes.
+        ``typed``: :meth:`views` of ``buffer``, if the caller keeps them.
         :func:`raysync.copies.copy_all` moves them all, on every core torch uses: a
         model of 1000 small tensors pays no round of slicing and viewing per tensor.
         """
@@ -66,7 +70,7 @@ class PackedLayout:
             raise ValueError(
                 f"pack got {len(sources)} tensors for a layout of {len(self.spec.tensors)}"
             )
-        typed = self.views(buffer)
+        typed = self.views(buffer) if typed is None else typed
         destinations = []
         for index, (source, view) in enumerate(zip(sources, typed, strict=True)):
             if source.dtype == view.dtype and source.shape == view.shape:

@@ -103,7 +103,7 @@ class SharedMemorySender(TransportSender):
         layout = PackedLayout.of(spec, HEADER_BYTES)
         slot, buffer = self._slot(layout.nbytes)
         write_seq(buffer, 0)
-        layout.pack(tensors, buffer)
+        layout.pack(tensors, buffer, self._mappings.views(slot, layout))
         write_seq(buffer, slot.seq)
         self._next = (
             layout.nbytes,

@@ -62,7 +62,7 @@ class SharedMemoryReceiver(TransportReceiver):
                 f"{read_seq(buffer)}, expected {slot.seq}: it was rewritten before this "
                 "receiver read it (its hold was lost: did it re-register meanwhile?)"
             )
-        return layout.views(buffer)
+        return self._mappings.views(slot, layout)
 
     def release(
         self, payload: SharedMemoryPayload | BucketStream, staged: Sequence[torch.Tensor] | None

@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
 from raysync.transports.shared_memory.wire import TOKEN_BYTES, Slot
 
@@ -52,21 +53,36 @@ def _open(slot: Slot, writable: bool) -> torch.Tensor:
 
 
 class Mappings:
-    """Segments this process has mapped, by token. Mappings of a replaced owner (another
-    pid) are dropped when the new owner's first segment is mapped."""
+    """Segments this process has mapped, by token, and the typed views of each in the
+    layout it was last used with. Mappings of a replaced owner (another pid) are dropped
+    when the new owner's first segment is mapped."""
 
     def __init__(self, writable: bool) -> None:
         self._writable = writable
         self._buffers: dict[bytes, tuple[int, torch.Tensor]] = {}
+        self._views: dict[bytes, tuple[PackedLayout, list[torch.Tensor]]] = {}
 
     def buffer(self, slot: Slot) -> torch.Tensor:
         known = self._buffers.get(slot.token)
         if known is not None:
             return known[1]
         self._buffers = {t: e for t, e in self._buffers.items() if e[0] == slot.pid}
+        self._views = {t: v for t, v in self._views.items() if t in self._buffers}
         buffer = _open(slot, self._writable)
         self._buffers[slot.token] = (slot.pid, buffer)
         return buffer
 
+    def views(self, slot: Slot, layout: PackedLayout) -> list[torch.Tensor]:
+        """``layout``'s tensors viewing ``slot``'s segment (:meth:`PackedLayout.views`),
+        made once per segment and layout: a slot is written and read once per version,
+        and a model of 1000 tensors took ~1.4 ms to view each time, in the learner and
+        in every receiver."""
+        buffer = self.buffer(slot)
+        known = self._views.get(slot.token)
+        if known is None or known[0] is not layout:
+            known = self._views[slot.token] = (layout, layout.views(buffer))
+        return list(known[1])
+
     def clear(self) -> None:
         self._buffers.clear()
+        self._views.clear()
