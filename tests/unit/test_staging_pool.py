@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.staging import StagingPool
 
@@ -91,3 +92,28 @@ def test_close_returns_every_buffer_made_and_forgets_leases():
     pool.release(leased_views)  # a release after close changes nothing
     _, fresh = _filled(pool, SMALL)
     assert fresh is not free and fresh is not leased and len(made) == 3
+
+
+def test_a_buffers_views_are_made_once_per_layout_and_show_what_it_holds():
+    """``views`` of a pool buffer: the same views for every version written into it
+    (each showing that version), new ones for another layout, none kept after close."""
+    pool: StagingPool[torch.Tensor] = StagingPool(lambda spec: torch.zeros(4096, dtype=torch.uint8))
+    spec_a = WeightSpec.of({"a": torch.zeros(3, 4), "b": torch.zeros(5)})
+    spec_c = WeightSpec.of({"c": torch.zeros(7)})
+    layout_a, layout_c = PackedLayout.of(spec_a), PackedLayout.of(spec_c)
+    for value in (1.0, 2.0):
+
+        def write(buffer: torch.Tensor, value: float = value) -> list[torch.Tensor]:
+            layout_a.pack({"a": torch.full((3, 4), value), "b": torch.full((5,), value)}, buffer)
+            return pool.views(buffer, layout_a)
+
+        staged = pool.fill(spec_a, write)
+        assert [t.tolist() for t in staged] == [[[value] * 4] * 3, [value] * 5]
+        pool.release(staged)
+    [buffer] = pool.created()
+    assert pool.views(buffer, layout_a) is pool.views(buffer, layout_a)
+    kept = pool.views(buffer, layout_c)
+    [c] = kept
+    assert c.shape == (7,) and c.data_ptr() == buffer.data_ptr()
+    pool.close()
+    assert pool.views(buffer, layout_c) is not kept

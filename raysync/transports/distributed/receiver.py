@@ -99,7 +99,7 @@ class DistributedReceiver(TransportReceiver):
                     raise TransportError(f"{err}; and then {fallback}") from fallback
                 finally:
                     finish(payload.source, payload.worker)
-            return PackedLayout.of(spec).views(buffer)
+            return self._staging.views(buffer, PackedLayout.of(spec))
 
         return self._staging.fill(spec, write)
 

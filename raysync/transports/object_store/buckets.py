@@ -219,7 +219,7 @@ def fetch_stream(
     def write(buffer: torch.Tensor) -> list[torch.Tensor]:
         for index, boxed in buckets_of(payload, plan.count, worker):
             _copy_bucket(buffer, plan, index, _read_bucket(boxed[0], index, plan.count))
-        return plan.layout.views(buffer)
+        return pool.views(buffer, plan.layout)
 
     return pool.fill(spec, write)
 

@@ -50,7 +50,7 @@ class RdtReceiver(TransportReceiver):
 
         def write(staging: torch.Tensor) -> list[torch.Tensor]:
             _read_into(payload.ref, staging, "the update")
-            return PackedLayout.of(spec).views(staging)
+            return self._pool.views(staging, PackedLayout.of(spec))
 
         return self._pool.fill(spec, write)
 
@@ -80,7 +80,7 @@ class RdtReceiver(TransportReceiver):
                 place = staging[start : start + min(plan.bucket_bytes, staging.numel() - start)]
                 _read_into(boxed[0], place, f"bucket {index} of {plan.count}")
                 del boxed
-            return PackedLayout.of(spec).views(staging)
+            return self._pool.views(staging, PackedLayout.of(spec))
 
         return self._pool.fill(spec, write)
 
