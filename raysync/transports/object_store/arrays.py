@@ -16,7 +16,6 @@ Ray's buffer objects back, which carry each array's shape and format;
 
 from __future__ import annotations
 
-import functools
 import pickle
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -25,29 +24,14 @@ import numpy as np
 import ray
 import torch
 
-#: Same-size stand-ins for the dtypes NumPy does not have (bfloat16, float8, ...).
-_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@functools.cache
-def _numpy_dtype_of(dtype: torch.dtype) -> bool:
-    """Whether ``Tensor.numpy()`` takes tensors of ``dtype`` (asked once per dtype)."""
-    try:
-        torch.empty(0, dtype=dtype).numpy()
-    except TypeError:
-        return False
-    return True
+from raysync.copies import numpy_view
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
     """A NumPy view of a contiguous tensor, in its shape: of its own dtype, or of the
     same-size integer dtype where NumPy has none (``bfloat16`` -> ``int16``). GPU
     tensors are copied to host first. :func:`as_tensor` undoes it."""
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if not _numpy_dtype_of(tensor.dtype):
-        tensor = tensor.view(_INTEGER_OF_SIZE[tensor.dtype.itemsize])
-    return tensor.numpy()
+    return numpy_view(tensor if tensor.is_cpu else tensor.cpu())
 
 
 def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
