@@ -14,10 +14,9 @@ goes to which thread is planned once per spec (:func:`copy_shares`), not per cop
 
 Tensors of middle size (32K elements up to ``DEAL_BELOW_BYTES``) are dealt the same
 way, and each is copied with ``numpy.copyto`` on its thread (one memcpy, GIL released):
-torch would copy each across all its threads in turn, a fork and join per tensor, and
-1000 tensors of 1 MiB took 153 ms on 2 cores that way against 103 ms dealt to two
-threads. Only larger tensors, and pairs of different dtypes or devices, are copied by
-torch itself.
+torch would copy each across all its threads in turn, and 1000 tensors of 1 MiB took
+153 ms on 2 cores that way against 117 ms dealt to two threads. Only larger tensors,
+and pairs of different dtypes or devices, are copied by torch itself.
 
 The opposite, for a learner packing buckets while receivers read the previous ones:
 :func:`copy_on_this_thread`.
