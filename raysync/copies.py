@@ -170,4 +170,4 @@ def copy_on_this_thread(destination: torch.Tensor, source: torch.Tensor) -> None
     if source.device.type != "cpu" or destination.device.type != "cpu":
         destination.copy_(source)
         return
-    numpy.copyto(destination.numpy(), source.numpy())
+    numpy.copyto(numpy_view(destination), numpy_view(source))

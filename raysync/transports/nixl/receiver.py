@@ -126,15 +126,12 @@ class NixlReceiver(TransportReceiver):
             if written == count:  # the learner was done packing: one READ of it all
                 self._post(read.all_data, payload.agent, f"buckets of stamp {payload.stamp}")
             else:  # read behind the learner, bucket by bucket as it writes them
-                index = 0
-                while index < count:
-                    for k in range(index, written):
-                        self._post(
-                            read.data[k], payload.agent, f"bucket {k} of stamp {payload.stamp}"
-                        )
-                    index = written
-                    if index < count:
+                for index in range(count):
+                    if index == written:
                         written = self._await_buckets(read, index, payload, stamps)
+                    self._post(
+                        read.data[index], payload.agent, f"bucket {index} of stamp {payload.stamp}"
+                    )
             self._post(read.stamps, payload.agent, f"stamps of stamp {payload.stamp}")
             for found in stamps.tolist():
                 if found != payload.stamp:
