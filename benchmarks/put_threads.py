@@ -7,9 +7,7 @@ runs put at the same time (``raysync/transports/object_store/arrays.py``). Each 
 first puts until this process's page tables cover the store (three puts in a row that
 did not fault: ``VersionPuts`` splits only then), then alternates the two for
 ``--rounds`` rounds of ``--loops`` puts, the last half of each round counted, two
-versions alive at a time as in a broadcast, with the page faults per counted put (a
-store of 6 GiB: a put can still reach a region this process never touched). Writes JSON
-and a PNG.
+versions alive at a time as in a broadcast. Writes JSON and a PNG.
 
     python benchmarks/put_threads.py --out benchmarks/results/put_threads.json
 """
@@ -26,41 +24,34 @@ from pathlib import Path
 import ray
 import torch
 
-from raysync.transports.object_store.arrays import (
-    VersionPuts,
-    as_array,
-    put_arrays,
-    put_version,
-)
+from raysync.transports.object_store.arrays import as_array, cold, put_arrays, put_version
 
 #: (tensor count, bytes per tensor): the shapes measured by default.
 _CELLS = ((1000, 64 << 10), (1000, 256 << 10), (2000, 512 << 10), (1000, 1 << 20))
 
 
-def _median_ms(put, loops: int) -> tuple[float, int]:
-    """The median ms of the last half of ``loops`` puts, and their page faults per put
-    (0 when this process's page tables already covered what they wrote)."""
+def _median_ms(put, loops: int) -> float:
     samples, alive = [], []
-    for loop in range(loops):
-        if loop == loops // 2:
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(loops):
         start = time.perf_counter()
         alive.append(put())
         samples.append(time.perf_counter() - start)
         del alive[:-2]
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    counted = samples[loops // 2 :]
-    return 1000 * statistics.median(counted), faults // len(counted)
+    return 1000 * statistics.median(samples[loops // 2 :])
 
 
 def _warm_up(arrays: list, most: int = 400) -> int:
-    """Put (one object each) until three puts in a row did not fault (``VersionPuts``
-    would split the next one), at most ``most``; how many it took."""
-    puts, warm, alive = VersionPuts(), 0, []
+    """Put until three puts in a row did not fault (at most ``most``); how many it took."""
+    nbytes, warm, alive = sum(a.nbytes for a in arrays), 0, []
     for count in range(1, most + 1):
-        alive.append(puts.put(arrays, threads=1))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        alive.append(put_arrays(arrays))
         del alive[:-2]
-        warm = warm + 1 if puts.warm else 0
+        warm = (
+            0
+            if cold(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, nbytes)
+            else warm + 1
+        )
         if warm == 3:
             return count
     return most
@@ -82,19 +73,13 @@ def main() -> None:
             arrays = [as_array(torch.randn(nbytes // 4)) for _ in range(count)]
             warm_up_puts = _warm_up(arrays)
             for round_ in range(args.rounds):
-                one, one_faults = _median_ms(lambda a=arrays: put_arrays(a), args.loops)
-                split, split_faults = _median_ms(
-                    lambda a=arrays: put_version(a, args.threads), args.loops
-                )
+                one = _median_ms(lambda a=arrays: put_arrays(a), args.loops)
+                split = _median_ms(lambda a=arrays: put_version(a, args.threads), args.loops)
                 row = {"tensors": count, "tensor_bytes": nbytes, "round": round_}
                 row.update(one_put_ms=one, put_version_ms=split, threads=args.threads)
-                row.update(one_put_faults=one_faults, put_version_faults=split_faults)
                 row.update(warm_up_puts=warm_up_puts)
                 rows.append(row)
-                print(
-                    f"{count} x {nbytes} B: one put {one:.1f} ms ({one_faults} faults), "
-                    f"put_version {split:.1f} ms ({split_faults} faults)"
-                )
+                print(f"{count} x {nbytes} B: one put {one:.1f} ms, put_version {split:.1f} ms")
             del arrays
     finally:
         ray.shutdown()

@@ -14,8 +14,8 @@ ones one after another on the thread that puts. A version of many small tensors 
 therefore put by :func:`put_version` as one object per copy thread, each holding a run
 of consecutive arrays, put at the same time (Ray releases the GIL while it copies). On
 2 cores, warm, per version (``benchmarks/put_threads.py``): 1000 float32 tensors of
-64 KiB 14.0 against 8.9 ms, of 1 MiB 167-179 against 99-103 ms; 2000 of 512 KiB
-171-176 against 101-103 ms. A version of large tensors, or of few bytes, stays one
+64 KiB 13.8-14.9 against 8.7-10.7 ms, of 256 KiB 40-50 against 26-30 ms, of 1 MiB
+170-237 against 88-105 ms. A version of large tensors, or of few bytes, stays one
 object. So does every version while the learner's page tables do not yet cover the
 store's pages (:class:`VersionPuts`): until then each put faults on every page it
 writes, and two threads faulting at once took twice as long as one (64 KiB tensors, by
@@ -117,11 +117,6 @@ class VersionPuts:
 
     def __init__(self) -> None:
         self._warm = False
-
-    @property
-    def warm(self) -> bool:
-        """Whether the last put did not fault on its pages (the next one may split)."""
-        return self._warm
 
     def put(self, arrays: Sequence[np.ndarray], threads: int) -> tuple[ray.ObjectRef, ...]:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
