@@ -68,7 +68,7 @@ def copy_all(
             torch._foreach_copy_(list(destinations), list(sources))
             return
         pending = [
-            executor(len(shares) - 1).submit(_copy, destinations, sources, share)
+            _executor(len(shares) - 1).submit(_copy, destinations, sources, share)
             for share in shares[1:]
         ]
         try:
@@ -149,9 +149,8 @@ def _numpy_takes(dtype: torch.dtype) -> bool:
     return True
 
 
-def executor(workers: int) -> ThreadPoolExecutor:
-    """This process's copy threads (the caller is one more), made once: the copies
-    here, and the object store's concurrent puts."""
+def _executor(workers: int) -> ThreadPoolExecutor:
+    """This process's copy threads (the caller is one more), made once."""
     global _pool, _pool_workers
     with _pool_lock:
         if _pool is None or _pool_workers < workers:
