@@ -68,7 +68,7 @@ def copy_all(
             torch._foreach_copy_(list(destinations), list(sources))
             return
         pending = [
-            _executor(len(shares) - 1).submit(_copy, destinations, sources, share)
+            executor(len(shares) - 1).submit(_copy, destinations, sources, share)
             for share in shares[1:]
         ]
         try:
@@ -149,8 +149,9 @@ def _numpy_takes(dtype: torch.dtype) -> bool:
     return True
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
-    """This process's copy threads (the caller is one more), made once."""
+def executor(workers: int) -> ThreadPoolExecutor:
+    """This process's copy threads (the caller is one more), made once: the copies
+    here, and the object store's concurrent puts."""
     global _pool, _pool_workers
     with _pool_lock:
         if _pool is None or _pool_workers < workers:

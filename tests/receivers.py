@@ -24,6 +24,12 @@ def make_probe_model(width: int = 256, layers: int = 8) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
 
+def make_many_small_model() -> torch.nn.Module:
+    """16 MiB in 128 tensors of 256 KiB and 1 KiB: what the object store puts in one
+    object per copy thread of the learner (``put_version``)."""
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(64)])
+
+
 def filled(model: torch.nn.Module, value: float) -> dict[str, torch.Tensor]:
     """A state_dict of ``model``'s spec with every element equal to ``value``."""
     return {k: torch.full_like(v, value) for k, v in model.state_dict().items()}

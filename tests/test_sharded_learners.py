@@ -150,7 +150,7 @@ class LosingLearner(PartLearner):
         from raysync.transports import object_store
 
         def send_lost(sender, tensors, spec):
-            return object_store.ObjectStorePayload(_lost.remote(spec.nbytes))
+            return object_store.ObjectStorePayload((_lost.remote(spec.nbytes),))
 
         object_store.ObjectStoreSender.send = send_lost
 

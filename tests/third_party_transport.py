@@ -31,7 +31,7 @@ from raysync.transports import (
     TransportReceiver,
     TransportSender,
 )
-from raysync.transports.object_store import ObjectStorePayload, arrays_of, as_tensor
+from raysync.transports.object_store import ObjectStorePayload, as_tensor
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class PackedObjectTransport(Transport):
 
 class PutReader(TransportReceiver):
     def fetch(self, payload: ObjectStorePayload, spec: WeightSpec) -> Sequence[torch.Tensor]:
-        arrays = arrays_of(ray.get(payload.ref))
+        arrays = payload.arrays()
         with warnings.catch_warnings():  # torch warns of a read-only array: never written
             warnings.simplefilter("ignore", UserWarning)
             return [as_tensor(a, e.dtype) for a, e in zip(arrays, spec.tensors, strict=True)]

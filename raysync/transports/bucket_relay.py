@@ -140,7 +140,7 @@ def read_bucket_now(bucket: RelayedBucket, reader: str, timeout_s: float) -> lis
     )
     try:
         if not isinstance(payload, BucketStream):
-            return [_bytes(a) for a in arrays_of(ray.get(payload.ref, timeout=timeout_s))]
+            return [_bytes(a) for a in payload.arrays(timeout_s)]
         boxed, why = ray.get(payload.broker.take.remote(payload.key, index, reader))
         if why is not None:
             raise TransportError(f"{what}: {why}")

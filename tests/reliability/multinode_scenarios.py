@@ -108,11 +108,13 @@ def object_store_copies_once_per_node(nodes: dict[str, str], facts: dict) -> Non
                     p.add_(1.0)
             report = ray.get(hub.broadcast.remote(learner))
             update = ray.get(hub.latest.remote("policy"))
-            locations = ray.experimental.get_object_locations([update.payload.ref])
+            locations = ray.experimental.get_object_locations(list(update.payload.refs))
             facts["broadcasts"].append(
                 {
                     "acked": list(report.acked),
-                    "object_on_nodes": sorted(locations[update.payload.ref]["node_ids"]),
+                    "object_on_nodes": sorted(
+                        {node for ref in update.payload.refs for node in locations[ref]["node_ids"]}
+                    ),
                 }
             )
         facts["not_bitwise_equal"] = not_bitwise_equal(receivers, state_of(learner))

@@ -39,7 +39,7 @@ def _send(agent: rpc_agent.RpcAgentActor, weights: list[np.ndarray]):
         ref = asyncio.get_running_loop().create_future()  # stands in for the learner's copy
         ref.set_result(weights)
         spec = WeightSpec.of({"w": torch.from_numpy(weights[0])})
-        job = RpcJob(1, "policy", 1, ("w0",), ObjectStorePayload(ref), spec)
+        job = RpcJob(1, "policy", 1, ("w0",), ObjectStorePayload((ref,)), spec)
         return await agent.send(job), await agent.describe()
 
     return asyncio.run(run())

@@ -1,9 +1,11 @@
-"""Ray's object store as the data path: one put per broadcast, zero-copy reads per node.
+"""Ray's object store as the data path: one put per broadcast (one per copy thread for a
+version of many small tensors), zero-copy reads per node.
 
 Learner process: each tensor is handed to ``ray.put`` as a NumPy view of itself (its
 shape and dtype; a same-size integer dtype where NumPy has none, as for bfloat16) in an
 out-of-band buffer (:mod:`raysync.transports.object_store.arrays`), so Ray's serializer
-writes the bytes back to back (64-byte aligned) into *one* object-store buffer: a single
+writes the bytes back to back (64-byte aligned) into *one* object-store buffer (or one
+per copy thread: :func:`~raysync.transports.object_store.arrays.put_version`): a single
 copy from the learner's tensors into shared memory, no pickling by value and no
 intermediate packing buffer. The learner process owns the
 object (Ray 2.56 removed ``ray.put(_owner=...)``); the hub holds a reference to the
@@ -41,7 +43,14 @@ from raysync.transports.base import (
     TransportSender,
     VersionDone,
 )
-from raysync.transports.object_store.arrays import arrays_of, as_array, as_tensor, put_arrays
+from raysync.transports.object_store.arrays import (
+    VersionPuts,
+    arrays_of,
+    as_array,
+    as_tensor,
+    put_arrays,
+    put_version,
+)
 from raysync.transports.object_store.buckets import (
     BROKER_NAMESPACE,
     BUCKETS_IN_FLIGHT,
@@ -71,15 +80,29 @@ __all__ = [
     "as_tensor",
     "broker_name",
     "put_arrays",
+    "put_version",
     "read_put",
 ]
 
 
 @dataclass(frozen=True)
 class ObjectStorePayload:
-    """The reference to one version's object. Nested in an Update, Ray passes it as a ref."""
+    """The references to one version's objects (:func:`put_version`: one, or one per
+    copy thread of the learner), in spec order. Nested in an Update, Ray passes them as
+    refs."""
 
-    ref: ray.ObjectRef
+    refs: tuple[ray.ObjectRef, ...]
+
+    def arrays(self, timeout_s: float | None = None) -> list[np.ndarray]:
+        """Reader (blocking): every array of the version, in spec order, read-only views
+        of the object store. Ray's errors as they come (``GetTimeoutError`` included)."""
+        values = ray.get(list(self.refs), timeout=timeout_s)
+        return [array for value in values for array in arrays_of(value)]
+
+    async def arrays_async(self) -> list[np.ndarray]:
+        """:meth:`arrays`, awaited (an async actor's event loop must not block)."""
+        values = await asyncio.gather(*self.refs)
+        return [array for value in values for array in arrays_of(value)]
 
 
 @dataclass(frozen=True)
@@ -99,10 +122,10 @@ async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list
     ``timeout_s``."""
     if isinstance(source, Parts):
         per_part = await asyncio.wait_for(
-            asyncio.gather(*(part.payload.ref for part in source.parts)), timeout_s
+            asyncio.gather(*(part.payload.arrays_async() for part in source.parts)), timeout_s
         )
-        return source.in_spec_order([arrays_of(value) for value in per_part])
-    return arrays_of(await asyncio.wait_for(source.ref, timeout_s))
+        return source.in_spec_order(per_part)
+    return await asyncio.wait_for(source.arrays_async(), timeout_s)
 
 
 class ObjectStoreSender(TransportSender):
@@ -110,9 +133,11 @@ class ObjectStoreSender(TransportSender):
         self._hub = hub
         self._broker: Any = None
         self._outgoing: dict[str, Outgoing] = {}
+        self._puts = VersionPuts()
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> ObjectStorePayload:
-        return ObjectStorePayload(put_arrays(as_array(tensors[name]) for name in spec.names))
+        arrays = [as_array(tensors[name]) for name in spec.names]
+        return ObjectStorePayload(self._puts.put(arrays, torch.get_num_threads()))
 
     def send_buckets(
         self,
@@ -156,7 +181,7 @@ class ObjectStoreReceiver(TransportReceiver):
                 raise TransportError("this transport reads whole versions, not buckets")
             return fetch_stream(payload, spec, self._worker, self._staging)
         try:
-            arrays = arrays_of(ray.get(payload.ref))
+            arrays = payload.arrays()
         except ray.exceptions.RayError as err:
             raise TransportError(
                 f"could not read the object-store copy of the update ({type(err).__name__}); "
