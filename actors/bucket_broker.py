@@ -26,6 +26,9 @@ the model's size. Who calls what, per version (one *stream*):
   ``take(stream, k, worker, copied=k - 1)`` — and ``take(stream, count, worker)`` at
   the end.
 
+The broker stamps each of those calls on its clock (:mod:`raysync.transports.hand_off`):
+``hand_off()`` says where the time between a stream's buckets went.
+
 Ray does not keep an async actor's calls in order, so any of them may be the first the
 broker hears of a stream (a :class:`~raysync.transports.object_store.buckets.StreamId`:
 its id, bucket count and the receivers' wait): each one opens it. A stream the hub has
@@ -47,10 +50,13 @@ from typing import Any
 
 import ray
 
+from raysync.transports.hand_off import HandOff, HandOffClock
 from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, SenderActor, StreamId
 
 #: Streams whose end is remembered, so a late ``take`` is told the buckets are gone.
 _ENDED_KEPT = 256
+#: Streams whose hand-off clock is kept (:meth:`BucketBroker.hand_off`).
+_CLOCKS_KEPT = 16
 #: Seconds between the broker's looks at whether its hub still runs.
 _HUB_LOOK_S = 5.0
 #: Seconds between looks at a stream's sender that answers at once (an async actor).
@@ -70,6 +76,7 @@ class _Stream:
     ended: str | None = None  #: why the learner stopped sending it
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     sender: str | None = None  #: the actor id of the process that puts it, if watched
+    clock: HandOffClock = field(default_factory=HandOffClock)
 
     def behind(self, needed: int) -> list[str]:
         """Readers that have copied fewer than ``needed`` buckets (all, unplanned)."""
@@ -115,6 +122,8 @@ class BucketBroker:
         #: actor id -> the one task watching it (it outlives the sender's streams while
         #: its call waits behind a long method, and covers the sender's next streams)
         self._watches: dict[str, asyncio.Task] = {}
+        #: stream id -> its hand-off clock, for the last ``_CLOCKS_KEPT`` streams opened
+        self._clocks: dict[str, HandOffClock] = {}
 
     # -- the learner ------------------------------------------------------------------
     async def offer(
@@ -137,6 +146,7 @@ class BucketBroker:
             if sender.actor_id not in self._watches:
                 watch = asyncio.get_running_loop().create_task(self._watch_sender(sender))
                 self._watches[sender.actor_id] = watch
+        state.clock.offer(index)
         state.buckets[index] = boxed
         state.offered = max(state.offered, index + 1)
         state.free_taken()
@@ -156,6 +166,7 @@ class BucketBroker:
         state = self._open(key)
         if state is None:
             return self._ended.get(key.id, ("",))[0] or "the stream is over"
+        state.clock.ask_room(index)
         needed = index - BUCKETS_IN_FLIGHT + 1
         deadline = None
         async with state.changed:
@@ -181,6 +192,7 @@ class BucketBroker:
             return state.ended
         if not state.readers:
             return "no receiver reads this version any more"
+        state.clock.grant_room(index)
         return None
 
     async def end(self, key: StreamId, why: str) -> None:
@@ -249,6 +261,7 @@ class BucketBroker:
             self._finish_reader(state, worker)
             await state.changed_now()
             return None, None
+        state.clock.take(worker, index)
         if index < state.offered and index not in state.buckets:
             return None, (
                 f"bucket {index} of {key.count} is gone: every reader of the version took "
@@ -275,6 +288,7 @@ class BucketBroker:
         if worker in state.dropped:
             return None, f"this receiver was dropped from the stream: {state.dropped[worker]}"
         if index in state.buckets:
+            state.clock.answer(worker, index)
             return state.buckets[index], None
         return None, f"the learner stopped sending this version: {state.ended}"
 
@@ -289,6 +303,18 @@ class BucketBroker:
     # -- tests and benchmarks ----------------------------------------------------------
     def stats(self) -> BrokerStats:
         return BrokerStats(streams=len(self._streams), peak_buckets=self._peak)
+
+    def hand_off(self, stream: str | None = None) -> HandOff | None:
+        """Where the time between buckets went in stream ``stream`` (an id), or in the
+        last stream opened that had a bucket offered; None if the broker has no such
+        stream's clock (it keeps the last few)."""
+        if stream is not None:
+            clock = self._clocks.get(stream)
+            return None if clock is None else clock.summary()
+        for clock in reversed(self._clocks.values()):
+            if clock.offered:
+                return clock.summary()
+        return None
 
     def taken(self, worker: str) -> int:
         """The bucket ``worker`` asked for last in any stream (tests watch a reader's
@@ -306,6 +332,9 @@ class BucketBroker:
         state = self._streams.get(key.id)
         if state is None:
             state = self._streams[key.id] = _Stream(key)
+            self._clocks[key.id] = state.clock
+            while len(self._clocks) > _CLOCKS_KEPT:
+                del self._clocks[next(iter(self._clocks))]
             asyncio.get_running_loop().call_later(
                 key.wait_s, self._expire, state, "the hub never planned this version", True
             )

@@ -19,7 +19,10 @@ broadcasts from this process (the learner). Modes: ``whole`` (one put per versio
   batches, every second by default, and evicts sooner when space is needed), sampled
   every 20 ms through the raylet, and bytes spilled to disk;
 * that the last version arrived bit for bit in every receiver (a blake2b of each
-  receiver's tensors against the learner's, cast through bfloat16 for that mode).
+  receiver's tensors against the learner's, cast through bfloat16 for that mode);
+* for a bucketed cell, where the time between the last broadcast's buckets went, from
+  the bucket broker's clock (:class:`raysync.transports.hand_off.HandOff`: per bucket,
+  the period, the readers' and the learner's turns, medians in ms).
 
 With ``--device cuda`` the learner's weights and each receiver's model live in VRAM
 (receivers share the GPU: ``num_gpus`` 0.1 each); the learner's peak of CUDA memory
@@ -34,6 +37,7 @@ On ``rpc``: ``--transport rpc --sizes 1024 --out benchmarks/results/buckets_rpc.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import hashlib
 import json
@@ -235,6 +239,7 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
         if args.device == "cuda":
             growth["learner_cuda"] = (torch.cuda.max_memory_allocated() - cuda_base) / 2**20
         p50 = statistics.median(seconds)
+        hand_off = None if broker is None else ray.get(broker.hand_off.remote())
         return {
             "size_mb": size_mb,
             "device": args.device,
@@ -250,6 +255,7 @@ def run_cell(size_mb: int, mode: str, args: argparse.Namespace, address: str) ->
             "store_pinned_peak_mb": store.pinned_peak / 2**20,
             "spilled_mb": spilled / 2**20,
             "bitwise": bitwise,
+            "hand_off": None if hand_off is None else dataclasses.asdict(hand_off),
         }
     finally:
         ray.get(hub.close.remote())
@@ -348,6 +354,17 @@ def main() -> None:
                     f"{row['spilled_mb']:.0f} MiB, bitwise {row['bitwise']}",
                     flush=True,
                 )
+                if row["hand_off"]:
+                    print(
+                        "      per bucket (ms, last broadcast's median): "
+                        + ", ".join(
+                            f"{k.removesuffix('_s')} {v * 1e3:.1f}"
+                            for k, v in row["hand_off"].items()
+                            if k != "buckets"
+                        )
+                        + f"; {row['hand_off']['buckets']} buckets",
+                        flush=True,
+                    )
     finally:
         ray.shutdown()
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

@@ -21,11 +21,11 @@ echo "tests done at $(( $(date +%s) - start )) s"
 for transport in nixl rdt object_store; do
   timeout -k 10 100 python3 benchmarks/buckets.py --device cuda --transport "$transport" \
     --sizes 256 1024 --modes whole bucketed --receivers 2 --repeats 2 --timeout-s 60 \
-    --progress --out "$out/buckets_gpu_$transport.json" 2>&1 | grep -E "MiB|broadcast|Error"
+    --progress --out "$out/buckets_gpu_$transport.json" 2>&1 | grep -E "MiB|broadcast|per bucket|Error"
   echo "$transport done at $(( $(date +%s) - start )) s"
 done
 # The broker's hand-off per bucket against the bucket size: 1 GiB in 4 buckets, not 16.
 timeout -k 10 80 python3 benchmarks/buckets.py --device cuda --transport nixl --sizes 1024 \
   --modes bucketed --bucket-mb 256 --receivers 2 --repeats 2 --timeout-s 60 --progress \
-  --out "$out/buckets_gpu_nixl_256mb_buckets.json" 2>&1 | grep -E "MiB|broadcast|Error"
+  --out "$out/buckets_gpu_nixl_256mb_buckets.json" 2>&1 | grep -E "MiB|broadcast|per bucket|Error"
 echo "nixl, 256 MiB buckets, done at $(( $(date +%s) - start )) s"

@@ -12,6 +12,7 @@ import ray
 
 from raysync.actors import bucket_broker
 from raysync.actors.bucket_broker import BucketBroker
+from raysync.transports.hand_off import HandOff
 from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, SenderActor, StreamId
 
 TIMEOUT = 10.0
@@ -308,3 +309,61 @@ def test_a_sender_is_watched_no_more_once_its_streams_ended(monkeypatch):
         return len(handle.calls)
 
     assert run(main()) == 1  # the second stream rode on the first call; none after
+
+
+async def _paced_stream(learner_pause_s: float, reader_pause_s: float) -> HandOff | None:
+    """One stream of 8 buckets to two readers that ask ahead as receivers do; the
+    learner spends ``learner_pause_s`` "packing" each bucket after its room, one reader
+    ``reader_pause_s`` "reading" each before it asks for the next."""
+    broker, k = BucketBroker(_NO_HUB), key(count=8)
+    await broker.readers(k, ["a", "b"])
+
+    async def paced_learner():
+        for index in range(k.count):
+            if index >= BUCKETS_IN_FLIGHT:
+                assert await broker.room(k, index) is None
+            await asyncio.sleep(learner_pause_s)
+            await broker.offer(k, index, [f"ref{index}"])
+
+    async def asking_reader(worker: str, pause_s: float):
+        asked = asyncio.ensure_future(broker.take(k, 0, worker))
+        for index in range(k.count):
+            boxed, why = await asked
+            assert why is None and boxed == [f"ref{index}"]
+            if index + 1 < k.count:
+                asked = asyncio.ensure_future(broker.take(k, index + 1, worker, (), index))
+            await asyncio.sleep(pause_s)  # reads bucket `index`
+        await broker.take(k, k.count, worker)
+
+    await asyncio.gather(paced_learner(), asking_reader("a", 0), asking_reader("b", reader_pause_s))
+    return broker.hand_off()
+
+
+def test_the_hand_off_clock_says_whose_turn_the_time_between_buckets_was():
+    slow_learner = run(_paced_stream(learner_pause_s=0.05, reader_pause_s=0))
+    slow_reader = run(_paced_stream(learner_pause_s=0, reader_pause_s=0.05))
+    assert slow_learner.buckets == slow_reader.buckets == 8
+    # A slow pack: the learner's turn is the period; readers wait for each bucket.
+    assert slow_learner.learner_turn_s >= 0.05 > slow_learner.readers_turn_s
+    assert slow_learner.period_s >= 0.05 and slow_learner.take_wait_s >= 0.04
+    # A slow reader: its turn (the rest of its read, then its next take) is the period;
+    # the learner waits for room.
+    assert slow_reader.readers_turn_s >= 0.05 > slow_reader.learner_turn_s
+    assert slow_reader.period_s >= 0.05 and slow_reader.room_wait_s >= 0.04
+
+
+def test_the_broker_keeps_the_clocks_of_its_last_streams_only():
+    async def main():
+        broker = BucketBroker(_NO_HUB)
+        for number in range(bucket_broker._CLOCKS_KEPT + 1):
+            k = StreamId(f"s{number}", 1, 5.0)
+            await broker.readers(k, ["a"])
+            await broker.offer(k, 0, ["ref0"])
+            assert await broker.take(k, 0, "a") == (["ref0"], None)
+            await broker.take(k, 1, "a")
+        return broker
+
+    broker = run(main())
+    assert broker.hand_off("s0") is None
+    assert broker.hand_off(f"s{bucket_broker._CLOCKS_KEPT}") == broker.hand_off()
+    assert broker.hand_off().buckets == 1

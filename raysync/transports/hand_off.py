@@ -1,0 +1,105 @@
+"""Where a bucketed version's time goes between buckets: the bucket broker's clock.
+
+Every bucket of a bucketed version is handed from the learner to its readers through
+the hub's bucket broker (``actors/bucket_broker.py``), and the broker hears each step
+of it: the learner's ``offer`` of bucket ``k``, each reader's ``take`` of it and the
+broker's answer, the learner's ``room`` for bucket ``k`` (granted once every reader has
+copied the bucket whose slot ``k`` reuses). Broker process: :class:`HandOffClock`
+stamps those calls on one clock (a few dicts per stream); benchmarks and users ask the
+broker for :meth:`HandOffClock.summary`, a :class:`HandOff` of medians per bucket.
+
+With :data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` slots, bucket ``k`` is
+offered a *period* after bucket ``k - 1``, made of:
+
+* the readers' turn: from the broker's answer to ``take(k - 1)`` until the slowest
+  reader's ``take(k)`` arrives (the answer's way to the reader, its ``ray.get``, the
+  rest of its read of bucket ``k - 2`` when that is slower, the way back). A reader asks
+  for ``k`` while it still reads ``k - 1``, and that ask says it copied ``k - 2``: what
+  the learner's ``room(k)`` waits for;
+* the learner's turn: from ``room(k)`` granted until ``offer(k)`` arrives (the grant's
+  way to the learner, its pack of bucket ``k``, the offer's way back).
+
+So a period far above the bytes' own copy time is made of messages (a control plane
+that costs per bucket, whatever its size), and the two turns say whose.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """Medians over a stream's buckets, in seconds (0.0 where no bucket had the two
+    stamps a figure needs: a stream of one or two buckets has no room to wait for)."""
+
+    buckets: int  #: buckets the learner offered
+    period_s: float  #: from one bucket's offer to the next one's
+    readers_turn_s: float  #: answer to ``take(k - 1)`` -> slowest reader's ``take(k)``
+    learner_turn_s: float  #: ``room(k)`` granted -> ``offer(k)`` arrives
+    room_wait_s: float  #: ``room(k)`` asked -> granted (the learner waiting for readers)
+    take_wait_s: float  #: ``take(k)`` arrives -> answered (a reader waiting for the learner)
+
+
+@dataclass
+class HandOffClock:
+    """Broker process: when each hand-off call of one stream arrived or was answered
+    (``time.monotonic()``)."""
+
+    offered: dict[int, float] = field(default_factory=dict)
+    room_asked: dict[int, float] = field(default_factory=dict)
+    room_granted: dict[int, float] = field(default_factory=dict)
+    #: reader -> bucket -> when its ``take`` arrived / was answered with the bucket
+    taken: dict[str, dict[int, float]] = field(default_factory=dict)
+    answered: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def offer(self, index: int) -> None:
+        self.offered.setdefault(index, time.monotonic())
+
+    def ask_room(self, index: int) -> None:
+        self.room_asked.setdefault(index, time.monotonic())
+
+    def grant_room(self, index: int) -> None:
+        self.room_granted.setdefault(index, time.monotonic())
+
+    def take(self, worker: str, index: int) -> None:
+        self.taken.setdefault(worker, {}).setdefault(index, time.monotonic())
+
+    def answer(self, worker: str, index: int) -> None:
+        self.answered.setdefault(worker, {}).setdefault(index, time.monotonic())
+
+    def summary(self) -> HandOff:
+        offered = self.offered
+        periods = [offered[k] - offered[k - 1] for k in offered if k - 1 in offered]
+        readers_turns = []
+        for k in offered:
+            turns = [
+                taken[k] - self.answered[worker][k - 1]
+                for worker, taken in self.taken.items()
+                if k in taken and k - 1 in self.answered.get(worker, {})
+            ]
+            if turns:
+                readers_turns.append(max(turns))
+        granted = self.room_granted
+        learner_turns = [offered[k] - granted[k] for k in offered if k in granted]
+        room_waits = [at - self.room_asked[k] for k, at in granted.items() if k in self.room_asked]
+        take_waits = [
+            answered[k] - self.taken[worker][k]
+            for worker, answered in self.answered.items()
+            for k in answered
+            if k in self.taken.get(worker, {})
+        ]
+        return HandOff(
+            buckets=len(offered),
+            period_s=_median(periods),
+            readers_turn_s=_median(readers_turns),
+            learner_turn_s=_median(learner_turns),
+            room_wait_s=_median(room_waits),
+            take_wait_s=_median(take_waits),
+        )
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0

@@ -1,0 +1,53 @@
+"""HandOffClock.summary (raysync/transports/hand_off.py): the medians per bucket of a
+stream's hand-off, from the broker's stamps, without Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from raysync.transports.hand_off import HandOff, HandOffClock
+
+
+def stamped(learner_s: float, reader_s: dict[str, float], count: int = 5) -> HandOffClock:
+    """The stamps of a steady stream: each reader's next take arrives ``reader_s``
+    after its answer, the learner's offer ``learner_s`` after its room."""
+    clock, now = HandOffClock(), 0.0
+    answered = now  # the answer to the previous bucket's takes
+    for k in range(count):
+        if k >= 2:
+            clock.room_asked[k] = clock.offered[k - 1] + 0.001
+            clock.room_granted[k] = now
+        if k >= 1:
+            now += learner_s
+        clock.offered[k] = now
+        for worker, turn in reader_s.items():
+            clock.taken.setdefault(worker, {})[k] = now - 0.002 if k == 0 else answered + turn
+            clock.answered.setdefault(worker, {})[k] = now
+        answered = now
+        now = answered + max(reader_s.values())
+    return clock
+
+
+def test_a_steady_stream_splits_its_period_into_the_readers_and_the_learners_turns():
+    summary = stamped(learner_s=0.003, reader_s={"a": 0.001, "b": 0.004}).summary()
+    assert summary.buckets == 5
+    assert summary.readers_turn_s == pytest.approx(0.004)  # the slowest reader's
+    assert summary.learner_turn_s == pytest.approx(0.003)
+    assert summary.period_s == pytest.approx(0.007)
+    assert summary.room_wait_s == pytest.approx(0.003)  # asked 1 ms after the offer
+    # The slowest reader waits for the learner's turn, the quickest for both turns' rest.
+    assert summary.take_wait_s == pytest.approx(0.003)
+
+
+def test_a_stream_without_the_stamps_a_figure_needs_reports_zero_for_it():
+    clock = HandOffClock()
+    clock.offer(0)
+    assert clock.summary() == HandOff(1, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_the_first_stamp_of_a_call_made_twice_counts():
+    clock = HandOffClock()
+    clock.offer(0)
+    first = clock.offered[0]
+    clock.offer(0)
+    assert clock.offered[0] == first
