@@ -21,10 +21,11 @@ the model's size. Who calls what, per version (one *stream*):
   ``drop_reader(worker)`` when a receiver dies or leaves, ``finished(stream)`` to find
   receivers that hold a version a late joiner needs, and ``end(stream, why)`` when the
   one it asked to serve it cannot;
-* each receiver: ``take(stream, k, worker)`` for bucket ``k`` — which also says it is
-  done with the buckets before ``k``, or, asking ahead while it reads bucket ``k - 1``,
-  ``take(stream, k, worker, copied=k - 1)`` — and ``take(stream, count, worker)`` at
-  the end.
+* each receiver: ``take(stream, k, worker, copied=c)`` for bucket ``k``, saying it has
+  copied ``c`` buckets (default: every bucket before ``k``). A receiver keeps two asks
+  ahead: it asks for buckets 0 and 1, then for ``k + 2`` with ``copied=k + 1`` as soon
+  as it has read bucket ``k``; a relay asks for ``k + 1`` while it passes ``k`` on.
+  ``take(stream, count, worker)`` at the end.
 
 The broker stamps each of those calls on its clock (:mod:`raysync.transports.hand_off`):
 ``hand_off()`` says where the time between a stream's buckets went.

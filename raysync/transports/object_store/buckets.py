@@ -15,8 +15,9 @@ it. Who does what, per version:
   version, and which receivers died or left;
 * receiver process (``ObjectStoreReceiver``): :func:`fetch_stream` copies each bucket
   into a staging buffer of the version's packed layout (reused across versions),
-  outside the safe point, asking the broker for bucket ``k + 1`` while it copies ``k``
-  (:func:`buckets_of`, which ``nixl`` and ``rdt`` receivers use too). The model
+  outside the safe point, two asks ahead of its copying: once it has copied bucket
+  ``k`` it asks the broker for ``k + 2`` (:func:`buckets_of`, which ``nixl`` and
+  ``rdt`` receivers use too). The model
   changes at its safe point as for a whole version, from that buffer: a version whose
   later bucket fails never reaches the model.
 
@@ -226,19 +227,26 @@ def fetch_stream(
 
 def buckets_of(payload: BucketStream, count: int, worker: str) -> Iterator[tuple[int, Any]]:
     """Receiver ``worker``: each bucket's box from the broker, in order (``(index,
-    boxed)``), asking for bucket ``k + 1`` while the caller reads bucket ``k`` (so the
-    broker's answer travels during the read, not between reads); the caller reads
-    bucket ``k`` before it asks for the next. Done once every bucket was read: tells the
-    broker. TransportError, naming the bucket, for one that cannot be had."""
+    boxed)``); the caller reads bucket ``k`` before it asks for the next. Done once
+    every bucket was read: tells the broker. TransportError, naming the bucket, for one
+    that cannot be had.
+
+    Two asks stay ahead of the caller: once it has read bucket ``k`` it asks for bucket
+    ``k + 2`` (saying it copied ``k``) while the answer about ``k + 1`` is on its way or
+    already here. The broker lets the learner reuse bucket ``k``'s slot for bucket
+    ``k + 2`` when every reader has said so, so that word leaves as soon as the read
+    ends rather than with the next answer: a learner and readers that move bytes fast
+    wait for two of Ray's messages per bucket instead of four
+    (``docs/buckets.md``, "What a bucket costs beyond its bytes")."""
     broker, key = payload.broker, payload.key
-    asked = broker.take.remote(key, 0, worker)
+    asked = {index: broker.take.remote(key, index, worker, (), 0) for index in range(min(2, count))}
     for index in range(count):
-        boxed, why = _answer(asked)
+        boxed, why = _answer(asked.pop(index))
         if why is not None:
             raise TransportError(f"bucket {index} of {count}: {why}")
-        if index + 1 < count:
-            asked = broker.take.remote(key, index + 1, worker, (), index)
         yield index, boxed
+        if index + 2 < count:
+            asked[index + 2] = broker.take.remote(key, index + 2, worker, (), index + 1)
     broker.take.remote(key, count, worker)
 
 
