@@ -1,0 +1,69 @@
+"""buckets_of (raysync/transports/object_store/buckets.py): the order in which a
+receiver asks the broker for buckets and says what it copied. Its ``take`` calls are
+recorded by a stand-in broker; the answers are read by ``_answer`` (patched here to
+read the stand-in's boxes instead of Ray's refs: the broker's side is tested in
+test_bucket_broker.py and, with Ray, in tests/test_buckets.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raysync.transports.object_store import buckets
+from raysync.transports.object_store.buckets import BucketStream, StreamId, buckets_of
+
+
+class _Take:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def remote(self, key, index, worker, passed_on=(), copied=None):
+        self.calls.append((index, copied))
+        return ([f"ref{index}"], None)
+
+
+class _Broker:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int | None]] = []
+        self.take = _Take(self.calls)
+
+
+@pytest.fixture(autouse=True)
+def _answers_are_the_boxes(monkeypatch):
+    monkeypatch.setattr(buckets, "_answer", lambda asked: asked)
+
+
+def stream(count: int) -> tuple[_Broker, BucketStream]:
+    broker = _Broker()
+    return broker, BucketStream(broker, StreamId("s", count, 5.0), 64)
+
+
+def test_a_reader_keeps_two_asks_ahead_and_says_what_it_copied_once_it_read_it():
+    broker, payload = stream(5)
+    reading = buckets_of(payload, 5, "w")
+    seen = []
+    for index, boxed in reading:
+        seen.append((index, boxed, list(broker.calls)))
+        broker.calls.clear()
+    # Before the caller reads bucket 0: buckets 0 and 1 asked, nothing copied.
+    assert seen[0] == (0, ["ref0"], [(0, 0), (1, 0)])
+    # Having read bucket k, it asks for k + 2 and says it copied k + 1 buckets (none
+    # after reading bucket 3: bucket 5 is past the end).
+    assert [entry[2] for entry in seen[1:]] == [[(2, 1)], [(3, 2)], [(4, 3)], []]
+    assert [entry[1] for entry in seen] == [[f"ref{i}"] for i in range(5)]
+    assert broker.calls == [(5, None)]  # done: every bucket read
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_short_stream_asks_for_no_bucket_it_does_not_have(count):
+    broker, payload = stream(count)
+    assert [index for index, _ in buckets_of(payload, count, "w")] == list(range(count))
+    assert broker.calls == [(index, 0) for index in range(count)] + [(count, None)]
+
+
+def test_a_bucket_that_cannot_be_had_is_named():
+    broker, payload = stream(3)
+    broker.take.remote = lambda key, index, *rest: (None, "gone") if index == 1 else ([0], None)
+    reading = buckets_of(payload, 3, "w")
+    next(reading)
+    with pytest.raises(buckets.TransportError, match="bucket 1 of 3: gone"):
+        next(reading)
