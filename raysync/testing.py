@@ -26,6 +26,7 @@ shuts down. Called in the test (driver) process; the receivers are Ray actors of
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -75,6 +76,21 @@ def assert_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
         got_bytes = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         want_bytes = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(got_bytes, want_bytes), f"{name}: bytes differ"
+
+
+def wait_dead(actor: Any, timeout_s: float = 60.0) -> None:
+    """Wait until an actor is gone (killed, or ending by itself). ``ray.kill`` returns
+    before the process dies, and a call sent in between may still run (and return) in
+    it: ask again until a call fails with the actor's death."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"{actor} still answers {timeout_s} s after it should be gone"
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=remaining)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)  # alive still: ask again shortly, not in a busy loop
 
 
 class ConformanceReceiver(WeightReceiver):
@@ -257,6 +273,7 @@ class TransportConformance:
         both = ("crew0", "victim")
         self.broadcast(hub, special_weights(1.0), both)
         ray.kill(victim, no_restart=True)
+        wait_dead(victim)  # else a delivery may still reach it and be applied
         weights = special_weights(2.0)
         with pytest.raises(BroadcastError) as info:
             self.broadcast(hub, weights, both)

@@ -1,7 +1,7 @@
 """Helpers every Ray test module shares: starting hubs and receivers, bitwise checks,
 the transport parameters. Test modules import from here (and ``tests.receivers``),
-never from each other or from ``conftest``. ``assert_bitwise`` is the conformance
-kit's (``raysync.testing``)."""
+never from each other or from ``conftest``. ``assert_bitwise`` and ``wait_dead`` are
+the conformance kit's (``raysync.testing``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 from raysync import WeightHub
 from raysync.testing import assert_bitwise
+from raysync.testing import wait_dead as wait_dead  # re-exported for the tests
 from tests.receivers import make_policy, state_of
 
 _ROOT = Path(__file__).parents[1]
@@ -54,21 +55,6 @@ def wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
         time.sleep(0.01)
-
-
-def wait_dead(actor, timeout_s: float = 60.0) -> None:
-    """Wait until an actor is gone (killed, or ending by itself). ``ray.kill`` returns
-    before the process dies, and a call sent in between may still run (and return) in
-    it: ask again until a call fails with the actor's death."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"{actor} still answers {timeout_s} s after it should be gone"
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=remaining)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.05)  # alive still: ask again shortly, not in a busy loop
 
 
 def start(actors: list, cls, *args, **kwargs):

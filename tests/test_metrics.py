@@ -63,9 +63,14 @@ def test_the_hubs_metrics_appear_on_rays_endpoint_and_move(actors, metrics_url):
     hub_id = hub.config.hub_id
 
     def counted(s: dict) -> bool:
+        # Counters and gauges reach Ray's agent in separate series: a gauge not refreshed
+        # by an export within two intervals is evicted there until the next one, so wait
+        # for an export that carries both.
         return (
             _get(s, "ray_raysync_broadcasts_total", model="policy", outcome="ok") == 3
             and _get(s, "ray_raysync_broadcasts_total", model="policy", outcome="failed") == 1
+            and _get(s, "ray_raysync_receiver_lag_versions", model="policy", worker="steady")
+            is not None
         )
 
     samples = _scrape_until(metrics_url, hub_id, counted)
