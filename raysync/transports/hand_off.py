@@ -12,10 +12,11 @@ With :data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` slots, bucket ``
 offered a *period* after bucket ``k - 1``, made of:
 
 * the readers' turn: from the broker's answer to ``take(k - 1)`` until the slowest
-  reader's ``take(k)`` arrives (the answer's way to the reader, its ``ray.get``, the
-  rest of its read of bucket ``k - 2`` when that is slower, the way back). A reader asks
-  for ``k`` while it still reads ``k - 1``, and that ask says it copied ``k - 2``: what
-  the learner's ``room(k)`` waits for;
+  reader's ``take(k)`` arrives. A reader asks for ``k`` as soon as it has read bucket
+  ``k - 2`` (two asks ahead), saying so: what the learner's ``room(k)`` waits for. The
+  turn is negative when that ask arrives before the answer about ``k - 1`` leaves (the
+  reader reads faster than the learner offers), and it holds the rest of the read of
+  ``k - 2`` when reading is slower;
 * the learner's turn: from ``room(k)`` granted until ``offer(k)`` arrives (the grant's
   way to the learner, its pack of bucket ``k``, the offer's way back).
 
