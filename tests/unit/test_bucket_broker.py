@@ -312,9 +312,9 @@ def test_a_sender_is_watched_no_more_once_its_streams_ended(monkeypatch):
 
 
 async def _paced_stream(learner_pause_s: float, reader_pause_s: float) -> HandOff | None:
-    """One stream of 8 buckets to two readers that ask ahead as receivers do; the
-    learner spends ``learner_pause_s`` "packing" each bucket after its room, one reader
-    ``reader_pause_s`` "reading" each before it asks for the next."""
+    """One stream of 8 buckets to two readers that ask two ahead as receivers do
+    (``buckets_of``); the learner spends ``learner_pause_s`` "packing" each bucket after
+    its room, one reader ``reader_pause_s`` "reading" each before it asks again."""
     broker, k = BucketBroker(_NO_HUB), key(count=8)
     await broker.readers(k, ["a", "b"])
 
@@ -326,13 +326,15 @@ async def _paced_stream(learner_pause_s: float, reader_pause_s: float) -> HandOf
             await broker.offer(k, index, [f"ref{index}"])
 
     async def asking_reader(worker: str, pause_s: float):
-        asked = asyncio.ensure_future(broker.take(k, 0, worker))
+        asked = {i: asyncio.ensure_future(broker.take(k, i, worker, (), 0)) for i in range(2)}
         for index in range(k.count):
-            boxed, why = await asked
+            boxed, why = await asked.pop(index)
             assert why is None and boxed == [f"ref{index}"]
-            if index + 1 < k.count:
-                asked = asyncio.ensure_future(broker.take(k, index + 1, worker, (), index))
             await asyncio.sleep(pause_s)  # reads bucket `index`
+            if index + 2 < k.count:
+                asked[index + 2] = asyncio.ensure_future(
+                    broker.take(k, index + 2, worker, (), index + 1)
+                )
         await broker.take(k, k.count, worker)
 
     await asyncio.gather(paced_learner(), asking_reader("a", 0), asking_reader("b", reader_pause_s))
