@@ -89,8 +89,9 @@ class _Broadcast:
         ``wire_dtype`` as it is packed); this call then returns once the last bucket
         left, and a receiver that joins afterwards reads the version from a receiver
         that holds it (see :mod:`raysync.transports.object_store.buckets`). Only
-        transports that declare ``buckets`` take it (all built-in ones but ``rdt``):
-        ``ValueError`` otherwise, naming the transport.
+        transports that declare ``buckets`` take it (every built-in one does; a
+        registered third-party one may not): ``ValueError`` otherwise, naming the
+        transport.
 
         Sharded learners: ``part=rank, parts=world`` (with ``version=step``, which tells
         the hub which parts belong together) sends this learner's slice of the model;

@@ -299,6 +299,21 @@ def test_storage_fingerprint_changes_when_the_modules_tensors_move():
     assert storage_fingerprint(module) != replaced
 
 
+def test_storage_fingerprint_of_a_module_with_absent_and_shared_tensors():
+    """A parameter registered as None (``bias=False``) is no tensor; a tensor two
+    submodules share still counts, so replacing either use changes the fingerprint."""
+    first, second = torch.nn.Linear(3, 3, bias=False), torch.nn.Linear(3, 3, bias=False)
+    second.weight = first.weight
+    module = torch.nn.Sequential(first, second, torch.nn.BatchNorm1d(3))
+    fingerprint = storage_fingerprint(module)
+    assert fingerprint is not None and storage_fingerprint(module) == fingerprint
+    second.weight = torch.nn.Parameter(torch.zeros(3, 3))
+    assert storage_fingerprint(module) != fingerprint
+    unshared = storage_fingerprint(module)
+    module[2].running_mean.resize_(6)  # a buffer resized in place: same object
+    assert storage_fingerprint(module) != unshared
+
+
 @pytest.mark.parametrize("container", [dict, TensorDict], ids=["dict", "TensorDict"])
 def test_storage_fingerprint_of_a_container_follows_its_entries(container):
     model = container({"w": torch.ones(2), "nets": {"b": torch.zeros(3)}})
