@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from raysync import weights
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.messages import Ack, AckStatus, Update, Welcome
 from raysync.receiver_core import HeldModel, ReceiverCore, ReceiverIdentity
@@ -122,6 +123,52 @@ def test_a_dict_model_whose_entry_was_replaced_gets_the_next_version_in_the_new_
     assert torch.equal(model["w"], torch.full((4,), 2.0))
     assert torch.equal(model["nets"]["b"], torch.full((2,), 2.0))
     assert torch.equal(old_w, torch.full((4,), 1.0))  # the dropped tensor kept version 1
+
+
+def test_an_update_walks_the_model_once(monkeypatch):
+    """Staging reads the update with the spec found when the model was last walked; only
+    the safe point walks it again (a 1000-tensor model costs ~1 ms per walk)."""
+    receiver = _Receiver()
+    receiver.core.receive(receiver.update(1))
+    walks: list[object] = []
+    fingerprint = weights.storage_fingerprint
+    monkeypatch.setattr(weights, "storage_fingerprint", lambda m: walks.append(m) or fingerprint(m))
+    assert receiver.core.receive(receiver.update(2)).ack.status is AckStatus.APPLIED
+    assert len(walks) == 1
+
+
+def test_a_model_reshaped_between_versions_takes_an_update_of_its_new_spec():
+    """The spec last found is a hint, not a verdict: an update of another spec makes the
+    receiver look at its model as it is now."""
+    receiver = _Receiver()
+    receiver.core.receive(receiver.update(1))
+    receiver.owner.policy = torch.nn.Linear(5, 2)  # the user resizes the model
+    receiver.spec = WeightSpec.of(dict(receiver.owner.policy.state_dict()))
+    assert receiver.core.receive(receiver.update(2)).ack.status is AckStatus.APPLIED
+    assert torch.equal(receiver.owner.policy.weight, torch.full((2, 5), 2.0))
+
+
+def test_a_model_retyped_between_staging_and_the_safe_point_fails_untouched():
+    """The update was staged against the model's old spec; the safe point finds the
+    model changed and writes nothing."""
+    receiver = _Receiver()
+    receiver.core.receive(receiver.update(1))
+    update = receiver.update(2)
+
+    class _Retyping(_Transport):
+        def fetch(self, payload: int, spec: WeightSpec) -> Sequence[torch.Tensor]:
+            receiver.owner.policy.double()  # the host changes its model meanwhile
+            return super().fetch(payload, spec)
+
+    transport = _Retyping()
+    transport.staged = receiver.transport.staged
+    receiver.core.transport = transport
+    receipt = receiver.core.receive(update)
+    assert receipt.ack.status is AckStatus.FAILED
+    assert "SpecMismatchError" in receipt.ack.error and "float64" in receipt.ack.error
+    assert torch.equal(receiver.owner.policy.weight, torch.full((2, 3), 1.0, dtype=torch.float64))
+    assert receiver.core.models["policy"].version == 1
+    assert transport.released == [(2, True)]
 
 
 def test_an_older_or_equal_version_is_superseded_without_a_fetch():
