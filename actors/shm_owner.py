@@ -75,7 +75,9 @@ class OwnerStats:
     exports: int  #: versions it put into the object store for other nodes
     holds: tuple[str, ...]  #: every hold on its slots, e.g. "worker/w0", "latest/policy"
     board_releases: int  #: receivers' releases it read on its board
-    release_calls: int  #: receivers' holds released by a call (no row or column)
+    #: receivers' releases made by a call (no row or column), whether the call came
+    #: before the hub's hold for it (which it then forestalls) or after
+    release_calls: int
 
 
 class ShmOwner:
@@ -209,9 +211,9 @@ class ShmOwner:
             segment = self._by_seq.get(seq) if pid == self._pid else None
             if segment is None:
                 return
+            self._release_calls += 1
             if ("worker", worker) in segment.holds:
                 segment.holds.discard(("worker", worker))
-                self._release_calls += 1
                 self._lock.notify_all()
             else:
                 segment.released.add(worker)
