@@ -75,5 +75,6 @@ def test_soak_short(actors, transport):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 5000 broadcasts to 16 receivers: ~5-10 min on 2 cores
 def test_soak_long(actors, transport):
     _soak(actors, transport, broadcasts=5000)
