@@ -32,12 +32,12 @@ import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from raysync.actors.heap import settle_heap
+from raysync.actors.hub_parts import Assemblies
 from raysync.background import BackgroundTasks
 from raysync.channel_replies import ChannelReplies
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
-    IncompleteVersionError,
     TransportUnavailableError,
     UnknownModelError,
 )
@@ -66,7 +66,6 @@ from raysync.messages import (
 )
 from raysync.metrics import FailureCause, HubMetrics
 from raysync.ordering import InOrder
-from raysync.part_assembly import PartAssembly
 from raysync.receiver_delivery import delivery_call, refuse_learner_deliveries
 from raysync.routing import HandedOver, hand_off_of, hand_offs_for
 from raysync.spec import WeightSpec
@@ -89,8 +88,6 @@ _REFUSALS_KEPT = 256
 #: start an async actor's calls out of order; after a hub restart the learner's
 #: numbering goes on from where it was, so its first broadcast waits this long once).
 _ORDER_WAIT_S = 1.0
-#: Versions sent in parts that failed, kept so that their late parts are told why.
-_FAILED_ASSEMBLIES_KEPT = 64
 #: Acks that reached the hub before the delivery awaiting them started (a learner's
 #: direct delivery applied at a safe point before its booking ran), kept for it.
 _EARLY_ACKS_KEPT = 4096
@@ -177,17 +174,6 @@ class _Started:
     report: asyncio.Task[BroadcastReport]
 
 
-@dataclasses.dataclass
-class _Assembling:
-    """A version sent in parts, on its way to whole: what arrived, when the first part
-    did, the version's start once whole (or why it failed), and the deadline's timer."""
-
-    assembly: PartAssembly
-    first_arrived: float  #: ``time.perf_counter()`` when the first part reached the hub
-    started: asyncio.Future[_Started]
-    timer: asyncio.TimerHandle | None = None
-
-
 class WeightHubActor:
     """See module docstring. Created through :meth:`raysync.WeightHub.remote`."""
 
@@ -231,8 +217,8 @@ class WeightHubActor:
         self._in_order = InOrder(_ORDER_WAIT_S)
         self._background = BackgroundTasks("hub")
         self._metrics = HubMetrics(config.hub_id)
-        #: (model, version) -> a version sent in parts, until it is whole or failed
-        self._assemblies: OrderedDict[tuple[str, int], _Assembling] = OrderedDict()
+        #: Versions sent in parts, until whole (then started as one) or failed.
+        self._assemblies: Assemblies[_Started] = Assemblies(self._version_and_start)
         settle_heap()
 
     # -- learner -------------------------------------------------------------------------
@@ -430,73 +416,18 @@ class WeightHubActor:
         self, request: BroadcastRequest, timeout_s: float, started: float
     ) -> _Started:
         """Take one part of a version sent in parts; once every part is here, version
-        and start the whole (see :mod:`raysync.part_assembly`). Every part's call
+        and start the whole (see :mod:`raysync.actors.hub_parts`). Every part's call
         returns the same start, or raises: its own refusal, or why the version failed."""
         if not self._state.models:
             await self._wait_for_first_model(timeout_s)
         model = self._state.resolve_model(request.model)
         if request.version is None:  # the learner's handle insists on one
             raise ValueError("a version sent in parts needs an explicit version")
-        key = (model, request.version)
-        assembling = self._assemblies.get(key)
-        if assembling is None:
+        if (model, request.version) not in self._assemblies:  # its first part
             self._state.check_known(model)
             self._state.check_version(model, request.version)
-            workers = None if request.workers is None else tuple(request.workers)
-            assembly = PartAssembly(model, request.version, request.parts, workers)
-            assembling = _Assembling(assembly, started, _quiet_future())
-            assembling.timer = asyncio.get_running_loop().call_later(
-                timeout_s, self._parts_timed_out, key, timeout_s
-            )
-            self._assemblies[key] = assembling
-        elif assembling.started.done() and assembling.started.exception() is not None:
-            raise IncompleteVersionError(
-                f"part {request.part} of {assembling.assembly.what} arrived after the "
-                f"version failed: {assembling.started.exception()}"
-            )
-        try:
-            known = self._state.models[model].spec
-            assembling.assembly.add(request, known)
-            if assembling.assembly.complete:
-                whole = assembling.assembly.request(known)
-                begun = await self._version_and_start(whole, timeout_s, assembling.first_arrived)
-                self._assembled(key, begun)
-        except Exception as err:
-            self._assembly_failed(
-                key, f"part {request.part} was refused ({type(err).__name__}: {err})"
-            )
-            raise
-        return await asyncio.shield(assembling.started)
-
-    def _assembled(self, key: tuple[str, int], begun: _Started) -> None:
-        assembling = self._assemblies.pop(key)
-        if assembling.timer is not None:
-            assembling.timer.cancel()
-        assembling.started.set_result(begun)
-
-    def _assembly_failed(self, key: tuple[str, int], reason: str) -> None:
-        """Fail a version sent in parts for every part waiting and every part to come."""
-        assembling = self._assemblies.get(key)
-        if assembling is None or assembling.started.done():
-            return
-        if assembling.timer is not None:
-            assembling.timer.cancel()
-        assembling.started.set_exception(
-            IncompleteVersionError(
-                f"{assembling.assembly.what} failed: {reason}; nothing was applied"
-            )
-        )
-        failed = [k for k, a in self._assemblies.items() if a.started.done()]
-        for old in failed[: max(0, len(failed) - _FAILED_ASSEMBLIES_KEPT)]:
-            del self._assemblies[old]
-
-    def _parts_timed_out(self, key: tuple[str, int], timeout_s: float) -> None:
-        assembling = self._assemblies.get(key)
-        if assembling is not None:
-            missing = ", ".join(str(i) for i in assembling.assembly.missing())
-            self._assembly_failed(
-                key, f"part(s) {missing} did not arrive within {timeout_s:g} s of the first"
-            )
+        known = self._state.models[model].spec
+        return await self._assemblies.take(request, model, known, timeout_s, started)
 
     async def wait_for(
         self,
@@ -648,11 +579,7 @@ class WeightHubActor:
             versions={m: s.version for m, s in sorted(self._state.models.items())},
             receivers=self._state.statuses(),
             refused=dict(self._refused),
-            assembling={
-                key: a.assembly.arrived()
-                for key, a in self._assemblies.items()
-                if not a.started.done()
-            },
+            assembling=self._assemblies.arrived(),
         )
 
     def config(self) -> HubConfig:
@@ -665,8 +592,7 @@ class WeightHubActor:
         """Refuse new broadcasts and wait for those in flight."""
         self._closed = True
         await self._refuse_learner_deliveries()
-        for key in list(self._assemblies):
-            self._assembly_failed(key, "the hub is shutting down")
+        self._assemblies.fail_all("the hub is shutting down")
         tasks = [t for reports in self._reports.values() for t in reports.values()]
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._background.close()
@@ -1048,14 +974,6 @@ def _done(result: Any) -> asyncio.Future[Any]:
     """A future that holds ``result`` already."""
     future = asyncio.get_running_loop().create_future()
     future.set_result(result)
-    return future
-
-
-def _quiet_future() -> asyncio.Future[Any]:
-    """A future whose exception is not logged as never retrieved (a version sent in
-    parts may fail with no part left waiting for it)."""
-    future = asyncio.get_running_loop().create_future()
-    _retrieve_outcome(future)
     return future
 
 

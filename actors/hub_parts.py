@@ -1,0 +1,152 @@
+"""The hub's versions sent in parts while they assemble: :class:`Assemblies`.
+
+Hub process, on its event loop only (the hub actor's ``submit`` calls
+:meth:`Assemblies.take` for each part). :class:`raysync.part_assembly.PartAssembly`
+checks each part as it arrives; this module keeps one assembly per (model, version),
+runs its deadline and hands every part the same outcome: the version started once its
+last part arrived (the hub versions and delivers the whole, like any broadcast), or
+why it failed — a part refused, a part missing at the deadline, the hub closing —
+which every part waiting raises, and every part still to come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+from raysync.errors import IncompleteVersionError
+from raysync.messages import BroadcastRequest
+from raysync.part_assembly import PartAssembly
+from raysync.spec import WeightSpec
+
+#: Versions sent in parts that failed, kept so that their late parts are told why.
+FAILED_KEPT = 64
+
+Started = TypeVar("Started")
+#: (model, version)
+Key = tuple[str, int]
+
+
+@dataclasses.dataclass
+class _Assembling(Generic[Started]):
+    """A version on its way to whole: what arrived, when the first part did, the
+    version's start once whole (or why it failed), and the deadline's timer."""
+
+    assembly: PartAssembly
+    first_arrived: float  #: ``time.perf_counter()`` when the first part reached the hub
+    started: asyncio.Future[Started]
+    timer: asyncio.TimerHandle | None = None
+
+
+class Assemblies(Generic[Started]):
+    """Every version sent in parts that the hub is assembling, and the last
+    :data:`FAILED_KEPT` that failed.
+
+    ``start(whole, timeout_s, first_arrived)`` versions and starts a whole request
+    (the hub's own start of a broadcast); what it returns is what every part's
+    :meth:`take` returns.
+    """
+
+    def __init__(
+        self, start: Callable[[BroadcastRequest, float, float], Awaitable[Started]]
+    ) -> None:
+        self._start = start
+        self._open: OrderedDict[Key, _Assembling[Started]] = OrderedDict()
+
+    def __contains__(self, key: Key) -> bool:
+        """Whether a part of version ``key`` arrived already (the assembly is open or
+        failed and kept)."""
+        return key in self._open
+
+    async def take(
+        self,
+        request: BroadcastRequest,
+        model: str,
+        known: WeightSpec | None,
+        timeout_s: float,
+        arrived: float,
+    ) -> Started:
+        """Take one part of version ``request.version`` of ``model`` (whose spec the hub
+        knows as ``known``, None before any receiver registered it), arrived at
+        ``arrived`` (``time.perf_counter()``). The first part starts the deadline:
+        ``timeout_s`` for the others to arrive. Returns the version's start once every
+        part is here; raises the part's own refusal, or :class:`IncompleteVersionError`
+        saying why the version failed."""
+        key = (model, request.version)
+        assembling = self._open.get(key)
+        if assembling is None:
+            assembly = PartAssembly(
+                model,
+                request.version,
+                request.parts,
+                None if request.workers is None else tuple(request.workers),
+            )
+            assembling = _Assembling(assembly, arrived, _quiet_future())
+            assembling.timer = asyncio.get_running_loop().call_later(
+                timeout_s, self._timed_out, key, timeout_s
+            )
+            self._open[key] = assembling
+        elif assembling.started.done() and assembling.started.exception() is not None:
+            raise IncompleteVersionError(
+                f"part {request.part} of {assembling.assembly.what} arrived after the "
+                f"version failed: {assembling.started.exception()}"
+            )
+        try:
+            assembling.assembly.add(request, known)
+            if assembling.assembly.complete:
+                whole = assembling.assembly.request(known)
+                begun = await self._start(whole, timeout_s, assembling.first_arrived)
+                self._assembled(key, begun)
+        except Exception as err:
+            self.fail(key, f"part {request.part} was refused ({type(err).__name__}: {err})")
+            raise
+        return await asyncio.shield(assembling.started)
+
+    def fail(self, key: Key, reason: str) -> None:
+        """Fail version ``key`` for every part waiting and every part to come (nothing
+        of it is applied); a version already started or failed is left as it is."""
+        assembling = self._open.get(key)
+        if assembling is None or assembling.started.done():
+            return
+        if assembling.timer is not None:
+            assembling.timer.cancel()
+        assembling.started.set_exception(
+            IncompleteVersionError(
+                f"{assembling.assembly.what} failed: {reason}; nothing was applied"
+            )
+        )
+        failed = [k for k, a in self._open.items() if a.started.done()]
+        for old in failed[: max(0, len(failed) - FAILED_KEPT)]:
+            del self._open[old]
+
+    def fail_all(self, reason: str) -> None:
+        """Fail every version still assembling (the hub is closing)."""
+        for key in list(self._open):
+            self.fail(key, reason)
+
+    def arrived(self) -> dict[Key, tuple[int, ...]]:
+        """The parts that arrived of each version still assembling (``hub.status``)."""
+        return {key: a.assembly.arrived() for key, a in self._open.items() if not a.started.done()}
+
+    def _assembled(self, key: Key, begun: Started) -> None:
+        assembling = self._open.pop(key)
+        if assembling.timer is not None:
+            assembling.timer.cancel()
+        assembling.started.set_result(begun)
+
+    def _timed_out(self, key: Key, timeout_s: float) -> None:
+        assembling = self._open.get(key)
+        if assembling is not None:
+            missing = ", ".join(str(i) for i in assembling.assembly.missing())
+            self.fail(key, f"part(s) {missing} did not arrive within {timeout_s:g} s of the first")
+
+
+def _quiet_future() -> asyncio.Future[Started]:
+    """A future whose exception is not logged as never retrieved (a version may fail
+    with no part left waiting for it)."""
+    future: asyncio.Future[Started] = asyncio.get_running_loop().create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future

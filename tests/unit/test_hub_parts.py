@@ -1,0 +1,128 @@
+"""The hub's assemblies of versions sent in parts, on an event loop without Ray: every
+part gets the same start once the last arrives, and every part — waiting or late —
+hears why a version failed (a refused part, the deadline, the hub closing)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from raysync.actors import hub_parts
+from raysync.actors.hub_parts import Assemblies
+from raysync.errors import IncompleteVersionError, SpecMismatchError
+from raysync.messages import BroadcastRequest
+from raysync.spec import WeightSpec
+
+WHOLE = {"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(4, dtype=torch.int64)}
+KNOWN = WeightSpec.of(WHOLE)
+
+
+def part(index: int, *names: str, version: int = 7, parts: int = 2) -> BroadcastRequest:
+    return BroadcastRequest(
+        model="m",
+        version=version,
+        spec=WeightSpec.of({n: WHOLE[n] for n in names}),
+        payloads={"object_store": f"put{index}"},
+        workers=None,
+        timeout_s=None,
+        wait=True,
+        raise_on_failure=True,
+        learner_seconds=0.1,
+        part=index,
+        parts=parts,
+    )
+
+
+class Starts:
+    """The hub's start of a whole version, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[BroadcastRequest, float, float]] = []
+
+    async def __call__(self, whole: BroadcastRequest, timeout_s: float, first: float) -> str:
+        self.calls.append((whole, timeout_s, first))
+        return f"started v{whole.version}"
+
+
+def test_every_part_gets_the_one_start_once_the_last_arrives():
+    async def run():
+        starts = Starts()
+        assemblies = Assemblies(starts)
+        first = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 1.5))
+        await asyncio.sleep(0)  # the first part is in, waiting for the second
+        assert not first.done() and assemblies.arrived() == {("m", 7): (0,)}
+        second = await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, 2.5)
+        return starts, second, await first, assemblies
+
+    starts, second, first, assemblies = asyncio.run(run())
+    assert first == second == "started v7"
+    [(whole, timeout_s, first_arrived)] = starts.calls
+    assert whole.spec == KNOWN and (whole.part, whole.parts) == (0, 1)  # one version now
+    [parts] = whole.payloads.values()
+    assert [p.payload for p in parts.parts] == ["put0", "put1"]
+    assert (timeout_s, first_arrived) == (30, 1.5)  # the deadline runs from the first part
+    assert ("m", 7) not in assemblies and assemblies.arrived() == {}
+
+
+def test_a_refused_part_fails_the_version_for_the_parts_waiting_and_to_come():
+    async def run():
+        assemblies = Assemblies(Starts())
+        waiting = asyncio.ensure_future(assemblies.take(part(0, "a", "b"), "m", KNOWN, 30, 0))
+        await asyncio.sleep(0)
+        with pytest.raises(SpecMismatchError, match="'b'"):  # b is part 0's already
+            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, 0)
+        with pytest.raises(IncompleteVersionError, match="part 1 was refused"):
+            await waiting
+        with pytest.raises(IncompleteVersionError, match="arrived after the version failed"):
+            await assemblies.take(part(1, "c"), "m", KNOWN, 30, 0)
+        assert ("m", 7) in assemblies and assemblies.arrived() == {}
+
+    asyncio.run(run())
+
+
+def test_a_part_missing_at_the_deadline_is_named_and_fails_the_version():
+    async def run():
+        assemblies = Assemblies(Starts())
+        with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive within"):
+            await assemblies.take(part(0, "a"), "m", KNOWN, 0.01, 0)
+
+    asyncio.run(run())
+
+
+def test_closing_fails_every_version_still_assembling():
+    async def run():
+        starts = Starts()
+        assemblies = Assemblies(starts)
+        waiting = [
+            asyncio.ensure_future(assemblies.take(part(0, "a", version=v), "m", KNOWN, 30, 0))
+            for v in (7, 8)
+        ]
+        await asyncio.sleep(0)
+        assert assemblies.arrived() == {("m", 7): (0,), ("m", 8): (0,)}
+        assemblies.fail_all("the hub is shutting down")
+        for task in waiting:
+            with pytest.raises(IncompleteVersionError, match="the hub is shutting down"):
+                await task
+        assert starts.calls == [] and assemblies.arrived() == {}
+
+    asyncio.run(run())
+
+
+def test_only_the_newest_failed_versions_are_kept(monkeypatch):
+    monkeypatch.setattr(hub_parts, "FAILED_KEPT", 2)
+
+    async def run():
+        assemblies = Assemblies(Starts())
+        for version in (1, 2, 3):
+            task = asyncio.ensure_future(
+                assemblies.take(part(0, "a", version=version), "m", KNOWN, 30, 0)
+            )
+            await asyncio.sleep(0)
+            assemblies.fail(("m", version), "refused")
+            with pytest.raises(IncompleteVersionError):
+                await task
+        return [("m", v) in assemblies for v in (1, 2, 3)]
+
+    assert asyncio.run(run()) == [False, True, True]
