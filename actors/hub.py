@@ -29,9 +29,15 @@ from collections import OrderedDict
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayError
 
 from raysync.actors.heap import settle_heap
+from raysync.actors.hub_delivery import (
+    AckBook,
+    Outcome,
+    ReceiverDelivery,
+    not_delivered,
+    retrieve_outcome,
+)
 from raysync.actors.hub_parts import Assemblies
 from raysync.background import BackgroundTasks
 from raysync.channel_replies import ChannelReplies
@@ -57,7 +63,6 @@ from raysync.messages import (
     DirectTarget,
     HubConfig,
     HubStatus,
-    ReceiverTimings,
     RefusedRegistration,
     Registration,
     Route,
@@ -66,7 +71,7 @@ from raysync.messages import (
 )
 from raysync.metrics import FailureCause, HubMetrics
 from raysync.ordering import InOrder
-from raysync.receiver_delivery import delivery_call, refuse_learner_deliveries
+from raysync.receiver_delivery import refuse_learner_deliveries
 from raysync.routing import HandedOver, hand_off_of, hand_offs_for
 from raysync.spec import WeightSpec
 from raysync.transports import (
@@ -88,14 +93,8 @@ _REFUSALS_KEPT = 256
 #: start an async actor's calls out of order; after a hub restart the learner's
 #: numbering goes on from where it was, so its first broadcast waits this long once).
 _ORDER_WAIT_S = 1.0
-#: Acks that reached the hub before the delivery awaiting them started (a learner's
-#: direct delivery applied at a safe point before its booking ran), kept for it.
-_EARLY_ACKS_KEPT = 4096
 #: How long ``close`` waits for receivers to hear that learners' own deliveries end.
 _CLOSE_NOTICE_S = 10.0
-#: How often a delivery asks an unavailable receiver (restarting, or unreachable for a
-#: moment) whether it answers again.
-_UNAVAILABLE_RETRY_S = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,19 +103,6 @@ class _Plan:
 
     update: Update | None = None
     reason: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Outcome:
-    """One target's end of a broadcast: ``error`` None if it acked. For a receiver
-    that applied this version, the seconds from the delivery call to its ack and its
-    own timings (None when it held the version already)."""
-
-    worker: str
-    error: str | None
-    delivered_s: float = 0.0
-    timings: ReceiverTimings | None = None
-    cause: FailureCause | None = None  #: why it failed, in one word (metrics' tag)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,9 +193,8 @@ class WeightHubActor:
             self._state.restore(*self._snapshot.load())
             logger.warning("hub restarted; model versions restored: %s", self._state.versions())
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
-        #: (registration token, model, version, origin) -> the ack a delivery waits for
-        self._pending_acks: dict[tuple[str, str, int, str], asyncio.Future[Ack]] = {}
-        self._early_acks: OrderedDict[tuple[str, str, int, str], Ack] = OrderedDict()
+        self._acks = AckBook()  #: acks sent apart from their delivery call (``ack``)
+        self._deliveries = ReceiverDelivery(self._state, self._acks, self._drop)
         self._channel_replies = ChannelReplies()  #: learners' channels (direct path)
         self._refused: dict[str, RefusedRegistration] = {}  #: worker -> last refusal
         self._closed = False
@@ -533,14 +518,7 @@ class WeightHubActor:
         """An acknowledgement sent after the delivery call returned (deferred applies)."""
         if ack.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED):
             self._state.record(ack.worker, ack.model, ack.version, ack.timings)
-        key = (ack.token, ack.model, ack.version, ack.origin)
-        future = self._pending_acks.get(key)
-        if future is None:  # its delivery has not started here yet (the direct path)
-            self._early_acks[key] = ack
-            while len(self._early_acks) > _EARLY_ACKS_KEPT:
-                self._early_acks.popitem(last=False)
-        elif not future.done():
-            future.set_result(ack)
+        self._acks.arrive(ack)
 
     async def latest(
         self, model: str, have_version: int = 0, worker: str | None = None
@@ -619,7 +597,7 @@ class WeightHubActor:
         if calls:
             await asyncio.wait(calls, timeout=_CLOSE_NOTICE_S)
             for call in calls:
-                _retrieve_outcome(call)
+                retrieve_outcome(call)
 
     # -- delivery --------------------------------------------------------------------------
     async def _deliver_all(self, delivery: _Delivery) -> BroadcastReport:
@@ -637,7 +615,7 @@ class WeightHubActor:
         plan_s = time.perf_counter() - plan_started
         outcomes = await asyncio.gather(
             *(
-                self._deliver_one(
+                self._deliveries.deliver(
                     entry,
                     plan.update,
                     deadline,
@@ -646,11 +624,11 @@ class WeightHubActor:
                     delivery.sent_at,
                 )
                 if plan.update is not None
-                else _failed(entry.worker, plan.reason, FailureCause.NOT_PLANNED)
+                else not_delivered(entry.worker, plan.reason, FailureCause.NOT_PLANNED)
                 for entry, plan in ((e, planned[e.worker]) for e in targets)
             ),
             *(
-                _failed(worker, reason, FailureCause.LEFT)
+                not_delivered(worker, reason, FailureCause.LEFT)
                 for worker, reason in delivery.gone.items()
             ),
         )
@@ -755,190 +733,6 @@ class WeightHubActor:
         the transports its receivers read by (called by the learner before each send)."""
         return hand_offs_for([self._transport, *self._state.transports()])
 
-    async def _deliver_one(
-        self,
-        entry: ReceiverEntry,
-        update: Update,
-        deadline: float,
-        timeout_s: float,
-        first_call: Any = None,
-        update_sent_at: float = 0.0,
-    ) -> _Outcome:
-        """Deliver to one receiver: its outcome, with the reason if it failed.
-
-        ``first_call``: the learner already called it (the direct path); that call's
-        ObjectRef stands for the first delivery, made at ``update_sent_at``
-        (``time.time()`` in the learner), and any retry is the hub's own.
-
-        Ray's word decides a death: ``ActorDiedError`` drops the receiver (it is gone for
-        good); ``ActorUnavailableError`` (Ray restarts it, or cannot reach it for now)
-        does not. The hub then waits for the actor to answer again: a new process
-        (registered again from its ``__init__``) means this one died; the same process
-        gets the delivery again (a version already applied acks as superseded).
-        """
-        registration = entry.registration
-        key = (registration.token, update.model, update.version, update.origin)
-        deferred_ack = asyncio.get_running_loop().create_future()
-        early = self._early_acks.pop(key, None)
-        if early is not None:
-            deferred_ack.set_result(early)
-        self._pending_acks[key] = deferred_ack
-        delivery_started = time.perf_counter()
-        if first_call is not None:  # from the learner's call, on the wall clock it sent
-            delivery_started -= max(0.0, time.time() - update_sent_at)
-        try:
-            while True:
-                try:
-                    if first_call is not None:
-                        ack = await _reply_or_ack(first_call, deferred_ack, deadline)
-                        first_call = None
-                        if isinstance(ack, ChannelLost):  # never reached it: deliver here
-                            continue
-                    else:
-                        ref = delivery_call(
-                            registration.handle, registration.entry, registration.attachment, update
-                        )
-                        ack = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
-                    if ack is None:  # applied later, at the receiver's next safe point
-                        ack = await asyncio.wait_for(
-                            deferred_ack, max(0.0, deadline - time.monotonic())
-                        )
-                    if ack.status is AckStatus.CONFLICT:  # holds that number from another
-                        deferred_ack = asyncio.get_running_loop().create_future()
-                        self._pending_acks[key] = deferred_ack
-                        continue  # learner's own delivery: the hub's update replaces it
-                    break
-                except ActorUnavailableError as err:
-                    restarted = await self._restarted(registration, deadline)
-                    if restarted is None:
-                        continue  # the same process answers again: deliver again
-                    return _Outcome(
-                        registration.worker,
-                        f"{registration.actor} died before applying version {update.version} "
-                        f"of model {update.model!r} ({type(err).__name__}: {err}); "
-                        f"{restarted}",
-                        cause=FailureCause.DIED,
-                    )
-        except asyncio.TimeoutError:
-            return _Outcome(
-                registration.worker,
-                f"{registration.actor} did not apply version {update.version} of model "
-                f"{update.model!r} within the {timeout_s:g} s timeout",
-                cause=FailureCause.TIMEOUT,
-            )
-        except RayActorError as err:
-            self._drop(registration.worker, registration.token)
-            return _Outcome(
-                registration.worker,
-                f"{registration.actor} died before applying version {update.version} of model "
-                f"{update.model!r}; dropped from the registry until it registers again "
-                f"({type(err).__name__}: {err})",
-                cause=FailureCause.DIED,
-            )
-        except RayError as err:
-            return _Outcome(
-                registration.worker,
-                f"{registration.actor} raised while receiving: {err}",
-                cause=FailureCause.RAISED,
-            )
-        finally:
-            self._pending_acks.pop(key, None)
-        if ack.status is AckStatus.NOT_ATTACHED:
-            return await self._not_attached(registration, update, ack, deadline)
-        if ack.status is AckStatus.FAILED:
-            return _Outcome(
-                registration.worker,
-                f"{registration.actor} failed to apply: {ack.error}",
-                cause=FailureCause.APPLY_FAILED,
-            )
-        self._state.record(registration.worker, update.model, update.version, ack.timings)
-        delivered_s = time.perf_counter() - delivery_started
-        if ack.timings is not None:  # two clocks on the direct path: never below its parts
-            t = ack.timings
-            delivered_s = max(delivered_s, t.fetch_s + t.wait_s + t.apply_s)
-        return _Outcome(registration.worker, None, delivered_s, ack.timings)
-
-    async def _not_attached(
-        self, registration: Registration, update: Update, ack: Ack, deadline: float
-    ) -> _Outcome:
-        """The delivery reached a process without this registration's receiver: a new
-        incarnation of the actor (the call was queued when the old one died, and Ray
-        ran it on the new one), or the receiver was closed."""
-        try:
-            restarted = await self._restarted(registration, deadline)
-        except (asyncio.TimeoutError, RayError) as err:
-            restarted = f"and it did not answer again ({type(err).__name__})"
-        if restarted is None:  # the same process, its receiver closed: it is gone for good
-            self._drop(registration.worker, registration.token)
-            return _Outcome(
-                registration.worker,
-                f"{registration.actor}: {ack.error}; dropped from the registry until it "
-                f"registers again",
-                cause=FailureCause.LEFT,
-            )
-        return _Outcome(
-            registration.worker,
-            f"{registration.actor} died before applying version {update.version} of model "
-            f"{update.model!r}; {restarted}",
-            cause=FailureCause.DIED,
-        )
-
-    async def _restarted(self, registration: Registration, deadline: float) -> str | None:
-        """After ``ActorUnavailableError``: find out, by ``deadline``, which process the
-        actor is now. None if it is still the registered one (the error was transient);
-        else how it died: Ray restarted it, and the new process registered again (or not
-        yet). Raises ``ActorDiedError`` if Ray gave up on it, TimeoutError past the
-        deadline."""
-        asked: asyncio.Future[str] | None = None
-        while True:
-            current = self._state.receivers.get(registration.worker)
-            if current is not None and current.registration.process != registration.process:
-                return "Ray restarted it and the new process registered again"
-            if asked is None:
-                asked = asyncio.wrap_future(
-                    registration.handle.__ray_call__.remote(_process_of).future()
-                )
-            done, _ = await asyncio.wait({asked}, timeout=_UNAVAILABLE_RETRY_S)
-            if asked in done:
-                try:
-                    process = asked.result()
-                except ActorUnavailableError:
-                    asked = None  # still restarting, or unreachable: ask again
-                    await asyncio.sleep(_UNAVAILABLE_RETRY_S)
-                else:
-                    if process == registration.process:
-                        return None
-                    return "Ray restarted it; the new process has not registered again"
-            if time.monotonic() >= deadline:
-                if asked is not None:
-                    asked.cancel()
-                raise asyncio.TimeoutError
-
-
-def _process_of(actor: Any) -> str:
-    """Runs inside a receiver actor (``__ray_call__``): its process's Ray worker id."""
-    return ray.get_runtime_context().get_worker_id()
-
-
-async def _reply_or_ack(call: Any, acked: asyncio.Future[Ack], deadline: float) -> Ack | None:
-    """The first word on a learner's delivery call: the receiver's ack sent to the hub
-    (``acked``; it comes straight here) or the call's own reply (which reaches the hub
-    through the learner that owns it: later, but it is where a death shows). Raises what
-    the call raised; ``asyncio.TimeoutError`` past ``deadline``."""
-    reply = asyncio.ensure_future(call)
-    done, _ = await asyncio.wait(
-        {reply, acked},
-        timeout=max(0.0, deadline - time.monotonic()),
-        return_when=asyncio.FIRST_COMPLETED,
-    )
-    if acked in done:
-        _retrieve_outcome(reply)
-        return acked.result()
-    if reply in done:
-        return reply.result()
-    _retrieve_outcome(reply)
-    raise asyncio.TimeoutError
-
 
 async def _settled(calls: dict[str, tuple[str, Any]]) -> None:
     """Await a learner's delivery calls the hub does not count (revoked, or to a
@@ -977,16 +771,6 @@ def _done(result: Any) -> asyncio.Future[Any]:
     return future
 
 
-def _retrieve_outcome(future: asyncio.Future[Any]) -> None:
-    """Retrieve ``future``'s exception once it is done, so that asyncio does not log it
-    as never retrieved: for futures whose outcome nobody else awaits."""
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-
-async def _failed(worker: str, reason: str, cause: FailureCause) -> _Outcome:
-    return _Outcome(worker, reason, cause=cause)
-
-
-def _phases(learner_s: float, plan_s: float, outcomes: list[_Outcome]) -> BroadcastPhases:
+def _phases(learner_s: float, plan_s: float, outcomes: list[Outcome]) -> BroadcastPhases:
     applied = [(o.delivered_s, o.timings) for o in outcomes if o.timings is not None]
     return BroadcastPhases.of(learner_s, plan_s, applied)

@@ -1,0 +1,298 @@
+"""One receiver's delivery of one version, as the hub runs it: :class:`ReceiverDelivery`.
+
+Hub process, on its event loop. The hub actor plans a broadcast and gathers one
+:meth:`ReceiverDelivery.deliver` per target into its report; each one ends in an
+:class:`Outcome`: acked, or failed with a reason that names the receiver and a cause
+(the metrics' tag). The delivery call goes through :func:`raysync.receiver_delivery.delivery_call`
+(or is the learner's own call, on the direct path); a receiver that applies at a later
+safe point acks through ``hub.ack``, which :class:`AckBook` matches to the delivery
+awaiting it.
+
+Ray's word decides a death: ``ActorDiedError`` drops the receiver (it is gone for good);
+``ActorUnavailableError`` (Ray restarts it, or cannot reach it for now) does not: the
+delivery asks the actor which process it is now, and a new one means this one died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError
+
+from raysync.hub_state import HubState, ReceiverEntry
+from raysync.messages import Ack, AckStatus, ChannelLost, ReceiverTimings, Registration, Update
+from raysync.metrics import FailureCause
+from raysync.receiver_delivery import delivery_call
+
+#: Acks that reached the hub before the delivery awaiting them started (a learner's
+#: direct delivery applied at a safe point before its booking ran), kept for it.
+EARLY_ACKS_KEPT = 4096
+#: How often a delivery asks an unavailable receiver (restarting, or unreachable for a
+#: moment) whether it answers again.
+UNAVAILABLE_RETRY_S = 0.1
+
+#: (registration token, model, version, origin): the delivery an ack answers.
+AckKey = tuple[str, str, int, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One target's end of a broadcast: ``error`` None if it acked. For a receiver
+    that applied this version, the seconds from the delivery call to its ack and its
+    own timings (None when it held the version already)."""
+
+    worker: str
+    error: str | None
+    delivered_s: float = 0.0
+    timings: ReceiverTimings | None = None
+    cause: FailureCause | None = None  #: why it failed, in one word (metrics' tag)
+
+
+class AckBook:
+    """The acks that come apart from their delivery call (``hub.ack``), each matched
+    to the delivery awaiting it; one that arrives before its delivery started waits
+    here for it (the newest :data:`EARLY_ACKS_KEPT`)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[AckKey, asyncio.Future[Ack]] = {}
+        self._early: OrderedDict[AckKey, Ack] = OrderedDict()
+
+    def expect(self, key: AckKey) -> asyncio.Future[Ack]:
+        """A delivery's future for its ack (done already if the ack came early)."""
+        future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+        early = self._early.pop(key, None)
+        if early is not None:
+            future.set_result(early)
+        self._pending[key] = future
+        return future
+
+    def expect_again(self, key: AckKey) -> asyncio.Future[Ack]:
+        """A fresh future for the same delivery (it delivers once more)."""
+        future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        return future
+
+    def forget(self, key: AckKey) -> None:
+        """The delivery ended: an ack for it from now on is kept as early."""
+        self._pending.pop(key, None)
+
+    def arrive(self, ack: Ack) -> None:
+        """An ack from a receiver (``hub.ack``): to its delivery, or kept for it."""
+        key = (ack.token, ack.model, ack.version, ack.origin)
+        future = self._pending.get(key)
+        if future is None:  # its delivery has not started here yet (the direct path)
+            self._early[key] = ack
+            while len(self._early) > EARLY_ACKS_KEPT:
+                self._early.popitem(last=False)
+        elif not future.done():
+            future.set_result(ack)
+
+
+class ReceiverDelivery:
+    """Delivers versions to the hub's receivers, one receiver per :meth:`deliver`.
+
+    ``state`` is the hub's registry (a receiver's process now, and what it applied);
+    ``drop(worker, token)`` forgets a receiver that is gone for good.
+    """
+
+    def __init__(self, state: HubState, acks: AckBook, drop: Callable[[str, str], None]) -> None:
+        self._state = state
+        self._acks = acks
+        self._drop = drop
+
+    async def deliver(
+        self,
+        entry: ReceiverEntry,
+        update: Update,
+        deadline: float,
+        timeout_s: float,
+        first_call: Any = None,
+        update_sent_at: float = 0.0,
+    ) -> Outcome:
+        """Deliver to one receiver: its outcome, with the reason if it failed.
+
+        ``first_call``: the learner already called it (the direct path); that call's
+        ObjectRef stands for the first delivery, made at ``update_sent_at``
+        (``time.time()`` in the learner), and any retry is the hub's own. ``deadline``
+        (``time.monotonic()``) bounds the whole delivery, ``timeout_s`` is how the
+        reason names it.
+
+        ``ActorUnavailableError``: the delivery waits for the actor to answer again; a
+        new process (registered again from its ``__init__``) means this one died; the
+        same process gets the delivery again (a version already applied acks as
+        superseded).
+        """
+        registration = entry.registration
+        key = (registration.token, update.model, update.version, update.origin)
+        deferred_ack = self._acks.expect(key)
+        delivery_started = time.perf_counter()
+        if first_call is not None:  # from the learner's call, on the wall clock it sent
+            delivery_started -= max(0.0, time.time() - update_sent_at)
+        try:
+            while True:
+                try:
+                    if first_call is not None:
+                        ack = await _reply_or_ack(first_call, deferred_ack, deadline)
+                        first_call = None
+                        if isinstance(ack, ChannelLost):  # never reached it: deliver here
+                            continue
+                    else:
+                        ref = delivery_call(
+                            registration.handle, registration.entry, registration.attachment, update
+                        )
+                        ack = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
+                    if ack is None:  # applied later, at the receiver's next safe point
+                        ack = await asyncio.wait_for(
+                            deferred_ack, max(0.0, deadline - time.monotonic())
+                        )
+                    if ack.status is AckStatus.CONFLICT:  # holds that number from another
+                        deferred_ack = self._acks.expect_again(key)
+                        continue  # learner's own delivery: the hub's update replaces it
+                    break
+                except ActorUnavailableError as err:
+                    restarted = await self._restarted(registration, deadline)
+                    if restarted is None:
+                        continue  # the same process answers again: deliver again
+                    return Outcome(
+                        registration.worker,
+                        f"{registration.actor} died before applying version {update.version} "
+                        f"of model {update.model!r} ({type(err).__name__}: {err}); "
+                        f"{restarted}",
+                        cause=FailureCause.DIED,
+                    )
+        except asyncio.TimeoutError:
+            return Outcome(
+                registration.worker,
+                f"{registration.actor} did not apply version {update.version} of model "
+                f"{update.model!r} within the {timeout_s:g} s timeout",
+                cause=FailureCause.TIMEOUT,
+            )
+        except RayActorError as err:
+            self._drop(registration.worker, registration.token)
+            return Outcome(
+                registration.worker,
+                f"{registration.actor} died before applying version {update.version} of model "
+                f"{update.model!r}; dropped from the registry until it registers again "
+                f"({type(err).__name__}: {err})",
+                cause=FailureCause.DIED,
+            )
+        except RayError as err:
+            return Outcome(
+                registration.worker,
+                f"{registration.actor} raised while receiving: {err}",
+                cause=FailureCause.RAISED,
+            )
+        finally:
+            self._acks.forget(key)
+        if ack.status is AckStatus.NOT_ATTACHED:
+            return await self._not_attached(registration, update, ack, deadline)
+        if ack.status is AckStatus.FAILED:
+            return Outcome(
+                registration.worker,
+                f"{registration.actor} failed to apply: {ack.error}",
+                cause=FailureCause.APPLY_FAILED,
+            )
+        self._state.record(registration.worker, update.model, update.version, ack.timings)
+        delivered_s = time.perf_counter() - delivery_started
+        if ack.timings is not None:  # two clocks on the direct path: never below its parts
+            t = ack.timings
+            delivered_s = max(delivered_s, t.fetch_s + t.wait_s + t.apply_s)
+        return Outcome(registration.worker, None, delivered_s, ack.timings)
+
+    async def _not_attached(
+        self, registration: Registration, update: Update, ack: Ack, deadline: float
+    ) -> Outcome:
+        """The delivery reached a process without this registration's receiver: a new
+        incarnation of the actor (the call was queued when the old one died, and Ray
+        ran it on the new one), or the receiver was closed."""
+        try:
+            restarted = await self._restarted(registration, deadline)
+        except (asyncio.TimeoutError, RayError) as err:
+            restarted = f"and it did not answer again ({type(err).__name__})"
+        if restarted is None:  # the same process, its receiver closed: it is gone for good
+            self._drop(registration.worker, registration.token)
+            return Outcome(
+                registration.worker,
+                f"{registration.actor}: {ack.error}; dropped from the registry until it "
+                f"registers again",
+                cause=FailureCause.LEFT,
+            )
+        return Outcome(
+            registration.worker,
+            f"{registration.actor} died before applying version {update.version} of model "
+            f"{update.model!r}; {restarted}",
+            cause=FailureCause.DIED,
+        )
+
+    async def _restarted(self, registration: Registration, deadline: float) -> str | None:
+        """After ``ActorUnavailableError``: find out, by ``deadline``, which process the
+        actor is now. None if it is still the registered one (the error was transient);
+        else how it died: Ray restarted it, and the new process registered again (or not
+        yet). Raises ``ActorDiedError`` if Ray gave up on it, TimeoutError past the
+        deadline."""
+        asked: asyncio.Future[str] | None = None
+        while True:
+            current = self._state.receivers.get(registration.worker)
+            if current is not None and current.registration.process != registration.process:
+                return "Ray restarted it and the new process registered again"
+            if asked is None:
+                asked = asyncio.wrap_future(
+                    registration.handle.__ray_call__.remote(_process_of).future()
+                )
+            done, _ = await asyncio.wait({asked}, timeout=UNAVAILABLE_RETRY_S)
+            if asked in done:
+                try:
+                    process = asked.result()
+                except ActorUnavailableError:
+                    asked = None  # still restarting, or unreachable: ask again
+                    await asyncio.sleep(UNAVAILABLE_RETRY_S)
+                else:
+                    if process == registration.process:
+                        return None
+                    return "Ray restarted it; the new process has not registered again"
+            if time.monotonic() >= deadline:
+                if asked is not None:
+                    asked.cancel()
+                raise asyncio.TimeoutError
+
+
+async def not_delivered(worker: str, reason: str, cause: FailureCause) -> Outcome:
+    """The outcome of a target the hub did not deliver to (why, and its cause)."""
+    return Outcome(worker, reason, cause=cause)
+
+
+def retrieve_outcome(future: asyncio.Future[Any]) -> None:
+    """Retrieve ``future``'s exception once it is done, so that asyncio does not log it
+    as never retrieved: for futures whose outcome nobody else awaits."""
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def _process_of(actor: Any) -> str:
+    """Runs inside a receiver actor (``__ray_call__``): its process's Ray worker id."""
+    return ray.get_runtime_context().get_worker_id()
+
+
+async def _reply_or_ack(call: Any, acked: asyncio.Future[Ack], deadline: float) -> Ack | None:
+    """The first word on a learner's delivery call: the receiver's ack sent to the hub
+    (``acked``; it comes straight here) or the call's own reply (which reaches the hub
+    through the learner that owns it: later, but it is where a death shows). Raises what
+    the call raised; ``asyncio.TimeoutError`` past ``deadline``."""
+    reply = asyncio.ensure_future(call)
+    done, _ = await asyncio.wait(
+        {reply, acked},
+        timeout=max(0.0, deadline - time.monotonic()),
+        return_when=asyncio.FIRST_COMPLETED,
+    )
+    if acked in done:
+        retrieve_outcome(reply)
+        return acked.result()
+    if reply in done:
+        return reply.result()
+    retrieve_outcome(reply)
+    raise asyncio.TimeoutError

@@ -1,0 +1,70 @@
+"""The hub's book of acks sent apart from their delivery call (``hub.ack``), without
+Ray: each reaches the delivery awaiting it, one that comes before its delivery started
+waits for it, and nothing else answers a delivery."""
+
+from __future__ import annotations
+
+import asyncio
+
+from raysync.actors import hub_delivery
+from raysync.actors.hub_delivery import AckBook
+from raysync.messages import Ack, AckStatus
+
+
+def ack(version: int, *, token: str = "t1", origin: str = "learner") -> Ack:
+    return Ack("w", "m", version, AckStatus.APPLIED, origin=origin, token=token)
+
+
+def key(version: int, *, token: str = "t1", origin: str = "learner") -> tuple:
+    return (token, "m", version, origin)
+
+
+def test_an_ack_reaches_the_delivery_awaiting_it_and_no_other():
+    async def run():
+        book = AckBook()
+        waiting = book.expect(key(3))
+        other = book.expect(key(3, token="t2"))  # the same actor, registered again
+        book.arrive(ack(3))
+        return waiting, other
+
+    waiting, other = asyncio.run(run())
+    assert waiting.result() == ack(3) and not other.done()
+
+
+def test_an_ack_before_its_delivery_started_is_kept_for_it():
+    async def run():
+        book = AckBook()
+        book.arrive(ack(4))  # the direct path: applied before the hub booked it
+        early = book.expect(key(4))
+        later = book.expect(key(5))
+        return early, later
+
+    early, later = asyncio.run(run())
+    assert early.result() == ack(4) and not later.done()
+
+
+def test_a_delivery_that_ended_or_starts_over_takes_only_new_acks():
+    async def run():
+        book = AckBook()
+        first = book.expect(key(6))
+        again = book.expect_again(key(6))  # a conflict: the hub delivers once more
+        book.arrive(ack(6))
+        book.forget(key(6))
+        book.arrive(ack(6, origin="other learner"))
+        return first, again, book.expect(key(6, origin="other learner"))
+
+    first, again, kept = asyncio.run(run())
+    assert not first.done() and again.result() == ack(6)
+    assert kept.result() == ack(6, origin="other learner")
+
+
+def test_only_the_newest_early_acks_are_kept(monkeypatch):
+    monkeypatch.setattr(hub_delivery, "EARLY_ACKS_KEPT", 2)
+
+    async def run():
+        book = AckBook()
+        for version in (1, 2, 3):
+            book.arrive(ack(version))
+        return [book.expect(key(v)).done() for v in (1, 2, 3)]
+
+    assert asyncio.run(run()) == [False, True, True]
