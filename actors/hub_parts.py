@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
+from raysync.actors.hub_delivery import retrieve_outcome
 from raysync.errors import IncompleteVersionError
 from raysync.messages import BroadcastRequest
 from raysync.part_assembly import PartAssembly
@@ -148,5 +149,5 @@ def _quiet_future() -> asyncio.Future[Started]:
     """A future whose exception is not logged as never retrieved (a version may fail
     with no part left waiting for it)."""
     future: asyncio.Future[Started] = asyncio.get_running_loop().create_future()
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    retrieve_outcome(future)
     return future
