@@ -15,7 +15,8 @@ from raysync.errors import (
     UnknownModelError,
     UnknownWorkerError,
 )
-from raysync.hub_handle import HubHandle, HubLauncher, WeightHub, get_hub
+from raysync.hub_handle import HubHandle
+from raysync.hub_launch import HubLauncher, WeightHub, get_hub
 from raysync.messages import (
     BroadcastReport,
     BroadcastTicket,

@@ -41,7 +41,8 @@ from typing import Any
 import ray
 import torch
 
-from raysync.hub_handle import HubHandle, get_hub
+from raysync.hub_handle import HubHandle
+from raysync.hub_launch import get_hub
 from raysync.hub_state import DEFAULT_MODEL
 from raysync.messages import DeliveryMode, Entry
 from raysync.receiver_core import HUB_CALL_TIMEOUT_S, ReceiverCore, ReceiverIdentity

@@ -1,7 +1,8 @@
-"""The learner's side of raysync: :class:`WeightHub` creates the hub actor and returns a
-:class:`HubHandle`; ``HubHandle.broadcast.remote(weights)`` flattens and checks the
-weights, hands their bytes to the transport *in the learner process*, and sends the
-hub only the spec and the transport's payload.
+"""The learner's side of raysync: :class:`HubHandle`, which
+:class:`~raysync.hub_launch.WeightHub` returns. ``HubHandle.broadcast.remote(weights)``
+flattens and checks the weights, hands their bytes to the transport *in the learner
+process*, and sends the hub only the spec and the transport's payload (and, on the
+direct path, calls the receivers itself: :mod:`raysync.learner_direct`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -20,32 +21,21 @@ import torch
 from ray.actor import ActorHandle
 
 from raysync import weights as weights_mod
-from raysync.actor_classes import HUB, actor_class
-from raysync.errors import HubClosedError, HubNotFoundError, TransportUnavailableError
-from raysync.learner_channel import (
-    CHANNEL_MAX_BYTES,
-    COLLECT_WAIT_S,
-    ReceiverChannel,
-    Written,
-    channel_targets,
-)
-from raysync.messages import BroadcastRequest, HubConfig, Route, Update
-from raysync.receiver_delivery import delivery_call
-from raysync.routing import hand_off_of
+from raysync.errors import HubClosedError
+from raysync.learner_channel import CHANNEL_MAX_BYTES, COLLECT_WAIT_S, ReceiverChannel
+from raysync.learner_direct import all_listed, deliver_directly, write_channel
+from raysync.messages import BroadcastRequest, HubConfig, Route
 from raysync.spec import WeightSpec
 from raysync.transports import (
-    DEFAULT_TRANSPORT,
     TransportError,
     TransportSender,
     VersionDone,
     get_transport,
     known_transports,
     register_transport,
-    registered_transports,
 )
 from raysync.transports.buckets import bucket_bytes_of
-from raysync.transports.object_store import InlinePayload, ObjectStoreTransport, as_array
-from raysync.wire_dtype import cast_to_wire, check_wire_dtype, wire_spec_of
+from raysync.wire_dtype import cast_to_wire, wire_spec_of
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
@@ -149,7 +139,7 @@ class _Broadcast:
             and parts == 1
             and bucket_bytes is None
             and route.spec == spec
-            and (workers is None or _all_listed(workers, route))
+            and (workers is None or all_listed(workers, route))
         )
         channel = handle._channel(route, travels) if direct else None
         wire = None  # what travels of a whole version: cast once, for every hand-off
@@ -161,7 +151,7 @@ class _Broadcast:
             written, direct_version = None, 0
             if channel is not None:
                 direct_version = handle._next_direct_version(route)
-                written = _write_channel(
+                written = write_channel(
                     channel,
                     route,
                     direct_version,
@@ -169,7 +159,8 @@ class _Broadcast:
                     wire_spec,
                     wire,
                     workers,
-                    handle,
+                    handle._learner_node(),
+                    handle._submitter,
                     config.default_timeout_s if timeout_s is None else timeout_s,
                 )
             senders, payloads = self._hand_off(
@@ -202,7 +193,7 @@ class _Broadcast:
                         calls = channel.collect(written, COLLECT_WAIT_S)
                     if not direct_version:
                         direct_version = handle._next_direct_version(route)
-                    calls |= _deliver_directly(
+                    calls |= deliver_directly(
                         route,
                         direct_version,
                         spec,
@@ -263,36 +254,6 @@ class _Broadcast:
             raise
 
 
-def _write_channel(
-    channel: ReceiverChannel,
-    route: Route,
-    version: int,
-    spec: WeightSpec,
-    wire_spec: WeightSpec | None,
-    wire: dict[str, torch.Tensor],
-    workers: Sequence[str] | None,
-    handle: HubHandle,
-    timeout_s: float,
-) -> Written | None:
-    """Write this broadcast, as ``version``, into the learner's channel to the route's
-    eligible receivers (those of ``workers``, if given: all of them or none); None if
-    the channel cannot take it now (the broadcast calls them itself)."""
-    eligible = channel_targets(route, handle._learner_node())
-    chosen = None if workers is None else set(workers) & {t.worker for t in eligible}
-    travels = wire_spec or spec
-    update = Update(
-        route.model,
-        version,
-        spec.digest,
-        ObjectStoreTransport.name,
-        InlinePayload(tuple(as_array(wire[name]) for name in travels.names)),
-        wire_spec,
-        origin=handle._submitter,
-        from_learner=True,
-    )
-    return channel.write(eligible, chosen, update, timeout_s)
-
-
 def _route_in(result: ray.ObjectRef) -> Route | None:
     """The next broadcast's route in a broadcast's result, if that came back with one:
     None while it is out (the learner broadcasts again without waiting) or if it
@@ -327,52 +288,6 @@ def _check_bucketed(senders: dict[str, TransportSender]) -> None:
             f"(transports that move buckets: {', '.join(able)}); broadcast without "
             "bucket_mb, or have its receivers use one of those"
         )
-
-
-def _all_listed(workers: Sequence[str], route: Route) -> bool:
-    """Whether ``workers`` names some receivers, each one the route lists (else the
-    broadcast goes through the hub, which says what is wrong with the list)."""
-    return bool(workers) and set(workers) <= {t.worker for t in route.targets}
-
-
-def _deliver_directly(
-    route: Route,
-    version: int,
-    spec: WeightSpec,
-    payloads: dict[str, Any],
-    wire_spec: WeightSpec | None,
-    workers: Sequence[str] | None,
-    origin: str,
-    node_id: str,
-    reached: Collection[str] = (),
-) -> dict[str, tuple[str, Any]]:
-    """The direct path, in the learner (on node ``node_id``): call each of ``route``'s
-    receivers (those of ``workers`` only, if given, none ``reached`` already through the
-    learner's channel, and, of a transport whose payload is read on the learner's node
-    only, those on it) with this broadcast as ``version``; per worker, its registration
-    and the call's ref (the hub awaits them as its first delivery, so deaths, restarts
-    and deferred acks are handled as for its own calls; it delivers to the others)."""
-    calls: dict[str, tuple[str, Any]] = {}
-    chosen = None if workers is None else set(workers)
-    for target in route.targets:
-        if (chosen is not None and target.worker not in chosen) or target.worker in reached:
-            continue
-        transport = get_transport(target.transport)
-        if transport.learner_delivers_on_its_node and target.node_id != node_id:
-            continue
-        update = Update(
-            route.model,
-            version,
-            spec.digest,
-            target.transport,
-            payloads[hand_off_of(target.transport)],
-            wire_spec,
-            origin=origin,
-            from_learner=True,
-        )
-        call = delivery_call(target.handle, target.entry, target.attachment, update)
-        calls[target.worker] = (target.token, call)
-    return calls
 
 
 def _checked_part(part: int | None, parts: int | None, version: int | None) -> tuple[int, int]:
@@ -626,161 +541,3 @@ class HubHandle:
 
     def __repr__(self) -> str:
         return f"HubHandle({self.config.hub_id}, transport={self.transport!r})"
-
-
-class WeightHub:
-    """Creates the hub actor: ``WeightHub.remote(...)`` or ``WeightHub.options(...).remote(...)``.
-
-    Called from the Ray job that owns the hub (usually the learner's driver).
-    """
-
-    @staticmethod
-    def options(**actor_options: Any) -> HubLauncher:
-        """Ray actor options for the hub: ``name``, ``namespace``, ``lifetime``,
-        ``max_restarts``, ``scheduling_strategy``, resources, ... (``num_cpus`` defaults to 0)."""
-        return HubLauncher(actor_options)
-
-    @staticmethod
-    def remote(
-        *,
-        transport: str = DEFAULT_TRANSPORT,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        reject_nonfinite: bool = False,
-        models: Sequence[str] = (),
-        options: object | Sequence[object] = (),
-        wire_dtype: torch.dtype | None = None,
-        bucket_mb: float | None = None,
-        channels: bool = False,
-    ) -> HubHandle:
-        """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
-        return HubLauncher({}).remote(
-            transport=transport,
-            timeout_s=timeout_s,
-            reject_nonfinite=reject_nonfinite,
-            models=models,
-            options=options,
-            wire_dtype=wire_dtype,
-            bucket_mb=bucket_mb,
-            channels=channels,
-        )
-
-
-class HubLauncher:
-    """``WeightHub.options(...)``: actor options waiting for ``.remote(...)``."""
-
-    def __init__(self, actor_options: dict[str, Any]) -> None:
-        self._actor_options = {"num_cpus": 0, **actor_options}
-
-    def remote(
-        self,
-        *,
-        transport: str = DEFAULT_TRANSPORT,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        reject_nonfinite: bool = False,
-        models: Sequence[str] = (),
-        options: object | Sequence[object] = (),
-        wire_dtype: torch.dtype | None = None,
-        bucket_mb: float | None = None,
-        channels: bool = False,
-    ) -> HubHandle:
-        """Start the hub actor.
-
-        ``transport`` names the data path (see :func:`raysync.known_transports`);
-        ``timeout_s`` is the default ack timeout of a broadcast; ``reject_nonfinite``
-        makes every broadcast check its tensors for NaN/Inf in the learner. ``models``
-        declares model ids up front: a broadcast may name one of them before any
-        receiver registered it (a learner that starts first); any other id must have
-        been registered by a receiver, else the broadcast raises
-        :class:`~raysync.UnknownModelError` (a typo reaches nobody silently).
-        ``options`` are transport settings, one object or several, of the classes in
-        :mod:`raysync.transports.options` (``DistributedOptions(timeout_s=10)``,
-        ``RpcOptions(...)``); each applies wherever its transport is used by this hub,
-        as its default transport or one its receivers chose. Raises ``ValueError`` for
-        an unknown transport, ``TypeError`` for options that belong to no transport or
-        twice the same, and :class:`~raysync.TransportUnavailableError` if the transport
-        cannot run here. ``wire_dtype`` is every broadcast's default (see
-        ``broadcast.remote``); ``ValueError`` if it is not a floating dtype.
-        ``bucket_mb`` is every broadcast's default bucket size (see
-        ``broadcast.remote``); ``ValueError`` unless positive, or if ``transport``
-        moves whole versions only. ``channels=True``: each learner writes versions of
-        up to 2 MiB into a Ray compiled graph to the ``WeightReceiver`` actors on its
-        node that read by ``object_store`` (one write for all, acks back the same way)
-        instead of calling each one (see :mod:`raysync.learner_channel`); it takes the
-        receivers' compiled-graph thread, so leave it off for actors that run a compiled
-        graph of their own (vLLM's workers) or use ``rdt``.
-        """
-        if wire_dtype is not None:
-            check_wire_dtype(wire_dtype)
-        if bucket_mb is not None:
-            bucket_bytes_of(bucket_mb)
-            if not get_transport(transport).buckets:
-                raise ValueError(f"bucket_mb: transport {transport!r} moves whole versions only")
-        availability = get_transport(transport).availability()
-        if not availability.available:
-            raise TransportUnavailableError(
-                f"transport {transport!r} is not available: {availability.reason}"
-            )
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if isinstance(models, str):
-            raise TypeError(f"models takes a sequence of model ids, not the string {models!r}")
-        config = HubConfig(
-            transport,
-            timeout_s,
-            reject_nonfinite,
-            uuid.uuid4().hex,
-            tuple(models),
-            transport_options=_transport_options(options),
-            transports=registered_transports(),
-            wire_dtype=wire_dtype,
-            bucket_mb=bucket_mb,
-            channels=channels,
-            restartable=self._actor_options.get("max_restarts", 0) != 0,
-        )
-        hub_class = ray.remote(actor_class(HUB))
-        actor = hub_class.options(**self._actor_options).remote(config)
-        return HubHandle(actor, config)
-
-
-def _transport_options(options: object | Sequence[object]) -> tuple[object, ...]:
-    """``options`` as a tuple, checked: each the options class of a known transport,
-    no class twice (which one would apply?)."""
-    given = tuple(options) if isinstance(options, (list, tuple)) else (options,)
-    if not given:
-        return ()
-    classes = {get_transport(name).options for name in known_transports()} - {None}
-    seen: set[type] = set()
-    for option in given:
-        if type(option) not in classes:
-            names = ", ".join(sorted(c.__name__ for c in classes))
-            raise TypeError(
-                f"options: {option!r} is not the options of any transport (those are: {names})"
-            )
-        if type(option) in seen:
-            raise TypeError(f"options: two {type(option).__name__} given; pass one")
-        seen.add(type(option))
-    return given
-
-
-def get_hub(
-    name: str, namespace: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> HubHandle:
-    """A HubHandle on the named hub actor (``WeightHub.options(name=...)``).
-
-    Waits up to ``timeout_s`` for a hub of that name to exist (receivers may start
-    before the hub), then raises :class:`~raysync.HubNotFoundError`.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            actor = ray.get_actor(name, namespace=namespace)
-            break
-        except ValueError:
-            if time.monotonic() >= deadline:
-                raise HubNotFoundError(
-                    f"no hub named {name!r} in namespace {namespace!r} appeared within "
-                    f"{timeout_s:g} s"
-                ) from None
-            time.sleep(0.2)
-    config = ray.get(actor.config.remote(), timeout=max(1.0, deadline - time.monotonic()))
-    return HubHandle(actor, config)

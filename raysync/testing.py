@@ -35,7 +35,8 @@ import ray
 import torch
 
 from raysync.errors import BroadcastError
-from raysync.hub_handle import HubHandle, WeightHub
+from raysync.hub_handle import HubHandle
+from raysync.hub_launch import WeightHub
 from raysync.messages import BroadcastReport
 from raysync.receiver import WeightReceiver
 from raysync.transports import MemoryFootprint, get_transport

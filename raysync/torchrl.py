@@ -42,7 +42,8 @@ from torchrl.weight_update.weight_sync_schemes import (
 )
 
 from raysync.attach import attach
-from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle, WeightHub, get_hub
+from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle
+from raysync.hub_launch import WeightHub, get_hub
 from raysync.messages import BroadcastReport
 from raysync.model_path import resolve
 from raysync.transports import DEFAULT_TRANSPORT

@@ -1,0 +1,186 @@
+"""Start a hub, or find one: :class:`WeightHub` creates the hub actor (called from the
+Ray job that owns it, usually the learner's driver) and :func:`get_hub` finds a named one
+(called by receivers and learners that did not start it). Both return a
+:class:`~raysync.hub_handle.HubHandle`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+
+from raysync.actor_classes import HUB, actor_class
+from raysync.errors import HubNotFoundError, TransportUnavailableError
+from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle
+from raysync.messages import HubConfig
+from raysync.transports import (
+    DEFAULT_TRANSPORT,
+    get_transport,
+    known_transports,
+    registered_transports,
+)
+from raysync.transports.buckets import bucket_bytes_of
+from raysync.wire_dtype import check_wire_dtype
+
+
+class WeightHub:
+    """Creates the hub actor: ``WeightHub.remote(...)`` or ``WeightHub.options(...).remote(...)``.
+
+    Called from the Ray job that owns the hub (usually the learner's driver).
+    """
+
+    @staticmethod
+    def options(**actor_options: Any) -> HubLauncher:
+        """Ray actor options for the hub: ``name``, ``namespace``, ``lifetime``,
+        ``max_restarts``, ``scheduling_strategy``, resources, ... (``num_cpus`` defaults to 0)."""
+        return HubLauncher(actor_options)
+
+    @staticmethod
+    def remote(
+        *,
+        transport: str = DEFAULT_TRANSPORT,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reject_nonfinite: bool = False,
+        models: Sequence[str] = (),
+        options: object | Sequence[object] = (),
+        wire_dtype: torch.dtype | None = None,
+        bucket_mb: float | None = None,
+        channels: bool = False,
+    ) -> HubHandle:
+        """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
+        return HubLauncher({}).remote(
+            transport=transport,
+            timeout_s=timeout_s,
+            reject_nonfinite=reject_nonfinite,
+            models=models,
+            options=options,
+            wire_dtype=wire_dtype,
+            bucket_mb=bucket_mb,
+            channels=channels,
+        )
+
+
+class HubLauncher:
+    """``WeightHub.options(...)``: actor options waiting for ``.remote(...)``."""
+
+    def __init__(self, actor_options: dict[str, Any]) -> None:
+        self._actor_options = {"num_cpus": 0, **actor_options}
+
+    def remote(
+        self,
+        *,
+        transport: str = DEFAULT_TRANSPORT,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reject_nonfinite: bool = False,
+        models: Sequence[str] = (),
+        options: object | Sequence[object] = (),
+        wire_dtype: torch.dtype | None = None,
+        bucket_mb: float | None = None,
+        channels: bool = False,
+    ) -> HubHandle:
+        """Start the hub actor.
+
+        ``transport`` names the data path (see :func:`raysync.known_transports`);
+        ``timeout_s`` is the default ack timeout of a broadcast; ``reject_nonfinite``
+        makes every broadcast check its tensors for NaN/Inf in the learner. ``models``
+        declares model ids up front: a broadcast may name one of them before any
+        receiver registered it (a learner that starts first); any other id must have
+        been registered by a receiver, else the broadcast raises
+        :class:`~raysync.UnknownModelError` (a typo reaches nobody silently).
+        ``options`` are transport settings, one object or several, of the classes in
+        :mod:`raysync.transports.options` (``DistributedOptions(timeout_s=10)``,
+        ``RpcOptions(...)``); each applies wherever its transport is used by this hub,
+        as its default transport or one its receivers chose. Raises ``ValueError`` for
+        an unknown transport, ``TypeError`` for options that belong to no transport or
+        twice the same, and :class:`~raysync.TransportUnavailableError` if the transport
+        cannot run here. ``wire_dtype`` is every broadcast's default (see
+        ``broadcast.remote``); ``ValueError`` if it is not a floating dtype.
+        ``bucket_mb`` is every broadcast's default bucket size (see
+        ``broadcast.remote``); ``ValueError`` unless positive, or if ``transport``
+        moves whole versions only. ``channels=True``: each learner writes versions of
+        up to 2 MiB into a Ray compiled graph to the ``WeightReceiver`` actors on its
+        node that read by ``object_store`` (one write for all, acks back the same way)
+        instead of calling each one (see :mod:`raysync.learner_channel`); it takes the
+        receivers' compiled-graph thread, so leave it off for actors that run a compiled
+        graph of their own (vLLM's workers) or use ``rdt``.
+        """
+        if wire_dtype is not None:
+            check_wire_dtype(wire_dtype)
+        if bucket_mb is not None:
+            bucket_bytes_of(bucket_mb)
+            if not get_transport(transport).buckets:
+                raise ValueError(f"bucket_mb: transport {transport!r} moves whole versions only")
+        availability = get_transport(transport).availability()
+        if not availability.available:
+            raise TransportUnavailableError(
+                f"transport {transport!r} is not available: {availability.reason}"
+            )
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if isinstance(models, str):
+            raise TypeError(f"models takes a sequence of model ids, not the string {models!r}")
+        config = HubConfig(
+            transport,
+            timeout_s,
+            reject_nonfinite,
+            uuid.uuid4().hex,
+            tuple(models),
+            transport_options=_transport_options(options),
+            transports=registered_transports(),
+            wire_dtype=wire_dtype,
+            bucket_mb=bucket_mb,
+            channels=channels,
+            restartable=self._actor_options.get("max_restarts", 0) != 0,
+        )
+        hub_class = ray.remote(actor_class(HUB))
+        actor = hub_class.options(**self._actor_options).remote(config)
+        return HubHandle(actor, config)
+
+
+def _transport_options(options: object | Sequence[object]) -> tuple[object, ...]:
+    """``options`` as a tuple, checked: each the options class of a known transport,
+    no class twice (which one would apply?)."""
+    given = tuple(options) if isinstance(options, (list, tuple)) else (options,)
+    if not given:
+        return ()
+    classes = {get_transport(name).options for name in known_transports()} - {None}
+    seen: set[type] = set()
+    for option in given:
+        if type(option) not in classes:
+            names = ", ".join(sorted(c.__name__ for c in classes))
+            raise TypeError(
+                f"options: {option!r} is not the options of any transport (those are: {names})"
+            )
+        if type(option) in seen:
+            raise TypeError(f"options: two {type(option).__name__} given; pass one")
+        seen.add(type(option))
+    return given
+
+
+def get_hub(
+    name: str, namespace: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> HubHandle:
+    """A HubHandle on the named hub actor (``WeightHub.options(name=...)``).
+
+    Waits up to ``timeout_s`` for a hub of that name to exist (receivers may start
+    before the hub), then raises :class:`~raysync.HubNotFoundError`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+            break
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise HubNotFoundError(
+                    f"no hub named {name!r} in namespace {namespace!r} appeared within "
+                    f"{timeout_s:g} s"
+                ) from None
+            time.sleep(0.2)
+    config = ray.get(actor.config.remote(), timeout=max(1.0, deadline - time.monotonic()))
+    return HubHandle(actor, config)
