@@ -28,43 +28,6 @@ from raysync.transports.buckets import bucket_bytes_of
 from raysync.wire_dtype import check_wire_dtype
 
 
-class WeightHub:
-    """Creates the hub actor: ``WeightHub.remote(...)`` or ``WeightHub.options(...).remote(...)``.
-
-    Called from the Ray job that owns the hub (usually the learner's driver).
-    """
-
-    @staticmethod
-    def options(**actor_options: Any) -> HubLauncher:
-        """Ray actor options for the hub: ``name``, ``namespace``, ``lifetime``,
-        ``max_restarts``, ``scheduling_strategy``, resources, ... (``num_cpus`` defaults to 0)."""
-        return HubLauncher(actor_options)
-
-    @staticmethod
-    def remote(
-        *,
-        transport: str = DEFAULT_TRANSPORT,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        reject_nonfinite: bool = False,
-        models: Sequence[str] = (),
-        options: object | Sequence[object] = (),
-        wire_dtype: torch.dtype | None = None,
-        bucket_mb: float | None = None,
-        channels: bool = False,
-    ) -> HubHandle:
-        """Start a hub with default actor options; see :meth:`HubLauncher.remote`."""
-        return HubLauncher({}).remote(
-            transport=transport,
-            timeout_s=timeout_s,
-            reject_nonfinite=reject_nonfinite,
-            models=models,
-            options=options,
-            wire_dtype=wire_dtype,
-            bucket_mb=bucket_mb,
-            channels=channels,
-        )
-
-
 class HubLauncher:
     """``WeightHub.options(...)``: actor options waiting for ``.remote(...)``."""
 
@@ -140,6 +103,22 @@ class HubLauncher:
         hub_class = ray.remote(actor_class(HUB))
         actor = hub_class.options(**self._actor_options).remote(config)
         return HubHandle(actor, config)
+
+
+class WeightHub:
+    """Creates the hub actor: ``WeightHub.remote(...)`` or ``WeightHub.options(...).remote(...)``.
+
+    Called from the Ray job that owns the hub (usually the learner's driver).
+    """
+
+    @staticmethod
+    def options(**actor_options: Any) -> HubLauncher:
+        """Ray actor options for the hub: ``name``, ``namespace``, ``lifetime``,
+        ``max_restarts``, ``scheduling_strategy``, resources, ... (``num_cpus`` defaults to 0)."""
+        return HubLauncher(actor_options)
+
+    #: Start a hub with default actor options: :meth:`HubLauncher.remote`.
+    remote = staticmethod(HubLauncher({}).remote)
 
 
 def _transport_options(options: object | Sequence[object]) -> tuple[object, ...]:
