@@ -44,11 +44,15 @@ class ModelState:
 
     def behind_since(self, held: int) -> float | None:
         """When the first version newer than ``held`` was published, as far as the
-        versions kept tell (the oldest kept if it is newer); None if none kept is."""
-        for version, at in self.published:
-            if version > held:
-                return at
-        return None
+        versions kept tell (the oldest kept if it is newer); None if none kept is.
+        Walks back from the newest (versions are kept in the order they went up): a
+        receiver ``k`` versions behind costs ``k`` steps, not the whole history."""
+        since = None
+        for version, at in reversed(self.published):
+            if version <= held:
+                break
+            since = at
+        return since
 
 
 @dataclass
@@ -291,11 +295,10 @@ class HubState:
             lag = {m: self.models[m].version - v for m, v in versions.items()}
             lag_s: dict[str, float] = {}
             for m, v in versions.items():
-                since = self.models[m].behind_since(v)
                 if lag[m] == 0:
                     lag_s[m] = 0.0
-                elif since is not None:  # None: published before the hub restarted
-                    lag_s[m] = max(0.0, now - since)
+                elif (since := self.models[m].behind_since(v)) is not None:
+                    lag_s[m] = max(0.0, now - since)  # None: published before a restart
             out.append(
                 ReceiverStatus(
                     worker=worker,
