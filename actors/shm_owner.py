@@ -7,10 +7,10 @@ docstring), hands out slots, and keeps the *holds* that decide when a slot may b
 rewritten:
 
 * ``PENDING``: the learner is writing it, or wrote it and the hub has not planned it yet;
-* ``("worker", id)``: a receiver the version was planned for has not released it yet
-  (on the owner's *release board*, :class:`~raysync.transports.shared_memory.Board`,
+* ``Hold.of_worker(id)``: a receiver the version was planned for has not released it
+  yet (on the owner's *release board*, :class:`~raysync.transports.shared_memory.Board`,
   or by calling :meth:`ShmOwner.release`);
-* ``("latest", model)``: the newest version of ``model`` here, for late joiners;
+* ``Hold.latest(model)``: the newest version of ``model`` here, for late joiners;
 * ``RELAYING``: the owner itself is copying a relayed version in.
 
 A slot with no hold may be given out again. The actor runs its calls in a pool of
@@ -23,6 +23,7 @@ the memory once receivers unmap it.
 
 from __future__ import annotations
 
+import enum
 import mmap
 import os
 import secrets
@@ -46,8 +47,38 @@ from raysync.transports.shared_memory.wire import (
     Board,
 )
 
-PENDING = ("pending",)
-RELAYING = ("relaying",)
+
+class HoldKind(enum.Enum):
+    """Why a slot may not be rewritten yet (see the module's docstring)."""
+
+    PENDING = "pending"
+    RELAYING = "relaying"
+    WORKER = "worker"
+    LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One reason a slot is held: its kind and whom it is for (a worker, a model)."""
+
+    kind: HoldKind
+    name: str = ""
+
+    @classmethod
+    def of_worker(cls, worker: str) -> Hold:
+        return cls(HoldKind.WORKER, worker)
+
+    @classmethod
+    def latest(cls, model: str) -> Hold:
+        return cls(HoldKind.LATEST, model)
+
+    def __str__(self) -> str:
+        """As :class:`OwnerStats` and errors name it: ``worker/w0``, ``pending``."""
+        return f"{self.kind.value}/{self.name}" if self.name else self.kind.value
+
+
+PENDING = Hold(HoldKind.PENDING)
+RELAYING = Hold(HoldKind.RELAYING)
 
 
 @dataclass
@@ -59,7 +90,7 @@ class _Segment:
     seq: int = 0  #: the version written into it (0: none yet)
     #: whose slots it is among: a learner's sender (``acquire``), or the relays of a model
     stream: str = ""
-    holds: set[tuple[str, ...]] = field(default_factory=set)
+    holds: set[Hold] = field(default_factory=set)
     #: workers whose release of ``seq`` came before the hub's hold for them
     released: set[str] = field(default_factory=set)
 
@@ -153,14 +184,14 @@ class ShmOwner:
             if self._on_board(segment, worker):  # done with it before its hold came
                 self._board_releases += 1
             elif worker not in segment.released:
-                segment.holds.add(("worker", worker))
+                segment.holds.add(Hold.of_worker(worker))
         latest = self._latest.get(model, 0)
         if seq > latest:
             previous = self._by_seq.get(latest)
             if previous is not None:
-                previous.holds.discard(("latest", model))
+                previous.holds.discard(Hold.latest(model))
             self._latest[model] = seq
-            segment.holds.add(("latest", model))
+            segment.holds.add(Hold.latest(model))
         self._lock.notify_all()
         return self._slot(segment)
 
@@ -212,8 +243,8 @@ class ShmOwner:
             if segment is None:
                 return
             self._release_calls += 1
-            if ("worker", worker) in segment.holds:
-                segment.holds.discard(("worker", worker))
+            if Hold.of_worker(worker) in segment.holds:
+                segment.holds.discard(Hold.of_worker(worker))
                 self._lock.notify_all()
             else:
                 segment.released.add(worker)
@@ -237,7 +268,7 @@ class ShmOwner:
             for segment in self._by_seq.values():
                 if segment.seq in kept:
                     continue
-                segment.holds.discard(("worker", worker))
+                segment.holds.discard(Hold.of_worker(worker))
                 segment.released.discard(worker)
             self._lock.notify_all()
 
@@ -252,7 +283,7 @@ class ShmOwner:
                 segment_bytes=sum(s.buffer.numel() for s in segments),
                 relays=self._relays,
                 exports=self._exports,
-                holds=tuple(sorted("/".join(h) for s in segments for h in s.holds)),
+                holds=tuple(sorted(str(h) for s in segments for h in s.holds)),
                 board_releases=self._board_releases,
                 release_calls=self._release_calls,
             )
@@ -288,7 +319,7 @@ class ShmOwner:
                 return segment
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                holders = sorted({"/".join(h) for s in pool for h in s.holds})
+                holders = sorted({str(h) for s in pool for h in s.holds})
                 raise TransportError(
                     f"all {len(pool)} shared-memory slots of {nbytes} bytes on node "
                     f"{self._node_id} stayed held for {timeout_s:g} s by: "
@@ -313,7 +344,7 @@ class ShmOwner:
         released = [
             hold
             for hold in segment.holds
-            if hold[0] == "worker" and self._on_board(segment, hold[1])
+            if hold.kind is HoldKind.WORKER and self._on_board(segment, hold.name)
         ]
         segment.holds.difference_update(released)
         self._board_releases += len(released)
