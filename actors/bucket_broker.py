@@ -51,6 +51,7 @@ from typing import Any
 
 import ray
 
+from raysync.background import BackgroundTasks
 from raysync.transports.hand_off import HandOff, HandOffClock
 from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, SenderActor, StreamId
 
@@ -125,6 +126,7 @@ class BucketBroker:
         self._watches: dict[str, asyncio.Task] = {}
         #: stream id -> its hand-off clock, for the last ``_CLOCKS_KEPT`` streams opened
         self._clocks: dict[str, HandOffClock] = {}
+        self._background = BackgroundTasks("bucket broker")  #: streams ended by timers
 
     # -- the learner ------------------------------------------------------------------
     async def offer(
@@ -387,7 +389,7 @@ class BucketBroker:
             return
         if unless_planned and state.readers is not None:
             return
-        asyncio.get_running_loop().create_task(self.end(state.key, why))
+        self._background.spawn(self.end(state.key, why), f"end of stream {state.key.id}")
 
     def _drop(self, state: _Stream, worker: str, why: str) -> None:
         if state.readers is not None:
