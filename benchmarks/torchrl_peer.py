@@ -19,7 +19,8 @@ machine burnt per update, by kind (the learner is ``driver``). On two cores that
 the number of hops, bounds a small update's wall time.
 
 Beside them, in the same cells and run, raysync's own broadcast without TorchRL: a hub
-(``object_store``, with ``channels=True``, and ``shared_memory``) and N
+(``object_store``, with ``channels=True``, and ``shared_memory``, its receivers copying
+or, ``shared_memory+zero_copy``, adopting the node's segment as their model) and N
 ``WeightReceiver`` actors holding the same policy; the time is
 ``ray.get(hub.broadcast.remote(policy))``, and after each sample every receiver must
 hold the new weight (``--hubs`` picks them, none to skip).
@@ -144,9 +145,9 @@ def _check(name: str, i: int, value: float, held) -> None:
 class HubReceiver(WeightReceiver):
     """A receiver of the benchmark's policy, written with the mixin."""
 
-    def __init__(self, hub, size_mb: float) -> None:
+    def __init__(self, hub, size_mb: float, zero_copy: bool = False) -> None:
         self.policy = BallastPolicy(size_mb)
-        self.connect_hub(hub, {"policy": "policy"})
+        self.connect_hub(hub, {"policy": "policy"}, zero_copy=zero_copy)
 
     def weight(self) -> float:
         return float(self.policy.weight)
@@ -156,11 +157,13 @@ def time_hub(
     variant: str, size_mb: float, n: int, warmup: int, repeats: int, cpu_repeats: int
 ) -> tuple[list[float], dict[str, float]]:
     """Seconds per broadcast of raysync's own hub (``object_store``,
-    ``object_store+channels`` or ``shared_memory``) to N mixin receivers, each checked
-    after its sample; and CPU ms per broadcast by kind of process."""
+    ``object_store+channels``, ``shared_memory`` or ``shared_memory+zero_copy``) to N
+    mixin receivers, each checked after its sample; and CPU ms per broadcast by kind of
+    process."""
     transport, _, options = variant.partition("+")
     hub = WeightHub.remote(models=["policy"], transport=transport, channels=options == "channels")
-    receivers = [HubReceiver.remote(hub, size_mb) for _ in range(n)]
+    zero_copy = options == "zero_copy"
+    receivers = [HubReceiver.remote(hub, size_mb, zero_copy) for _ in range(n)]
     ray.get([r.__ray_ready__.remote() for r in receivers])
     policy = BallastPolicy(size_mb)
 
@@ -201,6 +204,7 @@ def plot(cells: list[dict], path: Path) -> None:
         "object_store": "raysync broadcast",
         "object_store+channels": "raysync broadcast, channels",
         "shared_memory": "raysync broadcast, shared_memory",
+        "shared_memory+zero_copy": "raysync broadcast, shared_memory, zero-copy receivers",
     }
     series = [key for key in names if key in cells[0]]
     width = 0.8 / len(series)
@@ -231,8 +235,18 @@ def main() -> None:
     parser.add_argument(
         "--hubs",
         nargs="*",
-        default=["object_store", "object_store+channels", "shared_memory"],
-        choices=["object_store", "object_store+channels", "shared_memory"],
+        default=[
+            "object_store",
+            "object_store+channels",
+            "shared_memory",
+            "shared_memory+zero_copy",
+        ],
+        choices=[
+            "object_store",
+            "object_store+channels",
+            "shared_memory",
+            "shared_memory+zero_copy",
+        ],
         help="raysync's own broadcast beside the schemes",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
