@@ -48,6 +48,8 @@ from raysync import WeightHub, WeightReceiver
 from raysync.torchrl import RaySyncScheme
 
 FRAMES = 4  # per collector and batch: the batch only checks the weights
+#: raysync's own broadcasts beside the schemes: a transport, and ``+`` a hub or receiver option
+HUBS = ("object_store", "object_store+channels", "shared_memory", "shared_memory+zero_copy")
 
 
 class BallastPolicy(TensorDictModuleBase):
@@ -235,18 +237,8 @@ def main() -> None:
     parser.add_argument(
         "--hubs",
         nargs="*",
-        default=[
-            "object_store",
-            "object_store+channels",
-            "shared_memory",
-            "shared_memory+zero_copy",
-        ],
-        choices=[
-            "object_store",
-            "object_store+channels",
-            "shared_memory",
-            "shared_memory+zero_copy",
-        ],
+        default=list(HUBS),
+        choices=HUBS,
         help="raysync's own broadcast beside the schemes",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
