@@ -243,8 +243,9 @@ class ShmOwner:
             if segment is None:
                 return
             self._release_calls += 1
-            if Hold.of_worker(worker) in segment.holds:
-                segment.holds.discard(Hold.of_worker(worker))
+            hold = Hold.of_worker(worker)
+            if hold in segment.holds:
+                segment.holds.discard(hold)
                 self._lock.notify_all()
             else:
                 segment.released.add(worker)
