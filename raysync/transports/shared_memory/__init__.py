@@ -1,4 +1,4 @@
-"""Shared memory on each node: one write per version per node, zero-copy reads.
+r"""Shared memory on each node: one write per version per node, zero-copy reads.
 
 Who does what:
 
