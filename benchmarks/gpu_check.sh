@@ -3,7 +3,10 @@
 # import (ray, nixl with its CUDA build, tensordict): the `gpu` tests, then bucketed and
 # whole versions from a CUDA learner to two GPU receivers on `nixl`, `rdt` and
 # `object_store` (benchmarks/buckets.py --device cuda). Each step is time-boxed so that
-# a slow path shows up as a cut step, not a hung run.
+# a slow path shows up as a cut step, not a hung run. raysync must be installed, not only
+# on PYTHONPATH: its actor classes (actors/, mapped to raysync.actors) are found through
+# its entry points, so the script installs the checkout (editable, offline) where they
+# are missing.
 #
 #   bash benchmarks/gpu_check.sh OUTDIR     # gpu-tests.log, buckets_gpu_*.{json,png}
 set -o pipefail
@@ -11,7 +14,9 @@ out=${1:?usage: gpu_check.sh OUTDIR}
 mkdir -p "$out"
 start=$(date +%s)
 export PYTHONUNBUFFERED=1
-python3 -c "import ray, nixl, tensordict, torch, raysync; print('ray', ray.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 1
+python3 -c "import ray, nixl, tensordict, torch; print('ray', ray.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" || exit 1
+python3 -c "import raysync.actors" 2>/dev/null \
+  || python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rA --timeout 90 \
   tests/test_nixl.py tests/test_buckets.py tests/test_distributed.py 2>&1 \
