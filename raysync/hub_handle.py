@@ -314,27 +314,46 @@ def _checked_part(part: int | None, parts: int | None, version: int | None) -> t
 
 class _BroadcastDone(VersionDone):
     """A broadcast's end for the learner's senders: its report resolving (or raising),
-    or with ``wait=False`` the hub's ``wait_for`` of the ticket it resolved to."""
+    or with ``wait=False`` the hub's ``wait_for`` of the ticket it resolved to (asked
+    for once, by whichever of ``wait`` and ``ended`` needs it first)."""
 
     def __init__(self, actor: ActorHandle, result: ray.ObjectRef, *, waits: bool) -> None:
         self._actor = actor
         self._result = result
         self._waits = waits
+        self._report: ray.ObjectRef | None = result if waits else None
+        self._lock = threading.Lock()
+
+    def _report_ref(self, timeout_s: float) -> ray.ObjectRef:
+        """The ref that resolves with the report; GetTimeoutError while there is no ticket."""
+        with self._lock:
+            if self._report is None:
+                ticket = ray.get(self._result, timeout=timeout_s)
+                self._report = self._actor.wait_for.remote(ticket, raise_on_failure=False)
+            return self._report
 
     def wait(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         try:
-            outcome = ray.get(self._result, timeout=timeout_s)
-            if not self._waits:  # a ticket: the report comes from the hub
-                remaining = max(0.0, deadline - time.monotonic())
-                ray.get(
-                    self._actor.wait_for.remote(outcome, raise_on_failure=False),
-                    timeout=remaining,
-                )
+            report = self._report_ref(timeout_s)
+            ray.get(report, timeout=max(0.0, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError as err:
             raise TimeoutError(f"the broadcast did not end within {timeout_s:g} s") from err
         except ray.exceptions.RayError:
             pass  # it ended in an error (failed receivers, a refused spec): ended
+
+    def ended(self) -> bool:
+        """Whether the broadcast has ended, without waiting or fetching its report."""
+        try:
+            if self._report is None:
+                ready, _ = ray.wait([self._result], timeout=0, fetch_local=False)
+                if not ready:
+                    return False
+            report = self._report_ref(0)
+        except ray.exceptions.RayError:
+            return True  # the submit failed: nothing is read any more
+        ready, _ = ray.wait([report], timeout=0, fetch_local=False)
+        return bool(ready)
 
 
 class _InFlight:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ from raysync.transports import HubContext, TransportError, VersionDone
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
 from raysync.transports.nixl.agent import new_agent
+from raysync.transports.nixl.progress import SourceProgress
 from tests.helpers import assert_same, ready, start, start_hub, wait_dead, wait_for_file
 from tests.nixl_actors import (
     BigCollector,
@@ -430,6 +432,71 @@ def test_killed_receiver_mid_read_leaves_the_others_and_the_learner_fine(actors)
     report = ray.get(hub.broadcast.remote(weights, model="big"))
     assert report.acked == ("survivor",) and report.failed == {}
     assert ray.get(survivor.summary.remote()) == (2, 2.0, 2.0)
+
+
+def test_over_tcp_alone_every_version_arrives_bitwise(actors):
+    """UCX with TCP alone (hosts without cross-memory attach or RDMA): the learner's agent
+    must answer every READ, which its progress thread does while a broadcast runs."""
+    tcp_only = {"runtime_env": {"env_vars": {"UCX_TLS": "tcp,self"}}}
+    hub = start_hub(actors, "nixl")
+    receivers = [
+        start(actors, BigCollector.options(**tcp_only), hub, worker_id=f"tcp{i}") for i in (0, 1)
+    ]
+    ready(receivers)
+    learner = start(actors, Learner.options(**tcp_only), hub)
+    for value in (1.0, 2.0, 3.0):
+        report = _report(hub, ray.get(learner.broadcast.remote(value, 30)), 45)
+        assert report.acked == ("tcp0", "tcp1") and report.failed == {}, report
+        version = report.version
+        for receiver in receivers:
+            assert ray.get(receiver.summary.remote()) == (version, value, value)
+
+
+class _Ends(VersionDone):
+    def __init__(self) -> None:
+        self.over = False
+
+    def wait(self, timeout_s: float) -> None:
+        if not self.over:
+            raise TimeoutError("still running")
+
+
+class _CountingAgent:
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def get_new_notifs(self) -> dict:
+        self.calls += 1
+        return {}
+
+
+def test_the_learner_agent_is_progressed_fast_only_while_its_broadcasts_run():
+    owner = type("Owner", (), {})()
+    agent = _CountingAgent()
+    progress = SourceProgress(owner, agent)
+    assert not progress.fast()
+    first, second = _Ends(), _Ends()
+    progress.serving(first)
+    progress.serving(second)
+    assert progress.fast()
+    first.over = True
+    assert progress.fast()  # the second still runs
+    second.over = True
+    assert not progress.fast()
+    calls = agent.calls
+    deadline = time.monotonic() + 10
+    while agent.calls == calls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert agent.calls > calls  # idle, it still progresses (connections, late joiners)
+    del owner  # the thread ends with its owner
+    gc.collect()
+    deadline = time.monotonic() + 10
+    thread = "raysync-nixl-progress-counting"
+    while any(t.name == thread and t.is_alive() for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the progress thread outlived its owner"
+        time.sleep(0.001)
 
 
 # -- GPU -----------------------------------------------------------------------------------

@@ -39,10 +39,11 @@ agent and forgets that agent, so a restarted learner starts clean.
 Progress: no agent runs nixl's own progress thread, which busy-polls a core for as long
 as the agent lives, idle or not (on a small machine a learner and a few receivers
 starve each other that way). A receiver progresses its agent while it polls its READs.
-The learner's agent is the target of those READs: the data moves without it (one-sided),
-but a receiver's first READ connects and needs the learner to answer, and an endpoint
-left idle for a while needs it again; a daemon thread progresses it every
-``_SOURCE_PROGRESS_S``, sleeping in between.
+The learner's agent is the target of those READs: where UCX has a one-sided path the data
+moves without it, but a receiver's first READ connects and needs the learner to answer,
+and over TCP (no cross-memory attach, no RDMA) every READ does. A daemon thread
+progresses it every 0.1 ms while a broadcast of the learner runs and every 5 ms between
+broadcasts (:mod:`raysync.transports.nixl.progress`).
 
 GPU: CUDA weights are packed into VRAM buffers on their device, and a receiver process
 that sees a CUDA device stages in VRAM; NIXL moves the bytes the same way. UCX's

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +14,7 @@ from raysync.copies import copy_on_this_thread
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
 from raysync.transports.nixl.agent import device_index, memory_type, new_agent
+from raysync.transports.nixl.progress import SourceProgress
 from raysync.transports.nixl.ring import BucketRing
 from raysync.transports.nixl.wire import (
     ABANDONED,
@@ -33,29 +33,6 @@ logger = logging.getLogger(__name__)
 #: Broadcasts end within their own timeout; past this bound the stamps still protect
 #: readers, so the learner goes on.
 REUSE_WAIT_S = 600.0
-
-#: The learner's agent is progressed this often (seconds). It serves only connection
-#: set-up and upkeep, never the data, so it can be slow: each wake-up costs little.
-_SOURCE_PROGRESS_S = 0.005
-
-
-def _progress(agent: Any, stop: threading.Event) -> None:
-    """Learner process, a daemon thread: progress ``agent`` every ``_SOURCE_PROGRESS_S``
-    until ``stop`` is set (receivers connect and keep their endpoints through it)."""
-    while not stop.wait(_SOURCE_PROGRESS_S):
-        try:
-            agent.get_new_notifs()  # progresses the agent's UCX worker
-        except Exception as err:
-            logger.debug("progressing nixl agent %s failed: %s", agent.name, err)
-
-
-def _start_progress(owner: object, agent: Any) -> None:
-    """Progress ``agent`` from a daemon thread for as long as ``owner`` lives."""
-    stop = threading.Event()
-    threading.Thread(
-        target=_progress, args=(agent, stop), name="raysync-nixl-progress", daemon=True
-    ).start()
-    weakref.finalize(owner, stop.set)
 
 
 @dataclass
@@ -81,7 +58,7 @@ class NixlSender(TransportSender):
         versions out (None: it sends whole versions only)."""
         self._hub = hub
         self._agent = new_agent("learner", shared=True)
-        _start_progress(self, self._agent)
+        self._progress = SourceProgress(self, self._agent)
         self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
         self._by_address: dict[int, _SourceBuffer] = {}
         #: Bucketed versions: a ring per (bucket bytes, device), the hub's broker, and
@@ -152,6 +129,8 @@ class NixlSender(TransportSender):
     def submitted(self, payload: NixlPayload | NixlBucketStream, done: VersionDone | None) -> None:
         """Write the version into its buffer, bucket by bucket, while receivers read it;
         or stream a bucketed one out of its ring."""
+        if done is not None:
+            self._progress.serving(done)
         if isinstance(payload, NixlBucketStream):
             with self._lock:
                 ring, outgoing = self._outgoing.pop(payload.key.id)
