@@ -181,3 +181,11 @@ def run_example(script: str, *args: str, cwd: Path) -> subprocess.CompletedProce
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def cpu_seconds_over_one_idle_second(actor) -> float:
+    """Run inside an actor (``actor.__ray_call__.remote(...)``): the CPU seconds its
+    process burns while the actor does nothing for one second."""
+    start = time.process_time()
+    time.sleep(1.0)  # the measured interval, not a wait for anything
+    return time.process_time() - start

@@ -7,7 +7,13 @@ import ray
 import torch
 
 from raysync.transports.rdt import RdtTransport
-from tests.helpers import assert_same, ready, start, start_hub
+from tests.helpers import (
+    assert_same,
+    cpu_seconds_over_one_idle_second,
+    ready,
+    start,
+    start_hub,
+)
 from tests.nixl_actors import (
     Learner,
     RdtBigCollector,
@@ -127,3 +133,20 @@ def test_killed_learner_fails_the_broadcast_within_the_timeout(actors):
     weights = big_model()
     weights["w"].fill_(3.0)
     assert len(ray.get(hub.broadcast.remote(weights, model="big")).acked) == 2
+
+
+def test_no_rdt_process_spins_a_core_while_idle(actors):
+    """Ray makes its NIXL agent with nixl's progress thread, which spins a core for the
+    process's life; raysync makes Ray's agent itself, progressed from a sleeping thread.
+    (A spinning thread burns ~1 s of CPU per idle second; the bound leaves room.)"""
+    hub = start_hub(actors, "rdt")
+    receiver = start(actors, RdtBigCollector, hub, worker_id="idle")
+    ready([receiver])
+    learner = start(actors, RdtLearner, hub)
+    for value in (1.0, 2.0):  # the second reuses the connection and the first buffer
+        report = _report(hub, ray.get(learner.broadcast.remote(value, 30)), 45)
+        assert report.acked == ("idle",) and report.failed == {}, report
+    assert ray.get(receiver.summary.remote()) == (2, 2.0, 2.0)
+    for name, actor in (("learner", learner), ("receiver", receiver)):
+        cpu = ray.get(actor.__ray_call__.remote(cpu_seconds_over_one_idle_second))
+        assert cpu < 0.5, f"the {name} burned {cpu:.2f} s of CPU in one idle second"

@@ -13,6 +13,7 @@ from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
 from raysync.transports.nixl.agent import apply_ucx_cuda_defaults
 from raysync.transports.object_store.buckets import Outgoing, open_broker, start_stream
+from raysync.transports.rdt.agent import ray_agent_progress
 from raysync.transports.rdt.ring import RdtRing
 from raysync.transports.rdt.wire import (
     REQUIREMENT,
@@ -35,6 +36,7 @@ class RdtSender(TransportSender):
         ):
             raise TransportError(f"the learner actor {context.get_actor_id()} {REQUIREMENT}")
         apply_ucx_cuda_defaults()  # before Ray's NIXL agent starts in this process
+        self._progress = ray_agent_progress()
         self._hub = hub
         self._pairs: dict[tuple[WeightSpec, torch.device], list[torch.Tensor]] = {}
         #: Bucketed versions: two registered slots per (bucket bytes, device), the
@@ -104,6 +106,8 @@ class RdtSender(TransportSender):
 
     def submitted(self, payload: RdtPayload | RdtBucketStream, done: VersionDone) -> None:
         """Stream a bucketed version out of its ring (a whole one is already published)."""
+        if self._progress is not None:
+            self._progress.serving(done)
         if isinstance(payload, RdtBucketStream):
             with self._lock:
                 ring, outgoing = self._outgoing.pop(payload.key.id)

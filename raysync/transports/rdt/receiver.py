@@ -20,6 +20,7 @@ from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl.agent import apply_ucx_cuda_defaults
 from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
 from raysync.transports.object_store.buckets import buckets_of
+from raysync.transports.rdt.agent import ray_agent_progress
 from raysync.transports.rdt.wire import RdtBucketStream, RdtPayload
 from raysync.transports.staging import StagingPool, staging_device
 
@@ -32,6 +33,7 @@ class RdtReceiver(TransportReceiver):
         """``worker``: this receiver's worker id, how it names itself to the hub's bucket
         broker (None: it reads whole versions only)."""
         apply_ucx_cuda_defaults()  # before Ray's NIXL agent starts in this process
+        ray_agent_progress()
         self._worker = worker
         self._device = staging_device()
         self._pool: StagingPool[torch.Tensor] = StagingPool(self._new_staging)
