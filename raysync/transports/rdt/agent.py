@@ -14,7 +14,10 @@ sleeps between looks (:class:`raysync.transports.nixl.progress.SourceProgress`: 
 0.1 ms while a broadcast of this learner runs, every 5 ms otherwise). Where Ray would
 pick another backend (LIBFABRIC, on hosts with EFA), where Ray already made its agent,
 or where Ray's transport manager is not laid out as this module expects (another Ray
-version), Ray's own agent is left as Ray makes it.
+version), Ray's own agent is left as Ray makes it. So it is in a process that sees a
+CUDA device, for now: ``rdt`` from and into VRAM ran on an H200 with Ray's own agent,
+and this one has not run on a GPU yet (a core spun per process matters less on a GPU
+node's many cores than on a small CPU machine).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import uuid
 from typing import Any
 
 import ray
+import torch
 
 from raysync.transports.nixl.progress import SourceProgress
 
@@ -48,6 +52,8 @@ def ray_agent_progress() -> SourceProgress | None:
 
 
 def _make_ray_agent() -> SourceProgress | None:
+    if torch.cuda.is_available():
+        return None
     try:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         from ray.experimental.rdt.util import get_tensor_transport_manager
