@@ -49,9 +49,10 @@ class TestNixl(TransportConformance):
 
 class TestRdt(TransportConformance):
     """``slow`` (``make test-all``): every broadcast but the first two waits in
-    ``wait_tensor_freed`` for Ray to free the reused buffer's ObjectRef, 5-7 s each on
-    this machine (~130-160 s for the class); tests/test_rdt.py covers rdt in
-    ``make test``."""
+    ``wait_tensor_freed`` for Ray to free the reused buffer's ObjectRef. The class took
+    130-160 s on this machine while Ray's NIXL agent spun a core in every process, 57 s
+    since raysync makes that agent itself (``raysync/transports/rdt/agent.py``);
+    tests/test_rdt.py covers rdt in ``make test``."""
 
     transport = "rdt"
     receiver_options = {"enable_tensor_transport": True}
