@@ -41,8 +41,10 @@ END_CHECK_S = 0.002
 class SourceProgress:
     """A daemon thread that progresses a learner's agent for as long as ``owner`` lives.
 
-    Created by the learner's sender; ``serving`` is called by the sender (any thread of the
-    learner process) when a version becomes readable, with the end of its broadcast."""
+    Created by the ``nixl`` learner's sender, and for Ray's agent in each ``rdt`` process
+    (:mod:`raysync.transports.rdt.agent`); ``serving`` is called by the sender (any thread
+    of the learner process) when a version becomes readable, with the end of its
+    broadcast."""
 
     def __init__(self, owner: object, agent: Any) -> None:
         self._agent = agent
