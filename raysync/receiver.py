@@ -3,7 +3,7 @@
 Everything here runs in the receiver actor's process. ``connect_hub`` (usually from
 ``__init__``) is :func:`raysync.attach` with the actor as owner: it registers the
 actor's models with the hub, applies the latest versions at once and starts the hub
-watch; the :class:`~raysync.attach.AttachedReceiver` it returns is kept at
+watch; the :class:`~raysync.attached.AttachedReceiver` it returns is kept at
 ``self._raysync_receiver``. Each update is fetched from the transport outside the safe
 point, then written into the model when no user method is running: every public method
 of the class is wrapped as a reader (``receiver.using()``) when the class is defined.
@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from raysync.attach import AttachedReceiver, attach
+from raysync.attached import AttachedReceiver, attach
 from raysync.errors import RaySyncError
 from raysync.hub_handle import HubHandle
 from raysync.hub_state import DEFAULT_MODEL

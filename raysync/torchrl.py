@@ -41,7 +41,7 @@ from torchrl.weight_update.weight_sync_schemes import (
     register_weight_sync_backend,
 )
 
-from raysync.attach import attach
+from raysync.attached import attach
 from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle
 from raysync.hub_launch import WeightHub, get_hub
 from raysync.messages import BroadcastReport

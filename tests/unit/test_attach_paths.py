@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raysync import model_path
-from raysync.attach import _model_paths
+from raysync.attached import _model_paths
 from raysync.messages import AckStatus, Update
 from raysync.receiver_delivery import Attachments, attached, deliver
 from raysync.receiver_receipt import AckNow
