@@ -3,7 +3,8 @@
 The learner computes a spec for every broadcast, each receiver computes one for its
 model when it registers, and the hub compares them. A spec is small (no tensor data),
 hashable and cheap to compare, so the hub can check every broadcast before any
-receiver is touched.
+receiver is touched. A spec holds each dtype by name and imports torch only when asked
+for torch's dtype: the hub's process never imports torch.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from raysync.errors import SpecMismatchError
+
+if TYPE_CHECKING:
+    import torch
 
 #: How many entries of each side a mismatch message lists before it elides the rest.
 _MESSAGE_ENTRIES = 12
@@ -26,11 +28,26 @@ _MESSAGE_ENTRIES = 12
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One named tensor: its shape and dtype (its device is each process's own)."""
+    """One named tensor: its shape and dtype (its device is each process's own).
+
+    The dtype is held by torch's name for it (``"float32"``, ``"bfloat16"``) and its
+    size in bytes; :attr:`dtype` is torch's dtype itself. Made with :meth:`of`.
+    """
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
+    itemsize: int
+
+    @classmethod
+    def of(cls, name: str, shape: Iterable[int], dtype: torch.dtype) -> TensorSpec:
+        """The spec of a tensor called ``name`` of ``shape`` and ``dtype``."""
+        return cls(name, tuple(shape), str(dtype).removeprefix("torch."), dtype.itemsize)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """torch's dtype (imports torch on first use in a process)."""
+        return torch_dtype(self.dtype_name)
 
     @property
     def numel(self) -> int:
@@ -41,10 +58,10 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.numel * self.itemsize
 
     def describe(self) -> str:
-        return f"shape {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+        return f"shape {tuple(self.shape)} {self.dtype_name}"
 
 
 @dataclass(frozen=True)
@@ -78,9 +95,7 @@ class WeightSpec:
     @cached_property
     def _wire(self) -> bytes:
         return pickle.dumps(
-            tuple(
-                (t.name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in self.tensors
-            )
+            tuple((t.name, t.shape, t.dtype_name, t.itemsize) for t in self.tensors)
         )
 
     @cached_property
@@ -98,7 +113,7 @@ class WeightSpec:
         Updates carry it instead of the spec: a receiver compares it with the spec it
         registered, so a 1000-tensor spec is not sent to every receiver on every broadcast.
         """
-        text = "\n".join(f"{t.name}|{t.shape}|{t.dtype}" for t in self.tensors)
+        text = "\n".join(f"{t.name}|{t.shape}|torch.{t.dtype_name}" for t in self.tensors)
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
     def __hash__(self) -> int:
@@ -141,7 +156,7 @@ class WeightSpec:
                     f"key {name!r}: {expected} has {a.describe()}, {got} has {b.describe()} "
                     "(shape differs)"
                 )
-            elif a.dtype != b.dtype:
+            elif a.dtype_name != b.dtype_name:
                 problems.append(
                     f"key {name!r}: {expected} has {a.describe()}, {got} has {b.describe()} "
                     "(dtype differs)"
@@ -164,18 +179,21 @@ _RECENT_SPECS = 16
 def _spec_of_entries(entries: tuple[tuple[str, torch.Size, torch.dtype], ...]) -> WeightSpec:
     """The spec of ``(name, shape, dtype)`` entries sorted by name; the same instance
     for equal entries (see :meth:`WeightSpec.of`)."""
-    return WeightSpec(
-        tuple(TensorSpec(name, tuple(shape), dtype) for name, shape, dtype in entries)
-    )
+    return WeightSpec(tuple(TensorSpec.of(name, shape, dtype) for name, shape, dtype in entries))
 
 
 @functools.lru_cache(maxsize=_RECENT_SPECS)
 def _spec_from_wire(wire: bytes) -> WeightSpec:
     """The spec :meth:`WeightSpec.__reduce__` pickled; the same instance for equal bytes."""
-    entries = pickle.loads(wire)
-    return WeightSpec(
-        tuple(TensorSpec(name, shape, getattr(torch, dtype)) for name, shape, dtype in entries)
-    )
+    return WeightSpec(tuple(TensorSpec(*entry) for entry in pickle.loads(wire)))
+
+
+@functools.cache
+def torch_dtype(name: str) -> torch.dtype:
+    """torch's dtype called ``name`` (``"float32"``)."""
+    import torch  # here, not at the top: the hub's process reads specs without torch
+
+    return getattr(torch, name)
 
 
 def keys_listed(names: list[str]) -> str:

@@ -52,9 +52,9 @@ def _big_spec() -> WeightSpec:
     """The spec of :func:`_big` without making its 16 MB of data."""
     return WeightSpec(
         (
-            TensorSpec("layer0", (_BIG_F32,), torch.float32),
-            TensorSpec("layer1", (3, 5), torch.int16),
-            TensorSpec("layer2", (_BIG_BF16,), torch.bfloat16),
+            TensorSpec.of("layer0", (_BIG_F32,), torch.float32),
+            TensorSpec.of("layer1", (3, 5), torch.int16),
+            TensorSpec.of("layer2", (_BIG_BF16,), torch.bfloat16),
         )
     )
 
@@ -104,7 +104,7 @@ def test_a_large_spec_is_cut_into_full_buckets_and_a_last_shorter_one():
 
 def test_more_than_eight_buckets_need_a_longer_header():
     # 9 buckets' worth of bytes, described by the spec alone (no tensor is allocated).
-    spec = WeightSpec((TensorSpec("huge", (8 * BUCKET_BYTES + 1,), torch.uint8),))
+    spec = WeightSpec((TensorSpec.of("huge", (8 * BUCKET_BYTES + 1,), torch.uint8),))
     frame = Frame.of(spec)
     assert len(frame.buckets) == 9
     assert frame.layout.header_bytes == 2 * ALIGNMENT  # 72 bytes of stamps, rounded up

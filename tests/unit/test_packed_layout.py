@@ -66,7 +66,7 @@ def _mixed() -> dict[str, torch.Tensor]:
 
 
 def _spec(*entries: tuple[str, tuple[int, ...], torch.dtype]) -> WeightSpec:
-    return WeightSpec(tuple(TensorSpec(name, shape, dtype) for name, shape, dtype in entries))
+    return WeightSpec(tuple(TensorSpec.of(name, shape, dtype) for name, shape, dtype in entries))
 
 
 def test_offsets_and_size_follow_the_64_byte_alignment_exactly():

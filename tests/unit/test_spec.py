@@ -38,13 +38,17 @@ def test_the_same_names_shapes_and_dtypes_give_the_same_instance():
     other_names = WeightSpec.of(_tensors(count=4))
     for other in (other_shape, other_dtype, other_names):
         assert other is not first and other != first
-    assert first.tensors[0] == TensorSpec("layer0.weight", (2, 3), torch.float32)
+    assert first.tensors[0] == TensorSpec.of("layer0.weight", (2, 3), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", _DTYPES, ids=str)
 def test_a_spec_pickles_to_an_equal_spec_of_every_dtype(dtype):
     spec = WeightSpec(
-        (TensorSpec("a", (2, 3), dtype), TensorSpec("b", (), dtype), TensorSpec("c", (0,), dtype))
+        (
+            TensorSpec.of("a", (2, 3), dtype),
+            TensorSpec.of("b", (), dtype),
+            TensorSpec.of("c", (0,), dtype),
+        )
     )
     back = pickle.loads(pickle.dumps(spec))
     assert back == spec and back.digest == spec.digest
