@@ -53,7 +53,7 @@ import ray
 
 from raysync.background import BackgroundTasks
 from raysync.transports.hand_off import HandOff, HandOffClock
-from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, SenderActor, StreamId
+from raysync.transports.object_store.bucket_stream import BUCKETS_IN_FLIGHT, SenderActor, StreamId
 
 #: Streams whose end is remembered, so a late ``take`` is told the buckets are gone.
 _ENDED_KEPT = 256

@@ -80,7 +80,7 @@ from raysync.transports import (
     get_transport,
     register_transport,
 )
-from raysync.transports.object_store import open_broker
+from raysync.transports.object_store.bucket_stream import open_broker
 from raysync.transports.parts import plan_parts, plan_pull_parts
 
 logger = logging.getLogger(__name__)

@@ -53,7 +53,8 @@ from raysync.transports.distributed import (
     run_broadcast,
     staging_device,
 )
-from raysync.transports.object_store import as_tensor, read_put
+from raysync.transports.object_store.arrays import as_tensor
+from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import bound_master_store, node_ip
 

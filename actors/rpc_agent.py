@@ -40,7 +40,7 @@ from raysync.transports.bucket_relay import (
     relay_plan,
     relay_reader,
 )
-from raysync.transports.object_store import read_put
+from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
 from raysync.transports.rpc import (

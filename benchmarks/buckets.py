@@ -53,7 +53,7 @@ from ray._private.internal_api import get_memory_info_reply, get_state_from_addr
 
 from raysync import WeightHub, WeightReceiver
 from raysync.transports.distributed import process_group_name
-from raysync.transports.object_store import BROKER_NAMESPACE, broker_name
+from raysync.transports.object_store.bucket_stream import BROKER_NAMESPACE, broker_name
 from raysync.transports.rpc import agent_name
 
 _MODEL = "m"

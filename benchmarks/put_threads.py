@@ -26,12 +26,7 @@ from pathlib import Path
 import ray
 import torch
 
-from raysync.transports.object_store.arrays import (
-    VersionPuts,
-    as_array,
-    put_arrays,
-    put_version,
-)
+from raysync.transports.object_store.arrays import VersionPuts, as_array, put_arrays, put_version
 
 #: (tensor count, bytes per tensor): the shapes measured by default.
 _CELLS = ((1000, 64 << 10), (1000, 256 << 10), (2000, 512 << 10), (1000, 1 << 20))

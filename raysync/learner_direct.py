@@ -19,7 +19,9 @@ from raysync.receiver_delivery import delivery_call
 from raysync.routing import hand_off_of
 from raysync.spec import WeightSpec
 from raysync.transports import get_transport
-from raysync.transports.object_store import InlinePayload, ObjectStoreTransport, as_array
+from raysync.transports.object_store import ObjectStoreTransport
+from raysync.transports.object_store.arrays import as_array
+from raysync.transports.object_store.wire import InlinePayload
 
 
 def write_channel(

@@ -26,7 +26,11 @@ from raysync.testing import (
 )
 from raysync.transports import register_transport
 from raysync.transports.distributed import process_group_name, rank0_reader
-from raysync.transports.object_store import BROKER_NAMESPACE, BUCKETS_IN_FLIGHT, broker_name
+from raysync.transports.object_store.bucket_stream import (
+    BROKER_NAMESPACE,
+    BUCKETS_IN_FLIGHT,
+    broker_name,
+)
 from raysync.transports.rpc import agent_name
 from tests.helpers import Gate, ready, start, start_hub, wait_dead
 from tests.third_party_transport import PackedObjectTransport, PutReaderTransport
@@ -382,6 +386,25 @@ def test_a_bucketing_hubs_broker_starts_with_the_hub_and_ends_with_it(actors):
             ray.kill(hub.actor)
     for broker in brokers:
         wait_dead(broker, timeout_s=30)
+
+
+def test_the_bucket_broker_never_imports_torch(actors):
+    """The broker hands out buckets and never opens one: its process moves whole and
+    bucketed versions without importing torch (three seconds of CPU and a few hundred
+    MB on each start). The hub's process cannot be as lean: Ray imports a receiver's
+    class, and so torch, to unpickle its actor handle at the receiver's registration."""
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    receiver = start(actors, Receiver, hub, "r")
+    ready([receiver])
+    bucketed = ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    whole = ray.get(
+        hub.broadcast.remote(special_weights(2.0), model=MODEL, bucket_mb=1024), timeout=60
+    )
+    assert (bucketed.acked, whole.acked) == (("r",), ("r",))
+    assert_bitwise(ray.get(receiver.state.remote()), special_weights(2.0))
+    # By value, not a function of this module: the broker must not import this module.
+    imported_torch = lambda _: "torch" in __import__("sys").modules  # noqa: E731
+    assert ray.get(broker_of(hub).__ray_call__.remote(imported_torch)) is False
 
 
 @ray.remote(num_cpus=0, num_gpus=1, enable_tensor_transport=True)

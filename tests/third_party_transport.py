@@ -31,7 +31,8 @@ from raysync.transports import (
     TransportReceiver,
     TransportSender,
 )
-from raysync.transports.object_store import ObjectStorePayload, as_tensor
+from raysync.transports.object_store.arrays import as_tensor
+from raysync.transports.object_store.wire import ObjectStorePayload
 
 
 @dataclass(frozen=True)

@@ -65,13 +65,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import ray
-import torch
 
 from raysync.errors import RaySyncError
 from raysync.spec import WeightSpec
+
+if TYPE_CHECKING:
+    import torch
 
 #: Seconds :meth:`HubContext.stopped` waits for the hub's answer.
 _STOPPED_ASK_S = 10.0

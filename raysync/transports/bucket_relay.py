@@ -40,7 +40,8 @@ from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError
 from raysync.transports.buckets import BucketPlan
-from raysync.transports.object_store import BucketStream, arrays_of, read_put
+from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.wire import arrays_of, read_put
 from raysync.transports.parts import Parts
 
 T = TypeVar("T")

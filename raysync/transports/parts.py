@@ -29,12 +29,13 @@ import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo, TransportPlanner, TransportReceiver
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ import ray
 from raysync.actors import bucket_broker
 from raysync.actors.bucket_broker import BucketBroker
 from raysync.transports.hand_off import HandOff
-from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, SenderActor, StreamId
+from raysync.transports.object_store.bucket_stream import BUCKETS_IN_FLIGHT, SenderActor, StreamId
 
 TIMEOUT = 10.0
 #: The broker looks at its hub every few seconds; these tests end before its first look.

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from raysync.transports.object_store import buckets
-from raysync.transports.object_store.buckets import BucketStream, StreamId, buckets_of
+from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
+from raysync.transports.object_store.buckets import buckets_of
 
 
 class _Take:

@@ -15,7 +15,9 @@ from raysync.learner_channel import channel_targets
 from raysync.messages import DirectTarget, Entry, Route
 from raysync.receiver_delivery import _ChannelClaim
 from raysync.spec import WeightSpec
-from raysync.transports.object_store import InlinePayload, ObjectStoreReceiver, as_array
+from raysync.transports.object_store.arrays import as_array
+from raysync.transports.object_store.receiver import ObjectStoreReceiver
+from raysync.transports.object_store.wire import InlinePayload
 
 
 def test_a_reply_that_comes_after_its_booking_resolves_the_awaited_future():

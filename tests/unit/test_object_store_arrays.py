@@ -10,14 +10,16 @@ import resource
 import pytest
 import torch
 
-from raysync.transports.object_store import arrays_of, as_array, as_tensor
 from raysync.transports.object_store.arrays import (
     MAX_PUTS,
     RAY_THREADED_COPY_ABOVE,
     SPLIT_PUT_BYTES,
+    as_array,
+    as_tensor,
     cold,
     put_runs,
 )
+from raysync.transports.object_store.wire import arrays_of
 
 _DTYPES = [
     torch.float32,

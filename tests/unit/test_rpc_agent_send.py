@@ -17,7 +17,7 @@ import torch.distributed.rpc as rpc
 
 from raysync.actors import rpc_agent
 from raysync.spec import WeightSpec
-from raysync.transports.object_store import ObjectStorePayload
+from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import RpcOptions
 from raysync.transports.rpc import RpcJob, land, rpc_name
 

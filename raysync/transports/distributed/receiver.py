@@ -22,7 +22,7 @@ from raysync.transports.bucket_relay import (
 )
 from raysync.transports.distributed.group import join_group, run_broadcast, staging_device
 from raysync.transports.distributed.wire import HEADER_BYTES, MAGIC, Generation, GroupPayload
-from raysync.transports.object_store import ObjectStoreReceiver
+from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.parts import PartedReceiver
 from raysync.transports.staging import StagingPool
 

@@ -9,7 +9,8 @@ import torch
 from raysync.layout import HEADER_BYTES
 from raysync.spec import WeightSpec
 from raysync.transports.bucket_relay import relay_reader
-from raysync.transports.object_store import BucketStream, ObjectStorePayload
+from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import DistributedOptions
 from raysync.transports.parts import Parts
 

@@ -25,7 +25,8 @@ from raysync.transports.nixl.wire import (
     NixlPayload,
     NixlRegion,
 )
-from raysync.transports.object_store.buckets import Outgoing, open_broker, start_stream
+from raysync.transports.object_store.bucket_stream import open_broker
+from raysync.transports.object_store.buckets import Outgoing, start_stream
 
 logger = logging.getLogger(__name__)
 

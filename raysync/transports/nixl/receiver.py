@@ -32,8 +32,9 @@ from raysync.transports.nixl.wire import (
     RingBucket,
     descs,
 )
-from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
+from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.buckets import buckets_of
+from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.staging import StagingPool, staging_device
 
 logger = logging.getLogger(__name__)

@@ -41,13 +41,8 @@ from raysync.transports.nixl.wire import (
     NixlRegion,
     RingBucket,
 )
-from raysync.transports.object_store.buckets import (
-    BUCKETS_IN_FLIGHT,
-    Outgoing,
-    StreamId,
-    this_actor,
-    wait_for_room,
-)
+from raysync.transports.object_store.bucket_stream import BUCKETS_IN_FLIGHT, StreamId
+from raysync.transports.object_store.buckets import Outgoing, this_actor, wait_for_room
 
 
 @dataclass

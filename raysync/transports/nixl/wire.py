@@ -9,7 +9,7 @@ import torch
 
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.object_store.buckets import BUCKETS_IN_FLIGHT, BucketStream
+from raysync.transports.object_store.bucket_stream import BUCKETS_IN_FLIGHT, BucketStream
 
 #: A version is written and read in pieces of this many bytes (the last one shorter):
 #: receivers read one while the learner packs the next.

@@ -23,7 +23,8 @@ hand: 31 against 14 ms).
 
 Reader process: ``ray.get`` maps that buffer read-only (zero-copy on the node) and gives
 Ray's buffer objects back, which carry each array's shape and format;
-:func:`arrays_of` views them as arrays again (no copy).
+:func:`~raysync.transports.object_store.wire.arrays_of` views them as arrays again (no
+copy).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import functools
 import pickle
 import resource
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import numpy as np
 import ray
@@ -63,7 +63,8 @@ def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def put_arrays(arrays: Iterable[np.ndarray]) -> ray.ObjectRef:
     """Learner: one object holding the C-contiguous ``arrays``' bytes, in order (one
-    copy, into the object store); read back with :func:`arrays_of`."""
+    copy, into the object store); read back with
+    :func:`~raysync.transports.object_store.wire.arrays_of`."""
     # A tuple, not a list: Ray hands a list to msgpack item by item (a Python callback
     # per array), a tuple to pickle in one call.
     return ray.put(tuple(pickle.PickleBuffer(array) for array in arrays))
@@ -72,7 +73,7 @@ def put_arrays(arrays: Iterable[np.ndarray]) -> ray.ObjectRef:
 def put_version(arrays: Sequence[np.ndarray], threads: int) -> tuple[ray.ObjectRef, ...]:
     """Learner: ``arrays`` in one object, or in one per thread (``threads``, the caller
     included) where Ray would copy many small ones on one thread: consecutive runs, in
-    order, put at the same time. Read back with :func:`arrays_of` of each, in turn."""
+    order, put at the same time. Read back with ``arrays_of`` of each, in turn."""
     runs = put_runs(tuple(array.nbytes for array in arrays), threads)
     if len(runs) == 1:
         return (put_arrays(arrays),)
@@ -134,10 +135,3 @@ class VersionPuts:
 def cold(faults: int, nbytes: int) -> bool:
     """Whether a put of ``nbytes`` that took ``faults`` page faults wrote cold pages."""
     return faults * resource.getpagesize() * VersionPuts.COLD_SHARE > nbytes
-
-
-def arrays_of(value: Sequence[Any]) -> list[np.ndarray]:
-    """Reader: the arrays a :func:`put_arrays` object holds, given what ``ray.get`` (or
-    awaiting its ref) returned: read-only views of the object store, each in its shape
-    and dtype."""
-    return [np.asarray(buffer) for buffer in value]

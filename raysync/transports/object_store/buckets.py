@@ -41,81 +41,23 @@ import numpy as np
 import ray
 import torch
 
-from raysync.actor_classes import BUCKET_BROKER, actor_class
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.base import HubContext, TransportError, VersionDone
+from raysync.transports.base import TransportError, VersionDone
 from raysync.transports.buckets import BucketPlan
-from raysync.transports.object_store.arrays import arrays_of, put_arrays
+from raysync.transports.object_store.arrays import put_arrays
+from raysync.transports.object_store.bucket_stream import (
+    BUCKETS_IN_FLIGHT,
+    BucketStream,
+    SenderActor,
+    StreamId,
+)
+from raysync.transports.object_store.wire import arrays_of
 from raysync.transports.staging import StagingPool
 
-#: Buckets of one version the object store holds at most: the one receivers copy, and
-#: the one the learner packs meanwhile.
-BUCKETS_IN_FLIGHT = 2
 #: Seconds between the learner's looks at whether its broadcast already ended (a
 #: refused version, receivers that all failed) while it waits for room.
 _LOOK_S = 0.5
-
-
-#: The namespace of the brokers (detached actors are named in a namespace of their own
-#: rather than the learner's job's, which is anonymous unless the job names one).
-BROKER_NAMESPACE = "raysync"
-
-
-def broker_name(hub_id: str) -> str:
-    """The name of a hub's bucket broker (every learner of the hub finds the same)."""
-    return f"raysync-buckets-{hub_id}"
-
-
-@dataclass(frozen=True)
-class StreamId:
-    """One bucketed version at the broker: what every call about it carries (any may be
-    the first the broker hears of it)."""
-
-    id: str
-    count: int  #: how many buckets
-    #: How long a receiver waits for the next bucket; the broker ends a stream that is
-    #: not planned within it, or not read to the end within it of its last bucket.
-    wait_s: float
-
-    @property
-    def stall_s(self) -> float:
-        """How long the others wait for a reader that holds them up before it is
-        dropped: half of ``wait_s``, so that it is dropped before they time out."""
-        return self.wait_s / 2
-
-
-@dataclass(frozen=True)
-class SenderActor:
-    """The actor that puts a stream (the learner, or a receiver serving a late joiner):
-    the broker watches it while any stream of it runs."""
-
-    actor_id: str
-    handle: Any  #: its ActorHandle
-
-
-@dataclass(frozen=True)
-class BucketStream:
-    """The payload of a bucketed version: where its buckets are handed out."""
-
-    broker: Any  #: the hub's BucketBroker (an ActorHandle)
-    key: StreamId
-    bucket_bytes: int
-
-
-def open_broker(hub: HubContext) -> Any:
-    """The hub's bucket broker: started by a hub that has a ``bucket_mb`` as it starts,
-    else by the first learner that needs it (detached from that learner: it lives as
-    long as the hub). Either finds the one running."""
-    broker_class = ray.remote(actor_class(BUCKET_BROKER))
-    return broker_class.options(
-        name=broker_name(hub.hub_id),
-        namespace=BROKER_NAMESPACE,
-        get_if_exists=True,
-        lifetime="detached",
-        num_cpus=0,
-        max_concurrency=1000,
-    ).remote(hub.actor)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from raysync.messages import ServeRequest
 from raysync.receiver_delivery import serve_call
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo, TransportPlanner
-from raysync.transports.object_store.buckets import BucketStream, StreamId
+from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
 from raysync.transports.parts import model_of_stream
 
 

@@ -12,7 +12,8 @@ from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
 from raysync.transports.nixl.agent import apply_ucx_cuda_defaults
-from raysync.transports.object_store.buckets import Outgoing, open_broker, start_stream
+from raysync.transports.object_store.bucket_stream import open_broker
+from raysync.transports.object_store.buckets import Outgoing, start_stream
 from raysync.transports.rdt.agent import ray_agent_progress
 from raysync.transports.rdt.ring import RdtRing
 from raysync.transports.rdt.wire import (

@@ -18,8 +18,9 @@ from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl.agent import apply_ucx_cuda_defaults
-from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
+from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.buckets import buckets_of
+from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.rdt.agent import ray_agent_progress
 from raysync.transports.rdt.wire import RdtBucketStream, RdtPayload
 from raysync.transports.staging import StagingPool, staging_device

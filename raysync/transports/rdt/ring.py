@@ -24,12 +24,8 @@ import torch
 from raysync.copies import copy_on_this_thread
 from raysync.transports.base import TransportError, VersionDone
 from raysync.transports.buckets import pack_bucket
-from raysync.transports.object_store.buckets import (
-    BUCKETS_IN_FLIGHT,
-    Outgoing,
-    this_actor,
-    wait_for_room,
-)
+from raysync.transports.object_store.bucket_stream import BUCKETS_IN_FLIGHT
+from raysync.transports.object_store.buckets import Outgoing, this_actor, wait_for_room
 from raysync.transports.rdt.wire import RdtBucketStream
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import ray
 
-from raysync.transports.object_store.buckets import BucketStream
+from raysync.transports.object_store.bucket_stream import BucketStream
 
 REQUIREMENT = (
     "must be declared with enable_tensor_transport=True to use transport 'rdt' (Ray's "

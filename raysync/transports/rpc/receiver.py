@@ -14,7 +14,7 @@ from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.bucket_relay import place
-from raysync.transports.object_store import ObjectStoreReceiver
+from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.parts import PartedReceiver
 from raysync.transports.rpc.rendezvous import init_rpc
 from raysync.transports.rpc.wire import RpcMember, RpcPayload

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raysync.spec import WeightSpec
-from raysync.transports.object_store import BucketStream, ObjectStorePayload
+from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import RpcOptions
 from raysync.transports.parts import Parts
 

@@ -15,7 +15,8 @@ from ray.exceptions import RayActorError
 from raysync.layout import HEADER_BYTES, PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
-from raysync.transports.object_store import BucketStream, ObjectStoreSender
+from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.learner import ObjectStoreSender
 from raysync.transports.shared_memory.segments import Mappings
 from raysync.transports.shared_memory.wire import (
     OWNER_NAMESPACE,

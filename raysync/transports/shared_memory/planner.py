@@ -15,7 +15,7 @@ from raysync.actor_classes import SHM_OWNER, actor_class
 from raysync.background import BackgroundTasks
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
-from raysync.transports.object_store import BucketStream
+from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.planner import ObjectStorePlanner
 from raysync.transports.shared_memory.wire import (
     MAX_SLOTS,

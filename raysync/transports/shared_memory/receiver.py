@@ -12,7 +12,8 @@ import torch
 from raysync.layout import HEADER_BYTES, PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
-from raysync.transports.object_store import BucketStream, ObjectStoreReceiver
+from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.shared_memory.segments import Mappings, open_segment_fd
 from raysync.transports.shared_memory.wire import (
     OWNER_NAMESPACE,

@@ -1,0 +1,66 @@
+"""What an object-store version is on the wire, and how a reader gets its arrays back:
+read by receivers and resource actors, unpickled (never opened) by the hub. No torch
+here: the hub's process never imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from raysync.transports.parts import Parts
+
+
+@dataclass(frozen=True)
+class ObjectStorePayload:
+    """The references to one version's objects (:func:`put_version`: one, or one per
+    copy thread of the learner), in spec order. Nested in an Update, Ray passes them as
+    refs."""
+
+    refs: tuple[ray.ObjectRef, ...]
+
+    def arrays(self, timeout_s: float | None = None) -> list[np.ndarray]:
+        """Reader (blocking): every array of the version, in spec order, read-only views
+        of the object store. Ray's errors as they come (``GetTimeoutError`` included)."""
+        values = ray.get(list(self.refs), timeout=timeout_s)
+        return [array for value in values for array in arrays_of(value)]
+
+    async def arrays_async(self) -> list[np.ndarray]:
+        """:meth:`arrays`, awaited (an async actor's event loop must not block)."""
+        values = await asyncio.gather(*self.refs)
+        return [array for value in values for array in arrays_of(value)]
+
+
+@dataclass(frozen=True)
+class InlinePayload:
+    """A small version carried in the update itself, as the arrays :func:`as_array`
+    makes, in spec order: what a learner writes into its compiled-graph channel
+    (:mod:`raysync.learner_channel`). The receiver copies them out at once (they are
+    views of the channel's buffer, which the next version overwrites)."""
+
+    arrays: tuple[np.ndarray, ...]
+
+
+async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list[np.ndarray]:
+    """The arrays of a version's put (see :func:`as_array`), in spec order; of every
+    part's put for a version sent in parts. Awaited in an async resource actor (a
+    blocking get would hold its event loop); ``asyncio.TimeoutError`` after
+    ``timeout_s``."""
+    if isinstance(source, Parts):
+        per_part = await asyncio.wait_for(
+            asyncio.gather(*(part.payload.arrays_async() for part in source.parts)), timeout_s
+        )
+        return source.in_spec_order(per_part)
+    return await asyncio.wait_for(source.arrays_async(), timeout_s)
+
+
+def arrays_of(value: Sequence[Any]) -> list[np.ndarray]:
+    """Reader: the arrays a :func:`put_arrays` object holds, given what ``ray.get`` (or
+    awaiting its ref) returned: read-only views of the object store, each in its shape
+    and dtype."""
+    return [np.asarray(buffer) for buffer in value]
