@@ -3,14 +3,16 @@ Ray actor), a few buckets at a time.
 
 Started by a hub that has a ``bucket_mb`` as it starts (so its first bucketed broadcast
 does not wait for this process), else by the first learner that sends a bucketed version
-through the hub (named :func:`raysync.transports.object_store.broker_name`, so every
-learner of the hub finds the same one), detached from that learner (a sharded learner's
-rank may die; the others' versions go on), stopped by the hub when it closes, and by
-itself once its hub is closed or dead. It never holds bytes: each bucket is an object
-the learner put, and the broker keeps only its reference, from ``offer`` until every
-reader has taken it, so the object store holds at most
-:data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` buckets of a version whatever
-the model's size. Who calls what, per version (one *stream*):
+through the hub (named
+:func:`raysync.transports.object_store.bucket_stream.broker_name`, so every learner of
+the hub finds the same one), detached from that learner (a sharded learner's rank may
+die; the others' versions go on), stopped by the hub when it closes, and by itself once
+its hub is closed or dead. It never holds bytes: each bucket is an object the learner
+put, and the broker keeps only its reference, from ``offer`` until every reader has
+taken it, so the object store holds at most
+:data:`~raysync.transports.object_store.bucket_stream.BUCKETS_IN_FLIGHT` buckets of a
+version whatever the model's size, and never imports torch. Who calls what, per
+version (one *stream*):
 
 * the learner: ``offer(stream, k, [ref], sender)`` for each bucket (``sender``: its
   own actor, watched while any stream of it runs), and before putting bucket
@@ -31,7 +33,7 @@ The broker stamps each of those calls on its clock (:mod:`raysync.transports.han
 ``hand_off()`` says where the time between a stream's buckets went.
 
 Ray does not keep an async actor's calls in order, so any of them may be the first the
-broker hears of a stream (a :class:`~raysync.transports.object_store.buckets.StreamId`:
+broker hears of a stream (a :class:`~raysync.transports.object_store.bucket_stream.StreamId`:
 its id, bucket count and the receivers' wait): each one opens it. A stream the hub has
 not planned within that wait (it refused the version), or whose readers have not
 finished within it of its last bucket, ends and frees its buckets.

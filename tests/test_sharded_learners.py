@@ -147,12 +147,13 @@ class LosingLearner(PartLearner):
 
     def __init__(self, hub) -> None:
         super().__init__(hub)
-        from raysync.transports import object_store
+        from raysync.transports.object_store.learner import ObjectStoreSender
+        from raysync.transports.object_store.wire import ObjectStorePayload
 
         def send_lost(sender, tensors, spec):
-            return object_store.ObjectStorePayload((_lost.remote(spec.nbytes),))
+            return ObjectStorePayload((_lost.remote(spec.nbytes),))
 
-        object_store.ObjectStoreSender.send = send_lost
+        ObjectStoreSender.send = send_lost
 
 
 def test_a_part_whose_bytes_are_lost_leaves_the_model_untouched(actors, hub_and_receiver):

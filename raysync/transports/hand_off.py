@@ -8,7 +8,7 @@ copied the bucket whose slot ``k`` reuses). Broker process: :class:`HandOffClock
 stamps those calls on one clock (a few dicts per stream); benchmarks and users ask the
 broker for :meth:`HandOffClock.summary`, a :class:`HandOff` of medians per bucket.
 
-With :data:`~raysync.transports.object_store.BUCKETS_IN_FLIGHT` slots, bucket ``k`` is
+With :data:`~raysync.transports.object_store.bucket_stream.BUCKETS_IN_FLIGHT` slots, bucket ``k`` is
 offered a *period* after bucket ``k - 1``, made of:
 
 * the readers' turn: from the broker's answer to ``take(k - 1)`` until the slowest

@@ -60,7 +60,7 @@ async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list
 
 
 def arrays_of(value: Sequence[Any]) -> list[np.ndarray]:
-    """Reader: the arrays a :func:`put_arrays` object holds, given what ``ray.get`` (or
-    awaiting its ref) returned: read-only views of the object store, each in its shape
-    and dtype."""
+    """Reader: the arrays a :func:`~raysync.transports.object_store.arrays.put_arrays`
+    object holds, given what ``ray.get`` (or awaiting its ref) returned: read-only views
+    of the object store, each in its shape and dtype."""
     return [np.asarray(buffer) for buffer in value]
