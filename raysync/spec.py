@@ -4,7 +4,8 @@ The learner computes a spec for every broadcast, each receiver computes one for 
 model when it registers, and the hub compares them. A spec is small (no tensor data),
 hashable and cheap to compare, so the hub can check every broadcast before any
 receiver is touched. A spec holds each dtype by name and imports torch only when asked
-for torch's dtype: the hub's process never imports torch.
+for torch's dtype: the control plane reads specs without torch (the bucket broker's
+process never imports it).
 """
 
 from __future__ import annotations

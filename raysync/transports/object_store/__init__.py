@@ -22,8 +22,10 @@ instead, at most
 
 The learner's half is :mod:`~raysync.transports.object_store.learner`, the receiver's
 :mod:`~raysync.transports.object_store.receiver`, each imported when first opened: the
-hub's process, which plans versions and unpickles their payloads
-(:mod:`~raysync.transports.object_store.wire`), never imports torch.
+hub plans versions and unpickles their payloads
+(:mod:`~raysync.transports.object_store.wire`) without torch, and the bucket broker's
+process never imports it. (The hub's does, when a receiver registers: Ray imports an
+actor's class to unpickle its handle.)
 """
 
 from __future__ import annotations

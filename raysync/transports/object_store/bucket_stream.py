@@ -1,8 +1,8 @@
 """What names a bucketed version and its broker, in every process that meets one: the
 learner and receivers (:mod:`raysync.transports.object_store.buckets`), the hub, which
 plans the version and may start the broker, and the broker itself
-(``raysync.actors.bucket_broker``). No torch here: the hub's and the broker's processes
-never import it.
+(``raysync.actors.bucket_broker``). No torch here: the broker's process never imports
+it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What an object-store version is on the wire, and how a reader gets its arrays back:
 read by receivers and resource actors, unpickled (never opened) by the hub. No torch
-here: the hub's process never imports it.
+here: the hub and the bucket broker need none to pass them on.
 """
 
 from __future__ import annotations
