@@ -45,10 +45,15 @@ class TensorSpec:
         """The spec of a tensor called ``name`` of ``shape`` and ``dtype``."""
         return cls(name, tuple(shape), str(dtype).removeprefix("torch."), dtype.itemsize)
 
-    @property
+    @cached_property
     def dtype(self) -> torch.dtype:
-        """torch's dtype (imports torch on first use in a process)."""
+        """torch's dtype (imports torch on first use in a process). Kept by the instance:
+        receivers read it per tensor per version, and specs are reused across versions."""
         return torch_dtype(self.dtype_name)
+
+    def __reduce__(self) -> tuple[Any, tuple[str, tuple[int, ...], str, int]]:
+        """Pickled as its fields, without the torch dtype it may keep."""
+        return TensorSpec, (self.name, self.shape, self.dtype_name, self.itemsize)
 
     @property
     def numel(self) -> int:
