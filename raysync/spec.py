@@ -49,7 +49,9 @@ class TensorSpec:
     def dtype(self) -> torch.dtype:
         """torch's dtype (imports torch on first use in a process). Kept by the instance:
         receivers read it per tensor per version, and specs are reused across versions."""
-        return torch_dtype(self.dtype_name)
+        import torch  # here, not at the top: the control plane reads specs without torch
+
+        return getattr(torch, self.dtype_name)
 
     def __reduce__(self) -> tuple[Any, tuple[str, tuple[int, ...], str, int]]:
         """Pickled as its fields, without the torch dtype it may keep."""
@@ -192,14 +194,6 @@ def _spec_of_entries(entries: tuple[tuple[str, torch.Size, torch.dtype], ...]) -
 def _spec_from_wire(wire: bytes) -> WeightSpec:
     """The spec :meth:`WeightSpec.__reduce__` pickled; the same instance for equal bytes."""
     return WeightSpec(tuple(TensorSpec(*entry) for entry in pickle.loads(wire)))
-
-
-@functools.cache
-def torch_dtype(name: str) -> torch.dtype:
-    """torch's dtype called ``name`` (``"float32"``)."""
-    import torch  # here, not at the top: the hub's process reads specs without torch
-
-    return getattr(torch, name)
 
 
 def keys_listed(names: list[str]) -> str:

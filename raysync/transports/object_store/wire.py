@@ -18,8 +18,9 @@ from raysync.transports.parts import Parts
 
 @dataclass(frozen=True)
 class ObjectStorePayload:
-    """The references to one version's objects (:func:`put_version`: one, or one per
-    copy thread of the learner), in spec order. Nested in an Update, Ray passes them as
+    """The references to one version's objects
+    (:func:`~raysync.transports.object_store.arrays.put_version`: one, or one per copy
+    thread of the learner), in spec order. Nested in an Update, Ray passes them as
     refs."""
 
     refs: tuple[ray.ObjectRef, ...]
@@ -38,16 +39,18 @@ class ObjectStorePayload:
 
 @dataclass(frozen=True)
 class InlinePayload:
-    """A small version carried in the update itself, as the arrays :func:`as_array`
-    makes, in spec order: what a learner writes into its compiled-graph channel
-    (:mod:`raysync.learner_channel`). The receiver copies them out at once (they are
-    views of the channel's buffer, which the next version overwrites)."""
+    """A small version carried in the update itself, as the arrays
+    :func:`~raysync.transports.object_store.arrays.as_array` makes, in spec order: what a
+    learner writes into its compiled-graph channel (:mod:`raysync.learner_channel`). The
+    receiver copies them out at once (they are views of the channel's buffer, which the
+    next version overwrites)."""
 
     arrays: tuple[np.ndarray, ...]
 
 
 async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list[np.ndarray]:
-    """The arrays of a version's put (see :func:`as_array`), in spec order; of every
+    """The arrays of a version's put (see
+    :func:`~raysync.transports.object_store.arrays.as_array`), in spec order; of every
     part's put for a version sent in parts. Awaited in an async resource actor (a
     blocking get would hold its event loop); ``asyncio.TimeoutError`` after
     ``timeout_s``."""
