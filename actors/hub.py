@@ -185,7 +185,11 @@ class WeightHubActor:
         self._boot_id = uuid.uuid4().hex
         context = ray.get_runtime_context()
         #: Where a restarted incarnation reads versions back; None if Ray never restarts it.
-        self._snapshot = HubSnapshot(context.get_actor_id()) if config.restartable else None
+        self._snapshot: HubSnapshot | None = None
+        if config.restartable:
+            actor_id = context.get_actor_id()
+            assert actor_id is not None  # runs in the hub actor's process
+            self._snapshot = HubSnapshot(actor_id)
         with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
             warnings.simplefilter("ignore")
             restarted = context.was_current_actor_reconstructed
@@ -420,7 +424,8 @@ class WeightHubActor:
         raise_on_failure: bool = True,
     ) -> BroadcastReport:
         """The report of a ``wait=False`` broadcast, once it is complete."""
-        task = self._reports.get(ticket.model, {}).get(ticket.version)
+        reports = self._reports.get(ticket.model)
+        task = None if reports is None else reports.get(ticket.version)
         if task is None:
             raise KeyError(
                 f"no report for version {ticket.version} of model {ticket.model!r}: "

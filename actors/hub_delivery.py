@@ -138,10 +138,11 @@ class ReceiverDelivery:
             while True:
                 try:
                     if first_call is not None:
-                        ack = await _reply_or_ack(first_call, deferred_ack, deadline)
+                        reply = await _reply_or_ack(first_call, deferred_ack, deadline)
                         first_call = None
-                        if isinstance(ack, ChannelLost):  # never reached it: deliver here
+                        if isinstance(reply, ChannelLost):  # never reached it: deliver here
                             continue
+                        ack = reply
                     else:
                         ref = delivery_call(
                             registration.handle, registration.entry, registration.attachment, update
@@ -278,7 +279,9 @@ def _process_of(actor: Any) -> str:
     return ray.get_runtime_context().get_worker_id()
 
 
-async def _reply_or_ack(call: Any, acked: asyncio.Future[Ack], deadline: float) -> Ack | None:
+async def _reply_or_ack(
+    call: Any, acked: asyncio.Future[Ack], deadline: float
+) -> Ack | ChannelLost | None:
     """The first word on a learner's delivery call: the receiver's ack sent to the hub
     (``acked``; it comes straight here) or the call's own reply (which reaches the hub
     through the learner that owns it: later, but it is where a death shows). Raises what

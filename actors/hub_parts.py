@@ -76,6 +76,7 @@ class Assemblies(Generic[Started]):
         ``timeout_s`` for the others to arrive. Returns the version's start once every
         part is here; raises the part's own refusal, or :class:`IncompleteVersionError`
         saying why the version failed."""
+        assert request.version is not None  # the hub refused a part without one
         key = (model, request.version)
         assembling = self._open.get(key)
         if assembling is None:

@@ -54,6 +54,7 @@ from raysync.transports.distributed import (
     staging_device,
 )
 from raysync.transports.object_store.arrays import as_tensor
+from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import bound_master_store, node_ip
@@ -82,7 +83,7 @@ class ProcessGroupActor:
         self._lock = threading.Lock()  #: the group and its buffer, in worker threads
         self._jobs = asyncio.Lock()  #: one version's collectives at a time
         self._generation: Generation | None = None
-        self._group = None
+        self._group: Any = None  #: the generation's process group; None: none, or it broke
         self._buffer: torch.Tensor | None = None
         self._collectives = 0
         self._failures: list[str] = []
@@ -98,6 +99,7 @@ class ProcessGroupActor:
         async with self._jobs:
             if is_bucketed(job.source):
                 return await self._relay(job, reader)
+            assert not isinstance(job.source, BucketStream)  # is_bucketed says so
             arrays: list[np.ndarray] | BaseException
             try:  # read the learner's copy here: a blocking get would hold the event loop
                 arrays = await read_put(job.source, job.generation.settings.timeout_s)

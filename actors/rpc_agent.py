@@ -27,6 +27,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +41,7 @@ from raysync.transports.bucket_relay import (
     relay_plan,
     relay_reader,
 )
+from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
@@ -147,6 +149,7 @@ class RpcAgentActor:
     async def send(self, job: RpcJob) -> dict[str, str | None]:
         if is_bucketed(job.source):
             return await self._send_buckets(job)
+        assert not isinstance(job.source, BucketStream)  # is_bucketed says so
         try:  # read the learner's copy here: a blocking get would hold the event loop
             arrays = await read_put(job.source, self._settings.timeout_s)
         except Exception as err:
@@ -265,10 +268,11 @@ class RpcAgentActor:
                 time.sleep(0.01)
 
     # -- membership repair (worker threads) -------------------------------------------------
-    def _group_store(self):
+    def _group_store(self) -> Any:
         import torch.distributed.rpc as rpc
 
-        return rpc.api._get_current_rpc_agent().store
+        # torch private: the TensorPipe agent's store (not in torch's RpcAgent stub).
+        return rpc.api._get_current_rpc_agent().store  # type: ignore[attr-defined]
 
     def _listed(self) -> list[str]:
         """The group's member list as the store has it: "name-rank" entries."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from importlib.metadata import entry_points
+from typing import Any
 
 #: The entry-point group that names raysync's actor classes.
 GROUP = "raysync.actors"
@@ -22,7 +23,7 @@ SHM_OWNER = "shm_owner"  #: a node's shared-memory segments
 BUCKET_BROKER = "bucket_broker"  #: hands out the buckets of bucketed versions
 
 
-def actor_class(role: str) -> type:
+def actor_class(role: str) -> type[Any]:
     """The (plain, undecorated) class registered for ``role``; ``LookupError`` naming
     the known roles when none is, e.g. when raysync runs from a source tree that was
     never installed (``pip install -e .`` writes the entry points)."""

@@ -177,6 +177,7 @@ class ApplyGate:
                     newer[-1].followers.append(supersede())
                     return DEFERRED
                 for older in waiting:
+                    assert older.supersede is not None  # waiting: writes that have one
                     self._deferred.remove(older)
                     pending.followers += [older.supersede(), *older.followers]
             self._deferred.append(pending)

@@ -150,6 +150,7 @@ class _Broadcast:
         with handle._submitting if channel is not None else contextlib.nullcontext():
             written, direct_version = None, 0
             if channel is not None:
+                assert wire is not None  # direct: a whole version, not buckets
                 direct_version = handle._next_direct_version(route)
                 written = write_channel(
                     channel,
@@ -186,10 +187,11 @@ class _Broadcast:
                 sequence = next(handle._sequence)
                 floor = handle._in_flight.floor(sequence)
                 sent_at = time.time()
-                calls = None
+                calls: dict[str, tuple[str, Any]] | None = None
                 if direct:
                     calls = {}
                     if written is not None:
+                        assert channel is not None  # written: into the channel
                         calls = channel.collect(written, COLLECT_WAIT_S)
                     if not direct_version:
                         direct_version = handle._next_direct_version(route)
@@ -239,6 +241,7 @@ class _Broadcast:
             if wire is not None:
                 return senders, {name: s.send(wire, travels) for name, s in senders.items()}
             _check_bucketed(senders)
+            assert bucket_bytes is not None  # no whole version: a bucketed one
             config = handle.config
             stall_s = (config.default_timeout_s if timeout_s is None else timeout_s) / 2
             return senders, {
@@ -318,7 +321,7 @@ class _BroadcastDone(VersionDone):
     for once, by whichever of ``wait`` and ``ended`` needs it first)."""
 
     def __init__(self, actor: ActorHandle, result: ray.ObjectRef, *, waits: bool) -> None:
-        self._actor = actor
+        self._actor: Any = actor  #: Any: Ray's stubs type an ActorHandle's methods as Never
         self._result = result
         self._waits = waits
         self._report: ray.ObjectRef | None = result if waits else None
@@ -390,7 +393,8 @@ class HubHandle:
     """
 
     def __init__(self, actor: ActorHandle, config: HubConfig) -> None:
-        self.actor = actor
+        #: The hub actor. Any: Ray's stubs type an ActorHandle's methods as Never.
+        self.actor: Any = actor
         self.config = config
         # A receiver gets its handle by unpickling it: this is where a third-party
         # transport the hub uses becomes known in that process.

@@ -127,7 +127,8 @@ def _transport_options(options: object | Sequence[object]) -> tuple[object, ...]
     given = tuple(options) if isinstance(options, (list, tuple)) else (options,)
     if not given:
         return ()
-    classes = {get_transport(name).options for name in known_transports()} - {None}
+    declared = (get_transport(name).options for name in known_transports())
+    classes = {c for c in declared if c is not None}
     seen: set[type] = set()
     for option in given:
         if type(option) not in classes:
@@ -152,7 +153,8 @@ def get_hub(
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            actor = ray.get_actor(name, namespace=namespace)
+            # Any: Ray's stubs type an ActorHandle's methods as Never.
+            actor: Any = ray.get_actor(name, namespace=namespace)
             break
         except ValueError:
             if time.monotonic() >= deadline:

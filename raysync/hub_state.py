@@ -212,10 +212,10 @@ class HubState:
             registration, dict(registration.versions)
         )
         return {
-            model: self.models[model].latest
+            model: latest
             for model in registration.specs
-            if self.models[model].latest is not None
-            and self.models[model].latest.version > registration.versions.get(model, 0)
+            if (latest := self.models[model].latest) is not None
+            and latest.version > registration.versions.get(model, 0)
         }
 
     def knows(self, worker: str, token: str) -> bool:

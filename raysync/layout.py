@@ -100,7 +100,7 @@ class PackedLayout:
         buffer: torch.Tensor,
         start: int,
         end: int,
-        copy: Callable[[torch.Tensor, torch.Tensor], None] = torch.Tensor.copy_,
+        copy: Callable[[torch.Tensor, torch.Tensor], object] = torch.Tensor.copy_,
     ) -> None:
         """Copy the bytes that fall in ``[start, end)`` of this layout from ``sources``
         (:meth:`byte_views`) into the same bytes of ``buffer``, a whole buffer of this

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from raysync.errors import ModelPathError
 
@@ -52,7 +52,8 @@ def resolve(root: Any, path: str) -> Any:
     walked = "self"
     for step in parse(path):
         try:
-            current = current[step.key] if step.item else getattr(current, step.key)
+            # parse() makes an attribute step's key a str (an identifier).
+            current = current[step.key] if step.item else getattr(current, cast(str, step.key))
         except (AttributeError, IndexError, KeyError, TypeError) as err:
             raise ModelPathError(
                 f"model path {path!r}: {walked} ({type(current).__name__}) has no {str(step)!r} "

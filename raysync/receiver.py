@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -185,7 +185,7 @@ def _guard(method: Any) -> Any:
             async with receiver.using_async():
                 return await method(self, *args, **kwargs)
 
-        guarded_async.__raysync_guarded__ = True
+        cast(Any, guarded_async).__raysync_guarded__ = True  # an attribute of our own
         return guarded_async
 
     @functools.wraps(method)
@@ -196,7 +196,7 @@ def _guard(method: Any) -> Any:
         with receiver.using():
             return method(self, *args, **kwargs)
 
-    guarded.__raysync_guarded__ = True
+    cast(Any, guarded).__raysync_guarded__ = True  # an attribute of our own
     return guarded
 
 

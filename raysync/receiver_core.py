@@ -353,6 +353,7 @@ class ReceiverCore:
             self.transport.release(update.payload, None)
             if held is None:
                 raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
+            assert refused is not None  # held, so the refusal is why
             return AckNow(self._ack(update, refused))
         try:
             spec = held.spec_for(self.owner, update.spec_digest)

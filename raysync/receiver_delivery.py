@@ -34,13 +34,15 @@ CONNECTING_WAIT_S = 30.0
 
 
 class _Gate(Protocol):
-    loop: asyncio.AbstractEventLoop | None
+    @property  # read only here: an ApplyGate's loop satisfies it
+    def loop(self) -> asyncio.AbstractEventLoop | None: ...
 
 
 class Deliverable(Protocol):
     """What :func:`deliver` needs of a receiver (a :class:`~raysync.receiver_core.ReceiverCore`)."""
 
-    gate: _Gate
+    @property  # read only here: a receiver's ApplyGate satisfies it
+    def gate(self) -> _Gate: ...
 
     def receive(self, update: Update) -> Receipt: ...
 

@@ -201,7 +201,8 @@ class TransportConformance:
     def receivers(self, started: list, hub: HubHandle, *workers: str, **connect: Any) -> list:
         """New receivers named ``workers``, registered (their ``__init__`` returned)."""
         # Through ray.remote, not .options(): Ray reads enable_tensor_transport only there.
-        cls = ray.remote(num_cpus=0, **self.receiver_options)(ConformanceReceiver)
+        # Any: Ray's stubs type the actors it starts as ActorHandle | type.
+        cls: Any = ray.remote(num_cpus=0, **self.receiver_options)(ConformanceReceiver)
         handles = [cls.remote(hub, worker, **connect) for worker in workers]
         started.extend(handles)
         ray.get([h.__ray_ready__.remote() for h in handles])
@@ -316,7 +317,8 @@ class TransportConformance:
         zero-copy one included, applies the whole version at one safe point, bit for
         bit, and both parts' calls end in the same report."""
         workers = ("crew0", "crew1")
-        cls = ray.remote(num_cpus=0, **self.receiver_options)(PartLearner)
+        # Any: Ray's stubs type the actors it starts as ActorHandle | type.
+        cls: Any = ray.remote(num_cpus=0, **self.receiver_options)(PartLearner)
         learners = [cls.remote(hub) for _ in range(2)]
         started.extend(learners)
         version = ray.get(hub.status.remote()).versions.get(MODEL, 0)

@@ -112,7 +112,7 @@ def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
     container builds its leaves on each access (a lazily stacked TensorDict).
     """
     if isinstance(model, torch.nn.Module):
-        found = dict(model.named_parameters(remove_duplicate=False))
+        found: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         found.update(model.named_buffers(remove_duplicate=False))
     elif isinstance(model, Mapping) or is_tensordict(model):
         found = _flat_tensors(model, "model")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -155,7 +155,7 @@ def read_bucket_now(bucket: RelayedBucket, reader: str, timeout_s: float) -> lis
 
 async def read_buckets(
     plan: Sequence[RelayedBucket], reader: str, timeout_s: float
-) -> AsyncIterator[tuple[RelayedBucket, list[torch.Tensor]]]:
+) -> AsyncGenerator[tuple[RelayedBucket, list[torch.Tensor]], None]:
     """The relay: every bucket of ``plan`` (a :func:`relay_plan`) with its pieces, in
     order. Bucket ``k + 1``
     is read while the caller passes bucket ``k`` on (the broker hears that the relay

@@ -103,7 +103,7 @@ def pack_bucket(
     plan: BucketPlan,
     sources: Sequence[torch.Tensor],
     index: int,
-    copy: Callable[[torch.Tensor, torch.Tensor], None] = torch.Tensor.copy_,
+    copy: Callable[[torch.Tensor, torch.Tensor], object] = torch.Tensor.copy_,
 ) -> None:
     """Learner: bucket ``index`` of ``plan`` from ``sources`` (the learner's tensors, in
     spec order) into ``data`` (uint8, at least the bucket's bytes), each piece at its

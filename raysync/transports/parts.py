@@ -29,7 +29,7 @@ import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from raysync.spec import WeightSpec
 from raysync.transports.base import ReceiverInfo, TransportPlanner, TransportReceiver
@@ -121,8 +121,15 @@ async def plan_parts(
     }
 
 
+class PullPlanner(Protocol):
+    """What :func:`plan_pull_parts` asks of ``planner``: a transport's planner, or the
+    :class:`~raysync.transports.object_store.planner.BucketServing` of one."""
+
+    async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any: ...
+
+
 async def plan_pull_parts(
-    planner: TransportPlanner,
+    planner: PullPlanner,
     update: Any,
     spec: WeightSpec,
     receiver: ReceiverInfo,

@@ -3,7 +3,7 @@ the hub, through rank 0's actor, calling a generation off."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -42,8 +42,9 @@ def join_group(
         )
     prefixed = dist.PrefixStore(generation.prefix, store)
     _everyone_here(prefixed, generation, rank)
+    group: Any  # torch's stubs give these backends no barrier(); both have one
     if settings.backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch private
         options._timeout = settings.timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
         group = dist.ProcessGroupGloo(prefixed, rank, generation.world_size, options)
@@ -88,7 +89,8 @@ def call_off(store: Any, generation: Generation, why: str) -> None:
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(generation.prefix, store)
-    prefixed.compare_set(_GO, "", f"the hub called it off: {why}".encode())
+    # torch's stub types the value str; the store takes bytes, and get() returns bytes.
+    prefixed.compare_set(_GO, "", cast(str, f"the hub called it off: {why}".encode()))
 
 
 def run_broadcast(group: Any, buffer: torch.Tensor, settings: DistributedOptions) -> None:

@@ -133,6 +133,7 @@ class NixlSender(TransportSender):
         if done is not None:
             self._progress.serving(done)
         if isinstance(payload, NixlBucketStream):
+            assert done is not None  # the learner's handle passes its broadcast's end
             with self._lock:
                 ring, outgoing = self._outgoing.pop(payload.key.id)
             ring.stream_out(payload, outgoing, done, copy_on_this_thread, self._next_stamp)
@@ -169,7 +170,7 @@ class NixlSender(TransportSender):
             torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
         ]
         registered = self._registered(tensors)
-        buffers = tuple(
+        first, second = (
             _SourceBuffer(
                 t,
                 NixlRegion(t.data_ptr(), t.numel(), device_index(device), memory_type(device)),
@@ -177,6 +178,7 @@ class NixlSender(TransportSender):
             )
             for t in tensors
         )
+        buffers = (first, second)
         pair = _SourcePair(buffers, registered)
         self._pairs[(spec, device)] = pair
         for buffer in buffers:

@@ -33,12 +33,16 @@ import functools
 import pickle
 import resource
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import ray
 import torch
 
 from raysync.copies import executor, numpy_view
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 #: Ray's serializer copies a buffer of more bytes than this with threads of its own.
 RAY_THREADED_COPY_ABOVE = 1 << 20
@@ -66,8 +70,9 @@ def put_arrays(arrays: Iterable[np.ndarray]) -> ray.ObjectRef:
     copy, into the object store); read back with
     :func:`~raysync.transports.object_store.wire.arrays_of`."""
     # A tuple, not a list: Ray hands a list to msgpack item by item (a Python callback
-    # per array), a tuple to pickle in one call.
-    return ray.put(tuple(pickle.PickleBuffer(array) for array in arrays))
+    # per array), a tuple to pickle in one call. (numpy's stubs give an array the
+    # buffer protocol on Python 3.12+ only; it has it on every version.)
+    return ray.put(tuple(pickle.PickleBuffer(cast("Buffer", array)) for array in arrays))
 
 
 def put_version(arrays: Sequence[np.ndarray], threads: int) -> tuple[ray.ObjectRef, ...]:

@@ -59,7 +59,9 @@ def _make_ray_agent() -> SourceProgress | None:
         from ray.experimental.rdt.util import get_tensor_transport_manager
 
         manager = get_tensor_transport_manager("NIXL")
-        if manager._nixl_agent is not None or manager.select_backend() != "UCX":
+        # NIXL's manager (Ray's NixlTensorTransport) internals: an AttributeError below
+        # (another Ray version) leaves Ray's own agent.
+        if manager._nixl_agent is not None or manager.select_backend() != "UCX":  # type: ignore[attr-defined]
             return None
         name = ray.get_runtime_context().get_actor_id() or f"RAY-DRIVER-{uuid.uuid4()}"
         agent: Any = nixl_agent(
@@ -70,7 +72,7 @@ def _make_ray_agent() -> SourceProgress | None:
                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             ),
         )
-        manager._nixl_agent, manager._backend = agent, "UCX"
+        manager._nixl_agent, manager._backend = agent, "UCX"  # type: ignore[attr-defined]
     except (ImportError, AttributeError, TypeError) as err:
         logger.info("rdt: Ray's NIXL agent is left as Ray makes it (%s)", err)
         return None

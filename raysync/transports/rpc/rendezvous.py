@@ -40,6 +40,8 @@ def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     base = parsed._replace(query="").geturl()
     store = _MASTER_STORES.get(base)
     if store is None:
+        # The URL is an agent's, from open_master_store: it names a host and a port.
+        assert parsed.hostname is not None and parsed.port is not None
         timeout_s = float(query.get("timeout_s", [RpcOptions().timeout_s])[0])
         store = dist.TCPStore(
             parsed.hostname,
