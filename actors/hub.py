@@ -30,15 +30,6 @@ from typing import Any
 
 import ray
 
-from raysync.actors.heap import settle_heap
-from raysync.actors.hub_delivery import (
-    AckBook,
-    Outcome,
-    ReceiverDelivery,
-    not_delivered,
-    retrieve_outcome,
-)
-from raysync.actors.hub_parts import Assemblies
 from raysync.background import BackgroundTasks
 from raysync.channel_replies import ChannelReplies
 from raysync.errors import (
@@ -82,6 +73,16 @@ from raysync.transports import (
 )
 from raysync.transports.object_store.bucket_stream import open_broker
 from raysync.transports.parts import plan_parts, plan_pull_parts
+
+from .heap import settle_heap
+from .hub_delivery import (
+    AckBook,
+    Outcome,
+    ReceiverDelivery,
+    not_delivered,
+    retrieve_outcome,
+)
+from .hub_parts import Assemblies
 
 logger = logging.getLogger(__name__)
 

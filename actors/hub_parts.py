@@ -17,11 +17,12 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from raysync.actors.hub_delivery import retrieve_outcome
 from raysync.errors import IncompleteVersionError
 from raysync.messages import BroadcastRequest
 from raysync.part_assembly import PartAssembly
 from raysync.spec import WeightSpec
+
+from .hub_delivery import retrieve_outcome
 
 #: Versions sent in parts that failed, kept so that their late parts are told why.
 FAILED_KEPT = 64

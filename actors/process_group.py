@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from raysync.actors.heap import settle_heap
 from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
 from raysync.transports.bucket_relay import (
@@ -58,6 +57,8 @@ from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import bound_master_store, node_ip
+
+from .heap import settle_heap
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from raysync.actors.heap import settle_heap
 from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
 from raysync.transports.bucket_relay import (
@@ -56,6 +55,8 @@ from raysync.transports.rpc import (
     open_master_store,
     rpc_name,
 )
+
+from .heap import settle_heap
 
 #: Keys torch's dynamic RPC membership keeps in the store (torch/csrc/distributed/rpc/
 #: agent_utils.cpp and torch/distributed/rpc/_utils.py).

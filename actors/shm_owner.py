@@ -35,7 +35,6 @@ import numpy as np
 import ray
 import torch
 
-from raysync.actors.heap import settle_heap
 from raysync.layout import HEADER_BYTES
 from raysync.ordering import ThreadsInOrder
 from raysync.transports.base import TransportError
@@ -46,6 +45,8 @@ from raysync.transports.shared_memory.wire import (
     BOARD_ROWS,
     Board,
 )
+
+from .heap import settle_heap
 
 
 class HoldKind(enum.Enum):
