@@ -26,6 +26,11 @@ the CPU milliseconds per timed broadcast of every process on the machine, by kin
 (``broadcast_bench.cpu_use``; the learner is ``driver``): on two cores, what bounds the
 wall time.
 
+With ``--train-step`` the learner first writes a tensor as large as the model with
+torch's threads (``fill_``), as an optimizer step would, before each broadcast: GNU
+OpenMP's threads then spin-wait for the next parallel region while the broadcast runs,
+unless ``OMP_WAIT_POLICY=PASSIVE`` (docs/latency.md, "The learner's OpenMP threads").
+
 ``python benchmarks/latency_phases.py --out benchmarks/results/latency_phases.json``.
 """
 
@@ -35,6 +40,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -90,7 +96,13 @@ def _timed(call: Callable[[], object], warmup: int, repeats: int) -> list[float]
 
 
 def measure_cell(
-    name: str, size_mb: float, receivers: int, tensors: int, warmup: int, repeats: int
+    name: str,
+    size_mb: float,
+    receivers: int,
+    tensors: int,
+    warmup: int,
+    repeats: int,
+    train_step: bool = False,
 ) -> dict:
     """One cell's timeline (milliseconds, p50 and p99 over ``repeats`` broadcasts).
     ``name`` is a transport, or ``object_store+channels`` for a hub started with
@@ -103,6 +115,7 @@ def measure_cell(
     relay = _Relay.remote()
     ray.get(relay.__ray_ready__.remote())  # its start-up outside the CPU measured below
     walls, reports = [], []
+    step = torch.empty(max(1, int(size_mb * 2**20 / 4))) if train_step else None
     meter = CpuMeter()
     try:
         for i in range(warmup + repeats):
@@ -113,6 +126,8 @@ def measure_cell(
                 ray.get([a.__ray_call__.remote(lambda _: gc.collect()) for a in actors])
                 meter.start()
             weights = _state(size_mb, tensors, float(i + 1))
+            if step is not None:
+                step.fill_(float(i))
             started = time.perf_counter()
             report = ray.get(hub.broadcast.remote(weights, model="m"))
             wall = time.perf_counter() - started
@@ -152,6 +167,7 @@ def measure_cell(
         "size_mb": size_mb,
         "receivers": receivers,
         "tensors": tensors,
+        "train_step": train_step,
         "wall": _ms(walls),
         "learner": _ms(learner),
         "to_hub_and_back": _ms([w - r.seconds for w, r in zip(walls, reports, strict=True)]),
@@ -244,6 +260,11 @@ def main() -> None:
     parser.add_argument("--tensors", nargs="+", type=int, default=[16], help="tensor counts")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument(
+        "--train-step",
+        action="store_true",
+        help="the learner writes a model-sized tensor with torch's threads before each broadcast",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out's)")
     args = parser.parse_args()
@@ -253,7 +274,7 @@ def main() -> None:
     ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
     try:
         cells = [
-            measure_cell(t, size, n, count, args.warmup, args.repeats)
+            measure_cell(t, size, n, count, args.warmup, args.repeats, args.train_step)
             for t in transports
             for size in args.sizes
             for n in args.receivers
@@ -263,7 +284,8 @@ def main() -> None:
         ray.shutdown()
     print_table(cells)
     if args.out is not None:
-        args.out.write_text(json.dumps({"cells": cells}, indent=1))
+        env = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+        args.out.write_text(json.dumps({"cells": cells, "env": env}, indent=1))
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
     if png is not None:
         plot(cells, png)

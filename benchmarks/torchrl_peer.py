@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -268,7 +269,10 @@ def main() -> None:
     finally:
         ray.shutdown()
     if args.out is not None:
-        args.out.write_text(json.dumps({"cells": cells}, indent=1))
+        # The learner's OpenMP threads spin after its last parallel op (here, setting the
+        # weights) unless OMP_WAIT_POLICY says otherwise: it moves every cell (docs/latency.md).
+        env = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+        args.out.write_text(json.dumps({"cells": cells, "env": env}, indent=1))
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
     if png is not None:
         plot(cells, png)
