@@ -53,6 +53,10 @@ from ray.experimental import internal_kv
 
 from raysync import WeightHub, WeightReceiver, available_transports
 
+#: The environment that moves small broadcasts, written into the JSON: the learner's
+#: OpenMP wait policy, and how often Ray's raylet frees unused objects (docs/latency.md).
+_RECORDED_ENV = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "RAY_free_objects_period_milliseconds")
+
 
 def _state(size_mb: float, tensors: int, value: float = 0.0) -> dict[str, torch.Tensor]:
     per_tensor = max(1, int(size_mb * 2**20 / 4 / tensors))
@@ -284,7 +288,7 @@ def main() -> None:
         ray.shutdown()
     print_table(cells)
     if args.out is not None:
-        env = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+        env = {name: os.environ.get(name) for name in _RECORDED_ENV}
         args.out.write_text(json.dumps({"cells": cells, "env": env}, indent=1))
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
     if png is not None:

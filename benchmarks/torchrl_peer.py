@@ -51,6 +51,9 @@ from raysync.torchrl import RaySyncScheme
 FRAMES = 4  # per collector and batch: the batch only checks the weights
 #: raysync's own broadcasts beside the schemes: a transport, and ``+`` a hub or receiver option
 HUBS = ("object_store", "object_store+channels", "shared_memory", "shared_memory+zero_copy")
+#: The environment that moves small broadcasts, written into the JSON: the learner's
+#: OpenMP wait policy, and how often Ray's raylet frees unused objects (docs/latency.md).
+_RECORDED_ENV = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "RAY_free_objects_period_milliseconds")
 
 
 class BallastPolicy(TensorDictModuleBase):
@@ -271,7 +274,7 @@ def main() -> None:
     if args.out is not None:
         # The learner's OpenMP threads spin after its last parallel op (here, setting the
         # weights) unless OMP_WAIT_POLICY says otherwise: it moves every cell (docs/latency.md).
-        env = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+        env = {name: os.environ.get(name) for name in _RECORDED_ENV}
         args.out.write_text(json.dumps({"cells": cells, "env": env}, indent=1))
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
     if png is not None:
