@@ -9,7 +9,9 @@ For each (model size, N remote collectors) cell and each scheme — TorchRL 0.14
 of N ``CountingEnv`` collectors is built around a policy whose action is its one
 weight, plus a ballast parameter making up the size. The time is
 ``collector.update_policy_weights_()`` as a TorchRL user calls it (median of
-``--repeats`` after ``--warmup``), schemes interleaved cell by cell. After each timed
+``--repeats`` after ``--warmup`` untimed updates that last ``--warmup-s`` at least: Ray
+deletes unused objects once a second, and until then a learner's puts land on pages it
+never touched), schemes interleaved cell by cell. After each timed
 update one batch is collected and must show the new weight in every collector's
 actions: a scheme whose update returns before the collectors hold it fails the cell.
 
@@ -72,7 +74,13 @@ class BallastPolicy(TensorDictModuleBase):
 
 
 def time_scheme(
-    name: str, size_mb: float, n: int, warmup: int, repeats: int, cpu_repeats: int
+    name: str,
+    size_mb: float,
+    n: int,
+    warmup: int,
+    repeats: int,
+    cpu_repeats: int,
+    warmup_s: float = 0.0,
 ) -> tuple[list[float], dict[str, float]]:
     """Seconds per ``update_policy_weights_()`` of one scheme in one cell, and its CPU
     milliseconds per update by kind of process."""
@@ -94,6 +102,7 @@ def time_scheme(
             name,
             policy,
             warmup,
+            warmup_s,
             repeats,
             cpu_repeats,
             update=lambda _: collector.update_policy_weights_(),
@@ -104,27 +113,35 @@ def time_scheme(
 
 
 def _timed_updates(
-    name, policy, warmup: int, repeats: int, cpu_repeats: int, update, held
+    name, policy, warmup: int, warmup_s: float, repeats: int, cpu_repeats: int, update, held
 ) -> tuple[list[float], dict[str, float]]:
     """Seconds per ``update(i)`` after ``policy`` took the value of update ``i``;
-    ``held()`` is then the set of values the receivers act with, which must be it. Then
-    ``cpu_repeats`` updates in a row, checked after the last: CPU ms per update."""
+    ``held()`` is then the set of values the receivers act with, which must be it. The
+    first ``warmup`` updates, and any more until ``warmup_s`` seconds have passed, are
+    not timed. Then ``cpu_repeats`` updates in a row, checked after the last: CPU ms
+    per update."""
     samples = []
-    for i in range(warmup + repeats):
-        if i == warmup:  # the learner's first full collection, out of the samples
-            gc.collect()
+    untimed_until = time.monotonic() + warmup_s
+    untimed = 0
+    while untimed < warmup or time.monotonic() < untimed_until:
+        value = _set(policy, untimed)
+        update(untimed)
+        _check(name, untimed, value, held)
+        untimed += 1
+    gc.collect()  # the learner's first full collection, out of the samples
+    for i in range(untimed, untimed + repeats):
         value = _set(policy, i)
         started = time.perf_counter()
         update(i)
         elapsed = time.perf_counter() - started
         _check(name, i, value, held)
-        if i >= warmup:
-            samples.append(elapsed)
+        samples.append(elapsed)
     if not cpu_repeats:
         return samples, {}
     meter = CpuMeter()
     meter.start()
-    for i in range(warmup + repeats, warmup + repeats + cpu_repeats):
+    first = untimed + repeats
+    for i in range(first, first + cpu_repeats):
         value = _set(policy, i)
         update(i)
     cpu = meter.per_op(cpu_repeats)
@@ -160,7 +177,13 @@ class HubReceiver(WeightReceiver):
 
 
 def time_hub(
-    variant: str, size_mb: float, n: int, warmup: int, repeats: int, cpu_repeats: int
+    variant: str,
+    size_mb: float,
+    n: int,
+    warmup: int,
+    repeats: int,
+    cpu_repeats: int,
+    warmup_s: float = 0.0,
 ) -> tuple[list[float], dict[str, float]]:
     """Seconds per broadcast of raysync's own hub (``object_store``,
     ``object_store+channels``, ``shared_memory`` or ``shared_memory+zero_copy``) to N
@@ -183,6 +206,7 @@ def time_hub(
             variant,
             policy,
             warmup,
+            warmup_s,
             repeats,
             cpu_repeats,
             update,
@@ -234,6 +258,14 @@ def main() -> None:
     # Ray's compiled graphs (channels) run their first ~10 executions several times
     # slower than later ones, even by hand: every series gets that many untimed.
     parser.add_argument("--warmup", type=int, default=10)
+    # Ray's raylet deletes unused objects once a second: until a learner that broadcasts
+    # in a loop has put for about that long, each put lands on pages it never touched.
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=2.0,
+        help="untimed updates go on at least this long (after --warmup of them)",
+    )
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument(
         "--cpu-repeats", type=int, default=30, help="updates measured for CPU, 0 to skip"
@@ -256,7 +288,9 @@ def main() -> None:
                 cell = {"size_mb": size, "collectors": n}
                 for name in ("torchrl_ray", "raysync", *args.hubs):
                     timed = time_scheme if name in ("torchrl_ray", "raysync") else time_hub
-                    samples, cpu = timed(name, size, n, args.warmup, args.repeats, args.cpu_repeats)
+                    samples, cpu = timed(
+                        name, size, n, args.warmup, args.repeats, args.cpu_repeats, args.warmup_s
+                    )
                     cell[name] = {
                         "p50_ms": statistics.median(samples) * 1e3,
                         "all_s": samples,
@@ -275,7 +309,8 @@ def main() -> None:
         # The learner's OpenMP threads spin after its last parallel op (here, setting the
         # weights) unless OMP_WAIT_POLICY says otherwise: it moves every cell (docs/latency.md).
         env = {name: os.environ.get(name) for name in _RECORDED_ENV}
-        args.out.write_text(json.dumps({"cells": cells, "env": env}, indent=1))
+        config = {"warmup": args.warmup, "warmup_s": args.warmup_s, "repeats": args.repeats}
+        args.out.write_text(json.dumps({"cells": cells, "env": env, "config": config}, indent=1))
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
     if png is not None:
         plot(cells, png)
