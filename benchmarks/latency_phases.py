@@ -107,8 +107,10 @@ def measure_cell(
     warmup: int,
     repeats: int,
     train_step: bool = False,
+    warmup_s: float = 0.0,
 ) -> dict:
-    """One cell's timeline (milliseconds, p50 and p99 over ``repeats`` broadcasts).
+    """One cell's timeline (milliseconds, p50 and p99 over ``repeats`` broadcasts, after
+    ``warmup`` untimed ones that last ``warmup_s`` at least).
     ``name`` is a transport, or ``object_store+channels`` for a hub started with
     ``channels=True`` (every timed broadcast must then go by the learner's channel)."""
     transport, _, variant = name.partition("+")
@@ -121,11 +123,15 @@ def measure_cell(
     walls, reports = [], []
     step = torch.empty(max(1, int(size_mb * 2**20 / 4))) if train_step else None
     meter = CpuMeter()
+    untimed_until = time.monotonic() + warmup_s
+    timing = False
+    i = 0
     try:
-        for i in range(warmup + repeats):
+        while len(walls) < repeats:
             if i == 1 and channels:  # the first broadcast asked for the channel
                 hub.wait_channel("m")
-            if i == warmup:  # each process's first full GC, which Python runs early anyway
+            if not timing and i >= warmup and time.monotonic() >= untimed_until:
+                timing = True  # after each process's first full GC (Python runs it early)
                 gc.collect()
                 ray.get([a.__ray_call__.remote(lambda _: gc.collect()) for a in actors])
                 meter.start()
@@ -137,11 +143,12 @@ def measure_cell(
             wall = time.perf_counter() - started
             if len(report.acked) != receivers:
                 raise RuntimeError(f"{name}: broadcast {i} not acked by all: {report}")
-            if channels and i >= warmup and len(report.channel) != receivers:
+            if channels and timing and len(report.channel) != receivers:
                 raise RuntimeError(f"{name}: broadcast {i} not all by channel: {report}")
-            if i >= warmup:
+            if timing:
                 walls.append(wall)
                 reports.append(report)
+            i += 1
         cpu = meter.per_op(repeats)
         floors = {
             "one_call": _timed(lambda: ray.get(actors[0].noop.remote()), warmup, repeats),
@@ -263,6 +270,14 @@ def main() -> None:
     parser.add_argument("--receivers", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--tensors", nargs="+", type=int, default=[16], help="tensor counts")
     parser.add_argument("--warmup", type=int, default=5)
+    # Ray's raylet deletes unused objects once a second: until a learner that broadcasts
+    # in a loop has put for about that long, each put lands on pages it never touched.
+    parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=2.0,
+        help="untimed broadcasts go on at least this long (after --warmup of them)",
+    )
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument(
         "--train-step",
@@ -278,7 +293,9 @@ def main() -> None:
     ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
     try:
         cells = [
-            measure_cell(t, size, n, count, args.warmup, args.repeats, args.train_step)
+            measure_cell(
+                t, size, n, count, args.warmup, args.repeats, args.train_step, args.warmup_s
+            )
             for t in transports
             for size in args.sizes
             for n in args.receivers
@@ -289,7 +306,8 @@ def main() -> None:
     print_table(cells)
     if args.out is not None:
         env = {name: os.environ.get(name) for name in _RECORDED_ENV}
-        args.out.write_text(json.dumps({"cells": cells, "env": env}, indent=1))
+        config = {"warmup": args.warmup, "warmup_s": args.warmup_s, "repeats": args.repeats}
+        args.out.write_text(json.dumps({"cells": cells, "env": env, "config": config}, indent=1))
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
     if png is not None:
         plot(cells, png)
