@@ -31,11 +31,13 @@ hold the new weight (``--hubs`` picks them, none to skip).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -58,6 +60,18 @@ HUBS = ("object_store", "object_store+channels", "shared_memory", "shared_memory
 _RECORDED_ENV = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "RAY_free_objects_period_milliseconds")
 
 
+@dataclass(frozen=True)
+class Series:
+    """How each scheme's series of updates is run in a cell: ``warmup`` untimed updates
+    lasting ``warmup_s`` at least, ``repeats`` timed ones, ``cpu_repeats`` measured for
+    CPU (0: none)."""
+
+    warmup: int
+    warmup_s: float
+    repeats: int
+    cpu_repeats: int
+
+
 class BallastPolicy(TensorDictModuleBase):
     """Acts with its one weight; ``ballast`` makes the policy ``size_mb`` in all."""
 
@@ -74,13 +88,7 @@ class BallastPolicy(TensorDictModuleBase):
 
 
 def time_scheme(
-    name: str,
-    size_mb: float,
-    n: int,
-    warmup: int,
-    repeats: int,
-    cpu_repeats: int,
-    warmup_s: float = 0.0,
+    name: str, size_mb: float, n: int, series: Series
 ) -> tuple[list[float], dict[str, float]]:
     """Seconds per ``update_policy_weights_()`` of one scheme in one cell, and its CPU
     milliseconds per update by kind of process."""
@@ -101,10 +109,7 @@ def time_scheme(
         return _timed_updates(
             name,
             policy,
-            warmup,
-            warmup_s,
-            repeats,
-            cpu_repeats,
+            series,
             update=lambda _: collector.update_policy_weights_(),
             held=lambda: set(next(batches)["action"].float().flatten().tolist()),
         )
@@ -113,38 +118,38 @@ def time_scheme(
 
 
 def _timed_updates(
-    name, policy, warmup: int, warmup_s: float, repeats: int, cpu_repeats: int, update, held
+    name, policy, series: Series, update, held
 ) -> tuple[list[float], dict[str, float]]:
     """Seconds per ``update(i)`` after ``policy`` took the value of update ``i``;
     ``held()`` is then the set of values the receivers act with, which must be it. The
-    first ``warmup`` updates, and any more until ``warmup_s`` seconds have passed, are
-    not timed. Then ``cpu_repeats`` updates in a row, checked after the last: CPU ms
-    per update."""
+    first ``series.warmup`` updates, and any more until ``series.warmup_s`` seconds have
+    passed, are not timed. Then ``series.cpu_repeats`` updates in a row, checked after
+    the last: CPU ms per update."""
     samples = []
-    untimed_until = time.monotonic() + warmup_s
+    untimed_until = time.monotonic() + series.warmup_s
     untimed = 0
-    while untimed < warmup or time.monotonic() < untimed_until:
+    while untimed < series.warmup or time.monotonic() < untimed_until:
         value = _set(policy, untimed)
         update(untimed)
         _check(name, untimed, value, held)
         untimed += 1
     gc.collect()  # the learner's first full collection, out of the samples
-    for i in range(untimed, untimed + repeats):
+    for i in range(untimed, untimed + series.repeats):
         value = _set(policy, i)
         started = time.perf_counter()
         update(i)
         elapsed = time.perf_counter() - started
         _check(name, i, value, held)
         samples.append(elapsed)
-    if not cpu_repeats:
+    if not series.cpu_repeats:
         return samples, {}
     meter = CpuMeter()
     meter.start()
-    first = untimed + repeats
-    for i in range(first, first + cpu_repeats):
+    first = untimed + series.repeats
+    for i in range(first, first + series.cpu_repeats):
         value = _set(policy, i)
         update(i)
-    cpu = meter.per_op(cpu_repeats)
+    cpu = meter.per_op(series.cpu_repeats)
     _check(name, i, value, held)
     return samples, cpu
 
@@ -177,13 +182,7 @@ class HubReceiver(WeightReceiver):
 
 
 def time_hub(
-    variant: str,
-    size_mb: float,
-    n: int,
-    warmup: int,
-    repeats: int,
-    cpu_repeats: int,
-    warmup_s: float = 0.0,
+    variant: str, size_mb: float, n: int, series: Series
 ) -> tuple[list[float], dict[str, float]]:
     """Seconds per broadcast of raysync's own hub (``object_store``,
     ``object_store+channels``, ``shared_memory`` or ``shared_memory+zero_copy``) to N
@@ -205,10 +204,7 @@ def time_hub(
         return _timed_updates(
             variant,
             policy,
-            warmup,
-            warmup_s,
-            repeats,
-            cpu_repeats,
+            series,
             update,
             held=lambda: set(ray.get([r.weight.remote() for r in receivers])),
         )
@@ -280,6 +276,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out's)")
     args = parser.parse_args()
+    series = Series(args.warmup, args.warmup_s, args.repeats, args.cpu_repeats)
     ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
     cells = []
     try:
@@ -288,9 +285,7 @@ def main() -> None:
                 cell = {"size_mb": size, "collectors": n}
                 for name in ("torchrl_ray", "raysync", *args.hubs):
                     timed = time_scheme if name in ("torchrl_ray", "raysync") else time_hub
-                    samples, cpu = timed(
-                        name, size, n, args.warmup, args.repeats, args.cpu_repeats, args.warmup_s
-                    )
+                    samples, cpu = timed(name, size, n, series)
                     cell[name] = {
                         "p50_ms": statistics.median(samples) * 1e3,
                         "all_s": samples,
@@ -309,7 +304,7 @@ def main() -> None:
         # The learner's OpenMP threads spin after its last parallel op (here, setting the
         # weights) unless OMP_WAIT_POLICY says otherwise: it moves every cell (docs/latency.md).
         env = {name: os.environ.get(name) for name in _RECORDED_ENV}
-        config = {"warmup": args.warmup, "warmup_s": args.warmup_s, "repeats": args.repeats}
+        config = dataclasses.asdict(series)
         args.out.write_text(json.dumps({"cells": cells, "env": env, "config": config}, indent=1))
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
     if png is not None:
