@@ -40,7 +40,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -49,13 +48,10 @@ from pathlib import Path
 import ray
 import torch
 from broadcast_bench.cpu_use import CpuMeter
+from broadcast_bench.environment import recorded_environment
 from ray.experimental import internal_kv
 
 from raysync import WeightHub, WeightReceiver, available_transports
-
-#: The environment that moves small broadcasts, written into the JSON: the learner's
-#: OpenMP wait policy, and how often Ray's raylet frees unused objects (docs/latency.md).
-_RECORDED_ENV = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "RAY_free_objects_period_milliseconds")
 
 
 def _state(size_mb: float, tensors: int, value: float = 0.0) -> dict[str, torch.Tensor]:
@@ -305,7 +301,7 @@ def main() -> None:
         ray.shutdown()
     print_table(cells)
     if args.out is not None:
-        env = {name: os.environ.get(name) for name in _RECORDED_ENV}
+        env = recorded_environment()
         config = {"warmup": args.warmup, "warmup_s": args.warmup_s, "repeats": args.repeats}
         args.out.write_text(json.dumps({"cells": cells, "env": env, "config": config}, indent=1))
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)

@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from pathlib import Path
 import ray
 import torch
 from broadcast_bench.cpu_use import CpuMeter
+from broadcast_bench.environment import recorded_environment
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 from torchrl.collectors.distributed import RayCollector
@@ -55,9 +55,6 @@ from raysync.torchrl import RaySyncScheme
 FRAMES = 4  # per collector and batch: the batch only checks the weights
 #: raysync's own broadcasts beside the schemes: a transport, and ``+`` a hub or receiver option
 HUBS = ("object_store", "object_store+channels", "shared_memory", "shared_memory+zero_copy")
-#: The environment that moves small broadcasts, written into the JSON: the learner's
-#: OpenMP wait policy, and how often Ray's raylet frees unused objects (docs/latency.md).
-_RECORDED_ENV = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "RAY_free_objects_period_milliseconds")
 
 
 @dataclass(frozen=True)
@@ -303,7 +300,7 @@ def main() -> None:
     if args.out is not None:
         # The learner's OpenMP threads spin after its last parallel op (here, setting the
         # weights) unless OMP_WAIT_POLICY says otherwise: it moves every cell (docs/latency.md).
-        env = {name: os.environ.get(name) for name in _RECORDED_ENV}
+        env = recorded_environment()
         config = dataclasses.asdict(series)
         args.out.write_text(json.dumps({"cells": cells, "env": env, "config": config}, indent=1))
     png = args.plot or (args.out.with_suffix(".png") if args.out is not None else None)
