@@ -49,6 +49,7 @@ import ray
 import torch
 from broadcast_bench.cpu_use import CpuMeter
 from broadcast_bench.environment import recorded_environment
+from broadcast_bench.warmup import WarmUp, add_seconds_argument
 from ray.experimental import internal_kv
 
 from raysync import WeightHub, WeightReceiver, available_transports
@@ -119,14 +120,14 @@ def measure_cell(
     walls, reports = [], []
     step = torch.empty(max(1, int(size_mb * 2**20 / 4))) if train_step else None
     meter = CpuMeter()
-    untimed_until = time.monotonic() + warmup_s
+    warm_up = WarmUp(warmup, warmup_s)
     timing = False
     i = 0
     try:
         while len(walls) < repeats:
             if i == 1 and channels:  # the first broadcast asked for the channel
                 hub.wait_channel("m")
-            if not timing and i >= warmup and time.monotonic() >= untimed_until:
+            if not timing and warm_up.over(i):
                 timing = True  # after each process's first full GC (Python runs it early)
                 gc.collect()
                 ray.get([a.__ray_call__.remote(lambda _: gc.collect()) for a in actors])
@@ -266,14 +267,7 @@ def main() -> None:
     parser.add_argument("--receivers", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--tensors", nargs="+", type=int, default=[16], help="tensor counts")
     parser.add_argument("--warmup", type=int, default=5)
-    # Ray's raylet deletes unused objects once a second: until a learner that broadcasts
-    # in a loop has put for about that long, each put lands on pages it never touched.
-    parser.add_argument(
-        "--warmup-s",
-        type=float,
-        default=2.0,
-        help="untimed broadcasts go on at least this long (after --warmup of them)",
-    )
+    add_seconds_argument(parser)
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument(
         "--train-step",

@@ -43,6 +43,7 @@ import ray
 import torch
 from broadcast_bench.cpu_use import CpuMeter
 from broadcast_bench.environment import recorded_environment
+from broadcast_bench.warmup import WarmUp, add_seconds_argument
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 from torchrl.collectors.distributed import RayCollector
@@ -123,9 +124,9 @@ def _timed_updates(
     passed, are not timed. Then ``series.cpu_repeats`` updates in a row, checked after
     the last: CPU ms per update."""
     samples = []
-    untimed_until = time.monotonic() + series.warmup_s
+    warm_up = WarmUp(series.warmup, series.warmup_s)
     untimed = 0
-    while untimed < series.warmup or time.monotonic() < untimed_until:
+    while not warm_up.over(untimed):
         value = _set(policy, untimed)
         update(untimed)
         _check(name, untimed, value, held)
@@ -251,14 +252,7 @@ def main() -> None:
     # Ray's compiled graphs (channels) run their first ~10 executions several times
     # slower than later ones, even by hand: every series gets that many untimed.
     parser.add_argument("--warmup", type=int, default=10)
-    # Ray's raylet deletes unused objects once a second: until a learner that broadcasts
-    # in a loop has put for about that long, each put lands on pages it never touched.
-    parser.add_argument(
-        "--warmup-s",
-        type=float,
-        default=2.0,
-        help="untimed updates go on at least this long (after --warmup of them)",
-    )
+    add_seconds_argument(parser)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument(
         "--cpu-repeats", type=int, default=30, help="updates measured for CPU, 0 to skip"
