@@ -6,6 +6,8 @@ the conformance kit's (``raysync.testing``)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 import subprocess
 import sys
 import time
@@ -55,6 +57,24 @@ def wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
         time.sleep(0.01)
+
+
+def wait_process_exit(pid: int, timeout_s: float = 60.0) -> None:
+    """Wait until process ``pid`` (on this node) has exited, its memory released.
+    ``wait_dead`` is not enough where that matters: Ray reports an actor dead when it
+    takes the kill, and its process may run on for a while (a NIXL READ of its
+    registered memory still succeeds then). Waits on a pidfd, which turns readable once
+    the process has exited."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone (and reaped) already
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        assert poller.poll(timeout_s * 1000), f"process {pid} still runs {timeout_s} s on"
+    finally:
+        os.close(pidfd)
 
 
 def start(actors: list, cls, *args, **kwargs):

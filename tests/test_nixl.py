@@ -22,7 +22,14 @@ from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
 from raysync.transports.nixl.agent import new_agent
 from raysync.transports.nixl.progress import SourceProgress
-from tests.helpers import assert_same, ready, start, start_hub, wait_dead, wait_for_file
+from tests.helpers import (
+    assert_same,
+    ready,
+    start,
+    start_hub,
+    wait_for_file,
+    wait_process_exit,
+)
 from tests.nixl_actors import (
     BigCollector,
     HashingCollector,
@@ -394,8 +401,9 @@ def test_learner_killed_while_receivers_read_fails_the_broadcast_within_the_time
     ticket = ray.get(learner.broadcast.remote(2.0, 30))
     for name in names:
         wait_for_file(tmp_path / f"inside-fetch-{name}")
+    learner_pid = _pid(learner)
     ray.kill(learner)
-    wait_dead(learner)
+    wait_process_exit(learner_pid)  # a READ from a process still exiting would succeed
     for name in names:
         (tmp_path / f"stall-fetch-{name}").unlink()
     report = _report(hub, ticket, 45)
