@@ -80,9 +80,12 @@ def assert_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
 
 
 def wait_dead(actor: Any, timeout_s: float = 60.0) -> None:
-    """Wait until an actor is gone (killed, or ending by itself). ``ray.kill`` returns
-    before the process dies, and a call sent in between may still run (and return) in
-    it: ask again until a call fails with the actor's death."""
+    """Wait until Ray reports an actor gone (killed, or ending by itself). ``ray.kill``
+    returns before the process dies, and a call sent in between may still run (and
+    return) in it: ask again until a call fails with the actor's death. Ray reports
+    that when it takes the kill: the process may still be exiting, its memory mapped
+    (a NIXL READ of it still succeeds), so a test that needs the process itself gone
+    waits for its pid as well."""
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()

@@ -32,7 +32,7 @@ from raysync.transports.object_store.bucket_stream import (
     broker_name,
 )
 from raysync.transports.rpc import agent_name
-from tests.helpers import Gate, ready, start, start_hub, wait_dead
+from tests.helpers import Gate, ready, start, start_hub, wait_dead, wait_process_exit
 from tests.third_party_transport import PackedObjectTransport, PutReaderTransport
 
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
@@ -254,6 +254,7 @@ def test_a_distributed_member_that_dies_midway_fails_alone(actors):
     doomed = start(actors, Receiver, hub, "doomed", transport="distributed")
     stuck = start(actors, Receiver, hub, "stuck")
     ready([survivor, doomed, stuck])
+    doomed_pid = _pid(doomed)
     ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
 
     gate = start(actors, Gate)
@@ -265,7 +266,7 @@ def test_a_distributed_member_that_dies_midway_fails_alone(actors):
     reader = rank0_reader(hub.config.hub_id)
     _wait_until(lambda: _copier_waits_for_bucket(broker, reader, BUCKETS_IN_FLIGHT))
     ray.kill(doomed)
-    wait_dead(doomed, timeout_s=30)
+    wait_process_exit(doomed_pid)  # not just reported dead: out of every collective
     ray.get(gate.open.remote())
     ray.get(blocked)
 
