@@ -62,9 +62,9 @@ def _state(size_mb: float, tensors: int, value: float = 0.0) -> dict[str, torch.
 
 @ray.remote(num_cpus=0)
 class _Receiver(WeightReceiver):
-    def __init__(self, hub, size_mb: float, tensors: int):
+    def __init__(self, hub, size_mb: float, tensors: int, zero_copy: bool = False):
         self.weights = _state(size_mb, tensors)
-        self.connect_hub(hub, {"m": "weights"})
+        self.connect_hub(hub, {"m": "weights"}, zero_copy=zero_copy)
 
     def noop(self) -> None:
         return None
@@ -108,12 +108,16 @@ def measure_cell(
 ) -> dict:
     """One cell's timeline (milliseconds, p50 and p99 over ``repeats`` broadcasts, after
     ``warmup`` untimed ones that last ``warmup_s`` at least).
-    ``name`` is a transport, or ``object_store+channels`` for a hub started with
-    ``channels=True`` (every timed broadcast must then go by the learner's channel)."""
+    ``name`` is a transport, ``object_store+channels`` for a hub started with
+    ``channels=True`` (every timed broadcast must then go by the learner's channel), or
+    ``shared_memory+zero_copy`` for receivers whose model lives in the node's segment."""
     transport, _, variant = name.partition("+")
+    if variant not in ("", "channels", "zero_copy"):
+        raise ValueError(f"{name}: the variants are +channels and +zero_copy")
     channels = variant == "channels"
+    zero_copy = variant == "zero_copy"
     hub = WeightHub.remote(transport=transport, models=["m"], channels=channels)
-    actors = [_Receiver.remote(hub, size_mb, tensors) for _ in range(receivers)]
+    actors = [_Receiver.remote(hub, size_mb, tensors, zero_copy) for _ in range(receivers)]
     ray.get([a.__ray_ready__.remote() for a in actors])
     relay = _Relay.remote()
     ray.get(relay.__ray_ready__.remote())  # its start-up outside the CPU measured below
