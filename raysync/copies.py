@@ -4,19 +4,26 @@ Called wherever a version's tensors are copied as a whole: the learner packing a
 into its buffer (:meth:`raysync.layout.PackedLayout.pack`), each receiver writing a
 staged version into its model at the safe point.
 
-``torch._foreach_copy_`` copies each tensor on the calling thread and lets torch split
-only a tensor large enough (32K elements) across its intra-op threads. A model of 16
-large tensors is copied on every core; one of 1000 small ones of the same bytes on one:
-on 2 cores a 64 MB copy took 9.9 ms instead of 5.8. Here the small tensors are dealt,
-by bytes, to as many threads as torch uses (``torch.get_num_threads()``), each running
-one foreach copy of its share (torch releases the GIL inside it): 6.5 ms. Which tensor
-goes to which thread is planned once per spec (:func:`copy_shares`), not per copy.
+Every copy a memcpy can do runs on this module's own threads (as many as torch uses,
+``torch.get_num_threads()``, the caller one of them), not on torch's intra-op
+(OpenMP) threads. GNU OpenMP's workers spin-wait after each parallel region: after a
+``copy_`` of 64 MiB or 1 GiB on 2 cores the process burnt 5-9 ms of CPU in the next
+20 ms (``benchmarks/omp_spin.py``), a core taken from the receivers, the hub and Ray's
+threads that the broadcast then waits for. Copied here instead (two threads of
+``numpy.copyto``: one memcpy each, GIL released) the same bytes took no longer (64
+MiB 4.0-4.2 against 5.5-7.1 ms, 1 GiB 43-47 against 49-54 ms) and left nothing
+spinning.
 
-Tensors of middle size (32K elements up to ``DEAL_BELOW_BYTES``) are dealt the same
-way, and each is copied with ``numpy.copyto`` on its thread (one memcpy, GIL released):
-torch would copy each across all its threads in turn, and 1000 tensors of 1 MiB took
-153 ms on 2 cores that way against 117 ms dealt to two threads. Only larger tensors,
-and pairs of different dtypes or devices, are copied by torch itself.
+The plan (:func:`copy_shares`, made once per spec) cuts the work in one share per
+thread, by bytes: tensors under ``DEAL_BELOW_BYTES`` are dealt whole, each larger one
+is cut in one byte range per thread. Small tensors (under 32K elements) of a share go
+in one ``torch._foreach_copy_`` call (torch copies those on the calling thread); each
+larger one, or range of one, with one ``numpy.copyto``. Pairs that memcpy cannot copy
+(a cast, another device, a range of a non-contiguous tensor) are left to torch: a cut
+tensor then whole, in the share of its first range. A model of 1000 small tensors so
+moves on every core too (on 2 cores a 64 MB copy took 9.9 ms on one thread, 6.5 ms
+dealt), and so do 1000 of 1 MiB (153 ms one after another across torch's threads, 117
+ms dealt whole to two threads).
 
 The opposite, for a learner packing buckets while receivers read the previous ones:
 :func:`copy_on_this_thread`.
@@ -28,6 +35,7 @@ import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy
 import torch
@@ -36,17 +44,28 @@ from raysync.spec import WeightSpec
 
 #: Below this many elements torch copies a tensor on one thread (``at::internal::GRAIN_SIZE``).
 SMALL_NUMEL = 32768
-#: Below this many bytes of dealt tensors in all, one thread copies them (threads cost more).
+#: Below this many bytes in all, one thread copies a version (threads cost more).
 SPLIT_BYTES = 4 << 20
-#: Tensors of this many bytes or more stay with the caller's thread, and torch copies
-#: each across its threads; smaller ones are dealt whole to the threads.
+#: Tensors of this many bytes or more are cut in one range per thread; smaller ones
+#: are dealt whole to the threads.
 DEAL_BELOW_BYTES = 8 << 20
+#: Where a cut may fall: a multiple of this many bytes (a page).
+CUT_ALIGN = 4096
 #: Same-size stand-ins for the dtypes NumPy does not have (bfloat16, float8, ...).
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 _pool: ThreadPoolExecutor | None = None
 _pool_workers = 0
 _pool_lock = threading.Lock()
+
+
+class Piece(NamedTuple):
+    """Bytes ``start`` to ``stop`` of the ``tensor``-th tensor (in spec order): one
+    thread's work."""
+
+    tensor: int
+    start: int
+    stop: int
 
 
 def copy_all(
@@ -58,75 +77,88 @@ def copy_all(
 ) -> None:
     """``destinations[i].copy_(sources[i])`` for every i (in ``spec`` order), no autograd.
 
-    CPU destinations are copied on ``threads`` threads (default: torch's) as
-    :func:`copy_shares` plans them for ``spec``; other devices in one foreach call.
+    CPU destinations are copied on ``threads`` threads (default: torch's), the caller
+    one of them, as :func:`copy_shares` plans them for ``spec``; other devices in one
+    foreach call.
     """
-    threads = torch.get_num_threads() if threads is None else threads
-    shares = copy_shares(spec, threads) if destinations and destinations[0].is_cpu else None
-    with torch.no_grad():
-        if shares is None:
+    if not destinations or not destinations[0].is_cpu:
+        with torch.no_grad():
             torch._foreach_copy_(list(destinations), list(sources))
-            return
-        pending = [
-            executor(len(shares) - 1).submit(_copy, destinations, sources, share)
-            for share in shares[1:]
-        ]
-        try:
-            _copy(destinations, sources, shares[0])
-        finally:
-            for future in pending:
-                future.result()
+        return
+    shares = copy_shares(spec, torch.get_num_threads() if threads is None else threads)
+    pending = [
+        executor(len(shares) - 1).submit(_copy, destinations, sources, share)
+        for share in shares[1:]
+    ]
+    try:
+        _copy(destinations, sources, shares[0])
+    finally:
+        for future in pending:
+            future.result()
 
 
 @functools.lru_cache(maxsize=32)
-def copy_shares(spec: WeightSpec, threads: int) -> tuple[tuple[int, ...], ...] | None:
-    """Which tensors of ``spec`` each of ``threads`` threads copies; None: one foreach
-    call on one thread does as well (one thread, or too few bytes to deal).
-
-    The tensors below ``DEAL_BELOW_BYTES`` are cut in ``threads`` runs of about equal
-    bytes; the larger ones go with the first run, the caller's own thread, and torch
-    splits each of them across its threads.
-    """
-    dealt = [i for i, entry in enumerate(spec.tensors) if entry.nbytes < DEAL_BELOW_BYTES]
-    dealt_bytes = sum(spec.tensors[i].nbytes for i in dealt)
-    if threads < 2 or dealt_bytes < SPLIT_BYTES:
-        return None
-    shares: list[list[int]] = [[] for _ in range(threads)]
+def copy_shares(spec: WeightSpec, threads: int) -> tuple[tuple[Piece, ...], ...]:
+    """What each of ``threads`` threads copies of ``spec``: one share, every tensor
+    whole, for one thread or fewer than ``SPLIT_BYTES`` in all; else one share per
+    thread of about equal bytes, the tensors under ``DEAL_BELOW_BYTES`` dealt whole
+    and each larger one cut in ``threads`` ranges (at ``CUT_ALIGN`` bytes), range k in
+    share k."""
+    whole = [Piece(i, 0, entry.nbytes) for i, entry in enumerate(spec.tensors)]
+    if threads < 2 or spec.nbytes < SPLIT_BYTES:
+        return (tuple(whole),)
+    shares: list[list[Piece]] = [[] for _ in range(threads)]
+    dealt = [piece for piece in whole if piece.stop < DEAL_BELOW_BYTES]
+    dealt_bytes = sum(piece.stop for piece in dealt)
     done = 0
-    for i in dealt:
-        shares[min(threads - 1, done * threads // dealt_bytes)].append(i)
-        done += spec.tensors[i].nbytes
-    is_dealt = set(dealt)
-    shares[0].extend(i for i in range(len(spec.tensors)) if i not in is_dealt)
+    for piece in dealt:
+        shares[min(threads - 1, done * threads // dealt_bytes)].append(piece)
+        done += piece.stop
+    for piece in whole:
+        if piece.stop >= DEAL_BELOW_BYTES:
+            cuts = [piece.stop * k // threads // CUT_ALIGN * CUT_ALIGN for k in range(threads)]
+            for k, (start, stop) in enumerate(zip(cuts, [*cuts[1:], piece.stop], strict=True)):
+                shares[k].append(Piece(piece.tensor, start, stop))
     return tuple(tuple(share) for share in shares)
 
 
 def _copy(
-    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], share: tuple[int, ...]
+    destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], share: Sequence[Piece]
 ) -> None:
-    """Copy ``share``'s tensors on this thread: middle-sized ones of one dtype on the
-    CPU with one memcpy each, the rest in one foreach call."""
-    alone: list[int] = []
-    rest: list[int] = []
-    for i in share:
-        (alone if _memcpy_alone(destinations[i], sources[i]) else rest).append(i)
-    with torch.no_grad():
-        if rest:
-            torch._foreach_copy_([destinations[i] for i in rest], [sources[i] for i in rest])
-        for i in alone:
-            numpy.copyto(numpy_view(destinations[i]), numpy_view(sources[i]))
+    """Copy ``share`` on this thread: the small tensors in one foreach call, each larger
+    one or range of one with one memcpy, what memcpy cannot copy with torch."""
+    by_torch: list[int] = []
+    for index, start, stop in share:
+        destination, source = destinations[index], sources[index]
+        whole = start == 0 and stop == destination.nbytes
+        if whole and destination.numel() >= SMALL_NUMEL and _memcpy_pair(destination, source):
+            numpy.copyto(numpy_view(destination), numpy_view(source))
+        elif not whole and _memcpy_pair(destination, source, contiguous=True):
+            numpy.copyto(_bytes(destination)[start:stop], _bytes(source)[start:stop])
+        elif start == 0:  # small, or torch's to copy whole (in its first range's share)
+            by_torch.append(index)
+    if by_torch:
+        with torch.no_grad():
+            torch._foreach_copy_(
+                [destinations[i] for i in by_torch], [sources[i] for i in by_torch]
+            )
 
 
-def _memcpy_alone(destination: torch.Tensor, source: torch.Tensor) -> bool:
-    """Whether this pair is a middle-sized CPU copy of one dtype and shape (no cast)."""
+def _memcpy_pair(destination: torch.Tensor, source: torch.Tensor, contiguous: bool = False) -> bool:
+    """Whether memcpy copies this pair as ``copy_`` would: CPU both, one dtype and shape
+    (no cast, no broadcast), and, for a range of bytes, both contiguous."""
     return (
-        SMALL_NUMEL <= destination.numel()
-        and destination.nbytes < DEAL_BELOW_BYTES
-        and destination.dtype == source.dtype
+        destination.dtype == source.dtype
         and destination.shape == source.shape
         and destination.is_cpu
         and source.is_cpu
+        and (not contiguous or (destination.is_contiguous() and source.is_contiguous()))
     )
+
+
+def _bytes(tensor: torch.Tensor) -> numpy.ndarray:
+    """A contiguous CPU tensor's bytes, as a flat uint8 NumPy view."""
+    return numpy_view(tensor.detach().reshape(-1).view(torch.uint8))
 
 
 def numpy_view(tensor: torch.Tensor) -> numpy.ndarray:

@@ -1,15 +1,28 @@
 """copy_all (raysync/copies.py): every tensor copied exactly, whichever thread copies it
-and however (one foreach call, or one memcpy per middle-sized tensor); the plan deals
-each tensor to one thread, those below DEAL_BELOW_BYTES by bytes, larger ones to the
-caller."""
+and however (one foreach call, one memcpy per tensor, or one per range of a large one);
+the plan deals each tensor below DEAL_BELOW_BYTES whole to one thread, by bytes, and cuts
+each larger one in one range per thread."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
-from raysync.copies import DEAL_BELOW_BYTES, SMALL_NUMEL, SPLIT_BYTES, copy_all, copy_shares
+from raysync.copies import (
+    CUT_ALIGN,
+    DEAL_BELOW_BYTES,
+    SMALL_NUMEL,
+    SPLIT_BYTES,
+    Piece,
+    copy_all,
+    copy_shares,
+)
 from raysync.spec import WeightSpec
+
+#: Elements of a float32 tensor large enough to be cut (and not a multiple of CUT_ALIGN).
+_LARGE_NUMEL = DEAL_BELOW_BYTES // 4 + 1000
 
 
 def _model(small: int, small_numel: int, large: int = 2) -> dict[str, torch.Tensor]:
@@ -29,27 +42,40 @@ def _model(small: int, small_numel: int, large: int = 2) -> dict[str, torch.Tens
     return tensors
 
 
-def test_one_thread_or_few_small_bytes_is_one_foreach_call():
+def _whole(spec: WeightSpec) -> tuple[Piece, ...]:
+    return tuple(Piece(i, 0, entry.nbytes) for i, entry in enumerate(spec.tensors))
+
+
+def test_one_thread_or_few_bytes_is_one_share_of_whole_tensors():
     spec = WeightSpec.of(_model(small=400, small_numel=4096))
-    assert copy_shares(spec, 1) is None
+    assert copy_shares(spec, 1) == (_whole(spec),)
     few = WeightSpec.of(_model(small=4, small_numel=16))
-    assert copy_shares(few, 4) is None
+    assert few.nbytes < SPLIT_BYTES
+    assert copy_shares(few, 4) == (_whole(few),)
 
 
 @pytest.mark.parametrize("threads", [2, 3, 5])
-def test_shares_deal_every_tensor_once_below_the_limit_evenly_by_bytes(threads):
+def test_shares_deal_small_tensors_whole_and_cut_large_ones_in_a_range_per_thread(threads):
     model = _model(small=600, small_numel=4096)
-    model |= {f"x{i}": torch.empty(DEAL_BELOW_BYTES // 4, device="meta") for i in range(2)}
+    model |= {f"x{i}": torch.empty(_LARGE_NUMEL + i, device="meta") for i in range(2)}
     spec = WeightSpec.of(model)
     shares = copy_shares(spec, threads)
-    assert shares is not None and len(shares) == threads
-    dealt = sorted(i for share in shares for i in share)
-    assert dealt == list(range(len(spec.tensors)))
-    kept = {i for i, e in enumerate(spec.tensors) if e.nbytes >= DEAL_BELOW_BYTES}
-    assert len(kept) == 2 and kept <= set(shares[0])
-    dealt_bytes = [sum(spec.tensors[i].nbytes for i in s if i not in kept) for s in shares]
-    assert sum(dealt_bytes) >= SPLIT_BYTES
-    largest = max(e.nbytes for i, e in enumerate(spec.tensors) if i not in kept)
+    assert len(shares) == threads
+    pieces = sorted(piece for share in shares for piece in share)
+    for index, entry in enumerate(spec.tensors):  # every byte once
+        ranges = [(p.start, p.stop) for p in pieces if p.tensor == index]
+        assert ranges[0][0] == 0 and ranges[-1][1] == entry.nbytes, entry.name
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), entry.name
+        assert len(ranges) == (threads if entry.nbytes >= DEAL_BELOW_BYTES else 1), entry.name
+    large = {i for i, e in enumerate(spec.tensors) if e.nbytes >= DEAL_BELOW_BYTES}
+    assert len(large) == 2
+    for k, share in enumerate(shares):  # range k of each large tensor in share k
+        cut = [p for p in share if p.tensor in large]
+        assert len(cut) == 2 and all(p.start == cut[0].start for p in cut)
+        assert all(p.start % CUT_ALIGN == 0 for p in cut)
+        assert (cut[0].start == 0) == (k == 0)
+    dealt_bytes = [sum(p.stop for p in share if p.tensor not in large) for share in shares]
+    largest = max(e.nbytes for i, e in enumerate(spec.tensors) if i not in large)
     assert max(dealt_bytes) - min(dealt_bytes) <= 2 * largest
 
 
@@ -98,7 +124,34 @@ def test_middle_sized_tensors_of_every_kind_are_copied_exactly(threads):
             destinations.append(torch.zeros(numel, dtype=torch.float64))  # a cast
     spec = WeightSpec.of({f"t{i:02d}": d for i, d in enumerate(destinations)})
     expected = [torch.zeros_like(d).copy_(s) for d, s in zip(destinations, sources, strict=True)]
-    assert (copy_shares(spec, threads) is None) == (threads == 1)
+    assert len(copy_shares(spec, threads)) == threads
+    copy_all(destinations, sources, spec, threads=threads)
+    for i, (d, e) in enumerate(zip(destinations, expected, strict=True)):
+        assert d.dtype == e.dtype and torch.equal(d.detach(), e), i
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_large_tensors_of_every_kind_are_copied_exactly(threads):
+    """Tensors cut in ranges (or left whole to torch where memcpy cannot copy them): of
+    dtypes NumPy lacks, requiring grad, non-contiguous, and pairs that cast; beside
+    small ones in the same shares."""
+    generator = torch.Generator().manual_seed(11)
+    numel = _LARGE_NUMEL
+    sources = [
+        torch.randn(numel, generator=generator).to(dtype)
+        for dtype in (torch.bfloat16, torch.float32, torch.float32, torch.float16, torch.float64)
+    ]
+    sources.append(torch.randn(4, 1000, generator=generator))  # a small one among them
+    destinations = [
+        torch.zeros_like(sources[0]),  # bfloat16 into bfloat16
+        torch.nn.Parameter(torch.zeros_like(sources[1])),
+        torch.zeros(numel, 2, dtype=torch.float32)[:, 0],  # strided: torch copies it whole
+        torch.zeros(numel, dtype=torch.float32),  # a cast: torch copies it whole
+        torch.zeros(numel, dtype=torch.float64),
+        torch.zeros(4, 1000),
+    ]
+    spec = WeightSpec.of({f"t{i}": d for i, d in enumerate(destinations)})
+    expected = [torch.zeros_like(d).copy_(s) for d, s in zip(destinations, sources, strict=True)]
     copy_all(destinations, sources, spec, threads=threads)
     for i, (d, e) in enumerate(zip(destinations, expected, strict=True)):
         assert d.dtype == e.dtype and torch.equal(d.detach(), e), i
