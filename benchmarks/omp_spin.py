@@ -5,8 +5,8 @@
 
     .venv/bin/python benchmarks/omp_spin.py --out benchmarks/results/omp_spin.json
 
-Prints one line per (size, copy) and writes the medians as JSON (see docs/latency.md,
-"raysync's own copies leave no thread spinning").
+Prints one line per (size, copy) and writes the medians as JSON, with a PNG beside it
+(see docs/latency.md, "raysync's own copies leave no thread spinning").
 """
 
 from __future__ import annotations
@@ -81,6 +81,28 @@ def main() -> None:
         env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}
         result = {"rows": rows, "threads": torch.get_num_threads(), "env": env}
         args.out.write_text(json.dumps(result, indent=1))
+        _plot(rows, args.out.with_suffix(".png"))
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Per size, each copy's time and the CPU it left spinning, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    labels = [f"{r['size_mib']} MiB\n{r['copy']}" for r in rows]
+    for ax, key, title in (
+        (axes[0], "copy_ms", "the copy, ms"),
+        (axes[1], "cpu_after_ms", f"CPU in the {AFTER_S * 1e3:g} ms after it, ms"),
+    ):
+        ax.bar(range(len(rows)), [r[key] for r in rows])
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_title(title, fontsize=9)
+    fig.suptitle("A large copy in the learner: torch's copy_ against raysync's copy_all")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
