@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import resource
 import statistics
 import time
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from broadcast_bench.environment import recorded_environment
 
 from raysync.copies import copy_all
 from raysync.spec import WeightSpec
@@ -78,7 +78,7 @@ def main() -> None:
             )
             rows.append(row)
     if args.out:
-        env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")}
+        env = recorded_environment()
         result = {"rows": rows, "threads": torch.get_num_threads(), "env": env}
         args.out.write_text(json.dumps(result, indent=1))
         _plot(rows, args.out.with_suffix(".png"))

@@ -2,7 +2,9 @@
 time. Ray's raylet deletes unused objects once a second, so a learner that broadcasts
 in a loop puts on store pages it never touched until it has put for about that long
 (docs/latency.md, "Why a tight loop stays cold"); the count covers what warms up by
-number (Ray's compiled graphs run their first ~10 executions slower)."""
+number (Ray's compiled graphs run their first ~10 executions slower). The time does not
+always suffice: right after another scheme's series of large updates a series can stay
+cold throughout (docs/benchmarks.md, "Large models beside TorchRL's scheme")."""
 
 from __future__ import annotations
 
