@@ -11,7 +11,8 @@ weight, plus a ballast parameter making up the size. The time is
 ``collector.update_policy_weights_()`` as a TorchRL user calls it (median of
 ``--repeats`` after ``--warmup`` untimed updates that last ``--warmup-s`` at least: Ray
 deletes unused objects once a second, and until then a learner's puts land on pages it
-never touched), schemes interleaved cell by cell. After each timed
+never touched), schemes interleaved cell by cell, each cell starting one series further
+along than the one before (its ``order`` in the JSON). After each timed
 update one batch is collected and must show the new weight in every collector's
 actions: a scheme whose update returns before the collectors hold it fails the cell.
 
@@ -273,8 +274,14 @@ def main() -> None:
     try:
         for size in args.sizes:
             for n in args.collectors:
-                cell = {"size_mb": size, "collectors": n}
-                for name in ("torchrl_ray", "raysync", *args.hubs):
+                # Each cell starts its series one further along: a series that follows
+                # another runs on the store that one left (Ray frees objects once a
+                # second), so no series is always the one after TorchRL's scheme.
+                names = ("torchrl_ray", "raysync", *args.hubs)
+                turn = len(cells) % len(names)
+                order = [*names[turn:], *names[:turn]]
+                cell = {"size_mb": size, "collectors": n, "order": order}
+                for name in order:
                     timed = time_scheme if name in ("torchrl_ray", "raysync") else time_hub
                     samples, cpu = timed(name, size, n, series)
                     cell[name] = {
