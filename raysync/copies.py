@@ -25,6 +25,13 @@ moves on every core too (on 2 cores a 64 MB copy took 9.9 ms on one thread, 6.5 
 dealt), and so do 1000 of 1 MiB (153 ms one after another across torch's threads, 117
 ms dealt whole to two threads).
 
+Where a caller holds NumPy views of both sides already (:class:`Viewed`: a receiver's
+model, whose views it keeps while the model stays where it is; the arrays a reader of
+the object store gets), every memcpy pair is one ``numpy.copyto`` of them, small
+tensors too: cheaper per tensor than a foreach call (1000 float32 tensors of 64 KiB: 4.0
+against 4.5 ms on one thread), but not where the views are made for the purpose (two
+per tensor cost more than the foreach call saves).
+
 The opposite, for a learner packing buckets while receivers read the previous ones:
 :func:`copy_on_this_thread`.
 """
@@ -33,9 +40,10 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy
 import torch
@@ -57,6 +65,76 @@ _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int
 _pool: ThreadPoolExecutor | None = None
 _pool_workers = 0
 _pool_lock = threading.Lock()
+
+
+class Viewed(Sequence[torch.Tensor]):
+    """CPU tensors and a NumPy view of each (:func:`numpy_view`'s), in one order, for
+    :func:`copy_all` to copy with ``numpy.copyto`` of the views: made by a process that
+    holds both for longer than one copy. :func:`viewed` makes them of tensors (a
+    receiver's write targets, kept while its model stays where it is); :meth:`over`
+    of arrays (what a reader of the object store gets), the tensors then made on first
+    use only."""
+
+    __slots__ = ("_tensors", "arrays", "dtypes")
+
+    def __init__(
+        self,
+        arrays: Sequence[numpy.ndarray],
+        dtypes: Sequence[torch.dtype],
+        tensors: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        self.arrays = tuple(arrays)
+        #: Each tensor's torch dtype: a NumPy view of a bfloat16 tensor is int16.
+        self.dtypes = tuple(dtypes)
+        self._tensors = None if tensors is None else tuple(tensors)
+
+    @classmethod
+    def over(cls, arrays: Sequence[numpy.ndarray], dtypes: Sequence[torch.dtype]) -> Viewed:
+        """The tensors of ``dtypes`` that ``arrays`` (:func:`numpy_view`'s views) hold."""
+        return cls(arrays, dtypes)
+
+    def alias(self) -> Viewed:
+        """Another sequence of the same tensors and views: for a transport that knows
+        each fetch's staged sequence by its identity."""
+        return Viewed(self.arrays, self.dtypes, self._tensors)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        if self._tensors is None:
+            with warnings.catch_warnings():
+                # Read-only arrays (a mapped object) make read-only tensors; none is written.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                self._tensors = tuple(
+                    _tensor_of(array, dtype)
+                    for array, dtype in zip(self.arrays, self.dtypes, strict=True)
+                )
+        return self._tensors
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[torch.Tensor]: ...
+    def __getitem__(self, index: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        return self.tensors[index]
+
+
+def viewed(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """``tensors`` with their NumPy views (:class:`Viewed`), or as they are where NumPy
+    cannot view one of them (not on the CPU; a conjugate or quantized tensor)."""
+    try:
+        arrays = [numpy_view(tensor) for tensor in tensors]
+    except (TypeError, RuntimeError):
+        return tensors
+    return Viewed(arrays, [tensor.dtype for tensor in tensors], tensors)
+
+
+def _tensor_of(array: numpy.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``dtype`` that :func:`numpy_view` made ``array`` of (no copy)."""
+    tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 class Piece(NamedTuple):
@@ -126,9 +204,13 @@ def _copy(
     destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], share: Sequence[Piece]
 ) -> None:
     """Copy ``share`` on this thread: the small tensors in one foreach call, each larger
-    one or range of one with one memcpy, what memcpy cannot copy with torch."""
+    one or range of one with one memcpy, what memcpy cannot copy with torch; where both
+    sides are :class:`Viewed`, every memcpy pair with ``numpy.copyto`` of their views."""
     by_torch: list[int] = []
+    both_viewed = isinstance(destinations, Viewed) and isinstance(sources, Viewed)
     for index, start, stop in share:
+        if both_viewed and _copy_views(destinations, sources, index, start, stop):  # type: ignore[arg-type]
+            continue
         destination, source = destinations[index], sources[index]
         whole = start == 0 and stop == destination.nbytes
         if whole and destination.numel() >= SMALL_NUMEL and _memcpy_pair(destination, source):
@@ -142,6 +224,25 @@ def _copy(
             torch._foreach_copy_(
                 [destinations[i] for i in by_torch], [sources[i] for i in by_torch]
             )
+
+
+def _copy_views(destinations: Viewed, sources: Viewed, index: int, start: int, stop: int) -> bool:
+    """Copy bytes ``start`` to ``stop`` of the ``index``-th pair with its NumPy views,
+    if memcpy copies it as ``copy_`` would (one torch dtype and shape; for a range,
+    both contiguous); else copy nothing and say so."""
+    destination, source = destinations.arrays[index], sources.arrays[index]
+    if destinations.dtypes[index] != sources.dtypes[index] or destination.shape != source.shape:
+        return False
+    if start == 0 and stop == destination.nbytes:
+        numpy.copyto(destination, source)
+        return True
+    if not (destination.flags.c_contiguous and source.flags.c_contiguous):
+        return False
+    numpy.copyto(
+        destination.reshape(-1).view(numpy.uint8)[start:stop],
+        source.reshape(-1).view(numpy.uint8)[start:stop],
+    )
+    return True
 
 
 def _memcpy_pair(destination: torch.Tensor, source: torch.Tensor, contiguous: bool = False) -> bool:

@@ -36,7 +36,7 @@ import ray
 import torch
 
 from raysync import model_path, weights
-from raysync.copies import copy_all
+from raysync.copies import Viewed, copy_all, viewed
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.gate import DEFERRED, ApplyGate
 from raysync.hub_handle import HubHandle
@@ -91,7 +91,7 @@ class HeldModel:
     version: int = 0
     origin: str = ""  #: the learner handle whose broadcast ``version`` is (Update.origin)
     adoption: Adoption = field(default_factory=Adoption)  #: zero-copy state
-    _cached: tuple[Any, weights.Destination, WeightSpec] | None = None
+    _cached: _Walked | None = None
 
     def spec_for(self, owner: Any, digest: str) -> WeightSpec:
         """The model's spec, to stage an update of spec ``digest``: the one found when
@@ -102,24 +102,51 @@ class HeldModel:
         written into are looked up at the safe point, where a model changed meanwhile is
         found and refused. A 1000-tensor model is walked once per update, not twice.
         """
-        if self._cached is not None and self._cached[2].digest == digest:
-            return self._cached[2]
+        if self._cached is not None and self._cached.spec.digest == digest:
+            return self._cached.spec
         return self.destination(owner)[1]
 
     def destination(self, owner: Any) -> tuple[weights.Destination, WeightSpec]:
         """The model's write targets and their spec, as the model is now."""
+        walked = self._walk(owner)
+        return walked.destination, walked.spec
+
+    def targets(self, owner: Any) -> tuple[weights.Destination, WeightSpec, Sequence[torch.Tensor]]:
+        """:meth:`destination`, and its tensors in spec order: with their NumPy views
+        (:func:`raysync.copies.viewed`) once an update found the model where the last
+        one left it, so that a model of many small tensors is copied into without a
+        view made per tensor and update."""
+        walked = self._walk(owner)
+        if walked.reused and not isinstance(walked.targets, Viewed):
+            walked.targets = viewed(walked.targets)
+        return walked.destination, walked.spec, walked.targets
+
+    def _walk(self, owner: Any) -> _Walked:
         target = model_path.resolve(owner, self.path)
         fingerprint = weights.storage_fingerprint(target)
         if fingerprint is not None and self._cached is not None:
-            cached_fingerprint, destination, spec = self._cached
-            if cached_fingerprint == fingerprint:
-                return destination, spec
+            if self._cached.fingerprint == fingerprint:
+                self._cached.reused = True
+                return self._cached
         destination = weights.destinations(
             target, what=f"model {self.model_id!r} at self.{self.path}"
         )
         spec = WeightSpec.of(destination.tensors)
-        self._cached = None if fingerprint is None else (fingerprint, destination, spec)
-        return destination, spec
+        targets = [destination.tensors[name] for name in spec.names]
+        walked = _Walked(fingerprint, destination, spec, targets)
+        self._cached = None if fingerprint is None else walked
+        return walked
+
+
+@dataclass
+class _Walked:
+    """What one walk of a model found: kept while its storage fingerprint repeats."""
+
+    fingerprint: tuple[Any, ...] | None
+    destination: weights.Destination
+    spec: WeightSpec
+    targets: Sequence[torch.Tensor]  #: ``destination.tensors`` in spec order
+    reused: bool = False  #: found again by a later walk
 
 
 class ReceiverCore:
@@ -431,7 +458,7 @@ class ReceiverCore:
         if refused is not None:
             return self._ack(update, refused)
         try:
-            destination, spec = held.destination(self.owner)
+            destination, spec, targets = held.targets(self.owner)
             _check_digest(spec, update, self.actor_name)
             adopted = self.identity.zero_copy and held.adoption.take(
                 model_path.resolve(self.owner, held.path),
@@ -441,7 +468,6 @@ class ReceiverCore:
                 model_id=held.model_id,
             )
             if not adopted:
-                targets = [destination.tensors[name] for name in spec.names]
                 copy_all(targets, staged.tensors, spec)
                 if destination.commit is not None:
                     destination.commit()

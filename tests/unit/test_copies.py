@@ -1,7 +1,8 @@
 """copy_all (raysync/copies.py): every tensor copied exactly, whichever thread copies it
-and however (one foreach call, one memcpy per tensor, or one per range of a large one);
-the plan deals each tensor below DEAL_BELOW_BYTES whole to one thread, by bytes, and cuts
-each larger one in one range per thread."""
+and however (one foreach call, one memcpy per tensor, or one per range of a large one),
+from tensors or from their NumPy views (:class:`Viewed`); the plan deals each tensor
+below DEAL_BELOW_BYTES whole to one thread, by bytes, and cuts each larger one in one
+range per thread."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from raysync.copies import (
     SMALL_NUMEL,
     SPLIT_BYTES,
     Piece,
+    Viewed,
     copy_all,
     copy_shares,
+    numpy_view,
+    viewed,
 )
 from raysync.spec import WeightSpec
 
@@ -40,6 +44,17 @@ def _model(small: int, small_numel: int, large: int = 2) -> dict[str, torch.Tens
         }
     )
     return tensors
+
+
+def _sides(sides: str, destinations: list[torch.Tensor], sources: list[torch.Tensor]):
+    """The pair as copy_all gets it: plain tensors, or both :class:`Viewed` as a receiver
+    of the object store has them (its model's views; read-only arrays it read)."""
+    if sides == "tensors":
+        return destinations, sources
+    arrays = [numpy_view(source) for source in sources]
+    for array in arrays:
+        array.setflags(write=False)
+    return viewed(destinations), Viewed.over(arrays, [source.dtype for source in sources])
 
 
 def _whole(spec: WeightSpec) -> tuple[Piece, ...]:
@@ -79,17 +94,6 @@ def test_shares_deal_small_tensors_whole_and_cut_large_ones_in_a_range_per_threa
     assert max(dealt_bytes) - min(dealt_bytes) <= 2 * largest
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_copy_all_copies_every_tensor_bit_for_bit(threads):
-    model = _model(small=600, small_numel=4096)
-    spec = WeightSpec.of(model)
-    sources = [model[name] for name in spec.names]
-    destinations = [torch.zeros_like(t) for t in sources]
-    copy_all(destinations, sources, spec, threads=threads)
-    for name, d, s in zip(spec.names, destinations, sources, strict=True):
-        assert torch.equal(d.view(torch.uint8), s.view(torch.uint8)), name
-
-
 @pytest.mark.parametrize("bad", [0, -1], ids=["in the caller's share", "in a helper thread's"])
 def test_a_failing_copy_raises(bad):
     model = _model(small=600, small_numel=4096)
@@ -101,11 +105,24 @@ def test_a_failing_copy_raises(bad):
         copy_all(destinations, sources, spec, threads=2)
 
 
+@pytest.mark.parametrize("sides", ["tensors", "viewed"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_small_tensors_with_or_without_their_views_are_copied_bit_for_bit(threads, sides):
+    model = _model(small=600, small_numel=4096)
+    spec = WeightSpec.of(model)
+    sources = [model[name] for name in spec.names]
+    destinations = [torch.zeros_like(t) for t in sources]
+    copy_all(*_sides(sides, destinations, sources), spec, threads=threads)
+    for name, d, s in zip(spec.names, destinations, sources, strict=True):
+        assert torch.equal(d.view(torch.uint8), s.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("sides", ["tensors", "viewed"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_middle_sized_tensors_of_every_kind_are_copied_exactly(threads):
+def test_middle_sized_tensors_of_every_kind_are_copied_exactly(threads, sides):
     """Tensors dealt and copied alone: of dtypes NumPy lacks (bfloat16), requiring grad,
     non-contiguous destinations, and pairs that cast (float32 into float64): each lands
-    as ``copy_`` would land it."""
+    as ``copy_`` would land it, whether copy_all gets the tensors or their views."""
     generator = torch.Generator().manual_seed(7)
     numel = SMALL_NUMEL * 4
     sources = [
@@ -125,13 +142,14 @@ def test_middle_sized_tensors_of_every_kind_are_copied_exactly(threads):
     spec = WeightSpec.of({f"t{i:02d}": d for i, d in enumerate(destinations)})
     expected = [torch.zeros_like(d).copy_(s) for d, s in zip(destinations, sources, strict=True)]
     assert len(copy_shares(spec, threads)) == threads
-    copy_all(destinations, sources, spec, threads=threads)
+    copy_all(*_sides(sides, destinations, sources), spec, threads=threads)
     for i, (d, e) in enumerate(zip(destinations, expected, strict=True)):
         assert d.dtype == e.dtype and torch.equal(d.detach(), e), i
 
 
+@pytest.mark.parametrize("sides", ["tensors", "viewed"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_large_tensors_of_every_kind_are_copied_exactly(threads):
+def test_large_tensors_of_every_kind_are_copied_exactly(threads, sides):
     """Tensors cut in ranges (or left whole to torch where memcpy cannot copy them): of
     dtypes NumPy lacks, requiring grad, non-contiguous, and pairs that cast; beside
     small ones in the same shares."""
@@ -152,6 +170,29 @@ def test_large_tensors_of_every_kind_are_copied_exactly(threads):
     ]
     spec = WeightSpec.of({f"t{i}": d for i, d in enumerate(destinations)})
     expected = [torch.zeros_like(d).copy_(s) for d, s in zip(destinations, sources, strict=True)]
-    copy_all(destinations, sources, spec, threads=threads)
+    copy_all(*_sides(sides, destinations, sources), spec, threads=threads)
     for i, (d, e) in enumerate(zip(destinations, expected, strict=True)):
         assert d.dtype == e.dtype and torch.equal(d.detach(), e), i
+
+
+def test_viewed_arrays_make_their_tensors_once_in_each_dtype():
+    """A reader's arrays become tensors only when asked, once, each in its torch dtype
+    (a bfloat16 tensor travels as an int16 array), sharing the arrays' memory."""
+    sources = [torch.randn(5).to(torch.bfloat16), torch.arange(4, dtype=torch.int64)]
+    arrays = [numpy_view(source) for source in sources]
+    for array in arrays:
+        array.setflags(write=False)
+    staged = Viewed.over(arrays, [source.dtype for source in sources])
+    assert len(staged) == 2 and staged.arrays[0].dtype.name == "int16"
+    first = list(staged)
+    assert [t.dtype for t in first] == [torch.bfloat16, torch.int64]
+    assert all(torch.equal(t, s) for t, s in zip(first, sources, strict=True))
+    assert first[0].data_ptr() == sources[0].data_ptr()
+    assert staged[0] is first[0] and list(staged[0:1]) == [first[0]]
+
+
+def test_tensors_numpy_cannot_view_are_left_as_they_are():
+    on_meta = [torch.empty(3, device="meta")]
+    assert viewed(on_meta) is on_meta
+    conjugate = [torch.zeros(3, dtype=torch.complex64).conj()]
+    assert viewed(conjugate) is conjugate

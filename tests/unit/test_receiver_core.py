@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from raysync import weights
+from raysync.copies import Viewed, numpy_view
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.messages import Ack, AckStatus, Update, Welcome
 from raysync.receiver_core import HeldModel, ReceiverCore, ReceiverIdentity
@@ -123,6 +124,35 @@ def test_a_dict_model_whose_entry_was_replaced_gets_the_next_version_in_the_new_
     assert torch.equal(model["w"], torch.full((4,), 2.0))
     assert torch.equal(model["nets"]["b"], torch.full((2,), 2.0))
     assert torch.equal(old_w, torch.full((4,), 1.0))  # the dropped tensor kept version 1
+
+
+def test_a_model_copied_into_through_its_kept_views_gets_each_version_where_it_lives():
+    """Updates read from the object store come as arrays (``Viewed.over``); from the
+    second update that finds the model where the first left it the receiver copies into
+    views of the model it keeps. A parameter replaced meanwhile is where the next
+    version lands, not the memory the kept views point at."""
+    receiver = _Receiver()
+    model = receiver.owner.policy
+
+    def as_read(version: int) -> Update:
+        update = receiver.update(version)
+        tensors = receiver.transport.staged[version]
+        receiver.transport.staged[version] = Viewed.over(  # type: ignore[assignment]
+            [numpy_view(t) for t in tensors], [t.dtype for t in tensors]
+        )
+        return update
+
+    for version in (1, 2, 3):
+        assert receiver.core.receive(as_read(version)).ack.status is AckStatus.APPLIED
+        assert torch.equal(model.weight, torch.full((2, 3), float(version)))
+    held = receiver.core.models["policy"]
+    assert isinstance(held.targets(receiver.owner)[2], Viewed)
+    old_weight = model.weight
+    model.weight = torch.nn.Parameter(torch.zeros(2, 3))  # the user swaps a parameter
+    assert receiver.core.receive(as_read(4)).ack.status is AckStatus.APPLIED
+    assert torch.equal(model.weight, torch.full((2, 3), 4.0))
+    assert torch.equal(model.bias, torch.full((2,), 4.0))
+    assert torch.equal(old_weight, torch.full((2, 3), 3.0))  # the dropped one kept 3
 
 
 def test_an_update_walks_the_model_once(monkeypatch):

@@ -5,7 +5,6 @@ fallbacks."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,6 +12,7 @@ import numpy as np
 import ray
 import torch
 
+from raysync.copies import Viewed
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.object_store.arrays import as_tensor
@@ -49,13 +49,14 @@ class ObjectStoreReceiver(TransportReceiver):
                 f"could not read the object-store copy of the update ({type(err).__name__}); "
                 "the learner that put it (its owner) may have died"
             ) from err
-        with warnings.catch_warnings():
-            # The arrays map the object store read-only; we only ever read from them.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return [
-                as_tensor(array, entry.dtype)
-                for array, entry in zip(arrays, spec.tensors, strict=True)
-            ]
+        if len(arrays) != len(spec.tensors):
+            raise TransportError(
+                f"the object-store copy of the update holds {len(arrays)} arrays, "
+                f"its spec {len(spec.tensors)} tensors"
+            )
+        # Read-only views of the object store; copied from with their arrays (no tensor
+        # made per array unless the receiver asks for one).
+        return Viewed.over(arrays, [entry.dtype for entry in spec.tensors])
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         self._staging.release(staged)
