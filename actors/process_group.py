@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raysync.copies import as_tensor
 from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
 from raysync.transports.bucket_relay import (
@@ -52,7 +53,6 @@ from raysync.transports.distributed import (
     run_broadcast,
     staging_device,
 )
-from raysync.transports.object_store.arrays import as_tensor
 from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import DistributedOptions

@@ -105,7 +105,7 @@ class Viewed(Sequence[torch.Tensor]):
                 # Read-only arrays (a mapped object) make read-only tensors; none is written.
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                 self._tensors = tuple(
-                    _tensor_of(array, dtype)
+                    as_tensor(array, dtype)
                     for array, dtype in zip(self.arrays, self.dtypes, strict=True)
                 )
         return self._tensors
@@ -129,12 +129,6 @@ def viewed(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
     except (TypeError, RuntimeError):
         return tensors
     return Viewed(arrays, [tensor.dtype for tensor in tensors], tensors)
-
-
-def _tensor_of(array: numpy.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor of ``dtype`` that :func:`numpy_view` made ``array`` of (no copy)."""
-    tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 class Piece(NamedTuple):
@@ -270,6 +264,12 @@ def numpy_view(tensor: torch.Tensor) -> numpy.ndarray:
     if not _numpy_takes(tensor.dtype):
         tensor = tensor.view(_INTEGER_OF_SIZE[tensor.dtype.itemsize])
     return tensor.numpy()
+
+
+def as_tensor(array: numpy.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``dtype`` that :func:`numpy_view` made ``array`` of (no copy)."""
+    tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 @functools.cache

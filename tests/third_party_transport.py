@@ -21,6 +21,7 @@ from typing import Any
 import ray
 import torch
 
+from raysync.copies import as_tensor
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports import (
@@ -31,7 +32,6 @@ from raysync.transports import (
     TransportReceiver,
     TransportSender,
 )
-from raysync.transports.object_store.arrays import as_tensor
 from raysync.transports.object_store.wire import ObjectStorePayload
 
 

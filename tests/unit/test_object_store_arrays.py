@@ -10,12 +10,12 @@ import resource
 import pytest
 import torch
 
+from raysync.copies import as_tensor
 from raysync.transports.object_store.arrays import (
     MAX_PUTS,
     RAY_THREADED_COPY_ABOVE,
     SPLIT_PUT_BYTES,
     as_array,
-    as_tensor,
     cold,
     put_runs,
 )

@@ -55,14 +55,8 @@ MAX_PUTS = 8
 def as_array(tensor: torch.Tensor) -> np.ndarray:
     """A NumPy view of a contiguous tensor, in its shape: of its own dtype, or of the
     same-size integer dtype where NumPy has none (``bfloat16`` -> ``int16``). GPU
-    tensors are copied to host first. :func:`as_tensor` undoes it."""
+    tensors are copied to host first. :func:`raysync.copies.as_tensor` undoes it."""
     return numpy_view(tensor if tensor.is_cpu else tensor.cpu())
-
-
-def as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor of dtype ``dtype`` that :func:`as_array` made ``array`` of (no copy)."""
-    tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
 
 def put_arrays(arrays: Iterable[np.ndarray]) -> ray.ObjectRef:

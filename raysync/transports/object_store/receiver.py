@@ -12,10 +12,9 @@ import numpy as np
 import ray
 import torch
 
-from raysync.copies import Viewed
+from raysync.copies import Viewed, as_tensor
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
-from raysync.transports.object_store.arrays import as_tensor
 from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.buckets import fetch_stream, serve_stream, staging_buffer
 from raysync.transports.object_store.wire import InlinePayload, ObjectStorePayload
