@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from raysync.copies import Viewed, viewed
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 
@@ -48,19 +49,20 @@ class StagingPool(Generic[Buffer]):
         self._created: list[Buffer] = []
         self._leased: dict[int, tuple[WeightSpec, Buffer]] = {}
         #: id(tensor) -> (tensor, layout, its views): see :meth:`views`
-        self._views: dict[int, tuple[torch.Tensor, PackedLayout, list[torch.Tensor]]] = {}
+        self._views: dict[int, tuple[torch.Tensor, PackedLayout, Sequence[torch.Tensor]]] = {}
 
     def fill(
         self, spec: WeightSpec, write: Callable[[Buffer], Sequence[torch.Tensor]]
-    ) -> list[torch.Tensor]:
+    ) -> Sequence[torch.Tensor]:
         """``write(buffer)`` a version of ``spec`` into a buffer no lease holds; the views
         it returns, leased with that buffer until :meth:`release`. If ``write`` raises,
         the buffer is free again and the error goes on."""
         buffer = self._take(spec)
         try:
-            # A list of its own: the lease is keyed by its identity, and a write may
-            # return a list it keeps (nixl's staging views) for every fill.
-            staged = list(write(buffer))
+            # A sequence of its own: the lease is keyed by its identity, and a write may
+            # return views it keeps (nixl's staging views) for every fill.
+            written = write(buffer)
+            staged = written.alias() if isinstance(written, Viewed) else list(written)
         except BaseException:
             with self._lock:
                 self._free.setdefault(spec, []).append(buffer)
@@ -80,15 +82,16 @@ class StagingPool(Generic[Buffer]):
             self._created.append(buffer)
         return buffer
 
-    def views(self, tensor: torch.Tensor, layout: PackedLayout) -> list[torch.Tensor]:
+    def views(self, tensor: torch.Tensor, layout: PackedLayout) -> Sequence[torch.Tensor]:
         """``layout.views(tensor)`` of a buffer tensor this pool created (what a ``write``
-        returns), made once per buffer and layout: a buffer is filled once per version,
-        and a model of 1000 tensors took ~1.4 ms to view each time. Kept until
-        :meth:`close`, as the buffers are."""
+        returns), with their NumPy views (:func:`raysync.copies.viewed`, which the
+        receiver copies from), made once per buffer and layout: a buffer is filled once
+        per version, and a model of 1000 tensors took ~1.4 ms to view each time. Kept
+        until :meth:`close`, as the buffers are."""
         with self._lock:
             known = self._views.get(id(tensor))
         if known is None or known[0] is not tensor or known[1] is not layout:
-            known = (tensor, layout, layout.views(tensor))
+            known = (tensor, layout, viewed(layout.views(tensor)))
             with self._lock:
                 self._views[id(tensor)] = known
         return known[2]

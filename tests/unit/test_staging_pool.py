@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
+from raysync.copies import Viewed
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.staging import StagingPool
@@ -117,3 +120,28 @@ def test_a_buffers_views_are_made_once_per_layout_and_show_what_it_holds():
     assert c.shape == (7,) and c.data_ptr() == buffer.data_ptr()
     pool.close()
     assert pool.views(buffer, layout_c) is not kept
+
+
+def test_each_fill_of_kept_views_is_leased_as_a_sequence_of_its_own_with_numpy_views():
+    """A receiver copies from the NumPy views the pool keeps beside a buffer's views;
+    each fill still gets a sequence of its own, which its release is known by."""
+    pool: StagingPool[torch.Tensor] = StagingPool(lambda spec: torch.zeros(4096, dtype=torch.uint8))
+    spec = WeightSpec.of({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)})
+    layout = PackedLayout.of(spec)
+
+    def write(buffer: torch.Tensor) -> Sequence[torch.Tensor]:
+        layout.pack(
+            {"a": torch.full((3, 4), 2.0), "b": torch.full((5,), 3.0, dtype=torch.bfloat16)}, buffer
+        )
+        return pool.views(buffer, layout)
+
+    first = pool.fill(spec, write)
+    assert isinstance(first, Viewed) and first is not pool.views(pool.created()[0], layout)
+    assert first.arrays[0].tolist() == [[2.0] * 4] * 3
+    b = torch.from_numpy(first.arrays[1]).view(torch.bfloat16)
+    assert torch.equal(b, torch.full((5,), 3.0, dtype=torch.bfloat16))
+    second = pool.fill(spec, write)  # the first is leased: another buffer
+    assert len(pool.created()) == 2 and second.arrays[0].ctypes.data != first.arrays[0].ctypes.data
+    pool.release(first)
+    third = pool.fill(spec, write)
+    assert len(pool.created()) == 2 and third.arrays[0].ctypes.data == first.arrays[0].ctypes.data

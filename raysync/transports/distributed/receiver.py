@@ -80,7 +80,7 @@ class DistributedReceiver(TransportReceiver):
         plan = relay_plan(payload.source, spec)
         self._device = staging_device(settings)
 
-        def write(buffer: torch.Tensor) -> list[torch.Tensor]:
+        def write(buffer: torch.Tensor) -> Sequence[torch.Tensor]:
             failed_at, err = self._receive_buckets(payload, plan, buffer)
             if err is not None:
                 logger.warning(

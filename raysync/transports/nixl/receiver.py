@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from raysync.copies import viewed
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
@@ -65,7 +66,7 @@ class _Read:
 @dataclass
 class _Staging:
     tensor: torch.Tensor  #: uint8, stamps + packed tensors, registered
-    views: list[torch.Tensor]
+    views: Sequence[torch.Tensor]  #: with their NumPy views where on the CPU (copies.viewed)
     registered: Any  #: nixlRegDList
     local: Any  #: prepped local dlist (``descs``)
     reads: dict[tuple[str, int], _Read] = field(default_factory=dict)
@@ -77,7 +78,7 @@ class _RingStaging:
     stamp lands), then the spec's packed layout; registered."""
 
     tensor: torch.Tensor
-    views: list[torch.Tensor]
+    views: Sequence[torch.Tensor]  #: with their NumPy views where on the CPU (copies.viewed)
     registered: Any  #: nixlRegDList
 
     @property
@@ -114,7 +115,7 @@ class NixlReceiver(TransportReceiver):
             return self._served.fetch(payload, spec)
         frame = Frame.of(spec)
 
-        def write(staging: _Staging) -> list[torch.Tensor]:
+        def write(staging: _Staging) -> Sequence[torch.Tensor]:
             if payload.region.nbytes != staging.tensor.numel():
                 raise TransportError(
                     f"learner agent {payload.agent} sent a {payload.region.nbytes}-byte "
@@ -159,12 +160,12 @@ class NixlReceiver(TransportReceiver):
 
     def _fetch_stream(
         self, payload: NixlBucketStream, spec: WeightSpec, worker: str
-    ) -> list[torch.Tensor]:
+    ) -> Sequence[torch.Tensor]:
         """Every bucket of a bucketed version, READ into a staging buffer as the broker
         hands it out; TransportError (the buffer freed) if one cannot be had whole."""
         plan = BucketPlan.of(spec, payload.bucket_bytes)
 
-        def write(staging: _RingStaging) -> list[torch.Tensor]:
+        def write(staging: _RingStaging) -> Sequence[torch.Tensor]:
             self._load(payload.agent, payload.metadata, payload.registration)
             for index, boxed in buckets_of(payload, plan.count, worker):
                 self._read_ring_bucket(payload, staging, plan, index, boxed[0])
@@ -248,7 +249,8 @@ class NixlReceiver(TransportReceiver):
         """A staging buffer for bucketed versions of ``spec``, registered."""
         layout = PackedLayout.of(spec, SLOT_HEADER)
         tensor = torch.zeros(layout.nbytes, dtype=torch.uint8, device=self._device)
-        return _RingStaging(tensor, layout.views(tensor), self._agent.register_memory(tensor))
+        registered = self._agent.register_memory(tensor)
+        return _RingStaging(tensor, viewed(layout.views(tensor)), registered)
 
     def _await_buckets(
         self, read: _Read, index: int, payload: NixlPayload, stamps: torch.Tensor
@@ -299,7 +301,7 @@ class NixlReceiver(TransportReceiver):
             descs(tensor.data_ptr(), device_index(tensor.device), frame),
             memory_type(self._device),
         )
-        return _Staging(tensor, frame.layout.views(tensor), registered, local)
+        return _Staging(tensor, viewed(frame.layout.views(tensor)), registered, local)
 
     def _load(self, agent: str, metadata: bytes, registration: int) -> None:
         """Load learner ``agent``'s metadata unless this registration of it is loaded."""

@@ -154,12 +154,12 @@ def wait_for_room(broker: Any, key: StreamId, index: int, done: VersionDone) -> 
 
 def fetch_stream(
     payload: BucketStream, spec: WeightSpec, worker: str, pool: StagingPool[torch.Tensor]
-) -> list[torch.Tensor]:
+) -> Sequence[torch.Tensor]:
     """Receiver ``worker``: copy every bucket into a staging buffer; its tensors, in
     spec order. TransportError if a bucket cannot be had (the buffer is freed)."""
     plan = BucketPlan.of(spec, payload.bucket_bytes)
 
-    def write(buffer: torch.Tensor) -> list[torch.Tensor]:
+    def write(buffer: torch.Tensor) -> Sequence[torch.Tensor]:
         for index, boxed in buckets_of(payload, plan.count, worker):
             _copy_bucket(buffer, plan, index, _read_bucket(boxed[0], index, plan.count))
         return pool.views(buffer, plan.layout)

@@ -51,7 +51,7 @@ class RdtReceiver(TransportReceiver):
         if isinstance(payload, BucketStream):
             return self._served.fetch(payload, spec)
 
-        def write(staging: torch.Tensor) -> list[torch.Tensor]:
+        def write(staging: torch.Tensor) -> Sequence[torch.Tensor]:
             _read_into(payload.ref, staging, "the update")
             return self._pool.views(staging, PackedLayout.of(spec))
 
@@ -71,13 +71,13 @@ class RdtReceiver(TransportReceiver):
 
     def _fetch_stream(
         self, payload: RdtBucketStream, spec: WeightSpec, worker: str
-    ) -> list[torch.Tensor]:
+    ) -> Sequence[torch.Tensor]:
         """Every bucket of a bucketed version, each RDT object READ to its place in a
         staging buffer as the broker hands it out; TransportError (the buffer freed) if
         one cannot be had."""
         plan = BucketPlan.of(spec, payload.bucket_bytes)
 
-        def write(staging: torch.Tensor) -> list[torch.Tensor]:
+        def write(staging: torch.Tensor) -> Sequence[torch.Tensor]:
             for index, boxed in buckets_of(payload, plan.count, worker):
                 start = index * plan.bucket_bytes
                 place = staging[start : start + min(plan.bucket_bytes, staging.numel() - start)]
