@@ -4,19 +4,23 @@ in its shape."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import resource
 
+import numpy as np
 import pytest
 import torch
 
 from raysync.copies import as_tensor
 from raysync.transports.object_store.arrays import (
+    CHUNKED_UP_TO,
     MAX_PUTS,
     RAY_THREADED_COPY_ABOVE,
     SPLIT_PUT_BYTES,
     as_array,
     cold,
+    object_of,
     put_runs,
 )
 from raysync.transports.object_store.wire import arrays_of
@@ -57,10 +61,10 @@ def test_a_tensor_round_trips_bit_for_bit_through_its_array(dtype, shape):
     # The array views the tensor: no copy in the learner before ray.put.
     if count:
         assert array.ctypes.data == tensor.data_ptr()
-    # What Ray's serializer does with put_arrays' list: pickle protocol 5, the bytes
+    # What Ray's serializer does with put_arrays' object: pickle protocol 5, the bytes
     # out of band, nothing of the array pickled in band but its buffer's place.
     buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps([pickle.PickleBuffer(array)], protocol=5, buffer_callback=buffers.append)
+    data = pickle.dumps(object_of([array]), protocol=5, buffer_callback=buffers.append)
     assert len(buffers) == 1 and len(data) < 64
     [back_array] = arrays_of(pickle.loads(data, buffers=buffers))
     back = as_tensor(back_array, dtype)
@@ -119,4 +123,56 @@ def test_no_run_is_empty_when_the_last_tensor_holds_a_large_share():
     for threads in (2, 4, 8, 16, 64):
         runs = put_runs(sizes, threads)
         assert _covers_in_order(runs, len(sizes)) and 2 <= len(runs) <= min(threads, MAX_PUTS)
-    assert put_runs((4096,) * 3 + (9 * _MIB,), 2) == ((0, 4),)  # over 1 MiB: not shared
+    # Over CHUNKED_UP_TO: Ray copies it on its own threads, so it is not shared out.
+    assert put_runs((4096,) * 3 + (CHUNKED_UP_TO + 1,), 2) == ((0, 4),)
+
+
+def _through_pickle(value: tuple, back_to_back: bool) -> tuple:
+    """``value`` pickled as Ray's serializer pickles it (protocol 5, buffers out of band)
+    and read back: from one block holding the buffers back to back, as Ray lays them in
+    an object (its buffers over 2 KiB start at multiples of 64, which every chunk's
+    size is), or from buffers of their own."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    kinds = [(memoryview(b).format, memoryview(b).shape) for b in buffers]  # Ray keeps them
+    raw = [bytes(buffer.raw()) for buffer in buffers]
+    if back_to_back:
+        block = memoryview(bytearray(b"".join(raw))).toreadonly()
+        offsets = np.cumsum([0] + [len(b) for b in raw])
+        views = [block[a:b] for a, b in itertools.pairwise(offsets)]
+    else:
+        views = [memoryview(bytearray(b)).toreadonly() for b in raw]
+    return pickle.loads(
+        data,
+        buffers=[view.cast(fmt, shape) for view, (fmt, shape) in zip(views, kinds, strict=True)],
+    )
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+@pytest.mark.parametrize("back_to_back", [True, False], ids=["as Ray lays them", "apart"])
+def test_arrays_over_1_mib_travel_in_chunks_and_come_back_whole(back_to_back):
+    """Arrays Ray would copy with six threads of its own (over 1 MiB) are put in chunks
+    of 1 MiB; a reader gets each back whole, in order among the others: a view of the
+    object where the chunks lie back to back (no copy), else a copy of them."""
+    generator = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(1000, generator=generator),
+        torch.randn(_MIB // 4 + 16, generator=generator),  # 1 MiB + 64 bytes
+        torch.randn(3, 700_001, generator=generator).to(torch.bfloat16),  # 4.2 MB, ragged
+        torch.randint(0, 9, (_MIB,), generator=generator, dtype=torch.int8),  # exactly 1 MiB
+        torch.randn(CHUNKED_UP_TO // 4 + 1, generator=generator),  # over CHUNKED_UP_TO: whole
+        torch.randn(5, generator=generator),
+    ]
+    arrays = [as_array(tensor) for tensor in tensors]
+    value = object_of(arrays)
+    joins = value[0]
+    assert [(first, count) for first, count, _, _ in joins] == [(1, 2), (3, 5)]
+    assert len(value) == 1 + 1 + 2 + 5 + 1 + 1 + 1
+    back = arrays_of(_through_pickle(value, back_to_back))
+    assert len(back) == len(tensors)
+    for array, tensor, sent in zip(back, tensors, arrays, strict=True):
+        assert array.shape == sent.shape and array.dtype == sent.dtype
+        assert torch.equal(_bits(as_tensor(array, tensor.dtype)), _bits(tensor))
+        assert not array.flags.writeable
+    if back_to_back:  # the joined arrays view the block: consecutive, no copy
+        assert back[2].ctypes.data == back[1].ctypes.data + back[1].nbytes

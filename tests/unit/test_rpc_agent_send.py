@@ -17,6 +17,7 @@ import torch.distributed.rpc as rpc
 
 from raysync.actors import rpc_agent
 from raysync.spec import WeightSpec
+from raysync.transports.object_store.arrays import object_of
 from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import RpcOptions
 from raysync.transports.rpc import RpcJob, land, rpc_name
@@ -37,7 +38,7 @@ def _agent(monkeypatch, timeout_s: float) -> rpc_agent.RpcAgentActor:
 def _send(agent: rpc_agent.RpcAgentActor, weights: list[np.ndarray]):
     async def run():
         ref = asyncio.get_running_loop().create_future()  # stands in for the learner's copy
-        ref.set_result(weights)
+        ref.set_result(object_of(weights))
         spec = WeightSpec.of({"w": torch.from_numpy(weights[0])})
         job = RpcJob(1, "policy", 1, ("w0",), ObjectStorePayload((ref,)), spec)
         return await agent.send(job), await agent.describe()

@@ -62,8 +62,48 @@ async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list
     return await asyncio.wait_for(source.arrays_async(), timeout_s)
 
 
+#: The first item of a :func:`~raysync.transports.object_store.arrays.put_arrays`
+#: object: for each array put in chunks, the place of its first chunk among the
+#: object's buffers, their count, and the array's dtype (``numpy.dtype.str``) and shape.
+Joins = tuple[tuple[int, int, str, tuple[int, ...]], ...]
+
+
 def arrays_of(value: Sequence[Any]) -> list[np.ndarray]:
     """Reader: the arrays a :func:`~raysync.transports.object_store.arrays.put_arrays`
     object holds, given what ``ray.get`` (or awaiting its ref) returned: read-only views
     of the object store, each in its shape and dtype."""
-    return [np.asarray(buffer) for buffer in value]
+    joins: Joins = value[0]
+    buffers = [np.asarray(buffer) for buffer in value[1:]]
+    if not joins:
+        return buffers
+    arrays: list[np.ndarray] = []
+    done = 0
+    for first, count, dtype, shape in joins:
+        arrays.extend(buffers[done:first])
+        arrays.append(_joined(buffers[first : first + count], np.dtype(dtype), shape))
+        done = first + count
+    arrays.extend(buffers[done:])
+    return arrays
+
+
+def _joined(chunks: list[np.ndarray], dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """One array of ``dtype`` and ``shape`` over ``chunks`` (uint8, in order): a view
+    where Ray laid them back to back in the object, as it does, else a copy. The view's
+    base is the first chunk, which holds the object. Back to back is checked by the last
+    chunk's address alone: Ray lays the buffers in order, so the gaps between them add
+    up to that address's distance from where it would lie without any."""
+    total = sum(chunk.nbytes for chunk in chunks)
+    first, last = chunks[0], chunks[-1]
+    if _address(last) - _address(first) == total - last.nbytes:
+        whole = np.lib.stride_tricks.as_strided(
+            first, shape=(total,), strides=(1,), writeable=False
+        )
+    else:
+        whole = np.concatenate(chunks)
+        whole.setflags(write=False)  # as the views are: nobody writes what it read
+    return whole.view(dtype).reshape(shape)
+
+
+def _address(array: np.ndarray) -> int:
+    """Where ``array``'s first byte lies."""
+    return int(array.__array_interface__["data"][0])
