@@ -9,10 +9,11 @@ pickles its dtype and a constructor call per array, which Ray then unpickles on 
 reader. For a 1000-tensor model that was a third of the learner's put (64 MB: ~29 ms
 against ~22 ms, steady state, 2 cores) and most of a reader's ``ray.get``.
 
-Ray copies a buffer of more than 1 MiB with several threads of its own, and smaller
-ones one after another on the thread that puts. A version of many small tensors is
-therefore put by :func:`put_version` as one object per copy thread, each holding a run
-of consecutive arrays, put at the same time (Ray releases the GIL while it copies). On
+Ray copies a buffer of more than 1 MiB with six threads it starts for that buffer, and
+smaller ones one after another on the thread that puts. An array of up to 16 MiB is
+therefore handed to Ray in chunks of 1 MiB (:func:`object_of`), and a version of many
+such arrays is put by :func:`put_version` as one object per copy thread, each holding a
+run of consecutive arrays, put at the same time (Ray releases the GIL while it copies). On
 2 cores, warm, per version (``benchmarks/put_threads.py``): 1000 float32 tensors of
 64 KiB 14.0 against 8.9 ms, of 1 MiB 167-179 against 99-103 ms; 2000 of 512 KiB
 171-176 against 101-103 ms. A version of large tensors, or of few bytes, stays one
@@ -23,8 +24,8 @@ hand: 31 against 14 ms).
 
 Reader process: ``ray.get`` maps that buffer read-only (zero-copy on the node) and gives
 Ray's buffer objects back, which carry each array's shape and format;
-:func:`~raysync.transports.object_store.wire.arrays_of` views them as arrays again (no
-copy).
+:func:`~raysync.transports.object_store.wire.arrays_of` views them as arrays again, an
+array's chunks as one (no copy).
 """
 
 from __future__ import annotations
