@@ -201,9 +201,13 @@ def _copy(
     one or range of one with one memcpy, what memcpy cannot copy with torch; where both
     sides are :class:`Viewed`, every memcpy pair with ``numpy.copyto`` of their views."""
     by_torch: list[int] = []
-    both_viewed = isinstance(destinations, Viewed) and isinstance(sources, Viewed)
+    views = (
+        (destinations, sources)
+        if isinstance(destinations, Viewed) and isinstance(sources, Viewed)
+        else None
+    )
     for index, start, stop in share:
-        if both_viewed and _copy_views(destinations, sources, index, start, stop):  # type: ignore[arg-type]
+        if views is not None and _copy_views(*views, index, start, stop):
             continue
         destination, source = destinations[index], sources[index]
         whole = start == 0 and stop == destination.nbytes
