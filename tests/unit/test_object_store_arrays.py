@@ -101,6 +101,14 @@ def test_many_small_tensors_are_split_in_runs_of_about_equal_bytes_per_thread():
         assert max(per_run) - min(per_run) <= 2 * sizes[0], per_run
 
 
+def test_tensors_put_in_chunks_count_toward_a_runs_share():
+    """Arrays of up to CHUNKED_UP_TO go to Ray in 1 MiB chunks, copied on the putting
+    thread: a version of them is split in runs like one of small tensors."""
+    runs = put_runs((4 * _MIB,) * 16, 2)
+    assert len(runs) == 2 and _covers_in_order(runs, 16)
+    assert put_runs((CHUNKED_UP_TO,) * 4, 2) == ((0, 2), (2, 4))
+
+
 def test_tensors_ray_copies_on_its_own_threads_do_not_count_toward_a_runs_share():
     sizes = (256 * _MIB,) + (64 << 10,) * 400  # the large one first
     runs = put_runs(sizes, 2)

@@ -41,6 +41,7 @@ import ray
 import torch
 
 from raysync.copies import executor, numpy_view
+from raysync.transports.object_store.wire import Join
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -82,7 +83,7 @@ def object_of(arrays: Iterable[np.ndarray]) -> tuple[Any, ...]:
     which buffers a reader views as one array again. Larger arrays go whole: Ray's
     threads then cost little beside their copy.
     """
-    joins: list[tuple[int, int, str, tuple[int, ...]]] = []
+    joins: list[Join] = []
     items: list[pickle.PickleBuffer] = []
     for array in arrays:
         if RAY_THREADED_COPY_ABOVE < array.nbytes <= CHUNKED_UP_TO:

@@ -65,7 +65,8 @@ async def read_put(source: ObjectStorePayload | Parts, timeout_s: float) -> list
 #: The first item of a :func:`~raysync.transports.object_store.arrays.put_arrays`
 #: object: for each array put in chunks, the place of its first chunk among the
 #: object's buffers, their count, and the array's dtype (``numpy.dtype.str``) and shape.
-Joins = tuple[tuple[int, int, str, tuple[int, ...]], ...]
+Join = tuple[int, int, str, tuple[int, ...]]
+Joins = tuple[Join, ...]
 
 
 def arrays_of(value: Sequence[Any]) -> list[np.ndarray]:
