@@ -236,10 +236,7 @@ def _copy_views(destinations: Viewed, sources: Viewed, index: int, start: int, s
         return True
     if not (destination.flags.c_contiguous and source.flags.c_contiguous):
         return False
-    numpy.copyto(
-        destination.reshape(-1).view(numpy.uint8)[start:stop],
-        source.reshape(-1).view(numpy.uint8)[start:stop],
-    )
+    numpy.copyto(array_bytes(destination)[start:stop], array_bytes(source)[start:stop])
     return True
 
 
@@ -257,7 +254,12 @@ def _memcpy_pair(destination: torch.Tensor, source: torch.Tensor, contiguous: bo
 
 def _bytes(tensor: torch.Tensor) -> numpy.ndarray:
     """A contiguous CPU tensor's bytes, as a flat uint8 NumPy view."""
-    return numpy_view(tensor.detach().reshape(-1).view(torch.uint8))
+    return array_bytes(numpy_view(tensor))
+
+
+def array_bytes(array: numpy.ndarray) -> numpy.ndarray:
+    """A C-contiguous array's bytes, as a flat uint8 view (no copy)."""
+    return array.reshape(-1).view(numpy.uint8)
 
 
 def numpy_view(tensor: torch.Tensor) -> numpy.ndarray:

@@ -40,7 +40,7 @@ import numpy as np
 import ray
 import torch
 
-from raysync.copies import executor, numpy_view
+from raysync.copies import array_bytes, executor, numpy_view
 from raysync.transports.object_store.wire import Join
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def object_of(arrays: Iterable[np.ndarray]) -> tuple[Any, ...]:
     items: list[pickle.PickleBuffer] = []
     for array in arrays:
         if RAY_THREADED_COPY_ABOVE < array.nbytes <= CHUNKED_UP_TO:
-            flat = array.reshape(-1).view(np.uint8)
+            flat = array_bytes(array)
             starts = range(0, array.nbytes, RAY_THREADED_COPY_ABOVE)
             joins.append((len(items), len(starts), array.dtype.str, array.shape))
             items.extend(
