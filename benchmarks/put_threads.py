@@ -11,7 +11,15 @@ versions alive at a time as in a broadcast, with the page faults per counted put
 store of 6 GiB: a put can still reach a region this process never touched). Writes JSON
 and a PNG.
 
+With ``--cold N``, a cell first puts N versions one way and N the other, alternating,
+every one kept alive so that each lands on pages this process never wrote: one object
+with its arrays in 1 MiB chunks (``put_arrays``) against whole (``chunked=False``,
+which ``VersionPuts`` uses while cold); the median ms of the puts that were cold
+(``cold()`` of their page faults), and how many were. Only the first cell of a run
+finds the store untouched: one cell per run.
+
     python benchmarks/put_threads.py --out benchmarks/results/put_threads.json
+    python benchmarks/put_threads.py --cells 16x4194304 --cold 20 --out ...
 """
 
 from __future__ import annotations
@@ -26,7 +34,13 @@ from pathlib import Path
 import ray
 import torch
 
-from raysync.transports.object_store.arrays import VersionPuts, as_array, put_arrays, put_version
+from raysync.transports.object_store.arrays import (
+    VersionPuts,
+    as_array,
+    cold,
+    put_arrays,
+    put_version,
+)
 
 #: (tensor count, bytes per tensor): the shapes measured by default.
 _CELLS = ((1000, 64 << 10), (1000, 256 << 10), (2000, 512 << 10), (1000, 1 << 20))
@@ -61,12 +75,35 @@ def _warm_up(arrays: list, most: int = 400) -> int:
     return most
 
 
+def _cold_ms(arrays: list, count: int) -> dict[str, float]:
+    """Of ``count`` chunked and ``count`` whole puts of ``arrays``, alternating, none
+    freed until the end: the median ms of each kind's cold ones, and their number."""
+    nbytes = sum(array.nbytes for array in arrays)
+    cold_ms: dict[str, list[float]] = {"chunked": [], "whole": []}
+    alive = []
+    for index in range(2 * count):
+        kind = "chunked" if index % 2 == 0 else "whole"
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.perf_counter()
+        alive.append(put_arrays(arrays, chunked=kind == "chunked"))
+        elapsed = time.perf_counter() - start
+        if cold(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, nbytes):
+            cold_ms[kind].append(1000 * elapsed)
+    del alive
+    row: dict[str, float] = {}
+    for kind, samples in cold_ms.items():
+        row[f"cold_{kind}_ms"] = statistics.median(samples) if samples else float("nan")
+        row[f"cold_{kind}_puts"] = len(samples)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cells", nargs="+", default=[f"{n}x{b}" for n, b in _CELLS])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--loops", type=int, default=24)
+    parser.add_argument("--cold", type=int, default=0, help="cold puts of each kind (0: none)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/put_threads.json"))
     args = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=6 << 30)
@@ -75,6 +112,13 @@ def main() -> None:
         for cell in args.cells:
             count, nbytes = (int(part) for part in cell.split("x"))
             arrays = [as_array(torch.randn(nbytes // 4)) for _ in range(count)]
+            cold_row = _cold_ms(arrays, args.cold) if args.cold else {}
+            if cold_row:
+                print(
+                    f"{count} x {nbytes} B, cold: chunked {cold_row['cold_chunked_ms']:.1f} ms "
+                    f"({cold_row['cold_chunked_puts']} puts), whole "
+                    f"{cold_row['cold_whole_ms']:.1f} ms ({cold_row['cold_whole_puts']} puts)"
+                )
             warm_up_puts = _warm_up(arrays)
             for round_ in range(args.rounds):
                 one, one_faults = _median_ms(lambda a=arrays: put_arrays(a), args.loops)
@@ -84,7 +128,7 @@ def main() -> None:
                 row = {"tensors": count, "tensor_bytes": nbytes, "round": round_}
                 row.update(one_put_ms=one, put_version_ms=split, threads=args.threads)
                 row.update(one_put_faults=one_faults, put_version_faults=split_faults)
-                row.update(warm_up_puts=warm_up_puts)
+                row.update(warm_up_puts=warm_up_puts, **cold_row)
                 rows.append(row)
                 print(
                     f"{count} x {nbytes} B: one put {one:.1f} ms ({one_faults} faults), "

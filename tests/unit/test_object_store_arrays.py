@@ -184,3 +184,24 @@ def test_arrays_over_1_mib_travel_in_chunks_and_come_back_whole(back_to_back):
         assert not array.flags.writeable
     if back_to_back:  # the joined arrays view the block: consecutive, no copy
         assert back[2].ctypes.data == back[1].ctypes.data + back[1].nbytes
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_arrays_put_unchunked_go_whole_and_come_back_bitwise():
+    """A cold put (``chunked=False``: Ray's own threads fault the pages in) hands Ray
+    every array as one buffer, and a reader gets the same arrays as from a chunked one."""
+    generator = torch.Generator().manual_seed(5)
+    tensors = [
+        torch.randn(_MIB // 4 + 16, generator=generator),  # 1 MiB + 64 bytes
+        torch.randn(3, 700_001, generator=generator).to(torch.bfloat16),
+        torch.randn(7, generator=generator),
+    ]
+    arrays = [as_array(tensor) for tensor in tensors]
+    value = object_of(arrays, chunked=False)
+    assert value[0] == () and len(value) == 1 + len(arrays)
+    back = arrays_of(_through_pickle(value, back_to_back=True))
+    chunked = arrays_of(_through_pickle(object_of(arrays), back_to_back=True))
+    for array, other, tensor in zip(back, chunked, tensors, strict=True):
+        assert array.shape == other.shape == tuple(tensor.shape)
+        assert torch.equal(_bits(as_tensor(array, tensor.dtype)), _bits(tensor))
+        assert np.array_equal(array, other)
