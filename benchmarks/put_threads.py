@@ -150,13 +150,26 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     labels = [f"{r['tensors']} x {r['tensor_bytes'] >> 10} KiB\nround {r['round']}" for r in rows]
     xs = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, len(rows)), 4))
+    cold = [r for r in rows if "cold_chunked_ms" in r]
+    fig, axes = plt.subplots(
+        1, 2 if cold else 1, figsize=(max(6, len(rows)) * (1.6 if cold else 1), 4)
+    )
+    ax = axes[0] if cold else axes
     ax.bar([x - 0.2 for x in xs], [r["one_put_ms"] for r in rows], 0.4, label="one ray.put")
     ax.bar([x + 0.2 for x in xs], [r["put_version_ms"] for r in rows], 0.4, label="put_version")
     ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_ylabel("ms per version (median)")
-    ax.set_title("The learner's put of many tensors")
+    ax.set_title("The learner's put of many tensors, warm")
     ax.legend()
+    if cold:
+        ax = axes[1]
+        cx = range(len(cold))
+        ax.bar([x - 0.2 for x in cx], [r["cold_chunked_ms"] for r in cold], 0.4, label="chunked")
+        ax.bar([x + 0.2 for x in cx], [r["cold_whole_ms"] for r in cold], 0.4, label="whole")
+        ax.set_xticks(list(cx), [f"{r['tensors']} x {r['tensor_bytes'] >> 10} KiB" for r in cold])
+        ax.set_ylabel("ms per cold put (median)")
+        ax.set_title("One put onto pages never written")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path)
 
