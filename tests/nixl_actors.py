@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import ray
 import torch
@@ -113,3 +114,24 @@ class RdtBigCollector(BigCollector.__ray_actor_class__):
 @ray.remote(**_RDT)
 class RdtLearner(Learner.__ray_actor_class__):
     pass
+
+
+def nixl_lines_when_rays_agent_is_made(_actor) -> list[str]:
+    """In an actor: what nixl logs while raysync makes Ray's NIXL agent there."""
+    import nixl._api  # noqa: F401  (nixl sets its logger up when imported)
+
+    from raysync.transports.rdt.agent import ray_agent_progress
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect(logging.DEBUG)
+    logging.getLogger("nixl").addHandler(handler)
+    try:
+        made = ray_agent_progress() is not None
+    finally:
+        logging.getLogger("nixl").removeHandler(handler)
+    return [f"made: {made}", *lines]

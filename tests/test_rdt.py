@@ -22,6 +22,7 @@ from tests.nixl_actors import (
     RdtLearner,
     big_model,
     digest,
+    nixl_lines_when_rays_agent_is_made,
 )
 from tests.receivers import Collector, make_policy, state_of
 
@@ -133,6 +134,16 @@ def test_killed_learner_fails_the_broadcast_within_the_timeout(actors):
     weights = big_model()
     weights["w"].fill_(3.0)
     assert len(ray.get(hub.broadcast.remote(weights, model="big")).acked) == 2
+
+
+def test_rays_agent_made_by_raysync_prints_no_info_lines(actors):
+    """nixl logs "Initialized NIXL agent" at INFO on stdout from every process with an
+    agent: as for its own agents, raysync keeps them out of the learner's and the
+    receivers' output where it makes Ray's (``NIXL_LOG_LEVEL`` set by a user wins)."""
+    learner = start(actors, RdtLearner, None)  # it never broadcasts: no hub
+    seen = ray.get(learner.__ray_call__.remote(nixl_lines_when_rays_agent_is_made))
+    assert seen[0] == "made: True", seen
+    assert not any("Initialized NIXL agent" in line for line in seen[1:]), seen
 
 
 def test_no_rdt_process_spins_a_core_while_idle(actors):

@@ -30,6 +30,7 @@ from typing import Any
 import ray
 import torch
 
+from raysync.transports.nixl.agent import quiet_nixl_logs
 from raysync.transports.nixl.progress import SourceProgress
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def ray_agent_progress() -> SourceProgress | None:
 
 
 def _make_ray_agent() -> SourceProgress | None:
+    quiet_nixl_logs()  # this agent's and Ray's own print INFO lines on stdout otherwise
     if torch.cuda.is_available():
         return None
     try:
