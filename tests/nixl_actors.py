@@ -116,22 +116,10 @@ class RdtLearner(Learner.__ray_actor_class__):
     pass
 
 
-def nixl_lines_when_rays_agent_is_made(_actor) -> list[str]:
-    """In an actor: what nixl logs while raysync makes Ray's NIXL agent there."""
-    import nixl._api  # noqa: F401  (nixl sets its logger up when imported)
-
+def nixl_level_once_rays_agent_is_made(_actor) -> tuple[bool, int]:
+    """In an actor: whether raysync made Ray's NIXL agent there, and the level nixl's
+    logger is left at (nixl sets it to INFO, on stdout, when it is imported)."""
     from raysync.transports.rdt.agent import ray_agent_progress
 
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Collect(logging.DEBUG)
-    logging.getLogger("nixl").addHandler(handler)
-    try:
-        made = ray_agent_progress() is not None
-    finally:
-        logging.getLogger("nixl").removeHandler(handler)
-    return [f"made: {made}", *lines]
+    made = ray_agent_progress() is not None
+    return made, logging.getLogger("nixl").getEffectiveLevel()
