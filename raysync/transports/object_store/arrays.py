@@ -112,14 +112,15 @@ def put_version(
     """Learner: ``arrays`` in one object, or in one per thread (``threads``, the caller
     included) where Ray would copy many small ones on one thread: consecutive runs, in
     order, put at the same time. Read back with ``arrays_of`` of each, in turn.
-    ``chunked``: as :func:`object_of`'s (a single object only)."""
+    ``chunked``: as :func:`object_of`'s."""
     runs = put_runs(tuple(array.nbytes for array in arrays), threads)
     if len(runs) == 1:
         return (put_arrays(arrays, chunked=chunked),)
     pending = [
-        executor(len(runs) - 1).submit(put_arrays, arrays[start:end]) for start, end in runs[1:]
+        executor(len(runs) - 1).submit(put_arrays, arrays[start:end], chunked=chunked)
+        for start, end in runs[1:]
     ]
-    first = put_arrays(arrays[runs[0][0] : runs[0][1]])
+    first = put_arrays(arrays[runs[0][0] : runs[0][1]], chunked=chunked)
     return (first, *(future.result() for future in pending))
 
 
