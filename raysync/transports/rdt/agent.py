@@ -55,15 +55,12 @@ def ray_agent_progress() -> SourceProgress | None:
 def _make_ray_agent() -> SourceProgress | None:
     try:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-    except ImportError as err:
-        logger.info("rdt: Ray's NIXL agent is left as Ray makes it (%s)", err)
-        return None
-    # Imported, nixl set its logger to INFO on stdout: this agent and Ray's own would
-    # print a line or two in every process.
-    quiet_nixl_logs()
-    if torch.cuda.is_available():
-        return None
-    try:
+
+        # Imported, nixl set its logger to INFO on stdout: this agent and Ray's own would
+        # print a line or two in every process.
+        quiet_nixl_logs()
+        if torch.cuda.is_available():
+            return None
         from ray.experimental.rdt.util import get_tensor_transport_manager
 
         manager = get_tensor_transport_manager("NIXL")
