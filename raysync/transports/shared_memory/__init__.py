@@ -42,10 +42,10 @@ a release (``SLOT_WAIT_S``) and then fails naming the receivers that hold them. 
 slot's header also carries the sequence number written into it; a receiver checks it
 and raises :class:`TransportError` rather than read a slot that holds anything else.
 
-Memory: the learner asks for its next slot right after each send, so at steady state
-an owner keeps three slots per model size (latest, in flight, next), up to
-``MAX_SLOTS`` while receivers lag. Segments are allocated when created, off the path
-of a broadcast.
+Memory: the learner asks for its next slot once each version has left for the hub
+(:meth:`SharedMemorySender.submitted`), so at steady state an owner keeps three slots
+per model size (latest, in flight, next), up to ``MAX_SLOTS`` while receivers lag.
+Segments are allocated when created, off the path of a broadcast.
 
 A version larger than ``bucket_mb`` does not take a slot: it travels as the object
 store's bucket stream (:mod:`raysync.transports.object_store.buckets`; Ray's object

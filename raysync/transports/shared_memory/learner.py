@@ -42,9 +42,11 @@ class SharedMemorySender(TransportSender):
         #: one node each send a part), and only its own unplanned slots are freed by
         #: the hub's planning of its newer versions.
         self._learner = uuid.uuid4().hex
-        #: The slot asked for right after the previous send, by size: the owner's answer
-        #: is usually back before the next send needs it.
+        #: The slot asked for once the previous version left for the hub, by size: the
+        #: owner's answer is usually back before the next send needs it.
         self._next: tuple[int, ray.ObjectRef] | None = None
+        #: The payload of the last send and its size, until it is submitted.
+        self._sent: tuple[SharedMemoryPayload, int] | None = None
         #: Bucketed versions travel as the object store's bucket stream (opened on use).
         self._streams: ObjectStoreSender | None = None
 
@@ -106,11 +108,9 @@ class SharedMemorySender(TransportSender):
         write_seq(buffer, 0)
         layout.pack(tensors, buffer, self._mappings.views(slot, layout))
         write_seq(buffer, slot.seq)
-        self._next = (
-            layout.nbytes,
-            self._owner.acquire.remote(layout.nbytes, SLOT_WAIT_S, self._learner),
-        )
-        return SharedMemoryPayload(slot)
+        payload = SharedMemoryPayload(slot)
+        self._sent = (payload, layout.nbytes)
+        return payload
 
     def send_buckets(
         self,
@@ -126,7 +126,14 @@ class SharedMemorySender(TransportSender):
         return self._streams.send_buckets(tensors, spec, bucket_bytes, stall_s)
 
     def submitted(self, payload: Any, done: VersionDone) -> None:
-        if self._streams is not None and isinstance(payload, BucketStream):
+        """Ask for the next version's slot now that this one has left: asked in
+        :meth:`send`, the call went out ahead of this version's delivery calls and the
+        hub's booking, and the owner answered it while they waited for the cores."""
+        sent, self._sent = self._sent, None
+        if sent is not None and sent[0] is payload:
+            nbytes = sent[1]
+            self._next = (nbytes, self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner))
+        elif self._streams is not None and isinstance(payload, BucketStream):
             self._streams.submitted(payload, done)
 
     def close(self) -> None:
