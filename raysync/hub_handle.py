@@ -24,6 +24,7 @@ from raysync import weights as weights_mod
 from raysync.errors import HubClosedError
 from raysync.learner_channel import CHANNEL_MAX_BYTES, COLLECT_WAIT_S, ReceiverChannel
 from raysync.learner_direct import all_listed, deliver_directly, write_channel
+from raysync.learner_senders import close_senders, sender_of
 from raysync.messages import BroadcastRequest, HubConfig, Route
 from raysync.spec import WeightSpec
 from raysync.transports import (
@@ -400,7 +401,6 @@ class HubHandle:
         # transport the hub uses becomes known in that process.
         for name, target in config.transports:
             register_transport(name, target)
-        self._senders: dict[str, TransportSender] = {}
         self._channels: dict[str, ReceiverChannel] = {}  #: per model, with ``channels``
         self._node_id = ""
         #: per ``model`` argument, the number and result of its last broadcast, whose
@@ -451,9 +451,7 @@ class HubHandle:
         Call it once this learner's broadcasts are acked: with ``nixl`` and ``rdt`` the
         latest version is read from the learner's buffers, so a receiver that joins
         after the release starts on the next broadcast instead."""
-        senders, self._senders = self._senders, {}
-        for sender in senders.values():
-            sender.close()
+        close_senders(self.config.hub_id)
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             channel.close()
@@ -551,13 +549,14 @@ class HubHandle:
         return self.actor.route.remote(model, self._submitter, after, known)
 
     def _sender(self, hand_off: str) -> TransportSender:
-        """The learner half of transport ``hand_off``, opened in this process on first use."""
-        sender = self._senders.get(hand_off)
-        if sender is None:
+        """The learner half of transport ``hand_off``: this process's, shared by every
+        handle on this hub here (:mod:`raysync.learner_senders`)."""
+
+        def open_sender() -> TransportSender:
             chosen = get_transport(hand_off)
-            context = self.config.context(self.actor, chosen)
-            sender = self._senders[hand_off] = chosen.open_sender(context)
-        return sender
+            return chosen.open_sender(self.config.context(self.actor, chosen))
+
+        return sender_of(self.config.hub_id, hand_off, open_sender)
 
     def __reduce__(self):
         return (HubHandle, (self.actor, self.config))

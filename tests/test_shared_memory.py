@@ -4,6 +4,7 @@ holds released, failures of receivers and owners, nothing left behind."""
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import ray
@@ -182,6 +183,24 @@ def test_the_learner_delivers_its_slot_itself_and_the_holds_land_after(actors):
     # Each receiver released each version on its row of the owner's board: no call.
     stats = ray.get(_owner(hub).stats.remote())
     assert (stats.board_releases, stats.release_calls) == (3 * len(directs), 0), stats
+
+
+def test_a_handle_unpickled_for_each_broadcast_writes_into_the_same_slots(actors):
+    """A learner that gets the hub with each call (a Ray argument is unpickled anew each
+    time) sends through its process's one sender: the owner keeps one pool of slots
+    for it, not one more per handle for as long as the hub lives."""
+    hub = start_hub(actors, TRANSPORT)
+    receiver = start(actors, Collector, hub, worker_id="c0")
+    ready([receiver])
+    learner = make_policy()
+    for _ in range(2 * MAX_SLOTS + 1):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(1.0)
+        fresh = pickle.loads(pickle.dumps(hub))
+        assert ray.get(fresh.broadcast.remote(learner)).acked == ("c0",)
+        assert_same(ray.get(receiver.state.remote()), state_of(learner))
+    assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
 
 
 def test_killed_receiver_releases_its_holds(actors):

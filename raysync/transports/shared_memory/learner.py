@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -47,6 +48,9 @@ class SharedMemorySender(TransportSender):
         self._next: tuple[int, ray.ObjectRef] | None = None
         #: The payload of the last send and its size, until it is submitted.
         self._sent: tuple[SharedMemoryPayload, int] | None = None
+        #: Every handle on the hub in this process shares this sender, from any thread:
+        #: two sends must not take the same slot asked for ahead.
+        self._lock = threading.Lock()
         #: Bucketed versions travel as the object store's bucket stream (opened on use).
         self._streams: ObjectStoreSender | None = None
 
@@ -104,13 +108,14 @@ class SharedMemorySender(TransportSender):
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> SharedMemoryPayload:
         layout = PackedLayout.of(spec, HEADER_BYTES)
-        slot, buffer = self._slot(layout.nbytes)
-        write_seq(buffer, 0)
-        layout.pack(tensors, buffer, self._mappings.views(slot, layout))
-        write_seq(buffer, slot.seq)
-        payload = SharedMemoryPayload(slot)
-        self._sent = (payload, layout.nbytes)
-        return payload
+        with self._lock:
+            slot, buffer = self._slot(layout.nbytes)
+            write_seq(buffer, 0)
+            layout.pack(tensors, buffer, self._mappings.views(slot, layout))
+            write_seq(buffer, slot.seq)
+            payload = SharedMemoryPayload(slot)
+            self._sent = (payload, layout.nbytes)
+            return payload
 
     def send_buckets(
         self,
@@ -129,11 +134,14 @@ class SharedMemorySender(TransportSender):
         """Ask for the next version's slot now that this one has left: asked in
         :meth:`send`, the call went out ahead of this version's delivery calls and the
         hub's booking, and the owner answered it while they waited for the cores."""
-        sent, self._sent = self._sent, None
-        if sent is not None and sent[0] is payload:
-            nbytes = sent[1]
-            self._next = (nbytes, self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner))
-        elif self._streams is not None and isinstance(payload, BucketStream):
+        with self._lock:
+            sent, self._sent = self._sent, None
+            if sent is not None and sent[0] is payload and self._next is None:
+                nbytes = sent[1]
+                ahead = self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner)
+                self._next = (nbytes, ahead)
+                return
+        if self._streams is not None and isinstance(payload, BucketStream):
             self._streams.submitted(payload, done)
 
     def close(self) -> None:
