@@ -11,7 +11,9 @@ model that mixes two versions. This covers every way Ray runs actor methods:
   user methods return, new ones wait for the write;
 * async actors: deliveries run on the event loop thread while user coroutines may be
   parked at an ``await``. The write cannot block the loop, so it is *deferred*: the
-  last user coroutine to finish applies it, and the ack is sent then.
+  last user coroutine to finish applies it, and the ack is sent then. A write from
+  another thread of an async host (a pull in ``asyncio.to_thread``) waits for the
+  coroutines as for threads, and coroutines that start meanwhile wait for it.
 
 A long-running user method (``while True: collect()``) opens safe points itself with
 :meth:`safe_point`; nested calls and :meth:`write` from inside a user method (pull
@@ -121,17 +123,34 @@ class ApplyGate:
         """Hold the model steady for an async user method (async actors)."""
         self.note_loop()
         held = _held.get()
-        if not held:
-            while self._deferred:
+        while not self._enter_async(held):
+            if self._deferred:
                 await self._drained_event().wait()
-        self._readers += 1
+            else:  # a write from another thread: wait off the loop, which goes on
+                await asyncio.to_thread(self._wait_for_thread_write)
         token = _held.set(held + 1)
         try:
             yield
         finally:
             _held.reset(token)
-            self._readers -= 1
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()  # a write waiting in another thread goes on
             self._run_deferred_if_idle()
+
+    def _enter_async(self, held: int) -> bool:
+        """Count an async reader in, unless a write goes first (a nested read never
+        waits: its caller holds the model already)."""
+        with self._cond:
+            if not held and (self._deferred or self._writing or self._writers_waiting):
+                return False
+            self._readers += 1
+            return True
+
+    def _wait_for_thread_write(self) -> None:
+        with self._cond:
+            while self._writing or self._writers_waiting:
+                self._cond.wait()
 
     def safe_point(self) -> None:
         """Let waiting writes through from inside a long-running user method."""
@@ -167,8 +186,18 @@ class ApplyGate:
         """
         held = _held.get()
         if on_event_loop():
-            if self._readers - held == 0 and not self._deferred:
-                return apply()
+            with self._cond:
+                idle = not (
+                    self._readers - held or self._deferred or self._writing or self._writers_waiting
+                )
+                self._writing = self._writing or idle
+            if idle:
+                try:
+                    return apply()
+                finally:
+                    with self._cond:
+                        self._writing = False
+                        self._cond.notify_all()
             pending = _Pending(apply, key, supersede, rank)
             if key is not None:
                 waiting = [p for p in self._deferred if p.key == key and p.supersede]
@@ -197,19 +226,43 @@ class ApplyGate:
                 self._writing = False
                 self._readers += held
                 self._cond.notify_all()
+                deferred_waiting = bool(self._deferred)
+            if deferred_waiting:  # held back by this write: run them on their loop
+                self._call_on_loop(self._run_deferred_if_idle)
+
+    def _call_on_loop(self, callback: Callable[[], None]) -> None:
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(callback)
 
     def _run_deferred_if_idle(self, own: int = 0) -> None:
-        if self._readers - own or not self._deferred:
-            return
-        pending, self._deferred = self._deferred, []
-        for write in pending:
-            result = write.apply()
-            self._finish_deferred(result)
-            for follower in write.followers:
-                self._finish_deferred(follower(result))
-        if self._drained is not None:
-            self._drained.set()
-            self._drained = None
+        """Run the deferred writes, on the loop, if no reader but the caller's ``own``
+        reads holds the model and no write from another thread runs. Every one runs
+        and readers waiting for them go on, even if one raises (raised here after)."""
+        with self._cond:
+            if self._readers - own or not self._deferred or self._writing:
+                return
+            pending, self._deferred = self._deferred, []
+            self._writing = True  # a write from another thread waits for these
+        failure: Exception | None = None
+        try:
+            for write in pending:
+                try:
+                    result = write.apply()
+                    self._finish_deferred(result)
+                    for follower in write.followers:
+                        self._finish_deferred(follower(result))
+                except Exception as err:
+                    failure = failure or err
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+            if self._drained is not None:
+                self._drained.set()
+                self._drained = None
+        if failure is not None:
+            raise failure
 
     def _drained_event(self) -> asyncio.Event:
         if self._drained is None:

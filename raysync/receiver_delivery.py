@@ -93,7 +93,9 @@ def deliver(host: Any, key: str, update: Update) -> Ack | None:
 
     Ray runs ``__ray_call__`` of an async actor outside its event loop; a receiver whose
     host reads its models on a loop (``using_async``) is handed the update on that loop,
-    where the safe point of async hosts lives.
+    where the safe point of async hosts lives. A loop that no longer runs (a user
+    method's own ``asyncio.run`` read the model once) is no host's: the update is
+    applied here, at the gate's thread-side safe point.
     """
     receiver = attached.find(key)
     if receiver is None:
@@ -103,7 +105,7 @@ def deliver(host: Any, key: str, update: Update) -> Ack | None:
         )
         return Ack("?", update.model, update.version, AckStatus.NOT_ATTACHED, error)
     loop = receiver.gate.loop
-    if loop is not None and not _running_on(loop):
+    if loop is not None and loop.is_running() and not _running_on(loop):
         return asyncio.run_coroutine_threadsafe(_receive(receiver, update), loop).result()
     return reply_to_hub(receiver.receive(update))
 

@@ -683,3 +683,77 @@ def test_a_write_that_comes_late_with_a_lower_rank_follows_the_waiting_one():
     _run(main())
     assert applied == ["v5"]
     assert finished == ["ack v5", "v4 superseded, after ack v5"]
+
+
+# -- async hosts with a write from another thread (a pull in asyncio.to_thread) ----------
+
+
+def test_a_write_from_another_thread_waits_for_parked_coroutines_and_goes_when_they_leave():
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+
+    async def main() -> None:
+        reader = await _Parked(gate, model).started()
+        writer = _started("writer", lambda: gate.write(_setter(model, 1)))
+        await asyncio.to_thread(_wait, cond.blocked("writer"), "the writer waits for the reader")
+        assert model["v"] == 0
+        assert await reader.finish() == 0  # the reader kept its version to the end
+        assert await asyncio.to_thread(writer.finish) == "ack-1"  # woken as it left
+        assert model["v"] == 1
+
+    _run(main())
+
+
+def test_a_coroutine_starting_while_another_thread_writes_waits_for_the_write():
+    gate = ApplyGate(finish_deferred=lambda result: None)
+    model = {"v": 0}
+    inside, finish = threading.Event(), threading.Event()
+
+    def slow_apply() -> str:
+        inside.set()
+        _wait(finish, "the test lets the write finish")
+        model["v"] = 1
+        return "ack-1"
+
+    async def reader() -> int:
+        async with gate.reading_async():
+            return model["v"]
+
+    async def main() -> None:
+        writer = _started("writer", lambda: gate.write(slow_apply))
+        await asyncio.to_thread(_wait, inside, "the write runs")
+        late = asyncio.create_task(reader())
+        await asyncio.sleep(0)  # one loop turn: the reader runs up to its wait
+        assert not late.done()
+        finish.set()
+        assert await late == 1  # it entered after the write, never during it
+        assert await asyncio.to_thread(writer.finish) == "ack-1"
+
+    _run(main())
+
+
+def test_a_deferred_write_that_raises_lets_the_others_run_and_waiting_readers_in():
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    def failing_apply() -> str:
+        raise RuntimeError("release failed")
+
+    async def late_reader() -> int:
+        async with gate.reading_async():
+            return model["v"]
+
+    async def main() -> None:
+        reader = await _Parked(gate, model).started()
+        assert gate.write(failing_apply, key="a") is DEFERRED
+        assert gate.write(_setter(model, 1), key="b") is DEFERRED
+        late = asyncio.create_task(late_reader())
+        await asyncio.sleep(0)
+        assert not late.done()
+        with pytest.raises(RuntimeError, match="release failed"):
+            await reader.finish()  # the last reader out ran them: the error is its
+        assert await late == 1  # the other write ran, and the waiting reader went on
+
+    _run(main())
+    assert finished == ["ack-1"]

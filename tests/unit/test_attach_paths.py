@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from types import SimpleNamespace
 
@@ -94,3 +95,19 @@ def test_deliver_hands_the_update_to_the_receiver_under_its_key():
         assert receiver.received == [update]
     finally:
         attached.remove("unit-test-key")
+
+
+def test_a_delivery_is_applied_here_when_the_loop_that_read_the_model_has_ended():
+    """A sync host whose method read the model inside its own ``asyncio.run``: the gate
+    saw that loop, which has ended since; the update is not handed to it."""
+    receiver = _Receiver()
+    loop = asyncio.new_event_loop()
+    loop.close()
+    receiver.gate = SimpleNamespace(loop=loop)
+    attached.fill("unit-test-ended-loop", receiver)
+    try:
+        update = _update(2)
+        ack = deliver(SimpleNamespace(), "unit-test-ended-loop", update)
+        assert ack.status is AckStatus.APPLIED and receiver.received == [update]
+    finally:
+        attached.remove("unit-test-ended-loop")
