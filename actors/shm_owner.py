@@ -11,7 +11,9 @@ rewritten:
   yet (on the owner's *release board*, :class:`~raysync.transports.shared_memory.Board`,
   or by calling :meth:`ShmOwner.release`);
 * ``Hold.latest(model)``: the newest version of ``model`` here, for late joiners;
-* ``RELAYING``: the owner itself is copying a relayed version in.
+* ``RELAYING``: the owner itself is copying a relayed version in;
+* ``Hold.exporting(n)``: the owner is putting the version into the object store for
+  other nodes (export ``n``), which it does outside its lock.
 
 A slot with no hold may be given out again. The actor runs its calls in a pool of
 threads (``OWNER_THREADS``); every method touches the holds holding one lock, so each
@@ -54,6 +56,7 @@ class HoldKind(enum.Enum):
 
     PENDING = "pending"
     RELAYING = "relaying"
+    EXPORTING = "exporting"
     WORKER = "worker"
     LATEST = "latest"
 
@@ -72,6 +75,10 @@ class Hold:
     @classmethod
     def latest(cls, model: str) -> Hold:
         return cls(HoldKind.LATEST, model)
+
+    @classmethod
+    def exporting(cls, number: int) -> Hold:
+        return cls(HoldKind.EXPORTING, str(number))
 
     def __str__(self) -> str:
         """As :class:`OwnerStats` and errors name it: ``worker/w0``, ``pending``."""
@@ -205,9 +212,17 @@ class ShmOwner:
                     f"sequence {seq} is not held on node {self._node_id}; cannot export it"
                 )
             self._exports += 1
-            # Held (by the hub's holds on it) while the lock is out: not rewritten.
+            # Its other holds may all go while the lock is out (a newer version becomes
+            # the latest): its own keeps the slot from being written meanwhile.
+            exporting = Hold.exporting(self._exports)
+            segment.holds.add(exporting)
             data = segment.buffer[HEADER_BYTES:].numpy()
-        return [ray.put(data)]
+        try:
+            return [ray.put(data)]
+        finally:
+            with self._lock:
+                segment.holds.discard(exporting)
+                self._lock.notify_all()
 
     def relay(
         self,

@@ -44,3 +44,31 @@ def test_a_release_of_a_version_the_owner_no_longer_has_is_ignored(owner):
     stats = owner.stats()
     assert stats.holds == ("latest/m", "worker/w0")
     assert stats.release_calls == 0
+
+
+def test_a_slot_is_not_handed_out_while_the_owner_exports_it(monkeypatch):
+    """The owner puts a version into the object store for other nodes outside its
+    lock; if a newer version becomes the latest meanwhile, the exported slot has no
+    other hold left, and must still not be written before the copy is made."""
+    from raysync.actors import shm_owner
+
+    owner = ShmOwner("node", max_slots=3)
+    try:
+        exported = owner.acquire(4096, timeout_s=5.0, learner="learner")
+        owner.deliver(PID, exported.seq, "m", ())  # held as the latest version only
+        during: dict[str, object] = {}
+
+        def put(data: object) -> str:
+            newer = owner.acquire(4096, timeout_s=5.0, learner="learner")
+            owner.deliver(PID, newer.seq, "m", ())  # the latest now: the old one's hold goes
+            during["holds"] = owner.stats().holds
+            during["next"] = owner.acquire(4096, timeout_s=5.0, learner="learner")
+            return "ref"
+
+        monkeypatch.setattr(shm_owner.ray, "put", put)
+        assert owner.export(PID, exported.seq) == ["ref"]
+        assert during["next"].fd != exported.fd  # another slot: the exported one is held
+        assert "exporting/1" in during["holds"]
+        assert "exporting/1" not in owner.stats().holds  # and free again once copied
+    finally:
+        owner.close()
