@@ -118,10 +118,12 @@ class AttachedReceiver:
 
     def close(self, *, timeout_s: float = HUB_CALL_TIMEOUT_S) -> None:
         """Leave the hub (no broadcast waits for this receiver any more) and stop
-        receiving. The models keep the version they hold. Idempotent; a hub that cannot
-        be reached is only logged."""
+        receiving. The models keep the version they hold (a zero-copy model living in
+        the node's shared memory is copied into memory of its own first). Idempotent; a
+        hub that cannot be reached is only logged."""
         if self.closed:
             return
+        self.core.keep_models_privately()
         try:
             self.core.leave_hub(timeout_s)
         except Exception as err:  # the hub is gone or restarting: it forgets us anyway

@@ -38,7 +38,7 @@ import torch
 from raysync import model_path, weights
 from raysync.copies import Viewed, copy_all, viewed
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
-from raysync.gate import DEFERRED, ApplyGate
+from raysync.gate import DEFERRED, ApplyGate, on_event_loop
 from raysync.hub_handle import HubHandle
 from raysync.messages import (
     Ack,
@@ -254,6 +254,23 @@ class ReceiverCore:
         self.closed.set()
         attached.remove(self.identity.attachment)
         self.transport.close()
+
+    def keep_models_privately(self) -> None:
+        """Zero-copy models that live in a transport's memory take a copy of their own
+        (the same version) and hand that memory back (:meth:`Adoption.keep_privately`):
+        called before this receiver leaves the hub, which then holds nothing for it.
+        Exclusive of applies: at the gate's safe point from a thread; on an async host's
+        loop, where applies run, at once (values do not change, so coroutines parked
+        in a read see the same version)."""
+
+        def keep() -> None:
+            for held in self.models.values():
+                held.adoption.keep_privately(model_path.resolve(self.owner, held.path))
+
+        if on_event_loop():
+            keep()
+        else:
+            self.gate.write(keep)
 
     def leave_hub(self, timeout_s: float) -> None:
         """Tell the hub to forget this registration: no broadcast targets it any more."""

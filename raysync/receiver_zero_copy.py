@@ -62,6 +62,8 @@ class Adoption:
 
     current: AdoptedVersion | None = None
     copies_instead: bool = False
+    #: The names of the model's tensors, in the order of ``current.staged``.
+    names: tuple[str, ...] = ()
 
     def take(
         self,
@@ -88,9 +90,25 @@ class Adoption:
                 )
             return False
         previous, self.current = self.current, version
+        self.names = names
         if previous is not None:
             previous.release()
         return True
+
+    def keep_privately(self, model: Any) -> None:
+        """Move ``model`` out of the transport's memory it lives in into a copy of its
+        own (the same values), and hand that memory back: once its receiver leaves the
+        hub, nothing holds it for the model (a shared-memory slot would be written with
+        later versions under it). Nothing to do for a model in memory of its own."""
+        current = self.current
+        if current is None or current.transport is None:
+            return
+        copies = [tensor.clone() for tensor in current.staged]
+        refusal = rebind(model, self.names, copies)
+        if refusal is not None:  # it was rebound to these very views: it cannot refuse
+            raise RuntimeError(f"a zero-copy model could not take its own copy: {refusal}")
+        self.current = AdoptedVersion(None, None, copies)
+        current.release()
 
     def lives_in(self, staged: Sequence[torch.Tensor]) -> bool:
         """Whether the model's tensors are ``staged`` (so it must not be released)."""

@@ -312,6 +312,9 @@ class ZeroCopyReader(WeightReceiver):
     def reconnect(self, hub) -> None:
         self.connect_hub(hub, models={"policy": "policy"}, worker_id=self.worker_id, zero_copy=True)
 
+    def close(self) -> None:
+        self._raysync_receiver.close()
+
 
 def test_zero_copy_models_live_in_the_segment_which_outlives_a_reregistration(actors):
     hub = start_hub(actors, TRANSPORT)
@@ -339,6 +342,26 @@ def test_zero_copy_models_live_in_the_segment_which_outlives_a_reregistration(ac
     )
     assert holds.count("worker/moving") == 1, holds
     assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
+
+
+def test_a_closed_zero_copy_receiver_keeps_its_version_while_its_slot_is_reused(actors):
+    """Closing leaves the hub, which drops the receiver's holds: its model first moves
+    into memory of its own, so the versions written into that slot after do not
+    reach it."""
+    hub = start_hub(actors, TRANSPORT)
+    closing, staying = (start(actors, ZeroCopyReader, hub, w) for w in ("closing", "staying"))
+    ready([closing, staying])
+    first = make_policy()
+    ray.get(hub.broadcast.remote(first))
+    assert ray.get(closing.lives_in_a_segment.remote())
+    ray.get(closing.close.remote())
+    assert not ray.get(closing.lives_in_a_segment.remote())
+    for _ in range(MAX_SLOTS + 2):
+        learner = make_policy()
+        assert ray.get(hub.broadcast.remote(learner)).acked == ("staying",)
+        assert_same(ray.get(staying.state.remote()), state_of(learner))
+        assert_same(ray.get(closing.state.remote()), state_of(first))
+    assert not any("closing" in hold for hold in _holds(hub))
 
 
 @ray.remote(num_cpus=0)
