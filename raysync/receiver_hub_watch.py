@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from ray.exceptions import GetTimeoutError, RayError
 
 from raysync.errors import RaySyncError
-from raysync.messages import AckStatus
+from raysync.messages import AckStatus, Update
 from raysync.receiver_core import ReceiverCore
 from raysync.receiver_receipt import AckNow
 
@@ -133,10 +133,31 @@ class HubWatch(threading.Thread):
         self._failures = 0
         self._connection = replace(self._connection, connected=True, reregistering_since=None)
         for update in welcome.latest.values():
-            receipt = core.deliver_through_host(update, self._call_timeout_s)
-            if isinstance(receipt, AckNow):
-                core.send_ack(receipt.ack)
+            self._deliver_offered(update)
         return True
+
+    def _deliver_offered(self, update: Update) -> None:
+        """Deliver a version the hub's welcome offers through the host; one not applied
+        now (a host busy past the call's timeout, a fetch that failed) joins
+        ``core.behind``, pulled again at the next beat, and the others still go."""
+        core = self._core
+        try:
+            receipt = core.deliver_through_host(update, self._call_timeout_s)
+        except (RayError, GetTimeoutError) as err:
+            core.behind.add(update.model)
+            logger.debug(
+                "%s did not apply version %d of %r on registering again (pulled again at "
+                "the next beat): %s",
+                core.actor_name,
+                update.version,
+                update.model,
+                err,
+            )
+            return
+        if isinstance(receipt, AckNow):
+            if receipt.ack.status is AckStatus.FAILED:
+                core.behind.add(update.model)
+            core.send_ack(receipt.ack)
 
     def _catch_up(self) -> None:
         """Pull again what ``core.behind`` lists; each update goes through the host's

@@ -60,7 +60,7 @@ class _Core:
 
     def deliver_through_host(self, update: Update, timeout_s: float) -> Receipt:
         self.delivered.append(update)
-        return self.receipts.get(update, AckNow(_ack(update)))
+        return _answer(self.receipts.get(update, AckNow(_ack(update))))
 
     def send_ack(self, ack: Ack) -> None:
         self.acks.append(ack)
@@ -99,6 +99,23 @@ def test_a_hub_that_forgot_the_receiver_gets_it_back_with_its_versions():
     assert core.delivered == [applied, deferred]
     assert core.acks == [_ack(applied)]  # the deferred one is acked from its safe point
     assert watch.connection().connected and watch.connection().reregistering_since is None
+
+
+def test_a_version_the_busy_host_does_not_apply_on_registering_again_is_pulled_later():
+    """The host is busy past the delivery call's timeout for the first model the hub
+    offers: the others are still delivered, and that one is pulled at the next beats
+    until it is applied."""
+    busy, other = _update("policy", 3), _update("critic", 2)
+    core = _Core(heartbeats=[False, True], registrations=[_welcome(busy, other)])
+    core.receipts[busy] = GetTimeoutError("the host is busy")
+    core.latest_updates["policy"] = busy
+    watch = HubWatch(core, BEAT)
+    assert watch.beat() == BEAT
+    assert core.acks == [_ack(other)] and core.behind == {"policy"}
+    assert watch.connection().connected
+    del core.receipts[busy]  # the host is free again
+    assert watch.beat() == BEAT
+    assert core.acks == [_ack(other), _ack(busy)] and core.behind == set()
 
 
 @pytest.mark.parametrize(
