@@ -86,6 +86,12 @@ class ApplyGate:
         #: The event loop async readers run on (an async host), once one has read.
         self.loop: asyncio.AbstractEventLoop | None = None
 
+    def finish_deferred_with(self, finish_deferred: Callable[[Any], None]) -> None:
+        """Hand deferred writes' results to ``finish_deferred`` from now on: a receiver
+        registered again keeps its gate, whose readers (a user method registering
+        again among them) still hold the model, and acks through its new registration."""
+        self._finish_deferred = finish_deferred
+
     def note_loop(self) -> bool:
         """Remember the event loop the caller runs on, if any (an async host's: a
         delivery that arrives off it is handed to it); whether there is one."""

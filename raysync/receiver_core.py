@@ -91,6 +91,9 @@ class HeldModel:
     version: int = 0
     origin: str = ""  #: the learner handle whose broadcast ``version`` is (Update.origin)
     adoption: Adoption = field(default_factory=Adoption)  #: zero-copy state
+    #: ``id()`` of the object at ``path`` when registered: a registration again carries
+    #: the version over only to that same object.
+    object_id: int = 0
     _cached: _Walked | None = None
 
     def spec_for(self, owner: Any, digest: str) -> WeightSpec:
@@ -169,7 +172,9 @@ class ReceiverCore:
         welcome: Welcome,
         token: str,
         on_applied: Callable[[str, int], None] | None,
+        gate: ApplyGate | None = None,
     ) -> None:
+        """``gate``: the previous registration's, taken over (see :meth:`register`)."""
         self.owner = owner
         self.hub = hub
         self.models = models
@@ -179,7 +184,11 @@ class ReceiverCore:
         self.token = token
         self._learner_deliveries_refused = False
         self.transport = _open_transport(welcome)
-        self.gate = ApplyGate(finish_deferred=self.send_ack)
+        if gate is None:
+            gate = ApplyGate(finish_deferred=self.send_ack)
+        else:
+            gate.finish_deferred_with(self.send_ack)
+        self.gate = gate
         self.behind: set[str] = set()
         self.closed = threading.Event()
         self._on_applied = on_applied
@@ -202,7 +211,9 @@ class ReceiverCore:
         ``"env.transform[0]"``). ``on_applied(model, version)`` runs at the safe point
         after each applied version; what it raises fails that version's ack.
         ``previous``, this actor's earlier core, lends each model its version (and the
-        staged version a zero-copy model lives in) and is closed once the hub answered.
+        staged version a zero-copy model lives in) and its gate (the user methods it
+        counts as reading, such as one registering again, still hold the models), and is
+        closed once the hub answered.
         The new core is in this process's registry of attached receivers
         (:data:`raysync.receiver_delivery.attached`) under ``identity.attachment``
         before the hub hears of it: a delivery that arrives while this still runs waits
@@ -214,7 +225,7 @@ class ReceiverCore:
         """
         if not paths:
             raise ValueError("connect_hub needs at least one model path")
-        held = {m: _carried_over(previous, m, path) for m, path in paths.items()}
+        held = {m: _carried_over(previous, m, path, owner) for m, path in paths.items()}
         _check_transport(hub, identity)
         registration = _registration(owner, held, identity)
         attached.reserve(identity.attachment)
@@ -225,7 +236,16 @@ class ReceiverCore:
             raise
         if previous is not None:
             previous.close()
-        core = cls(owner, hub, held, identity, welcome, registration.token, on_applied)
+        core = cls(
+            owner,
+            hub,
+            held,
+            identity,
+            welcome,
+            registration.token,
+            on_applied,
+            gate=None if previous is None else previous.gate,
+        )
         attached.fill(identity.attachment, core)
         return core, welcome
 
@@ -619,15 +639,24 @@ def _registration(
     )
 
 
-def _carried_over(previous: ReceiverCore | None, model_id: str, path: str) -> HeldModel:
+def _carried_over(
+    previous: ReceiverCore | None, model_id: str, path: str, owner: Any
+) -> HeldModel:
     """A model as a new registration starts it: the version a previous registration of
-    this actor left it at, and the staged version it lives in (zero copy), if any."""
+    this actor left it at, and the staged version it lives in (zero copy), if the model
+    id still names the same object at the same path; else a model at version 0, which
+    the hub's welcome brings up to date."""
+    object_id = id(model_path.resolve(owner, path))
     old = previous.models.get(model_id) if previous is not None else None
-    if old is None:
-        return HeldModel(model_id, path)
-    adopted = old.adoption.current if old.path == path else None
+    if old is None or old.path != path or old.object_id != object_id:
+        return HeldModel(model_id, path, object_id=object_id)
     return HeldModel(
-        model_id, path, version=old.version, origin=old.origin, adoption=Adoption(adopted)
+        model_id,
+        path,
+        version=old.version,
+        origin=old.origin,
+        adoption=Adoption(old.adoption.current, names=old.adoption.names),
+        object_id=object_id,
     )
 
 

@@ -467,3 +467,21 @@ class Reader(WeightReceiver, _Inspect):
         ray.get(entered.open.remote())
         ray.get(leave.wait.remote())
         return first, state_of(self.policy)
+
+
+@ray.remote(num_cpus=0)
+class Rebuilder(WeightReceiver):
+    """A collector that may build its policy anew and register it again."""
+
+    def __init__(self, hub):
+        self.hub = hub
+        self.policy = make_policy()
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id="rebuilder")
+
+    def rebuild(self) -> None:
+        """A fresh policy object at the same path, registered again."""
+        self.policy = make_policy()
+        self.connect_hub(self.hub, models={"policy": "policy"}, worker_id="rebuilder")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)

@@ -14,11 +14,12 @@ import torch
 
 import raysync
 from raysync.transports import DEFAULT_TRANSPORT
-from tests.helpers import assert_same, start, start_hub
+from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import (
     AsyncHost,
     LoopingWorker,
     PlainWorker,
+    Rebuilder,
     attach_actor_net,
     filled,
     make_policy,
@@ -127,3 +128,19 @@ def test_the_driver_attaches_in_pull_mode(actors):
 def test_paths_without_an_owner_are_refused(ray_cluster):
     with pytest.raises(ValueError, match=r"'nets.actor'.*owner="):
         raysync.attach("no-such-hub", {"policy": "nets.actor"}, mode="pull")
+
+
+def test_a_new_model_object_registered_again_is_brought_to_the_latest_version(actors):
+    """connect_hub again, from one of the actor's methods, with a fresh policy at the
+    same path: the version the old object held is not carried over to it, so the hub's
+    welcome applies the latest, inside that method (which the gate counts as a reader
+    of the models: the new registration keeps the gate that counted it)."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    worker = start(actors, Rebuilder, hub)
+    ready([worker])
+    learner = make_policy()
+    ray.get(hub.broadcast.remote(learner))
+    assert_same(ray.get(worker.state.remote()), state_of(learner))
+    ray.get(worker.rebuild.remote(), timeout=60)
+    assert_same(ray.get(worker.state.remote()), state_of(learner))
+    assert ray.get(worker.weights_version.remote()) == 1
