@@ -137,9 +137,9 @@ class ReceiverDelivery:
         try:
             while True:
                 try:
-                    if first_call is not None:
-                        reply = await _reply_or_ack(first_call, deferred_ack, deadline)
-                        first_call = None
+                    if first_call is not None:  # awaited once: a retry is the hub's call
+                        call, first_call = first_call, None
+                        reply = await _reply_or_ack(call, deferred_ack, deadline)
                         if isinstance(reply, ChannelLost):  # never reached it: deliver here
                             continue
                         ack = reply

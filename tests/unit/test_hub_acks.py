@@ -5,6 +5,7 @@ waits for it, and nothing else answers a delivery."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from raysync.actors import hub_delivery
 from raysync.actors.hub_delivery import AckBook
@@ -68,3 +69,47 @@ def test_only_the_newest_early_acks_are_kept(monkeypatch):
         return [book.expect(key(v)).done() for v in (1, 2, 3)]
 
     assert asyncio.run(run()) == [False, True, True]
+
+
+def test_a_learners_call_that_found_the_actor_unavailable_is_delivered_again_by_the_hub(
+    monkeypatch,
+):
+    """The direct path: the learner's own call raised ActorUnavailableError and the
+    same process answers again: the hub delivers once more itself, rather than await
+    the learner's failed call again and again."""
+    from ray.exceptions import ActorUnavailableError
+
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import DeliveryMode, Entry, Registration, Update
+
+    registration = Registration(
+        "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, "t1"
+    )
+    update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
+    calls: list[Update] = []
+
+    async def applied() -> Ack:
+        return ack(3)
+
+    def delivery_call(handle, entry, attachment, update):
+        calls.append(update)
+        return applied()
+
+    async def same_process(self, registration, deadline):
+        return None  # the actor answers again from the process that registered
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", delivery_call)
+    monkeypatch.setattr(hub_delivery.ReceiverDelivery, "_restarted", same_process)
+
+    async def run():
+        failed: asyncio.Future = asyncio.get_running_loop().create_future()
+        failed.set_exception(ActorUnavailableError("unavailable for a moment", None))
+        delivery = hub_delivery.ReceiverDelivery(HubState(), AckBook(), lambda *_: None)
+        entry = ReceiverEntry(registration)
+        deadline = time.monotonic() + 10
+        return await asyncio.wait_for(
+            delivery.deliver(entry, update, deadline, 10, first_call=failed), 10
+        )
+
+    outcome = asyncio.run(run())
+    assert outcome.error is None and calls == [update]
