@@ -189,6 +189,13 @@ class ReceiverDelivery:
                 f"{registration.actor} raised while receiving: {err}",
                 cause=FailureCause.RAISED,
             )
+        except Exception as err:  # the call could not be made: this target's failure only
+            return Outcome(
+                registration.worker,
+                f"the hub could not call {registration.actor} with version {update.version} "
+                f"of model {update.model!r}: {type(err).__name__}: {err}",
+                cause=FailureCause.RAISED,
+            )
         finally:
             self._acks.forget(key)
         if ack.status is AckStatus.NOT_ATTACHED:

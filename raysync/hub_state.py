@@ -265,6 +265,12 @@ class HubState:
                     f"worker {worker!r} does not hold model {model!r} "
                     f"(it holds: {', '.join(sorted(entry.registration.specs))})"
                 )
+            if entry.registration.handle is None:
+                raise UnknownWorkerError(
+                    f"worker {worker!r} ({entry.registration.actor}) is a pull receiver in "
+                    "a process that is no actor: nothing can call it; it takes versions "
+                    "with pull_weights()"
+                )
             chosen.append(entry)
         return chosen
 

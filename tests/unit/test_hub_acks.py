@@ -113,3 +113,27 @@ def test_a_learners_call_that_found_the_actor_unavailable_is_delivered_again_by_
 
     outcome = asyncio.run(run())
     assert outcome.error is None and calls == [update]
+
+
+def test_a_call_the_hub_cannot_make_fails_that_receiver_only(monkeypatch):
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import DeliveryMode, Entry, Registration, Update
+
+    registration = Registration(
+        "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, "t1"
+    )
+    update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
+
+    def delivery_call(handle, entry, attachment, update):
+        raise TypeError("cannot pickle '_thread.lock' object")
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", delivery_call)
+
+    async def run():
+        delivery = hub_delivery.ReceiverDelivery(HubState(), AckBook(), lambda *_: None)
+        return await delivery.deliver(
+            ReceiverEntry(registration), update, time.monotonic() + 10, 10
+        )
+
+    outcome = asyncio.run(run())
+    assert "A(1)" in outcome.error and "TypeError: cannot pickle" in outcome.error

@@ -51,10 +51,11 @@ def _registration(
     token: str | None = None,
     transport: str = "object_store",
     kept: tuple[object, ...] = (),
+    handle: object = "an actor handle",
 ) -> Registration:
     return Registration(
         worker=worker,
-        handle=None,
+        handle=handle,
         attachment=f"{worker}-attachment",
         entry=Entry.RAY_CALL,
         actor=_actor(worker),
@@ -324,6 +325,14 @@ def test_targets_refuse_no_workers_unknown_workers_and_workers_without_the_model
         HubState().targets("policy", ("ghost",))
 
 
+def test_a_named_pull_receiver_no_call_can_reach_is_refused_before_any_is_called():
+    state = _four_receivers()
+    state.register(_registration("driver", {"policy": POLICY}, mode=PULL, handle=None))
+    with pytest.raises(UnknownWorkerError) as info:
+        state.targets("policy", ("push-a", "driver"))
+    assert "'driver'" in str(info.value) and "pull_weights()" in str(info.value)
+
+
 def test_a_receiver_entry_describes_itself_to_transport_planners():
     state = HubState()
     kept = ("payload-of-a-zero-copy-model",)
@@ -335,7 +344,7 @@ def test_a_receiver_entry_describes_itself_to_transport_planners():
         actor=_actor("w1"),
         node_id="node-a",
         process="process-w1",
-        handle=None,
+        handle="an actor handle",
         kept=kept,
         attachment="w1-attachment",
         entry=Entry.RAY_CALL,
