@@ -106,7 +106,12 @@ class Assemblies(Generic[Started]):
         except Exception as err:
             self.fail(key, f"part {request.part} was refused ({type(err).__name__}: {err})")
             raise
-        return await asyncio.shield(assembling.started)
+        try:
+            return await asyncio.shield(assembling.started)
+        except IncompleteVersionError as failed:
+            # The failed version keeps this exception to tell late parts why: raised
+            # here, it would keep this frame, and the part's payload with it.
+            raise IncompleteVersionError(str(failed)) from failed.with_traceback(None)
 
     def fail(self, key: Key, reason: str) -> None:
         """Fail version ``key`` for every part waiting and every part to come (nothing
@@ -121,6 +126,7 @@ class Assemblies(Generic[Started]):
                 f"{assembling.assembly.what} failed: {reason}; nothing was applied"
             )
         )
+        assembling.assembly.drop_parts()
         failed = [k for k, a in self._open.items() if a.started.done()]
         for old in failed[: max(0, len(failed) - FAILED_KEPT)]:
             del self._open[old]

@@ -42,6 +42,12 @@ class PartAssembly:
         """The parts arrived so far, in order."""
         return tuple(sorted(self._arrived))
 
+    def drop_parts(self) -> None:
+        """Let go of the parts' requests (their payloads: the learners' data) once the
+        version failed: the hub keeps a failed version only to tell late parts why."""
+        self._arrived.clear()
+        self._owner.clear()
+
     def missing(self) -> list[int]:
         """The parts not arrived yet, in order."""
         return [i for i in range(self.parts) if i not in self._arrived]

@@ -5,6 +5,9 @@ hears why a version failed (a refused part, the deadline, the hub closing)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -126,3 +129,26 @@ def test_only_the_newest_failed_versions_are_kept(monkeypatch):
         return [("m", v) in assemblies for v in (1, 2, 3)]
 
     assert asyncio.run(run()) == [False, True, True]
+
+
+def test_a_failed_version_lets_go_of_the_parts_that_arrived():
+    """Their payloads are the learners' data in the object store: a version kept only to
+    tell late parts why it failed must not keep them."""
+
+    class Payload:
+        pass
+
+    async def run():
+        assemblies = Assemblies(Starts())
+        request = part(0, "a")
+        payload = Payload()
+        request = dataclasses.replace(request, payloads={"object_store": payload})
+        waiting = asyncio.ensure_future(assemblies.take(request, "m", KNOWN, 0.01, 0))
+        with pytest.raises(IncompleteVersionError, match="did not arrive"):
+            await waiting
+        return assemblies, weakref.ref(payload)
+
+    assemblies, gone = asyncio.run(run())
+    gc.collect()
+    assert ("m", 7) in assemblies  # kept, to tell late parts why
+    assert gone() is None
