@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +22,7 @@ from raysync import weights as weights_mod
 from raysync.errors import HubClosedError
 from raysync.learner_channel import CHANNEL_MAX_BYTES, COLLECT_WAIT_S, ReceiverChannel
 from raysync.learner_direct import all_listed, deliver_directly, write_channel
-from raysync.learner_senders import close_senders, sender_of
+from raysync.learner_side import LearnerSide, end_learner_side, learner_side
 from raysync.messages import BroadcastRequest, HubConfig, Route
 from raysync.spec import WeightSpec
 from raysync.transports import (
@@ -133,6 +131,7 @@ class _Broadcast:
         travels = wire_spec or spec
         bucket_bytes = _bucket_bytes(config.bucket_mb if bucket_mb is None else bucket_mb, travels)
         handle = self._handle
+        side = handle._side
         route = handle._route(model)
         direct = (
             route.next_version > 0
@@ -148,7 +147,7 @@ class _Broadcast:
             wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
         # A version written into the learner's channel leaves before its object-store
         # copy is made (the receivers apply it meanwhile): numbered from the write on.
-        with handle._submitting if channel is not None else contextlib.nullcontext():
+        with side.submitting if channel is not None else contextlib.nullcontext():
             written, direct_version = None, 0
             if channel is not None:
                 assert wire is not None  # direct: a whole version, not buckets
@@ -162,7 +161,7 @@ class _Broadcast:
                     wire,
                     workers,
                     handle._learner_node(),
-                    handle._submitter,
+                    side.submitter,
                     config.default_timeout_s if timeout_s is None else timeout_s,
                 )
             senders, payloads = self._hand_off(
@@ -179,14 +178,14 @@ class _Broadcast:
                 raise_on_failure=raise_on_failure,
                 learner_seconds=time.perf_counter() - started,
                 wire_spec=wire_spec,
-                submitter=handle._submitter,
+                submitter=side.submitter,
                 part=part,
                 parts=parts,
                 bucket_bytes=bucket_bytes,
             )
-            with handle._submitting:  # numbers in the order the calls leave this process
-                sequence = next(handle._sequence)
-                floor = handle._in_flight.floor(sequence)
+            with side.submitting:  # numbers in the order the calls leave this process
+                sequence = next(side.sequence)
+                floor = side.in_flight.floor(sequence)
                 sent_at = time.time()
                 calls: dict[str, tuple[str, Any]] | None = None
                 if direct:
@@ -203,7 +202,7 @@ class _Broadcast:
                         payloads,
                         wire_spec,
                         workers,
-                        handle._submitter,
+                        side.submitter,
                         handle._learner_node(),
                         reached=calls,
                     )
@@ -217,8 +216,8 @@ class _Broadcast:
                     known=handle._known_receivers(model),
                 )
                 result = handle.actor.submit.remote(request)
-                handle._in_flight.add(sequence, result)
-                handle._last_results[model] = (sequence, result)
+                side.in_flight.add(sequence, result)
+                side.last_results[model] = (sequence, result)
         done = _BroadcastDone(handle.actor, result, waits=wait)
         for name, sender in senders.items():
             sender.submitted(payloads[name], done)
@@ -360,26 +359,6 @@ class _BroadcastDone(VersionDone):
         return bool(ready)
 
 
-class _InFlight:
-    """A learner handle's submit calls not yet complete, by number: the lowest one is the
-    floor below which the hub need not wait for any (see ``InOrder.wait_turn``)."""
-
-    def __init__(self) -> None:
-        self._calls: dict[int, ray.ObjectRef] = {}
-
-    def add(self, sequence: int, ref: ray.ObjectRef) -> None:
-        self._calls[sequence] = ref
-
-    def floor(self, sequence: int) -> int:
-        """The lowest number still in flight, or ``sequence`` if none is."""
-        if self._calls:
-            refs = list(self._calls.values())
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-            finished = set(done)
-            self._calls = {s: r for s, r in self._calls.items() if r not in finished}
-        return min(self._calls, default=sequence)
-
-
 class HubHandle:
     """A picklable handle on a hub actor: the learner's side of the hub.
 
@@ -401,21 +380,6 @@ class HubHandle:
         # transport the hub uses becomes known in that process.
         for name, target in config.transports:
             register_transport(name, target)
-        self._channels: dict[str, ReceiverChannel] = {}  #: per model, with ``channels``
-        self._node_id = ""
-        #: per ``model`` argument, the number and result of its last broadcast, whose
-        #: report (or ticket) carries the next broadcast's Route
-        self._last_results: dict[str | None, tuple[int, ray.ObjectRef]] = {}
-        #: per ``model`` argument, the receivers' actor handles by registration, as the
-        #: last route listed them (the hub leaves them out of the routes it sends back)
-        self._handles: dict[str | None, dict[str, ActorHandle]] = {}
-        #: per model, the version this handle last delivered itself
-        self._last_direct: dict[str, int] = {}
-        #: This handle's broadcasts are numbered so the hub versions them in order.
-        self._submitter = uuid.uuid4().hex
-        self._sequence = itertools.count(1)
-        self._submitting = threading.RLock()
-        self._in_flight = _InFlight()
 
     # -- the hub actor's own methods --------------------------------------------------
     @property
@@ -451,10 +415,7 @@ class HubHandle:
         Call it once this learner's broadcasts are acked: with ``nixl`` and ``rdt`` the
         latest version is read from the learner's buffers, so a receiver that joins
         after the release starts on the next broadcast instead."""
-        close_senders(self.config.hub_id)
-        channels, self._channels = self._channels, {}
-        for channel in channels.values():
-            channel.close()
+        end_learner_side(self.config.hub_id)
 
     @property
     def transport(self) -> str:
@@ -464,6 +425,12 @@ class HubHandle:
     def broadcast(self) -> _Broadcast:
         return _Broadcast(self)
 
+    @property
+    def _side(self) -> LearnerSide:
+        """What this process keeps for the hub as a learner, shared by every handle on
+        it here (:mod:`raysync.learner_side`)."""
+        return learner_side(self.config.hub_id)
+
     def _route(self, model: str | None) -> Route:
         """This broadcast's :class:`~raysync.messages.Route`: the hand-offs it carries
         and, for the direct path, the model's next version and the receivers to call. It
@@ -472,7 +439,7 @@ class HubHandle:
         previous one is still out (or failed, or the first) asks the hub for it. A
         receiver that registered since gets this version from the hub (by a new
         transport: the next version)."""
-        sequence, last = self._last_results.get(model, (0, None))
+        sequence, last = self._side.last_results.get(model, (0, None))
         route = _route_in(last) if last is not None else None
         if route is None:
             route = ray.get(self._ask_route(model, sequence, self._known_receivers(model)))
@@ -484,15 +451,15 @@ class HubHandle:
 
     def _known_receivers(self, model: str | None) -> frozenset[str]:
         """The registrations of ``model``'s receivers whose handles this process holds."""
-        with self._submitting:
-            return frozenset(self._handles.get(model, ()))
+        with self._side.submitting:
+            return frozenset(self._side.handles.get(model, ()))
 
     def _with_handles(self, model: str | None, route: Route) -> Route | None:
         """``route`` with each receiver's actor handle (the hub leaves out those this
         process holds); None if it left out one this process does not hold. Keeps the
         handles of ``route``'s receivers only: a registration it does not list is gone."""
-        with self._submitting:
-            held = self._handles.get(model, {})
+        with self._side.submitting:
+            held = self._side.handles.get(model, {})
             targets = []
             for target in route.targets:
                 if target.handle is None:
@@ -501,15 +468,15 @@ class HubHandle:
                         return None
                     target = dataclasses.replace(target, handle=handle)
                 targets.append(target)
-            self._handles[model] = {t.token: t.handle for t in targets}
+            self._side.handles[model] = {t.token: t.handle for t in targets}
         return dataclasses.replace(route, targets=tuple(targets)) if targets else route
 
     def _next_direct_version(self, route: Route) -> int:
         """The version to deliver a direct broadcast as: the route's next one, or above
         this handle's last direct one (the route may have been made before the hub
         booked it). Called under ``_submitting``."""
-        version = max(route.next_version, self._last_direct.get(route.model, 0) + 1)
-        self._last_direct[route.model] = version
+        version = max(route.next_version, self._side.last_direct.get(route.model, 0) + 1)
+        self._side.last_direct[route.model] = version
         return version
 
     def wait_channel(self, model: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[str, ...]:
@@ -517,14 +484,15 @@ class HubHandle:
         receivers is built (a broadcast that finds a new set of receivers asks for it;
         the broadcasts after it use it); the workers it reaches, none if it has no
         channel (another learner's holds one of them, or none is eligible)."""
-        channel = self._channels.get(model)
+        channel = self._side.channels.get(model)
         return () if channel is None else channel.wait_built(timeout_s)
 
     def _learner_node(self) -> str:
         """The node this learner process runs on (asked of Ray once)."""
-        if not self._node_id:
-            self._node_id = ray.get_runtime_context().get_node_id()
-        return self._node_id
+        side = self._side
+        if not side.node_id:
+            side.node_id = ray.get_runtime_context().get_node_id()
+        return side.node_id
 
     def _channel(self, route: Route, travels: WeightSpec) -> ReceiverChannel | None:
         """The channel to ``route``'s model's receivers, for a version that travels as
@@ -532,11 +500,11 @@ class HubHandle:
         version is small enough."""
         if not self.config.channels or travels.nbytes > CHANNEL_MAX_BYTES:
             return None
-        with self._submitting:
-            channel = self._channels.get(route.model)
+        with self._side.submitting:
+            channel = self._side.channels.get(route.model)
             if channel is None:
-                channel = self._channels[route.model] = ReceiverChannel(
-                    self.actor, self._submitter, route.model
+                channel = self._side.channels[route.model] = ReceiverChannel(
+                    self.actor, self._side.submitter, route.model
                 )
             return channel
 
@@ -546,17 +514,17 @@ class HubHandle:
         """Ask the hub for ``model``'s route after this handle's broadcast numbered
         ``after`` (the hub answers once it has versioned that one, so the route's next
         version is above it, even an explicit one), leaving out the ``known`` handles."""
-        return self.actor.route.remote(model, self._submitter, after, known)
+        return self.actor.route.remote(model, self._side.submitter, after, known)
 
     def _sender(self, hand_off: str) -> TransportSender:
         """The learner half of transport ``hand_off``: this process's, shared by every
-        handle on this hub here (:mod:`raysync.learner_senders`)."""
+        handle on this hub here (:mod:`raysync.learner_side`)."""
 
         def open_sender() -> TransportSender:
             chosen = get_transport(hand_off)
             return chosen.open_sender(self.config.context(self.actor, chosen))
 
-        return sender_of(self.config.hub_id, hand_off, open_sender)
+        return self._side.sender(hand_off, open_sender)
 
     def __reduce__(self):
         return (HubHandle, (self.actor, self.config))

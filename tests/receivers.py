@@ -485,3 +485,18 @@ class Rebuilder(WeightReceiver):
 
     def state(self) -> dict[str, torch.Tensor]:
         return state_of(self.policy)
+
+
+@ray.remote(num_cpus=0)
+class OtherLearner:
+    """Another learner of a hub, in a process of its own (every handle on a hub in one
+    process is one learner)."""
+
+    def __init__(self, hub):
+        self.hub = hub
+
+    def broadcast(self, weights, **options):
+        return ray.get(self.hub.broadcast.remote(weights, **options))
+
+    def wait_channel(self, model: str) -> tuple[str, ...]:
+        return self.hub.wait_channel(model)

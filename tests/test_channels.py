@@ -11,9 +11,9 @@ import pytest
 import ray
 import torch
 
-from raysync import BroadcastError, HubHandle
+from raysync import BroadcastError
 from tests.helpers import Gate, assert_same, ready, start, start_hub
-from tests.receivers import Collector, Reader, make_policy, state_of
+from tests.receivers import Collector, OtherLearner, Reader, make_policy, state_of
 
 
 @pytest.fixture
@@ -126,25 +126,22 @@ def test_a_receiver_killed_fails_alone_and_the_channel_is_built_without_it(actor
 
 def test_a_receiver_in_another_learners_channel_is_called_the_plain_way(actors, channel_hub):
     first = channel_hub
-    second = HubHandle(first.actor, first.config)  # another learner of the same hub
+    second = start(actors, OtherLearner, first)  # another learner of the same hub
     collectors = [start(actors, Collector, first, worker_id=f"c{i}") for i in range(2)]
     ready(collectors)
     ray.get(first.broadcast.remote(make_policy()))
     assert sorted(first.wait_channel("policy")) == ["c0", "c1"]
-    try:
-        ray.get(second.broadcast.remote(make_policy()))
-        assert second.wait_channel("policy") == ()  # the first learner's holds them
-        # A learner whose route is stale (the other took its guess) goes through the hub.
-        for handle, expected, by_channel in (
-            (second, 3, ()),
-            (first, 4, ()),
-            (first, 5, ("c0", "c1")),
-            (second, 6, ()),
-        ):
-            learner = make_policy()
-            report = ray.get(handle.broadcast.remote(learner))
-            assert (report.version, report.acked) == (expected, ("c0", "c1"))
-            assert report.channel == by_channel
-            _hold(collectors, learner, expected)
-    finally:
-        second.release()
+    ray.get(second.broadcast.remote(make_policy()))
+    assert ray.get(second.wait_channel.remote("policy")) == ()  # the first's holds them
+    # A learner whose route is stale (the other took its guess) goes through the hub.
+    for learner_of, expected, by_channel in (
+        (second, 3, ()),
+        (first, 4, ()),
+        (first, 5, ("c0", "c1")),
+        (second, 6, ()),
+    ):
+        learner = make_policy()
+        report = ray.get(learner_of.broadcast.remote(learner))
+        assert (report.version, report.acked) == (expected, ("c0", "c1"))
+        assert report.channel == by_channel
+        _hold(collectors, learner, expected)

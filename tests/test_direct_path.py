@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import ray
 
-from raysync import HubHandle
 from tests.helpers import assert_same, ready, start, start_hub
-from tests.receivers import Collector, make_policy, state_of
+from tests.receivers import Collector, OtherLearner, make_policy, state_of
 
 
 def _hold(collectors, learner, version: int) -> None:
@@ -108,7 +107,7 @@ def test_each_result_brings_the_next_route_and_a_handle_travels_once(actors):
 
 def test_two_learners_guessing_the_same_version_stay_in_the_hubs_order(actors):
     first = start_hub(actors, "object_store")
-    second = HubHandle(first.actor, first.config)  # another learner of the same hub
+    second = start(actors, OtherLearner, first)  # another learner of the same hub
     collectors = [start(actors, Collector, first, worker_id=f"c{i}") for i in range(2)]
     ready(collectors)
     one = ray.get(first.broadcast.remote(make_policy()))

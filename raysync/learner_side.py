@@ -1,0 +1,108 @@
+"""The learner's side of a hub in this process: one per hub, shared by every HubHandle.
+
+A :class:`~raysync.HubHandle` is unpickled anew wherever it travels — each Ray task or
+actor call that takes it as an argument gets a fresh instance. What a learner keeps for
+a hub therefore lives here, per process and hub, not in the handle: its transport
+senders (kept per handle, they were opened again for each: the node's shared-memory
+owner made a learner given the hub with each call a new pool of slots each time, never
+freed while the hub lived, and NIXL buffers were registered again), the number its
+broadcasts are ordered by at the hub (one stream per process, not one more per handle
+in the hub's books), the route the last broadcast brought back, the receivers' actor
+handles and the compiled-graph channels. :meth:`HubHandle.release` ends it; the next
+broadcast starts a new one. Called in learner processes only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from raysync.transports.base import TransportSender
+
+if TYPE_CHECKING:
+    from raysync.learner_channel import ReceiverChannel
+
+
+class InFlight:
+    """The learner's submit calls not yet complete, by number: the lowest one is the
+    floor below which the hub need not wait for any (see ``InOrder.wait_turn``)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, ray.ObjectRef] = {}
+
+    def add(self, sequence: int, ref: ray.ObjectRef) -> None:
+        self._calls[sequence] = ref
+
+    def floor(self, sequence: int) -> int:
+        """The lowest number still in flight, or ``sequence`` if none is."""
+        if self._calls:
+            refs = list(self._calls.values())
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            finished = set(done)
+            self._calls = {s: r for s, r in self._calls.items() if r not in finished}
+        return min(self._calls, default=sequence)
+
+
+@dataclass
+class LearnerSide:
+    """What this process keeps for one hub as a learner (module doc)."""
+
+    #: The stream this process's broadcasts are numbered in at the hub.
+    submitter: str = field(default_factory=lambda: uuid.uuid4().hex)
+    sequence: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    #: Held while a broadcast is numbered and sent, so numbers leave in order.
+    submitting: threading.RLock = field(default_factory=threading.RLock)
+    in_flight: InFlight = field(default_factory=InFlight)
+    #: per ``model`` argument, the number and result of its last broadcast, whose
+    #: report (or ticket) carries the next broadcast's Route
+    last_results: dict[str | None, tuple[int, ray.ObjectRef]] = field(default_factory=dict)
+    #: per ``model`` argument, the receivers' actor handles by registration, as the
+    #: last route listed them (the hub leaves them out of the routes it sends back)
+    handles: dict[str | None, dict[str, Any]] = field(default_factory=dict)
+    #: per model, the version this process last delivered itself
+    last_direct: dict[str, int] = field(default_factory=dict)
+    #: per model, with ``channels``
+    channels: dict[str, ReceiverChannel] = field(default_factory=dict)
+    #: per hand-off, the transport's learner half
+    senders: dict[str, TransportSender] = field(default_factory=dict)
+    node_id: str = ""
+
+    def sender(self, hand_off: str, open_sender: Callable[[], TransportSender]) -> TransportSender:
+        """The sender of ``hand_off``, opened with ``open_sender`` on first use."""
+        with self.submitting:
+            sender = self.senders.get(hand_off)
+            if sender is None:
+                sender = self.senders[hand_off] = open_sender()
+            return sender
+
+
+_lock = threading.Lock()
+_sides: dict[str, LearnerSide] = {}
+
+
+def learner_side(hub_id: str) -> LearnerSide:
+    """This process's side of hub ``hub_id``, begun on first use."""
+    with _lock:
+        side = _sides.get(hub_id)
+        if side is None:
+            side = _sides[hub_id] = LearnerSide()
+        return side
+
+
+def end_learner_side(hub_id: str) -> None:
+    """End this process's side of hub ``hub_id``: close its senders and channels (a
+    later broadcast begins a new side)."""
+    with _lock:
+        side = _sides.pop(hub_id, None)
+    if side is None:
+        return
+    for sender in side.senders.values():
+        sender.close()
+    for channel in side.channels.values():
+        channel.close()
