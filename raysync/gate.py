@@ -83,6 +83,8 @@ class ApplyGate:
         self._deferred: list[_Pending] = []
         self._finish_deferred = finish_deferred
         self._drained: asyncio.Event | None = None
+        #: Coroutines' futures, done when the write of another thread ends.
+        self._thread_write_waiters: list[asyncio.Future[None]] = []
         #: The event loop async readers run on (an async host), once one has read.
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -132,8 +134,10 @@ class ApplyGate:
         while not self._enter_async(held):
             if self._deferred:
                 await self._drained_event().wait()
-            else:  # a write from another thread: wait off the loop, which goes on
-                await asyncio.to_thread(self._wait_for_thread_write)
+            else:  # a write from another thread: it wakes this loop when it ends
+                ended = self._thread_write_ended()
+                if ended is not None:
+                    await ended
         token = _held.set(held + 1)
         try:
             yield
@@ -153,10 +157,17 @@ class ApplyGate:
             self._readers += 1
             return True
 
-    def _wait_for_thread_write(self) -> None:
+    def _thread_write_ended(self) -> asyncio.Future[None] | None:
+        """A future of this loop's, done when the write of another thread now running
+        or waiting ends; None if there is none any more. (Not a thread of the loop's
+        executor blocked on the condition: coroutines holding the model may need those
+        threads to finish, and the write waits for them.)"""
         with self._cond:
-            while self._writing or self._writers_waiting:
-                self._cond.wait()
+            if not (self._writing or self._writers_waiting):
+                return None
+            ended = asyncio.get_running_loop().create_future()
+            self._thread_write_waiters.append(ended)
+            return ended
 
     def safe_point(self) -> None:
         """Let waiting writes through from inside a long-running user method."""
@@ -233,6 +244,11 @@ class ApplyGate:
                 self._readers += held
                 self._cond.notify_all()
                 deferred_waiting = bool(self._deferred)
+                waiters, self._thread_write_waiters = self._thread_write_waiters, []
+            for ended in waiters:  # coroutines waiting to read: let them try again
+                loop = ended.get_loop()
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(_set_done, ended)
             if deferred_waiting:  # held back by this write: run them on their loop
                 self._call_on_loop(self._run_deferred_if_idle)
 
@@ -274,3 +290,8 @@ class ApplyGate:
         if self._drained is None:
             self._drained = asyncio.Event()
         return self._drained
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -757,3 +758,39 @@ def test_a_deferred_write_that_raises_lets_the_others_run_and_waiting_readers_in
 
     _run(main())
     assert finished == ["ack-1"]
+
+
+def test_coroutines_waiting_for_a_thread_write_leave_the_loops_threads_to_the_readers():
+    """While another thread's write waits for the coroutines reading, those that start
+    wait for it without taking the loop's executor threads: a reader that needs one to
+    finish (asyncio.to_thread inside the read) still gets it, leaves, and the write and
+    then the waiting coroutines go on."""
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+
+    async def reader() -> int:
+        async with gate.reading_async():
+            return model["v"]
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+        inside, leave = asyncio.Event(), asyncio.Event()
+
+        async def holder() -> int:
+            async with gate.reading_async():
+                inside.set()
+                await leave.wait()
+                return await asyncio.to_thread(lambda: model["v"])  # needs the one thread
+
+        held = asyncio.create_task(holder())
+        await inside.wait()
+        writer = _started("writer", lambda: gate.write(_setter(model, 1)))
+        await asyncio.to_thread(_wait, cond.blocked("writer"), "the writer waits")
+        waiting = [asyncio.create_task(reader()) for _ in range(3)]
+        await asyncio.sleep(0)
+        leave.set()
+        assert await held == 0
+        assert await asyncio.gather(*waiting) == [1, 1, 1]
+        writer.finish()
+
+    _run(main())
