@@ -319,12 +319,15 @@ class ReceiverCore:
     def register_again(self, timeout_s: float) -> Welcome:
         """Register with the same hub again, as this core is now (the hub restarted or
         dropped it): a new token and transport receiver. The Welcome's updates are for
-        the caller to deliver through :meth:`deliver_through_actor`."""
+        the caller to deliver through :meth:`deliver_through_host`. If the new transport
+        receiver cannot be opened, this core keeps its token and transport (so the hub
+        watch's next beat finds it unknown and tries again) and the error is raised."""
         registration = _registration(self.owner, self.models, self.identity)
         welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
+        transport = _open_transport(welcome)
+        previous, self.transport = self.transport, transport
         self.token = registration.token
-        self.transport.close()
-        self.transport = _open_transport(welcome)
+        previous.close()
         logger.info("%s re-registered with its hub", self.actor_name)
         return welcome
 

@@ -403,3 +403,27 @@ def test_close_ends_the_connection():
     receiver = _Receiver()
     receiver.core.close()
     assert receiver.core.closed.is_set()
+
+
+def test_registering_again_keeps_the_old_token_and_transport_if_the_new_one_fails(
+    monkeypatch,
+):
+    """The hub knows the new registration, but its transport receiver could not be
+    opened here: the core keeps what it had (the hub watch's next beat, finding the old
+    token unknown, registers again) rather than a closed transport under a new token."""
+    from raysync import receiver_core
+
+    receiver = _Receiver()
+    receiver.hub.actor.register = SimpleNamespace(remote=lambda registration: "welcome ref")
+    monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: Welcome("x", None, {}))
+
+    def cannot_open(welcome: Welcome) -> TransportReceiver:
+        raise TransportError("no shared memory here")
+
+    monkeypatch.setattr(receiver_core, "_open_transport", cannot_open)
+    closed: list[bool] = []
+    monkeypatch.setattr(receiver.transport, "close", lambda: closed.append(True), raising=False)
+    with pytest.raises(TransportError, match="no shared memory"):
+        receiver.core.register_again(5.0)
+    assert receiver.core.token == "token" and receiver.core.transport is receiver.transport
+    assert closed == []
