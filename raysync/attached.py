@@ -165,7 +165,8 @@ def attach(
     :meth:`raysync.WeightReceiver.connect_hub`). ``on_applied(model, version)`` runs
     at the safe point after each applied version; what it raises fails that version's
     ack. ``replaces`` is an earlier receiver of this process that this one takes over
-    from (its models' versions carry over; it is closed). ``heartbeat_s``: how often a
+    from (its gate, and each model's version where the model id names the same object
+    at the same path; it is closed). ``heartbeat_s``: how often a
     daemon thread checks that the hub still knows this receiver and registers again if
     not (``None``: never). ``timeout_s`` bounds every wait on the hub here.
 

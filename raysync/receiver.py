@@ -101,7 +101,9 @@ class WeightReceiver:
         spec, :class:`~raysync.ModelPathError` if a path does not resolve, ``ValueError``
         for an unknown transport name and :class:`~raysync.TransportUnavailableError`
         (from the hub) if the transport cannot run there. Calling it
-        again re-registers (after a restart this is what ``__init__`` does anyway).
+        again re-registers (after a restart this is what ``__init__`` does anyway); a
+        model keeps its version only if its id still names the same object at the same
+        path, so a model built anew is brought to the hub's latest version then.
 
         Every ``heartbeat_s`` seconds a daemon thread checks that the hub still knows
         this receiver and registers again if not (the hub restarted), backing off while
