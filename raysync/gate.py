@@ -246,16 +246,9 @@ class ApplyGate:
                 deferred_waiting = bool(self._deferred)
                 waiters, self._thread_write_waiters = self._thread_write_waiters, []
             for ended in waiters:  # coroutines waiting to read: let them try again
-                loop = ended.get_loop()
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(_set_done, ended)
+                _call_soon(ended.get_loop(), _set_done, ended)
             if deferred_waiting:  # held back by this write: run them on their loop
-                self._call_on_loop(self._run_deferred_if_idle)
-
-    def _call_on_loop(self, callback: Callable[[], None]) -> None:
-        loop = self.loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(callback)
+                _call_soon(self.loop, self._run_deferred_if_idle)
 
     def _run_deferred_if_idle(self, own: int = 0) -> None:
         """Run the deferred writes, on the loop, if no reader but the caller's ``own``
@@ -290,6 +283,14 @@ class ApplyGate:
         if self._drained is None:
             self._drained = asyncio.Event()
         return self._drained
+
+
+def _call_soon(
+    loop: asyncio.AbstractEventLoop | None, callback: Callable[..., None], *args: Any
+) -> None:
+    """Run ``callback(*args)`` on ``loop`` from another thread, unless it is gone."""
+    if loop is not None and not loop.is_closed():
+        loop.call_soon_threadsafe(callback, *args)
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

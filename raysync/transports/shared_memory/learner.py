@@ -46,8 +46,6 @@ class SharedMemorySender(TransportSender):
         #: The slot asked for once the previous version left for the hub, by size: the
         #: owner's answer is usually back before the next send needs it.
         self._next: tuple[int, ray.ObjectRef] | None = None
-        #: The payload of the last send and its size, until it is submitted.
-        self._sent: tuple[SharedMemoryPayload, int] | None = None
         #: Every handle on the hub in this process shares this sender, from any thread:
         #: two sends must not take the same slot asked for ahead.
         self._lock = threading.Lock()
@@ -113,9 +111,7 @@ class SharedMemorySender(TransportSender):
             write_seq(buffer, 0)
             layout.pack(tensors, buffer, self._mappings.views(slot, layout))
             write_seq(buffer, slot.seq)
-            payload = SharedMemoryPayload(slot)
-            self._sent = (payload, layout.nbytes)
-            return payload
+            return SharedMemoryPayload(slot)
 
     def send_buckets(
         self,
@@ -134,14 +130,13 @@ class SharedMemorySender(TransportSender):
         """Ask for the next version's slot now that this one has left: asked in
         :meth:`send`, the call went out ahead of this version's delivery calls and the
         hub's booking, and the owner answered it while they waited for the cores."""
-        with self._lock:
-            sent, self._sent = self._sent, None
-            if sent is not None and sent[0] is payload and self._next is None:
-                nbytes = sent[1]
-                ahead = self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner)
-                self._next = (nbytes, ahead)
-                return
-        if self._streams is not None and isinstance(payload, BucketStream):
+        if isinstance(payload, SharedMemoryPayload):
+            nbytes = payload.slot.nbytes  # a slot is as large as the layout asked for
+            with self._lock:
+                if self._next is None:  # another thread's send may have asked already
+                    ahead = self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner)
+                    self._next = (nbytes, ahead)
+        elif self._streams is not None and isinstance(payload, BucketStream):
             self._streams.submitted(payload, done)
 
     def close(self) -> None:
