@@ -415,6 +415,8 @@ def test_registering_again_keeps_the_old_token_and_transport_if_the_new_one_fail
 
     receiver = _Receiver()
     receiver.hub.actor.register = SimpleNamespace(remote=lambda registration: "welcome ref")
+    new_token = SimpleNamespace(token="new token")  # what the hub now knows
+    monkeypatch.setattr(receiver_core, "_registration", lambda owner, models, identity: new_token)
     monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: Welcome("x", None, {}))
 
     def cannot_open(welcome: Welcome) -> TransportReceiver:
