@@ -39,7 +39,7 @@ from raysync.errors import (
     UnknownModelError,
 )
 from raysync.hub_snapshot import HubSnapshot
-from raysync.hub_state import HubState, ReceiverEntry
+from raysync.hub_state import LEASE_BEATS, HubState, ReceiverEntry
 from raysync.messages import (
     Ack,
     AckStatus,
@@ -202,6 +202,8 @@ class WeightHubActor:
         self._deliveries = ReceiverDelivery(self._state, self._acks, self._drop)
         self._channel_replies = ChannelReplies()  #: learners' channels (direct path)
         self._refused: dict[str, RefusedRegistration] = {}  #: worker -> last refusal
+        #: Forgets pull receivers whose heartbeats stopped, while there are any.
+        self._lease_keeper: asyncio.Task[None] | None = None
         self._closed = False
         self._model_known = asyncio.Event()
         self._in_order = InOrder(_ORDER_WAIT_S)
@@ -492,11 +494,28 @@ class WeightHubActor:
             self._drop(registration.worker, registration.token)
             raise
         logger.info("registered %s (%s, %s)", registration.worker, registration.actor, transport)
+        if self._lease_keeper is None and self._state.shortest_heartbeat() is not None:
+            self._lease_keeper = self._background.spawn(self._forget_lapsed(), "leases")
         return Welcome(transport, info, catch_up)
 
     async def heartbeat(self, worker: str, token: str) -> bool:
         """A receiver's check that this hub still knows it; False means register again."""
-        return self._state.knows(worker, token)
+        return self._state.heartbeat(worker, token)
+
+    async def _forget_lapsed(self) -> None:
+        """Forget the pull receivers whose heartbeats stopped, checking once per the
+        shortest heartbeat while any watched pull receiver is registered."""
+        while (beat := self._state.shortest_heartbeat()) is not None:
+            await asyncio.sleep(beat)
+            for worker, token in self._state.lapsed():
+                logger.warning(
+                    "forgetting pull receiver %s: not heard from for %d heartbeats (its "
+                    "process died?); it registers again if it lives",
+                    worker,
+                    LEASE_BEATS,
+                )
+                self._drop(worker, token)
+        self._lease_keeper = None
 
     async def leave(self, worker: str, token: str) -> None:
         """A receiver that stops receiving (``AttachedReceiver.close``): forget it."""

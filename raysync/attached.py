@@ -193,6 +193,7 @@ def attach(
         mode=delivery,
         transport=transport,
         zero_copy=zero_copy,
+        heartbeat_s=heartbeat_s,
     )
     core, welcome = ReceiverCore.register(
         resolve_on,

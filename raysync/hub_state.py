@@ -31,6 +31,10 @@ DEFAULT_MODEL = "default"
 #: Publication times kept per model, for receivers' lag in seconds.
 _PUBLISHED_KEPT = 1024
 
+#: A pull receiver whose hub watch was not heard from for this many of its heartbeats
+#: is forgotten (its process died; a live one that was only slow registers again).
+LEASE_BEATS = 6
+
 
 @dataclass
 class ModelState:
@@ -61,6 +65,19 @@ class ReceiverEntry:
     versions: dict[str, int] = field(default_factory=dict)
     #: per model, where the time of the last version it applied went
     timings: dict[str, ReceiverTimings] = field(default_factory=dict)
+    #: ``time.monotonic()`` when it registered or its last heartbeat came
+    heard: float = field(default_factory=time.monotonic)
+
+    def lapsed(self, now: float) -> bool:
+        """Whether this is a watched pull receiver not heard from for ``LEASE_BEATS``
+        heartbeats at ``now``: nobody calls a pull receiver, so nothing else would tell
+        the hub its process died. A push receiver's death shows in the hub's calls."""
+        beat = self.registration.heartbeat_s
+        return (
+            self.registration.mode is DeliveryMode.PULL
+            and beat is not None
+            and now - self.heard > LEASE_BEATS * beat
+        )
 
     @property
     def worker(self) -> str:
@@ -221,6 +238,35 @@ class HubState:
     def knows(self, worker: str, token: str) -> bool:
         entry = self.receivers.get(worker)
         return entry is not None and entry.registration.token == token
+
+    def heartbeat(self, worker: str, token: str, now: float | None = None) -> bool:
+        """A receiver's hub watch checking in: whether the hub knows this registration
+        (False: register again); renews its lease (see :meth:`lapsed`)."""
+        entry = self.receivers.get(worker)
+        if entry is None or entry.registration.token != token:
+            return False
+        entry.heard = time.monotonic() if now is None else now
+        return True
+
+    def lapsed(self, now: float | None = None) -> list[tuple[str, str]]:
+        """(worker, token) of each pull receiver whose heartbeats stopped, at ``now``
+        (``time.monotonic()`` by default)."""
+        now = time.monotonic() if now is None else now
+        return [
+            (worker, entry.registration.token)
+            for worker, entry in self.receivers.items()
+            if entry.lapsed(now)
+        ]
+
+    def shortest_heartbeat(self) -> float | None:
+        """The shortest heartbeat of the watched pull receivers; None if there are none."""
+        beats = [
+            entry.registration.heartbeat_s
+            for entry in self.receivers.values()
+            if entry.registration.mode is DeliveryMode.PULL
+            and entry.registration.heartbeat_s is not None
+        ]
+        return min(beats, default=None)
 
     def versions(self) -> dict[str, int]:
         """Each model's latest version (with :meth:`specs`, what survives a hub restart)."""

@@ -329,6 +329,10 @@ class Registration:
     transport: str | None = None
     #: Payloads its zero-copy models live in (a live process registering again).
     kept: tuple[Any, ...] = ()
+    #: Seconds between its hub watch's heartbeats; None: no watch. A pull receiver is
+    #: called by nobody, so its death shows only as heartbeats that stop: the hub
+    #: forgets one not heard from for ``LEASE_BEATS`` of them (see ``HubState.lapsed``).
+    heartbeat_s: float | None = None
 
 
 @dataclass(frozen=True)

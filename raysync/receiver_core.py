@@ -75,6 +75,8 @@ class ReceiverIdentity:
     mode: DeliveryMode = DeliveryMode.PUSH
     transport: str | None = None  #: the transport asked for; None: the hub's
     zero_copy: bool = False  #: models take staged versions as their own tensors (no copy)
+    #: Seconds between its hub watch's heartbeats; None: no watch (see Registration).
+    heartbeat_s: float | None = None
 
 
 @dataclass
@@ -638,6 +640,7 @@ def _registration(
         mode=identity.mode,
         token=uuid.uuid4().hex,
         transport=identity.transport,
+        heartbeat_s=identity.heartbeat_s,
         kept=tuple(a.payload for a in adopted if a is not None and a.payload is not None),
     )
 

@@ -13,6 +13,7 @@ import torch
 
 import raysync
 from raysync import WeightReceiver, weight_receiver
+from raysync.receiver_hub_watch import HEARTBEAT_S
 
 
 def make_policy() -> torch.nn.Module:
@@ -95,6 +96,7 @@ class Collector(WeightReceiver, _Inspect):
         model_factory=make_policy,
         transport=None,
         zero_copy=False,
+        heartbeat_s=HEARTBEAT_S,
     ):
         self.policy = model_factory()
         self.applied: list[tuple[str, int]] = []
@@ -105,6 +107,7 @@ class Collector(WeightReceiver, _Inspect):
             mode=mode,
             transport=transport,
             zero_copy=zero_copy,
+            heartbeat_s=heartbeat_s,
         )
 
     def on_weights_applied(self, model: str, version: int) -> None:

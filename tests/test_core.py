@@ -194,6 +194,27 @@ class TestReceivers:
         lag = {r.worker: r.lag for r in ray.get(hub.status.remote()).receivers}
         assert lag["puller"] == {"policy": 0}
 
+    def test_the_hub_forgets_a_pull_receiver_whose_heartbeats_stopped(self, actors):
+        """Nobody calls a pull receiver: its death shows only as heartbeats that stop.
+        Both registered together; only the one that keeps beating stays."""
+        hub = start_hub(actors, DEFAULT_TRANSPORT)
+        beat = 0.5
+        dies, lives = (
+            start(actors, Collector, hub, worker_id=w, mode="pull", heartbeat_s=beat)
+            for w in ("dies", "lives")
+        )
+        ready([dies, lives])
+        ray.kill(dies, no_restart=True)
+        deadline = time.monotonic() + 60
+        while "dies" in (workers := {r.worker for r in ray.get(hub.status.remote()).receivers}):
+            assert time.monotonic() < deadline, "the dead pull receiver was never forgotten"
+            time.sleep(beat / 5)  # polling the hub's status: nothing to wait on
+        assert workers == {"lives"}
+        learner = make_policy()
+        ray.get(hub.broadcast.remote(learner))
+        assert ray.get(lives.pull.remote()) == {"policy": 1}
+        assert_same(ray.get(lives.state.remote()), state_of(learner))
+
     def test_multi_model_and_model_paths(self, actors, transport):
         hub = start_hub(actors, transport)
         multi = start(actors, MultiModel, hub)

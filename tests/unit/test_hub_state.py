@@ -19,7 +19,7 @@ from raysync.errors import (
     UnknownModelError,
     UnknownWorkerError,
 )
-from raysync.hub_state import DEFAULT_MODEL, HubState
+from raysync.hub_state import DEFAULT_MODEL, LEASE_BEATS, HubState
 from raysync.messages import (
     DeliveryMode,
     Entry,
@@ -52,6 +52,7 @@ def _registration(
     transport: str = "object_store",
     kept: tuple[object, ...] = (),
     handle: object = "an actor handle",
+    heartbeat_s: float | None = None,
 ) -> Registration:
     return Registration(
         worker=worker,
@@ -67,6 +68,7 @@ def _registration(
         token=token or f"{worker}-token",
         transport=transport,
         kept=kept,
+        heartbeat_s=heartbeat_s,
     )
 
 
@@ -135,6 +137,27 @@ def test_registering_again_replaces_the_entry_and_only_the_current_token_drops_i
     assert state.drop("w1", "second") is False
     assert not state.knows("w1", "second")
     assert state.targets("policy", None) == []
+
+
+def test_a_watched_pull_receiver_not_heard_from_for_its_lease_lapses():
+    state = HubState()
+    state.register(_registration("pulls", {"policy": POLICY}, mode=PULL, heartbeat_s=2.0))
+    state.register(_registration("unwatched", {"policy": POLICY}, mode=PULL))
+    state.register(_registration("pushed", {"policy": POLICY}, heartbeat_s=1.0))
+    registered = state.receivers["pulls"].heard
+    lease = LEASE_BEATS * 2.0
+    assert state.shortest_heartbeat() == 2.0  # the pushed one is called: no lease
+    assert state.lapsed(registered + lease) == []
+    assert state.lapsed(registered + lease + 0.1) == [("pulls", "pulls-token")]
+    # A heartbeat renews it; one from an older registration neither renews nor counts.
+    assert state.heartbeat("pulls", "pulls-token", now=registered + lease)
+    assert not state.heartbeat("pulls", "old-token", now=registered + 3 * lease)
+    assert state.lapsed(registered + 2 * lease) == []
+    assert state.lapsed(registered + 2 * lease + 0.1) == [("pulls", "pulls-token")]
+    # Receivers without a watch, and push receivers, never lapse.
+    assert state.drop("pulls", "pulls-token")
+    assert state.lapsed(registered + 100 * lease) == []
+    assert state.shortest_heartbeat() is None
 
 
 @pytest.mark.parametrize(
