@@ -181,7 +181,7 @@ def copy_shares(spec: WeightSpec, threads: int) -> tuple[tuple[Piece, ...], ...]
         return (tuple(whole),)
     shares: list[list[Piece]] = [[] for _ in range(threads)]
     dealt = [piece for piece in whole if piece.stop < DEAL_BELOW_BYTES]
-    dealt_bytes = sum(piece.stop for piece in dealt)
+    dealt_bytes = max(1, sum(piece.stop for piece in dealt))  # 0: only empty ones dealt
     done = 0
     for piece in dealt:
         shares[min(threads - 1, done * threads // dealt_bytes)].append(piece)
@@ -294,8 +294,8 @@ def executor(workers: int) -> ThreadPoolExecutor:
     global _pool, _pool_workers
     with _pool_lock:
         if _pool is None or _pool_workers < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
+            # The smaller pool is dropped, not shut down: a caller that got it may be
+            # about to submit to it; its idle threads end once it is collected.
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="raysync-copy")
             _pool_workers = workers
         return _pool

@@ -20,6 +20,7 @@ from raysync.copies import (
     Viewed,
     copy_all,
     copy_shares,
+    executor,
     numpy_view,
     viewed,
 )
@@ -92,6 +93,27 @@ def test_shares_deal_small_tensors_whole_and_cut_large_ones_in_a_range_per_threa
     dealt_bytes = [sum(p.stop for p in share if p.tensor not in large) for share in shares]
     largest = max(e.nbytes for i, e in enumerate(spec.tensors) if i not in large)
     assert max(dealt_bytes) - min(dealt_bytes) <= 2 * largest
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_empty_tensors_beside_only_large_ones_are_copied(threads):
+    """Every tensor dealt whole is empty: nothing to deal by bytes (was a division by
+    zero for any copy on two threads or more)."""
+    sources = [torch.randn(_LARGE_NUMEL), torch.zeros(0), torch.randn(_LARGE_NUMEL)]
+    spec = WeightSpec.of({f"t{i}": t for i, t in enumerate(sources)})
+    assert len(copy_shares(spec, threads)) == threads
+    destinations = [torch.zeros_like(t) for t in sources]
+    copy_all(destinations, sources, spec, threads=threads)
+    for d, s in zip(destinations, sources, strict=True):
+        assert torch.equal(d, s)
+
+
+def test_a_pool_handed_out_still_takes_work_after_a_larger_one_is_made():
+    """Another thread asking for more copy threads must not shut down the pool a first
+    thread got and is about to submit to."""
+    first = executor(1)
+    executor(64)
+    assert first.submit(lambda: 42).result() == 42
 
 
 @pytest.mark.parametrize("bad", [0, -1], ids=["in the caller's share", "in a helper thread's"])
