@@ -27,7 +27,8 @@ version (one *stream*):
   copied ``c`` buckets (default: every bucket before ``k``). A receiver keeps two asks
   ahead: it asks for buckets 0 and 1, then for ``k + 2`` with ``copied=k + 1`` as soon
   as it has read bucket ``k``; a relay asks for ``k + 1`` while it passes ``k`` on.
-  ``take(stream, count, worker)`` at the end.
+  ``take(stream, count, worker)`` at the end, or ``leave(stream, worker)`` if it gives
+  the version up (refused it, or could not read a bucket).
 
 The broker stamps each of those calls on its clock (:mod:`raysync.transports.hand_off`):
 ``hand_off()`` says where the time between a stream's buckets went.
@@ -231,6 +232,15 @@ class BucketBroker:
                 await state.changed_now()
 
     # -- receivers -------------------------------------------------------------------------
+    async def leave(self, key: StreamId, worker: str) -> None:
+        """``worker`` gave the version up (it refused it, or could not read a bucket;
+        its ack says why): neither the learner nor the other readers wait for it."""
+        state = self._open(key)  # the first call about a stream may be this one
+        if state is None or worker in state.dropped or worker in state.finished:
+            return
+        self._drop(state, worker, "it gave the version up (its ack says why)")
+        await state.changed_now()
+
     async def take(
         self,
         key: StreamId,

@@ -51,6 +51,10 @@ class Receiver(ConformanceReceiver):
         """Hold the actor's only method slot until the test opens ``gate``."""
         ray.get(gate.wait.remote())
 
+    def retype(self, key: str) -> None:
+        """Make tensor ``key`` float64: the model no longer has the hub's spec."""
+        self.sd[key] = self.sd[key].double()
+
 
 ShardLearner = ray.remote(num_cpus=0)(PartLearner)
 
@@ -189,6 +193,22 @@ def test_a_receiver_that_holds_the_others_up_fails_alone(actors, transport):
     report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
     assert report.acked == ("quick", "stuck")
     assert_bitwise(ray.get(stuck.state.remote()), weights)
+
+
+@pytest.mark.parametrize("transport", ["object_store", "nixl"])
+def test_a_receiver_that_gives_a_version_up_holds_no_one_up(actors, transport):
+    """A reader that refuses a bucketed version (its model no longer has the spec) tells
+    the broker at once: the learner and the other reader go on instead of waiting half
+    the version's timeout (60 s here) for it to take its buckets."""
+    hub, quick, retyped = at_version_one(actors, "quick", "retyped", transport=transport)
+    ray.get(retyped.retype.remote("f16"))
+    weights = special_weights(2.0)
+    ref = hub.broadcast.remote(weights, model=MODEL, timeout_s=120.0, raise_on_failure=False)
+    report = ray.get(ref, timeout=30)  # waiting for the stall would take 60 s
+    assert report.acked == ("quick",) and set(report.failed) == {"retyped"}
+    assert "spec digest" in report.failed["retyped"]
+    assert_bitwise(ray.get(quick.state.remote()), weights)
+    assert ray.get(retyped.version.remote()) == 1
 
 
 @pytest.mark.parametrize("copier_transport", ["object_store", "rpc"])

@@ -143,6 +143,41 @@ def test_a_reader_the_hub_dropped_no_longer_holds_the_learner():
     assert [e for e in log if e[0] == "put"] == [("put", i) for i in range(4)]
 
 
+def test_a_reader_that_gives_the_version_up_no_longer_holds_the_learner():
+    async def main():
+        # A 60 s stall: only the reader's word can let the learner go on in time.
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4, wait_s=120), []
+        await broker.readers(k, ["quick", "refuses"])
+        quick = asyncio.ensure_future(reader(broker, k, "quick", log))
+        sending = asyncio.ensure_future(learner(broker, k, log))
+        while ("put", 1) not in log:
+            await asyncio.sleep(0)
+        await broker.leave(k, "refuses")
+        await sending
+        await quick
+        return log, await broker.take(k, 0, "refuses")
+
+    log, (boxed, why) = run(main())
+    assert [e for e in log if e[0] == "put"] == [("put", i) for i in range(4)]
+    assert boxed is None and "gave the version up" in why
+
+
+def test_a_reader_that_leaves_before_the_hub_plans_the_version_is_not_waited_for():
+    """Calls reach the broker in any order: a reader's ``leave`` may open the stream."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4, wait_s=120), []
+        await broker.leave(k, "refuses")
+        await broker.readers(k, ["quick", "refuses"])
+        quick = asyncio.ensure_future(reader(broker, k, "quick", log))
+        await learner(broker, k, log)
+        await quick
+        return log
+
+    log = run(main())
+    assert [e for e in log if e[0] == "put"] == [("put", i) for i in range(4)]
+
+
 def test_a_receiver_the_hub_dropped_before_a_relay_adopts_it_is_not_waited_for():
     """A relay (distributed's rank 0) that gives a version up names its members readers
     of the rest; the hub may have dropped one of them (dead) before that: the stream

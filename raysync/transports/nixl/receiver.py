@@ -34,7 +34,7 @@ from raysync.transports.nixl.wire import (
     descs,
 )
 from raysync.transports.object_store.bucket_stream import BucketStream
-from raysync.transports.object_store.buckets import buckets_of
+from raysync.transports.object_store.buckets import buckets_of, give_up
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.staging import StagingPool, staging_device
 
@@ -145,6 +145,8 @@ class NixlReceiver(TransportReceiver):
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         if isinstance(payload, NixlBucketStream):
+            if staged is None and self._worker is not None:
+                give_up(payload, self._worker)  # refused, or not read whole
             self._ring_pool.release(staged)
         elif isinstance(payload, BucketStream):
             self._served.release(payload, staged)

@@ -192,6 +192,13 @@ def buckets_of(payload: BucketStream, count: int, worker: str) -> Iterator[tuple
     broker.take.remote(key, count, worker)
 
 
+def give_up(payload: BucketStream, worker: str) -> None:
+    """Receiver ``worker``: it will not read (the rest of) ``payload``'s stream (it
+    refused the version, or a read failed): the broker stops waiting for it at once,
+    instead of holding the learner and every other reader for the stream's stall."""
+    payload.broker.leave.remote(payload.key, worker)
+
+
 def _answer(asked: ray.ObjectRef) -> tuple[Any, str | None]:
     """The broker's answer to a ``take``; its death is the stream's end."""
     try:

@@ -16,7 +16,12 @@ from raysync.copies import Viewed, as_tensor
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.object_store.bucket_stream import BucketStream
-from raysync.transports.object_store.buckets import fetch_stream, serve_stream, staging_buffer
+from raysync.transports.object_store.buckets import (
+    fetch_stream,
+    give_up,
+    serve_stream,
+    staging_buffer,
+)
 from raysync.transports.object_store.wire import InlinePayload, ObjectStorePayload
 from raysync.transports.staging import StagingPool
 
@@ -58,6 +63,8 @@ class ObjectStoreReceiver(TransportReceiver):
         return Viewed.over(arrays, [entry.dtype for entry in spec.tensors])
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
+        if staged is None and isinstance(payload, BucketStream) and self._worker is not None:
+            give_up(payload, self._worker)  # refused, or not read whole
         self._staging.release(staged)
 
     def serve(

@@ -19,7 +19,7 @@ from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl.agent import apply_ucx_cuda_defaults
 from raysync.transports.object_store.bucket_stream import BucketStream
-from raysync.transports.object_store.buckets import buckets_of
+from raysync.transports.object_store.buckets import buckets_of, give_up
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.rdt.agent import ray_agent_progress
 from raysync.transports.rdt.wire import RdtBucketStream, RdtPayload
@@ -60,8 +60,10 @@ class RdtReceiver(TransportReceiver):
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         if isinstance(payload, BucketStream) and not isinstance(payload, RdtBucketStream):
             self._served.release(payload, staged)
-        else:
-            self._pool.release(staged)
+            return
+        if isinstance(payload, RdtBucketStream) and staged is None and self._worker is not None:
+            give_up(payload, self._worker)  # refused, or not read whole
+        self._pool.release(staged)
 
     def serve(
         self, payload: BucketStream, tensors: Mapping[str, torch.Tensor], spec: WeightSpec
