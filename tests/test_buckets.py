@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 
-from raysync import WeightHub, WeightReceiver
+from raysync import DistributedOptions, WeightHub, WeightReceiver
 from raysync.testing import (
     MODEL,
     ConformanceReceiver,
@@ -300,6 +300,34 @@ def test_a_distributed_member_that_dies_midway_fails_alone(actors):
     # A collective after the death failed (the first, unless a send to the dead member
     # still fit in its socket's buffer): the survivor read the rest from the broker.
     assert any("(bucket " in failure for failure in status.failures), status.failures
+
+
+def test_a_distributed_member_that_forwards_to_a_busy_one_does_not_fail_with_it(actors):
+    """gloo broadcasts down a binomial tree: with four ranks, rank 1 ("a") passes each
+    bucket on to rank 3 ("z"). "z" is busy in a user method: "a" got every bucket it
+    was sent, and must not fail because its send to "z" did (nor "b", rank 2)."""
+    options = DistributedOptions(timeout_s=4)
+    hub = start_hub(actors, "distributed", models=[MODEL], bucket_mb=TINY_MB, options=options)
+    members = [start(actors, Receiver, hub, worker) for worker in ("a", "b", "z")]
+    ready(members)
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    a, b, z = members
+
+    gate = start(actors, Gate)
+    blocked = z.hold.remote(gate)
+    weights = special_weights(2.0)
+    ref = hub.broadcast.remote(weights, model=MODEL, timeout_s=12.0, raise_on_failure=False)
+    report = ray.get(ref, timeout=60)
+    assert report.acked == ("a", "b") and set(report.failed) == {"z"}, report.failed
+    for receiver in (a, b):
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    weights = special_weights(3.0)
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
+    assert report.acked == ("a", "b", "z")
+    for receiver in members:
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 
 @pytest.mark.parametrize("transport", ["rpc", "distributed"])

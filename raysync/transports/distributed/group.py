@@ -94,13 +94,26 @@ def call_off(store: Any, generation: Generation, why: str) -> None:
 
 
 def run_broadcast(group: Any, buffer: torch.Tensor, settings: DistributedOptions) -> None:
-    """Broadcast ``buffer`` from rank 0 (every member calls this); raises on failure."""
+    """Broadcast ``buffer`` from rank 0 (every member calls this); raises on failure.
+
+    Then, with three ranks or more, agree that every member has it (one allreduce of
+    one element): gloo broadcasts down a binomial tree, NCCL along rings and trees, so
+    a member passes what it got on to others, and one busy member fails the member that
+    forwards to it although that one got every byte. Without the agreement rank 0 went
+    on to the next buckets (the broker freed this one) while the forwarder, failed, had
+    to read this bucket again from the broker: gone. With it, a collective that fails
+    anywhere fails on every rank, and rank 0 stops at the bucket the others read on from.
+    """
     import torch.distributed as dist
 
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.timeout = settings.timeout
     group.broadcast([buffer], options).wait(settings.timeout)
+    if group.size() >= 3:
+        agreed = dist.AllreduceOptions()
+        agreed.timeout = settings.timeout
+        group.allreduce([torch.zeros(1, device=buffer.device)], agreed).wait(settings.timeout)
     if buffer.device.type == "cuda":
         torch.cuda.current_stream(buffer.device).synchronize()
 
