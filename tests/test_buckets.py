@@ -25,6 +25,7 @@ from raysync.testing import (
     uniform_weights,
 )
 from raysync.transports import register_transport
+from raysync.transports.base import TransportError
 from raysync.transports.distributed import process_group_name, rank0_reader
 from raysync.transports.object_store.bucket_stream import (
     BROKER_NAMESPACE,
@@ -51,9 +52,17 @@ class Receiver(ConformanceReceiver):
         """Hold the actor's only method slot until the test opens ``gate``."""
         ray.get(gate.wait.remote())
 
-    def retype(self, key: str) -> None:
-        """Make tensor ``key`` float64: the model no longer has the hub's spec."""
-        self.sd[key] = self.sd[key].double()
+    def fail_next_fetch(self) -> None:
+        """Make this receiver's next fetch fail before it reads anything (as a lost
+        bucket or a failed READ would)."""
+        transport = self._raysync_receiver.core.transport
+        fetch = transport.fetch
+
+        def failing(payload, spec):
+            transport.fetch = fetch
+            raise TransportError("could not read the version (injected)")
+
+        transport.fetch = failing
 
 
 ShardLearner = ray.remote(num_cpus=0)(PartLearner)
@@ -197,18 +206,24 @@ def test_a_receiver_that_holds_the_others_up_fails_alone(actors, transport):
 
 @pytest.mark.parametrize("transport", ["object_store", "nixl"])
 def test_a_receiver_that_gives_a_version_up_holds_no_one_up(actors, transport):
-    """A reader that refuses a bucketed version (its model no longer has the spec) tells
-    the broker at once: the learner and the other reader go on instead of waiting half
-    the version's timeout (60 s here) for it to take its buckets."""
-    hub, quick, retyped = at_version_one(actors, "quick", "retyped", transport=transport)
-    ray.get(retyped.retype.remote("f16"))
+    """A reader that cannot read a bucketed version tells the broker at once: the
+    learner and the other reader go on instead of waiting half the version's timeout
+    (60 s here) for it to take its buckets."""
+    hub, quick, failing = at_version_one(actors, "quick", "failing", transport=transport)
+    ray.get(failing.fail_next_fetch.remote())
     weights = special_weights(2.0)
-    ref = hub.broadcast.remote(weights, model=MODEL, timeout_s=120.0, raise_on_failure=False)
-    report = ray.get(ref, timeout=30)  # waiting for the stall would take 60 s
-    assert report.acked == ("quick",) and set(report.failed) == {"retyped"}
-    assert "spec digest" in report.failed["retyped"]
+    # In a learner actor: the broadcast call itself returns once every bucket is put.
+    learner = start(actors, Learner, hub)
+    sent = learner.report.remote(weights, timeout_s=120.0, raise_on_failure=False)
+    report = ray.get(sent, timeout=30)  # waiting for the stall would take 60 s
+    assert report.acked == ("quick",) and set(report.failed) == {"failing"}
+    assert "(injected)" in report.failed["failing"]
     assert_bitwise(ray.get(quick.state.remote()), weights)
-    assert ray.get(retyped.version.remote()) == 1
+    assert ray.get(failing.version.remote()) == 1
+    weights = special_weights(3.0)  # and it reads the next one
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
+    assert report.acked == ("failing", "quick")
+    assert_bitwise(ray.get(failing.state.remote()), weights)
 
 
 @pytest.mark.parametrize("copier_transport", ["object_store", "rpc"])
