@@ -7,10 +7,13 @@ test_bucket_broker.py and, with Ray, in tests/test_buckets.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from raysync.spec import WeightSpec
+from raysync.transports.buckets import BucketPlan
 from raysync.transports.object_store import buckets
 from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
-from raysync.transports.object_store.buckets import buckets_of
+from raysync.transports.object_store.buckets import Outgoing, buckets_of, stream_out
 
 
 class _Take:
@@ -68,3 +71,39 @@ def test_a_bucket_that_cannot_be_had_is_named():
     next(reading)
     with pytest.raises(buckets.TransportError, match="bucket 1 of 3: gone"):
         next(reading)
+
+
+class _Calls:
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def remote(self, *args):
+        self.calls.append((self.name, *args))
+
+
+def test_a_learner_that_fails_putting_a_bucket_ends_its_stream_saying_why(monkeypatch):
+    """Its readers are told at once, instead of waiting the version's timeout for a
+    bucket that never comes."""
+    calls: list = []
+    broker = _Broker()
+    broker.offer, broker.end = _Calls("offer", calls), _Calls("end", calls)
+    weights = {"w": torch.zeros(64)}  # 256 bytes: four buckets of 64
+    plan = BucketPlan.of(WeightSpec.of(weights), 64)
+    payload = BucketStream(broker, StreamId("s", plan.count, 5.0), 64)
+    puts = iter(["ref0"])
+    full = "the object store is full"
+
+    def put_arrays(arrays):
+        try:
+            return next(puts)
+        except StopIteration:
+            raise MemoryError(full) from None
+
+    monkeypatch.setattr(buckets, "put_arrays", put_arrays)
+    monkeypatch.setattr(buckets, "this_actor", lambda: None)
+    with pytest.raises(MemoryError):
+        stream_out(payload, Outgoing([weights["w"]], plan), done=None)
+    assert calls == [
+        ("offer", payload.key, 0, ["ref0"], None),
+        ("end", payload.key, f"the learner failed putting bucket 1: {MemoryError(full)!r}"),
+    ]

@@ -94,7 +94,13 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
             if why is not None:
                 broker.end.remote(key, why)
                 return
-        ref = put_arrays(bucket_arrays(outgoing, index))
+        try:
+            ref = put_arrays(bucket_arrays(outgoing, index))
+        except BaseException as err:
+            # Its readers stop waiting now, told why, instead of timing out on a
+            # bucket that never comes.
+            broker.end.remote(key, f"the learner failed putting bucket {index}: {err!r}")
+            raise
         broker.offer.remote(key, index, [ref], sender)
         del ref  # the broker's reference keeps it until every reader took it
 
