@@ -372,6 +372,11 @@ class Holder(WeightReceiver):
         ``gate`` (``tests.helpers.Gate``): no delivery gets in meanwhile."""
         ray.get(gate.wait.remote())
 
+    def parts_kept(self) -> int:
+        """Versions sent in parts that the ``distributed`` receiver read from the
+        learners' copies and still keeps the parts of (each pins every part's bytes)."""
+        return len(self._raysync_receiver.core.transport.inner._pull._parts_of)
+
 
 # -- hosts written without raysync: receivers attach to them (raysync.attach) -------------
 @ray.remote(num_cpus=0)

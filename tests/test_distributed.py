@@ -158,6 +158,35 @@ def test_member_that_never_enters_does_not_hang_the_hub(actors):
         assert_bitwise(ray.get(h.state.remote()), weights)
 
 
+def test_a_version_in_parts_read_from_the_learners_copies_is_let_go(actors):
+    """A member whose collective failed reads a version sent in parts from the learners'
+    copies; once applied, it keeps none of them (each part's bytes stay pinned in the
+    object store while it does)."""
+    hub = start_dist_hub(actors)
+    template = {"a": torch.zeros(1024, 1024), "b": torch.zeros(1024, 1024)}
+    holders = [start(actors, Holder, hub, template, f"h{i}") for i in range(2)]
+    busy = start(actors, Holder, hub, template, "busy")
+    ready([*holders, busy])
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)  # rank 1 of four: the tree's forwarder to rank 3
+    weights = {"a": torch.randn(1024, 1024), "b": torch.randn(1024, 1024)}
+    halves = [{"a": weights["a"]}, {"b": weights["b"]}]
+    version = 1
+    refs = [
+        hub.broadcast.remote(
+            half, version=version, part=i, parts=2, timeout_s=3 * _TIMEOUT_S, raise_on_failure=False
+        )
+        for i, half in enumerate(halves)
+    ]
+    reports = ray.get(refs, timeout=60)
+    assert reports[0].acked == ("h0", "h1") and set(reports[0].failed) == {"busy"}
+    for h in holders:
+        assert_bitwise(ray.get(h.state.remote()), weights)
+        assert ray.get(h.parts_kept.remote()) == 0
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+
+
 def test_pull_mode_reads_the_learner_copy(actors):
     hub = start_dist_hub(actors)
     puller = start(actors, Collector, hub, worker_id="puller", mode="pull")

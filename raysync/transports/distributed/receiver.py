@@ -40,6 +40,8 @@ class DistributedReceiver(TransportReceiver):
         self._broken: dict[int, str] = {}  #: generation number -> why it broke here
         #: the learner's put(s), or a bucket stream served to this receiver
         self._pull = PartedReceiver(ObjectStoreReceiver(worker))
+        #: id -> staged tensors a fallback read from the learner's copy (released there)
+        self._read_from_source: dict[int, Sequence[torch.Tensor]] = {}
         self._device = torch.device("cpu")  #: where bucketed versions are staged
         self._staging: StagingPool[torch.Tensor] = StagingPool(self._staging_buffer)
 
@@ -60,13 +62,17 @@ class DistributedReceiver(TransportReceiver):
             # rank 0 was sending from instead.
             logger.warning("%s; reading the learner's object-store copy instead", err)
             try:
-                return self._pull.fetch(payload.source, spec)
+                staged = self._pull.fetch(payload.source, spec)
             except TransportError as fallback:
                 raise TransportError(f"{err}; and then {fallback}") from fallback
+            self._read_from_source[id(staged)] = staged
+            return staged
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         if not isinstance(payload, GroupPayload):
             self._pull.release(payload, staged)
+        elif staged is not None and self._read_from_source.pop(id(staged), None) is not None:
+            self._pull.release(payload.source, staged)  # the parts it read, if in parts
         else:
             self._staging.release(staged)  # a bucketed version's staging buffer
 
