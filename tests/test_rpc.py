@@ -154,3 +154,19 @@ def test_killed_agent_is_replaced_and_its_members_follow_it(actors):
     late = start(actors, Collector, hub, worker_id="late")
     assert ray.get(late.version.remote()) == 2
     assert_policy_reaches(hub, [*collectors, late], ("c0", "c1", "late"))
+
+
+def test_an_agent_replacement_cut_short_by_a_timeout_is_finished_by_the_next_plan(actors):
+    """The agent dies; the next broadcast's timeout ends while the hub waits for the new
+    agent to start. Its members must still be read from the new agent: the broadcast
+    after that reaches every receiver."""
+    hub = start_rpc_hub(actors)
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    ray.get(hub.broadcast.remote(make_policy()))
+    ray.kill(ray.get_actor(f"raysync-rpc-agent-{hub.config.hub_id}"))
+    report = ray.get(
+        hub.broadcast.remote(make_policy(), timeout_s=0.05, raise_on_failure=False), timeout=60
+    )
+    assert set(report.failed) == {"c0", "c1"}  # cut short: nobody got it
+    assert_policy_reaches(hub, collectors, ("c0", "c1"))

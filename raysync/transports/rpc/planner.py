@@ -39,6 +39,8 @@ class RpcPlanner(TransportPlanner):
         #: worker -> (its process, its rank), kept in GCS so a restarted hub has it too.
         self._ranks = _RankBook(self._hub)
         self._key, self._actor = self._start_agent()
+        #: The agent key ``_members`` was read under (receivers join the first agent).
+        self._members_of = self._key
         self._seq = 0
         self._lock = asyncio.Lock()  #: agent replacement and plans, one at a time
         self._receivers: dict[str, ReceiverInfo] = {}
@@ -62,19 +64,26 @@ class RpcPlanner(TransportPlanner):
 
     async def _live_agent(self) -> Any:
         """The agent, after checking it answers; a dead one is replaced (and its members
-        re-admitted to the new group, which they join on their next delivery)."""
+        re-admitted to the new group, which they join on their next delivery).
+
+        Reading the new agent's members waits for its process to start: a plan whose
+        timeout cancels it there leaves them unread (``_members_of`` is the old key),
+        and the next call reads them before anything is planned with them."""
         try:
             await self._actor.ping.remote()
-            return self._actor
         except ray.exceptions.RayActorError as err:
             logger.warning("the RPC agent %s died (%s); starting a new group", self._name, err)
-        if self._broker is not None:  # no bucketed version waits for the dead agent
-            self._broker.drop_reader.remote(relay_reader(self._key))
-        self._key, self._actor = self._start_agent()
-        try:
-            self._members = await self._actor.members.remote()
-        except ray.exceptions.RayActorError as err:
-            raise TransportError(f"a new RPC agent {self._name} could not start: {err}") from err
+            if self._broker is not None:  # no bucketed version waits for the dead agent
+                self._broker.drop_reader.remote(relay_reader(self._key))
+            self._key, self._actor = self._start_agent()
+        if self._members_of != self._key:
+            try:
+                members = await self._actor.members.remote()
+            except ray.exceptions.RayActorError as err:
+                raise TransportError(
+                    f"a new RPC agent {self._name} could not start: {err}"
+                ) from err
+            self._members, self._members_of = members, self._key
         return self._actor
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> RpcMember:
