@@ -131,6 +131,11 @@ class BucketBroker:
         self._clocks: dict[str, HandOffClock] = {}
         self._background = BackgroundTasks("bucket broker")  #: streams ended by timers
 
+    async def watch_hub(self) -> None:
+        """Start watching the hub, if not yet (whoever opens the broker calls this, so
+        that one whose hub dies before any stream reached it still ends)."""
+        self._watch_hub()
+
     # -- the learner ------------------------------------------------------------------
     async def offer(
         self,
@@ -340,8 +345,7 @@ class BucketBroker:
     def _open(self, key: StreamId) -> _Stream | None:
         """The stream of ``key``, opened if this is the first call about it; None if it
         is over."""
-        if self._watching is None:
-            self._watching = asyncio.get_running_loop().create_task(self._outlive_hub())
+        self._watch_hub()
         if key.id in self._ended:
             return None
         state = self._streams.get(key.id)
@@ -354,6 +358,10 @@ class BucketBroker:
                 key.wait_s, self._expire, state, "the hub never planned this version", True
             )
         return state
+
+    def _watch_hub(self) -> None:
+        if self._watching is None:
+            self._watching = asyncio.get_running_loop().create_task(self._outlive_hub())
 
     async def _outlive_hub(self) -> None:
         """End this actor once its hub is closed or dead (it is detached: nothing else

@@ -434,15 +434,17 @@ def test_sharded_learners_each_stream_their_own_part(crew, actors):
 def test_a_bucketing_hubs_broker_starts_with_the_hub_and_ends_with_it(actors):
     """A hub with a ``bucket_mb`` starts its broker itself (its first bucketed broadcast
     does not wait for the process); the broker is detached from the learners that use
-    it, and the hub's end, closed or dead, is its."""
+    it, and the hub's end, closed or dead, is its: also a hub that dies before any
+    bucketed version went through its broker."""
     brokers = []
-    for end in ("close", "kill"):
+    for end in ("close", "kill", "kill unused"):
         hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
-        receiver = start(actors, Receiver, hub, f"r-{end}")
+        receiver = start(actors, Receiver, hub, f"r-{end.replace(' ', '-')}")
         ready([receiver])  # registered: the hub's __init__ is done
         broker = broker_of(hub)  # before any broadcast
-        ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
-        assert broker_of(hub)._actor_id == broker._actor_id  # the learner found it
+        if end != "kill unused":
+            ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+            assert broker_of(hub)._actor_id == broker._actor_id  # the learner found it
         brokers.append(broker)
         if end == "close":
             ray.get(hub.close.remote())
