@@ -273,9 +273,11 @@ class RaySyncScheme(WeightSyncScheme):
             receiver.close()
         if getattr(self, "_owns_hub", False) and self._hub is not None:
             hub, self._hub, self._owns_hub = self._hub, None, False
-            hub.release()
-            ray.get(hub.close.remote(), timeout=self._timeout_s)
-            ray.kill(hub.actor)
+            try:
+                hub.release()
+                ray.get(hub.close.remote(), timeout=self._timeout_s)
+            finally:  # a close that timed out still ends the hub this scheme started
+                ray.kill(hub.actor)
 
     def __getstate__(self) -> dict[str, Any]:
         """What TorchRL pickles to each remote collector: the hub's handle and the
