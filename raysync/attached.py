@@ -173,7 +173,9 @@ def attach(
     Raises :class:`~raysync.SpecMismatchError` if a model disagrees with the hub's spec,
     :class:`~raysync.ModelPathError` if a path does not resolve, ``ValueError`` for
     push mode outside an actor, a path without ``owner`` or an unknown transport, and
-    :class:`~raysync.TransportUnavailableError` if the transport cannot run here.
+    :class:`~raysync.TransportUnavailableError` if the transport cannot run here, and
+    :class:`~raysync.RaySyncError` if a version the hub welcomes it with fails to apply
+    (its ``on_applied`` raised): the receiver then leaves the hub again.
     """
     delivery = DeliveryMode(mode)
     context = ray.get_runtime_context()
@@ -207,7 +209,11 @@ def attach(
     core.gate.note_loop()  # attached from a coroutine: an async host's safe points are there
     watch = HubWatch(core, heartbeat_s) if heartbeat_s is not None else None
     receiver = AttachedReceiver(core, watch)
-    core.apply_welcome(welcome)
+    try:
+        core.apply_welcome(welcome)
+    except BaseException:
+        receiver.close(timeout_s=timeout_s)  # the caller gets no receiver to close
+        raise
     if watch is not None:
         watch.start()
     return receiver

@@ -391,6 +391,11 @@ class PlainWorker:
             return self.nets.actor(obs)
 
 
+def refuse_versions(model: str, version: int) -> None:
+    """An ``on_applied`` hook that fails every version (``attach(on_applied=...)``)."""
+    raise RuntimeError(f"this host refuses version {version} of {model!r}")
+
+
 def attach_actor_net(host, hub, **options) -> str:
     """Runs in a PlainWorker through ``__ray_call__``: attach its actor net; the worker id."""
     host.receiver = raysync.attach(hub, {"policy": "nets.actor"}, owner=host, **options)

@@ -24,6 +24,7 @@ from tests.receivers import (
     filled,
     make_policy,
     make_probe_model,
+    refuse_versions,
     state_of,
 )
 
@@ -61,6 +62,25 @@ def test_a_receiver_closed_without_leaving_is_failed_once_then_dropped(actors):
     report = ray.get(hub.broadcast.remote(make_policy(), model="policy", raise_on_failure=False))
     assert report.acked == () and "no raysync receiver is attached" in report.failed["closed-1"]
     assert ray.get(hub.status.remote()).receivers == ()
+
+
+def test_an_attach_whose_first_version_fails_leaves_nothing_registered(actors):
+    """attach raised (the version the hub welcomed it with failed its hook): the caller
+    holds no receiver to close, so attach must not leave one registered behind it."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, models=("policy",))
+    ray.get(hub.broadcast.remote(make_policy(), model="policy"))
+    worker = start(actors, PlainWorker)
+    with pytest.raises(ray.exceptions.RayTaskError, match="refuses version 1"):
+        ray.get(
+            worker.__ray_call__.remote(
+                attach_actor_net, hub, worker_id="refuses", on_applied=refuse_versions
+            )
+        )
+    assert ray.get(hub.status.remote()).receivers == ()
+    held = ray.get(worker.__ray_call__.remote(lambda w: state_of(w.nets.actor)))
+    report = ray.get(hub.broadcast.remote(make_policy(), model="policy"))
+    assert (report.acked, report.failed) == ((), {})
+    assert_same(ray.get(worker.__ray_call__.remote(lambda w: state_of(w.nets.actor))), held)
 
 
 def test_a_threaded_loop_that_never_returns_takes_each_version_between_steps(actors):
