@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 import warnings
@@ -63,6 +64,8 @@ from .heap import settle_heap
 _MEMBER_LIST_KEY = "names/_ALL_WORKER_INFOS"  #: "name-rank,name-rank,"
 _TOKEN_KEY = "RpcGroupManagementToken"
 _PING_TIMEOUT_S = 2.0
+#: Places of processes that left, kept for their return (the oldest are forgotten).
+_LEFT_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,9 @@ class RpcAgentActor:
             for worker, (process, rank) in known.items()
         }
         self._ranks = itertools.count(1 + max((rank for _, rank in known.values()), default=0))
+        #: process -> its place, for processes that left (or died): one that attaches
+        #: again gets it back (torch RPC keeps a process's first rank for life)
+        self._left: dict[str, RpcMember] = {}
         self._sent = 0
         self._failures: list[str] = []
         settle_heap()
@@ -118,8 +124,14 @@ class RpcAgentActor:
             return known.member
         if known is not None:
             await asyncio.to_thread(self._unlist, {known.member.name})
-        await asyncio.to_thread(self._prune)
-        member = self._member(next(self._ranks), worker)
+        before = self._left.pop(process, None)
+        if before is not None:
+            # It left the hub, but its torch RPC lives on under its rank: its old place.
+            member = dataclasses.replace(before, worker=worker)
+            await asyncio.to_thread(self._relist, member)
+        else:
+            await asyncio.to_thread(self._prune)
+            member = self._member(next(self._ranks), worker)
         self._members[worker] = _Admitted(process, member)
         return member
 
@@ -145,6 +157,9 @@ class RpcAgentActor:
         """``worker`` left or died: no more sends, and off the group's member list."""
         gone = self._members.pop(worker, None)
         if gone is not None:
+            self._left[gone.process] = gone.member
+            while len(self._left) > _LEFT_KEPT:
+                del self._left[next(iter(self._left))]
             await asyncio.to_thread(self._unlist, {gone.member.name})
 
     async def send(self, job: RpcJob) -> dict[str, str | None]:
@@ -299,8 +314,19 @@ class RpcAgentActor:
             self._unlist(dead)
 
     def _unlist(self, names: set[str]) -> None:
-        """Remove ``names`` from the member list, holding the group's join token (taken
-        over if one of them died holding it)."""
+        """Remove ``names`` from the member list (:meth:`_edit_list`)."""
+        self._edit_list(
+            names, lambda listed: [e for e in listed if e.rsplit("-", 1)[0] not in names]
+        )
+
+    def _relist(self, member: RpcMember) -> None:
+        """Put ``member`` (a live process that left, attaching again) back on the list."""
+        entry = f"{member.name}-{member.rank}"
+        self._edit_list(set(), lambda listed: [e for e in listed if e != entry] + [entry])
+
+    def _edit_list(self, names: set[str], edit: Callable[[list[str]], list[str]]) -> None:
+        """Rewrite the member list with ``edit``, holding the group's join token (taken
+        over if one of ``names`` died holding it)."""
         store = self._group_store()
         mine = f"Token_for_{self._name}_leave"
         orphaned = {f"Token_for_{n}_{op}" for n in names for op in ("join", "leave")}
@@ -317,8 +343,7 @@ class RpcAgentActor:
                 raise TimeoutError(f"the RPC group's join token stayed with {holder}")
             time.sleep(0.01)
         try:
-            kept = [e for e in self._listed() if e.rsplit("-", 1)[0] not in names]
-            store.set(_MEMBER_LIST_KEY, "".join(f"{e}," for e in kept))
+            store.set(_MEMBER_LIST_KEY, "".join(f"{e}," for e in edit(self._listed())))
         finally:
             store.set(_TOKEN_KEY, "")
             store.set(mine, "Done")

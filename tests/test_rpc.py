@@ -16,7 +16,7 @@ from raysync import RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
 from raysync.testing import special_weights
 from tests.helpers import Gate, assert_bitwise, assert_policy_reaches, ready, start
-from tests.receivers import Collector, Holder, make_policy, state_of
+from tests.receivers import Collector, Holder, PlainWorker, attach_actor_net, make_policy, state_of
 
 _TIMEOUT_S = 10
 
@@ -170,3 +170,18 @@ def test_an_agent_replacement_cut_short_by_a_timeout_is_finished_by_the_next_pla
     )
     assert set(report.failed) == {"c0", "c1"}  # cut short: nobody got it
     assert_policy_reaches(hub, collectors, ("c0", "c1"))
+
+
+def test_a_live_process_that_left_the_hub_attaches_again(actors):
+    """torch RPC keeps a process's rank for life: a receiver process that closed its
+    receiver (left the hub) and attaches again gets its old place back."""
+    hub = start_rpc_hub(actors)
+    worker = start(actors, PlainWorker)
+    for attachment in range(2):
+        ray.get(worker.__ray_call__.remote(attach_actor_net, hub, worker_id="again"))
+        learner = make_policy()
+        report = ray.get(hub.broadcast.remote(learner, model="policy"), timeout=60)
+        assert report.acked == ("again",), attachment
+        held = ray.get(worker.__ray_call__.remote(lambda w: state_of(w.nets.actor)))
+        assert_bitwise(held, state_of(learner))
+        ray.get(worker.__ray_call__.remote(lambda w: w.receiver.close()))
