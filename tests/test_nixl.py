@@ -20,6 +20,7 @@ from raysync.spec import WeightSpec
 from raysync.transports import HubContext, TransportError, VersionDone
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl import NixlReceiver, NixlSender, NixlTransport
+from raysync.transports.nixl import receiver as nixl_receiver
 from raysync.transports.nixl.agent import new_agent
 from raysync.transports.nixl.progress import SourceProgress
 from tests.helpers import (
@@ -197,6 +198,35 @@ class _Collect(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+def test_a_receiver_keeps_only_the_learner_agents_it_read_last(monkeypatch):
+    """A learner that released its side or restarted is a new agent, and never says the
+    old one is gone: the receiver forgets the least recently read past AGENTS_KEPT
+    (metadata and prepared READs), and loads one again if it comes back."""
+    monkeypatch.setattr(nixl_receiver, "AGENTS_KEPT", 2)
+    senders, receiver = [NixlSender() for _ in range(3)], NixlReceiver()
+    try:
+        spec = WeightSpec.of(_weights(0.0))
+
+        def read(sender: NixlSender, value: float) -> None:
+            payload = _publish(sender, _weights(value), spec)
+            staged = receiver.fetch(payload, spec)
+            assert_same(dict(zip(spec.names, staged, strict=True)), _weights(value))
+            receiver.release(payload, staged)
+
+        for value, sender in enumerate(senders, start=1):
+            read(sender, float(value))
+        agents = [sender._agent.name for sender in senders]
+        assert list(receiver._sources) == agents[1:]
+        prepared = {key[0] for s in receiver._pool.created() for key in s.reads}
+        assert prepared <= set(agents[1:])
+        read(senders[0], 4.0)  # forgotten, then back: loaded again
+        assert list(receiver._sources) == [agents[2], agents[0]]
+    finally:
+        receiver.close()
+        for sender in senders:
+            sender.close()
 
 
 def test_staged_data_is_kept_until_released():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,9 @@ logger = logging.getLogger(__name__)
 _STAMP_POLL_S = 0.0001
 #: Seconds a receiver waits for one READ before it gives up on the learner.
 READ_TIMEOUT_S = 60.0
+#: Learner agents whose metadata and prepared READs a receiver keeps (sharded learners
+#: are one agent each; a learner that released or restarted is a new one).
+AGENTS_KEPT = 64
 #: Polling a READ: spin (yielding the CPU) this long, then sleep between polls.
 _SPIN_S = 0.002
 _POLL_SLEEP_S = 0.0002
@@ -97,7 +101,8 @@ class NixlReceiver(TransportReceiver):
         self._ring_pool: StagingPool[_RingStaging] = StagingPool(self._new_ring_staging)
         #: Bucketed versions another receiver serves through the object store.
         self._served = ObjectStoreReceiver(worker)
-        self._sources: dict[str, int] = {}  #: agent -> registration whose metadata is loaded
+        #: agent -> registration whose metadata is loaded, least recently read first
+        self._sources: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
 
     def fetch(
@@ -306,8 +311,14 @@ class NixlReceiver(TransportReceiver):
         return _Staging(tensor, viewed(frame.layout.views(tensor)), registered, local)
 
     def _load(self, agent: str, metadata: bytes, registration: int) -> None:
-        """Load learner ``agent``'s metadata unless this registration of it is loaded."""
+        """Load learner ``agent``'s metadata unless this registration of it is loaded.
+
+        A learner that released its side, or was restarted, comes back as a new agent
+        and never says the old one is gone: past ``AGENTS_KEPT`` agents, the one read
+        least recently is forgotten with its prepared READs (loaded again if it
+        returns; every fetch holds ``_lock``, so none is reading from it)."""
         if self._sources.get(agent) == registration:
+            self._sources.move_to_end(agent)
             return
         try:
             self._agent.add_remote_agent(metadata)
@@ -316,6 +327,9 @@ class NixlReceiver(TransportReceiver):
                 f"could not load the metadata of learner agent {agent}: {err}"
             ) from err
         self._sources[agent] = registration
+        self._sources.move_to_end(agent)
+        while len(self._sources) > AGENTS_KEPT:
+            self._forget(next(iter(self._sources)))
 
     def _prepared(self, payload: NixlPayload, staging: _Staging, frame: Frame) -> _Read:
         """The READs from ``payload``'s buffer into ``staging``, prepared on first use."""
