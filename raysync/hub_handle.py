@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -38,6 +39,8 @@ from raysync.wire_dtype import cast_to_wire, wire_spec_of
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 class _Broadcast:
@@ -167,60 +170,71 @@ class _Broadcast:
             senders, payloads = self._hand_off(
                 route, tensors, wire, travels, bucket_bytes, timeout_s
             )
-            request = BroadcastRequest(
-                model=route.model if direct else model,
-                version=version,
-                spec=spec,
-                payloads=payloads,
-                workers=None if workers is None else tuple(workers),
-                timeout_s=timeout_s,
-                wait=wait,
-                raise_on_failure=raise_on_failure,
-                learner_seconds=time.perf_counter() - started,
-                wire_spec=wire_spec,
-                submitter=side.submitter,
-                part=part,
-                parts=parts,
-                bucket_bytes=bucket_bytes,
-            )
-            with side.submitting:  # numbers in the order the calls leave this process
-                sequence = next(side.sequence)
-                floor = side.in_flight.floor(sequence)
-                sent_at = time.time()
-                calls: dict[str, tuple[str, Any]] | None = None
-                if direct:
-                    calls = {}
-                    if written is not None:
-                        assert channel is not None  # written: into the channel
-                        calls = channel.collect(written, COLLECT_WAIT_S)
-                    if not direct_version:
-                        direct_version = handle._next_direct_version(route)
-                    calls |= deliver_directly(
-                        route,
-                        direct_version,
-                        spec,
-                        payloads,
-                        wire_spec,
-                        workers,
-                        side.submitter,
-                        handle._learner_node(),
-                        reached=calls,
-                    )
-                request = dataclasses.replace(
-                    request,
-                    sequence=sequence,
-                    floor=floor,
-                    direct_version=direct_version,
-                    direct_calls=calls,
-                    sent_at=sent_at,
-                    known=handle._known_receivers(model),
+            try:
+                request = BroadcastRequest(
+                    model=route.model if direct else model,
+                    version=version,
+                    spec=spec,
+                    payloads=payloads,
+                    workers=None if workers is None else tuple(workers),
+                    timeout_s=timeout_s,
+                    wait=wait,
+                    raise_on_failure=raise_on_failure,
+                    learner_seconds=time.perf_counter() - started,
+                    wire_spec=wire_spec,
+                    submitter=side.submitter,
+                    part=part,
+                    parts=parts,
+                    bucket_bytes=bucket_bytes,
                 )
-                result = handle.actor.submit.remote(request)
-                side.in_flight.add(sequence, result)
-                side.last_results[model] = (sequence, result)
+                with side.submitting:  # numbers in the order the calls leave this process
+                    sequence = next(side.sequence)
+                    floor = side.in_flight.floor(sequence)
+                    sent_at = time.time()
+                    calls: dict[str, tuple[str, Any]] | None = None
+                    if direct:
+                        calls = {}
+                        if written is not None:
+                            assert channel is not None  # written: into the channel
+                            calls = channel.collect(written, COLLECT_WAIT_S)
+                        if not direct_version:
+                            direct_version = handle._next_direct_version(route)
+                        calls |= deliver_directly(
+                            route,
+                            direct_version,
+                            spec,
+                            payloads,
+                            wire_spec,
+                            workers,
+                            side.submitter,
+                            handle._learner_node(),
+                            reached=calls,
+                        )
+                    request = dataclasses.replace(
+                        request,
+                        sequence=sequence,
+                        floor=floor,
+                        direct_version=direct_version,
+                        direct_calls=calls,
+                        sent_at=sent_at,
+                        known=handle._known_receivers(model),
+                    )
+                    result = handle.actor.submit.remote(request)
+                    side.in_flight.add(sequence, result)
+                    side.last_results[model] = (sequence, result)
+            except BaseException as err:
+                _abandon(senders, payloads, f"the broadcast failed before it left: {err!r}")
+                raise
         done = _BroadcastDone(handle.actor, result, waits=wait)
-        for name, sender in senders.items():
-            sender.submitted(payloads[name], done)
+        names = list(senders)
+        for at, name in enumerate(names):
+            try:
+                senders[name].submitted(payloads[name], done)
+            except BaseException as err:
+                # The later hand-offs will not be written: their readers hear so now.
+                later = {n: senders[n] for n in names[at + 1 :]}
+                _abandon(later, payloads, f"hand-off {name!r} failed writing it: {err!r}")
+                raise
         return result
 
     def _hand_off(
@@ -238,16 +252,25 @@ class _Broadcast:
         handle = self._handle
         try:
             senders = {name: handle._sender(name) for name in route.hand_offs}
-            if wire is not None:
-                return senders, {name: s.send(wire, travels) for name, s in senders.items()}
-            _check_bucketed(senders)
-            assert bucket_bytes is not None  # no whole version: a bucketed one
             config = handle.config
             stall_s = (config.default_timeout_s if timeout_s is None else timeout_s) / 2
-            return senders, {
-                name: sender.send_buckets(tensors, travels, bucket_bytes, stall_s)
-                for name, sender in senders.items()
-            }
+
+            def send(sender: TransportSender) -> Any:
+                if wire is not None:
+                    return sender.send(wire, travels)
+                assert bucket_bytes is not None  # no whole version: a bucketed one
+                return sender.send_buckets(tensors, travels, bucket_bytes, stall_s)
+
+            if wire is None:
+                _check_bucketed(senders)
+            payloads: dict[str, Any] = {}
+            for name, sender in senders.items():
+                try:
+                    payloads[name] = send(sender)
+                except BaseException as err:
+                    _abandon(senders, payloads, f"hand-off {name!r} failed: {err!r}")
+                    raise
+            return senders, payloads
         except TransportError as err:
             # A closed hub has stopped its transport: say that, not what broke below it.
             if ray.get(handle.actor.closed.remote()):
@@ -255,6 +278,17 @@ class _Broadcast:
                     "the hub is shutting down and accepts no more broadcasts"
                 ) from err
             raise
+
+
+def _abandon(senders: dict[str, TransportSender], payloads: dict[str, Any], why: str) -> None:
+    """Tell each of ``senders`` that made a payload that it will not be submitted
+    (``TransportSender.abandoned``); a failure to is logged, ``why`` is what failed."""
+    for name, sender in senders.items():
+        if name in payloads:
+            try:
+                sender.abandoned(payloads[name], why)
+            except Exception:
+                logger.exception("hand-off %r could not let go of an abandoned version", name)
 
 
 def _route_in(result: ray.ObjectRef) -> Route | None:

@@ -32,6 +32,7 @@ from raysync.transports.object_store.bucket_stream import (
     BUCKETS_IN_FLIGHT,
     broker_name,
 )
+from raysync.transports.object_store.learner import ObjectStoreSender
 from raysync.transports.rpc import agent_name
 from tests.helpers import Gate, ready, start, start_hub, wait_dead, wait_process_exit
 from tests.third_party_transport import PackedObjectTransport, PutReaderTransport
@@ -224,6 +225,34 @@ def test_a_receiver_that_gives_a_version_up_holds_no_one_up(actors, transport):
     report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
     assert report.acked == ("failing", "quick")
     assert_bitwise(ray.get(failing.state.remote()), weights)
+
+
+def test_a_broadcast_whose_second_hand_off_fails_lets_go_of_the_first(actors, monkeypatch):
+    """Receivers read by nixl and by the object store: the learner hands the version to
+    each, nixl first. The object store's hand-off fails: nixl's, already made, is let go
+    (it kept the learner's tensors for a stream nothing would ever write), and the next
+    version reaches both."""
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    receivers = [
+        start(actors, Receiver, hub, "os"),
+        start(actors, Receiver, hub, "nx", transport="nixl"),
+    ]
+    ready(receivers)
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+
+    def no_room(*args, **kwargs):
+        raise MemoryError("no room for the stream")
+
+    monkeypatch.setattr(ObjectStoreSender, "send_buckets", no_room)
+    with pytest.raises(MemoryError):
+        hub.broadcast.remote(special_weights(2.0), model=MODEL)
+    monkeypatch.undo()
+    assert hub._sender("nixl")._outgoing == {}
+    weights = special_weights(3.0)
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
+    assert report.acked == ("nx", "os")
+    for receiver in receivers:
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 
 @pytest.mark.parametrize("copier_transport", ["object_store", "rpc"])

@@ -229,6 +229,44 @@ def test_a_receiver_keeps_only_the_learner_agents_it_read_last(monkeypatch):
             sender.close()
 
 
+def test_a_buffer_another_thread_sent_into_is_written_before_it_is_taken():
+    """Three sends of one spec before the first is written (three threads): the third,
+    which takes the first's buffer, waits until the first is written; the first is
+    not lost (its ``submitted`` raised 'was not sent here'), and a version abandoned
+    instead frees its buffer at once, its readers told."""
+    sender, receiver = NixlSender(), NixlReceiver()
+    try:
+        spec = WeightSpec.of(_weights(0.0))
+        first = sender.send(_weights(1.0), spec)
+        second = sender.send(_weights(2.0), spec)
+        sender.submitted(second, None)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            third = pool.submit(sender.send, _weights(3.0), spec)
+            deadline = time.monotonic() + 30
+            while not sender._written._waiters:  # type: ignore[attr-defined]
+                assert not third.done(), "the third send took a buffer not yet written"
+                assert time.monotonic() < deadline
+                time.sleep(0.001)  # polling a condition: nothing to wait on
+            sender.submitted(first, None)
+            third_payload = third.result(timeout=30)
+        assert third_payload.region == first.region
+        sender.submitted(third_payload, None)
+        for payload, value in ((second, 2.0), (third_payload, 3.0)):
+            staged = receiver.fetch(payload, spec)
+            assert_same(dict(zip(spec.names, staged, strict=True)), _weights(value))
+            receiver.release(payload, staged)
+        fourth = sender.send(_weights(4.0), spec)
+        sender.abandoned(fourth, "the broadcast failed")
+        with pytest.raises(TransportError, match="failed while writing stamp"):
+            receiver.fetch(fourth, spec)
+        fifth = _publish(sender, _weights(5.0), spec)  # took the fourth's buffer at once
+        staged = receiver.fetch(fifth, spec)
+        assert_same(dict(zip(spec.names, staged, strict=True)), _weights(5.0))
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_staged_data_is_kept_until_released():
     """Two fetched updates waiting for one safe point do not share a staging buffer."""
     sender, receiver = NixlSender(), NixlReceiver()

@@ -161,6 +161,11 @@ class TransportSender(ABC):
         """``payload`` went to the hub; ``done`` says when that broadcast ended. Default:
         nothing to track."""
 
+    def abandoned(self, payload: Any, why: str) -> None:
+        """``payload`` (from ``send`` or ``send_buckets``) will never be ``submitted``:
+        the broadcast failed in between, for ``why``. Let go of what was set aside for
+        it, and tell readers that may have been handed it. Default: nothing to do."""
+
     def close(self) -> None:
         """Release what the sender holds. Default: nothing to release."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,8 @@ class NixlSender(TransportSender):
         self._stamp = 0
         self._stamp_lock = threading.Lock()
         self._lock = threading.Lock()
+        #: Notified as a version sent into a buffer is written there, or abandoned.
+        self._written = threading.Condition(self._lock)
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> NixlPayload:
         """Pick the buffer for this version and clear its stamps; ``submitted`` writes it."""
@@ -80,6 +83,7 @@ class NixlSender(TransportSender):
             pair = self._pairs.get((spec, device)) or self._register(spec, device)
             buffer = pair.buffers[pair.next]
             pair.next ^= 1
+            self._wait_until_written(buffer)
             self._wait_until_read(buffer)
             stamp = self._next_stamp()
             buffer.frame.stamps(buffer.tensor).zero_()
@@ -142,6 +146,7 @@ class NixlSender(TransportSender):
             buffer = self._by_address[payload.region.address]
             buffer.broadcast = done
             pending, buffer.pending = buffer.pending, None
+            self._written.notify_all()
         if pending is None or pending[0] != payload.stamp:
             raise TransportError(f"nixl: version stamp {payload.stamp} was not sent here")
         stamp, sources = pending
@@ -163,6 +168,39 @@ class NixlSender(TransportSender):
         except BaseException:
             stamps.fill_(ABANDONED)
             raise
+
+    def abandoned(self, payload: NixlPayload | NixlBucketStream, why: str) -> None:
+        """Free the buffer (or the ring's place) ``payload`` was sent into; readers
+        handed it already find its stamps ``ABANDONED`` and fail at once."""
+        if isinstance(payload, NixlBucketStream):
+            with self._lock:
+                self._outgoing.pop(payload.key.id, None)
+            payload.broker.end.remote(payload.key, why)
+            return
+        with self._lock:
+            buffer = self._by_address.get(payload.region.address)
+            if buffer is None or buffer.pending is None or buffer.pending[0] != payload.stamp:
+                return
+            buffer.pending = None
+            buffer.frame.stamps(buffer.tensor).fill_(ABANDONED)
+            self._written.notify_all()
+
+    def _wait_until_written(self, buffer: _SourceBuffer) -> None:
+        """(``_lock`` held.) Wait while another thread's version, sent into ``buffer``,
+        is neither written (``submitted``) nor ``abandoned``: three threads sending one
+        spec at once would otherwise take the buffer from the first before it wrote,
+        and lose that version after the hub took it."""
+        deadline = time.monotonic() + REUSE_WAIT_S
+        while buffer.pending is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning(
+                    "a version sent into this learner's buffer was neither written nor "
+                    "abandoned within %g s; the buffer is reused",
+                    REUSE_WAIT_S,
+                )
+                return
+            self._written.wait(remaining)
 
     def _register(self, spec: WeightSpec, device: torch.device) -> _SourcePair:
         frame = Frame.of(spec)

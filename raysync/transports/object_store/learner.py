@@ -44,5 +44,10 @@ class ObjectStoreSender(TransportSender):
         if isinstance(payload, BucketStream):
             stream_out(payload, self._outgoing.pop(payload.key.id), done)
 
+    def abandoned(self, payload: Any, why: str) -> None:
+        if isinstance(payload, BucketStream):
+            self._outgoing.pop(payload.key.id, None)
+            payload.broker.end.remote(payload.key, why)
+
     def close(self) -> None:
         self._broker = None

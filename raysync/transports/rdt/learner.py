@@ -114,6 +114,12 @@ class RdtSender(TransportSender):
                 ring, outgoing = self._outgoing.pop(payload.key.id)
             ring.stream_out(payload, outgoing, done)
 
+    def abandoned(self, payload: RdtPayload | RdtBucketStream, why: str) -> None:
+        if isinstance(payload, RdtBucketStream):
+            with self._lock:
+                self._outgoing.pop(payload.key.id, None)
+            payload.broker.end.remote(payload.key, why)
+
     def close(self) -> None:
         from ray.experimental import deregister_nixl_memory
 

@@ -139,6 +139,12 @@ class SharedMemorySender(TransportSender):
         elif self._streams is not None and isinstance(payload, BucketStream):
             self._streams.submitted(payload, done)
 
+    def abandoned(self, payload: Any, why: str) -> None:
+        """A slot written for nothing stays held until the hub plans a newer version of
+        this sender's, which frees it; a bucket stream ends now."""
+        if self._streams is not None and isinstance(payload, BucketStream):
+            self._streams.abandoned(payload, why)
+
     def close(self) -> None:
         self._mappings.clear()
         if self._streams is not None:
