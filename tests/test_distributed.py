@@ -187,6 +187,30 @@ def test_a_version_in_parts_read_from_the_learners_copies_is_let_go(actors):
     ray.get(blocked)
 
 
+def test_a_plan_cut_short_while_the_last_collective_runs_still_hears_how_it_ended(actors):
+    """The next plan waits for the last collective's outcome (to form a new generation
+    if it failed); a broadcast whose timeout ends that wait must not lose the outcome:
+    the plan after it forms a new generation instead of sending into the broken one."""
+    hub, holders, busy = start_two_holders_and_a_busy_one(actors)
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)  # the first collective fails after its timeout
+    first = hub.broadcast.remote(
+        {"w": torch.randn(2048, 1024)}, timeout_s=3 * _TIMEOUT_S, raise_on_failure=False
+    )
+    cut = hub.broadcast.remote({"w": torch.randn(2048, 1024)}, timeout_s=1, raise_on_failure=False)
+    assert set(ray.get(cut, timeout=60).failed) == {"busy", "h0", "h1"}
+    ray.get(first, timeout=60)
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    weights = {"w": torch.randn(2048, 1024)}
+    report = ray.get(hub.broadcast.remote(weights), timeout=60)
+    assert report.acked == ("busy", "h0", "h1")
+    for h in [*holders, busy]:
+        assert_bitwise(ray.get(h.state.remote()), weights)
+    failures = group_status(hub).failures
+    assert not any("broke in an earlier collective" in f for f in failures), failures
+
+
 def test_pull_mode_reads_the_learner_copy(actors):
     hub = start_dist_hub(actors)
     puller = start(actors, Collector, hub, worker_id="puller", mode="pull")

@@ -97,9 +97,15 @@ class DistributedPlanner(TransportPlanner):
         if not targets:
             return {}
         async with self._lock:
-            last, self._last_job = self._last_job, None
-            if last is not None and await self._collective_failed(last):
-                self._generation = None  # form a new one
+            # Cancelled anywhere before the job is sent (the broadcast's timeout), a
+            # plan leaves this state as it found it: the last job, still to be heard
+            # from, and no sequence number taken.
+            last = self._last_job
+            if last is not None:
+                failed = await self._collective_failed(last)
+                self._last_job = None
+                if failed:
+                    self._generation = None  # form a new one
             store = await self._rank0_store()
             if store != self._store:  # first plan, or Ray restarted rank 0: new rendezvous
                 self._store, self._generation = store, None
@@ -116,11 +122,11 @@ class DistributedPlanner(TransportPlanner):
                 )
                 self._generation = generation
                 self._next_seq = 0
-            seq = self._next_seq
-            self._next_seq += 1
             for stream in streams_of(update.payload):  # rank 0 reads and relays it
                 self._broker = stream.broker
                 await stream.broker.readers.remote(stream.key, [self._reader])
+            seq = self._next_seq
+            self._next_seq += 1
             buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
             job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
             self._last_job = self._actor.broadcast.remote(job, self._reader)
