@@ -483,6 +483,22 @@ def test_a_bucketing_hubs_broker_starts_with_the_hub_and_ends_with_it(actors):
         wait_dead(broker, timeout_s=30)
 
 
+@pytest.mark.parametrize("transport", ["object_store", "nixl"])
+def test_a_bucket_broker_that_died_is_replaced_for_the_next_version(actors, transport):
+    """The broker is a detached actor Ray does not restart: one that died between two
+    bucketed versions (its node lost, an OOM kill) is started again by the learner."""
+    hub, *receivers = at_version_one(actors, "r0", "r1", transport=transport)
+    broker = broker_of(hub)
+    ray.kill(broker)
+    wait_dead(broker)
+    weights = special_weights(2.0)
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
+    assert report.acked == ("r0", "r1")
+    for receiver in receivers:
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
+    assert broker_of(hub)._actor_id != broker._actor_id
+
+
 def test_the_bucket_broker_never_imports_torch(actors):
     """The broker hands out buckets and never opens one: its process moves whole and
     bucketed versions without importing torch (three seconds of CPU and a few hundred

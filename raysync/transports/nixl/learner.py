@@ -63,10 +63,9 @@ class NixlSender(TransportSender):
         self._progress = SourceProgress(self, self._agent)
         self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
         self._by_address: dict[int, _SourceBuffer] = {}
-        #: Bucketed versions: a ring per (bucket bytes, device), the hub's broker, and
-        #: each version ``send_buckets`` started until ``submitted`` streams it out.
+        #: Bucketed versions: a ring per (bucket bytes, device), and each version
+        #: ``send_buckets`` started until ``submitted`` streams it out.
         self._rings: dict[tuple[int, torch.device], tuple[BucketRing, Any]] = {}
-        self._broker: Any = None
         self._outgoing: dict[str, tuple[BucketRing, Outgoing]] = {}
         self._registration = 0
         self._metadata = self._agent.get_agent_metadata()
@@ -113,12 +112,12 @@ class NixlSender(TransportSender):
             raise TransportError("this sender was opened without a hub: whole versions only")
         device = tensors[spec.names[0]].device
         with self._lock:
-            if self._broker is None:
-                self._broker = open_broker(self._hub)
+            # Opened (found) for each version: a broker that died since is started again.
+            broker = open_broker(self._hub)
             ring, _ = self._rings.get((bucket_bytes, device)) or self._register_ring(
                 bucket_bytes, device
             )
-            stream, outgoing = start_stream(self._broker, tensors, spec, bucket_bytes, stall_s)
+            stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
             payload = NixlBucketStream(
                 stream.broker,
                 stream.key,

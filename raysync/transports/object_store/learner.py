@@ -19,7 +19,6 @@ from raysync.transports.object_store.wire import ObjectStorePayload
 class ObjectStoreSender(TransportSender):
     def __init__(self, hub: HubContext) -> None:
         self._hub = hub
-        self._broker: Any = None
         self._outgoing: dict[str, Outgoing] = {}
         self._puts = VersionPuts()
 
@@ -34,9 +33,9 @@ class ObjectStoreSender(TransportSender):
         bucket_bytes: int,
         stall_s: float,
     ) -> BucketStream:
-        if self._broker is None:
-            self._broker = open_broker(self._hub)
-        payload, outgoing = start_stream(self._broker, tensors, spec, bucket_bytes, stall_s)
+        # Opened (found) for each version: a broker that died since is started again.
+        broker = open_broker(self._hub)
+        payload, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
         self._outgoing[payload.key.id] = outgoing
         return payload
 
@@ -48,6 +47,3 @@ class ObjectStoreSender(TransportSender):
         if isinstance(payload, BucketStream):
             self._outgoing.pop(payload.key.id, None)
             payload.broker.end.remote(payload.key, why)
-
-    def close(self) -> None:
-        self._broker = None

@@ -40,10 +40,9 @@ class RdtSender(TransportSender):
         self._progress = ray_agent_progress()
         self._hub = hub
         self._pairs: dict[tuple[WeightSpec, torch.device], list[torch.Tensor]] = {}
-        #: Bucketed versions: two registered slots per (bucket bytes, device), the
-        #: hub's broker, and each version ``send_buckets`` started until ``submitted``.
+        #: Bucketed versions: two registered slots per (bucket bytes, device), and each
+        #: version ``send_buckets`` started until ``submitted``.
         self._rings: dict[tuple[int, torch.device], tuple[RdtRing, list[torch.Tensor]]] = {}
-        self._broker = None
         self._outgoing: dict[str, tuple[RdtRing, Outgoing]] = {}
         self._lock = threading.Lock()
 
@@ -90,8 +89,8 @@ class RdtSender(TransportSender):
             raise TransportError("this sender was opened without a hub: whole versions only")
         device = tensors[spec.names[0]].device
         with self._lock:
-            if self._broker is None:
-                self._broker = open_broker(self._hub)
+            # Opened (found) for each version: a broker that died since is started again.
+            broker = open_broker(self._hub)
             entry = self._rings.get((bucket_bytes, device))
             if entry is None:
                 slots = [
@@ -100,7 +99,7 @@ class RdtSender(TransportSender):
                 for slot in slots:
                     register_nixl_memory(slot)
                 entry = self._rings[(bucket_bytes, device)] = (RdtRing(slots, REUSE_WAIT_S), slots)
-            stream, outgoing = start_stream(self._broker, tensors, spec, bucket_bytes, stall_s)
+            stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
             payload = RdtBucketStream(stream.broker, stream.key, stream.bucket_bytes)
             self._outgoing[payload.key.id] = (entry[0], outgoing)
             return payload
