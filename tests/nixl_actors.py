@@ -9,7 +9,7 @@ import ray
 import torch
 
 from raysync import WeightReceiver
-from tests.receivers import Collector, _stall_fetches, _Stalls, make_policy, state_of
+from tests.receivers import Collector, Holder, _stall_fetches, _Stalls, make_policy, state_of
 
 #: Big enough that one READ takes tens of milliseconds, so kills land mid-transfer.
 _BIG_NUMEL = 32 << 20  # 128 MB of float32
@@ -113,6 +113,11 @@ class RdtBigCollector(BigCollector.__ray_actor_class__):
 
 @ray.remote(**_RDT)
 class RdtLearner(Learner.__ray_actor_class__):
+    pass
+
+
+@ray.remote(**_RDT)
+class RdtHolder(Holder.__ray_actor_class__):
     pass
 
 

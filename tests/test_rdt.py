@@ -9,7 +9,9 @@ import ray
 import torch
 
 from raysync.transports.rdt import RdtTransport
+from raysync.transports.rdt import learner as rdt_learner
 from tests.helpers import (
+    Gate,
     assert_same,
     cpu_seconds_over_one_idle_second,
     ready,
@@ -21,6 +23,7 @@ from tests.nixl_actors import (
     RdtBigCollector,
     RdtCollector,
     RdtHashingCollector,
+    RdtHolder,
     RdtLearner,
     big_model,
     digest,
@@ -163,3 +166,29 @@ def test_no_rdt_process_spins_a_core_while_idle(actors):
     for name, actor in (("learner", learner), ("receiver", receiver)):
         cpu = ray.get(actor.__ray_call__.remote(cpu_seconds_over_one_idle_second))
         assert cpu < 0.5, f"the {name} burned {cpu:.2f} s of CPU in one idle second"
+
+
+def test_a_receiver_busy_past_its_timeouts_does_not_stall_the_learner(actors, monkeypatch):
+    """A receiver busy in a user method past two versions' timeouts keeps their delivery
+    calls queued, each holding its version's ref: the learner's third version, which
+    reuses the first's buffer, sets that buffer aside for it instead of waiting (it
+    waited REUSE_WAIT_S, 600 s by default, then failed the version for everyone)."""
+    monkeypatch.setattr(rdt_learner, "REUSE_WAIT_S", 30.0)  # the learner is this process
+    hub = start_hub(actors, "rdt")
+    template = state_of(make_policy())
+    quick, busy = (start(actors, RdtHolder, hub, template, w) for w in ("quick", "busy"))
+    ready([quick, busy])
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)
+    for _ in range(4):
+        weights = state_of(make_policy())
+        sent = hub.broadcast.remote(weights, model="m", timeout_s=1.0, raise_on_failure=False)
+        report = ray.get(sent, timeout=60)
+        assert report.acked == ("quick",) and set(report.failed) == {"busy"}
+        assert_same(ray.get(quick.state.remote()), weights)
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    weights = state_of(make_policy())
+    report = ray.get(hub.broadcast.remote(weights, model="m"), timeout=60)
+    assert report.acked == ("busy", "quick")
+    assert_same(ray.get(busy.state.remote()), weights)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 
@@ -23,8 +24,16 @@ from raysync.transports.rdt.wire import (
     tensor_transport_enabled,
 )
 
-#: Seconds ``send`` waits for Ray to free the buffer it is about to overwrite.
+logger = logging.getLogger(__name__)
+
+#: Seconds ``send`` waits for the broadcast that last used a buffer to end.
 REUSE_WAIT_S = 600.0
+#: Seconds ``send`` then waits for Ray to free it: every reader is done by then but
+#: one that timed out, whose queued delivery call still holds the version's ref.
+FREED_AFTER_END_S = 2.0
+#: Buffers set aside for such stragglers (each as large as the model) before ``send``
+#: waits out ``REUSE_WAIT_S`` for them instead.
+SET_ASIDE_MAX = 2
 
 
 class RdtSender(TransportSender):
@@ -44,10 +53,16 @@ class RdtSender(TransportSender):
         #: version ``send_buckets`` started until ``submitted``.
         self._rings: dict[tuple[int, torch.device], tuple[RdtRing, list[torch.Tensor]]] = {}
         self._outgoing: dict[str, tuple[RdtRing, Outgoing]] = {}
+        #: A whole version's ref (hex) -> its buffer, from ``send`` to ``submitted``
+        self._in: dict[str, torch.Tensor] = {}
+        #: id of a buffer -> the broadcast that last used it
+        self._broadcasts: dict[int, VersionDone] = {}
+        #: Buffers a straggler still holds a version in (see ``_reusable``)
+        self._set_aside: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> RdtPayload:
-        from ray.experimental import register_nixl_memory, wait_tensor_freed
+        from ray.experimental import register_nixl_memory
 
         device = tensors[spec.names[0]].device
         layout = PackedLayout.of(spec)
@@ -60,19 +75,70 @@ class RdtSender(TransportSender):
                 for buffer in pair:
                     register_nixl_memory(buffer)
                 self._pairs[(spec, device)] = pair
-            buffer = pair[0]
+            self._deregister_freed()
+            buffer = self._reusable(pair, 0)
             pair.reverse()  # next time, the other buffer
-            try:
-                wait_tensor_freed(buffer, timeout=REUSE_WAIT_S)
-            except TimeoutError as err:
-                raise TransportError(
-                    f"an earlier version in this learner's rdt buffer is still referenced after "
-                    f"{REUSE_WAIT_S:g} s (a receiver or the hub still holds its ObjectRef)"
-                ) from err
             layout.pack(tensors, buffer)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            return RdtPayload(ray.put([buffer], _tensor_transport="nixl"))
+            payload = RdtPayload(ray.put([buffer], _tensor_transport="nixl"))
+            self._in[payload.ref.hex()] = buffer
+            return payload
+
+    def _reusable(self, pair: list[torch.Tensor], index: int) -> torch.Tensor:
+        """(``_lock`` held.) ``pair[index]`` once the version in it is freed: after its
+        broadcast ended, and Ray dropped its last ref. A receiver that timed out while
+        busy keeps its queued delivery call, and that version's ref, for as long as it
+        stays busy: its buffer is set aside for it (freed once it lets go) and a new one
+        takes its place, so the learner does not wait on it."""
+        from ray.experimental import register_nixl_memory, wait_tensor_freed
+
+        buffer = pair[index]
+        done = self._broadcasts.pop(id(buffer), None)
+        if done is not None:
+            try:
+                done.wait(REUSE_WAIT_S)
+            except TimeoutError:
+                pass  # Ray's word below decides
+        try:
+            wait_tensor_freed(buffer, timeout=FREED_AFTER_END_S)
+            return buffer
+        except TimeoutError:
+            pass
+        if len(self._set_aside) < SET_ASIDE_MAX:
+            self._set_aside.append(buffer)
+            pair[index] = fresh = torch.zeros_like(buffer)
+            register_nixl_memory(fresh)
+            logger.warning(
+                "an rdt version's ObjectRef is still held %g s after its broadcast ended (a "
+                "receiver that timed out has its delivery queued): its buffer is set aside "
+                "until freed, and the learner writes a new one",
+                FREED_AFTER_END_S,
+            )
+            return fresh
+        try:
+            wait_tensor_freed(buffer, timeout=REUSE_WAIT_S)
+        except TimeoutError as err:
+            raise TransportError(
+                f"an earlier version in this learner's rdt buffer is still referenced after "
+                f"{REUSE_WAIT_S:g} s (a receiver or the hub still holds its ObjectRef), and "
+                f"{SET_ASIDE_MAX} buffers are already set aside for such receivers"
+            ) from err
+        return buffer
+
+    def _deregister_freed(self) -> None:
+        """(``_lock`` held.) Deregister the buffers set aside that Ray has freed since."""
+        from ray.experimental import deregister_nixl_memory, wait_tensor_freed
+
+        kept = []
+        for buffer in self._set_aside:
+            try:
+                wait_tensor_freed(buffer, timeout=0)
+            except TimeoutError:
+                kept.append(buffer)
+                continue
+            deregister_nixl_memory(buffer)
+        self._set_aside = kept
 
     def send_buckets(
         self,
@@ -112,11 +178,19 @@ class RdtSender(TransportSender):
             with self._lock:
                 ring, outgoing = self._outgoing.pop(payload.key.id)
             ring.stream_out(payload, outgoing, done)
+            return
+        with self._lock:
+            buffer = self._in.pop(payload.ref.hex(), None)
+            if buffer is not None:
+                self._broadcasts[id(buffer)] = done
 
     def abandoned(self, payload: RdtPayload | RdtBucketStream, why: str) -> None:
-        if isinstance(payload, RdtBucketStream):
-            with self._lock:
+        with self._lock:
+            if isinstance(payload, RdtBucketStream):
                 self._outgoing.pop(payload.key.id, None)
+            else:
+                self._in.pop(payload.ref.hex(), None)
+        if isinstance(payload, RdtBucketStream):
             payload.broker.end.remote(payload.key, why)
 
     def close(self) -> None:
@@ -129,6 +203,11 @@ class RdtSender(TransportSender):
             for _, slots in self._rings.values():
                 for slot in slots:
                     deregister_nixl_memory(slot)
+            for buffer in self._set_aside:
+                deregister_nixl_memory(buffer)
+            self._set_aside.clear()
+            self._in.clear()
+            self._broadcasts.clear()
             self._pairs.clear()
             self._rings.clear()
             self._outgoing.clear()
