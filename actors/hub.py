@@ -599,7 +599,11 @@ class WeightHubActor:
         tasks = [t for reports in self._reports.values() for t in reports.values()]
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._background.close()
-        await asyncio.gather(*(planner.close() for planner in self._planners.values()))
+        closing = [(name, planner.close()) for name, planner in self._planners.items()]
+        outcomes = await asyncio.gather(*(c for _, c in closing), return_exceptions=True)
+        for (name, _), outcome in zip(closing, outcomes, strict=True):
+            if isinstance(outcome, BaseException):  # the rest of the hub still closes
+                logger.warning("transport %r did not close cleanly: %r", name, outcome)
         if self._broker is not None:
             ray.kill(self._broker)  # already gone (a planner stopped it): no error
         if self._snapshot is not None:

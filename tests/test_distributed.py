@@ -13,7 +13,7 @@ import torch
 from raysync import DistributedOptions, WeightHub, WeightReceiver
 from raysync.actors.process_group import GroupStatus
 from raysync.testing import special_weights
-from tests.helpers import Gate, assert_bitwise, assert_policy_reaches, ready, start
+from tests.helpers import Gate, assert_bitwise, assert_policy_reaches, ready, start, wait_dead
 from tests.receivers import Collector, Holder, make_policy, state_of
 
 #: Short collective timeout: a member that never enters fails the collective fast.
@@ -267,6 +267,18 @@ def test_killed_process_group_actor_is_restarted_and_the_next_broadcast_arrives(
     after = group_status(hub)
     assert after.address != before.address
     assert after.members == ("c0", "c1") and after.collectives == 1
+
+
+def test_a_hub_whose_process_group_actor_is_gone_for_good_still_closes(actors):
+    hub = start_dist_hub(actors)
+    collector = start(actors, Collector, hub, worker_id="c0")
+    ready([collector])
+    ray.get(hub.broadcast.remote(make_policy()))
+    actor = ray.get_actor(f"raysync-process-group-{hub.config.hub_id}")
+    ray.kill(actor, no_restart=True)
+    wait_dead(actor)
+    ray.get(hub.close.remote(), timeout=60)  # raised the actor's death before
+    assert ray.get(hub.actor.closed.remote())
 
 
 def test_process_group_actor_killed_mid_collective_loses_no_version(actors):

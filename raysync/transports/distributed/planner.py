@@ -174,5 +174,7 @@ class DistributedPlanner(TransportPlanner):
         self._serving.close()
         try:
             await self._actor.close.remote()
+        except ray.exceptions.RayActorError:
+            pass  # already gone: nothing of it to close
         finally:
             ray.kill(self._actor)
