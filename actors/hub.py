@@ -732,6 +732,10 @@ class WeightHubActor:
                 planned.update(dict.fromkeys((e.worker for e in group), _Plan(reason=reason)))
                 continue
             for entry in group:
+                if entry.worker not in payload_of:
+                    reason = f"it left the hub while transport {transport!r} planned the version"
+                    planned[entry.worker] = _Plan(reason=reason)
+                    continue
                 planned[entry.worker] = _Plan(
                     update=dataclasses.replace(update, payload=payload_of[entry.worker])
                 )

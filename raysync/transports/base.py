@@ -203,6 +203,7 @@ class TransportPlanner:
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
     ) -> Mapping[str, Any]:
         """Per targeted worker, the payload it reads. Default: the learner's payload.
+        A worker left out (it left the hub while the plan waited) fails alone.
 
         ``update`` is the :class:`~raysync.messages.Update` of one version, ``spec`` its
         model's spec (updates carry only its digest).

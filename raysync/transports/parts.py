@@ -118,6 +118,7 @@ async def plan_parts(
             )
         )
         for target in targets
+        if all(target.worker in plan for plan in planned)  # else it left meanwhile
     }
 
 

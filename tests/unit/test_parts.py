@@ -227,6 +227,23 @@ def test_the_hub_plans_each_part_as_a_stream_of_its_own():
     assert [p.payload for p in pulled.parts] == ["put1>w0", "put2>w0"]
 
 
+def test_a_worker_one_part_was_not_planned_for_gets_no_payload():
+    """It left the hub while the parts were planned (rpc leaves it out of the next part's
+    plan): it gets nothing, which the hub reports as its failure alone."""
+
+    class _LeftAfterFirstPart(_Planner):
+        async def plan(self, update, spec, targets):
+            planned = await super().plan(update, spec, targets)
+            if len(self.planned) > 1:
+                del planned["w0"]
+            return planned
+
+    planned = asyncio.run(
+        plan_parts(_LeftAfterFirstPart(), UPDATE, HUB_SPEC, TARGETS, in_one_plan=False)
+    )
+    assert list(planned) == ["w1"]
+
+
 def test_a_transport_planning_parts_in_one_plan_gets_the_whole_update():
     planner = _Planner()
     planned = asyncio.run(plan_parts(planner, UPDATE, HUB_SPEC, TARGETS, in_one_plan=True))

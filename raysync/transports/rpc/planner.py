@@ -113,7 +113,9 @@ class RpcPlanner(TransportPlanner):
         async with self._lock:
             agent = await self._live_agent()
             self._seq += 1
-            workers = tuple(t.worker for t in targets)
+            # A target that left while this plan waited for the lock has no place in
+            # the group any more: the hub fails it alone (it gets no payload).
+            workers = tuple(t.worker for t in targets if t.worker in self._members)
             for stream in streams_of(update.payload):  # the agent reads and relays it
                 self._broker = stream.broker
                 await stream.broker.readers.remote(stream.key, [relay_reader(self._key)])
