@@ -228,20 +228,43 @@ class RpcAgentActor:
         self, workers: Sequence[str], fn: Callable, args: tuple
     ) -> dict[str, str | None]:
         """``rpc_async(worker, fn, args)`` to each of ``workers``, then wait for every
-        call: None, or why it failed, per worker."""
+        call: None, or why it failed, per worker.
+
+        A receiver admitted a moment ago, or moving here from a dead agent's group, may
+        still be inside ``init_rpc``: until its join reaches this process ``rpc_async``
+        raises ``RuntimeError``, and it still does for a moment after
+        ``get_worker_info(name)`` answers (torch knows the name before the address:
+        "could not find destination url"). So a call torch cannot make yet is tried
+        again until the deadline, while the calls to the others are on their way: one
+        receiver that never joins costs the others nothing (tried one after the other,
+        it held every later receiver's call back to the deadline)."""
+        import torch.distributed.rpc as rpc
+
         deadline = time.monotonic() + self._settings.timeout_s
         outcomes: dict[str, str | None] = {}
-        futures = {}
+        pending: dict[str, str] = {}  #: worker -> its RPC name, not called yet
         for worker in workers:
             admitted = self._members.get(worker)
             if admitted is None:
                 outcomes[worker] = "not a member of the RPC group (it left or died)"
-                continue
-            name = admitted.member.name
-            try:
-                futures[worker] = self._call_when_reachable(name, fn, args, deadline)
-            except Exception as err:
-                outcomes[worker] = f"could not send to {name}: {err}"
+            else:
+                pending[worker] = admitted.member.name
+        futures = {}
+        while pending:
+            for worker, name in list(pending.items()):
+                try:
+                    futures[worker] = rpc.rpc_async(
+                        name, fn, args=args, timeout=max(0.1, deadline - time.monotonic())
+                    )
+                except RuntimeError as err:
+                    if time.monotonic() <= deadline:
+                        continue  # not reachable yet: again, after the others
+                    outcomes[worker] = f"could not send to {name}: {err}"
+                except Exception as err:
+                    outcomes[worker] = f"could not send to {name}: {err}"
+                del pending[worker]
+            if pending:
+                time.sleep(0.01)
         for worker, future in futures.items():
             try:
                 future.wait()
@@ -259,29 +282,6 @@ class RpcAgentActor:
                     f"version {job.version} of model {job.model!r} to {worker}: {reason}",
                 ]
         return outcomes
-
-    def _call_when_reachable(
-        self, name: str, fn: Callable, args: tuple, deadline: float
-    ) -> torch.futures.Future:
-        """``rpc_async(name, fn, args)`` as soon as torch can send to ``name``.
-
-        A receiver admitted a moment ago, or moving here from a dead agent's group, may
-        still be inside ``init_rpc``: until its join reaches this process ``rpc_async``
-        raises ``RuntimeError``, and it still does for a moment after
-        ``get_worker_info(name)`` answers (torch knows the name before the address:
-        "could not find destination url"). So the call itself is retried until
-        ``deadline``; waiting for the name alone lost the version in that moment."""
-        import torch.distributed.rpc as rpc
-
-        while True:
-            try:
-                return rpc.rpc_async(
-                    name, fn, args=args, timeout=max(0.1, deadline - time.monotonic())
-                )
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
 
     # -- membership repair (worker threads) -------------------------------------------------
     def _group_store(self) -> Any:

@@ -513,3 +513,17 @@ class OtherLearner:
 
     def wait_channel(self, model: str) -> tuple[str, ...]:
         return self.hub.wait_channel(model)
+
+
+def fail_next_rpc_join(_actor) -> None:
+    """Runs in an actor through ``__ray_call__``: its next torch RPC join (moving to a
+    replaced agent's group) fails once, as one with a dead or frozen member listed can."""
+    from raysync.transports.rpc import receiver as rpc_receiver
+
+    join = rpc_receiver.init_rpc
+
+    def failing(*args, **kwargs):
+        rpc_receiver.init_rpc = join
+        raise RuntimeError("could not join the RPC group (injected)")
+
+    rpc_receiver.init_rpc = failing

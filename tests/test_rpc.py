@@ -16,7 +16,15 @@ from raysync import RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
 from raysync.testing import special_weights
 from tests.helpers import Gate, assert_bitwise, assert_policy_reaches, ready, start
-from tests.receivers import Collector, Holder, PlainWorker, attach_actor_net, make_policy, state_of
+from tests.receivers import (
+    Collector,
+    Holder,
+    PlainWorker,
+    attach_actor_net,
+    fail_next_rpc_join,
+    make_policy,
+    state_of,
+)
 
 _TIMEOUT_S = 10
 
@@ -185,3 +193,17 @@ def test_a_live_process_that_left_the_hub_attaches_again(actors):
         held = ray.get(worker.__ray_call__.remote(lambda w: state_of(w.nets.actor)))
         assert_bitwise(held, state_of(learner))
         ray.get(worker.__ray_call__.remote(lambda w: w.receiver.close()))
+
+
+def test_a_receiver_whose_move_to_a_new_agent_failed_moves_at_the_next_version(actors):
+    """The agent was replaced; a receiver's move to the new group failed (it fails that
+    version). It must try again with the next one, not stay out of every group."""
+    hub = start_rpc_hub(actors)
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    ray.get(hub.broadcast.remote(make_policy()))
+    ray.get(collectors[0].__ray_call__.remote(fail_next_rpc_join))
+    ray.kill(ray.get_actor(f"raysync-rpc-agent-{hub.config.hub_id}"))
+    report = ray.get(hub.broadcast.remote(make_policy(), raise_on_failure=False), timeout=60)
+    assert report.acked == ("c1",) and "(injected)" in report.failed["c0"]
+    assert_policy_reaches(hub, collectors, ("c0", "c1"))

@@ -193,6 +193,10 @@ class _Membership:
 
     lock = threading.Lock()
     member: RpcMember | None = None
+    #: This process's rank once it joined a group: torch's distributed autograd keeps
+    #: it for life, so every later group (a replaced agent's) must give it the same.
+    #: Set while ``member`` is None too: between groups, after a move that failed.
+    rank: int | None = None
 
     @classmethod
     def join(cls, member: RpcMember) -> RpcMember:
@@ -200,8 +204,7 @@ class _Membership:
         hub (its agent was replaced, or the hub restarted); refuses another hub's."""
         with cls.lock:
             if cls.member is None:
-                init_rpc(member.name, member.rank, member.url, member.settings)
-                cls.member = member
+                cls._init(member)
             elif cls.member.hub != member.hub:
                 raise TransportError(
                     f"this process already belongs to the RPC group of another hub "
@@ -214,37 +217,53 @@ class _Membership:
                     f"this process is {cls.member.name} in the hub's RPC group, the hub "
                     f"admitted it as {member.name}"
                 )
+            assert cls.member is not None  # joined, or raised
             return cls.member
 
     @classmethod
     def follow(cls, member: RpcMember) -> None:
-        """Called with every delivery's member: move if the hub's group changed."""
+        """Called with every delivery's member: move if the hub's group changed, or join
+        it if an earlier move failed (that delivery failed; this one tries again)."""
         with cls.lock:
-            if cls.member is not None and cls.member.key != member.key:
+            if cls.member is None:
+                if cls.rank is not None:
+                    cls._init(member)
+            elif cls.member.key != member.key:
                 cls._move(member)
 
     @classmethod
     def _move(cls, member: RpcMember) -> None:
-        """Leave the (dead) group and join ``member``'s under the same rank: torch's
-        distributed autograd, initialised by ``init_rpc``, keeps a process's first rank
-        for life. Holds ``lock``."""
+        """Leave the (dead) group and join ``member``'s under the same rank. Holds
+        ``lock``."""
         import torch.distributed.rpc as rpc
 
-        if cls.member is None:
-            raise TransportError("this process is in no RPC group to move from")
-        if cls.member.rank != member.rank:
+        if cls.member is not None and cls.member.rank != member.rank:
             raise TransportError(
                 f"the hub moved this process from rank {cls.member.rank} to rank "
                 f"{member.rank} of its new RPC group; torch RPC keeps a process's rank"
             )
         rpc.shutdown(graceful=False)
         cls.member = None
-        # init_rpc prefixes its store keys with a per-process count of init_rpc calls;
-        # the new agent's process counts its first, so this one must too.
-        with rpc._init_counter_lock:
-            rpc._init_counter = 0
+        cls._init(member)
+
+    @classmethod
+    def _init(cls, member: RpcMember) -> None:
+        """``init_rpc`` into ``member``'s group: this process's first, or again under the
+        rank it had (after a move's shutdown, or a move that failed). Holds ``lock``."""
+        import torch.distributed.rpc as rpc
+
+        if cls.rank is not None:
+            if member.rank != cls.rank:
+                raise TransportError(
+                    f"the hub placed this process at rank {member.rank} of its RPC group; "
+                    f"it was rank {cls.rank}, which torch RPC keeps for a process's life"
+                )
+            # init_rpc prefixes its store keys with a per-process count of init_rpc
+            # calls; the new agent's process counts its first, so this one must too.
+            with rpc._init_counter_lock:
+                rpc._init_counter = 0
         init_rpc(member.name, member.rank, member.url, member.settings)
-        cls.member = member
+        cls.member, cls.rank = member, member.rank
 
 
 class RpcReceiver(TransportReceiver):
