@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 #: Broadcasts end within their own timeout; past this bound the stamps still protect
 #: readers, so the learner goes on.
 REUSE_WAIT_S = 600.0
+#: Seconds a send waits for another thread's version in the same buffer to be written.
+WRITTEN_WAIT_S = 5.0
 
 
 @dataclass
@@ -188,15 +190,19 @@ class NixlSender(TransportSender):
         """(``_lock`` held.) Wait while another thread's version, sent into ``buffer``,
         is neither written (``submitted``) nor ``abandoned``: three threads sending one
         spec at once would otherwise take the buffer from the first before it wrote,
-        and lose that version after the hub took it."""
-        deadline = time.monotonic() + REUSE_WAIT_S
+        and lose that version after the hub took it. Bounded by ``WRITTEN_WAIT_S``:
+        the first thread may itself wait for this one (a broadcast on the channel path
+        holds the learner's numbering lock across its hand-off), and then its version
+        is lost as before rather than both waiting."""
+        deadline = time.monotonic() + WRITTEN_WAIT_S
         while buffer.pending is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 logger.warning(
-                    "a version sent into this learner's buffer was neither written nor "
-                    "abandoned within %g s; the buffer is reused",
-                    REUSE_WAIT_S,
+                    "a version sent into this learner's buffer by another thread was "
+                    "neither written nor abandoned within %g s; the buffer is reused (that "
+                    "version fails)",
+                    WRITTEN_WAIT_S,
                 )
                 return
             self._written.wait(remaining)
