@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -118,12 +119,16 @@ class _Broadcast:
         weights that are not contiguous tensors with data (or that hold NaN/Inf when
         the hub was started with ``reject_nonfinite=True``, or floating tensors
         narrower than ``wire_dtype``); ``ValueError`` for a ``wire_dtype`` that is not a
-        floating dtype. A spec mismatch, a stale
+        floating dtype, or a ``timeout_s`` that is not a positive number. A spec mismatch, a stale
         version, an unknown model or an unknown worker raise from ``ray.get`` of the
         result, also before any receiver is touched.
         """
         started = time.perf_counter()
         part, parts = _checked_part(part, parts, version)
+        if timeout_s is not None and not (
+            isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf
+        ):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         config = self._handle.config
         tensors = weights_mod.flatten(
             weights, what="broadcast weights", reject_nonfinite=config.reject_nonfinite

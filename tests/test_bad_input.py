@@ -313,6 +313,13 @@ def test_empty_worker_list(before):
     before.untouched()
 
 
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan"), float("inf"), "10"])
+def test_a_timeout_that_is_no_positive_number_is_refused_in_the_learner(before, timeout_s):
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        before.hub.broadcast.remote(make_policy(), timeout_s=timeout_s)
+    before.untouched()
+
+
 def test_garbage_sent_to_the_actor_directly(before):
     hub = before.hub
     with pytest.raises(TypeError, match="BroadcastRequest.*get_hub"):
