@@ -388,6 +388,9 @@ class WeightHubActor:
         self._state.check_known(model)
         spec = self._state.check_broadcast(model, request.spec)
         self._state.check_version(model, request.version)
+        version = request.version
+        if version is None and request.above > self._state.version_of(model):
+            version = request.above + 1  # its learner delivered one the hub never booked
         targets = self._state.targets(model, request.workers)
         if request.bucket_bytes is not None:
             _check_bucket_readers(targets)
@@ -395,7 +398,7 @@ class WeightHubActor:
             model,
             spec,
             request.payloads,
-            request.version,
+            version,
             wire_spec=request.wire_spec,
             origin=request.submitter,
         )

@@ -191,6 +191,7 @@ class _Broadcast:
                     part=part,
                     parts=parts,
                     bucket_bytes=bucket_bytes,
+                    above=side.last_direct.get(route.model, 0),
                 )
                 with side.submitting:  # numbers in the order the calls leave this process
                     sequence = next(side.sequence)

@@ -152,9 +152,13 @@ class HubState:
         )
         return known.spec
 
+    def version_of(self, model: str) -> int:
+        """``model``'s latest version (0: none yet)."""
+        return self.models[model].version if model in self.models else 0
+
     def check_version(self, model: str, version: int | None) -> None:
         """Raise StaleVersionError unless ``version`` is None or above the current one."""
-        current = self.models[model].version if model in self.models else 0
+        current = self.version_of(model)
         if version is not None and version <= current:
             raise StaleVersionError(
                 f"version {version} of model {model!r} is not above the current version "

@@ -119,6 +119,10 @@ class BroadcastRequest:
     #: The receivers' registrations whose actor handles the learner holds: the route
     #: the hub sends back with the result leaves those handles out.
     known: frozenset[str] = frozenset()
+    #: The last version this learner delivered itself (the direct path): a broadcast
+    #: the hub numbers goes above it, booked or not (one that failed after its direct
+    #: calls went out left receivers holding it unbooked: never again that number).
+    above: int = 0
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ named, and two learners guessing the same next version end in the hub's order.""
 
 from __future__ import annotations
 
+import pytest
 import ray
 
+from raysync import hub_handle
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import Collector, OtherLearner, make_policy, state_of
 
@@ -154,3 +156,34 @@ def test_a_named_receiver_that_left_after_the_route_is_reported_gone(actors):
     assert "left the hub" in report.failed["leaves"], report.failed
     _hold([stays], learner, 2)
     assert ray.get(leaves.version.remote()) == 1  # closed: it applied nothing more
+
+
+def test_a_version_delivered_directly_but_never_booked_is_not_numbered_again(
+    actors, monkeypatch
+):
+    """The learner delivered version 2 itself, then failed before the hub booked it (its
+    request could not be sent): receivers hold it as version 2. The next broadcast,
+    numbered by the hub, must not be version 2 again: its receivers would keep the
+    failed one's weights and be counted as having applied the new ones."""
+    hub = start_hub(actors, "object_store")
+    a = start(actors, Collector, hub, worker_id="a")
+    ready([a])
+    ray.get(hub.broadcast.remote(make_policy()))  # version 1, and the route
+    deliver = hub_handle.deliver_directly
+
+    def then_fail(*args, **kwargs):
+        calls = deliver(*args, **kwargs)
+        ray.get([ref for _, ref in calls.values()])  # applied, whatever comes next
+        raise RuntimeError("the request could not be sent (injected)")
+
+    monkeypatch.setattr(hub_handle, "deliver_directly", then_fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        hub.broadcast.remote(make_policy())
+    monkeypatch.undo()
+    assert ray.get(a.version.remote()) == 2
+    late = start(actors, Collector, hub, worker_id="late")
+    ready([late])
+    learner = make_policy()  # names a worker the route does not list: through the hub
+    report = ray.get(hub.broadcast.remote(learner, workers=["a", "late"]))
+    assert (report.version, report.acked, report.direct) == (3, ("a", "late"), ())
+    _hold([a, late], learner, 3)
