@@ -189,13 +189,18 @@ class ProcessGroupActor:
                 at += piece.numel()
             return buffer
 
-        return self._collective(job, f"collective {job.seq} (bucket {number})", fill)
+        return self._collective(job, f"collective {job.seq} (bucket {number})", fill, agree=True)
 
     def _collective(
-        self, job: BroadcastJob, what: str, fill: Callable[[], torch.Tensor]
+        self,
+        job: BroadcastJob,
+        what: str,
+        fill: Callable[[], torch.Tensor],
+        agree: bool = False,
     ) -> str | None:
-        """Join ``job``'s generation if need be and broadcast the buffer ``fill`` makes;
-        None, or why not (the group is left: members blocked in it fail fast)."""
+        """Join ``job``'s generation if need be and broadcast the buffer ``fill`` makes
+        (``agree``: see ``run_broadcast``); None, or why not (the group is left: members
+        blocked in it fail fast)."""
         generation = job.generation
         with self._lock:
             try:
@@ -205,7 +210,7 @@ class ProcessGroupActor:
                     self._group = join_group(generation, 0, self._store)
                 if self._group is None:
                     raise RuntimeError("the group broke in an earlier collective")
-                run_broadcast(self._group, fill(), generation.settings)
+                run_broadcast(self._group, fill(), generation.settings, agree=agree)
             except Exception as err:
                 self._leave()
                 reason = (

@@ -96,6 +96,19 @@ def ready(receivers) -> None:
     ray.get([r.__ray_ready__.remote() for r in receivers])
 
 
+def free_and_reach_all(hub, gate, blocked, holders, workers: tuple[str, ...]) -> None:
+    """Open ``gate`` and wait for the method it ``blocked`` in a busy receiver; then a
+    fresh 8 MB ``{"w": ...}`` version reaches exactly ``workers``, every one of
+    ``holders`` (``tests.receivers.Holder``) holding it bit for bit."""
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    weights = {"w": torch.randn(2048, 1024)}
+    report = ray.get(hub.broadcast.remote(weights), timeout=60)
+    assert report.acked == workers
+    for holder in holders:
+        assert_bitwise(ray.get(holder.state.remote()), weights)
+
+
 def assert_policy_reaches(hub, collectors, workers: tuple[str, ...]) -> None:
     """Broadcast a fresh policy: exactly ``workers`` ack it and hold it bit for bit."""
     learner = make_policy()

@@ -158,9 +158,7 @@ def test_a_named_receiver_that_left_after_the_route_is_reported_gone(actors):
     assert ray.get(leaves.version.remote()) == 1  # closed: it applied nothing more
 
 
-def test_a_version_delivered_directly_but_never_booked_is_not_numbered_again(
-    actors, monkeypatch
-):
+def test_a_version_delivered_directly_but_never_booked_is_not_numbered_again(actors, monkeypatch):
     """The learner delivered version 2 itself, then failed before the hub booked it (its
     request could not be sent): receivers hold it as version 2. The next broadcast,
     numbered by the hub, must not be version 2 again: its receivers would keep the

@@ -13,7 +13,15 @@ import torch
 from raysync import DistributedOptions, WeightHub, WeightReceiver
 from raysync.actors.process_group import GroupStatus
 from raysync.testing import special_weights
-from tests.helpers import Gate, assert_bitwise, assert_policy_reaches, ready, start, wait_dead
+from tests.helpers import (
+    Gate,
+    assert_bitwise,
+    assert_policy_reaches,
+    free_and_reach_all,
+    ready,
+    start,
+    wait_dead,
+)
 from tests.receivers import Collector, Holder, make_policy, state_of
 
 #: Short collective timeout: a member that never enters fails the collective fast.
@@ -147,15 +155,8 @@ def test_member_that_never_enters_does_not_hang_the_hub(actors):
     )
     report = ray.get(ref, timeout=60)  # the hub answers; a hang would fail here
     assert "busy" in report.failed
-    ray.get(gate.open.remote())
-    ray.get(blocked)
-
     # Whatever that collective left behind, the next version reaches every member.
-    weights = {"w": torch.randn(2048, 1024)}
-    report = ray.get(hub.broadcast.remote(weights), timeout=60)
-    assert report.acked == ("busy", "h0", "h1")
-    for h in [*holders, busy]:
-        assert_bitwise(ray.get(h.state.remote()), weights)
+    free_and_reach_all(hub, gate, blocked, [*holders, busy], ("busy", "h0", "h1"))
 
 
 def test_a_version_in_parts_read_from_the_learners_copies_is_let_go(actors):
@@ -200,13 +201,7 @@ def test_a_plan_cut_short_while_the_last_collective_runs_still_hears_how_it_ende
     cut = hub.broadcast.remote({"w": torch.randn(2048, 1024)}, timeout_s=1, raise_on_failure=False)
     assert set(ray.get(cut, timeout=60).failed) == {"busy", "h0", "h1"}
     ray.get(first, timeout=60)
-    ray.get(gate.open.remote())
-    ray.get(blocked)
-    weights = {"w": torch.randn(2048, 1024)}
-    report = ray.get(hub.broadcast.remote(weights), timeout=60)
-    assert report.acked == ("busy", "h0", "h1")
-    for h in [*holders, busy]:
-        assert_bitwise(ray.get(h.state.remote()), weights)
+    free_and_reach_all(hub, gate, blocked, [*holders, busy], ("busy", "h0", "h1"))
     failures = group_status(hub).failures
     assert not any("broke in an earlier collective" in f for f in failures), failures
 

@@ -15,7 +15,14 @@ import torch
 from raysync import RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
 from raysync.testing import special_weights
-from tests.helpers import Gate, assert_bitwise, assert_policy_reaches, ready, start
+from tests.helpers import (
+    Gate,
+    assert_bitwise,
+    assert_policy_reaches,
+    free_and_reach_all,
+    ready,
+    start,
+)
 from tests.receivers import (
     Collector,
     Holder,
@@ -119,14 +126,7 @@ def test_busy_receiver_times_out_alone_and_catches_up(actors):
     )
     assert report.acked == ("h0", "h1")
     assert "within the 3 s timeout" in report.failed["busy"]
-    ray.get(gate.open.remote())
-    ray.get(blocked)
-
-    weights = {"w": torch.randn(2048, 1024)}
-    report = ray.get(hub.broadcast.remote(weights), timeout=60)
-    assert report.acked == ("busy", "h0", "h1")
-    for h in [*holders, busy]:
-        assert_bitwise(ray.get(h.state.remote()), weights)
+    free_and_reach_all(hub, gate, blocked, [*holders, busy], ("busy", "h0", "h1"))
 
 
 def test_pull_mode_reads_the_learner_copy(actors):

@@ -125,41 +125,35 @@ def test_a_reader_that_holds_the_others_up_is_dropped_and_told_why():
     assert "dropped from the stream: it had not taken bucket 0 of 4 within 0.2 s" in why
 
 
-def test_a_reader_the_hub_dropped_no_longer_holds_the_learner():
+@pytest.mark.parametrize(
+    ("how", "told"),
+    [
+        ("dropped", "the hub dropped it (it died or left)"),
+        ("left", "it gave the version up (its ack says why)"),
+    ],
+)
+def test_a_reader_that_is_gone_no_longer_holds_the_learner(how, told):
+    """The hub dropped it (it died or left), or it said it gives the version up."""
+
     async def main():
-        # A 60 s stall: only the hub's word can let the learner go on in time.
+        # A 60 s stall: only that word can let the learner go on in time.
         broker, k, log = BucketBroker(_NO_HUB), key(count=4, wait_s=120), []
-        await broker.readers(k, ["quick", "dead"])
+        await broker.readers(k, ["quick", "gone"])
         quick = asyncio.ensure_future(reader(broker, k, "quick", log))
         sending = asyncio.ensure_future(learner(broker, k, log))
         while ("put", 1) not in log:
             await asyncio.sleep(0)
-        await broker.drop_reader("dead")
+        if how == "dropped":
+            await broker.drop_reader("gone")
+        else:
+            await broker.leave(k, "gone")
         await sending
         await quick
-        return log
-
-    log = run(main())
-    assert [e for e in log if e[0] == "put"] == [("put", i) for i in range(4)]
-
-
-def test_a_reader_that_gives_the_version_up_no_longer_holds_the_learner():
-    async def main():
-        # A 60 s stall: only the reader's word can let the learner go on in time.
-        broker, k, log = BucketBroker(_NO_HUB), key(count=4, wait_s=120), []
-        await broker.readers(k, ["quick", "refuses"])
-        quick = asyncio.ensure_future(reader(broker, k, "quick", log))
-        sending = asyncio.ensure_future(learner(broker, k, log))
-        while ("put", 1) not in log:
-            await asyncio.sleep(0)
-        await broker.leave(k, "refuses")
-        await sending
-        await quick
-        return log, await broker.take(k, 0, "refuses")
+        return log, await broker.take(k, 0, "gone")
 
     log, (boxed, why) = run(main())
     assert [e for e in log if e[0] == "put"] == [("put", i) for i in range(4)]
-    assert boxed is None and "gave the version up" in why
+    assert boxed is None and why.endswith(told), why
 
 
 def test_a_reader_that_leaves_before_the_hub_plans_the_version_is_not_waited_for():

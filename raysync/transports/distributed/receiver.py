@@ -128,7 +128,7 @@ class DistributedReceiver(TransportReceiver):
                     self._switch_to(generation, payload.rank)
                 incoming = torch.empty(size, dtype=torch.uint8, device=self._device)
                 for index, bucket in enumerate(plan):
-                    run_broadcast(self._group, incoming, settings)
+                    run_broadcast(self._group, incoming, settings, agree=True)
                     got = incoming[:HEADER_BYTES].cpu().view(torch.int64)[:5].tolist()
                     expected = [MAGIC, generation.number, payload.seq, size, index + 1]
                     if got != expected:
