@@ -130,10 +130,14 @@ class BucketBroker:
         #: stream id -> its hand-off clock, for the last ``_CLOCKS_KEPT`` streams opened
         self._clocks: dict[str, HandOffClock] = {}
         self._background = BackgroundTasks("bucket broker")  #: streams ended by timers
+        if ray.is_initialized():  # an actor (unit tests make a plain object)
+            # Its own call: one from the hub that opened it would be dropped by Ray if
+            # the hub died before the broker ran it, and the broker would outlive it.
+            ray.get_runtime_context().current_actor.watch_hub.remote()
 
     async def watch_hub(self) -> None:
-        """Start watching the hub, if not yet (whoever opens the broker calls this, so
-        that one whose hub dies before any stream reached it still ends)."""
+        """Start watching the hub, if not yet: the broker asks itself as it starts, so
+        that one whose hub dies before any stream reached it still ends."""
         self._watch_hub()
 
     # -- the learner ------------------------------------------------------------------

@@ -466,23 +466,25 @@ def test_a_bucketing_hubs_broker_starts_with_the_hub_and_ends_with_it(actors):
     it, and the hub's end, closed or dead, is its: also a hub that dies before any
     bucketed version went through its broker."""
     brokers = []
-    for end in ("close", "kill", "kill unused"):
+    for end in ("close", "kill", "kill at once"):
         hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
-        receiver = start(actors, Receiver, hub, f"r-{end.replace(' ', '-')}")
+        if end == "kill at once":  # dead right after its __init__ opened the broker
+            ready([hub.actor])
+            brokers.append(broker_of(hub))
+            ray.kill(hub.actor)
+            continue
+        receiver = start(actors, Receiver, hub, f"r-{end}")
         ready([receiver])  # registered: the hub's __init__ is done
         broker = broker_of(hub)  # before any broadcast
-        if end != "kill unused":
-            ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
-            assert broker_of(hub)._actor_id == broker._actor_id  # the learner found it
+        ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+        assert broker_of(hub)._actor_id == broker._actor_id  # the learner found it
         brokers.append(broker)
         if end == "close":
             ray.get(hub.close.remote())
         else:
             ray.kill(hub.actor)
     for broker in brokers:
-        # It looks at its hub every few seconds, and on a loaded machine Ray takes a
-        # while to report a killed hub dead (30 s once fell short, beside another suite).
-        wait_dead(broker, timeout_s=60)
+        wait_dead(broker, timeout_s=30)  # it looks at its hub every few seconds
 
 
 @pytest.mark.parametrize("transport", ["object_store", "nixl"])

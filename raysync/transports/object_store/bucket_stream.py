@@ -71,7 +71,7 @@ def open_broker(hub: HubContext) -> Any:
     else by the first learner that needs it (detached from that learner: it lives as
     long as the hub). Either finds the one running."""
     broker_class = ray.remote(actor_class(BUCKET_BROKER))
-    broker = broker_class.options(
+    return broker_class.options(
         name=broker_name(hub.hub_id),
         namespace=BROKER_NAMESPACE,
         get_if_exists=True,
@@ -79,5 +79,3 @@ def open_broker(hub: HubContext) -> Any:
         num_cpus=0,
         max_concurrency=1000,
     ).remote(hub.actor)
-    broker.watch_hub.remote()  # detached: it must see its hub go, used or not
-    return broker
