@@ -130,7 +130,8 @@ class BucketBroker:
         #: stream id -> its hand-off clock, for the last ``_CLOCKS_KEPT`` streams opened
         self._clocks: dict[str, HandOffClock] = {}
         self._background = BackgroundTasks("bucket broker")  #: streams ended by timers
-        if ray.is_initialized():  # an actor (unit tests make a plain object)
+        # An actor: unit tests make a plain object, in a process where Ray may be up.
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
             # Its own call: one from the hub that opened it would be dropped by Ray if
             # the hub died before the broker ran it, and the broker would outlive it.
             ray.get_runtime_context().current_actor.watch_hub.remote()
