@@ -76,7 +76,7 @@ class RdtSender(TransportSender):
                     register_nixl_memory(buffer)
                 self._pairs[(spec, device)] = pair
             self._deregister_freed()
-            buffer = self._reusable(pair, 0)
+            buffer = self._reusable(pair)
             pair.reverse()  # next time, the other buffer
             layout.pack(tensors, buffer)
             if device.type == "cuda":
@@ -85,15 +85,15 @@ class RdtSender(TransportSender):
             self._in[payload.ref.hex()] = buffer
             return payload
 
-    def _reusable(self, pair: list[torch.Tensor], index: int) -> torch.Tensor:
-        """(``_lock`` held.) ``pair[index]`` once the version in it is freed: after its
+    def _reusable(self, pair: list[torch.Tensor]) -> torch.Tensor:
+        """(``_lock`` held.) ``pair[0]``, next to be written, once the version in it is freed: after its
         broadcast ended, and Ray dropped its last ref. A receiver that timed out while
         busy keeps its queued delivery call, and that version's ref, for as long as it
         stays busy: its buffer is set aside for it (freed once it lets go) and a new one
         takes its place, so the learner does not wait on it."""
         from ray.experimental import register_nixl_memory, wait_tensor_freed
 
-        buffer = pair[index]
+        buffer = pair[0]
         done = self._broadcasts.pop(id(buffer), None)
         if done is not None:
             try:
@@ -107,7 +107,7 @@ class RdtSender(TransportSender):
             pass
         if len(self._set_aside) < SET_ASIDE_MAX:
             self._set_aside.append(buffer)
-            pair[index] = fresh = torch.zeros_like(buffer)
+            pair[0] = fresh = torch.zeros_like(buffer)
             register_nixl_memory(fresh)
             logger.warning(
                 "an rdt version's ObjectRef is still held %g s after its broadcast ended (a "
