@@ -86,11 +86,11 @@ class RdtSender(TransportSender):
             return payload
 
     def _reusable(self, pair: list[torch.Tensor]) -> torch.Tensor:
-        """(``_lock`` held.) ``pair[0]``, next to be written, once the version in it is freed: after its
-        broadcast ended, and Ray dropped its last ref. A receiver that timed out while
-        busy keeps its queued delivery call, and that version's ref, for as long as it
-        stays busy: its buffer is set aside for it (freed once it lets go) and a new one
-        takes its place, so the learner does not wait on it."""
+        """(``_lock`` held.) ``pair[0]``, the one to write next, once the version in
+        it is freed: after its broadcast ended, and Ray dropped its last ref. A receiver
+        that timed out while busy keeps its queued delivery call, and that version's
+        ref, for as long as it stays busy: its buffer is set aside for it (freed once it
+        lets go) and a new one takes its place, so the learner does not wait on it."""
         from ray.experimental import register_nixl_memory, wait_tensor_freed
 
         buffer = pair[0]
