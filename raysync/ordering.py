@@ -17,31 +17,65 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
 
+#: Streams with no call waiting kept, the most recently used: a stream is one learner
+#: process's side of the hub (a learner that calls ``release()`` each step begins a new
+#: one each time), and one forgotten costs nothing to a caller that sends its floor.
+STREAMS_KEPT = 1024
+
+
 class _Turns:
     """Whose turn it is, per stream: the bookkeeping both kinds of waiting share. Its
-    owner calls every method with its condition's lock held."""
+    owner calls every method with its condition's lock held. Keeps the books of every
+    stream with a call waiting and of the ``streams_kept`` others used last."""
 
-    def __init__(self, wait_s: float) -> None:
+    def __init__(self, wait_s: float, streams_kept: int = STREAMS_KEPT) -> None:
         self.wait_s = wait_s
-        self._next: dict[str, int] = {}
+        self._streams_kept = streams_kept
+        self._next: OrderedDict[str, int] = OrderedDict()  #: least recently used first
         self._waiting: dict[str, set[int]] = {}
+
+    def streams(self) -> int:
+        """How many streams it keeps books for."""
+        return len(self._next)
 
     def enter(self, stream: str, number: int, floor: int) -> None:
         self._next[stream] = max(self._next.get(stream, 1), floor)
+        self._next.move_to_end(stream)
         self._waiting.setdefault(stream, set()).add(number)
 
     def has_turn(self, stream: str, number: int) -> bool:
         return self._next[stream] >= number
 
     def leave(self, stream: str, number: int, ran: bool) -> None:
-        self._waiting[stream].discard(number)
+        waiting = self._waiting[stream]
+        waiting.discard(number)
+        if not waiting:
+            del self._waiting[stream]
         if ran:
             self._next[stream] = max(self._next[stream], number + 1)
+        self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        """Drop the least recently used streams with no call waiting, beyond those kept.
+        A call of a forgotten stream starts from its caller's floor (the hub's learners
+        send theirs); a reader of one (``passed``) waits ``wait_s`` at most, once."""
+        excess = len(self._next) - len(self._waiting) - self._streams_kept
+        if excess <= 0:
+            return
+        forgotten: list[str] = []
+        for stream in self._next:
+            if stream not in self._waiting:
+                forgotten.append(stream)
+                if len(forgotten) == excess:
+                    break
+        for stream in forgotten:
+            del self._next[stream]
 
     def passed(self, stream: str, number: int) -> bool:
         return self._next.get(stream, 1) > number
@@ -79,9 +113,14 @@ class InOrder:
     order guaranteed.
     """
 
-    def __init__(self, wait_s: float) -> None:
-        self._turns = _Turns(wait_s)
+    def __init__(self, wait_s: float, streams_kept: int = STREAMS_KEPT) -> None:
+        self._turns = _Turns(wait_s, streams_kept)
         self._changed = asyncio.Condition()
+
+    def streams(self) -> int:
+        """How many streams it keeps books for: those with a call waiting and the
+        ``streams_kept`` others used last."""
+        return self._turns.streams()
 
     async def wait_turn(self, stream: str, number: int, floor: int = 0) -> None:
         """Return once every lower number of ``stream`` has had its turn (or ``wait_s``

@@ -126,3 +126,41 @@ def test_threads_skip_a_missing_number_after_the_wait_and_a_raising_section_pass
     ran = _run_threads(gate, [("a", 4), ("a", 2), ("b", 0)])
     assert sorted(ran[:2]) == [("a", 2), ("b", 0)]
     assert ran[2:] == [("a", 4)]
+
+
+def test_idle_streams_beyond_those_kept_are_forgotten_and_start_again_from_their_floor():
+    # A learner that calls release() every step numbers its broadcasts in a new stream
+    # each time: the hub keeps books for the streams used last, not for every one.
+    gate = InOrder(wait_s=30, streams_kept=3)
+
+    async def main() -> None:
+        for step in range(10):
+            await asyncio.wait_for(gate.wait_turn(f"learner-{step}", 1, floor=1), timeout=5)
+        assert gate.streams() == 3
+        # The first stream, forgotten, sends its next call with its floor: no wait.
+        await asyncio.wait_for(gate.wait_turn("learner-0", 2, floor=2), timeout=5)
+        assert gate.streams() == 3
+
+    asyncio.run(main())
+
+
+def test_a_stream_with_a_call_waiting_is_never_forgotten():
+    # "slow" waits for its number 1 while many other streams come and go: its books stay,
+    # and its number 1 arriving lets number 2 run, in order.
+    gate = InOrder(wait_s=30, streams_kept=1)
+    ran: list[int] = []
+
+    async def section(number: int) -> None:
+        await gate.wait_turn("slow", number)
+        ran.append(number)
+
+    async def main() -> None:
+        second = asyncio.ensure_future(section(2))
+        await asyncio.sleep(0)  # let it enter and wait
+        for step in range(5):
+            await gate.wait_turn(f"other-{step}", 1)
+        assert gate.streams() == 2  # "slow" (waiting) and the last other
+        await asyncio.wait_for(asyncio.gather(section(1), second), timeout=5)
+
+    asyncio.run(main())
+    assert ran == [1, 2]
