@@ -194,8 +194,6 @@ class _Broadcast:
                     above=side.last_direct.get(route.model, 0),
                 )
                 with side.submitting:  # numbers in the order the calls leave this process
-                    sequence = next(side.sequence)
-                    floor = side.in_flight.floor(sequence)
                     sent_at = time.time()
                     calls: dict[str, tuple[str, Any]] | None = None
                     if direct:
@@ -218,15 +216,17 @@ class _Broadcast:
                         )
                     request = dataclasses.replace(
                         request,
-                        sequence=sequence,
-                        floor=floor,
                         direct_version=direct_version,
                         direct_calls=calls,
                         sent_at=sent_at,
                         known=handle._known_receivers(model),
                     )
-                    result = handle.actor.submit.remote(request)
-                    side.in_flight.add(sequence, result)
+
+                    def send(sequence: int, floor: int) -> ray.ObjectRef:
+                        numbered = dataclasses.replace(request, sequence=sequence, floor=floor)
+                        return handle.actor.submit.remote(numbered)
+
+                    sequence, result = side.submit(send)
                     side.last_results[model] = (sequence, result)
             except BaseException as err:
                 _abandon(senders, payloads, f"the broadcast failed before it left: {err!r}")

@@ -14,10 +14,9 @@ broadcast starts a new one. Called in learner processes only.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +54,8 @@ class LearnerSide:
 
     #: The stream this process's broadcasts are numbered in at the hub.
     submitter: str = field(default_factory=lambda: uuid.uuid4().hex)
-    sequence: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+    #: The number the next submit call that leaves this process takes.
+    next_sequence: int = 1
     #: Held while a broadcast is numbered and sent, so numbers leave in order.
     submitting: threading.RLock = field(default_factory=threading.RLock)
     in_flight: InFlight = field(default_factory=InFlight)
@@ -72,6 +72,19 @@ class LearnerSide:
     #: per hand-off, the transport's learner half
     senders: dict[str, TransportSender] = field(default_factory=dict)
     node_id: str = ""
+
+    def submit(self, send: Callable[[int, int], ray.ObjectRef]) -> tuple[int, ray.ObjectRef]:
+        """Number a submit call and send it: ``send(sequence, floor)`` makes the call.
+        Under :attr:`submitting`, so numbers leave in order. A number is taken only by
+        a call that left: one whose ``send`` raised is the next call's (a number the hub
+        never sees would hold the calls after it back, ``InOrder``'s wait). Returns the
+        number and the call's result."""
+        with self.submitting:
+            sequence = self.next_sequence
+            result = send(sequence, self.in_flight.floor(sequence))
+            self.next_sequence = sequence + 1
+            self.in_flight.add(sequence, result)
+            return sequence, result
 
     def sender(self, hand_off: str, open_sender: Callable[[], TransportSender]) -> TransportSender:
         """The sender of ``hand_off``, opened with ``open_sender`` on first use."""

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
+
 from raysync.hub_handle import HubHandle
+from raysync.learner_side import InFlight, end_learner_side
 from raysync.messages import HubConfig
 from raysync.transports.base import TransportSender
 
@@ -54,3 +57,25 @@ def test_release_closes_the_senders_and_the_next_use_begins_anew():
     assert sender.closed
     assert handle._side is not side and handle._side.submitter != submitter
     handle.release()
+
+
+def test_a_submit_call_that_never_left_gives_its_number_to_the_next():
+    # A number the hub never receives would hold the learner's next broadcast back (the
+    # hub waits for each number's turn): only calls that left take one.
+    side = _handle("hub-d")._side
+    sent: list[tuple[int, int]] = []
+
+    def send(sequence: int, floor: int) -> str:
+        sent.append((sequence, floor))
+        return f"result {sequence}"
+
+    def fail(sequence: int, floor: int) -> str:
+        raise RuntimeError("could not serialize the request")
+
+    assert side.submit(send) == (1, "result 1")
+    side.in_flight = InFlight()  # call 1 completed (no Ray here to ask)
+    with pytest.raises(RuntimeError, match="serialize"):
+        side.submit(fail)
+    assert side.submit(send) == (2, "result 2")
+    assert sent == [(1, 1), (2, 2)]
+    end_learner_side("hub-d")
