@@ -219,7 +219,7 @@ class _Broadcast:
                         direct_version=direct_version,
                         direct_calls=calls,
                         sent_at=sent_at,
-                        known=handle._known_receivers(model),
+                        known=handle._known_receivers(handle._route_key(model)),
                     )
 
                     def send(sequence: int, floor: int) -> ray.ObjectRef:
@@ -227,7 +227,7 @@ class _Broadcast:
                         return handle.actor.submit.remote(numbered)
 
                     sequence, result = side.submit(send)
-                    side.last_results[model] = (sequence, result)
+                    side.last_results[handle._route_key(model)] = (sequence, result)
             except BaseException as err:
                 _abandon(senders, payloads, f"the broadcast failed before it left: {err!r}")
                 raise
@@ -479,27 +479,38 @@ class HubHandle:
         previous one is still out (or failed, or the first) asks the hub for it. A
         receiver that registered since gets this version from the hub (by a new
         transport: the next version)."""
-        sequence, last = self._side.last_results.get(model, (0, None))
+        key = self._route_key(model)
+        sequence, last = self._side.last_results.get(key, (0, None))
         route = _route_in(last) if last is not None else None
         if route is None:
-            route = ray.get(self._ask_route(model, sequence, self._known_receivers(model)))
-        filled = self._with_handles(model, route)
+            route = ray.get(self._ask_route(model, sequence, self._known_receivers(key)))
+        if model is None and route.model:
+            with self._side.submitting:
+                self._side.unnamed_model = key = route.model
+        filled = self._with_handles(key, route)
         if filled is None:  # left out a handle this process let go of: ask with every one
-            filled = self._with_handles(model, ray.get(self._ask_route(model, sequence)))
+            filled = self._with_handles(key, ray.get(self._ask_route(model, sequence)))
         assert filled is not None  # a route with every handle needs none from here
         return filled
 
-    def _known_receivers(self, model: str | None) -> frozenset[str]:
-        """The registrations of ``model``'s receivers whose handles this process holds."""
-        with self._side.submitting:
-            return frozenset(self._side.handles.get(model, ()))
+    def _route_key(self, model: str | None) -> str | None:
+        """What this process keeps routes and receivers' handles under for broadcasts
+        of ``model``: the model, the one a route named for broadcasts leaving it out
+        (one model named and left out are one model: one route, one count), else None."""
+        return self._side.unnamed_model if model is None else model
 
-    def _with_handles(self, model: str | None, route: Route) -> Route | None:
+    def _known_receivers(self, key: str | None) -> frozenset[str]:
+        """The registrations of the receivers kept under route key ``key`` whose handles
+        this process holds."""
+        with self._side.submitting:
+            return frozenset(self._side.handles.get(key, ()))
+
+    def _with_handles(self, key: str | None, route: Route) -> Route | None:
         """``route`` with each receiver's actor handle (the hub leaves out those this
         process holds); None if it left out one this process does not hold. Keeps the
         handles of ``route``'s receivers only: a registration it does not list is gone."""
         with self._side.submitting:
-            held = self._side.handles.get(model, {})
+            held = self._side.handles.get(key, {})
             targets = []
             for target in route.targets:
                 if target.handle is None:
@@ -508,7 +519,7 @@ class HubHandle:
                         return None
                     target = dataclasses.replace(target, handle=handle)
                 targets.append(target)
-            self._side.handles[model] = {t.token: t.handle for t in targets}
+            self._side.handles[key] = {t.token: t.handle for t in targets}
         return dataclasses.replace(route, targets=tuple(targets)) if targets else route
 
     def _next_direct_version(self, route: Route) -> int:

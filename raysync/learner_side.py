@@ -59,11 +59,13 @@ class LearnerSide:
     #: Held while a broadcast is numbered and sent, so numbers leave in order.
     submitting: threading.RLock = field(default_factory=threading.RLock)
     in_flight: InFlight = field(default_factory=InFlight)
-    #: per ``model`` argument, the number and result of its last broadcast, whose
-    #: report (or ticket) carries the next broadcast's Route
+    #: the model a route named for broadcasts that leave ``model`` out: their route key
+    unnamed_model: str | None = None
+    #: per route key (``HubHandle._route_key``), the number and result of its last
+    #: broadcast, whose report (or ticket) carries the next broadcast's Route
     last_results: dict[str | None, tuple[int, ray.ObjectRef]] = field(default_factory=dict)
-    #: per ``model`` argument, the receivers' actor handles by registration, as the
-    #: last route listed them (the hub leaves them out of the routes it sends back)
+    #: per route key, the receivers' actor handles by registration, as the last route
+    #: listed them (the hub leaves them out of the routes it sends back)
     handles: dict[str | None, dict[str, Any]] = field(default_factory=dict)
     #: per model, the version this process last delivered itself
     last_direct: dict[str, int] = field(default_factory=dict)

@@ -185,3 +185,21 @@ def test_a_version_delivered_directly_but_never_booked_is_not_numbered_again(act
     report = ray.get(hub.broadcast.remote(learner, workers=["a", "late"]))
     assert (report.version, report.acked, report.direct) == (3, ("a", "late"), ())
     _hold([a, late], learner, 3)
+
+
+def test_a_model_named_or_left_out_is_one_model_to_the_learner(actors):
+    # The learner keeps the route its last broadcast brought back, per model: one
+    # broadcast naming "policy" moves the next version of one that leaves it out (else
+    # that one is delivered as a version already taken, then again by the hub).
+    hub = start_hub(actors, "object_store")
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    assert ray.get(hub.broadcast.remote(make_policy())).version == 1
+    named = make_policy()
+    report = ray.get(hub.broadcast.remote(named, model="policy", version=5))
+    assert report.version == 5
+    _hold(collectors, named, 5)
+    unnamed = make_policy()
+    report = ray.get(hub.broadcast.remote(unnamed))
+    assert (report.version, report.acked, report.direct) == (6, ("c0", "c1"), ("c0", "c1"))
+    _hold(collectors, unnamed, 6)
