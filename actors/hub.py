@@ -205,6 +205,7 @@ class WeightHubActor:
         #: Forgets pull receivers whose heartbeats stopped, while there are any.
         self._lease_keeper: asyncio.Task[None] | None = None
         self._closed = False
+        self._closing = asyncio.Event()  #: set with ``_closed``: ends submits' waits
         self._model_known = asyncio.Event()
         self._in_order = InOrder(_ORDER_WAIT_S)
         self._background = BackgroundTasks("hub")
@@ -221,11 +222,11 @@ class WeightHubActor:
                 f"submit takes the BroadcastRequest that HubHandle.broadcast builds, not a "
                 f"{type(request).__name__}; get a handle with raysync.get_hub(name)"
             )
-        if self._closed:
-            raise HubClosedError("the hub is shutting down and accepts no more broadcasts")
+        self._check_open()
         started = time.perf_counter()
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
         await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
+        self._check_open()  # close() may have begun while it waited its turn
         begun = None
         if request.direct_calls is not None:
             begun = self._book_direct(request, request.direct_calls, timeout_s, started)
@@ -446,14 +447,27 @@ class WeightHubActor:
         """A broadcast sent before the hub knows any model waits for the first receiver
         to register (the usual start-up race): an unnamed one is then for that model,
         a named one must name a model that receiver registered."""
+        known = asyncio.ensure_future(self._model_known.wait())
+        closing = asyncio.ensure_future(self._closing.wait())
         try:
-            await asyncio.wait_for(self._model_known.wait(), timeout_s)
-        except asyncio.TimeoutError:
+            await asyncio.wait(
+                [known, closing], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            known.cancel()
+            closing.cancel()
+        self._check_open()
+        if not self._model_known.is_set():
             raise UnknownModelError(
                 f"no receiver registered a model within {timeout_s:g} s; declare the "
                 "model to broadcast before any receiver exists: "
                 "WeightHub.remote(models=[...])"
-            ) from None
+            )
+
+    def _check_open(self) -> None:
+        """HubClosedError once :meth:`close` has begun."""
+        if self._closed:
+            raise HubClosedError("the hub is shutting down and accepts no more broadcasts")
 
     # -- receivers -------------------------------------------------------------------------
     async def register(self, registration: Registration) -> Welcome:
@@ -595,8 +609,10 @@ class WeightHubActor:
         return self._closed
 
     async def close(self) -> None:
-        """Refuse new broadcasts and wait for those in flight."""
+        """Refuse new broadcasts (those waiting for their turn or a first model too)
+        and wait for those in flight."""
         self._closed = True
+        self._closing.set()
         await self._refuse_learner_deliveries()
         self._assemblies.fail_all("the hub is shutting down")
         tasks = [t for reports in self._reports.values() for t in reports.values()]

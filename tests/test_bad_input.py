@@ -341,6 +341,18 @@ def test_broadcast_while_shutting_down(actors, transport):
     assert_same(ray.get(collector.state.remote()), state_of(learner))
 
 
+def test_a_broadcast_waiting_for_a_first_receiver_ends_when_the_hub_closes(actors):
+    # It would wait its whole timeout for a receiver that will never register.
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    waiting = hub.broadcast.remote(make_policy(), timeout_s=300)
+    # A route asked after this learner's broadcast 1 comes once that broadcast had its
+    # turn at the hub: it is then waiting for a receiver.
+    ray.get(hub.actor.route.remote(None, hub._side.submitter, 1))
+    ray.get(hub.close.remote())
+    with pytest.raises(HubClosedError, match="shutting down"):
+        ray.get(waiting, timeout=60)
+
+
 # The check is the learner's; NaN and inf crossing every transport bit for bit is the
 # conformance kit's (raysync.testing.special_weights).
 def test_nonfinite_allowed_unless_configured(actors):
