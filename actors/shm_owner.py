@@ -243,13 +243,18 @@ class ShmOwner:
             write_seq(segment.buffer, 0)
             np.copyto(segment.buffer[HEADER_BYTES:].numpy(), data)
             write_seq(segment.buffer, slot.seq)
-        finally:
+        except BaseException:
             with self._lock:
                 segment.holds.discard(RELAYING)
                 self._lock.notify_all()
-        with self._lock:
-            self._relays += 1
-            return self._deliver(self._pid, slot.seq, model, workers)
+            raise
+        with self._lock:  # its receivers' holds are taken before its own goes
+            try:
+                self._relays += 1
+                return self._deliver(self._pid, slot.seq, model, workers)
+            finally:
+                segment.holds.discard(RELAYING)
+                self._lock.notify_all()
 
     def release(self, pid: int, seq: int, worker: str) -> None:
         """``worker`` is done with version ``seq`` (copied or skipped it). It may come

@@ -72,3 +72,64 @@ def test_a_slot_is_not_handed_out_while_the_owner_exports_it(monkeypatch):
         assert "exporting/1" not in owner.stats().holds  # and free again once copied
     finally:
         owner.close()
+
+
+def test_a_relayed_slot_stays_held_until_its_receivers_hold_it(monkeypatch):
+    """A second relay of the same model, whenever it comes while the first one copies
+    and hands its slot over, must not take that slot (one slot: it would rewrite the
+    first version under its receivers). Here it comes at each moment the first relay
+    takes the owner's lock after its copy arrived, and finds no free slot."""
+    import threading
+
+    import numpy as np
+
+    from raysync.actors import shm_owner
+    from raysync.layout import HEADER_BYTES
+    from raysync.transports.base import TransportError
+
+    owner = ShmOwner("node", max_slots=1)
+    nbytes = 4096
+    copied = threading.Event()
+    second: list[object] = []
+
+    def get(ref: str) -> np.ndarray:
+        copied.set()
+        return np.full(nbytes - HEADER_BYTES, 1 if ref == "first" else 2, dtype=np.uint8)
+
+    def relay_second() -> None:
+        try:
+            second.append(owner.relay(["second"], nbytes, "m", ("w2",), 0.2))
+        except TransportError as err:
+            second.append(err)
+
+    class EachEntry:
+        """The owner's lock, running the second relay (in its own thread, to its end)
+        before each entry of the first relay's thread once its copy arrived."""
+
+        def __init__(self, lock: object) -> None:
+            self._lock = lock
+
+        def __enter__(self) -> object:
+            if copied.is_set() and threading.current_thread() is first_thread:
+                racer = threading.Thread(target=relay_second)
+                racer.start()
+                racer.join()
+            return self._lock.__enter__()
+
+        def __exit__(self, *exc: object) -> object:
+            return self._lock.__exit__(*exc)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._lock, name)
+
+    monkeypatch.setattr(shm_owner.ray, "get", get)
+    owner._lock = EachEntry(owner._lock)
+    first_thread = threading.current_thread()
+    try:
+        slot = owner.relay(["first"], nbytes, "m", ("w1",), 5.0)
+        assert second and all(isinstance(s, TransportError) for s in second), second
+        segment = owner._by_seq[slot.seq]
+        assert int(segment.buffer[HEADER_BYTES]) == 1  # the first version, whole
+        assert "worker/w1" in owner.stats().holds
+    finally:
+        owner.close()
