@@ -203,9 +203,12 @@ class ShmOwner:
         self._lock.notify_all()
         return self._slot(segment)
 
-    def export(self, pid: int, seq: int) -> list[ray.ObjectRef]:
-        """Put version ``seq`` into the object store once, for other nodes' owners."""
-        with self._lock:
+    def export(self, pid: int, seq: int, order: int = 0) -> list[ray.ObjectRef]:
+        """Put version ``seq`` into the object store once, for other nodes' owners.
+        ``order``: its number among the hub's calls (see :meth:`deliver`), taken right
+        after the version's own hold, so a newer version's cannot come between and
+        leave it held by nothing."""
+        with self._in_order.turn("hub", order):
             segment = self._by_seq.get(seq) if pid == self._pid else None
             if segment is None or not segment.holds:
                 raise TransportError(

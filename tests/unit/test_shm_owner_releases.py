@@ -133,3 +133,26 @@ def test_a_relayed_slot_stays_held_until_its_receivers_hold_it(monkeypatch):
         assert "worker/w1" in owner.stats().holds
     finally:
         owner.close()
+
+
+def test_an_export_numbered_after_its_hold_comes_before_a_newer_versions_hold(monkeypatch):
+    """Exported for other nodes, held here by nothing but being the latest: the hold of
+    the next version (the hub's next number) must wait for the export, which would
+    otherwise find the slot held by nothing and refuse, failing every other node."""
+    import threading
+
+    from raysync.actors import shm_owner
+
+    monkeypatch.setattr(shm_owner.ray, "put", lambda data: "ref")
+    owner = ShmOwner("node", max_slots=2)
+    try:
+        older = owner.acquire(4096, timeout_s=5.0, learner="learner")
+        newer = owner.acquire(4096, timeout_s=5.0, learner="learner")
+        owner.deliver(PID, older.seq, "m", (), order=1)
+        later = threading.Thread(target=owner.deliver, args=(PID, newer.seq, "m", (), 3))
+        later.start()  # the newer version's hold reaches the owner before the export
+        assert owner.export(PID, older.seq, order=2) == ["ref"]
+        later.join()
+        assert owner.stats().holds == ("latest/m",)
+    finally:
+        owner.close()

@@ -151,7 +151,10 @@ class SharedMemoryPlanner(TransportPlanner):
             if update.version > version:
                 self._latest[update.model] = (update.version, relayed)
         missing = [node_id for node_id in by_node if node_id not in relayed]
-        export = await owner.export.remote(slot.pid, slot.seq) if missing else None
+        export = None
+        if missing:  # numbered next to its hold: the owner exports it before a newer one
+            turn = next(self._orders[slot.node_id])
+            export = await owner.export.remote(slot.pid, slot.seq, turn)
 
         async def to_node(node_id: str, workers: tuple[str, ...]) -> None:
             node_owner = self._owner(node_id)
