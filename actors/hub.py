@@ -29,6 +29,7 @@ from collections import OrderedDict
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError, RayError
 
 from raysync.background import BackgroundTasks
 from raysync.channel_replies import ChannelReplies
@@ -68,6 +69,7 @@ from raysync.spec import WeightSpec
 from raysync.transports import (
     Availability,
     TransportPlanner,
+    Unplanned,
     get_transport,
     register_transport,
 )
@@ -96,6 +98,8 @@ _REFUSALS_KEPT = 256
 _ORDER_WAIT_S = 1.0
 #: How long ``close`` waits for receivers to hear that learners' own deliveries end.
 _CLOSE_NOTICE_S = 10.0
+#: How long the hub waits for a receiver it could not plan for to answer "alive?".
+_ALIVE_CHECK_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -680,6 +684,9 @@ class WeightHubActor:
                 for worker, reason in delivery.gone.items()
             ),
         )
+        for entry in targets:
+            if planned[entry.worker].update is None:
+                self._background.spawn(self._drop_if_dead(entry), f"is {entry.worker} alive")
         acked = tuple(sorted(o.worker for o in outcomes if o.error is None))
         failed = {o.worker: o.error for o in outcomes if o.error is not None}
         causes = [o.cause or FailureCause.RAISED for o in outcomes if o.error is not None]
@@ -701,6 +708,23 @@ class WeightHubActor:
         loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, self._record, report, causes)
         return report
+
+    async def _drop_if_dead(self, entry: ReceiverEntry) -> None:
+        """Drop a receiver its transport had no plan for, if it is dead: it was not called,
+        so nothing else would notice (its node died and took the transport's resources
+        there with it: every later version would fail it again)."""
+        registration = entry.registration
+        try:
+            await asyncio.wait_for(registration.handle.__ray_ready__.remote(), _ALIVE_CHECK_S)
+        except ActorDiedError:
+            logger.warning(
+                "%s (%s) died; dropped from the registry until it registers again",
+                registration.worker,
+                registration.actor,
+            )
+            self._drop(registration.worker, registration.token)
+        except (asyncio.TimeoutError, RayError):
+            pass  # busy, or restarting: its next delivery tells
 
     def _record(self, report: BroadcastReport, causes: list[FailureCause]) -> None:
         """Ray metrics of one broadcast, and every receiver's lag after it."""
@@ -754,6 +778,10 @@ class WeightHubActor:
                 if entry.worker not in payload_of:
                     reason = f"it left the hub while transport {transport!r} planned the version"
                     planned[entry.worker] = _Plan(reason=reason)
+                    continue
+                if isinstance(unplanned := payload_of[entry.worker], Unplanned):
+                    reason = f"transport {transport!r} could not plan its delivery: "
+                    planned[entry.worker] = _Plan(reason=reason + unplanned.reason)
                     continue
                 planned[entry.worker] = _Plan(
                     update=dataclasses.replace(update, payload=payload_of[entry.worker])

@@ -20,6 +20,7 @@ from raysync.transports.base import (
     TransportPlanner,
     TransportReceiver,
     TransportSender,
+    Unplanned,
     VersionDone,
 )
 from raysync.transports.options import DistributedOptions, RpcOptions
@@ -122,6 +123,7 @@ __all__ = [
     "TransportPlanner",
     "TransportReceiver",
     "TransportSender",
+    "Unplanned",
     "VersionDone",
     "available_transports",
     "get_transport",

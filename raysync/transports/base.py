@@ -27,7 +27,8 @@ process that calls each method:
    may change its weights once ``submitted`` returns.
 5. hub process, each broadcast: ``payloads = await planner.plan(update, spec, targets)`` maps
    each targeted worker to the payload it reads (default: the learner's payload for
-   all). This is where a transport relays per node. The hub keeps the latest update
+   all), or to :class:`Unplanned` (why there is none: that worker fails alone). This is
+   where a transport relays per node. The hub keeps the latest update
    for receivers that join later and never opens a payload itself, so it never
    imports a transport's heavy dependency unless the planner does. A transport that
    declares ``learner_delivers`` lets the learner call its receivers itself with the
@@ -188,6 +189,15 @@ class ReceiverInfo:
     entry: Any = None
 
 
+@dataclass(frozen=True)
+class Unplanned:
+    """What :meth:`TransportPlanner.plan` maps a worker to when it has no payload for it
+    (its node's relay failed, its node is gone): that worker fails, for ``reason``,
+    and the others read theirs."""
+
+    reason: str
+
+
 class TransportPlanner:
     """Hub-side half of a transport (hub process). The default forwards the learner's
     payload to every receiver and needs no connection details."""
@@ -202,8 +212,9 @@ class TransportPlanner:
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
     ) -> Mapping[str, Any]:
-        """Per targeted worker, the payload it reads. Default: the learner's payload.
-        A worker left out (it left the hub while the plan waited) fails alone.
+        """Per targeted worker, the payload it reads, or :class:`Unplanned` with why it
+        has none. Default: the learner's payload. A worker left out (it left the hub
+        while the plan waited) fails alone.
 
         ``update`` is the :class:`~raysync.messages.Update` of one version, ``spec`` its
         model's spec (updates carry only its digest).

@@ -32,7 +32,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from raysync.spec import WeightSpec
-from raysync.transports.base import ReceiverInfo, TransportPlanner, TransportReceiver
+from raysync.transports.base import (
+    ReceiverInfo,
+    TransportPlanner,
+    TransportReceiver,
+    Unplanned,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -110,16 +115,23 @@ async def plan_parts(
     if not isinstance(parted, Parts) or in_one_plan:
         return await planner.plan(update, spec, targets)
     planned = await _each_part(update, parted, lambda u, s: planner.plan(u, s, targets))
-    return {
-        target.worker: Parts(
-            tuple(
-                Part(plan[target.worker], part.spec)
-                for plan, part in zip(planned, parted.parts, strict=True)
+    payloads: dict[str, Any] = {}
+    for target in targets:
+        worker = target.worker
+        if not all(worker in plan for plan in planned):
+            continue  # it left meanwhile
+        unplanned = [plan[worker] for plan in planned if isinstance(plan[worker], Unplanned)]
+        payloads[worker] = (
+            unplanned[0]
+            if unplanned
+            else Parts(
+                tuple(
+                    Part(plan[worker], part.spec)
+                    for plan, part in zip(planned, parted.parts, strict=True)
+                )
             )
         )
-        for target in targets
-        if all(target.worker in plan for plan in planned)  # else it left meanwhile
-    }
+    return payloads
 
 
 class PullPlanner(Protocol):

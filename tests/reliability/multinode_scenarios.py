@@ -1,11 +1,12 @@
-"""Three simulated nodes, two scenarios: what crosses a node boundary once per node.
+"""Three simulated nodes (four for a while), three scenarios: what crosses a node
+boundary once per node, and a node lost.
 
 Run by ``test_multinode.py`` as a script in a fresh interpreter
 (``python -m tests.reliability.multinode_scenarios`` from the repository root): it starts
 a Ray cluster of its own (``ray.cluster_utils.Cluster``: a head and two worker nodes on
 this machine), which cannot start while the pytest process is connected to the session
-cluster of ``conftest.py``. Starting one costs several seconds on two cores, so both
-scenarios run in this one cluster, one after the other:
+cluster of ``conftest.py``. Starting one costs several seconds on two cores, so every
+scenario runs in this one cluster, one after the other:
 
 - ``object_store``: 6 receivers on the two worker nodes; after each of 3 broadcasts the
   version's object is on exactly 3 nodes (the learner's and one per receiver node: Ray's
@@ -16,6 +17,8 @@ scenarios run in this one cluster, one after the other:
   however many receivers that node has; every receiver holds it bit for bit. A late
   joiner on a node that holds the latest version reads it there (no new relay); a pull
   receiver on another node reuses that node's relay; after ``close`` every owner is gone.
+- ``node_lost`` (shared memory): a third worker node with two receivers is removed after a broadcast;
+  the next versions reach the receiver on another node, and the lost ones are dropped.
 
 The script asserts nothing: it prints one line, ``SCENARIOS <json>``, with what each
 scenario observed (``facts``) and, if a scenario raised, the traceback (``error``), and the
@@ -70,6 +73,8 @@ def main() -> int:
         results = {
             "object_store": run(object_store_copies_once_per_node, nodes),
             "shared_memory": run(shared_memory_relays_once_per_node, nodes),
+            # Last: it adds a node and removes it.
+            "node_lost": run(functools.partial(shared_memory_survives_a_lost_node, cluster), nodes),
         }
         print(RESULT_PREFIX + json.dumps(results), flush=True)
     finally:
@@ -174,6 +179,47 @@ def shared_memory_relays_once_per_node(nodes: dict[str, str], facts: dict) -> No
     ray.get(hub.close.remote())
     owners = [owner_name(hub.config.hub_id, node_id) for node_id in nodes.values()]
     facts["owners_alive_after_close"] = owners_still_alive(owners, _OWNERS_GONE_TIMEOUT_S)
+
+
+def shared_memory_survives_a_lost_node(
+    cluster: Cluster, nodes: dict[str, str], facts: dict
+) -> None:
+    """A node with receivers is removed: the receivers elsewhere go on receiving every
+    version, those of the lost node fail (they are not called: no owner can run there)
+    and are dropped from the hub's registry."""
+    lost = cluster.add_node(**_NODE_ARGS, resources={"node_c": 100})
+    cluster.wait_for_nodes()
+    hub = WeightHub.options(resources={"head": 0.01}).remote(transport="shared_memory")
+    receivers = {name: on_node(label, hub, name) for label, name in _LOST_NODE_RECEIVERS}
+    ray.get([r.__ray_ready__.remote() for r in receivers.values()])
+    learner = make_policy()
+    facts["before"] = list(ray.get(hub.broadcast.remote(learner)).acked)
+    cluster.remove_node(lost)
+    facts["after"] = []
+    for _ in range(3):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(torch.randn_like(p))
+        report = ray.get(hub.broadcast.remote(learner, raise_on_failure=False, timeout_s=60))
+        facts["after"].append({"acked": list(report.acked), "failed": sorted(report.failed)})
+    kept = {"node_a-0": receivers["node_a-0"]}
+    facts["not_bitwise_equal"] = not_bitwise_equal(kept, state_of(learner))
+    facts["registered"] = registered_once_lost_gone(hub, _OWNERS_GONE_TIMEOUT_S)
+    ray.get(hub.close.remote())
+
+
+_LOST_NODE_RECEIVERS = (("node_a", "node_a-0"), ("node_c", "node_c-0"), ("node_c", "node_c-1"))
+
+
+def registered_once_lost_gone(hub, timeout_s: float) -> list[str]:
+    """The workers ``hub`` lists once none of the lost node's is left, or once
+    ``timeout_s`` has passed (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = sorted(r.worker for r in ray.get(hub.status.remote()).receivers)
+        if not any(w.startswith("node_c") for w in workers) or time.monotonic() >= deadline:
+            return workers
+        time.sleep(0.2)
 
 
 def on_node(label: str, hub, worker_id: str, **collector_args):

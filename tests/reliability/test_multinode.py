@@ -125,3 +125,15 @@ def test_shared_memory_late_joiner_and_puller_read_their_nodes_relay(scenarios):
 def test_shared_memory_owners_gone_after_close(scenarios):
     facts = scenarios.facts("shared_memory")
     assert facts["owners_alive_after_close"] == [], "owners still alive 30 s after close"
+
+
+def test_shared_memory_goes_on_without_a_lost_node_and_drops_its_receivers(scenarios):
+    facts = scenarios.facts("node_lost")
+    assert facts["before"] == ["node_a-0", "node_c-0", "node_c-1"]
+    # Each version after the loss reaches the receiver on the node that lives; the lost
+    # ones fail (or are gone from the registry already), never the living one.
+    for broadcast in facts["after"]:
+        assert broadcast["acked"] == ["node_a-0"], broadcast
+        assert set(broadcast["failed"]) <= {"node_c-0", "node_c-1"}, broadcast
+    assert facts["not_bitwise_equal"] == {}
+    assert facts["registered"] == ["node_a-0"]

@@ -14,7 +14,7 @@ from raysync.errors import SpecMismatchError
 from raysync.messages import BroadcastRequest, Update
 from raysync.part_assembly import PartAssembly
 from raysync.spec import WeightSpec
-from raysync.transports.base import ReceiverInfo, TransportPlanner, TransportReceiver
+from raysync.transports.base import ReceiverInfo, TransportPlanner, TransportReceiver, Unplanned
 from raysync.transports.parts import (
     Part,
     PartedReceiver,
@@ -242,6 +242,25 @@ def test_a_worker_one_part_was_not_planned_for_gets_no_payload():
         plan_parts(_LeftAfterFirstPart(), UPDATE, HUB_SPEC, TARGETS, in_one_plan=False)
     )
     assert list(planned) == ["w1"]
+
+
+def test_a_worker_one_part_could_not_be_planned_for_gets_why():
+    """Its node's relay of the second part failed: it gets that part's Unplanned (the
+    hub reports it as its failure alone), the other worker its parts."""
+    why = Unplanned("the relay to its node failed")
+
+    class _SecondPartUnplannedForW0(_Planner):
+        async def plan(self, update, spec, targets):
+            planned = await super().plan(update, spec, targets)
+            if update.payload == "put2":
+                planned["w0"] = why
+            return planned
+
+    planned = asyncio.run(
+        plan_parts(_SecondPartUnplannedForW0(), UPDATE, HUB_SPEC, TARGETS, in_one_plan=False)
+    )
+    assert planned["w0"] == why
+    assert [p.payload for p in planned["w1"].parts] == ["put1@w1", "put2@w1"]
 
 
 def test_a_transport_planning_parts_in_one_plan_gets_the_whole_update():

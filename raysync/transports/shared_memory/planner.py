@@ -9,12 +9,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayError
 
 from raysync.actor_classes import SHM_OWNER, actor_class
 from raysync.background import BackgroundTasks
 from raysync.spec import WeightSpec
-from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
+from raysync.transports.base import (
+    HubContext,
+    ReceiverInfo,
+    TransportError,
+    TransportPlanner,
+    Unplanned,
+)
 from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.planner import ObjectStorePlanner
 from raysync.transports.shared_memory.wire import (
@@ -68,21 +74,30 @@ class SharedMemoryPlanner(TransportPlanner):
         return owner
 
     async def _watch(self, node_id: str, owner: Any) -> None:
-        """Restart ``node_id``'s owner if it dies while the hub is open and the node lives."""
+        """Restart ``node_id``'s owner if it dies while the hub is open and the node lives
+        (an owner whose node died cannot be scheduled: Ray says so with a RayError)."""
         try:
             await owner.closed.remote()
-        except RayActorError:
+        except RayError:
             if self._closed or self._owners.get(node_id) is not owner:
                 return
             del self._owners[node_id]
             for _, payloads in self._latest.values():
                 payloads.pop(node_id, None)
-            if any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            if _alive(node_id):
                 self._start_owner(node_id)
 
     def _owner(self, node_id: str) -> Any:
+        """``node_id``'s owner, started if it has none; TransportError if the node is gone."""
         owner = self._owners.get(node_id)
-        return owner if owner is not None else self._start_owner(node_id)
+        if owner is not None:
+            return owner
+        if not _alive(node_id):
+            raise TransportError(
+                f"node {node_id} is gone: no shared-memory owner can run there (its "
+                "receivers died with it)"
+            )
+        return self._start_owner(node_id)
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> SharedMemoryReceiverInfo:
         # A (re)joining worker holds nothing yet: drop what a former incarnation held,
@@ -103,8 +118,8 @@ class SharedMemoryPlanner(TransportPlanner):
         for owner in list(self._owners.values()):
             try:
                 await owner.drop_worker.remote(worker)
-            except RayActorError:
-                continue  # its watch restarts it; a new owner holds nothing
+            except RayError:
+                continue  # its watch restarts it (a new owner holds nothing), or its node died
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """A puller reads its own node's copy, held for it like a broadcast's target (a
@@ -142,7 +157,9 @@ class SharedMemoryPlanner(TransportPlanner):
             next(self._orders[slot.node_id]),
         )
         self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
-        payloads = {r.worker: source for r in targets if r.node_id == slot.node_id}
+        payloads: dict[str, SharedMemoryPayload | Unplanned] = {
+            r.worker: source for r in targets if r.node_id == slot.node_id
+        }
         if not by_node:
             return payloads
         version, relayed = self._latest.get(update.model, (0, {}))
@@ -174,14 +191,22 @@ class SharedMemoryPlanner(TransportPlanner):
             relayed[node_id] = SharedMemoryPayload(node_slot)
             payloads.update({w: relayed[node_id] for w in workers})
 
-        await asyncio.gather(*(to_node(n, tuple(ws)) for n, ws in by_node.items()))
+        relays = await asyncio.gather(
+            *(to_node(n, tuple(ws)) for n, ws in by_node.items()), return_exceptions=True
+        )
+        for (node_id, workers), relay in zip(by_node.items(), relays, strict=True):
+            if isinstance(relay, BaseException):  # that node's receivers fail, no other
+                if not isinstance(relay, Exception):
+                    raise relay
+                why = Unplanned(f"the shared-memory relay to node {node_id} failed: {relay!r}")
+                payloads.update(dict.fromkeys(workers, why))
         return payloads
 
     async def _confirm(self, held: ray.ObjectRef, update: Any) -> None:
         """Log a hold the owner refused; its receivers fail on the slot's sequence check."""
         try:
             await held
-        except (RayActorError, TransportError) as err:
+        except (RayError, TransportError) as err:
             logger.warning(
                 "shared-memory owner could not hold version %d of model %r: %s",
                 update.version,
@@ -196,7 +221,12 @@ class SharedMemoryPlanner(TransportPlanner):
         for owner in self._owners.values():
             try:
                 await owner.close.remote()
-            except RayActorError:
-                pass  # died already: its segments died with its process
+            except RayError:
+                pass  # died already (or its node did): its segments died with its process
             ray.kill(owner)
         self._owners.clear()
+
+
+def _alive(node_id: str) -> bool:
+    """Whether Ray lists node ``node_id`` as alive (asks the GCS)."""
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
