@@ -17,8 +17,9 @@ scenario runs in this one cluster, one after the other:
   however many receivers that node has; every receiver holds it bit for bit. A late
   joiner on a node that holds the latest version reads it there (no new relay); a pull
   receiver on another node reuses that node's relay; after ``close`` every owner is gone.
-- ``node_lost`` (shared memory): a third worker node with two receivers is removed after a broadcast;
-  the next versions reach the receiver on another node, and the lost ones are dropped.
+- ``node_lost`` (shared memory): a third worker node with two receivers is removed
+  after a broadcast; the next versions reach the receiver on another node, and the
+  lost ones are dropped.
 
 The script asserts nothing: it prints one line, ``SCENARIOS <json>``, with what each
 scenario observed (``facts``) and, if a scenario raised, the traceback (``error``), and the
