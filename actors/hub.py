@@ -67,6 +67,7 @@ from raysync.receiver_delivery import refuse_learner_deliveries
 from raysync.routing import HandedOver, hand_off_of, hand_offs_for
 from raysync.spec import WeightSpec
 from raysync.transports import (
+    PLAN_DEADLINE,
     Availability,
     TransportPlanner,
     Unplanned,
@@ -752,6 +753,7 @@ class WeightHubActor:
                 )
                 planned.update(dict.fromkeys((e.worker for e in group), _Plan(reason=reason)))
                 continue
+            planning = PLAN_DEADLINE.set(time.monotonic() + timeout_s)
             try:
                 payload_of = await asyncio.wait_for(
                     plan_parts(
@@ -774,6 +776,8 @@ class WeightHubActor:
                 reason = f"transport {transport!r} could not plan the delivery: {err!r}"
                 planned.update(dict.fromkeys((e.worker for e in group), _Plan(reason=reason)))
                 continue
+            finally:
+                PLAN_DEADLINE.reset(planning)
             for entry in group:
                 if entry.worker not in payload_of:
                     reason = f"it left the hub while transport {transport!r} planned the version"

@@ -645,9 +645,7 @@ def _registration(
     )
 
 
-def _carried_over(
-    previous: ReceiverCore | None, model_id: str, path: str, owner: Any
-) -> HeldModel:
+def _carried_over(previous: ReceiverCore | None, model_id: str, path: str, owner: Any) -> HeldModel:
     """A model as a new registration starts it: the version a previous registration of
     this actor left it at, and the staged version it lives in (zero copy), if the model
     id still names the same object at the same path; else a model at version 0, which

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 from raysync.transports.base import (
+    PLAN_DEADLINE,
     Availability,
     HubContext,
     MemoryFootprint,
@@ -112,6 +113,7 @@ def available_transports() -> tuple[str, ...]:
 
 __all__ = [
     "DEFAULT_TRANSPORT",
+    "PLAN_DEADLINE",
     "Availability",
     "DistributedOptions",
     "HubContext",

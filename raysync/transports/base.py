@@ -65,6 +65,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -187,6 +188,13 @@ class ReceiverInfo:
     #: (:func:`raysync.receiver_delivery.serve_call` asks it to serve a version it holds).
     attachment: str = ""
     entry: Any = None
+
+
+#: While the hub awaits a planner's ``plan``: the ``time.monotonic()`` by which it needs
+#: the plan (the hub's own timeout; past it every target of the plan fails). A planner
+#: that waits on several resources gives up on one in time for the others to be planned
+#: (mapping its workers to :class:`Unplanned`). None outside a plan.
+PLAN_DEADLINE: ContextVar[float | None] = ContextVar("PLAN_DEADLINE", default=None)
 
 
 @dataclass(frozen=True)

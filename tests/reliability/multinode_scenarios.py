@@ -17,6 +17,8 @@ scenario runs in this one cluster, one after the other:
   however many receivers that node has; every receiver holds it bit for bit. A late
   joiner on a node that holds the latest version reads it there (no new relay); a pull
   receiver on another node reuses that node's relay; after ``close`` every owner is gone.
+- ``stuck_receiver`` (shared memory): a receiver on node_b never finishes applying; the
+  one on node_a receives all 9 versions.
 - ``node_lost`` (shared memory): a third worker node with two receivers is removed
   after a broadcast; the next versions reach the receiver on another node, and the
   lost ones are dropped.
@@ -45,7 +47,7 @@ from ray.cluster_utils import Cluster
 from raysync import WeightHub
 from raysync.testing import assert_bitwise
 from raysync.transports.shared_memory import OWNER_NAMESPACE, owner_name
-from tests.receivers import Collector, make_policy, make_probe_model, state_of
+from tests.receivers import Collector, SlowHook, make_policy, make_probe_model, state_of
 
 RESULT_PREFIX = "SCENARIOS "
 WORKER_NODES = ("node_a", "node_b")
@@ -74,6 +76,7 @@ def main() -> int:
         results = {
             "object_store": run(object_store_copies_once_per_node, nodes),
             "shared_memory": run(shared_memory_relays_once_per_node, nodes),
+            "stuck_receiver": run(shared_memory_goes_on_past_a_stuck_receiver, nodes),
             # Last: it adds a node and removes it.
             "node_lost": run(functools.partial(shared_memory_survives_a_lost_node, cluster), nodes),
         }
@@ -180,6 +183,39 @@ def shared_memory_relays_once_per_node(nodes: dict[str, str], facts: dict) -> No
     ray.get(hub.close.remote())
     owners = [owner_name(hub.config.hub_id, node_id) for node_id in nodes.values()]
     facts["owners_alive_after_close"] = owners_still_alive(owners, _OWNERS_GONE_TIMEOUT_S)
+
+
+def shared_memory_goes_on_past_a_stuck_receiver(nodes: dict[str, str], facts: dict) -> None:
+    """A receiver on node_b stops at version 2 (its hook never returns): its node's
+    slots fill with the versions held for it and its node's relays wait for a slot.
+    The receiver on node_a must receive every version all along (the plan once waited
+    for every node's relay, past the broadcast's timeout: node_a's receiver failed)."""
+    hub = WeightHub.options(resources={"head": 0.01}).remote(transport="shared_memory")
+    healthy = on_node("node_a", hub, "node_a-0")
+    stuck = SlowHook.options(resources={"node_b": 1}).remote(
+        hub, delay_s=600, worker_id="node_b-stuck"
+    )
+    try:
+        ray.get([healthy.__ray_ready__.remote(), stuck.__ray_ready__.remote()])
+        learner = make_policy()
+        facts["acked"] = []
+        for _ in range(_STUCK_BROADCASTS):
+            with torch.no_grad():
+                for p in learner.parameters():
+                    p.add_(torch.randn_like(p))
+            report = ray.get(
+                hub.broadcast.remote(learner, raise_on_failure=False, timeout_s=_STUCK_TIMEOUT_S)
+            )
+            facts["acked"].append(list(report.acked))
+        facts["not_bitwise_equal"] = not_bitwise_equal({"node_a-0": healthy}, state_of(learner))
+    finally:
+        ray.kill(stuck)
+        ray.get(hub.close.remote())
+
+
+#: Enough versions to fill node_b's slots (4) with the stuck receiver's holds, and a few.
+_STUCK_BROADCASTS = 9
+_STUCK_TIMEOUT_S = 4.0
 
 
 def shared_memory_survives_a_lost_node(

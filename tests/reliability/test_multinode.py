@@ -137,3 +137,11 @@ def test_shared_memory_goes_on_without_a_lost_node_and_drops_its_receivers(scena
         assert set(broadcast["failed"]) <= {"node_c-0", "node_c-1"}, broadcast
     assert facts["not_bitwise_equal"] == {}
     assert facts["registered"] == ["node_a-0"]
+
+
+def test_shared_memory_goes_on_past_a_stuck_receiver_on_another_node(scenarios):
+    facts = scenarios.facts("stuck_receiver")
+    assert facts["acked"][0] == ["node_a-0", "node_b-stuck"]
+    for at, acked in enumerate(facts["acked"]):
+        assert "node_a-0" in acked, (at + 1, facts["acked"])
+    assert facts["not_bitwise_equal"] == {}

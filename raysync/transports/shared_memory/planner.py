@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from raysync.actor_classes import SHM_OWNER, actor_class
 from raysync.background import BackgroundTasks
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
+    PLAN_DEADLINE,
     HubContext,
     ReceiverInfo,
     TransportError,
@@ -126,7 +128,10 @@ class SharedMemoryPlanner(TransportPlanner):
         bucketed version: from a receiver that holds it, through the bucket broker)."""
         if isinstance(update.payload, BucketStream):
             return await self._streams.plan_pull(update, spec, receiver)
-        return (await self.plan(update, spec, [receiver]))[receiver.worker]
+        payload = (await self.plan(update, spec, [receiver]))[receiver.worker]
+        if isinstance(payload, Unplanned):
+            raise TransportError(payload.reason)
+        return payload
 
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
@@ -149,17 +154,39 @@ class SharedMemoryPlanner(TransportPlanner):
         # keeps the slot until the owner gets this, and a receiver's release that
         # arrives first is remembered. Numbered, so the owner takes the holds in the
         # hub's planning order (which frees slots of versions the hub refused).
+        local = tuple(by_node.pop(slot.node_id, ()))
         held = owner.deliver.remote(
-            slot.pid,
-            slot.seq,
-            update.model,
-            tuple(by_node.pop(slot.node_id, ())),
-            next(self._orders[slot.node_id]),
+            slot.pid, slot.seq, update.model, local, next(self._orders[slot.node_id])
         )
         self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
-        payloads: dict[str, SharedMemoryPayload | Unplanned] = {
-            r.worker: source for r in targets if r.node_id == slot.node_id
-        }
+        #: (owner, its answer, workers) of each call that holds a slot for workers
+        placed: list[tuple[Any, ray.ObjectRef, tuple[str, ...]]] = [(owner, held, local)]
+        try:
+            return await self._relay(update, source, owner, by_node, placed)
+        except BaseException:
+            # Cut short (by its timeout, or an error): the holds it placed are for
+            # workers that will never read those slots; left, they would fill the pools.
+            for holder, answer, workers in placed:
+                if workers:
+                    self._background.spawn(
+                        self._let_go(holder, answer, workers), "holds of a plan cut short"
+                    )
+            raise
+
+    async def _relay(
+        self,
+        update: Any,
+        source: SharedMemoryPayload,
+        owner: Any,
+        by_node: dict[str, list[str]],
+        placed: list[tuple[Any, ray.ObjectRef, tuple[str, ...]]],
+    ) -> dict[str, SharedMemoryPayload | Unplanned]:
+        """The payloads of a version held on the learner's node: its receivers read the
+        learner's slot, those of ``by_node`` (the other nodes) their node's relay of it,
+        exported once by ``owner`` (the learner's node's). Each call that holds a slot is
+        added to ``placed`` as it is made."""
+        slot = source.slot
+        payloads: dict[str, SharedMemoryPayload | Unplanned] = dict.fromkeys(placed[0][2], source)
         if not by_node:
             return payloads
         version, relayed = self._latest.get(update.model, (0, {}))
@@ -177,7 +204,7 @@ class SharedMemoryPlanner(TransportPlanner):
             node_owner = self._owner(node_id)
             known = relayed.get(node_id)
             if known is not None:
-                node_slot = await node_owner.deliver.remote(
+                answer = node_owner.deliver.remote(
                     known.slot.pid,
                     known.slot.seq,
                     update.model,
@@ -185,10 +212,11 @@ class SharedMemoryPlanner(TransportPlanner):
                     next(self._orders[node_id]),
                 )
             else:
-                node_slot = await node_owner.relay.remote(
-                    export, slot.nbytes, update.model, workers, SLOT_WAIT_S
+                answer = node_owner.relay.remote(
+                    export, slot.nbytes, update.model, workers, _slot_wait_s()
                 )
-            relayed[node_id] = SharedMemoryPayload(node_slot)
+            placed.append((node_owner, answer, workers))
+            relayed[node_id] = SharedMemoryPayload(await answer)
             payloads.update({w: relayed[node_id] for w in workers})
 
         relays = await asyncio.gather(
@@ -201,6 +229,16 @@ class SharedMemoryPlanner(TransportPlanner):
                 why = Unplanned(f"the shared-memory relay to node {node_id} failed: {relay!r}")
                 payloads.update(dict.fromkeys(workers, why))
         return payloads
+
+    async def _let_go(self, holder: Any, answer: ray.ObjectRef, workers: tuple[str, ...]) -> None:
+        """Release the holds one call of a plan cut short took for ``workers`` on
+        ``holder``'s slot (``answer``: the slot, once the owner answers)."""
+        try:
+            slot = await answer
+        except (RayError, TransportError):
+            return  # it took none
+        releases = [holder.release.remote(slot.pid, slot.seq, w) for w in workers]
+        await asyncio.gather(*releases, return_exceptions=True)
 
     async def _confirm(self, held: ray.ObjectRef, update: Any) -> None:
         """Log a hold the owner refused; its receivers fail on the slot's sequence check."""
@@ -225,6 +263,17 @@ class SharedMemoryPlanner(TransportPlanner):
                 pass  # died already (or its node did): its segments died with its process
             ray.kill(owner)
         self._owners.clear()
+
+
+def _slot_wait_s() -> float:
+    """How long a relay waits for a free slot on its node: ``SLOT_WAIT_S``, or half of
+    what is left of the hub's plan deadline (a node whose slots stay held, by a
+    receiver stuck there, then fails alone: the other nodes' receivers get their
+    payloads and the rest of the time to read them)."""
+    deadline = PLAN_DEADLINE.get()
+    if deadline is None:
+        return SLOT_WAIT_S
+    return max(0.0, min(SLOT_WAIT_S, (deadline - time.monotonic()) / 2))
 
 
 def _alive(node_id: str) -> bool:
