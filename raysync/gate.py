@@ -35,8 +35,45 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-#: How many reads the current thread or task holds (re-entrant user methods).
-_held: contextvars.ContextVar[int] = contextvars.ContextVar("raysync_gate_held", default=0)
+
+@dataclass
+class _Read:
+    """The reads a user method holds: ``depth`` counted in the gate's readers (nested
+    async reads count each; 0 once the outermost ended) and who opened it, the task on
+    an event loop or the thread."""
+
+    depth: int
+    opener: object
+
+
+#: The read the current thread or task holds (re-entrant user methods). Tasks and
+#: threads started inside a read copy it (``create_task``, ``to_thread``): see
+#: :func:`_own_reads`.
+_held: contextvars.ContextVar[_Read | None] = contextvars.ContextVar(
+    "raysync_gate_held", default=None
+)
+
+
+def _own_read() -> _Read | None:
+    """The read the caller holds itself: on an event loop, one its own task opened and
+    has not ended (a task started inside a read copied it, but the read is not its
+    own: it may outlive it, or run while the opener is parked mid-read); in a thread,
+    any that has not ended (its own, or that of the coroutine awaiting this thread
+    through ``to_thread``, which holds the model for it)."""
+    read = _held.get()
+    if read is None or read.depth == 0:
+        return None
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return read
+    return read if read.opener is asyncio.current_task() else None
+
+
+def _own_reads() -> int:
+    """How many of the gate's readers the caller's own read counts."""
+    read = _own_read()
+    return 0 if read is None else read.depth
 
 
 class Deferred:
@@ -107,8 +144,7 @@ class ApplyGate:
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Hold the model steady for a synchronous user method."""
-        held = _held.get()
-        if self.note_loop() or held:
+        if self.note_loop() or _own_read() is not None:
             # Nested call, or sync code on an async actor's loop: no apply can run on
             # this thread until it returns.
             yield
@@ -117,31 +153,41 @@ class ApplyGate:
             while self._writing or self._writers_waiting:
                 self._cond.wait()
             self._readers += 1
-        token = _held.set(1)
+        read = _Read(1, threading.current_thread())
+        token = _held.set(read)
         try:
             yield
         finally:
+            read.depth = 0
             _held.reset(token)
             with self._cond:
                 self._readers -= 1
                 self._cond.notify_all()
+                last_out = not self._readers and bool(self._deferred)
+            if last_out:  # deferred by a coroutine while this thread read (an async host)
+                _call_soon(self.loop, self._run_deferred_if_idle)
 
     @asynccontextmanager
     async def reading_async(self) -> AsyncIterator[None]:
         """Hold the model steady for an async user method (async actors)."""
         self.note_loop()
-        held = _held.get()
-        while not self._enter_async(held):
+        own = _own_read()
+        while not self._enter_async(0 if own is None else own.depth):
             if self._deferred:
-                await self._drained_event().wait()
+                self._run_deferred_if_idle()  # no reader left to run them: this one does
+                if self._deferred:
+                    await self._drained_event().wait()
             else:  # a write from another thread: it wakes this loop when it ends
                 ended = self._thread_write_ended()
                 if ended is not None:
                     await ended
-        token = _held.set(held + 1)
+        read = own or _Read(0, asyncio.current_task())
+        read.depth += 1
+        token = _held.set(read)
         try:
             yield
         finally:
+            read.depth -= 1
             _held.reset(token)
             with self._cond:
                 self._readers -= 1
@@ -171,7 +217,7 @@ class ApplyGate:
 
     def safe_point(self) -> None:
         """Let waiting writes through from inside a long-running user method."""
-        held = _held.get()
+        held = _own_reads()
         if on_event_loop():
             self._run_deferred_if_idle(own=held)
             return
@@ -201,7 +247,7 @@ class ApplyGate:
         least as high: a write that comes while one of a higher rank waits (an older
         version delivered late) is the one dropped, following the waiting one.
         """
-        held = _held.get()
+        held = _own_reads()
         if on_event_loop():
             with self._cond:
                 idle = not (

@@ -794,3 +794,99 @@ def test_coroutines_waiting_for_a_thread_write_leave_the_loops_threads_to_the_re
         writer.finish()
 
     _run(main())
+
+
+# -- reads started by one context and used by another -----------------------------------
+def test_a_write_deferred_while_a_thread_reads_on_an_async_host_runs_when_it_ends():
+    """An async host's thread-side read (a late joiner served through ``__ray_call__``, a
+    user thread in ``using()``) holds a write deferred on the loop: when it ends the
+    write runs, and the host's coroutines are not left waiting for it for good."""
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    inside, release = threading.Event(), threading.Event()
+
+    def serve() -> None:
+        with gate.reading():
+            inside.set()
+            release.wait(TIMEOUT)
+
+    async def main() -> None:
+        async with gate.reading_async():
+            pass  # the host's loop is known
+        thread = threading.Thread(target=serve)
+        thread.start()
+        await asyncio.to_thread(inside.wait, TIMEOUT)
+        assert gate.write(lambda: "v2", key="m") is DEFERRED
+        release.set()
+        await asyncio.to_thread(thread.join, TIMEOUT)
+
+        async def user_method() -> list[Any]:
+            async with gate.reading_async():
+                return list(finished)
+
+        assert await asyncio.wait_for(user_method(), TIMEOUT) == ["v2"]
+
+    asyncio.run(main())
+
+
+def test_a_task_started_inside_a_read_writes_once_that_read_ended():
+    """``start()`` holds a read while it starts a refresh task: the task inherits the
+    read's context, but once ``start`` returned it holds nothing (a pull then applies at
+    once, neither deferred for ever nor waiting on a read nobody holds)."""
+    gate = ApplyGate(finish_deferred=lambda result: None)
+
+    async def main() -> None:
+        async def refresh() -> Any:
+            return gate.write(lambda: "v2", key="m")
+
+        async with gate.reading_async():
+            task = asyncio.create_task(refresh())
+            in_thread = asyncio.create_task(asyncio.to_thread(gate.write, lambda: "v3", "m"))
+        assert await asyncio.wait_for(task, TIMEOUT) == "v2"
+        assert await asyncio.wait_for(in_thread, TIMEOUT) == "v3"
+
+    asyncio.run(main())
+
+
+def test_a_task_started_inside_a_read_waits_for_another_parked_reader():
+    """Its copied read must not count as the parked reader's: the write is deferred
+    until that reader leaves, not applied in the middle of its read."""
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    applied: list[str] = []
+
+    async def main() -> None:
+        parked, resume = asyncio.Event(), asyncio.Event()
+        seen: list[list[str]] = []
+
+        async def reader() -> None:
+            async with gate.reading_async():
+                parked.set()
+                await resume.wait()
+                seen.append(list(applied))
+
+        async def refresh() -> Any:
+            await parked.wait()
+            return gate.write(lambda: applied.append("v2") or "v2", key="m")
+
+        async with gate.reading_async():
+            task = asyncio.create_task(refresh())
+        parked_reader = asyncio.create_task(reader())
+        assert await asyncio.wait_for(task, TIMEOUT) is DEFERRED
+        resume.set()
+        await asyncio.wait_for(parked_reader, TIMEOUT)
+        assert seen == [[]] and applied == ["v2"] and finished == ["v2"]
+
+    asyncio.run(main())
+
+
+def test_a_write_from_a_thread_the_only_reader_awaits_applies_at_once():
+    """A user coroutine pulling through ``to_thread`` holds the model for that thread."""
+    gate = ApplyGate(finish_deferred=lambda result: None)
+
+    async def main() -> None:
+        async with gate.reading_async():
+            pulled = asyncio.to_thread(gate.write, lambda: "v2", "m")
+            assert await asyncio.wait_for(pulled, TIMEOUT) == "v2"
+
+    asyncio.run(main())
