@@ -511,7 +511,18 @@ class WeightHubActor:
                     continue
                 # Read the way a pull reads: nothing of a broadcast in flight (a
                 # collective, a group's RPCs) waits for a receiver still connecting.
-                catch_up[model] = await self._planned_pull(update, entry)
+                try:
+                    catch_up[model] = await self._planned_pull(update, entry)
+                except Exception as err:  # it starts behind: the next version reaches it
+                    logger.warning(
+                        "%s joins without version %d of model %r: its transport %r could "
+                        "not plan reading it (%r); the next broadcast reaches it",
+                        registration.worker,
+                        update.version,
+                        model,
+                        transport,
+                        err,
+                    )
         except BaseException:
             self._drop(registration.worker, registration.token)
             raise

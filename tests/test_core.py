@@ -27,7 +27,7 @@ from raysync import (
 )
 from raysync.messages import Entry
 from raysync.receiver_delivery import delivery_call
-from raysync.transports import DEFAULT_TRANSPORT
+from raysync.transports import DEFAULT_TRANSPORT, register_transport
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import (
     Collector,
@@ -38,6 +38,7 @@ from tests.receivers import (
     make_policy,
     state_of,
 )
+from tests.third_party_transport import LostCopyTransport
 
 
 def _assert_phases_cover_every_receiver(report: BroadcastReport) -> None:
@@ -160,6 +161,22 @@ class TestReceivers:
         ray.get(hub.broadcast.remote(learner, model="policy"))
         late = start(actors, Collector, hub)
         assert ray.get(late.version.remote()) == 1
+        assert_same(ray.get(late.state.remote()), state_of(learner))
+
+    def test_a_late_joiner_whose_catch_up_cannot_be_planned_starts_and_gets_the_next(self, actors):
+        """Its transport cannot plan the read of the latest version (its copy is gone):
+        the receiver still registers (its actor starts), behind, and the next broadcast
+        reaches it."""
+        register_transport("lost_copy", LostCopyTransport)
+        hub = start_hub(actors, "lost_copy")
+        early = start(actors, Collector, hub, worker_id="early")
+        ready([early])
+        ray.get(hub.broadcast.remote(make_policy()))
+        late = start(actors, Collector, hub, worker_id="late")
+        assert ray.get(late.version.remote()) == 0
+        learner = make_policy()
+        report = ray.get(hub.broadcast.remote(learner))
+        assert (report.version, report.acked) == (2, ("early", "late"))
         assert_same(ray.get(late.state.remote()), state_of(learner))
 
     @pytest.mark.parametrize(

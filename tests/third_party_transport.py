@@ -6,6 +6,8 @@
 Ray's object store; a receiver gets it (zero-copy on its node) and views the tensors in
 place. No planner of its own: every receiver reads the learner's object.
 
+``lost_copy``: ``packed_object`` whose planner cannot plan a late joiner's catch-up.
+
 ``put_reader``: a receiver half only, reading the ``object_store`` transport's whole put
 (its ``hand_off``); it moves no buckets, so the hub refuses a bucketed version for its
 receivers.
@@ -28,7 +30,10 @@ from raysync.transports import (
     Availability,
     HubContext,
     MemoryFootprint,
+    ReceiverInfo,
     Transport,
+    TransportError,
+    TransportPlanner,
     TransportReceiver,
     TransportSender,
 )
@@ -100,3 +105,21 @@ class PutReaderTransport(Transport):
     @classmethod
     def open_receiver(cls, info: Any) -> PutReader:
         return PutReader()
+
+
+class LostCopyPlanner(TransportPlanner):
+    """Plans broadcasts as the default does, but the copy a receiver joining later (or
+    pulling) would read is always gone: its planning raises."""
+
+    async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
+        raise TransportError(f"the copy of version {update.version} for {receiver.worker} is gone")
+
+
+class LostCopyTransport(PackedObjectTransport):
+    """``packed_object`` whose late joiners find no copy to read (``lost_copy``)."""
+
+    name = "lost_copy"
+
+    @classmethod
+    def open_hub(cls, hub: HubContext) -> LostCopyPlanner:
+        return LostCopyPlanner()
