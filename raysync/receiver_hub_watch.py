@@ -88,7 +88,22 @@ class HubWatch(threading.Thread):
 
     def beat(self) -> float:
         """Check the hub once, registering again or catching up as needed; the seconds
-        until the next beat."""
+        until the next beat. Whatever one beat raises, the watch goes on: a thread that
+        died would leave the receiver unregistered after the hub's next restart."""
+        try:
+            return self._beat()
+        except Exception as err:
+            self._failures += 1
+            delay = retry_delay(self._interval_s, self._failures)
+            logger.exception(
+                "%s: checking its hub failed (trying again in %.3g s)",
+                self._core.actor_name,
+                delay,
+            )
+            self._connection = replace(self._connection, last_error=_describe(err))
+            return delay
+
+    def _beat(self) -> float:
         core = self._core
         try:
             known = core.hub_knows_me(self._call_timeout_s)
@@ -112,7 +127,7 @@ class HubWatch(threading.Thread):
 
     def _register_again(self) -> bool:
         """Register again and deliver the versions the hub answers with; False if
-        registering failed with a RaySyncError (tried again with backoff)."""
+        registering failed (tried again with backoff; a hub that does not answer raises)."""
         core = self._core
         since = self._connection.reregistering_since
         if since is None:
@@ -120,7 +135,9 @@ class HubWatch(threading.Thread):
         self._connection = replace(self._connection, connected=False, reregistering_since=since)
         try:
             welcome = core.register_again(self._call_timeout_s)
-        except RaySyncError as err:  # raised here, or by the hub (a RayTaskError too)
+        except Exception as err:  # raised here (a transport that cannot open), or by the hub
+            if isinstance(err, RayError | GetTimeoutError) and not isinstance(err, RaySyncError):
+                raise  # the hub did not answer: the beat says so
             self._failures += 1
             logger.error(
                 "%s cannot re-register with its hub (trying again in %.3g s): %s",

@@ -125,8 +125,9 @@ def test_a_version_the_busy_host_does_not_apply_on_registering_again_is_pulled_l
         RayTaskError(
             "register", "Traceback...", TransportUnavailableError("no shared memory")
         ).as_instanceof_cause(),
+        RuntimeError("the transport's agent could not start"),
     ],
-    ids=["raised-here", "raised-by-the-hub"],
+    ids=["raised-here", "raised-by-the-hub", "any-other-error"],
 )
 def test_failed_re_registrations_back_off_and_are_remembered(failure):
     core = _Core(heartbeats=[False] * 5 + [False, True], registrations=[failure] * 4)
@@ -188,3 +189,11 @@ def test_the_thread_ends_as_soon_as_its_core_closes():
     core.closed.set()  # what ReceiverCore.close does first
     watch.join(timeout=10.0)
     assert not watch.is_alive()
+
+
+def test_a_beat_that_raises_anything_else_is_retried_and_the_watch_goes_on():
+    core = _Core(heartbeats=[ValueError("a bug in a beat"), True])
+    watch = HubWatch(core, BEAT)
+    assert watch.beat() == BEAT  # the first failure in a row: one heartbeat
+    assert watch.connection().last_error == "ValueError: a bug in a beat"
+    assert watch.beat() == BEAT and watch.connection().connected
