@@ -40,7 +40,7 @@ from raysync.errors import (
     UnknownModelError,
 )
 from raysync.hub_snapshot import HubSnapshot
-from raysync.hub_state import LEASE_BEATS, HubState, ReceiverEntry
+from raysync.hub_state import HubState, ReceiverEntry
 from raysync.messages import (
     Ack,
     AckStatus,
@@ -75,7 +75,7 @@ from raysync.transports import (
     register_transport,
 )
 from raysync.transports.object_store.bucket_stream import open_broker
-from raysync.transports.parts import plan_parts, plan_pull_parts
+from raysync.transports.parts import plan_parts, plan_pull_parts, published_parts
 
 from .heap import settle_heap
 from .hub_delivery import (
@@ -209,6 +209,8 @@ class WeightHubActor:
         self._refused: dict[str, RefusedRegistration] = {}  #: worker -> last refusal
         #: Forgets pull receivers whose heartbeats stopped, while there are any.
         self._lease_keeper: asyncio.Task[None] | None = None
+        #: Registrations whose actor Ray is being asked about (``_ask_if_alive``).
+        self._asking_if_alive: set[str] = set()
         self._closed = False
         self._closing = asyncio.Event()  #: set with ``_closed``: ends submits' waits
         self._model_known = asyncio.Event()
@@ -536,19 +538,22 @@ class WeightHubActor:
         return self._state.heartbeat(worker, token)
 
     async def _forget_lapsed(self) -> None:
-        """Forget the pull receivers whose heartbeats stopped, checking once per the
-        shortest heartbeat while any watched pull receiver is registered."""
+        """Forget the pull receivers whose heartbeats stopped and whose actors died:
+        checked once per the shortest heartbeat while any watched pull receiver is
+        registered (nobody calls a pull receiver: nothing else would tell)."""
         while (beat := self._state.shortest_heartbeat()) is not None:
             await asyncio.sleep(beat)
-            for worker, token in self._state.lapsed():
-                logger.warning(
-                    "forgetting pull receiver %s: not heard from for %d heartbeats (its "
-                    "process died?); it registers again if it lives",
-                    worker,
-                    LEASE_BEATS,
-                )
-                self._drop(worker, token)
+            for worker, _ in self._state.lapsed():
+                self._ask_if_alive(self._state.receivers[worker])
         self._lease_keeper = None
+
+    def _ask_if_alive(self, entry: ReceiverEntry) -> None:
+        """Ask Ray, off the critical path, whether ``entry``'s actor is alive; drop it
+        if it died (:meth:`_drop_if_dead`). One question per registration at a time."""
+        token = entry.registration.token
+        if token not in self._asking_if_alive:
+            self._asking_if_alive.add(token)
+            self._background.spawn(self._drop_if_dead(entry), f"is {entry.worker} alive")
 
     async def leave(self, worker: str, token: str) -> None:
         """A receiver that stops receiving (``AttachedReceiver.close``): forget it."""
@@ -698,7 +703,7 @@ class WeightHubActor:
         )
         for entry in targets:
             if planned[entry.worker].update is None:
-                self._background.spawn(self._drop_if_dead(entry), f"is {entry.worker} alive")
+                self._ask_if_alive(entry)
         acked = tuple(sorted(o.worker for o in outcomes if o.error is None))
         failed = {o.worker: o.error for o in outcomes if o.error is not None}
         causes = [o.cause or FailureCause.RAISED for o in outcomes if o.error is not None]
@@ -722,9 +727,11 @@ class WeightHubActor:
         return report
 
     async def _drop_if_dead(self, entry: ReceiverEntry) -> None:
-        """Drop a receiver its transport had no plan for, if it is dead: it was not called,
-        so nothing else would notice (its node died and took the transport's resources
-        there with it: every later version would fail it again)."""
+        """Drop a receiver nobody calls if Ray says its actor died: one its transport had
+        no plan for (its node died, taking the transport's resources there with it:
+        every later version would fail it again), or a pull receiver whose heartbeats
+        stopped (a live one is kept, and the memory its zero-copy model lives in stays
+        held for it: a busy or cut-off process must not lose it)."""
         registration = entry.registration
         try:
             await asyncio.wait_for(registration.handle.__ray_ready__.remote(), _ALIVE_CHECK_S)
@@ -736,7 +743,9 @@ class WeightHubActor:
             )
             self._drop(registration.worker, registration.token)
         except (asyncio.TimeoutError, RayError):
-            pass  # busy, or restarting: its next delivery tells
+            pass  # busy, or restarting: its next delivery or heartbeat tells
+        finally:
+            self._asking_if_alive.discard(registration.token)
 
     def _record(self, report: BroadcastReport, causes: list[FailureCause]) -> None:
         """Ray metrics of one broadcast, and every receiver's lag after it."""
@@ -754,6 +763,10 @@ class WeightHubActor:
         groups: dict[str, list[ReceiverEntry]] = {}
         for entry in targets:
             groups.setdefault(entry.transport, []).append(entry)
+        for transport, planner in list(self._planners.items()):
+            update = handed.update_for(transport)
+            if transport not in groups and update is not None:
+                await self._published(transport, planner, update, spec)
         planned: dict[str, _Plan] = {}
         for transport, group in groups.items():
             update = handed.update_for(transport)
@@ -802,6 +815,23 @@ class WeightHubActor:
                     update=dataclasses.replace(update, payload=payload_of[entry.worker])
                 )
         return planned
+
+    async def _published(
+        self, transport: str, planner: TransportPlanner, update: Update, spec: WeightSpec
+    ) -> None:
+        """Tell ``transport``'s planner of a version none of its receivers is sent."""
+        try:
+            await published_parts(
+                planner, update, spec, in_one_plan=get_transport(transport).parts_in_one_plan
+            )
+        except Exception as err:  # its receivers' next pull or version tells
+            logger.warning(
+                "transport %r was not told of version %d of model %r: %r",
+                transport,
+                update.version,
+                update.model,
+                err,
+            )
 
     def _planner(self, transport: str, asked_by: str | None = None) -> TransportPlanner:
         """The planner of ``transport``, opened on first use; TransportUnavailableError

@@ -365,6 +365,11 @@ class HubState:
                     transport=entry.transport,
                     lag_s=lag_s,
                     last_timings=dict(entry.timings),
+                    heard_s=(
+                        None
+                        if entry.registration.heartbeat_s is None
+                        else max(0.0, time.monotonic() - entry.heard)
+                    ),
                 )
             )
         return tuple(out)

@@ -407,6 +407,9 @@ class ReceiverStatus:
     lag_s: dict[str, float] = field(default_factory=dict)
     #: per model, where the time of the last version it applied went
     last_timings: dict[str, ReceiverTimings] = field(default_factory=dict)
+    #: seconds since the hub last heard its hub watch (a heartbeat, or registering);
+    #: None without one (``heartbeat_s=None``)
+    heard_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,16 @@ def wait_process_exit(pid: int, timeout_s: float = 60.0) -> None:
         os.close(pidfd)
 
 
+def cut_off_heartbeats(receiver) -> None:
+    """Runs inside a receiver actor (``__ray_call__``): from now on its hub watch finds
+    the hub unreachable (as across a network partition), so the hub stops hearing it."""
+
+    def unreachable(timeout_s: float) -> bool:
+        raise ray.exceptions.GetTimeoutError("cut off from the hub by the test")
+
+    receiver._raysync_receiver.core.hub_knows_me = unreachable
+
+
 def start(actors: list, cls, *args, **kwargs):
     """``cls.remote(...)``, killed after the test (``actors`` is the conftest fixture)."""
     handle = cls.remote(*args, **kwargs)

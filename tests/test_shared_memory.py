@@ -11,8 +11,9 @@ import ray
 import torch
 
 from raysync import WeightReceiver
+from raysync.hub_state import LEASE_BEATS
 from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_name
-from tests.helpers import assert_same, ready, start, start_hub
+from tests.helpers import assert_same, cut_off_heartbeats, ready, start, start_hub
 from tests.receivers import Collector, SlowHook, filled, make_policy, make_probe_model, state_of
 
 TRANSPORT = "shared_memory"
@@ -362,6 +363,55 @@ def test_a_closed_zero_copy_receiver_keeps_its_version_while_its_slot_is_reused(
         assert_same(ray.get(staying.state.remote()), state_of(learner))
         assert_same(ray.get(closing.state.remote()), state_of(first))
     assert not any("closing" in hold for hold in _holds(hub))
+
+
+def test_a_hub_whose_receivers_all_pull_lets_the_learners_slots_go(actors):
+    """No receiver is sent the versions, so nothing is planned: the owner must still
+    hear of each (its slots all stayed pending; the learner's next slot then waited
+    60 s and failed)."""
+    hub = start_hub(actors, TRANSPORT)
+    puller = start(actors, Collector, hub, worker_id="puller", mode="pull")
+    ready([puller])
+    for _ in range(2 * MAX_SLOTS):
+        learner = make_policy()
+        assert ray.get(hub.broadcast.remote(learner), timeout=30).acked == ()
+    assert ray.get(puller.pull.remote()) == {"policy": 2 * MAX_SLOTS}
+    assert_same(ray.get(puller.state.remote()), state_of(learner))
+
+
+def test_a_live_zero_copy_puller_the_hub_stopped_hearing_keeps_its_model(actors):
+    """Its hub watch is cut off from the hub past the pull lease: the hub asks Ray,
+    finds the actor alive and keeps it, with the slot its model lives in (dropped,
+    its holds went and the learner wrote later versions into its model)."""
+    hub = start_hub(actors, TRANSPORT)
+    beat = 0.3
+    puller = start(
+        actors, Collector, hub, worker_id="puller", mode="pull", zero_copy=True, heartbeat_s=beat
+    )
+    ready([puller])
+    first = make_policy()
+    ray.get(hub.broadcast.remote(first))
+    assert ray.get(puller.pull.remote()) == {"policy": 1}
+    ray.get(puller.__ray_call__.remote(cut_off_heartbeats))
+    deadline = time.monotonic() + 60
+    while (heard := _heard_s(hub, "puller")) is not None and heard < (LEASE_BEATS + 3) * beat:
+        assert time.monotonic() < deadline, f"heard {heard} s ago"
+        time.sleep(beat / 5)  # polling the hub's status: nothing to wait on
+    assert heard is not None, "the hub forgot a live puller"
+    for _ in range(MAX_SLOTS + 2):
+        learner = make_policy()
+        ray.get(hub.broadcast.remote(learner))
+        assert_same(ray.get(puller.state.remote()), state_of(first))
+    assert ray.get(puller.pull.remote()) == {"policy": MAX_SLOTS + 3}
+    assert_same(ray.get(puller.state.remote()), state_of(learner))
+
+
+def _heard_s(hub, worker: str) -> float | None:
+    """Seconds since ``hub`` heard ``worker``'s hub watch; None once it forgot it."""
+    for receiver in ray.get(hub.status.remote()).receivers:
+        if receiver.worker == worker:
+            return receiver.heard_s
+    return None
 
 
 @ray.remote(num_cpus=0)

@@ -229,6 +229,12 @@ class TransportPlanner:
         """
         return {receiver.worker: update.payload for receiver in targets}
 
+    async def published(self, update: Any, spec: WeightSpec) -> None:
+        """A version this transport carries that none of its receivers is sent (they
+        pull, or none is registered): it is the latest all the same. Default: nothing.
+        A transport whose learner-side memory waits for the hub's word on each version
+        (shared memory's slots) hears it here."""
+
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """The payload ``receiver`` reads when it pulls ``update`` outside a broadcast.
         Default: the learner's payload, read directly (transports whose sender leaves a

@@ -158,6 +158,18 @@ async def plan_pull_parts(
     return Parts(tuple(Part(p, part.spec) for p, part in zip(planned, parted.parts, strict=True)))
 
 
+async def published_parts(
+    planner: TransportPlanner, update: Any, spec: WeightSpec, *, in_one_plan: bool
+) -> None:
+    """``planner.published`` of ``update``, part by part for a :class:`Parts` update
+    unless ``in_one_plan``. Called in the hub process."""
+    parted = update.payload
+    if not isinstance(parted, Parts) or in_one_plan:
+        await planner.published(update, spec)
+        return
+    await _each_part(update, parted, planner.published)
+
+
 async def _each_part(
     update: Any, parted: Parts, plan: Callable[[Any, WeightSpec], Awaitable[T]]
 ) -> list[T]:

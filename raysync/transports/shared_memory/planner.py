@@ -123,6 +123,21 @@ class SharedMemoryPlanner(TransportPlanner):
             except RayError:
                 continue  # its watch restarts it (a new owner holds nothing), or its node died
 
+    async def published(self, update: Any, spec: WeightSpec) -> None:
+        """A version no receiver is sent (they pull): the learner's node's owner holds it
+        as the latest and frees the learner's older unplanned slots, as a plan would
+        (else every slot stayed pending and the learner waited for one)."""
+        if isinstance(update.payload, BucketStream):
+            return
+        slot = update.payload.slot
+        owner = self._owners.get(slot.node_id)
+        if owner is None:
+            return  # lost with its owner; the restarted one holds none of its slots
+        held = owner.deliver.remote(
+            slot.pid, slot.seq, update.model, (), next(self._orders[slot.node_id])
+        )
+        self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
+
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """A puller reads its own node's copy, held for it like a broadcast's target (a
         bucketed version: from a receiver that holds it, through the bucket broker)."""
