@@ -32,7 +32,7 @@ DEFAULT_MODEL = "default"
 _PUBLISHED_KEPT = 1024
 
 #: A pull receiver whose hub watch was not heard from for this many of its heartbeats
-#: is forgotten (its process died; a live one that was only slow registers again).
+#: is asked about: the hub forgets it if Ray says its actor died.
 LEASE_BEATS = 6
 
 
