@@ -477,6 +477,13 @@ class ReceiverCore:
                     f"superseded while waiting for a safe point by version {newer.version}, "
                     f"which then failed: {newer.error}",
                 )
+            if (
+                update.from_learner
+                and newer.status is AckStatus.APPLIED
+                and newer.version == update.version
+                and newer.origin != update.origin
+            ):  # another learner's delivery of this number took its place: see _refusal
+                return self._ack(update, AckStatus.CONFLICT)
             return self._ack(update, AckStatus.SUPERSEDED)
 
         return outcome

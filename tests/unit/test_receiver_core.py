@@ -330,6 +330,39 @@ def test_a_busy_async_actor_defers_the_apply_and_acks_it_from_the_safe_point():
     assert receiver.core.models["policy"].version == 1
 
 
+def test_a_learners_own_delivery_replaced_by_another_learners_of_its_number_conflicts():
+    """Two learners delivering themselves guessed the same next version; both wait for
+    a busy async actor's safe point and the later one replaces the first. The first is
+    answered CONFLICT, not SUPERSEDED: if the hub booked the first learner's under that
+    number, it then delivers its own update of it (else the actor would hold the other
+    learner's weights under that number, acked as the first's)."""
+    receiver = _Receiver()
+    first, second = (
+        dataclasses.replace(receiver.update(6), origin=o, from_learner=True) for o in ("a", "b")
+    )
+
+    async def deliver_both_while_a_method_runs() -> None:
+        parked, finish = asyncio.Event(), asyncio.Event()
+
+        async def user_method() -> None:
+            async with receiver.core.gate.reading_async():
+                parked.set()
+                await finish.wait()
+
+        method = asyncio.create_task(user_method())
+        await parked.wait()
+        assert receiver.core.receive(first) == ACK_LATER
+        assert receiver.core.receive(second) == ACK_LATER
+        finish.set()
+        await method
+
+    asyncio.run(deliver_both_while_a_method_runs())
+    assert [(a.origin, a.status) for a in receiver.hub.acks] == [
+        ("b", AckStatus.APPLIED),
+        ("a", AckStatus.CONFLICT),
+    ]
+
+
 def test_an_applied_version_acks_with_where_its_time_went():
     receiver = _Receiver()
     applied = receiver.core.receive(receiver.update(1)).ack
