@@ -273,6 +273,10 @@ class ApplyGate:
                     self._deferred.remove(older)
                     pending.followers += [older.supersede(), *older.followers]
             self._deferred.append(pending)
+            with self._cond:  # what made it wait may have ended before it was listed
+                idle = not (self._readers - held or self._writing or self._writers_waiting)
+            if idle:
+                asyncio.get_running_loop().call_soon(self._run_deferred_if_idle)
             return DEFERRED
         with self._cond:
             self._readers -= held

@@ -890,3 +890,38 @@ def test_a_write_from_a_thread_the_only_reader_awaits_applies_at_once():
             assert await asyncio.wait_for(pulled, TIMEOUT) == "v2"
 
     asyncio.run(main())
+
+
+def test_a_write_deferred_just_as_what_held_it_back_ends_still_runs():
+    """A delivery on the loop finds another thread's write running and is deferred;
+    that write ends before the delivery is listed as deferred (so it schedules
+    nothing): the delivery must still run, with nothing else coming to run it."""
+    done = threading.Event()
+    ran: list[Any] = []
+    gate = ApplyGate(finish_deferred=lambda result: (ran.append(result), done.set()))
+    entered, go = threading.Event(), threading.Event()
+
+    def slow_apply() -> str:
+        entered.set()
+        go.wait(TIMEOUT)
+        return "thread"
+
+    thread = threading.Thread(target=gate.write, args=(slow_apply, "m"))
+
+    class EndsFirst(list):
+        def append(self, pending: Any) -> None:
+            go.set()  # the thread's write ends now, before this one is listed
+            thread.join(TIMEOUT)
+            super().append(pending)
+
+    gate._deferred = EndsFirst()
+
+    async def main() -> None:
+        gate.note_loop()
+        thread.start()
+        await asyncio.to_thread(entered.wait, TIMEOUT)
+        assert gate.write(lambda: "loop", key="m") is DEFERRED
+        await asyncio.wait_for(asyncio.to_thread(done.wait, TIMEOUT), TIMEOUT)
+
+    asyncio.run(main())
+    assert ran == ["loop"]
