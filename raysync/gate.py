@@ -8,7 +8,8 @@ model that mixes two versions. This covers every way Ray runs actor methods:
 * default actors (one method at a time): a delivery never overlaps a user method, the
   gate is uncontended;
 * threaded actors (``max_concurrency > 1``): the delivery thread blocks until running
-  user methods return, new ones wait for the write;
+  user methods return, new ones wait for the write (for :data:`WRITER_FIRST_S` at most:
+  a running one may wait for one of them);
 * async actors: deliveries run on the event loop thread while user coroutines may be
   parked at an ``await``. The write cannot block the loop, so it is *deferred*: the
   last user coroutine to finish applies it, and the ack is sent then. A write from
@@ -29,11 +30,22 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+
+logger = logging.getLogger(__name__)
+
+#: How long a write from a thread keeps user methods that start meanwhile waiting for
+#: it. After that they start again, and the write goes once none runs: a user method
+#: that waits for a call of another thread (a pool's) which waits for the write no
+#: longer deadlocks the actor for good.
+WRITER_FIRST_S = 60.0
 
 
 @dataclass
@@ -111,8 +123,12 @@ class _Pending:
 class ApplyGate:
     """Readers/writer gate between user methods and weight applies (see module doc)."""
 
-    def __init__(self, finish_deferred: Callable[[Any], None]) -> None:
-        """``finish_deferred(result)`` receives what a deferred write returned."""
+    def __init__(
+        self, finish_deferred: Callable[[Any], None], writer_first_s: float = WRITER_FIRST_S
+    ) -> None:
+        """``finish_deferred(result)`` receives what a deferred write returned;
+        ``writer_first_s``: see :data:`WRITER_FIRST_S`."""
+        self._writer_first_s = writer_first_s
         self._cond = threading.Condition()
         self._readers = 0
         self._writers_waiting = 0
@@ -282,9 +298,25 @@ class ApplyGate:
             self._readers -= held
             self._writers_waiting += 1
             self._cond.notify_all()
+            first_until = time.monotonic() + self._writer_first_s
+            first = True  #: counted in _writers_waiting: new readers wait for it
             while self._readers or self._writing:
-                self._cond.wait()
-            self._writers_waiting -= 1
+                if not first:
+                    self._cond.wait()
+                elif (left := first_until - time.monotonic()) > 0:
+                    self._cond.wait(left)
+                else:  # a reader it waits for may wait for another reader: let them in
+                    first = False
+                    self._writers_waiting -= 1
+                    self._cond.notify_all()
+                    logger.warning(
+                        "a weight update waited %g s for the user methods running to "
+                        "return; new ones no longer wait for it (one may wait for a call "
+                        "of another thread, which waited for the update)",
+                        self._writer_first_s,
+                    )
+            if first:
+                self._writers_waiting -= 1
             self._writing = True
         try:
             return apply()

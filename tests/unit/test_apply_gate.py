@@ -925,3 +925,31 @@ def test_a_write_deferred_just_as_what_held_it_back_ends_still_runs():
 
     asyncio.run(main())
     assert ran == ["loop"]
+
+
+def test_a_reader_waiting_on_another_threads_reader_does_not_deadlock_a_waiting_write():
+    """A user method calls another through a thread pool (whose thread holds no read of
+    its own) while a write waits: the pool's call waits for the write, which waits for
+    the method. After ``writer_first_s`` new readers go first again; the method ends and
+    the write goes."""
+    gate, cond = _watched_gate([])
+    gate._writer_first_s = 0.2
+    inside, write_waits = threading.Event(), threading.Event()
+
+    def inner_call() -> str:
+        with gate.reading():
+            return "inner"
+
+    def rollout() -> str:
+        with gate.reading(), ThreadPoolExecutor(1) as pool:
+            inside.set()
+            _wait(write_waits, "the write waits")
+            return pool.submit(inner_call).result(TIMEOUT)
+
+    reader = _started("rollout", rollout)
+    _wait(inside, "the user method reads")
+    writer = _started("write", lambda: gate.write(lambda: "v2"))
+    _wait(cond.blocked("write"), "the write blocks in the gate")
+    write_waits.set()
+    assert reader.finish() == "inner"
+    assert writer.finish() == "v2"
