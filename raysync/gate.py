@@ -38,7 +38,6 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-
 logger = logging.getLogger(__name__)
 
 #: How long a write from a thread keeps user methods that start meanwhile waiting for
