@@ -313,6 +313,16 @@ class ZeroCopyReader(WeightReceiver):
     def reconnect(self, hub) -> None:
         self.connect_hub(hub, models={"policy": "policy"}, worker_id=self.worker_id, zero_copy=True)
 
+    def segment_fds(self) -> int:
+        """How many descriptors of our segments (the release board among them) are open."""
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                continue  # closed meanwhile (the listing's own)
+        return sum(SEGMENT in link for link in links)
+
     def close(self) -> None:
         self._raysync_receiver.close()
 
@@ -343,6 +353,24 @@ def test_zero_copy_models_live_in_the_segment_which_outlives_a_reregistration(ac
     )
     assert holds.count("worker/moving") == 1, holds
     assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
+
+
+def test_registering_again_leaves_no_descriptor_open(actors):
+    """A zero-copy receiver registered again releases the version its model lived in
+    once the model moves on, on its former registration's board: that write opened
+    the board again and left it open, one descriptor per registration."""
+    hub = start_hub(actors, TRANSPORT)
+    reader = start(actors, ZeroCopyReader, hub, "reader")
+    ready([reader])
+    ray.get(hub.broadcast.remote(make_policy()))
+    counts = []
+    for _ in range(4):
+        ray.get(reader.reconnect.remote(hub))
+        learner = make_policy()
+        ray.get(hub.broadcast.remote(learner))
+        assert_same(ray.get(reader.state.remote()), state_of(learner))
+        counts.append(ray.get(reader.segment_fds.remote()))
+    assert counts == [counts[0]] * 4, counts
 
 
 def test_a_closed_zero_copy_receiver_keeps_its_version_while_its_slot_is_reused(actors):

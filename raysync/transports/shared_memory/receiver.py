@@ -33,6 +33,7 @@ class SharedMemoryReceiver(TransportReceiver):
         self._owner: tuple[int, Any] | None = None  #: (pid, handle) of the owner last used
         self._board = info.board
         self._board_fd: int | None = None  #: the board, opened on the first release
+        self._closed = False
         self._node_id = ray.get_runtime_context().get_node_id()
         self._mappings = Mappings(writable=False)
         #: Bucketed versions: read from the bucket broker into a private staging buffer.
@@ -89,21 +90,31 @@ class SharedMemoryReceiver(TransportReceiver):
         board = self._board
         if board is None or slot.column < 0 or board.segment.pid != slot.pid:
             return False
-        if self._board_fd is None:
+        fd = self._board_fd
+        if fd is None:
             try:
-                self._board_fd = open_segment_fd(board.segment, writable=True)
+                fd = open_segment_fd(board.segment, writable=True)
             except TransportError:
                 self._board = None  # its owner died: release by call (to its successor)
                 return False
-        # A system call: what this process read from the slot is read before the
-        # owner can see the release.
-        os.pwrite(self._board_fd, slot.seq.to_bytes(8, "little"), board.offset(slot.column))
+        try:
+            # A system call: what this process read from the slot is read before the
+            # owner can see the release.
+            os.pwrite(fd, slot.seq.to_bytes(8, "little"), board.offset(slot.column))
+        finally:
+            if self._closed:  # a version its zero-copy model moved on from, released late
+                os.close(fd)
+            else:
+                self._board_fd = fd
         return True
 
     def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
         self._streams.serve(payload, tensors, spec)
 
     def close(self) -> None:
+        """Close the board and the mappings; a release after (of the version a zero-copy
+        model lives in, when it moves on) opens the board for that write alone."""
+        self._closed = True
         if self._board_fd is not None:
             os.close(self._board_fd)
             self._board_fd = None
