@@ -19,6 +19,8 @@ scenario runs in this one cluster, one after the other:
   receiver on another node reuses that node's relay; after ``close`` every owner is gone.
 - ``stuck_receiver`` (shared memory): a receiver on node_b never finishes applying; the
   one on node_a receives all 9 versions.
+- ``moved_receiver`` (shared memory): a zero-copy receiver on node_a dies and registers
+  again from node_b: node_a's owner lets its hold go.
 - ``node_lost`` (shared memory): a third worker node with two receivers is removed
   after a broadcast; the next versions reach the receiver on another node, and the
   lost ones are dropped.
@@ -77,6 +79,7 @@ def main() -> int:
             "object_store": run(object_store_copies_once_per_node, nodes),
             "shared_memory": run(shared_memory_relays_once_per_node, nodes),
             "stuck_receiver": run(shared_memory_goes_on_past_a_stuck_receiver, nodes),
+            "moved_receiver": run(shared_memory_lets_a_moved_receivers_holds_go, nodes),
             # Last: it adds a node and removes it.
             "node_lost": run(functools.partial(shared_memory_survives_a_lost_node, cluster), nodes),
         }
@@ -210,6 +213,32 @@ def shared_memory_goes_on_past_a_stuck_receiver(nodes: dict[str, str], facts: di
         facts["not_bitwise_equal"] = not_bitwise_equal({"node_a-0": healthy}, state_of(learner))
     finally:
         ray.kill(stuck)
+        ray.get(hub.close.remote())
+
+
+def shared_memory_lets_a_moved_receivers_holds_go(nodes: dict[str, str], facts: dict) -> None:
+    """A zero-copy receiver on node_a (its model lives in node_a's relay slot, held for
+    it) dies and its worker id registers again from node_b: node_a's owner must let the
+    old hold go (left, each move pinned one of its slots for good)."""
+    hub = WeightHub.options(resources={"head": 0.01}).remote(transport="shared_memory")
+    name = owner_name(hub.config.hub_id, nodes["node_a"])
+    mover = on_node("node_a", hub, "mover", zero_copy=True)
+    try:
+        ray.get(mover.__ray_ready__.remote())
+        ray.get(hub.broadcast.remote(make_policy()))
+        node_a = ray.get_actor(name, namespace=OWNER_NAMESPACE)
+        facts["held_on_node_a"] = list(ray.get(node_a.stats.remote()).holds)
+        ray.kill(mover)
+        mover = on_node("node_b", hub, "mover", zero_copy=True)
+        ray.get(mover.__ray_ready__.remote())
+        deadline = time.monotonic() + _OWNERS_GONE_TIMEOUT_S
+        while "worker/mover" in (holds := ray.get(node_a.stats.remote()).holds):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # polling the owner: nothing to wait on
+        facts["held_on_node_a_after_move"] = list(holds)
+    finally:
+        ray.kill(mover)
         ray.get(hub.close.remote())
 
 

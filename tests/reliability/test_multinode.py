@@ -145,3 +145,9 @@ def test_shared_memory_goes_on_past_a_stuck_receiver_on_another_node(scenarios):
     for at, acked in enumerate(facts["acked"]):
         assert "node_a-0" in acked, (at + 1, facts["acked"])
     assert facts["not_bitwise_equal"] == {}
+
+
+def test_shared_memory_lets_go_of_a_receiver_that_registered_again_on_another_node(scenarios):
+    facts = scenarios.facts("moved_receiver")
+    assert "worker/mover" in facts["held_on_node_a"]  # its zero-copy model lived there
+    assert "worker/mover" not in facts["held_on_node_a_after_move"], facts

@@ -110,6 +110,11 @@ class SharedMemoryPlanner(TransportPlanner):
             if isinstance(p, SharedMemoryPayload) and p.slot.node_id == receiver.node_id
         )
         board = await self._owner(receiver.node_id).join.remote(receiver.worker, kept)
+        for node_id, owner in list(self._owners.items()):
+            if node_id != receiver.node_id:  # a former incarnation's holds on other nodes
+                self._background.spawn(
+                    _drop_worker(owner, receiver.worker), f"{receiver.worker}'s holds elsewhere"
+                )
         await self._streams.receiver_joined(receiver)
         return SharedMemoryReceiverInfo(
             receiver.worker, owner_name(self._hub_id, receiver.node_id), board
@@ -118,10 +123,7 @@ class SharedMemoryPlanner(TransportPlanner):
     async def receiver_left(self, worker: str) -> None:
         await self._streams.receiver_left(worker)
         for owner in list(self._owners.values()):
-            try:
-                await owner.drop_worker.remote(worker)
-            except RayError:
-                continue  # its watch restarts it (a new owner holds nothing), or its node died
+            await _drop_worker(owner, worker)
 
     async def published(self, update: Any, spec: WeightSpec) -> None:
         """A version no receiver is sent (they pull): the learner's node's owner holds it
@@ -278,6 +280,14 @@ class SharedMemoryPlanner(TransportPlanner):
                 pass  # died already (or its node did): its segments died with its process
             ray.kill(owner)
         self._owners.clear()
+
+
+async def _drop_worker(owner: Any, worker: str) -> None:
+    """``owner`` lets go of every hold of ``worker`` (it left, or joined on another node)."""
+    try:
+        await owner.drop_worker.remote(worker)
+    except RayError:
+        pass  # its watch restarts it (a new owner holds nothing), or its node died
 
 
 def _slot_wait_s() -> float:
