@@ -45,6 +45,8 @@ from raysync.transports.shared_memory.wire import (
     BOARD_COLUMNS,
     BOARD_POLL_S,
     BOARD_ROWS,
+    RETIRED_SEQ,
+    SLOT_WAIT_S,
     Board,
 )
 
@@ -88,6 +90,11 @@ class Hold:
 PENDING = Hold(HoldKind.PENDING)
 RELAYING = Hold(HoldKind.RELAYING)
 
+#: How long a slot of a learner gone (left, or died) stays ``PENDING``: it may hold a
+#: version the learner submitted that the hub plans yet (within that broadcast's
+#: timeout); after this it holds one that never will be.
+PENDING_KEPT_S = 2 * SLOT_WAIT_S
+
 
 @dataclass
 class _Segment:
@@ -101,6 +108,7 @@ class _Segment:
     holds: set[Hold] = field(default_factory=set)
     #: workers whose release of ``seq`` came before the hub's hold for them
     released: set[str] = field(default_factory=set)
+    pending_since: float = 0.0  #: ``time.monotonic()`` when last held ``PENDING``
 
 
 @dataclass(frozen=True)
@@ -122,8 +130,11 @@ class OwnerStats:
 class ShmOwner:
     """See module docstring."""
 
-    def __init__(self, node_id: str, max_slots: int) -> None:
+    def __init__(
+        self, node_id: str, max_slots: int, pending_kept_s: float = PENDING_KEPT_S
+    ) -> None:
         self._node_id = node_id
+        self._pending_kept_s = pending_kept_s
         self._pid = os.getpid()
         self._max_slots = max_slots
         #: by (stream, segment size): each learner, and each model's relays, has its own
@@ -147,18 +158,42 @@ class ShmOwner:
         #: may still write there)
         self._rows: dict[str, int] = {}
         self._next_column = 0
+        self._free_columns: list[int] = []  #: columns of freed segments
+        #: learner (sender id) -> its process, and the learners gone (their slots are
+        #: freed as their holds go)
+        self._learner_pids: dict[str, int] = {}
+        self._left: set[str] = set()
         self._board_releases = 0
         self._release_calls = 0
         settle_heap()
 
     # -- learner -------------------------------------------------------------------------
-    def acquire(self, nbytes: int, timeout_s: float, learner: str = "") -> Slot:
+    def acquire(self, nbytes: int, timeout_s: float, learner: str = "", pid: int = 0) -> Slot:
         """A slot of ``nbytes`` for the next version of ``learner`` (its sender's id),
-        held ``PENDING``."""
+        held ``PENDING``. ``pid``: the learner's process (on this node): once it is
+        gone, its slots are freed as their holds go (see :meth:`leave`)."""
         with self._lock:
+            if pid:
+                self._learner_pids[learner] = pid
             segment = self._free_segment(learner, nbytes, timeout_s)
             segment.holds.add(PENDING)
+            segment.pending_since = time.monotonic()
             return self._assign(segment)
+
+    def leave(self, learner: str, unused: tuple[int, ...] = ()) -> None:
+        """``learner``'s sender closed (``HubHandle.release``): its slots are freed, each
+        once nothing holds it (a version receivers still read, or the latest of its
+        model, stays until a newer one replaces it; one the hub has not planned yet,
+        ``pending_kept_s`` at most). ``unused``: its slots asked for ahead, never
+        written: freed now."""
+        with self._lock:
+            self._left.add(learner)
+            for pool_key, pool in self._pools.items():
+                if pool_key[0] == learner:
+                    for segment in pool:
+                        if segment.seq in unused:
+                            segment.holds.discard(PENDING)
+            self._free_left()
 
     # -- hub's planner -------------------------------------------------------------------
     def deliver(
@@ -330,10 +365,45 @@ class ShmOwner:
         self._closed.set()
 
     # -- slots (lock held) -----------------------------------------------------------------
+    def _free_left(self, asking: str = "") -> None:
+        """Free the slots of learners gone (left, or their process died) that nothing
+        holds any more; forget such a learner once it has none. ``asking``: the stream
+        a slot is being found for (alive: it asks)."""
+        for learner, pid in self._learner_pids.items():
+            if learner not in self._left | {asking} and not os.path.exists(f"/proc/{pid}"):
+                self._left.add(learner)
+        for key, pool in list(self._pools.items()):
+            if key[0] not in self._left:
+                continue
+            for segment in list(pool):
+                if time.monotonic() - segment.pending_since > self._pending_kept_s:
+                    segment.holds.discard(PENDING)  # its version was never planned
+                self._read_board(segment)
+                if not segment.holds:
+                    pool.remove(segment)
+                    self._free(segment)
+            if not pool:
+                del self._pools[key]
+        streams = {stream for stream, _ in self._pools}
+        for learner in self._left - streams:
+            self._left.discard(learner)
+            self._learner_pids.pop(learner, None)
+
+    def _free(self, segment: _Segment) -> None:
+        """Close ``segment`` (no hold on it); processes that map it let their mappings go
+        when they see it retired (the kernel frees it with the last one)."""
+        write_seq(segment.buffer, RETIRED_SEQ)
+        self._by_seq.pop(segment.seq, None)
+        os.close(segment.fd)
+        if segment.column >= 0:
+            self._free_columns.append(segment.column)
+
     def _free_segment(self, stream: str, nbytes: int, timeout_s: float) -> _Segment:
         deadline = time.monotonic() + timeout_s
-        pool = self._pools.setdefault((stream, nbytes), [])
         while True:
+            self._free_left(asking=stream)
+            # Looked up again after each wait: a pool of a learner gone may be dropped.
+            pool = self._pools.setdefault((stream, nbytes), [])
             for segment in pool:
                 self._read_board(segment)
                 if not segment.holds:
@@ -376,6 +446,8 @@ class ShmOwner:
 
     def _new_column(self) -> int:
         """The next free column of the release board, -1 once they are all taken."""
+        if self._free_columns:  # the cells there hold older sequences: never a new one's
+            return self._free_columns.pop()
         if self._next_column >= BOARD_COLUMNS:
             return -1
         self._next_column += 1

@@ -87,6 +87,12 @@ def cut_off_heartbeats(receiver) -> None:
     receiver._raysync_receiver.core.hub_knows_me = unreachable
 
 
+def release_hub(learner) -> None:
+    """Runs in a learner actor holding its hub handle as ``hub`` (``__ray_call__``, e.g.
+    ``raysync.testing.PartLearner``): ``HubHandle.release``."""
+    learner.hub.release()
+
+
 def start(actors: list, cls, *args, **kwargs):
     """``cls.remote(...)``, killed after the test (``actors`` is the conftest fixture)."""
     handle = cls.remote(*args, **kwargs)

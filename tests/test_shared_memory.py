@@ -13,7 +13,7 @@ import torch
 from raysync import WeightReceiver
 from raysync.hub_state import LEASE_BEATS
 from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_name
-from tests.helpers import assert_same, cut_off_heartbeats, ready, start, start_hub
+from tests.helpers import assert_same, cut_off_heartbeats, ready, release_hub, start, start_hub
 from tests.receivers import Collector, SlowHook, filled, make_policy, make_probe_model, state_of
 
 TRANSPORT = "shared_memory"
@@ -480,6 +480,32 @@ def test_learners_of_a_sharded_model_on_one_node_keep_their_own_slots(actors):
         ]
         assert {r.version for r in ray.get(refs, timeout=60)} == {version}
         assert_same(ray.get(receiver.state.remote()), weights)
+
+
+def test_the_slots_of_learners_that_released_the_hub_are_freed(actors):
+    """Learner processes come and go (restarted, or one per task): each had a pool of
+    slots at its node's owner, its last version and the slot it asked for ahead. Those
+    of a learner that released the hub (or died: after ``PENDING_KEPT_S``, unit-tested)
+    are freed, so the owner holds the slots of the learners that live, not of every
+    learner that ever broadcast."""
+    from raysync.testing import MODEL, PartLearner
+
+    hub = start_hub(actors, TRANSPORT, models=[MODEL])
+    receiver = start(actors, EqualParts, hub)
+    ready([receiver])
+    weights = {f"t{i}": torch.full((64,), 0.0) for i in range(8)}
+    for generation in range(6):
+        learner = ray.remote(num_cpus=0)(PartLearner).remote(hub)
+        weights = {k: torch.full((64,), float(generation)) for k in weights}
+        ray.get(learner.send.remote(weights, timeout_s=20), timeout=60)
+        ray.get(learner.__ray_call__.remote(release_hub))
+        ray.kill(learner)
+        assert_same(ray.get(receiver.state.remote()), weights)
+    # Another learner's next slot is found once the others are gone: whatever it finds
+    # then, the owner keeps the latest version's slot and this learner's two.
+    last = ray.remote(num_cpus=0)(PartLearner).remote(hub)
+    ray.get(last.send.remote(weights, timeout_s=20), timeout=60)
+    assert ray.get(_owner(hub).stats.remote()).segments <= 3
 
 
 def _frozen_objects(actor) -> int:

@@ -70,3 +70,22 @@ def test_a_writers_views_are_the_packs_destinations(segment):
         {"a": torch.full((3, 4), 7.0), "b": torch.ones(5)}, buffer, writer.views(slot, layout)
     )
     assert torch.equal(layout.views(buffer)[0], torch.full((3, 4), 7.0))
+
+
+def test_a_segment_its_owner_freed_is_let_go_when_another_is_mapped(segment):
+    from raysync.transports.shared_memory.wire import RETIRED_SEQ, write_seq
+
+    slot, writer = segment
+    mappings = Mappings(writable=False)
+    first = mappings.buffer(slot)
+    write_seq(writer, RETIRED_SEQ)  # the owner freed it
+    token = secrets.token_bytes(TOKEN_BYTES)
+    fd = os.memfd_create("raysync-test-segment", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, slot.nbytes)
+        os.pwrite(fd, token, 0)
+        other = Slot(node_id="n", pid=os.getpid(), fd=fd, token=token, nbytes=slot.nbytes, seq=2)
+        mappings.buffer(other)
+        assert mappings.buffer(slot) is not first  # mapped anew: the old mapping was let go
+    finally:
+        os.close(fd)

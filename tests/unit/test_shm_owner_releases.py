@@ -156,3 +156,45 @@ def test_an_export_numbered_after_its_hold_comes_before_a_newer_versions_hold(mo
         assert owner.stats().holds == ("latest/m",)
     finally:
         owner.close()
+
+
+def test_a_learner_that_left_has_its_slots_freed_once_nothing_holds_them():
+    """release() in the learner: its unplanned slot is freed at once; the one receivers
+    and late joiners read is freed once they let it go (here: a newer version of
+    another learner became the latest); freed board columns are given out again."""
+    owner = ShmOwner("node", max_slots=4)
+    try:
+        read = owner.acquire(4096, timeout_s=5.0, learner="gone", pid=PID)
+        owner.deliver(PID, read.seq, "m", ("w0",))
+        ahead = owner.acquire(4096, timeout_s=5.0, learner="gone", pid=PID)
+        assert owner.stats().segments == 2
+        owner.leave("gone", unused=(ahead.seq,))
+        assert owner.stats().segments == 1
+        assert owner.stats().holds == ("latest/m", "worker/w0")
+        owner.release(PID, read.seq, "w0")
+        newer = owner.acquire(4096, timeout_s=5.0, learner="next", pid=PID)
+        owner.deliver(PID, newer.seq, "m", ())
+        again = owner.acquire(4096, timeout_s=5.0, learner="next", pid=PID)
+        stats = owner.stats()
+        assert (stats.segments, stats.holds) == (2, ("latest/m", "pending"))
+        assert {newer.column, again.column} <= {read.column, read.column + 1}
+    finally:
+        owner.close()
+
+
+def test_the_slots_of_a_learner_whose_process_died_are_freed():
+    """It never called release(): its process is gone, so its pending slot is freed
+    when the owner next looks for a slot, once the hub can no longer plan the version
+    in it (``pending_kept_s``: 0 here; the other owner keeps it meanwhile)."""
+    import subprocess
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    for kept_s, segments in ((0.0, 1), (60.0, 2)):
+        owner = ShmOwner("node", max_slots=4, pending_kept_s=kept_s)
+        try:
+            owner.acquire(4096, timeout_s=5.0, learner="died", pid=finished.pid)
+            owner.acquire(4096, timeout_s=5.0, learner="lives", pid=PID)
+            assert owner.stats().segments == segments
+        finally:
+            owner.close()

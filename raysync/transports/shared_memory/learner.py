@@ -93,7 +93,9 @@ class SharedMemorySender(TransportSender):
         deadline = time.monotonic() + OWNER_WAIT_S
         while True:
             try:
-                return ray.get(self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner))
+                return ray.get(
+                    self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner, os.getpid())
+                )
             except RayActorError as err:
                 if time.monotonic() > deadline or self._hub.stopped():
                     raise TransportError(
@@ -134,7 +136,9 @@ class SharedMemorySender(TransportSender):
             nbytes = payload.slot.nbytes  # a slot is as large as the layout asked for
             with self._lock:
                 if self._next is None:  # another thread's send may have asked already
-                    ahead = self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner)
+                    ahead = self._owner.acquire.remote(
+                        nbytes, SLOT_WAIT_S, self._learner, os.getpid()
+                    )
                     self._next = (nbytes, ahead)
         elif self._streams is not None and isinstance(payload, BucketStream):
             self._streams.submitted(payload, done)
@@ -146,6 +150,16 @@ class SharedMemorySender(TransportSender):
             self._streams.abandoned(payload, why)
 
     def close(self) -> None:
+        """Let this sender's slots go (the owner frees each once nothing holds it; the
+        one asked for ahead, never written, at once)."""
+        unused: tuple[int, ...] = ()
+        if self._next is not None:
+            asked, _ = ray.wait([self._next[1]], timeout=0)
+            try:
+                unused = tuple(ray.get(ref).seq for ref in asked)
+            except (RayActorError, TransportError):
+                pass  # not given: nothing to free
+        self._owner.leave.remote(self._learner, unused)
         self._mappings.clear()
         if self._streams is not None:
             self._streams.close()

@@ -12,7 +12,7 @@ import torch
 from raysync.copies import Viewed, viewed
 from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
-from raysync.transports.shared_memory.wire import TOKEN_BYTES, Slot
+from raysync.transports.shared_memory.wire import RETIRED_SEQ, TOKEN_BYTES, Slot, read_seq
 
 
 def open_segment_fd(slot: Slot, writable: bool) -> int:
@@ -56,8 +56,8 @@ def _open(slot: Slot, writable: bool) -> torch.Tensor:
 
 class Mappings:
     """Segments this process has mapped, by token, and the typed views of each in the
-    layout it was last used with. Mappings of a replaced owner (another pid) are dropped
-    when the new owner's first segment is mapped."""
+    layout it was last used with. Mappings of a replaced owner (another pid), and of
+    segments their owner freed, are dropped when a new segment is mapped."""
 
     def __init__(self, writable: bool) -> None:
         self._writable = writable
@@ -68,7 +68,13 @@ class Mappings:
         known = self._buffers.get(slot.token)
         if known is not None:
             return known[1]
-        self._buffers = {t: e for t, e in self._buffers.items() if e[0] == slot.pid}
+        # Let go of the mappings of a replaced owner's segments and of segments the owner
+        # freed (their learner left): unmapped once no tensor of this process views them.
+        self._buffers = {
+            t: e
+            for t, e in self._buffers.items()
+            if e[0] == slot.pid and read_seq(e[1]) != RETIRED_SEQ
+        }
         self._views = {t: v for t, v in self._views.items() if t in self._buffers}
         buffer = _open(slot, self._writable)
         self._buffers[slot.token] = (slot.pid, buffer)

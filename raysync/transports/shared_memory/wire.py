@@ -96,6 +96,11 @@ class SharedMemoryReceiverInfo:
     board: Board | None = None
 
 
+#: The sequence an owner writes into a segment it frees: nothing will be read from it
+#: again, and a process that maps it lets its mapping go (``Mappings``).
+RETIRED_SEQ = -1
+
+
 def write_seq(buffer: torch.Tensor, seq: int) -> None:
     buffer[_SEQ].view(torch.int64)[0] = seq
 
