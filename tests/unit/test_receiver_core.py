@@ -304,10 +304,11 @@ def test_a_zero_copy_model_lives_in_its_staged_version_until_the_next_one():
     assert receiver.transport.released == [(1, True)]
 
 
-def test_a_busy_async_actor_defers_the_apply_and_acks_it_from_the_safe_point():
-    receiver = _Receiver()
+def _while_a_method_runs(receiver: _Receiver, deliver: Callable[[], Any]) -> Any:
+    """``deliver()``'s result, called on an async actor's loop while a user method is
+    parked holding the model; the method returns after it."""
 
-    async def deliver_while_a_method_runs() -> Any:
+    async def main() -> Any:
         parked, finish = asyncio.Event(), asyncio.Event()
 
         async def user_method() -> None:
@@ -317,14 +318,24 @@ def test_a_busy_async_actor_defers_the_apply_and_acks_it_from_the_safe_point():
 
         method = asyncio.create_task(user_method())
         await parked.wait()
+        result = deliver()
+        finish.set()
+        await method
+        return result
+
+    return asyncio.run(main())
+
+
+def test_a_busy_async_actor_defers_the_apply_and_acks_it_from_the_safe_point():
+    receiver = _Receiver()
+
+    def deliver() -> Any:
         receipt = receiver.core.receive(receiver.update(1))
         assert receiver.core.models["policy"].version == 0
         assert receiver.hub.acks == []
-        finish.set()
-        await method
         return receipt
 
-    receipt = asyncio.run(deliver_while_a_method_runs())
+    receipt = _while_a_method_runs(receiver, deliver)
     assert receipt == ACK_LATER and reply_to_hub(receipt) is None
     assert receiver.hub.acks == [_ack(1, AckStatus.APPLIED)]
     assert receiver.core.models["policy"].version == 1
@@ -341,22 +352,10 @@ def test_a_learners_own_delivery_replaced_by_another_learners_of_its_number_conf
         dataclasses.replace(receiver.update(6), origin=o, from_learner=True) for o in ("a", "b")
     )
 
-    async def deliver_both_while_a_method_runs() -> None:
-        parked, finish = asyncio.Event(), asyncio.Event()
-
-        async def user_method() -> None:
-            async with receiver.core.gate.reading_async():
-                parked.set()
-                await finish.wait()
-
-        method = asyncio.create_task(user_method())
-        await parked.wait()
-        assert receiver.core.receive(first) == ACK_LATER
-        assert receiver.core.receive(second) == ACK_LATER
-        finish.set()
-        await method
-
-    asyncio.run(deliver_both_while_a_method_runs())
+    receipts = _while_a_method_runs(
+        receiver, lambda: [receiver.core.receive(u) for u in (first, second)]
+    )
+    assert receipts == [ACK_LATER, ACK_LATER]
     assert [(a.origin, a.status) for a in receiver.hub.acks] == [
         ("b", AckStatus.APPLIED),
         ("a", AckStatus.CONFLICT),
