@@ -44,6 +44,8 @@ class SharedMemoryPlanner(TransportPlanner):
     def __init__(self, hub: HubContext) -> None:
         self._hub_id = hub.hub_id
         self._owners: dict[str, Any] = {}
+        #: worker -> the node it joined from last (a restarted one may join elsewhere)
+        self._node_of: dict[str, str] = {}
         #: Per node, the number of the next hold sent to its owner (see ShmOwner.deliver).
         self._orders: dict[str, itertools.count] = {}
         self._closed = False
@@ -110,17 +112,21 @@ class SharedMemoryPlanner(TransportPlanner):
             if isinstance(p, SharedMemoryPayload) and p.slot.node_id == receiver.node_id
         )
         board = await self._owner(receiver.node_id).join.remote(receiver.worker, kept)
-        for node_id, owner in list(self._owners.items()):
-            if node_id != receiver.node_id:  # a former incarnation's holds on other nodes
-                self._background.spawn(
-                    _drop_worker(owner, receiver.worker), f"{receiver.worker}'s holds elsewhere"
-                )
+        former = self._node_of.get(receiver.worker)
+        self._node_of[receiver.worker] = receiver.node_id
+        if former not in (None, receiver.node_id) and former in self._owners:
+            # A former incarnation on another node: its holds there go too.
+            owner = self._owners[former]
+            self._background.spawn(
+                _drop_worker(owner, receiver.worker), f"{receiver.worker}'s holds on {former}"
+            )
         await self._streams.receiver_joined(receiver)
         return SharedMemoryReceiverInfo(
             receiver.worker, owner_name(self._hub_id, receiver.node_id), board
         )
 
     async def receiver_left(self, worker: str) -> None:
+        self._node_of.pop(worker, None)
         await self._streams.receiver_left(worker)
         for owner in list(self._owners.values()):
             await _drop_worker(owner, worker)
@@ -135,10 +141,7 @@ class SharedMemoryPlanner(TransportPlanner):
         owner = self._owners.get(slot.node_id)
         if owner is None:
             return  # lost with its owner; the restarted one holds none of its slots
-        held = owner.deliver.remote(
-            slot.pid, slot.seq, update.model, (), next(self._orders[slot.node_id])
-        )
-        self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
+        self._hold(owner, update, ())
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """A puller reads its own node's copy, held for it like a broadcast's target (a
@@ -172,10 +175,7 @@ class SharedMemoryPlanner(TransportPlanner):
         # arrives first is remembered. Numbered, so the owner takes the holds in the
         # hub's planning order (which frees slots of versions the hub refused).
         local = tuple(by_node.pop(slot.node_id, ()))
-        held = owner.deliver.remote(
-            slot.pid, slot.seq, update.model, local, next(self._orders[slot.node_id])
-        )
-        self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
+        held = self._hold(owner, update, local)
         #: (owner, its answer, workers) of each call that holds a slot for workers
         placed: list[tuple[Any, ray.ObjectRef, tuple[str, ...]]] = [(owner, held, local)]
         try:
@@ -256,6 +256,17 @@ class SharedMemoryPlanner(TransportPlanner):
             return  # it took none
         releases = [holder.release.remote(slot.pid, slot.seq, w) for w in workers]
         await asyncio.gather(*releases, return_exceptions=True)
+
+    def _hold(self, owner: Any, update: Any, workers: tuple[str, ...]) -> ray.ObjectRef:
+        """Have ``owner`` (the learner's node's) hold ``update``'s slot for ``workers`` and
+        as the latest of its model, numbered in the hub's planning order; not awaited
+        (a refusal is logged). The owner's answer: the slot."""
+        slot = update.payload.slot
+        held = owner.deliver.remote(
+            slot.pid, slot.seq, update.model, workers, next(self._orders[slot.node_id])
+        )
+        self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
+        return held
 
     async def _confirm(self, held: ray.ObjectRef, update: Any) -> None:
         """Log a hold the owner refused; its receivers fail on the slot's sequence check."""
