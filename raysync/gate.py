@@ -59,7 +59,7 @@ class _Read:
 
 #: The read the current thread or task holds (re-entrant user methods). Tasks and
 #: threads started inside a read copy it (``create_task``, ``to_thread``): see
-#: :func:`_own_reads`.
+#: :func:`_own_read`.
 _held: contextvars.ContextVar[_Read | None] = contextvars.ContextVar(
     "raysync_gate_held", default=None
 )

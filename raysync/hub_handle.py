@@ -141,6 +141,7 @@ class _Broadcast:
         handle = self._handle
         side = handle._side
         route = handle._route(model)
+        route_key = handle._route_key(model)  # after _route: it may name the model
         direct = (
             route.next_version > 0
             and version is None
@@ -219,7 +220,7 @@ class _Broadcast:
                         direct_version=direct_version,
                         direct_calls=calls,
                         sent_at=sent_at,
-                        known=handle._known_receivers(handle._route_key(model)),
+                        known=handle._known_receivers(route_key),
                     )
 
                     def send(sequence: int, floor: int) -> ray.ObjectRef:
@@ -227,7 +228,7 @@ class _Broadcast:
                         return handle.actor.submit.remote(numbered)
 
                     sequence, result = side.submit(send)
-                    side.last_results[handle._route_key(model)] = (sequence, result)
+                    side.last_results[route_key] = (sequence, result)
             except BaseException as err:
                 _abandon(senders, payloads, f"the broadcast failed before it left: {err!r}")
                 raise
