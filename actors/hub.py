@@ -501,7 +501,13 @@ class WeightHubActor:
         transport = registration.transport or self._transport
         planner = self._planner(transport, asked_by=registration.actor)
         registration = dataclasses.replace(registration, transport=transport)
+        former = self._state.receivers.get(registration.worker)
         latest = self._state.register(registration)
+        if former is not None and former.transport != transport:  # its planner forgets it
+            self._background.spawn(
+                self._planners[former.transport].receiver_left(registration.worker),
+                f"{registration.worker} moved to {transport}",
+            )
         self._model_known.set()
         entry = self._state.receivers[registration.worker]
         try:

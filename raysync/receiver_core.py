@@ -159,7 +159,7 @@ class ReceiverCore:
 
     Made by :meth:`register`. Public state: ``owner``, ``hub``, ``identity``, ``worker``
     and ``actor_name``, ``models`` (model id -> :class:`HeldModel`), ``gate``,
-    ``transport`` (this registration's transport receiver), ``token`` (this
+    ``transport`` (this registration's transport receiver) and ``transport_name``, ``token`` (this
     registration's), ``behind`` (models whose latest version could not be fetched on
     connecting: the hub watch pulls them again at each beat until they hold a version
     at least that new) and ``closed`` (set by :meth:`close`).
@@ -186,6 +186,7 @@ class ReceiverCore:
         self.token = token
         self._learner_deliveries_refused = False
         self.transport = _open_transport(welcome)
+        self.transport_name = welcome.transport
         if gate is None:
             gate = ApplyGate(finish_deferred=self.send_ack)
         else:
@@ -213,9 +214,10 @@ class ReceiverCore:
         ``"env.transform[0]"``). ``on_applied(model, version)`` runs at the safe point
         after each applied version; what it raises fails that version's ack.
         ``previous``, this actor's earlier core, lends each model its version (and the
-        staged version a zero-copy model lives in) and its gate (the user methods it
-        counts as reading, such as one registering again, still hold the models), and is
-        closed once the hub answered.
+        staged version a zero-copy model lives in, when this registration is zero copy
+        by the same transport; else the model first moves into memory of its own) and
+        its gate (the user methods it counts as reading, such as one registering again,
+        still hold the models), and is closed once the hub answered.
         The new core is in this process's registry of attached receivers
         (:data:`raysync.receiver_delivery.attached`) under ``identity.attachment``
         before the hub hears of it: a delivery that arrives while this still runs waits
@@ -227,8 +229,10 @@ class ReceiverCore:
         """
         if not paths:
             raise ValueError("connect_hub needs at least one model path")
-        held = {m: _carried_over(previous, m, path, owner) for m, path in paths.items()}
         _check_transport(hub, identity)
+        if previous is not None and not _adoptions_carry_over(previous, identity, hub):
+            previous.keep_models_privately()
+        held = {m: _carried_over(previous, m, path, owner) for m, path in paths.items()}
         registration = _registration(owner, held, identity)
         attached.reserve(identity.attachment)
         try:
@@ -650,6 +654,17 @@ def _registration(
         heartbeat_s=identity.heartbeat_s,
         kept=tuple(a.payload for a in adopted if a is not None and a.payload is not None),
     )
+
+
+def _adoptions_carry_over(
+    previous: ReceiverCore, identity: ReceiverIdentity, hub: HubHandle
+) -> bool:
+    """Whether zero-copy models of ``previous`` may go on living in its transport's
+    memory under the registration ``identity`` asks for: zero copy again, by the same
+    transport. Otherwise they must move out first: a model copied into would be written
+    in place (a shared-memory segment is mapped read-only: the process dies), and
+    another transport's planner does not hold the memory for it."""
+    return identity.zero_copy and (identity.transport or hub.transport) == previous.transport_name
 
 
 def _carried_over(previous: ReceiverCore | None, model_id: str, path: str, owner: Any) -> HeldModel:

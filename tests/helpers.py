@@ -50,6 +50,20 @@ class Gate:
         self._opened.set()
 
 
+def wait_until(condition, timeout_s: float = 30.0, what: str = "condition"):
+    """Poll ``condition()`` until it returns something true, and return that; fail
+    naming ``what`` after ``timeout_s``. For state another process changes in its own
+    time (a hold dropped in the background), never to wait for a call's effect."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 def wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
     """The handshake with an actor's stall point (see ``tests.receivers._Stalls``): wait
     until it touched ``path``."""

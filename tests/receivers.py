@@ -396,6 +396,13 @@ def refuse_versions(model: str, version: int) -> None:
     raise RuntimeError(f"this host refuses version {version} of {model!r}")
 
 
+def connect_policy_again(host, hub, **options) -> None:
+    """Runs in a Collector through ``__ray_call__``: ``connect_hub`` again, under the
+    same worker id, with ``options`` (another transport, say)."""
+    worker = host._raysync_receiver.worker
+    host.connect_hub(hub, models={"policy": "policy"}, worker_id=worker, **options)
+
+
 def attach_actor_net(host, hub, **options) -> str:
     """Runs in a PlainWorker through ``__ray_call__``: attach its actor net; the worker id."""
     host.receiver = raysync.attach(hub, {"policy": "nets.actor"}, owner=host, **options)

@@ -34,7 +34,15 @@ from raysync.transports.object_store.bucket_stream import (
 )
 from raysync.transports.object_store.learner import ObjectStoreSender
 from raysync.transports.rpc import agent_name
-from tests.helpers import Gate, ready, start, start_hub, wait_dead, wait_process_exit
+from tests.helpers import (
+    Gate,
+    ready,
+    start,
+    start_hub,
+    wait_dead,
+    wait_process_exit,
+    wait_until,
+)
 from tests.third_party_transport import PackedObjectTransport, PutReaderTransport
 
 #: 1 KiB buckets: the ~9 KB test model moves in about ten.
@@ -125,7 +133,7 @@ def test_bucketed_versions_land_bitwise_in_every_receiver(crew):
     assert ray.get(broker.stats.remote()).peak_buckets <= BUCKETS_IN_FLIGHT
     # Every stream ends once its readers said they took it all (a message each sends
     # before it applies: it may reach the broker after the report reached us).
-    _wait_until(lambda: ray.get(broker.stats.remote()).streams == 0)
+    wait_until(lambda: ray.get(broker.stats.remote()).streams == 0)
 
 
 def test_a_broadcast_sets_its_own_bucket_size_and_small_versions_go_whole(actors):
@@ -276,7 +284,7 @@ def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors
     reader = "copier"
     if copier_transport == "rpc":
         reader = ray.get(ray.get_actor(agent_name(hub.config.hub_id)).describe.remote()).reader
-    _wait_until(lambda: _copier_waits_for_bucket(broker, reader, BUCKETS_IN_FLIGHT))
+    wait_until(lambda: _copier_waits_for_bucket(broker, reader, BUCKETS_IN_FLIGHT))
     ray.kill(learner)
     ray.get(gate.open.remote())
     ray.get(blocked)
@@ -328,7 +336,7 @@ def test_a_distributed_member_that_dies_midway_fails_alone(actors):
     sent = learner.report.remote(weights, timeout_s=16.0, raise_on_failure=False)
     broker = _wait_for_broker(hub)
     reader = rank0_reader(hub.config.hub_id)
-    _wait_until(lambda: _copier_waits_for_bucket(broker, reader, BUCKETS_IN_FLIGHT))
+    wait_until(lambda: _copier_waits_for_bucket(broker, reader, BUCKETS_IN_FLIGHT))
     ray.kill(doomed)
     wait_process_exit(doomed_pid)  # not just reported dead: out of every collective
     ray.get(gate.open.remote())
@@ -409,7 +417,7 @@ def test_late_joiners_and_restarted_receivers_start_on_the_latest_version(actors
 
     old_pid = _pid(restarting)
     ray.kill(restarting, no_restart=False)
-    _wait_until(lambda: _pid_or_none(restarting) not in (None, old_pid))
+    wait_until(lambda: _pid_or_none(restarting) not in (None, old_pid))
     assert ray.get(restarting.version.remote()) == 2
     assert_bitwise(ray.get(restarting.state.remote()), latest)
 
@@ -618,10 +626,3 @@ def _wait_for_broker(hub, timeout_s: float = 30.0):
 
 def _copier_waits_for_bucket(broker, worker: str, index: int) -> bool:
     return ray.get(broker.taken.remote(worker)) >= index
-
-
-def _wait_until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)

@@ -22,12 +22,14 @@ from tests.helpers import (
     free_and_reach_all,
     ready,
     start,
+    wait_until,
 )
 from tests.receivers import (
     Collector,
     Holder,
     PlainWorker,
     attach_actor_net,
+    connect_policy_again,
     fail_next_rpc_join,
     make_policy,
     state_of,
@@ -193,6 +195,21 @@ def test_a_live_process_that_left_the_hub_attaches_again(actors):
         held = ray.get(worker.__ray_call__.remote(lambda w: state_of(w.nets.actor)))
         assert_bitwise(held, state_of(learner))
         ray.get(worker.__ray_call__.remote(lambda w: w.receiver.close()))
+
+
+def test_a_receiver_that_registers_again_by_another_transport_leaves_the_group(actors):
+    """The hub tells the transport a receiver leaves when it registers again by
+    another one: the agent forgets its member (it was kept for good before)."""
+    hub = start_rpc_hub(actors)
+    stays, moves = (start(actors, Collector, hub, worker_id=w) for w in ("stays", "moves"))
+    ready([stays, moves])
+    ray.get(hub.broadcast.remote(make_policy()))
+    ray.get(moves.__ray_call__.remote(connect_policy_again, hub, transport="object_store"))
+    wait_until(lambda: sorted(agent_status(hub).members) == ["stays"], what="moves forgotten")
+    learner = make_policy()
+    assert ray.get(hub.broadcast.remote(learner)).acked == ("moves", "stays")
+    for receiver in (stays, moves):
+        assert_bitwise(ray.get(receiver.state.remote()), state_of(learner))
 
 
 def test_a_receiver_whose_move_to_a_new_agent_failed_moves_at_the_next_version(actors):

@@ -13,7 +13,15 @@ import torch
 from raysync import WeightReceiver
 from raysync.hub_state import LEASE_BEATS
 from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_name
-from tests.helpers import assert_same, cut_off_heartbeats, ready, release_hub, start, start_hub
+from tests.helpers import (
+    assert_same,
+    cut_off_heartbeats,
+    ready,
+    release_hub,
+    start,
+    start_hub,
+    wait_until,
+)
 from tests.receivers import Collector, SlowHook, filled, make_policy, make_probe_model, state_of
 
 TRANSPORT = "shared_memory"
@@ -46,17 +54,6 @@ class Recorder(WeightReceiver):
 def _owner(hub):
     node_id = ray.get_runtime_context().get_node_id()
     return ray.get_actor(owner_name(hub.config.hub_id, node_id), namespace=OWNER_NAMESPACE)
-
-
-def _wait_until(condition, timeout_s: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s:g} s")
-        time.sleep(0.2)
 
 
 def _holds(hub) -> tuple[str, ...]:
@@ -151,7 +148,7 @@ def test_back_to_back_broadcasts_never_tear_a_lagging_reader(actors):
     assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
     # Every receiver released every version; the latest stays held for late joiners
     # (and the learner may hold the slot it asked for ahead).
-    _wait_until(lambda: set(_holds(hub)) - {"pending"} == {"latest/probe"}, what="holds released")
+    wait_until(lambda: set(_holds(hub)) - {"pending"} == {"latest/probe"}, what="holds released")
 
 
 def test_the_learner_delivers_its_slot_itself_and_the_holds_land_after(actors):
@@ -176,7 +173,7 @@ def test_the_learner_delivers_its_slot_itself_and_the_holds_land_after(actors):
             assert_same(ray.get(r.state.remote()), state_of(learner))
     assert set(directs[1:]) == {("c0", "c1", "c2")}, directs
     assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
-    _wait_until(
+    wait_until(
         lambda: not any(h.startswith("worker/") for h in _holds(hub)),
         what="every receiver's hold released",
     )
@@ -212,11 +209,11 @@ def test_killed_receiver_releases_its_holds(actors):
     ready([*survivors, victim])
     ray.get(hub.broadcast.remote(make_policy()))
     ref = hub.broadcast.remote(make_policy(), timeout_s=20, raise_on_failure=False)
-    _wait_until(lambda: f"worker/{victim_id}" in _holds(hub), what="victim holds version 2")
+    wait_until(lambda: f"worker/{victim_id}" in _holds(hub), what="victim holds version 2")
     ray.kill(victim)
     report = ray.get(ref, timeout=30)
     assert report.acked == ("ok0", "ok1") and "died" in report.failed[victim_id]
-    _wait_until(lambda: f"worker/{victim_id}" not in _holds(hub), what="victim's hold dropped")
+    wait_until(lambda: f"worker/{victim_id}" not in _holds(hub), what="victim's hold dropped")
     # More versions than slots still flow: nothing the victim held is lost.
     learner = make_policy()
     for _ in range(MAX_SLOTS + 1):
@@ -237,7 +234,7 @@ def test_killed_owner_is_restarted_and_leaves_nothing(actors):
     assert _segments_in(owner_pid) > 0
     ray.kill(owner)
     # The owner's process and with it every descriptor of its segments are gone.
-    _wait_until(lambda: _segments_in(owner_pid) == 0, what="dead owner's segments closed")
+    wait_until(lambda: _segments_in(owner_pid) == 0, what="dead owner's segments closed")
     # The hub restarts the owner; the learner finds the new one and delivery goes on.
     report = ray.get(hub.broadcast.remote(filled(template, 2.0)))
     assert report.acked == ("r0", "r1")
@@ -248,7 +245,7 @@ def test_killed_owner_is_restarted_and_leaves_nothing(actors):
     # owner by call, so more versions than slots still go through.
     for value in range(3, MAX_SLOTS + 4):
         assert ray.get(hub.broadcast.remote(filled(template, float(value)))).acked == ("r0", "r1")
-    _wait_until(lambda: not any(h.startswith("worker/") for h in _holds(hub)), what="released")
+    wait_until(lambda: not any(h.startswith("worker/") for h in _holds(hub)), what="released")
     assert ray.get(_owner(hub).stats.remote()).release_calls > 0
     assert _our_dev_shm() == []
 
@@ -264,12 +261,12 @@ def test_hub_close_frees_every_segment(actors):
     receiver_pids = ray.get([r.pid.remote() for r in receivers])
     assert _segments_in(owner_pid) > 0 and all(_segments_in(p) > 0 for p in receiver_pids)
     ray.get(hub.close.remote())
-    _wait_until(lambda: _segments_in(owner_pid) == 0, what="owner's segments closed")
+    wait_until(lambda: _segments_in(owner_pid) == 0, what="owner's segments closed")
     for r in receivers:
         ray.kill(r)
     # Once the readers are gone too, no process of ours maps a segment: the kernel has
     # freed them. None was ever linked into /dev/shm.
-    _wait_until(lambda: all(_segments_in(p) == 0 for p in receiver_pids), what="receivers unmapped")
+    wait_until(lambda: all(_segments_in(p) == 0 for p in receiver_pids), what="receivers unmapped")
     assert _our_dev_shm() == []
 
 
@@ -282,7 +279,7 @@ def test_killed_hub_takes_its_owner_and_segments_with_it(actors):
     assert _segments_in(owner_pid) > 0
     ray.kill(hub.actor)
     # The owner fate-shares with the hub that created it: its process and descriptors go.
-    _wait_until(lambda: _segments_in(owner_pid) == 0, what="owner gone with the hub")
+    wait_until(lambda: _segments_in(owner_pid) == 0, what="owner gone with the hub")
     assert _our_dev_shm() == []
 
 
@@ -310,8 +307,14 @@ class ZeroCopyReader(WeightReceiver):
             any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in self.policy.parameters()
         )
 
-    def reconnect(self, hub) -> None:
-        self.connect_hub(hub, models={"policy": "policy"}, worker_id=self.worker_id, zero_copy=True)
+    def reconnect(self, hub, zero_copy: bool = True, transport: str | None = None) -> None:
+        self.connect_hub(
+            hub,
+            models={"policy": "policy"},
+            worker_id=self.worker_id,
+            zero_copy=zero_copy,
+            transport=transport,
+        )
 
     def segment_fds(self) -> int:
         """How many descriptors of our segments (the release board among them) are open."""
@@ -347,7 +350,7 @@ def test_zero_copy_models_live_in_the_segment_which_outlives_a_reregistration(ac
     # Moving on releases it: one hold per reader, on the latest slot.
     ray.get(hub.broadcast.remote(learner))
     assert_same(ray.get(kept.state.remote()), state_of(learner))
-    holds = _wait_until(
+    holds = wait_until(
         lambda: (h := _holds(hub)).count("worker/kept") == 1 and h,
         what="kept's old hold released",
     )
@@ -371,6 +374,31 @@ def test_registering_again_leaves_no_descriptor_open(actors):
         assert_same(ray.get(reader.state.remote()), state_of(learner))
         counts.append(ray.get(reader.segment_fds.remote()))
     assert counts == [counts[0]] * 4, counts
+
+
+def test_a_zero_copy_receiver_registering_again_copying_or_by_another_transport(actors):
+    """Registering again without zero copy, or by another transport, moves the model out
+    of the segment first: copied into in place where it lived, a read-only mapping, the
+    process died at the next version. Leaving the transport drops its holds there."""
+    hub = start_hub(actors, TRANSPORT)
+    copying, moving = (start(actors, ZeroCopyReader, hub, w) for w in ("copying", "moving"))
+    ready([copying, moving])
+    first = make_policy()
+    ray.get(hub.broadcast.remote(first))
+    ray.get(copying.reconnect.remote(hub, zero_copy=False))
+    ray.get(moving.reconnect.remote(hub, zero_copy=False, transport="object_store"))
+    for reader in (copying, moving):
+        assert not ray.get(reader.lives_in_a_segment.remote())
+        assert_same(ray.get(reader.state.remote()), state_of(first))
+    wait_until(lambda: "worker/moving" not in _holds(hub), what="moving's holds dropped")
+    # The learner learns of the object store's hand-off with the first version after
+    # the move (the README's "Transports"): "moving" reads from the second.
+    for _ in range(MAX_SLOTS + 1):
+        learner = make_policy()
+        assert "copying" in ray.get(hub.broadcast.remote(learner)).acked
+    assert ray.get(hub.broadcast.remote(learner)).acked == ("copying", "moving")
+    for reader in (copying, moving):
+        assert_same(ray.get(reader.state.remote()), state_of(learner))
 
 
 def test_a_closed_zero_copy_receiver_keeps_its_version_while_its_slot_is_reused(actors):
