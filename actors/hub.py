@@ -26,6 +26,7 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
+from collections.abc import Awaitable
 from typing import Any
 
 import ray
@@ -74,7 +75,7 @@ from raysync.transports import (
     get_transport,
     register_transport,
 )
-from raysync.transports.object_store.bucket_stream import open_broker
+from raysync.transports.object_store.bucket_stream import is_bucketed, open_broker
 from raysync.transports.parts import plan_parts, plan_pull_parts, published_parts
 
 from .heap import settle_heap
@@ -682,31 +683,73 @@ class WeightHubActor:
         deadline = time.monotonic() + timeout_s
         plan_started = time.perf_counter()
         travels = handed.wire_spec or spec  # what the transports carry
-        to_plan = [t for t in targets if t.worker not in first_calls or _books_direct(t)]
-        planned = await self._plan_all(handed, travels, to_plan, timeout_s)
+        groups: dict[str, list[ReceiverEntry]] = {}
         for entry in targets:
-            if entry.worker in first_calls:
-                planned[entry.worker] = _Plan(update=handed.update_for(entry.transport))
-        plan_s = time.perf_counter() - plan_started
-        outcomes = await asyncio.gather(
-            *(
-                self._deliveries.deliver(
-                    entry,
-                    plan.update,
-                    deadline,
-                    timeout_s,
-                    first_calls.get(entry.worker),
-                    delivery.sent_at,
-                )
-                if plan.update is not None
-                else not_delivered(entry.worker, plan.reason, FailureCause.NOT_PLANNED)
-                for entry, plan in ((e, planned[e.worker]) for e in targets)
-            ),
-            *(
-                not_delivered(worker, reason, FailureCause.LEFT)
+            if entry.worker not in first_calls or _books_direct(entry):
+                groups.setdefault(entry.transport, []).append(entry)
+        await self._tell_published(handed, travels, groups)
+        # The learner's own deliveries need no plan (one that books them runs beside).
+        planned = {
+            e.worker: _Plan(update=handed.update_for(e.transport))
+            for e in targets
+            if e.worker in first_calls
+        }
+        plan_s = 0.0
+        # A bucket stream's readers must all be known to its broker before the first
+        # reads (else one transport's receivers may finish it before another's planner
+        # named its relay): a bucketed version is planned whole before it goes.
+        unplanned = len(groups)
+        all_planned = asyncio.Event()
+        streams = any(is_bucketed(payload) for payload in handed.payloads.values())
+
+        def outcome_of(entry: ReceiverEntry) -> Awaitable[Outcome]:
+            plan = planned[entry.worker]
+            if plan.update is None:
+                return not_delivered(entry.worker, plan.reason, FailureCause.NOT_PLANNED)
+            return self._deliveries.deliver(
+                entry,
+                plan.update,
+                deadline,
+                timeout_s,
+                first_calls.get(entry.worker),
+                delivery.sent_at,
+            )
+
+        async def plan_and_deliver(transport: str, group: list[ReceiverEntry]) -> list[Outcome]:
+            """Each transport's receivers are delivered to once their own plan is made:
+            one slow to plan holds no other back (but for buckets, above)."""
+            nonlocal plan_s, unplanned
+            plan = await self._plan_group(transport, group, handed, travels, timeout_s)
+            plan_s = max(plan_s, time.perf_counter() - plan_started)
+            unplanned -= 1
+            if not unplanned:
+                all_planned.set()
+            if streams:
+                await all_planned.wait()
+            own = [e for e in group if e.worker not in first_calls]
+            planned.update((e.worker, plan[e.worker]) for e in own)
+            return await asyncio.gather(*(outcome_of(e) for e in own))
+
+        async def delivered_directly() -> list[Outcome]:
+            return await asyncio.gather(
+                *(outcome_of(e) for e in targets if e.worker in first_calls)
+            )
+
+        async def gone() -> list[Outcome]:
+            return [
+                await not_delivered(worker, reason, FailureCause.LEFT)
                 for worker, reason in delivery.gone.items()
-            ),
-        )
+            ]
+
+        outcomes = [
+            outcome
+            for some in await asyncio.gather(
+                *(plan_and_deliver(t, group) for t, group in groups.items()),
+                delivered_directly(),
+                gone(),
+            )
+            for outcome in some
+        ]
         for entry in targets:
             if planned[entry.worker].update is None:
                 self._ask_if_alive(entry)
@@ -758,65 +801,64 @@ class WeightHubActor:
         self._metrics.broadcast(report, causes)
         self._metrics.lags(self._state.statuses())
 
-    async def _plan_all(
-        self,
-        handed: HandedOver,
-        spec: WeightSpec,
-        targets: list[ReceiverEntry],
-        timeout_s: float,
-    ) -> dict[str, _Plan]:
-        """Per target: the update it reads, planned by its transport, or why there is none."""
-        groups: dict[str, list[ReceiverEntry]] = {}
-        for entry in targets:
-            groups.setdefault(entry.transport, []).append(entry)
+    async def _tell_published(
+        self, handed: HandedOver, spec: WeightSpec, groups: dict[str, list[ReceiverEntry]]
+    ) -> None:
+        """Tell the planners none of whose receivers this version is planned for."""
         for transport, planner in list(self._planners.items()):
             update = handed.update_for(transport)
             if transport not in groups and update is not None:
                 await self._published(transport, planner, update, spec)
+
+    async def _plan_group(
+        self,
+        transport: str,
+        group: list[ReceiverEntry],
+        handed: HandedOver,
+        spec: WeightSpec,
+        timeout_s: float,
+    ) -> dict[str, _Plan]:
+        """Per target reading by ``transport``: the update it reads, planned by its
+        transport within ``timeout_s``, or why there is none."""
+        update = handed.update_for(transport)
+        if update is None:
+            reason = (
+                f"registered to read by transport {transport!r} after the learner handed "
+                "this version over without it; the next version reaches it"
+            )
+            return dict.fromkeys((e.worker for e in group), _Plan(reason=reason))
+        planning = PLAN_DEADLINE.set(time.monotonic() + timeout_s)
+        try:
+            payload_of = await asyncio.wait_for(
+                plan_parts(
+                    self._planners[transport],
+                    update,
+                    spec,
+                    [e.info for e in group],
+                    in_one_plan=get_transport(transport).parts_in_one_plan,
+                ),
+                timeout_s,
+            )
+        except asyncio.TimeoutError:
+            reason = (
+                f"transport {transport!r} could not plan the delivery within the "
+                f"{timeout_s:g} s timeout (the hub's log says what it waited for)"
+            )
+            return dict.fromkeys((e.worker for e in group), _Plan(reason=reason))
+        except Exception as err:
+            reason = f"transport {transport!r} could not plan the delivery: {err!r}"
+            return dict.fromkeys((e.worker for e in group), _Plan(reason=reason))
+        finally:
+            PLAN_DEADLINE.reset(planning)
         planned: dict[str, _Plan] = {}
-        for transport, group in groups.items():
-            update = handed.update_for(transport)
-            if update is None:
-                reason = (
-                    f"registered to read by transport {transport!r} after the learner handed "
-                    "this version over without it; the next version reaches it"
-                )
-                planned.update(dict.fromkeys((e.worker for e in group), _Plan(reason=reason)))
-                continue
-            planning = PLAN_DEADLINE.set(time.monotonic() + timeout_s)
-            try:
-                payload_of = await asyncio.wait_for(
-                    plan_parts(
-                        self._planners[transport],
-                        update,
-                        spec,
-                        [e.info for e in group],
-                        in_one_plan=get_transport(transport).parts_in_one_plan,
-                    ),
-                    timeout_s,
-                )
-            except asyncio.TimeoutError:
-                reason = (
-                    f"transport {transport!r} could not plan the delivery within the "
-                    f"{timeout_s:g} s timeout (the hub's log says what it waited for)"
-                )
-                planned.update(dict.fromkeys((e.worker for e in group), _Plan(reason=reason)))
-                continue
-            except Exception as err:
-                reason = f"transport {transport!r} could not plan the delivery: {err!r}"
-                planned.update(dict.fromkeys((e.worker for e in group), _Plan(reason=reason)))
-                continue
-            finally:
-                PLAN_DEADLINE.reset(planning)
-            for entry in group:
-                if entry.worker not in payload_of:
-                    reason = f"it left the hub while transport {transport!r} planned the version"
-                    planned[entry.worker] = _Plan(reason=reason)
-                    continue
-                if isinstance(unplanned := payload_of[entry.worker], Unplanned):
-                    reason = f"transport {transport!r} could not plan its delivery: "
-                    planned[entry.worker] = _Plan(reason=reason + unplanned.reason)
-                    continue
+        for entry in group:
+            if entry.worker not in payload_of:
+                reason = f"it left the hub while transport {transport!r} planned the version"
+                planned[entry.worker] = _Plan(reason=reason)
+            elif isinstance(unplanned := payload_of[entry.worker], Unplanned):
+                reason = f"transport {transport!r} could not plan its delivery: "
+                planned[entry.worker] = _Plan(reason=reason + unplanned.reason)
+            else:
                 planned[entry.worker] = _Plan(
                     update=dataclasses.replace(update, payload=payload_of[entry.worker])
                 )

@@ -38,7 +38,6 @@ from raysync.transports.base import TransportError
 from raysync.transports.bucket_relay import (
     adopt,
     finish,
-    is_bucketed,
     read_buckets,
     relay_plan,
 )
@@ -53,7 +52,7 @@ from raysync.transports.distributed import (
     run_broadcast,
     staging_device,
 )
-from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.bucket_stream import BucketStream, is_bucketed
 from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import bound_master_store, node_ip

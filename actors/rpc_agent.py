@@ -36,12 +36,11 @@ from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
 from raysync.transports.bucket_relay import (
     finish,
-    is_bucketed,
     read_buckets,
     relay_plan,
     relay_reader,
 )
-from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.bucket_stream import BucketStream, is_bucketed
 from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip

@@ -11,8 +11,10 @@ import pytest
 import ray
 
 from raysync import available_transports
+from raysync.transports import register_transport
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import Collector, make_policy, state_of
+from tests.third_party_transport import PutReaderTransport, StuckPlanTransport
 
 
 def test_receivers_choose_their_transport_on_an_object_store_hub(actors):
@@ -70,3 +72,21 @@ def test_unknown_transport_is_refused_in_connect_hub(actors):
     with pytest.raises(ray.exceptions.RayActorError, match="unknown transport 'carrier_pigeon'"):
         ready([bad])
     assert ray.get(hub.status.remote()).receivers == ()
+
+
+def test_a_transport_that_never_finishes_planning_holds_no_other_back(actors):
+    """The hub plans each transport's receivers at once: one whose planning never ends
+    fails its own receivers at the timeout; the others were planned and delivered
+    meanwhile (planned one transport after the other, they got what was left of the
+    timeout after it: nothing)."""
+    register_transport("stuck_plan", StuckPlanTransport)
+    register_transport("put_reader", PutReaderTransport)
+    hub = start_hub(actors, "object_store")
+    stuck = start(actors, Collector, hub, worker_id="stuck", transport="stuck_plan")
+    reader = start(actors, Collector, hub, worker_id="reader", transport="put_reader")
+    ready([stuck, reader])
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, timeout_s=5, raise_on_failure=False))
+    assert report.acked == ("reader",), report.failed
+    assert "'stuck_plan' could not plan the delivery within the 5 s" in report.failed["stuck"]
+    assert_same(ray.get(reader.state.remote()), state_of(learner))

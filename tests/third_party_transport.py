@@ -6,7 +6,8 @@
 Ray's object store; a receiver gets it (zero-copy on its node) and views the tensors in
 place. No planner of its own: every receiver reads the learner's object.
 
-``lost_copy``: ``packed_object`` whose planner cannot plan a late joiner's catch-up.
+``lost_copy``: ``packed_object`` whose planner cannot plan a late joiner's catch-up;
+``stuck_plan``: one whose planner never finishes planning a broadcast.
 
 ``put_reader``: a receiver half only, reading the ``object_store`` transport's whole put
 (its ``hand_off``); it moves no buckets, so the hub refuses a bucketed version for its
@@ -15,6 +16,7 @@ receivers.
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -123,3 +125,23 @@ class LostCopyTransport(PackedObjectTransport):
     @classmethod
     def open_hub(cls, hub: HubContext) -> LostCopyPlanner:
         return LostCopyPlanner()
+
+
+class StuckPlanner(TransportPlanner):
+    """Never finishes planning a broadcast (a resource it waits on never answers)."""
+
+    async def plan(
+        self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
+    ) -> Mapping[str, Any]:
+        await asyncio.Event().wait()  # cancelled by the hub at its timeout
+        raise AssertionError("unreachable")
+
+
+class StuckPlanTransport(PackedObjectTransport):
+    """``packed_object`` whose broadcasts are never planned (``stuck_plan``)."""
+
+    name = "stuck_plan"
+
+    @classmethod
+    def open_hub(cls, hub: HubContext) -> StuckPlanner:
+        return StuckPlanner()

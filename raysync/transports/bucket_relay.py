@@ -10,7 +10,8 @@ receivers' staging buffer (the whole version's packed layout): the relay and the
 receivers compute it alike from the payload and the spec. Who calls what:
 
 * hub process: the planner names the relay (:func:`relay_reader`) a reader of every
-  stream (:func:`streams_of`) and tells receivers how many buckets come
+  stream (:func:`~raysync.transports.object_store.bucket_stream.streams_of`) and tells
+  receivers how many buckets come
   (:func:`bucket_count`);
 * the relay (its event loop): :func:`read_buckets` reads bucket ``k + 1`` while the
   previous one is passed on, and is done with ``k`` once it asks for ``k + 2``, so the
@@ -40,9 +41,8 @@ from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError
 from raysync.transports.buckets import BucketPlan
-from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.bucket_stream import BucketStream, parts_of, streams_of
 from raysync.transports.object_store.wire import arrays_of, read_put
-from raysync.transports.parts import Parts
 
 T = TypeVar("T")
 
@@ -50,23 +50,6 @@ T = TypeVar("T")
 def relay_reader(relay: str) -> str:
     """How relay ``relay`` (a resource actor's key) names itself to the bucket broker."""
     return f"relay-{relay}"
-
-
-def _parts_of(source: object) -> list[tuple[Any, WeightSpec | None]]:
-    """The learner payloads of a version with each part's spec (None: the whole's)."""
-    if isinstance(source, Parts):
-        return [(part.payload, part.spec) for part in source.parts]
-    return [(source, None)]
-
-
-def is_bucketed(source: object) -> bool:
-    """Whether a version (or some part of it) travels in buckets."""
-    return any(isinstance(payload, BucketStream) for payload, _ in _parts_of(source))
-
-
-def streams_of(source: object) -> list[BucketStream]:
-    """The bucket streams of a version (one per bucketed part if sent in parts)."""
-    return [payload for payload, _ in _parts_of(source) if isinstance(payload, BucketStream)]
 
 
 @dataclass(frozen=True)
@@ -88,7 +71,7 @@ def relay_plan(source: object, spec: WeightSpec) -> list[RelayedBucket]:
     the whole version, as it travels (the wire dtype's)."""
     offset_of = dict(zip(spec.names, PackedLayout.of(spec).offsets, strict=True))
     plan: list[RelayedBucket] = []
-    for payload, part_spec in _parts_of(source):
+    for payload, part_spec in parts_of(source):
         part_spec = part_spec or spec
         offsets = [offset_of[name] for name in part_spec.names]
         if not isinstance(payload, BucketStream):
@@ -107,7 +90,7 @@ def bucket_count(source: object) -> int:
     :func:`relay_plan`, read off the payload: the hub plans without cutting it)."""
     return sum(
         payload.key.count if isinstance(payload, BucketStream) else 1
-        for payload, _ in _parts_of(source)
+        for payload, _ in parts_of(source)
     )
 
 

@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raysync.actor_classes import PROCESS_GROUP, actor_class
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
-from raysync.transports.bucket_relay import bucket_count, is_bucketed, streams_of
+from raysync.transports.bucket_relay import bucket_count
 from raysync.transports.distributed.wire import (
     BroadcastJob,
     Generation,
@@ -23,6 +23,7 @@ from raysync.transports.distributed.wire import (
     process_group_name,
     rank0_reader,
 )
+from raysync.transports.object_store.bucket_stream import is_bucketed, streams_of
 from raysync.transports.object_store.planner import BucketServing
 from raysync.transports.options import DistributedOptions
 from raysync.transports.parts import plan_pull_parts

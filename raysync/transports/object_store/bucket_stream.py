@@ -13,7 +13,9 @@ from typing import Any
 import ray
 
 from raysync.actor_classes import BUCKET_BROKER, actor_class
+from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext
+from raysync.transports.parts import Parts
 
 #: Buckets of one version the object store holds at most: the one receivers copy, and
 #: the one the learner packs meanwhile.
@@ -79,3 +81,20 @@ def open_broker(hub: HubContext) -> Any:
         num_cpus=0,
         max_concurrency=1000,
     ).remote(hub.actor)
+
+
+def parts_of(source: object) -> list[tuple[Any, WeightSpec | None]]:
+    """The learner payloads of a version with each part's spec (None: the whole's)."""
+    if isinstance(source, Parts):
+        return [(part.payload, part.spec) for part in source.parts]
+    return [(source, None)]
+
+
+def is_bucketed(source: object) -> bool:
+    """Whether a version (or some part of it) travels in buckets."""
+    return any(isinstance(payload, BucketStream) for payload, _ in parts_of(source))
+
+
+def streams_of(source: object) -> list[BucketStream]:
+    """The bucket streams of a version (one per bucketed part if sent in parts)."""
+    return [payload for payload, _ in parts_of(source) if isinstance(payload, BucketStream)]

@@ -17,7 +17,8 @@ from raysync.actor_classes import RPC_AGENT, actor_class
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
-from raysync.transports.bucket_relay import bucket_count, is_bucketed, relay_reader, streams_of
+from raysync.transports.bucket_relay import bucket_count, relay_reader
+from raysync.transports.object_store.bucket_stream import is_bucketed, streams_of
 from raysync.transports.object_store.planner import BucketServing
 from raysync.transports.options import RpcOptions
 from raysync.transports.parts import plan_pull_parts
