@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.dag import InputNode, MultiOutputNode
+from ray.dag import InputNode, MultiOutputNode, compiled_dag_node
 
 from raysync.messages import (
     Ack,
@@ -248,6 +248,7 @@ class ReceiverChannel:
             logger.warning("no channel to %d receivers: %s", len(job.targets), err)
             self._refuse(job)
             return
+        _spare_from_ray_shutdown(graph)
         with self._lock:
             self._graph, self._targets, self._members = graph, job.targets, job.members
 
@@ -301,3 +302,13 @@ class ReceiverChannel:
     def _release(self, targets: Sequence[DirectTarget]) -> None:
         for t in targets:
             t.handle.__ray_call__.options(max_task_retries=0).remote(release_channel, self._holder)
+
+
+def _spare_from_ray_shutdown(graph: Any) -> None:
+    """Keep ``graph`` out of Ray's list of this process's compiled graphs: ``ray.shutdown()``
+    (which Ray also runs at the process's exit) tears each one down with
+    ``kill_actors=True``, killing every actor in it, here receivers this learner does not
+    own (detached ones, another job's), which must outlive it. The channel tears its
+    graph down itself, killing nobody: :meth:`ReceiverChannel.close`, run for every
+    channel at exit too (:mod:`raysync.learner_side`)."""
+    compiled_dag_node._compiled_dags.pop(graph.get_id(), None)

@@ -14,6 +14,7 @@ broadcast starts a new one. Called in learner processes only.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import uuid
 from collections.abc import Callable
@@ -99,15 +100,30 @@ class LearnerSide:
 
 _lock = threading.Lock()
 _sides: dict[str, LearnerSide] = {}
+_closes_channels_at_exit = False
 
 
 def learner_side(hub_id: str) -> LearnerSide:
     """This process's side of hub ``hub_id``, begun on first use."""
+    global _closes_channels_at_exit
     with _lock:
         side = _sides.get(hub_id)
         if side is None:
             side = _sides[hub_id] = LearnerSide()
+        if not _closes_channels_at_exit:
+            # Registered after ray.init's own exit hook, so it runs first, while Ray is up.
+            atexit.register(_close_channels)
+            _closes_channels_at_exit = True
         return side
+
+
+def _close_channels() -> None:
+    """At exit: tear down every channel's compiled graph, killing no receiver (Ray's
+    own exit hook would kill them all: :mod:`raysync.learner_channel`)."""
+    with _lock:
+        channels = [c for side in _sides.values() for c in side.channels.values()]
+    for channel in channels:
+        channel.close()
 
 
 def end_learner_side(hub_id: str) -> None:

@@ -7,6 +7,11 @@ learner's channel holds reached the plain way."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
 import pytest
 import ray
 import torch
@@ -145,3 +150,50 @@ def test_a_receiver_in_another_learners_channel_is_called_the_plain_way(actors, 
         assert (report.version, report.acked) == (expected, ("c0", "c1"))
         assert report.channel == by_channel
         _hold(collectors, learner, expected)
+
+
+#: A learner in a driver of its own: it broadcasts through its channel to receiver "c"
+#: of the named hub, then exits without ``release()`` (Ray's exit hook runs).
+_EXITING_LEARNER = """
+import sys
+import ray
+from raysync import get_hub
+from tests.receivers import make_policy
+
+address, namespace, name = sys.argv[1:]
+ray.init(address=address, namespace=namespace)
+hub = get_hub(name, namespace=namespace)
+ray.get(hub.broadcast.remote(make_policy()))
+assert hub.wait_channel("policy") == ("c",)
+assert ray.get(hub.broadcast.remote(make_policy())).channel == ("c",)
+print("broadcast by channel", flush=True)
+"""
+
+
+def test_a_learner_that_exits_without_release_kills_no_receiver(actors):
+    """Ray's ``ray.shutdown()``, run at a driver's exit, tears down its compiled graphs
+    killing every actor in them: a learner's exit killed the receivers of its channel,
+    which it does not own (here: the test's). They live on, and another learner builds
+    its channel to them."""
+    context = ray.get_runtime_context()
+    name = f"hub-{uuid.uuid4().hex[:8]}"
+    options = {"name": name, "namespace": context.namespace}
+    hub = start_hub(actors, "object_store", actor_options=options, channels=True)
+    collector = start(actors, Collector, hub, worker_id="c")
+    ready([collector])
+    learner = subprocess.run(
+        [sys.executable, "-c", _EXITING_LEARNER, context.gcs_address, context.namespace, name],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "broadcast by channel" in learner.stdout, learner.stderr[-3000:]
+    ray.get(collector.__ray_ready__.remote(), timeout=30)
+    ray.get(hub.broadcast.remote(make_policy()))
+    assert hub.wait_channel("policy") == ("c",)  # the exiting learner's claim was freed
+    weights = make_policy()
+    report = ray.get(hub.broadcast.remote(weights))
+    assert (report.acked, report.channel) == (("c",), ("c",))
+    _hold([collector], weights, report.version)
+    hub.release()
