@@ -75,7 +75,12 @@ from raysync.transports import (
     get_transport,
     register_transport,
 )
-from raysync.transports.object_store.bucket_stream import is_bucketed, open_broker
+from raysync.transports.object_store.bucket_stream import (
+    BucketStream,
+    is_bucketed,
+    open_broker,
+    streams_of,
+)
 from raysync.transports.parts import plan_parts, plan_pull_parts, published_parts
 
 from .heap import settle_heap
@@ -701,6 +706,8 @@ class WeightHubActor:
         unplanned = len(groups)
         all_planned = asyncio.Event()
         streams = any(is_bucketed(payload) for payload in handed.payloads.values())
+        if streams and not groups:
+            self._end_unread_streams(handed, targets, planned)
 
         def outcome_of(entry: ReceiverEntry) -> Awaitable[Outcome]:
             plan = planned[entry.worker]
@@ -721,13 +728,15 @@ class WeightHubActor:
             nonlocal plan_s, unplanned
             plan = await self._plan_group(transport, group, handed, travels, timeout_s)
             plan_s = max(plan_s, time.perf_counter() - plan_started)
+            own = [e for e in group if e.worker not in first_calls]
+            planned.update((e.worker, plan[e.worker]) for e in own)
             unplanned -= 1
             if not unplanned:
+                if streams:
+                    self._end_unread_streams(handed, targets, planned)
                 all_planned.set()
             if streams:
                 await all_planned.wait()
-            own = [e for e in group if e.worker not in first_calls]
-            planned.update((e.worker, plan[e.worker]) for e in own)
             return await asyncio.gather(*(outcome_of(e) for e in own))
 
         async def delivered_directly() -> list[Outcome]:
@@ -774,6 +783,24 @@ class WeightHubActor:
         loop = asyncio.get_running_loop()
         loop.call_soon(loop.call_soon, self._record, report, causes)
         return report
+
+    def _end_unread_streams(
+        self, handed: HandedOver, targets: list[ReceiverEntry], planned: dict[str, _Plan]
+    ) -> None:
+        """Every transport planned: the bucket streams of each hand-off that none of
+        the version's targets reads (their transports read another, or could not plan
+        it) get no readers, so that their learner stops streaming them now. It streams
+        its hand-offs one after the other: it waited for a reader of that one until the
+        version's timeout, and the receivers of the next timed out meanwhile."""
+        read = {hand_off_of(e.transport) for e in targets if planned[e.worker].update is not None}
+        unread = [
+            stream
+            for hand_off, payload in handed.payloads.items()
+            if hand_off not in read
+            for stream in streams_of(payload)
+        ]
+        if unread:
+            self._background.spawn(_name_no_readers(unread), "streams nobody reads")
 
     async def _drop_if_dead(self, entry: ReceiverEntry) -> None:
         """Drop a receiver nobody calls if Ray says its actor died: one its transport had
@@ -905,6 +932,17 @@ class WeightHubActor:
         """The hand-offs a broadcast must carry now: the hub's transport's and those of
         the transports its receivers read by (called by the learner before each send)."""
         return hand_offs_for([self._transport, *self._state.transports()])
+
+
+async def _name_no_readers(streams: list[BucketStream]) -> None:
+    """Tell each stream's broker that nobody reads it (its learner stops putting it)."""
+    told = await asyncio.gather(
+        *(stream.broker.readers.remote(stream.key, []) for stream in streams),
+        return_exceptions=True,
+    )
+    for outcome in told:
+        if isinstance(outcome, BaseException):  # the broker is gone: the streams with it
+            logger.info("could not end a stream nobody reads: %r", outcome)
 
 
 async def _settled(calls: dict[str, tuple[str, Any]]) -> None:

@@ -263,6 +263,21 @@ def test_a_broadcast_whose_second_hand_off_fails_lets_go_of_the_first(actors, mo
         assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 
+def test_a_hand_off_nobody_reads_holds_no_other_back(actors):
+    """An object-store hub whose one receiver reads by shared memory: the learner hands
+    a bucketed version over twice (the hub's own hand-off, and shared memory's), one
+    stream after the other. Nobody reads the first; the learner waited for its readers
+    until the timeout, and the receiver of the second failed every version."""
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    receiver = start(actors, Receiver, hub, "s", transport="shared_memory")
+    ready([receiver])
+    for value in (1.0, 2.0, 3.0):
+        weights = special_weights(value)
+        report = ray.get(hub.broadcast.remote(weights, model=MODEL, timeout_s=10), timeout=60)
+        assert report.acked == ("s",)
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
+
+
 @pytest.mark.parametrize("copier_transport", ["object_store", "rpc"])
 def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors, copier_transport):
     """ "stuck" holds the stream at two buckets; "copier" copies both — itself, or through
