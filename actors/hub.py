@@ -300,7 +300,8 @@ class WeightHubActor:
             origin=request.submitter,
         )
         self._save_snapshot()
-        targets = [t for t in targets if handed.readable_by(t.transport)]
+        if request.workers is None:  # left out: joined by a transport the learner had not seen
+            targets = [t for t in targets if handed.readable_by(t.transport)]
         first_calls = {
             t.worker: call
             for t in targets

@@ -10,7 +10,13 @@ import ray
 
 from raysync import hub_handle
 from tests.helpers import assert_same, ready, start, start_hub
-from tests.receivers import Collector, OtherLearner, make_policy, state_of
+from tests.receivers import (
+    Collector,
+    OtherLearner,
+    connect_policy_again,
+    make_policy,
+    state_of,
+)
 
 
 def _hold(collectors, learner, version: int) -> None:
@@ -156,6 +162,28 @@ def test_a_named_receiver_that_left_after_the_route_is_reported_gone(actors):
     assert "left the hub" in report.failed["leaves"], report.failed
     _hold([stays], learner, 2)
     assert ray.get(leaves.version.remote()) == 1  # closed: it applied nothing more
+
+
+def test_a_named_receiver_that_moved_transport_after_the_route_is_reported(actors):
+    """It registered again by a transport the learner's version was not handed over
+    in: the report fails it, saying why, where it left it out of both lists."""
+    hub = start_hub(actors, "object_store")
+    stays = start(actors, Collector, hub, worker_id="stays")
+    moves = start(actors, Collector, hub, worker_id="moves")
+    ready([stays, moves])
+    ray.get(hub.broadcast.remote(make_policy()))  # the next route lists both
+    ray.get(moves.__ray_call__.remote(connect_policy_again, hub, transport="shared_memory"))
+    learner = make_policy()
+    report = ray.get(
+        hub.broadcast.remote(learner, workers=["stays", "moves"], raise_on_failure=False)
+    )
+    assert report.acked == ("stays",) and report.direct == ("stays",)
+    assert "the next version reaches it" in report.failed["moves"], report.failed
+    _hold([stays], learner, 2)
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, workers=["stays", "moves"]))
+    assert report.acked == ("moves", "stays")
+    _hold([stays, moves], learner, 3)
 
 
 def test_a_version_delivered_directly_but_never_booked_is_not_numbered_again(actors, monkeypatch):
