@@ -36,7 +36,7 @@ from raysync.transports import (
     register_transport,
 )
 from raysync.transports.buckets import bucket_bytes_of
-from raysync.wire_dtype import cast_to_wire, wire_spec_of
+from raysync.wire_dtype import cast_to_wire, check_finite_on_wire, wire_spec_of
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
@@ -117,11 +117,12 @@ class _Broadcast:
 
         Raises :class:`~raysync.InvalidWeightsError` here, before anything is sent, for
         weights that are not contiguous tensors with data (or that hold NaN/Inf when
-        the hub was started with ``reject_nonfinite=True``, or floating tensors
-        narrower than ``wire_dtype``); ``ValueError`` for a ``wire_dtype`` that is not a
-        floating dtype, or a ``timeout_s`` that is not a positive number. A spec mismatch, a stale
-        version, an unknown model or an unknown worker raise from ``ray.get`` of the
-        result, also before any receiver is touched.
+        the hub was started with ``reject_nonfinite=True``, values ``wire_dtype``
+        cannot hold then, or floating tensors narrower than ``wire_dtype``);
+        ``ValueError`` for a ``wire_dtype`` that is not a floating dtype, or a
+        ``timeout_s`` that is not a positive number. A spec mismatch, a stale version,
+        an unknown model or an unknown worker raise from ``ray.get`` of the result, also
+        before any receiver is touched.
         """
         started = time.perf_counter()
         part, parts = _checked_part(part, parts, version)
@@ -136,6 +137,8 @@ class _Broadcast:
         spec = WeightSpec.of(tensors)
         wire_dtype = config.wire_dtype if wire_dtype is None else wire_dtype
         wire_spec = wire_spec_of(spec, wire_dtype)
+        if config.reject_nonfinite and wire_spec is not None:
+            check_finite_on_wire(tensors, wire_spec, what="broadcast weights")
         travels = wire_spec or spec
         bucket_bytes = _bucket_bytes(config.bucket_mb if bucket_mb is None else bucket_mb, travels)
         handle = self._handle

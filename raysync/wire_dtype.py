@@ -71,5 +71,33 @@ def cast_to_wire(
     }
 
 
+#: Elements cast at a time by :func:`check_finite_on_wire`: its memory, whatever the model.
+FINITE_CHECK_ELEMENTS = 1 << 22
+
+
+def check_finite_on_wire(
+    tensors: Mapping[str, torch.Tensor], wire_spec: WeightSpec, *, what: str
+) -> None:
+    """Raise :class:`~raysync.InvalidWeightsError`, naming the key, if a tensor that is
+    cast for the wire holds a finite value that the wire dtype cannot (``float16``
+    overflows to inf from 65520): a hub that rejects non-finite weights must not let the
+    cast make them. Casts a bounded chunk at a time (no model-sized copy)."""
+    for entry in wire_spec.tensors:
+        tensor = tensors[entry.name]
+        if tensor.dtype == entry.dtype:
+            continue
+        flat = tensor.reshape(-1)
+        overflows = sum(
+            int((~torch.isfinite(chunk.to(entry.dtype))).sum())
+            for chunk in flat.split(FINITE_CHECK_ELEMENTS)
+        )
+        if overflows:
+            raise InvalidWeightsError(
+                f"{what}: key {entry.name!r} ({tensor.dtype}, {entry.dtype} on the wire) holds "
+                f"{overflows} value(s) of {tensor.numel()} beyond the range of the wire "
+                "dtype: cast, they would arrive as Inf (the hub rejects non-finite weights)"
+            )
+
+
 def _wire_dtype_of(dtype: torch.dtype, wire_dtype: torch.dtype) -> torch.dtype:
     return wire_dtype if dtype.is_floating_point else dtype

@@ -205,6 +205,15 @@ def test_invalid_weights_rejected_in_learner(case, before):
     before.untouched()
 
 
+@pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])
+def test_a_value_the_wire_dtype_cannot_hold_is_refused_in_the_learner(before):
+    """Finite in float32, Inf once cast to float16 on the wire: refused by a hub that
+    rejects non-finite weights, before anything is sent."""
+    with pytest.raises(InvalidWeightsError, match=r"'2.weight' .* beyond the range of the wire"):
+        before.hub.broadcast.remote(_poisoned(7e4)(), wire_dtype=torch.float16)
+    before.untouched()
+
+
 def test_wrong_shape_every_transport(before):
     test_spec_mismatch_rejected_by_hub("wrong shape", before)
 

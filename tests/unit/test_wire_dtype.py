@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raysync import wire_dtype
 from raysync.errors import InvalidWeightsError
 from raysync.spec import WeightSpec
-from raysync.wire_dtype import cast_to_wire, check_wire_dtype, wire_spec_of
+from raysync.wire_dtype import (
+    cast_to_wire,
+    check_finite_on_wire,
+    check_wire_dtype,
+    wire_spec_of,
+)
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -55,3 +61,19 @@ def test_a_wire_dtype_wider_than_the_weights_is_refused_naming_them():
 def test_a_wire_dtype_must_be_a_floating_dtype(bad):
     with pytest.raises(ValueError, match="floating torch dtype"):
         check_wire_dtype(bad)
+
+
+def test_values_the_wire_dtype_cannot_hold_are_refused_naming_the_key(monkeypatch):
+    """float16 overflows to Inf from 65520: with reject_nonfinite the cast must not make
+    the Inf the hub refuses. Checked a chunk at a time; bfloat16 holds float32's range."""
+    monkeypatch.setattr(wire_dtype, "FINITE_CHECK_ELEMENTS", 5)
+    weights = {"w": torch.zeros(12), "steps": torch.arange(3)}
+    weights["w"][[3, 11]] = torch.tensor([7e4, -65520.0])
+    spec = WeightSpec.of(weights)
+    with pytest.raises(InvalidWeightsError, match=r"key 'w' \(torch.float32, torch.float16 on"):
+        check_finite_on_wire(weights, wire_spec_of(spec, torch.float16), what="broadcast")
+    with pytest.raises(InvalidWeightsError, match="holds 2 value"):
+        check_finite_on_wire(weights, wire_spec_of(spec, torch.float16), what="broadcast")
+    check_finite_on_wire(weights, wire_spec_of(spec, torch.bfloat16), what="broadcast")
+    weights["w"][[3, 11]] = torch.tensor([65504.0, -65519.0])  # round to float16's largest
+    check_finite_on_wire(weights, wire_spec_of(spec, torch.float16), what="broadcast")
