@@ -40,9 +40,9 @@ not planned within that wait (it refused the version), or whose readers have not
 finished within it of its last bucket, ends and frees its buckets.
 
 A reader that has not taken bucket ``k - 1`` within the stream's ``stall_s`` (half its
-``wait_s``) of the learner asking
-for room is dropped from the stream (its ``take`` then answers why): one stuck receiver
-fails only itself, the others go on.
+``wait_s``) of the learner asking for room, once the stream is planned and some reader
+began it, is dropped from the stream (its ``take`` then answers why): one stuck
+receiver fails only itself, the others go on.
 """
 
 from __future__ import annotations
@@ -177,7 +177,9 @@ class BucketBroker:
     async def room(self, key: StreamId, index: int) -> str | None:
         """Wait until bucket ``index`` may be put: every reader has copied the buckets
         :data:`BUCKETS_IN_FLIGHT` before it. Readers still behind ``key.stall_s`` after
-        the version was planned are dropped. None, or why the stream cannot go on."""
+        the version was planned and a reader began reading it are dropped (a receiver
+        reads the parts of a version one stream after the other: the later ones wait
+        for it meanwhile). None, or why the stream cannot go on."""
         stall_s = key.stall_s
         state = self._open(key)
         if state is None:
@@ -187,7 +189,7 @@ class BucketBroker:
         deadline = None
         async with state.changed:
             while state.ended is None and state.behind(needed):
-                if state.readers is not None and deadline is None:
+                if state.readers is not None and state.taken and deadline is None:
                     deadline = time.monotonic() + stall_s
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:

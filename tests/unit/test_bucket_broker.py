@@ -125,6 +125,33 @@ def test_a_reader_that_holds_the_others_up_is_dropped_and_told_why():
     assert "dropped from the stream: it had not taken bucket 0 of 4 within 0.2 s" in why
 
 
+def test_a_reader_is_not_dropped_from_a_stream_it_has_not_begun_to_read():
+    """The parts of a version are streams read one after the other: a stream's stall
+    clock starts once a reader begins it, not when it was planned (a reader that spent
+    longer than the stall on the part before was dropped from the next, and the version
+    failed on every receiver)."""
+
+    async def main():
+        broker, log = BucketBroker(_NO_HUB), []
+        parts = [StreamId(f"part{i}", 6, 1.0) for i in range(2)]  # stall 0.5 s each
+        for k in parts:
+            await broker.readers(k, ["r"])
+        learners = [asyncio.ensure_future(learner(broker, k, log)) for k in parts]
+        got = []
+        for k in parts:  # 6 buckets of 0.15 s: 0.9 s per part
+            for index in range(k.count):
+                boxed, why = await broker.take(k, index, "r")
+                assert why is None, why
+                got.append(boxed[0])
+                await asyncio.sleep(0.15)
+            assert await broker.take(k, k.count, "r") == (None, None)
+        await asyncio.gather(*learners)
+        return got, [entry for entry in log if entry[0] == "stopped"]
+
+    got, stopped = run(main())
+    assert got == [f"ref{i}" for i in range(6)] * 2 and stopped == []
+
+
 @pytest.mark.parametrize(
     ("how", "told"),
     [
