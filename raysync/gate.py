@@ -132,6 +132,9 @@ class ApplyGate:
         self._readers = 0
         self._writers_waiting = 0
         self._writing = False
+        #: the thread running the write, while ``_writing``: what it calls while it
+        #: applies (``on_weights_applied``: a user method, a pull) is inside that write
+        self._writer: int | None = None
         self._deferred: list[_Pending] = []
         self._finish_deferred = finish_deferred
         self._drained: asyncio.Event | None = None
@@ -159,9 +162,9 @@ class ApplyGate:
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Hold the model steady for a synchronous user method."""
-        if self.note_loop() or _own_read() is not None:
-            # Nested call, or sync code on an async actor's loop: no apply can run on
-            # this thread until it returns.
+        if self.note_loop() or _own_read() is not None or self._writes_here():
+            # Nested call, sync code on an async actor's loop, or a call made while this
+            # thread applies a write: no apply can run on this thread until it returns.
             yield
             return
         with self._cond:
@@ -262,19 +265,22 @@ class ApplyGate:
         least as high: a write that comes while one of a higher rank waits (an older
         version delivered late) is the one dropped, following the waiting one.
         """
+        if self._writes_here():  # called while this thread applies a write: inside it
+            return apply()
         held = _own_reads()
         if on_event_loop():
             with self._cond:
                 idle = not (
                     self._readers - held or self._deferred or self._writing or self._writers_waiting
                 )
-                self._writing = self._writing or idle
+                if idle:
+                    self._writing, self._writer = True, threading.get_ident()
             if idle:
                 try:
                     return apply()
                 finally:
                     with self._cond:
-                        self._writing = False
+                        self._writing, self._writer = False, None
                         self._cond.notify_all()
             pending = _Pending(apply, key, supersede, rank)
             if key is not None:
@@ -316,12 +322,12 @@ class ApplyGate:
                     )
             if first:
                 self._writers_waiting -= 1
-            self._writing = True
+            self._writing, self._writer = True, threading.get_ident()
         try:
             return apply()
         finally:
             with self._cond:
-                self._writing = False
+                self._writing, self._writer = False, None
                 self._readers += held
                 self._cond.notify_all()
                 deferred_waiting = bool(self._deferred)
@@ -331,6 +337,10 @@ class ApplyGate:
             if deferred_waiting:  # held back by this write: run them on their loop
                 _call_soon(self.loop, self._run_deferred_if_idle)
 
+    def _writes_here(self) -> bool:
+        """Whether the calling thread is the one applying a write now."""
+        return self._writer == threading.get_ident()
+
     def _run_deferred_if_idle(self, own: int = 0) -> None:
         """Run the deferred writes, on the loop, if no reader but the caller's ``own``
         reads holds the model and no write from another thread runs. Every one runs
@@ -339,7 +349,8 @@ class ApplyGate:
             if self._readers - own or not self._deferred or self._writing:
                 return
             pending, self._deferred = self._deferred, []
-            self._writing = True  # a write from another thread waits for these
+            # a write from another thread waits for these
+            self._writing, self._writer = True, threading.get_ident()
         failure: Exception | None = None
         try:
             for write in pending:
@@ -352,7 +363,7 @@ class ApplyGate:
                     failure = failure or err
         finally:
             with self._cond:
-                self._writing = False
+                self._writing, self._writer = False, None
                 self._cond.notify_all()
             if self._drained is not None:
                 self._drained.set()

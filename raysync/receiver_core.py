@@ -213,26 +213,33 @@ class ReceiverCore:
         ``paths`` maps model ids to attribute paths on ``owner`` (``"nets.critic"``,
         ``"env.transform[0]"``). ``on_applied(model, version)`` runs at the safe point
         after each applied version; what it raises fails that version's ack.
-        ``previous``, this actor's earlier core, lends each model its version (and the
-        staged version a zero-copy model lives in, when this registration is zero copy
-        by the same transport; else the model first moves into memory of its own) and
-        its gate (the user methods it counts as reading, such as one registering again,
-        still hold the models), and is closed once the hub answered.
+        ``previous``, this actor's earlier core, lends each model its version if it was
+        registered with the same hub (and the staged version a zero-copy model lives in,
+        when this registration is zero copy by the same transport; else the model first
+        moves into memory of its own) and its gate (the user methods it counts as
+        reading, such as one registering again, still hold the models), and is closed
+        once the hub answered.
         The new core is in this process's registry of attached receivers
         (:data:`raysync.receiver_delivery.attached`) under ``identity.attachment``
         before the hub hears of it: a delivery that arrives while this still runs waits
         for it. Call :meth:`apply_welcome` next.
 
-        Raises ValueError for no paths, an unknown transport name or zero copy asked
-        of a transport that cannot give it; errors of the model paths and of the hub's
+        Raises ValueError for no paths, an unknown transport name, zero copy asked
+        of a transport that cannot give it, or a worker id this process is attached to
+        the hub as already (other than ``previous``); errors of the model paths and of the hub's
         checks (``SpecMismatchError``, ``TransportUnavailableError``) pass through.
         """
         if not paths:
             raise ValueError("connect_hub needs at least one model path")
         _check_transport(hub, identity)
-        if previous is not None and not _adoptions_carry_over(previous, identity, hub):
+        _check_not_attached(hub, identity, previous)
+        # Versions are a hub's own numbers: another hub's would hide its latest.
+        carried = previous if _same_hub(previous, hub) else None
+        if previous is not None and not (
+            carried is not None and _adoptions_carry_over(previous, identity, hub)
+        ):
             previous.keep_models_privately()
-        held = {m: _carried_over(previous, m, path, owner) for m, path in paths.items()}
+        held = {m: _carried_over(carried, m, path, owner) for m, path in paths.items()}
         registration = _registration(owner, held, identity)
         attached.reserve(identity.attachment)
         try:
@@ -654,6 +661,32 @@ def _registration(
         heartbeat_s=identity.heartbeat_s,
         kept=tuple(a.payload for a in adopted if a is not None and a.payload is not None),
     )
+
+
+def _same_hub(previous: ReceiverCore | None, hub: HubHandle) -> bool:
+    return previous is not None and previous.hub.config.hub_id == hub.config.hub_id
+
+
+def _check_not_attached(
+    hub: HubHandle, identity: ReceiverIdentity, previous: ReceiverCore | None
+) -> None:
+    """ValueError if another receiver of this process is attached to ``hub`` as
+    ``identity.worker``: the hub keeps one registration per worker, so each would
+    replace the other at every heartbeat, and broadcasts would miss the models of the
+    one replaced."""
+    for other in attached.receivers():
+        if (
+            isinstance(other, ReceiverCore)
+            and other is not previous
+            and other.worker == identity.worker
+            and other.hub.config.hub_id == hub.config.hub_id
+        ):
+            raise ValueError(
+                f"{identity.actor} is attached to this hub as worker {identity.worker!r} "
+                f"already (models {', '.join(sorted(other.models))}): attach every model "
+                "in one call, pass that receiver as replaces=, close it first, or give "
+                "this one another worker_id"
+            )
 
 
 def _adoptions_carry_over(

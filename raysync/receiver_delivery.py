@@ -74,6 +74,11 @@ class Attachments:
             self._receivers.pop(key, None)
             self._cond.notify_all()
 
+    def receivers(self) -> list[Deliverable]:
+        """The receivers of this process (those still connecting left out)."""
+        with self._cond:
+            return [r for r in self._receivers.values() if r is not None]
+
     def find(self, key: str, wait_s: float = CONNECTING_WAIT_S) -> Deliverable | None:
         """The receiver under ``key``, waiting up to ``wait_s`` while it is reserved;
         None if there is none (closed, or this is a new process after a restart)."""

@@ -85,6 +85,29 @@ class _Inspect:
 
 
 @ray.remote(num_cpus=0)
+class HookCaller(WeightReceiver, _Inspect):
+    """A policy whose ``on_weights_applied`` calls one of its own public methods (a
+    reader of the gate) each time, and closes the receiver at ``close_at``."""
+
+    def __init__(self, hub, worker_id: str, close_at: int):
+        self.policy = make_policy()
+        self.close_at = close_at
+        self.sums: list[float] = []
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=worker_id)
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        self.sums.append(self.weight_sum())
+        if version == self.close_at:
+            self._raysync_receiver.close()
+
+    def weight_sum(self) -> float:
+        return float(sum(p.detach().sum() for p in self.policy.parameters()))
+
+    def seen_sums(self) -> list[float]:
+        return list(self.sums)
+
+
+@ray.remote(num_cpus=0)
 class Collector(WeightReceiver, _Inspect):
     """The README's collector: one policy."""
 

@@ -17,10 +17,12 @@ from raysync.transports import DEFAULT_TRANSPORT
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import (
     AsyncHost,
+    Collector,
     LoopingWorker,
     PlainWorker,
     Rebuilder,
     attach_actor_net,
+    connect_policy_again,
     filled,
     make_policy,
     make_probe_model,
@@ -164,3 +166,36 @@ def test_a_new_model_object_registered_again_is_brought_to_the_latest_version(ac
     ray.get(worker.rebuild.remote(), timeout=60)
     assert_same(ray.get(worker.state.remote()), state_of(learner))
     assert ray.get(worker.weights_version.remote()) == 1
+
+
+def test_attaching_twice_as_one_worker_is_refused_naming_it(actors):
+    """Two receivers of one process attached to one hub under the same worker id (the
+    default: the actor's id) replaced each other at the hub at every heartbeat, and a
+    broadcast of the one replaced reached nobody."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    worker = start(actors, PlainWorker)
+    first = ray.get(worker.__ray_call__.remote(attach_actor_net, hub))
+    with pytest.raises(ValueError, match=f"as worker '{first}' already"):
+        ray.get(worker.__ray_call__.remote(attach_actor_net, hub))
+    learner = make_policy()
+    assert ray.get(hub.broadcast.remote(learner, model="policy")).acked == (first,)
+    held = ray.get(worker.__ray_call__.remote(lambda w: state_of(w.nets.actor)))
+    assert_same(held, state_of(learner))
+
+
+def test_connecting_to_another_hub_starts_from_its_versions(actors):
+    """A receiver moved to a new hub (its first died for good) reported the old hub's
+    version, which the new one took for its own: the new hub's latest version, lower,
+    was not offered, and the receiver kept the old weights."""
+    old = start_hub(actors, DEFAULT_TRANSPORT)
+    new = start_hub(actors, DEFAULT_TRANSPORT, models=["policy"])
+    collector = start(actors, Collector, old, worker_id="c")
+    ready([collector])
+    for _ in range(3):
+        ray.get(old.broadcast.remote(make_policy()))
+    learner = make_policy()
+    assert ray.get(new.broadcast.remote(learner, model="policy")).version == 1  # before it joins
+    ray.get(collector.__ray_call__.remote(connect_policy_again, new))
+    assert ray.get(collector.version.remote()) == 1
+    assert_same(ray.get(collector.state.remote()), state_of(learner))
+    assert ray.get(new.status.remote()).versions == {"policy": 1}

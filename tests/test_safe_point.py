@@ -11,7 +11,16 @@ import ray
 
 from raysync.transports import DEFAULT_TRANSPORT
 from tests.helpers import ready, start, start_hub
-from tests.receivers import AsyncProbe, ThreadedProbe, filled, make_probe_model
+from tests.receivers import (
+    AsyncProbe,
+    Collector,
+    HookCaller,
+    ThreadedProbe,
+    filled,
+    make_policy,
+    make_probe_model,
+    state_of,
+)
 
 _TEMPLATE = make_probe_model()
 
@@ -89,3 +98,21 @@ def test_busy_async_actor_skips_to_the_newest_version(actors, transport):
     assert applied[0] == 1 and applied[-1] == 7 and applied == sorted(applied)
     assert len(applied) < 7, applied
     assert ray.get(probe.first_value.remote()) == 7.0
+
+
+def test_on_weights_applied_may_call_the_actors_methods_and_close_it(actors):
+    """The hook runs inside the apply: a public method of the actor it calls (a reader)
+    or ``close()`` (which writes, to move zero-copy models out of shared memory) waited
+    for the apply, which waited for the hook, and the actor hung for good."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    caller = start(actors, HookCaller, hub, "caller", close_at=3)
+    other = start(actors, Collector, hub, worker_id="other")
+    ready([caller, other])
+    learners = [make_policy() for _ in range(4)]
+    for learner in learners[:3]:
+        report = ray.get(hub.broadcast.remote(learner), timeout=60)
+        assert report.acked == ("caller", "other"), report
+    report = ray.get(hub.broadcast.remote(learners[3]), timeout=60)
+    assert (report.acked, report.failed) == (("other",), {})  # it left at version 3
+    sums = [float(sum(t.sum() for t in state_of(learner).values())) for learner in learners]
+    assert ray.get(caller.seen_sums.remote(), timeout=30) == pytest.approx(sums[:3])

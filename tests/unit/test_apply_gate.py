@@ -107,6 +107,30 @@ def test_uncontended_write_runs_at_once_and_returns_its_result():
     assert finished == []  # only deferred writes go through finish_deferred
 
 
+def test_what_a_write_calls_on_its_thread_runs_inside_it():
+    """``on_weights_applied`` runs inside the write: a user method it calls (a read) or a
+    pull or ``close`` (a write) runs at once; each waited for the write, which waited
+    for it, and the actor hung for good."""
+    gate = ApplyGate(finish_deferred=lambda _: None)
+
+    def calls_a_user_method() -> str:
+        with gate.reading():
+            return "read inside"
+
+    outcomes: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: outcomes.extend(
+            [gate.write(calls_a_user_method), gate.write(lambda: gate.write(lambda: "nested"))]
+        ),
+        daemon=True,  # on a gate that deadlocks, it never ends
+    )
+    worker.start()
+    worker.join(TIMEOUT)
+    assert not worker.is_alive() and outcomes == ["read inside", "nested"]
+    with gate.reading():  # and the gate is free again
+        pass
+
+
 def test_write_waits_until_the_running_reader_returns():
     gate, cond = _watched_gate([])
     model = {"v": 0}
