@@ -47,6 +47,7 @@ from raysync.transports.distributed import (
     Generation,
     StoreAddress,
     call_off,
+    forget_rendezvous,
     header,
     join_group,
     run_broadcast,
@@ -207,6 +208,7 @@ class ProcessGroupActor:
                     self._leave()
                     self._generation = generation
                     self._group = join_group(generation, 0, self._store)
+                    forget_rendezvous(self._store, generation)
                 if self._group is None:
                     raise RuntimeError("the group broke in an earlier collective")
                 run_broadcast(self._group, fill(), generation.settings, agree=agree)

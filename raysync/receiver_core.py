@@ -430,7 +430,10 @@ class ReceiverCore:
         held = self.models.get(update.model)
         refused = None if held is None else _refusal(held, update)
         if held is None or refused is not None:
-            self.transport.release(update.payload, None)
+            if held is not None and get_transport(self.transport_name).reads_refused:
+                self._read_and_let_go(update, held)
+            else:
+                self.transport.release(update.payload, None)
             if held is None:
                 raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
             assert refused is not None  # held, so the refusal is why
@@ -452,6 +455,25 @@ class ReceiverCore:
             rank=(update.version, not update.from_learner),
         )
         return ACK_LATER if result is DEFERRED else AckNow(result)
+
+    def _read_and_let_go(self, update: Update, held: HeldModel) -> None:
+        """Fetch a version this receiver turns down and release it at once, for a
+        transport whose other receivers wait for each one to read (``reads_refused``).
+        A failure is only logged: the version is turned down all the same."""
+        try:
+            spec = held.spec_for(self.owner, update.spec_digest)
+            tensors = self.transport.fetch(update.payload, update.wire_spec or spec)
+        except Exception as err:
+            logger.info(
+                "%s turned version %d of model %r down and could not read it: %s",
+                self.actor_name,
+                update.version,
+                update.model,
+                err,
+            )
+            self.transport.release(update.payload, None)
+            return
+        self.transport.release(update.payload, tensors)
 
     def _staged(self, update: Update, spec: WeightSpec) -> _Staged:
         """Fetch ``update``: the transport's tensors, or, for a zero-copy model of a

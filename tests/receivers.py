@@ -419,6 +419,13 @@ def refuse_versions(model: str, version: int) -> None:
     raise RuntimeError(f"this host refuses version {version} of {model!r}")
 
 
+def hold_then_pull(host, gate) -> dict[str, int]:
+    """Runs in a receiver through ``__ray_call__``: hold its method slot until ``gate``
+    opens (a delivery queues behind), then pull the latest versions itself."""
+    ray.get(gate.wait.remote())
+    return host.pull_weights()
+
+
 def connect_policy_again(host, hub, **options) -> None:
     """Runs in a Collector through ``__ray_call__``: ``connect_hub`` again, under the
     same worker id, with ``options`` (another transport, say)."""

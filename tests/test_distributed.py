@@ -21,8 +21,9 @@ from tests.helpers import (
     ready,
     start,
     wait_dead,
+    wait_until,
 )
-from tests.receivers import Collector, Holder, make_policy, state_of
+from tests.receivers import Collector, Holder, hold_then_pull, make_policy, state_of
 
 #: Short collective timeout: a member that never enters fails the collective fast.
 _TIMEOUT_S = 4
@@ -79,6 +80,44 @@ def test_new_receiver_joins_and_the_group_is_re_formed(actors):
     assert after.generation > before.generation
     for c in [*first, late]:
         assert_bitwise(ray.get(c.state.remote()), state_of(v2))
+
+
+def test_rank_zero_keeps_no_generations_rendezvous_keys(actors):
+    """A new generation for each set of members (here: each broadcast names another
+    pair): rank 0's store kept every generation's keys for the hub's life."""
+    hub = start_dist_hub(actors)
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
+    ready(collectors)
+    rank0 = ray.get_actor(f"raysync-process-group-{hub.config.hub_id}")
+    for pair in (["c0", "c1"], ["c1", "c2"], ["c0", "c2"], None):
+        learner = make_policy()
+        report = ray.get(hub.broadcast.remote(learner, workers=pair))
+        assert report.acked == tuple(pair or ["c0", "c1", "c2"])
+        keys = ray.get(rank0.__ray_call__.remote(lambda group: group._store.list_keys()))
+        assert keys == [], keys
+    assert group_status(hub).generation == 4
+
+
+def test_a_member_that_pulled_the_version_meanwhile_still_enters_its_collective(actors):
+    """Its delivery queued behind a method that pulled the version (the hub publishes a
+    version before delivering it): it turned the delivery down without entering the
+    collective, and the other members waited for it for the group's timeout (30 s by
+    default), past the broadcast's, and failed."""
+    options = DistributedOptions(backend="gloo", timeout_s=30)
+    hub = start(actors, WeightHub, transport="distributed", options=options)
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
+    ready(collectors)
+    ray.get(hub.broadcast.remote(make_policy()))
+    gate = start(actors, Gate)
+    pulled = collectors[2].__ray_call__.remote(hold_then_pull, gate)
+    learner = make_policy()
+    report = hub.broadcast.remote(learner, timeout_s=10, raise_on_failure=False)
+    wait_until(lambda: ray.get(hub.status.remote()).versions == {"policy": 2}, what="published")
+    ray.get(gate.open.remote())
+    assert ray.get(pulled) == {"policy": 2}
+    assert ray.get(report).acked == ("c0", "c1", "c2"), ray.get(report).failed
+    for collector in collectors:
+        assert_bitwise(ray.get(collector.state.remote()), state_of(learner))
 
 
 def test_killed_receiver_fails_and_the_next_broadcast_reaches_the_others(actors):

@@ -315,6 +315,10 @@ class Transport(ABC):
     #: left, and ignores the payloads it returns for them. Their receivers may be done
     #: with the payload (and say so to the transport) before that plan lands.
     plans_learner_deliveries: ClassVar[bool] = False
+    #: Whether a receiver reads a version it turns down (it holds that one or a newer
+    #: one already): every receiver of a version takes part in moving it (a collective
+    #: waits for each member), so the receiver fetches it and lets it go at once.
+    reads_refused: ClassVar[bool] = False
     #: Whether its sender moves a version in buckets under a memory cap
     #: (``send_buckets``; ``bucket_mb`` of the hub and of a broadcast).
     buckets: ClassVar[bool] = False

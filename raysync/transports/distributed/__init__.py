@@ -82,6 +82,7 @@ from raysync.transports.base import (
 )
 from raysync.transports.distributed.group import (
     call_off,
+    forget_rendezvous,
     join_group,
     run_broadcast,
     staging_device,
@@ -111,6 +112,7 @@ __all__ = [
     "GroupPayload",
     "StoreAddress",
     "call_off",
+    "forget_rendezvous",
     "header",
     "join_group",
     "process_group_name",
@@ -130,6 +132,9 @@ class DistributedTransport(Transport):
     #: Sharded learners: its resource actor reads every part's put and sends the version
     #: whole (one collective / one call per receiver), so members enter it once.
     parts_in_one_plan = True
+    #: A version's collective waits for each member: one that holds it already (it
+    #: pulled it meanwhile) enters it all the same.
+    reads_refused = True
     buckets = True
     options = DistributedOptions
 

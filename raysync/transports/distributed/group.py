@@ -57,6 +57,16 @@ def join_group(
     return group
 
 
+def forget_rendezvous(store: Any, generation: Generation) -> None:
+    """Rank 0's actor, once it joined ``generation`` (``store``: the master store):
+    delete the generation's keys, gloo's and ours. Every member has joined by then and
+    reads them no more; kept, they grew rank 0's store by every membership change for
+    the hub's life."""
+    for key in store.list_keys():
+        if key.startswith(generation.prefix):
+            store.delete_key(key)
+
+
 def _everyone_here(store: Any, generation: Generation, rank: int) -> None:
     """Wait until every member of ``generation`` has arrived at its rendezvous, or the
     hub called it off; raise on the timeout, or with why it was called off.

@@ -1,0 +1,54 @@
+"""raysync/transports/distributed/group.py with real gloo groups in threads (no Ray):
+rank 0's store keeps no generation's rendezvous keys once its members have joined."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from raysync.transports.distributed import (
+    Generation,
+    StoreAddress,
+    forget_rendezvous,
+    join_group,
+)
+from raysync.transports.options import DistributedOptions
+
+TIMEOUT_S = 30.0
+
+
+def test_rank_zero_forgets_each_generations_rendezvous_keys():
+    """Each generation's keys (gloo's, one per rank, and ours) grew rank 0's store by
+    every membership change, for the hub's life."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    settings = DistributedOptions(backend="gloo", timeout_s=TIMEOUT_S)
+    for number, members in enumerate([("a", "b"), ("a", "b", "c"), ("c",)], start=1):
+        generation = Generation(
+            number, members, f"raysync/g{number}/", StoreAddress("127.0.0.1", master.port), settings
+        )
+        groups: dict[int, Any] = {}
+        errors: list[BaseException] = []
+
+        def join(rank: int, generation: Generation = generation, groups=groups, errors=errors):
+            try:
+                groups[rank] = join_group(generation, rank, master if rank == 0 else None)
+            except BaseException as err:  # reported below, in the test's thread
+                errors.append(err)
+
+        threads = [
+            threading.Thread(target=join, args=(rank,), daemon=True)
+            for rank in range(1, generation.world_size)
+        ]
+        for thread in threads:
+            thread.start()
+        join(0)
+        for thread in threads:
+            thread.join(TIMEOUT_S)
+        assert not errors and len(groups) == generation.world_size, errors
+        assert any(k.startswith(generation.prefix) for k in master.list_keys())
+        forget_rendezvous(master, generation)
+        assert master.list_keys() == [], master.list_keys()
+        for group in groups.values():
+            group.shutdown()
