@@ -29,6 +29,7 @@ TorchRL drives the scheme through its ``WeightSyncScheme`` hooks, in this order:
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -42,11 +43,15 @@ from torchrl.weight_update.weight_sync_schemes import (
 )
 
 from raysync.attached import attach
+from raysync.errors import UnknownWorkerError
 from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle
 from raysync.hub_launch import WeightHub, get_hub
 from raysync.messages import BroadcastReport
 from raysync.model_path import resolve
 from raysync.transports import DEFAULT_TRANSPORT
+
+#: Seconds between tries of an update whose collectors a restarted hub does not know yet.
+_REGISTERED_AGAIN_LOOK_S = 0.5
 
 
 @register_weight_sync_backend("raysync")
@@ -150,7 +155,9 @@ class RaySyncScheme(WeightSyncScheme):
         first key whose shape or dtype differs from the collectors' model,
         :class:`~raysync.UnknownModelError` for a model id the hub does not know, and
         :class:`~raysync.BroadcastError` if a collector failed to apply it (within
-        ``timeout_s``).
+        ``timeout_s``). While Ray restarts the hub, and until a restarted hub knows the
+        collectors again (each registers again within a heartbeat), the update is
+        tried again, within ``timeout_s``.
         """
         if self._hub is None:
             raise RuntimeError(
@@ -164,13 +171,23 @@ class RaySyncScheme(WeightSyncScheme):
             strategy=self.strategy,
             context=self.context,
         )
-        ack = self._hub.broadcast.remote(
-            prepared,
-            model=self.model_id,
-            workers=self._targets(worker_ids),
-            timeout_s=self._timeout_s,
-        )
-        self.last_report = ray.get(ack)
+        workers = self._targets(worker_ids)
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            ack = self._hub.broadcast.remote(
+                prepared, model=self.model_id, workers=workers, timeout_s=self._timeout_s
+            )
+            try:
+                self.last_report = ray.get(ack)
+                return
+            except (UnknownWorkerError, ray.exceptions.ActorUnavailableError):
+                # A hub Ray is restarting (the update may or may not have gone out: the
+                # same weights again are harmless), or restarted and knows each
+                # collector again once its hub watch registered it (a heartbeat): until
+                # then, try again.
+                if time.monotonic() + _REGISTERED_AGAIN_LOOK_S > deadline:
+                    raise
+                time.sleep(_REGISTERED_AGAIN_LOOK_S)
 
     def _targets(self, worker_ids: int | list[int] | None) -> list[str]:
         if worker_ids is None:

@@ -167,6 +167,26 @@ def test_async_collectors_on_a_named_hub_act_with_the_new_weights_once_it_return
     ray.kill(hub.actor)
 
 
+def test_an_update_after_the_hub_restarted_waits_until_the_collectors_are_back(ray_cluster):
+    """A hub Ray restarts knows no collector until each registers again (a heartbeat
+    later): an update in between raised UnknownWorkerError; it is tried again."""
+    hub = WeightHub.options(name="torchrl-restarting-hub", max_restarts=1).remote()
+    policy = CountingPolicy()
+    scheme = RaySyncScheme("torchrl-restarting-hub")
+    collector = ray_collector(2, sync=True, scheme=scheme, policy=policy)
+    try:
+        batches = iter(collector)
+        collector.update_policy_weights_()
+        ray.kill(hub.actor, no_restart=False)
+        set_weight(policy, 2.0)
+        collector.update_policy_weights_()
+        assert scheme.last_report.acked == scheme.workers
+        assert actions(next(batches)) == {2.0}
+    finally:
+        collector.shutdown()
+        ray.kill(hub.actor)
+
+
 @pytest.mark.parametrize(
     ("collector_class", "sync", "factory"),
     [(MultiSyncCollector, True, True), (MultiAsyncCollector, False, False)],
