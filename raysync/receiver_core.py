@@ -265,8 +265,9 @@ class ReceiverCore:
     def apply_welcome(self, welcome: Welcome) -> None:
         """Apply the versions ``welcome`` (from :meth:`register`) offers, now; raise if
         one fails. One whose data cannot be read now (gone with a dead learner, or a
-        data path that failed) joins :attr:`behind` instead: the hub watch pulls it
-        again at each beat, and the next broadcast brings it anyway."""
+        data path that failed) joins :attr:`behind` instead: a push receiver's hub watch
+        pulls it again at each beat, and the next broadcast brings it anyway (a pull
+        receiver's next pull does)."""
         for update in welcome.latest.values():
             try:
                 self.apply_now(update, "while connecting")

@@ -8,10 +8,12 @@ If not (the hub actor restarted and rebuilds its registry from receivers, or it 
 this receiver as dead by mistake) it registers again and delivers the newer versions the
 hub answers with through the host's own method queue
 (``ReceiverCore.deliver_through_host``), so they are applied at a safe point like any
-broadcast. A re-registration that fails is tried again after one heartbeat, then after
-twice as long each time, at most four heartbeats apart. A hub that does not answer
+broadcast (a pull receiver's are left to its next pull: nothing is applied behind the
+back of a driver that reads its model outside ``using()``). A re-registration that
+fails is tried again after one heartbeat, then after twice as long each time, at most
+four heartbeats apart. A hub that does not answer
 (restarting) is asked again at the next beat. At each beat it also pulls again the
-models the receiver could not fetch while connecting (``ReceiverCore.behind``).
+models a push receiver could not fetch while connecting (``ReceiverCore.behind``).
 
 What it knows of the connection, :class:`HubConnection`, is read from any thread with
 :meth:`HubWatch.connection` (``AttachedReceiver.connection`` and
@@ -28,7 +30,7 @@ from dataclasses import dataclass, replace
 from ray.exceptions import GetTimeoutError, RayError
 
 from raysync.errors import RaySyncError
-from raysync.messages import AckStatus, Update
+from raysync.messages import AckStatus, DeliveryMode, Update
 from raysync.receiver_core import ReceiverCore
 from raysync.receiver_receipt import AckNow
 
@@ -74,6 +76,8 @@ class HubWatch(threading.Thread):
         self._interval_s = interval_s
         self._call_timeout_s = max(4 * interval_s, 5.0)
         self._failures = 0  #: re-registrations failed in a row
+        #: push receiver: the watch applies what the hub offers (a pull one pulls it)
+        self._pushed = core.identity.mode is DeliveryMode.PUSH
         self._connection = HubConnection(
             watched=True, connected=True, reregistering_since=None, last_error=None
         )
@@ -119,7 +123,7 @@ class HubWatch(threading.Thread):
                 )
             elif not self._register_again():
                 return retry_delay(self._interval_s, self._failures)
-            if core.behind:
+            if core.behind and self._pushed:
                 self._catch_up()
         except (RayError, GetTimeoutError) as err:
             self._unreachable(err)
@@ -149,8 +153,9 @@ class HubWatch(threading.Thread):
             return False
         self._failures = 0
         self._connection = replace(self._connection, connected=True, reregistering_since=None)
-        for update in welcome.latest.values():
-            self._deliver_offered(update)
+        if self._pushed:  # a pull receiver takes versions when it pulls, not in the background
+            for update in welcome.latest.values():
+                self._deliver_offered(update)
         return True
 
     def _deliver_offered(self, update: Update) -> None:

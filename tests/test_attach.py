@@ -8,13 +8,15 @@ also what every other receiver test checks.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import ray
 import torch
 
 import raysync
 from raysync.transports import DEFAULT_TRANSPORT
-from tests.helpers import assert_same, ready, start, start_hub
+from tests.helpers import assert_same, ready, start, start_hub, wait_until
 from tests.receivers import (
     AsyncHost,
     Collector,
@@ -145,6 +147,54 @@ def test_the_driver_attaches_in_pull_mode(actors):
         receiver.close()
     assert receiver.closed
     assert ray.get(hub.status.remote()).receivers == ()
+
+
+def test_a_pull_receiver_registered_again_takes_versions_only_when_it_pulls(actors):
+    """After a hub restart the hub watch registers the driver's pull receiver again;
+    the hub's welcome offered a version published meanwhile, which the watch applied
+    on its own thread, behind the back of a driver reading its model. The driver's next
+    pull takes it."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, actor_options={"max_restarts": 1}, models=["policy"])
+    first = make_policy()
+    ray.get(hub.broadcast.remote(first, model="policy", timeout_s=30))
+    mine = make_policy()
+    receiver = raysync.attach(hub, {"policy": mine}, mode="pull", heartbeat_s=0.1)
+    core = receiver.core
+    asks, beat_may_ask = [], threading.Event()
+    knows = core.hub_knows_me
+
+    def held_then_asked(timeout_s: float) -> bool:
+        beat_may_ask.wait()
+        asks.append(1)
+        return knows(timeout_s)
+
+    core.hub_knows_me = held_then_asked  # the watch's beats wait for the test
+    try:
+        boot = ray.get(hub.status.remote()).boot_id
+        ray.kill(hub.actor, no_restart=False)
+        wait_until(lambda: _booted_since(hub, boot), what="the hub restarted")
+        second = make_policy()
+        ray.get(hub.broadcast.remote(second, model="policy", timeout_s=30))  # none of it
+        beat_may_ask.set()
+        # The beat that registered again (and, before, applied the version) has ended
+        # once the next one asks.
+        wait_until(lambda: len(asks) >= 2 and receiver.connection().connected, what="back")
+        assert receiver.versions() == {"policy": 1}
+        assert_same(state_of(mine), state_of(first))
+        assert receiver.pull() == {"policy": 2}
+        assert_same(state_of(mine), state_of(second))
+    finally:
+        beat_may_ask.set()
+        receiver.close()
+
+
+def _booted_since(hub, boot: str) -> bool:
+    """Whether a new incarnation of ``hub`` answers (the old one may still answer
+    just after ``ray.kill``)."""
+    try:
+        return ray.get(hub.status.remote(), timeout=5).boot_id != boot
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
 
 
 def test_paths_without_an_owner_are_refused(ray_cluster):
