@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from raysync.errors import ModelPathError, TransportUnavailableError
-from raysync.messages import Ack, AckStatus, Update, Welcome
+from raysync.messages import Ack, AckStatus, DeliveryMode, Update, Welcome
 from raysync.receiver_hub_watch import HubConnection, HubWatch, retry_delay
 from raysync.receiver_receipt import ACK_LATER, AckNow, Receipt
 
@@ -39,7 +40,13 @@ class _Core:
     worker = "collector-1"
     actor_name = "Collector(abc)"
 
-    def __init__(self, heartbeats: Sequence[Any], registrations: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        heartbeats: Sequence[Any],
+        registrations: Sequence[Any] = (),
+        mode: DeliveryMode = DeliveryMode.PUSH,
+    ) -> None:
+        self.identity = SimpleNamespace(mode=mode)
         self.closed = threading.Event()
         self.behind: set[str] = set()
         self.heartbeats = list(heartbeats)
@@ -99,6 +106,22 @@ def test_a_hub_that_forgot_the_receiver_gets_it_back_with_its_versions():
     assert core.delivered == [applied, deferred]
     assert core.acks == [_ack(applied)]  # the deferred one is acked from its safe point
     assert watch.connection().connected and watch.connection().reregistering_since is None
+
+
+def test_a_pull_receiver_is_registered_again_and_left_to_pull_what_the_hub_offers():
+    """Nothing is applied behind its back: not the welcome's versions, not the models
+    it could not fetch while connecting."""
+    core = _Core(
+        heartbeats=[False, True],
+        registrations=[_welcome(_update("policy", 3))],
+        mode=DeliveryMode.PULL,
+    )
+    core.behind = {"critic"}
+    core.latest_updates["critic"] = _update("critic", 2)
+    watch = HubWatch(core, BEAT)
+    assert watch.beat() == BEAT and watch.beat() == BEAT
+    assert core.delivered == [] and core.acks == [] and core.behind == {"critic"}
+    assert watch.connection().connected
 
 
 def test_a_version_the_busy_host_does_not_apply_on_registering_again_is_pulled_later():
