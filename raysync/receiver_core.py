@@ -159,10 +159,10 @@ class ReceiverCore:
 
     Made by :meth:`register`. Public state: ``owner``, ``hub``, ``identity``, ``worker``
     and ``actor_name``, ``models`` (model id -> :class:`HeldModel`), ``gate``,
-    ``transport`` (this registration's transport receiver) and ``transport_name``, ``token`` (this
-    registration's), ``behind`` (models whose latest version could not be fetched on
-    connecting: the hub watch pulls them again at each beat until they hold a version
-    at least that new) and ``closed`` (set by :meth:`close`).
+    ``transport`` (this registration's transport receiver) and ``transport_name``,
+    ``token`` (this registration's), ``behind`` (models whose latest version could not
+    be fetched on connecting: a push receiver's hub watch pulls them again at each beat
+    until they hold a version at least that new) and ``closed`` (set by :meth:`close`).
     """
 
     def __init__(
@@ -226,8 +226,9 @@ class ReceiverCore:
 
         Raises ValueError for no paths, an unknown transport name, zero copy asked
         of a transport that cannot give it, or a worker id this process is attached to
-        the hub as already (other than ``previous``); errors of the model paths and of the hub's
-        checks (``SpecMismatchError``, ``TransportUnavailableError``) pass through.
+        the hub as already (other than ``previous``); errors of the model paths and of
+        the hub's checks (``SpecMismatchError``, ``TransportUnavailableError``) pass
+        through.
         """
         if not paths:
             raise ValueError("connect_hub needs at least one model path")
@@ -340,6 +341,7 @@ class ReceiverCore:
         welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
         transport = _open_transport(welcome)
         previous, self.transport = self.transport, transport
+        self.transport_name = welcome.transport
         self.token = registration.token
         previous.close()
         logger.info("%s re-registered with its hub", self.actor_name)

@@ -50,7 +50,8 @@ from raysync.messages import BroadcastReport
 from raysync.model_path import resolve
 from raysync.transports import DEFAULT_TRANSPORT
 
-#: Seconds between tries of an update whose collectors a restarted hub does not know yet.
+#: Seconds between tries of an update while Ray restarts the hub, or until it knows the
+#: collectors again.
 _REGISTERED_AGAIN_LOOK_S = 0.5
 
 

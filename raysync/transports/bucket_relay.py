@@ -11,8 +11,7 @@ receivers compute it alike from the payload and the spec. Who calls what:
 
 * hub process: the planner names the relay (:func:`relay_reader`) a reader of every
   stream (:func:`~raysync.transports.object_store.bucket_stream.streams_of`) and tells
-  receivers how many buckets come
-  (:func:`bucket_count`);
+  receivers how many buckets come (:func:`bucket_count`);
 * the relay (its event loop): :func:`read_buckets` reads bucket ``k + 1`` while the
   previous one is passed on, and is done with ``k`` once it asks for ``k + 2``, so the
   object store holds at most two; then
