@@ -137,8 +137,6 @@ class _Broadcast:
         spec = WeightSpec.of(tensors)
         wire_dtype = config.wire_dtype if wire_dtype is None else wire_dtype
         wire_spec = wire_spec_of(spec, wire_dtype)
-        if config.reject_nonfinite and wire_spec is not None:
-            check_finite_on_wire(tensors, wire_spec, what="broadcast weights")
         travels = wire_spec or spec
         bucket_bytes = _bucket_bytes(config.bucket_mb if bucket_mb is None else bucket_mb, travels)
         handle = self._handle
@@ -157,6 +155,8 @@ class _Broadcast:
         wire = None  # what travels of a whole version: cast once, for every hand-off
         if bucket_bytes is None:
             wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
+        if config.reject_nonfinite and wire_spec is not None:
+            check_finite_on_wire(tensors, wire_spec, what="broadcast weights", cast=wire)
         # A version written into the learner's channel leaves before its object-store
         # copy is made (the receivers apply it meanwhile): numbered from the write on.
         with side.submitting if channel is not None else contextlib.nullcontext():

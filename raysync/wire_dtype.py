@@ -76,21 +76,30 @@ FINITE_CHECK_ELEMENTS = 1 << 22
 
 
 def check_finite_on_wire(
-    tensors: Mapping[str, torch.Tensor], wire_spec: WeightSpec, *, what: str
+    tensors: Mapping[str, torch.Tensor],
+    wire_spec: WeightSpec,
+    *,
+    what: str,
+    cast: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Raise :class:`~raysync.InvalidWeightsError`, naming the key, if a tensor that is
     cast for the wire holds a finite value that the wire dtype cannot (``float16``
     overflows to inf from 65520): a hub that rejects non-finite weights must not let the
-    cast make them. Casts a bounded chunk at a time (no model-sized copy)."""
+    cast make them. ``cast``: the tensors already cast (:func:`cast_to_wire`, a whole
+    version), looked at as they are; else each is cast a bounded chunk at a time (a
+    bucketed version: no model-sized copy)."""
     for entry in wire_spec.tensors:
         tensor = tensors[entry.name]
         if tensor.dtype == entry.dtype:
             continue
-        flat = tensor.reshape(-1)
-        overflows = sum(
-            int((~torch.isfinite(chunk.to(entry.dtype))).sum())
-            for chunk in flat.split(FINITE_CHECK_ELEMENTS)
+        chunks = (
+            [cast[entry.name]]
+            if cast is not None
+            else (
+                chunk.to(entry.dtype) for chunk in tensor.reshape(-1).split(FINITE_CHECK_ELEMENTS)
+            )
         )
+        overflows = sum(int((~torch.isfinite(chunk)).sum()) for chunk in chunks)
         if overflows:
             raise InvalidWeightsError(
                 f"{what}: key {entry.name!r} ({tensor.dtype}, {entry.dtype} on the wire) holds "

@@ -74,6 +74,9 @@ def test_values_the_wire_dtype_cannot_hold_are_refused_naming_the_key(monkeypatc
         check_finite_on_wire(weights, wire_spec_of(spec, torch.float16), what="broadcast")
     with pytest.raises(InvalidWeightsError, match="holds 2 value"):
         check_finite_on_wire(weights, wire_spec_of(spec, torch.float16), what="broadcast")
+    half = wire_spec_of(spec, torch.float16)  # a whole version: the cast made already
+    with pytest.raises(InvalidWeightsError, match="holds 2 value"):
+        check_finite_on_wire(weights, half, what="broadcast", cast=cast_to_wire(weights, half))
     check_finite_on_wire(weights, wire_spec_of(spec, torch.bfloat16), what="broadcast")
     weights["w"][[3, 11]] = torch.tensor([65504.0, -65519.0])  # round to float16's largest
     check_finite_on_wire(weights, wire_spec_of(spec, torch.float16), what="broadcast")
