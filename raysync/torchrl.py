@@ -43,7 +43,7 @@ from torchrl.weight_update.weight_sync_schemes import (
 )
 
 from raysync.attached import attach
-from raysync.errors import UnknownWorkerError
+from raysync.errors import BroadcastError, UnknownWorkerError
 from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle
 from raysync.hub_launch import WeightHub, get_hub
 from raysync.messages import BroadcastReport
@@ -96,6 +96,7 @@ class RaySyncScheme(WeightSyncScheme):
         self._hub: HubHandle | None = None
         self._owns_hub = False
         self._workers: tuple[str, ...] = ()
+        self._collectors: tuple[Any, ...] = ()  # the learner's handles, by index
         self._receiver: Any = None
         self.last_report: BroadcastReport | None = None
 
@@ -120,6 +121,7 @@ class RaySyncScheme(WeightSyncScheme):
         self.model_id = model_id
         self.context = context
         self.model = model
+        self._collectors = tuple(remote_collectors)
         scheme_id = uuid.uuid4().hex[:8]
         self._workers = tuple(
             _worker_id(scheme_id, model_id, index) for index in range(len(remote_collectors))
@@ -158,7 +160,9 @@ class RaySyncScheme(WeightSyncScheme):
         :class:`~raysync.BroadcastError` if a collector failed to apply it (within
         ``timeout_s``). While Ray restarts the hub, and until a restarted hub knows the
         collectors again (each registers again within a heartbeat), the update is
-        tried again, within ``timeout_s``.
+        tried again, within ``timeout_s``. A remote collector Ray restarted comes back
+        as TorchRL built it, without its receiver: it is attached again and the update
+        sent again (the collectors that applied it get the same weights once more).
         """
         if self._hub is None:
             raise RuntimeError(
@@ -181,6 +185,9 @@ class RaySyncScheme(WeightSyncScheme):
             try:
                 self.last_report = ray.get(ack)
                 return
+            except BroadcastError as err:
+                if time.monotonic() > deadline or not self._attach_restarted(err.report.failed):
+                    raise
             except (UnknownWorkerError, ray.exceptions.ActorUnavailableError):
                 # A hub Ray is restarting (the update may or may not have gone out: the
                 # same weights again are harmless), or restarted and knows each
@@ -189,6 +196,33 @@ class RaySyncScheme(WeightSyncScheme):
                 if time.monotonic() + _REGISTERED_AGAIN_LOOK_S > deadline:
                     raise
                 time.sleep(_REGISTERED_AGAIN_LOOK_S)
+
+    def _attach_restarted(self, failed: dict[str, str]) -> bool:
+        """In the learner, after a broadcast failed on ``failed``: hand this scheme again
+        to each of those remote collectors that holds no receiver of it (a new
+        incarnation Ray restarted), the way RayCollector's constructor did. Whether any
+        was attached again; one dead for good or unreachable is left to the report."""
+        attached = False
+        for worker in failed:
+            if worker not in self._workers:
+                continue
+            collector = self._collectors[self._workers.index(worker)]
+            try:
+                if ray.get(
+                    collector.__ray_call__.remote(_holds_receiver, self.model_id),
+                    timeout=self._timeout_s,
+                ):
+                    continue
+                ray.get(
+                    collector.register_scheme_receiver.remote(
+                        {self.model_id: self}, synchronize_weights=False
+                    ),
+                    timeout=self._timeout_s,
+                )
+            except (ray.exceptions.RayError, TimeoutError):
+                continue
+            attached = True
+        return attached
 
     def _targets(self, worker_ids: int | list[int] | None) -> list[str]:
         if worker_ids is None:
@@ -301,13 +335,20 @@ class RaySyncScheme(WeightSyncScheme):
         """What TorchRL pickles to each remote collector: the hub's handle and the
         receivers' names, never the learner's ownership of the hub or a receiver."""
         state = super().__getstate__()
-        state.update(_receiver=None, _owns_hub=False, last_report=None)
+        state.update(_receiver=None, _owns_hub=False, last_report=None, _collectors=())
         return state
 
 
 def _worker_id(scheme_id: str, model_id: str, index: int) -> str:
     """A remote collector's name at the hub (in reports and ``hub.status``)."""
     return f"torchrl-{scheme_id}-{model_id}-{index}"
+
+
+def _holds_receiver(collector: Any, model_id: str) -> bool:
+    """Runs in a remote collector (``__ray_call__``): whether a RaySyncScheme of
+    ``model_id`` was handed to this process and attached its model."""
+    scheme = getattr(collector, "_receiver_schemes", {}).get(model_id)
+    return isinstance(scheme, RaySyncScheme) and scheme._receiver is not None
 
 
 def _collector_model(context: Any, model_id: str) -> Any:

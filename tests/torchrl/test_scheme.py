@@ -33,7 +33,7 @@ def ray_collector(n: int, *, sync: bool, scheme: RaySyncScheme, **kwargs) -> Ray
         frames_per_batch=FRAMES * n if sync else FRAMES,
         total_frames=10**9,  # the tests stop by themselves
         sync=sync,
-        remote_configs=REMOTE,
+        remote_configs=kwargs.pop("remote_configs", REMOTE),
         weight_sync_schemes={"policy": scheme},
         **kwargs,
     )
@@ -185,6 +185,32 @@ def test_an_update_after_the_hub_restarted_waits_until_the_collectors_are_back(r
     finally:
         collector.shutdown()
         ray.kill(hub.actor)
+
+
+def test_a_collector_ray_restarted_acts_with_the_next_update(ray_cluster):
+    """Ray restarts a remote collector as TorchRL built it, without its receiver (TorchRL
+    hands the scheme over once, from RayCollector's constructor): the next update
+    attaches the new incarnation again and reaches it."""
+    policy = set_weight(CountingPolicy(), 2.0)
+    scheme = RaySyncScheme()
+    restarting = {**REMOTE, "max_restarts": 1}
+    collector = ray_collector(2, sync=True, scheme=scheme, policy=policy, remote_configs=restarting)
+    try:
+        batches = iter(collector)
+        collector.update_policy_weights_()
+        assert actions(next(batches)) == {2.0}
+        died = collector.remote_collectors[1]
+        ray.kill(died, no_restart=False)
+        ray.get(died.__ray_ready__.remote())  # the new incarnation
+        set_weight(policy, 3.0)
+        collector.update_policy_weights_()
+        assert scheme.last_report.acked == scheme.workers
+        assert actions(next(batches)) == {3.0}
+        set_weight(policy, 4.0)
+        collector.update_policy_weights_()
+        assert actions(next(batches)) == {4.0}
+    finally:
+        collector.shutdown()
 
 
 @pytest.mark.parametrize(
