@@ -45,6 +45,7 @@ from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
 from raysync.transports.rpc import (
+    LEFT_KEPT,
     RpcJob,
     RpcMember,
     abandon,
@@ -63,8 +64,6 @@ from .heap import settle_heap
 _MEMBER_LIST_KEY = "names/_ALL_WORKER_INFOS"  #: "name-rank,name-rank,"
 _TOKEN_KEY = "RpcGroupManagementToken"
 _PING_TIMEOUT_S = 2.0
-#: Places of processes that left, kept for their return (the oldest are forgotten).
-_LEFT_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -91,25 +90,32 @@ class RpcAgentActor:
         hub: str,
         settings: RpcOptions,
         known: dict[str, tuple[str, int]] | None = None,
+        left: dict[str, int] | None = None,
     ) -> None:
         """``known``: worker -> (process, rank) of the members of an earlier agent of
         hub ``hub`` (it died, or the hub restarted); each keeps its rank here and moves
-        to this group on its next registration or delivery."""
+        to this group on its next registration or delivery. ``left``: process -> rank
+        of the processes that left those groups, each given its rank back if it
+        attaches again."""
         self._key = key
         self._hub = hub
         self._settings = settings
         self._url, self._master = open_master_store(node_ip(), settings.timeout_s)
         init_rpc(rpc_name(key, 0), 0, self._url, settings)
         self._name = rpc_name(key, 0)
-        known = known or {}
+        known, left = known or {}, left or {}
         self._members: dict[str, _Admitted] = {
             worker: _Admitted(process, self._member(rank, worker))
             for worker, (process, rank) in known.items()
         }
-        self._ranks = itertools.count(1 + max((rank for _, rank in known.values()), default=0))
-        #: process -> its place, for processes that left (or died): one that attaches
-        #: again gets it back (torch RPC keeps a process's first rank for life)
+        taken = [rank for _, rank in known.values()] + list(left.values())
+        self._ranks = itertools.count(1 + max(taken, default=0))
+        #: process -> its place, for processes that left this group (or died): one that
+        #: attaches again gets it back (torch RPC keeps a process's first rank for life)
         self._left: dict[str, RpcMember] = {}
+        #: process -> its rank, for processes that left an earlier group: one that
+        #: attaches again joins this group under it
+        self._left_before = dict(left)
         self._sent = 0
         self._failures: list[str] = []
         settle_heap()
@@ -124,10 +130,13 @@ class RpcAgentActor:
         if known is not None:
             await asyncio.to_thread(self._unlist, {known.member.name})
         before = self._left.pop(process, None)
+        rank_before = self._left_before.pop(process, None)
         if before is not None:
             # It left the hub, but its torch RPC lives on under its rank: its old place.
             member = dataclasses.replace(before, worker=worker)
             await asyncio.to_thread(self._relist, member)
+        elif rank_before is not None:  # it joins this group, under its rank for life
+            member = self._member(rank_before, worker)
         else:
             await asyncio.to_thread(self._prune)
             member = self._member(next(self._ranks), worker)
@@ -157,7 +166,7 @@ class RpcAgentActor:
         gone = self._members.pop(worker, None)
         if gone is not None:
             self._left[gone.process] = gone.member
-            while len(self._left) > _LEFT_KEPT:
+            while len(self._left) > LEFT_KEPT:
                 del self._left[next(iter(self._left))]
             await asyncio.to_thread(self._unlist, {gone.member.name})
 

@@ -197,6 +197,27 @@ def test_a_live_process_that_left_the_hub_attaches_again(actors):
         ray.get(worker.__ray_call__.remote(lambda w: w.receiver.close()))
 
 
+def test_a_process_that_left_attaches_again_after_the_agent_was_replaced(actors):
+    """A left process's place outlives the agent that gave it: a new agent (the old one
+    died meanwhile) gives it back, not a fresh rank torch RPC would refuse."""
+    hub = start_rpc_hub(actors)
+    worker = start(actors, PlainWorker)
+    ray.get(worker.__ray_call__.remote(attach_actor_net, hub, worker_id="again"))
+    stays = start(actors, Collector, hub, worker_id="stays")  # the rank after it
+    ready([stays])
+    assert ray.get(hub.broadcast.remote(make_policy())).acked == ("again", "stays")
+    ray.get(worker.__ray_call__.remote(lambda w: w.receiver.close()))
+    ray.kill(ray.get_actor(f"raysync-rpc-agent-{hub.config.hub_id}"))
+    assert ray.get(hub.broadcast.remote(make_policy())).acked == ("stays",)  # a new agent
+
+    ray.get(worker.__ray_call__.remote(attach_actor_net, hub, worker_id="again"))
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, raise_on_failure=False), timeout=60)
+    assert report.acked == ("again", "stays"), report.failed
+    held = ray.get(worker.__ray_call__.remote(lambda w: state_of(w.nets.actor)))
+    assert_bitwise(held, state_of(learner))
+
+
 def test_a_receiver_that_registers_again_by_another_transport_leaves_the_group(actors):
     """The hub tells the transport a receiver leaves when it registers again by
     another one: the agent forgets its member (it was kept for good before)."""

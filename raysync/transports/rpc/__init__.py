@@ -85,9 +85,17 @@ from raysync.transports.options import RpcOptions
 from raysync.transports.rpc.planner import RpcPlanner
 from raysync.transports.rpc.receiver import RpcReceiver, abandon, answer_ping, land, land_bucket
 from raysync.transports.rpc.rendezvous import SCHEME, init_rpc, interface_of, open_master_store
-from raysync.transports.rpc.wire import RpcJob, RpcMember, RpcPayload, agent_name, rpc_name
+from raysync.transports.rpc.wire import (
+    LEFT_KEPT,
+    RpcJob,
+    RpcMember,
+    RpcPayload,
+    agent_name,
+    rpc_name,
+)
 
 __all__ = [
+    "LEFT_KEPT",
     "SCHEME",
     "RpcJob",
     "RpcMember",

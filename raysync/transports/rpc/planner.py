@@ -22,7 +22,7 @@ from raysync.transports.object_store.bucket_stream import is_bucketed, streams_o
 from raysync.transports.object_store.planner import BucketServing
 from raysync.transports.options import RpcOptions
 from raysync.transports.parts import plan_pull_parts
-from raysync.transports.rpc.wire import RpcJob, RpcMember, RpcPayload, agent_name
+from raysync.transports.rpc.wire import LEFT_KEPT, RpcJob, RpcMember, RpcPayload, agent_name
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RpcPlanner(TransportPlanner):
     def _start_agent(self) -> tuple[str, Any]:
         """A new agent (new key, new group) that re-admits every known member at its rank."""
         key = uuid.uuid4().hex
-        known = self._ranks.load()
+        known, left = self._ranks.load(), self._ranks.left()
         actor = (
             ray.remote(actor_class(RPC_AGENT))
             .options(
@@ -59,7 +59,7 @@ class RpcPlanner(TransportPlanner):
                 name=self._name,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=True),
             )
-            .remote(key, self._hub, self._settings, known)
+            .remote(key, self._hub, self._settings, known, left)
         )
         return key, actor
 
@@ -152,28 +152,45 @@ class RpcPlanner(TransportPlanner):
 
 
 class _RankBook:
-    """worker -> (process, rank) of a hub's RPC members, in Ray's GCS next to the hub's
-    restart snapshot (:mod:`raysync.hub_snapshot`, deleted with it), so a restarted hub
-    gives every receiver process its rank again. Hub process only."""
+    """worker -> (process, rank) of a hub's RPC members, and process -> rank of the
+    processes that left, in Ray's GCS next to the hub's restart snapshot
+    (:mod:`raysync.hub_snapshot`, deleted with it): a new agent or a restarted hub gives
+    every receiver process its rank again, torch RPC keeping a process's first rank for
+    its life. Hub process only."""
 
     def __init__(self, hub: str) -> None:
         self._key = f"hub/{hub}/rpc-ranks"
         raw = internal_kv._internal_kv_get(self._key, namespace=KV_NAMESPACE)
-        self._ranks: dict[str, tuple[str, int]] = {} if raw is None else pickle.loads(raw)
+        self._ranks: dict[str, tuple[str, int]] = {}
+        self._left: dict[str, int] = {}
+        if raw is not None:
+            self._ranks, self._left = pickle.loads(raw)
 
     def load(self) -> dict[str, tuple[str, int]]:
         return dict(self._ranks)
 
+    def left(self) -> dict[str, int]:
+        return dict(self._left)
+
     def set(self, worker: str, process: str, rank: int) -> None:
-        if self._ranks.get(worker) != (process, rank):
+        if self._ranks.get(worker) != (process, rank) or process in self._left:
             self._ranks[worker] = (process, rank)
+            self._left.pop(process, None)
             self._save()
 
     def remove(self, worker: str) -> None:
-        if self._ranks.pop(worker, None) is not None:
+        gone = self._ranks.pop(worker, None)
+        if gone is not None:
+            process, rank = gone
+            self._left[process] = rank
+            while len(self._left) > LEFT_KEPT:
+                del self._left[next(iter(self._left))]
             self._save()
 
     def _save(self) -> None:
         internal_kv._internal_kv_put(
-            self._key, pickle.dumps(self._ranks), overwrite=True, namespace=KV_NAMESPACE
+            self._key,
+            pickle.dumps((self._ranks, self._left)),
+            overwrite=True,
+            namespace=KV_NAMESPACE,
         )

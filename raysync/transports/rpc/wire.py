@@ -10,6 +10,10 @@ from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import RpcOptions
 from raysync.transports.parts import Parts
 
+#: Places of processes that left the hub, kept for their return (the oldest forgotten):
+#: torch RPC keeps a process's rank for life, so one that attaches again needs its own.
+LEFT_KEPT = 4096
+
 
 @dataclass(frozen=True)
 class RpcMember:
