@@ -310,12 +310,18 @@ class RpcAgentActor:
         import torch.distributed.rpc as rpc
 
         dead = set()
-        for entry in self._listed():
+        pings = {}
+        for entry in self._listed():  # all at once: a join costs one ping's time
             name = entry.rsplit("-", 1)[0]
             if name == self._name:
                 continue
             try:
-                rpc.rpc_sync(name, answer_ping, timeout=_PING_TIMEOUT_S)
+                pings[name] = rpc.rpc_async(name, answer_ping, timeout=_PING_TIMEOUT_S)
+            except Exception:
+                dead.add(name)
+        for name, ping in pings.items():
+            try:
+                ping.wait()
             except Exception:
                 dead.add(name)
         if dead:
