@@ -22,6 +22,7 @@ Everything here runs in the host process. Who calls what:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -194,6 +195,10 @@ class ReceiverCore:
         self.gate = gate
         self.behind: set[str] = set()
         self.closed = threading.Event()
+        #: Held by a re-registration from start to end, and to end them: a core that
+        #: leaves or is replaced waits for one in flight, then never registers again.
+        self._registering = threading.RLock()
+        self._registering_ended = False
         self._on_applied = on_applied
 
     @classmethod
@@ -243,13 +248,15 @@ class ReceiverCore:
         held = {m: _carried_over(carried, m, path, owner) for m, path in paths.items()}
         registration = _registration(owner, held, identity)
         attached.reserve(identity.attachment)
-        try:
-            welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
-        except BaseException:
-            attached.remove(identity.attachment)
-            raise
-        if previous is not None:
-            previous.close()
+        # The previous core's hub watch must not register it again over this one.
+        with contextlib.nullcontext() if previous is None else previous._registering:
+            try:
+                welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
+            except BaseException:
+                attached.remove(identity.attachment)
+                raise
+            if previous is not None:
+                previous.close()
         core = cls(
             owner,
             hub,
@@ -286,6 +293,8 @@ class ReceiverCore:
     def close(self) -> None:
         """End this connection: its hub watch stops, its transport receiver closes, and
         deliveries to it fail (the hub still counts it until :meth:`leave_hub`)."""
+        with self._registering:
+            self._registering_ended = True
         self.closed.set()
         attached.remove(self.identity.attachment)
         self.transport.close()
@@ -308,7 +317,11 @@ class ReceiverCore:
             self.gate.write(keep)
 
     def leave_hub(self, timeout_s: float) -> None:
-        """Tell the hub to forget this registration: no broadcast targets it any more."""
+        """Tell the hub to forget this registration: no broadcast targets it any more.
+        The hub watch registers this core no more (one registering now is waited for,
+        and it is the registration that leaves)."""
+        with self._registering:
+            self._registering_ended = True
         ray.get(self.hub.actor.leave.remote(self.worker, self.token), timeout=timeout_s)
 
     def model_id(self, model: str | None) -> str:
@@ -331,19 +344,24 @@ class ReceiverCore:
         """Whether the hub still knows this registration (False: register again)."""
         return ray.get(self.hub.actor.heartbeat.remote(self.worker, self.token), timeout=timeout_s)
 
-    def register_again(self, timeout_s: float) -> Welcome:
+    def register_again(self, timeout_s: float) -> Welcome | None:
         """Register with the same hub again, as this core is now (the hub restarted or
         dropped it): a new token and transport receiver. The Welcome's updates are for
         the caller to deliver through :meth:`deliver_through_host`. If the new transport
         receiver cannot be opened, this core keeps its token and transport (so the hub
-        watch's next beat finds it unknown and tries again) and the error is raised."""
-        registration = _registration(self.owner, self.models, self.identity)
-        welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
-        transport = _open_transport(welcome)
-        previous, self.transport = self.transport, transport
-        self.transport_name = welcome.transport
-        self.token = registration.token
-        previous.close()
+        watch's next beat finds it unknown and tries again) and the error is raised.
+        None, and no call to the hub, once this core left the hub, closed or was
+        replaced."""
+        with self._registering:
+            if self._registering_ended:
+                return None
+            registration = _registration(self.owner, self.models, self.identity)
+            welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
+            transport = _open_transport(welcome)
+            previous, self.transport = self.transport, transport
+            self.transport_name = welcome.transport
+            self.token = registration.token
+            previous.close()
         logger.info("%s re-registered with its hub", self.actor_name)
         return welcome
 

@@ -151,6 +151,8 @@ class HubWatch(threading.Thread):
             )
             self._connection = replace(self._connection, last_error=_describe(err))
             return False
+        if welcome is None:  # the receiver left or was replaced meanwhile: the watch ends
+            return True
         self._failures = 0
         self._connection = replace(self._connection, connected=True, reregistering_since=None)
         if self._pushed:  # a pull receiver takes versions when it pulls, not in the background

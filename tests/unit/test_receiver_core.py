@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -461,3 +462,65 @@ def test_registering_again_keeps_the_old_token_and_transport_if_the_new_one_fail
         receiver.core.register_again(5.0)
     assert receiver.core.token == "token" and receiver.core.transport is receiver.transport
     assert closed == []
+
+
+class _RegisteringHub(_Hub):
+    """A stand-in hub whose ``register`` answers once ``answer`` is set (with the test's
+    ``ray.get``, :func:`_get`); records registrations and leaves, with their tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registered: list[str] = []
+        self.left: list[str] = []
+        self.asked = threading.Event()
+        self.answer = threading.Event()
+
+        def register(registration: Any) -> str:
+            self.registered.append(registration.token)
+            return "welcome"
+
+        self.actor.register = SimpleNamespace(remote=register)
+        self.actor.leave = SimpleNamespace(remote=lambda worker, token: self.left.append(token))
+
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
+        if ref != "welcome":
+            return None
+        self.asked.set()
+        assert self.answer.wait(timeout)
+        return Welcome("object_store", None, {})
+
+
+@pytest.fixture
+def registering(monkeypatch) -> _Receiver:
+    from raysync import receiver_core
+
+    receiver = _Receiver()
+    hub = receiver.core.hub = _RegisteringHub()
+    monkeypatch.setattr(receiver_core.ray, "get", hub.get)
+    monkeypatch.setattr(receiver_core, "_open_transport", lambda welcome: _Transport())
+    return receiver
+
+
+@pytest.mark.parametrize("ends", ["leave_hub", "close"])
+def test_a_core_that_left_or_closed_registers_again_no_more(registering, ends):
+    core, hub = registering.core, registering.core.hub
+    hub.answer.set()
+    core.leave_hub(5.0) if ends == "leave_hub" else core.close()
+    assert core.register_again(5.0) is None
+    assert hub.registered == []
+
+
+def test_leaving_waits_for_a_registration_in_flight_and_leaves_with_its_token(registering):
+    """The hub watch registers again while the host leaves the hub: the registration
+    the hub ends up knowing is the one that leaves, none is left behind."""
+    core, hub = registering.core, registering.core.hub
+    watch = threading.Thread(target=core.register_again, args=(5.0,))
+    watch.start()
+    assert hub.asked.wait(5.0)  # the registration is at the hub
+    leaving = threading.Thread(target=core.leave_hub, args=(5.0,))
+    leaving.start()
+    hub.answer.set()
+    watch.join(5.0)
+    leaving.join(5.0)
+    assert hub.left == hub.registered == [core.token]
+    assert core.register_again(5.0) is None
