@@ -177,7 +177,13 @@ class _Broadcast:
                     config.default_timeout_s if timeout_s is None else timeout_s,
                 )
             senders, payloads = self._hand_off(
-                route, tensors, wire, travels, bucket_bytes, timeout_s
+                route,
+                route.model if model is None else model,
+                tensors,
+                wire,
+                travels,
+                bucket_bytes,
+                timeout_s,
             )
             try:
                 request = BroadcastRequest(
@@ -250,6 +256,7 @@ class _Broadcast:
     def _hand_off(
         self,
         route: Route,
+        model: str,
         tensors: dict[str, torch.Tensor],
         wire: dict[str, torch.Tensor] | None,
         travels: WeightSpec,
@@ -257,8 +264,9 @@ class _Broadcast:
         timeout_s: float | None,
     ) -> tuple[dict[str, TransportSender], dict[str, Any]]:
         """Hand the version to the hub's transport and those its receivers chose, in
-        this process: the senders and their payloads, one per hand-off. ``wire``: a
-        whole version's tensors as they travel; buckets are cast as they are packed."""
+        this process: the senders and their payloads, one per hand-off. ``model``: the
+        model id (the hub's only one if none was named). ``wire``: a whole version's
+        tensors as they travel; buckets are cast as they are packed."""
         handle = self._handle
         try:
             senders = {name: handle._sender(name) for name in route.hand_offs}
@@ -267,7 +275,7 @@ class _Broadcast:
 
             def send(sender: TransportSender) -> Any:
                 if wire is not None:
-                    return sender.send(wire, travels)
+                    return sender.send(wire, travels, model)
                 assert bucket_bytes is not None  # no whole version: a bucketed one
                 return sender.send_buckets(tensors, travels, bucket_bytes, stall_s)
 

@@ -380,9 +380,9 @@ def start_victim(hub, name: str, stall_dir: str, *, restarts: bool):
 class Holder(WeightReceiver):
     """A receiver of an arbitrary state_dict, with a method that blocks deliveries."""
 
-    def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str):
+    def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str, model: str = "m"):
         self.sd = {k: torch.zeros_like(v) for k, v in template.items()}
-        self.connect_hub(hub, models={"m": "sd"}, worker_id=worker_id)
+        self.connect_hub(hub, models={model: "sd"}, worker_id=worker_id)
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.sd.items()}

@@ -87,7 +87,7 @@ def _weights(value: float) -> dict[str, torch.Tensor]:
 
 def _publish(sender: NixlSender, weights: dict[str, torch.Tensor], spec: WeightSpec):
     """What a HubHandle does: ``send``, hand the payload over, then ``submitted`` writes."""
-    payload = sender.send(weights, spec)
+    payload = sender.send(weights, spec, "m")
     sender.submitted(payload, None)
     return payload
 
@@ -237,11 +237,11 @@ def test_a_buffer_another_thread_sent_into_is_written_before_it_is_taken():
     sender, receiver = NixlSender(), NixlReceiver()
     try:
         spec = WeightSpec.of(_weights(0.0))
-        first = sender.send(_weights(1.0), spec)
-        second = sender.send(_weights(2.0), spec)
+        first = sender.send(_weights(1.0), spec, "m")
+        second = sender.send(_weights(2.0), spec, "m")
         sender.submitted(second, None)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            third = pool.submit(sender.send, _weights(3.0), spec)
+            third = pool.submit(sender.send, _weights(3.0), spec, "m")
             deadline = time.monotonic() + 30
             while not sender._written._waiters:  # type: ignore[attr-defined]
                 assert not third.done(), "the third send took a buffer not yet written"
@@ -255,7 +255,7 @@ def test_a_buffer_another_thread_sent_into_is_written_before_it_is_taken():
             staged = receiver.fetch(payload, spec)
             assert_same(dict(zip(spec.names, staged, strict=True)), _weights(value))
             receiver.release(payload, staged)
-        fourth = sender.send(_weights(4.0), spec)
+        fourth = sender.send(_weights(4.0), spec, "m")
         sender.abandoned(fourth, "the broadcast failed")
         with pytest.raises(TransportError, match="failed while writing stamp"):
             receiver.fetch(fourth, spec)
@@ -298,7 +298,7 @@ def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
     spec = WeightSpec.of(big)
     try:
         assert len(wire.Frame.of(spec).buckets) > 5
-        payload = sender.send(big, spec)
+        payload = sender.send(big, spec, "m")
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fetched = pool.submit(receiver.fetch, payload, spec)
             with pytest.raises(concurrent.futures.TimeoutError):
@@ -309,7 +309,7 @@ def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
         receiver.release(payload, staged)
 
         # Tensors that do not fill the spec break the pack part-way: a real failure.
-        payload = sender.send({"a": torch.zeros(10), "b": big["b"]}, spec)
+        payload = sender.send({"a": torch.zeros(10), "b": big["b"]}, spec, "m")
         with pytest.raises(ValueError):  # numpy's, from the pack's copy
             sender.submitted(payload, None)
         with pytest.raises(TransportError, match="failed while writing"):
@@ -344,7 +344,7 @@ def test_a_reader_reads_what_is_written_then_waits_for_the_rest(monkeypatch):
 
     monkeypatch.setattr(receiver, "_await_buckets", recording)
     try:
-        payload = sender.send(big, spec)
+        payload = sender.send(big, spec, "m")
         bucket_3_at = payload.region.address + frame.buckets[3][0]
 
         def copy_after_the_reader_waits(destination, source):

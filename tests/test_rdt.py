@@ -192,3 +192,24 @@ def test_a_receiver_busy_past_its_timeouts_does_not_stall_the_learner(actors, mo
     report = ray.get(hub.broadcast.remote(weights, model="m"), timeout=60)
     assert report.acked == ("busy", "quick")
     assert_same(ray.get(busy.state.remote()), weights)
+
+
+def test_two_models_of_one_spec_broadcast_in_turn_never_wait_for_each_other(actors, caplog):
+    """The hub keeps each model's latest version (late joiners read it): with two
+    models of one spec, the learner's buffer of one model's latest is not the other's
+    to reuse. Each version takes a buffer nobody holds; none is set aside, none waits
+    for Ray to free what the hub keeps."""
+    hub = start_hub(actors, "rdt")
+    template = state_of(make_policy())
+    holders = {m: start(actors, RdtHolder, hub, template, f"holds-{m}", m) for m in "ab"}
+    ready(list(holders.values()))
+    with caplog.at_level(logging.WARNING, logger=rdt_learner.__name__):
+        for _ in range(3):
+            for model, holder in holders.items():
+                weights = state_of(make_policy())
+                report = ray.get(hub.broadcast.remote(weights, model=model), timeout=60)
+                assert report.acked == (f"holds-{model}",)
+                assert_same(ray.get(holder.state.remote()), weights)
+    assert [r.getMessage() for r in caplog.records if r.name == rdt_learner.__name__] == []
+    late = start(actors, RdtHolder, hub, template, "late", "a")
+    assert_same(ray.get(late.state.remote()), ray.get(holders["a"].state.remote()))

@@ -48,7 +48,9 @@ class PackedPayload:
 
 
 class PackedSender(TransportSender):
-    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> PackedPayload:
+    def send(
+        self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str
+    ) -> PackedPayload:
         layout = PackedLayout.of(spec)
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         layout.pack(tensors, buffer)

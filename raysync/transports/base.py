@@ -15,9 +15,10 @@ process that calls each method:
    ``sender = Transport.open_sender(hub)`` of the transport named by ``hand_off``
    (its own name unless it reuses another's learner half, as ``distributed`` and
    ``rpc`` reuse the object store's put).
-4. learner process, each broadcast: ``payload = sender.send(tensors, spec)`` — the data
-   leaves the learner here (or is made readable by receivers). ``tensors`` is the
-   flat, name-sorted mapping from :func:`raysync.weights.flatten`. Right after, the
+4. learner process, each broadcast: ``payload = sender.send(tensors, spec, model)`` —
+   the data leaves the learner here (or is made readable by receivers). ``tensors`` is
+   the flat, name-sorted mapping from :func:`raysync.weights.flatten`; ``model`` the
+   model id it is a version of. Right after, the
    learner hands the payload to the hub and tells the sender
    ``sender.submitted(payload, done)``: ``done`` (:class:`VersionDone`) is the end of
    that broadcast, so a sender that reuses its memory knows when receivers are done
@@ -140,8 +141,10 @@ class TransportSender(ABC):
     """Learner-side half of a transport. One per hub handle per learner process."""
 
     @abstractmethod
-    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> Any:
-        """Make this version readable by receivers; return the payload the hub forwards."""
+    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str) -> Any:
+        """Make this version of model ``model`` readable by receivers; return the payload
+        the hub forwards. The hub keeps each model's latest payload for receivers that
+        join later, so memory it names stays readable until that model's next version."""
 
     def send_buckets(
         self,

@@ -18,7 +18,7 @@ class _Sender(TransportSender):
     def __init__(self) -> None:
         self.closed = False
 
-    def send(self, tensors, spec):  # never called here
+    def send(self, tensors, spec, model):  # never called here
         raise NotImplementedError
 
     def close(self) -> None:

@@ -77,7 +77,9 @@ class NixlSender(TransportSender):
         #: Notified as a version sent into a buffer is written there, or abandoned.
         self._written = threading.Condition(self._lock)
 
-    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> NixlPayload:
+    def send(
+        self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str
+    ) -> NixlPayload:
         """Pick the buffer for this version and clear its stamps; ``submitted`` writes it."""
         device = tensors[spec.names[0]].device
         with self._lock:

@@ -22,7 +22,9 @@ class ObjectStoreSender(TransportSender):
         self._outgoing: dict[str, Outgoing] = {}
         self._puts = VersionPuts()
 
-    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> ObjectStorePayload:
+    def send(
+        self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str
+    ) -> ObjectStorePayload:
         arrays = [as_array(tensors[name]) for name in spec.names]
         return ObjectStorePayload(self._puts.put(arrays, torch.get_num_threads()))
 

@@ -1,8 +1,9 @@
 """Ray Direct Transport (RDT) over NIXL as the data path: Ray moves the bytes.
 
 The Ray-native mode of the NIXL transport. The learner packs the weights (layout of
-:class:`~raysync.layout.PackedLayout`) into one of a pair of buffers per spec, each
-registered with Ray's NIXL agent once (``ray.experimental.register_nixl_memory``), and
+:class:`~raysync.layout.PackedLayout`) into one of a pair of buffers per model and
+spec (the hub keeps each model's latest readable), each registered with Ray's NIXL
+agent once (``ray.experimental.register_nixl_memory``), and
 publishes the buffer with ``ray.put([buffer], _tensor_transport="nixl")``: the payload
 is that ObjectRef. A receiver points the ref at its own staging buffer
 (``set_target_for_ref``, registered once too) and ``ray.get`` makes Ray's agent READ

@@ -48,7 +48,10 @@ class RdtSender(TransportSender):
         apply_ucx_cuda_defaults()  # before Ray's NIXL agent starts in this process
         self._progress = ray_agent_progress()
         self._hub = hub
-        self._pairs: dict[tuple[WeightSpec, torch.device], list[torch.Tensor]] = {}
+        #: Whole versions: two registered buffers per model (the hub keeps each model's
+        #: latest version readable for late joiners: one model's buffer is not another's
+        #: to reuse), spec and device, written in turn.
+        self._pairs: dict[tuple[str, WeightSpec, torch.device], list[torch.Tensor]] = {}
         #: Bucketed versions: two registered slots per (bucket bytes, device), and each
         #: version ``send_buckets`` started until ``submitted``.
         self._rings: dict[tuple[int, torch.device], tuple[RdtRing, list[torch.Tensor]]] = {}
@@ -61,20 +64,20 @@ class RdtSender(TransportSender):
         self._set_aside: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
-    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> RdtPayload:
+    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str) -> RdtPayload:
         from ray.experimental import register_nixl_memory
 
         device = tensors[spec.names[0]].device
         layout = PackedLayout.of(spec)
         with self._lock:
-            pair = self._pairs.get((spec, device))
+            pair = self._pairs.get((model, spec, device))
             if pair is None:
                 pair = [
                     torch.zeros(layout.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
                 ]
                 for buffer in pair:
                     register_nixl_memory(buffer)
-                self._pairs[(spec, device)] = pair
+                self._pairs[(model, spec, device)] = pair
             self._deregister_freed()
             buffer = self._reusable(pair)
             pair.reverse()  # next time, the other buffer

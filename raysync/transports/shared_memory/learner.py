@@ -106,7 +106,9 @@ class SharedMemorySender(TransportSender):
                 time.sleep(0.2)
                 self._owner = self._find_owner()
 
-    def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> SharedMemoryPayload:
+    def send(
+        self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str
+    ) -> SharedMemoryPayload:
         layout = PackedLayout.of(spec, HEADER_BYTES)
         with self._lock:
             slot, buffer = self._slot(layout.nbytes)
