@@ -150,7 +150,7 @@ class LosingLearner(PartLearner):
         from raysync.transports.object_store.learner import ObjectStoreSender
         from raysync.transports.object_store.wire import ObjectStorePayload
 
-        def send_lost(sender, tensors, spec):
+        def send_lost(sender, tensors, spec, model):
             return ObjectStorePayload((_lost.remote(spec.nbytes),))
 
         ObjectStoreSender.send = send_lost
