@@ -70,6 +70,12 @@ CHANNEL_MAX_BYTES = 2 * 2**20
 #: when the receivers are idle; a receiver busy in a method answers after it.
 COLLECT_WAIT_S = 0.01
 
+#: Share of a broadcast's timeout the channel's thread waits for its receivers'
+#: replies. Ray reads a graph's outputs together, so one receiver busy past that holds
+#: back every reply: the channel is then taken as broken, and the hub calls each
+#: receiver whose reply it lacks in the time left (one that applied the version acks).
+REPLIES_WAIT_SHARE = 0.5
+
 #: Room in the graph's buffers beyond the version's bytes (the update's fields, pickled).
 BUFFER_SLACK = 64 * 2**10
 
@@ -267,7 +273,7 @@ class ReceiverChannel:
         for worker, ref in zip(written.tokens, written.refs, strict=True):
             if broken is None:
                 try:
-                    replies[worker] = ref.get(timeout=written.timeout_s)
+                    replies[worker] = ref.get(timeout=written.timeout_s * REPLIES_WAIT_SHARE)
                     continue
                 except Exception as err:  # Ray's channel errors, a death, a time-out
                     broken = f"the learner's channel broke ({type(err).__name__}: {err})"

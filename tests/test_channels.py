@@ -103,6 +103,29 @@ def test_a_receiver_busy_in_a_method_gets_the_version_after_it(actors, channel_h
     _hold([reader], second, 2)
 
 
+def test_a_receiver_busy_past_the_timeout_fails_alone(actors, channel_hub):
+    """Ray reads a graph's replies all at once, so a receiver busy past the broadcast's
+    timeout holds back the others' replies too. The hub then calls each receiver whose
+    reply it lacks, in the time left: the idle one, which applied the version, acks."""
+    hub = channel_hub
+    busy = start(actors, Reader, hub, worker_id="busy")
+    idle = start(actors, Collector, hub, worker_id="idle")
+    ready([busy, idle])
+    ray.get(hub.broadcast.remote(make_policy()))
+    assert sorted(hub.wait_channel("policy")) == ["busy", "idle"]
+    entered, leave = Gate.remote(), Gate.remote()
+    actors.extend([entered, leave])
+    read = busy.read_across.remote(entered, leave)
+    ray.get(entered.wait.remote())
+    learner = make_policy()
+    sent = hub.broadcast.remote(learner, timeout_s=4.0, raise_on_failure=False)
+    report = ray.get(sent, timeout=60)
+    assert report.acked == ("idle",) and set(report.failed) == {"busy"}, report.failed
+    _hold([idle], learner, 2)
+    ray.get(leave.open.remote())
+    ray.get(read)
+
+
 def test_a_receiver_killed_fails_alone_and_the_channel_is_built_without_it(actors, channel_hub):
     hub = channel_hub
     collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
