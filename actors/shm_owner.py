@@ -161,7 +161,7 @@ class ShmOwner:
         self._free_columns: list[int] = []  #: columns of freed segments
         #: learner (sender id) -> its process, and the learners gone (their slots are
         #: freed as their holds go)
-        self._learner_pids: dict[str, int] = {}
+        self._learner_pids: dict[str, tuple[int, int | None]] = {}  #: (pid, its start)
         self._left: set[str] = set()
         self._board_releases = 0
         self._release_calls = 0
@@ -173,8 +173,8 @@ class ShmOwner:
         held ``PENDING``. ``pid``: the learner's process (on this node): once it is
         gone, its slots are freed as their holds go (see :meth:`leave`)."""
         with self._lock:
-            if pid:
-                self._learner_pids[learner] = pid
+            if pid and self._learner_pids.get(learner, (0, None))[0] != pid:
+                self._learner_pids[learner] = (pid, _started_at(pid))
             segment = self._free_segment(learner, nbytes, timeout_s)
             segment.holds.add(PENDING)
             segment.pending_since = time.monotonic()
@@ -369,8 +369,10 @@ class ShmOwner:
         """Free the slots of learners gone (left, or their process died) that nothing
         holds any more; forget such a learner once it has none. ``asking``: the stream
         a slot is being found for (alive: it asks)."""
-        for learner, pid in self._learner_pids.items():
-            if learner not in self._left | {asking} and not os.path.exists(f"/proc/{pid}"):
+        for learner, (pid, started) in self._learner_pids.items():
+            if learner in self._left or learner == asking:
+                continue
+            if started is None or _started_at(pid) != started:  # its pid may be reused
                 self._left.add(learner)
         for key, pool in list(self._pools.items()):
             if key[0] not in self._left:
@@ -483,3 +485,15 @@ class ShmOwner:
             segment.seq,
             segment.column,
         )
+
+
+def _started_at(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot: field 22 of
+    ``/proc/<pid>/stat``), None if there is none. With the pid it names one process
+    for good: a pid is given to a new process once the old one is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # after the command's name
+    except OSError:
+        return None
+    return int(fields[19])

@@ -198,3 +198,20 @@ def test_the_slots_of_a_learner_whose_process_died_are_freed():
             assert owner.stats().segments == segments
         finally:
             owner.close()
+
+
+def test_the_slots_of_a_learner_whose_pid_a_new_process_took_are_freed(monkeypatch):
+    """The learner's process died and the kernel gave its pid to a new process: the
+    pid alone would keep its slots for good; with its start time, it is gone."""
+    from raysync.actors import shm_owner
+
+    owner = ShmOwner("node", max_slots=4, pending_kept_s=0.0)
+    try:
+        owner.acquire(4096, timeout_s=5.0, learner="died", pid=PID)
+        started = shm_owner._started_at(PID)
+        assert started is not None
+        monkeypatch.setattr(shm_owner, "_started_at", lambda pid: started + 1)  # reused
+        owner.acquire(4096, timeout_s=5.0, learner="lives", pid=PID)
+        assert owner.stats().segments == 1
+    finally:
+        owner.close()
