@@ -64,21 +64,6 @@ def wait_until(condition, timeout_s: float = 30.0, what: str = "condition"):
         time.sleep(0.05)
 
 
-def kill_for_good(actor) -> None:
-    """``ray.kill`` the actor (no restart) and return once it is dead: ``ray.kill`` only
-    sends the signal, and a call made meanwhile may still run in it."""
-    ray.kill(actor, no_restart=True)
-
-    def dead() -> bool:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=30)
-        except ray.exceptions.RayActorError:
-            return True
-        return False
-
-    wait_until(dead, what=f"{actor} dead")
-
-
 def wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
     """The handshake with an actor's stall point (see ``tests.receivers._Stalls``): wait
     until it touched ``path``."""

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from raysync import hub_handle
-from tests.helpers import assert_same, kill_for_good, ready, start, start_hub
+from tests.helpers import assert_same, ready, start, start_hub, wait_dead
 from tests.receivers import (
     Collector,
     OtherLearner,
@@ -137,7 +137,8 @@ def test_a_receiver_killed_after_the_route_is_reported_dead(actors):
     victim = start(actors, Collector, hub, worker_id="victim")
     ready([survivor, victim])
     ray.get(hub.broadcast.remote(make_policy()))  # the next route lists the victim
-    kill_for_good(victim)
+    ray.kill(victim, no_restart=True)
+    wait_dead(victim)  # else the learner's call may still reach it
     learner = make_policy()
     report = ray.get(hub.broadcast.remote(learner, raise_on_failure=False))
     assert report.acked == ("survivor",)
