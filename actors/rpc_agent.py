@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -202,7 +203,9 @@ class RpcAgentActor:
             ) as buckets:
                 async for bucket, pieces in buckets:
                     args = (self._key, job.seq, nbytes, bucket.pieces, pieces)
-                    called = await asyncio.to_thread(self._call_each, live, land_bucket, args)
+                    called = await asyncio.to_thread(
+                        self._call_each, live, land_bucket, args, self._settings.timeout_s / 2
+                    )
                     for worker, why in called.items():
                         if why is not None:
                             outcomes[worker] = why
@@ -233,10 +236,13 @@ class RpcAgentActor:
 
     # -- worker threads --------------------------------------------------------------------
     def _call_each(
-        self, workers: Sequence[str], fn: Callable, args: tuple
+        self, workers: Sequence[str], fn: Callable, args: tuple, stall_s: float | None = None
     ) -> dict[str, str | None]:
         """``rpc_async(worker, fn, args)`` to each of ``workers``, then wait for every
-        call: None, or why it failed, per worker.
+        call: None, or why it failed, per worker. With ``stall_s``, a call not done that
+        long after the last was sent fails (a bucket: a receiver whose process stopped
+        would keep the others from the next one for the RPC timeout, as long as they
+        wait for it).
 
         A receiver admitted a moment ago, or moving here from a dead agent's group, may
         still be inside ``init_rpc``: until its join reaches this process ``rpc_async``
@@ -273,7 +279,12 @@ class RpcAgentActor:
                 del pending[worker]
             if pending:
                 time.sleep(0.01)
+        if stall_s is not None:
+            _all_done(list(futures.values())).wait(stall_s)
         for worker, future in futures.items():
+            if not future.done() and stall_s is not None:
+                outcomes[worker] = f"RPC to {worker} not done within {stall_s:g} s"
+                continue
             try:
                 future.wait()
             except Exception as err:
@@ -361,3 +372,20 @@ class RpcAgentActor:
         finally:
             store.set(_TOKEN_KEY, "")
             store.set(mine, "Done")
+
+
+def _all_done(futures: Sequence[Any]) -> threading.Event:
+    """An event set once every one of ``futures`` (torch futures) is done."""
+    done, lock, left = threading.Event(), threading.Lock(), [len(futures)]
+
+    def one_done(_: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+    if not futures:
+        done.set()
+    for future in futures:
+        future.add_done_callback(one_done)
+    return done

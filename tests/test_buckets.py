@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 
-from raysync import DistributedOptions, WeightHub, WeightReceiver
+from raysync import DistributedOptions, RpcOptions, WeightHub, WeightReceiver
 from raysync.testing import (
     MODEL,
     ConformanceReceiver,
@@ -211,6 +211,31 @@ def test_a_receiver_that_holds_the_others_up_fails_alone(actors, transport):
     report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
     assert report.acked == ("quick", "stuck")
     assert_bitwise(ray.get(stuck.state.remote()), weights)
+
+
+def test_a_frozen_rpc_receiver_holds_no_one_up(actors):
+    """An ``rpc`` receiver whose process stopped (not dead: its RPC calls neither land
+    nor fail) made the agent wait its RPC timeout for each bucket, while the others
+    waited as long for the next one: they failed too. The agent now leaves a receiver
+    that takes a bucket no quicker than half that timeout behind."""
+    import signal
+
+    hub = start_hub(
+        actors, "rpc", models=[MODEL], bucket_mb=TINY_MB, options=RpcOptions(timeout_s=6.0)
+    )
+    quick, frozen = (start(actors, Receiver, hub, w) for w in ("quick", "frozen"))
+    ready([quick, frozen])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    pid = ray.get(frozen.__ray_call__.remote(lambda _: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        weights = special_weights(2.0)
+        sent = hub.broadcast.remote(weights, model=MODEL, timeout_s=10.0, raise_on_failure=False)
+        report = ray.get(sent, timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert report.acked == ("quick",) and set(report.failed) == {"frozen"}, report.failed
+    assert_bitwise(ray.get(quick.state.remote()), weights)
 
 
 @pytest.mark.parametrize("transport", ["object_store", "nixl"])
