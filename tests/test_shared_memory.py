@@ -7,13 +7,17 @@ import os
 import pickle
 import time
 
+import pytest
 import ray
 import torch
 
 from raysync import WeightReceiver
 from raysync.hub_state import LEASE_BEATS
+from raysync.transports import TransportError
 from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_name
+from raysync.transports.shared_memory import learner as shm_learner
 from tests.helpers import (
+    Gate,
     assert_same,
     cut_off_heartbeats,
     ready,
@@ -22,7 +26,15 @@ from tests.helpers import (
     start_hub,
     wait_until,
 )
-from tests.receivers import Collector, SlowHook, filled, make_policy, make_probe_model, state_of
+from tests.receivers import (
+    Collector,
+    Holder,
+    SlowHook,
+    filled,
+    make_policy,
+    make_probe_model,
+    state_of,
+)
 
 TRANSPORT = "shared_memory"
 #: What the kernel calls our segments in /proc/<pid>/fd and /proc/<pid>/maps.
@@ -553,3 +565,32 @@ def test_the_hub_and_the_owner_keep_their_start_up_heap_out_of_garbage_collectio
     assert _frozen_objects(hub.actor) > 20_000
     assert _frozen_objects(_owner(hub)) > 20_000
     assert _frozen_objects(receiver) == 0  # a user's process: its heap is its own
+
+
+def test_a_learner_whose_slots_stay_held_fails_after_one_slot_wait(actors, monkeypatch):
+    """A receiver stuck in a method holds the slot of every version queued for it. Once
+    every slot is held, the owner waits ``SLOT_WAIT_S`` for one, then the learner
+    fails naming the holder: after that one wait (the slot asked for ahead counts it),
+    not a second one asked anew."""
+    wait_s = 4.0
+    monkeypatch.setattr(shm_learner, "SLOT_WAIT_S", wait_s)  # the learner is this process
+    hub = start_hub(actors, TRANSPORT)
+    template = state_of(make_policy())
+    quick, stuck = (start(actors, Holder, hub, template, w) for w in ("quick", "stuck"))
+    ready([quick, stuck])
+    ray.get(hub.broadcast.remote(template, model="m"))
+    gate = start(actors, Gate)
+    blocked = stuck.hold.remote(gate)
+    try:
+        with pytest.raises(TransportError, match="stuck") as caught:
+            for _ in range(2 * MAX_SLOTS):
+                started = time.monotonic()
+                sent = hub.broadcast.remote(
+                    template, model="m", timeout_s=0.5, raise_on_failure=False
+                )
+                assert ray.get(sent, timeout=60).acked == ("quick",)
+        assert "stayed held" in str(caught.value)
+        assert time.monotonic() - started < 1.5 * wait_s
+    finally:
+        ray.get(gate.open.remote())
+        ray.get(blocked)

@@ -45,7 +45,8 @@ class SharedMemorySender(TransportSender):
         self._learner = uuid.uuid4().hex
         #: The slot asked for once the previous version left for the hub, by size: the
         #: owner's answer is usually back before the next send needs it.
-        self._next: tuple[int, ray.ObjectRef] | None = None
+        #: (size, the owner's answer, when it was asked)
+        self._next: tuple[int, ray.ObjectRef, float] | None = None
         #: Every handle on the hub in this process shares this sender, from any thread:
         #: two sends must not take the same slot asked for ahead.
         self._lock = threading.Lock()
@@ -71,8 +72,11 @@ class SharedMemorySender(TransportSender):
         """A slot of ``nbytes`` and its mapping: the one asked for ahead if it fits.
 
         A slot asked for ahead but not used (another size came) stays held until the hub
-        plans a newer version, which frees it (see ``ShmOwner.deliver``)."""
+        plans a newer version, which frees it (see ``ShmOwner.deliver``). One the owner
+        found none free for counts its wait: asked again, the owner waits only what is
+        left of ``SLOT_WAIT_S`` since then, and the first refusal is what is raised."""
         ahead, self._next = self._next, None
+        wait_s, refused = SLOT_WAIT_S, None
         if ahead is not None and ahead[0] == nbytes:
             try:
                 slot = ray.get(ahead[1])
@@ -83,18 +87,24 @@ class SharedMemorySender(TransportSender):
                 self._owner = self._find_owner()
             except RayActorError:
                 pass  # the owner died before answering: ask the one the hub restarts
-            except TransportError:
-                pass  # the owner died after answering, or had no free slot: ask again
-        slot = self._acquire(nbytes)
+            except TransportError as err:  # no free slot: ask again, for what is left
+                wait_s, refused = max(0.0, SLOT_WAIT_S - (time.monotonic() - ahead[2])), err
+        try:
+            slot = self._acquire(nbytes, wait_s)
+        except TransportError:
+            if refused is not None:
+                raise refused from None  # held since it was asked for: what it said
+            raise
         return slot, self._mappings.buffer(slot)
 
-    def _acquire(self, nbytes: int) -> Slot:
-        """A slot from this node's owner; if the owner died, from the one the hub restarts."""
+    def _acquire(self, nbytes: int, wait_s: float = SLOT_WAIT_S) -> Slot:
+        """A slot from this node's owner, found free within ``wait_s``; if the owner
+        died, from the one the hub restarts."""
         deadline = time.monotonic() + OWNER_WAIT_S
         while True:
             try:
                 return ray.get(
-                    self._owner.acquire.remote(nbytes, SLOT_WAIT_S, self._learner, os.getpid())
+                    self._owner.acquire.remote(nbytes, wait_s, self._learner, os.getpid())
                 )
             except RayActorError as err:
                 if time.monotonic() > deadline or self._hub.stopped():
@@ -141,7 +151,7 @@ class SharedMemorySender(TransportSender):
                     ahead = self._owner.acquire.remote(
                         nbytes, SLOT_WAIT_S, self._learner, os.getpid()
                     )
-                    self._next = (nbytes, ahead)
+                    self._next = (nbytes, ahead, time.monotonic())
         elif self._streams is not None and isinstance(payload, BucketStream):
             self._streams.submitted(payload, done)
 
