@@ -280,7 +280,11 @@ class RpcAgentActor:
             if pending:
                 time.sleep(0.01)
         if stall_s is not None:
-            _all_done(list(futures.values())).wait(stall_s)
+            all_done = threading.Event()
+            torch.futures.collect_all(list(futures.values())).add_done_callback(
+                lambda _: all_done.set()
+            )
+            all_done.wait(stall_s)
         for worker, future in futures.items():
             if not future.done() and stall_s is not None:
                 outcomes[worker] = f"RPC to {worker} not done within {stall_s:g} s"
@@ -372,20 +376,3 @@ class RpcAgentActor:
         finally:
             store.set(_TOKEN_KEY, "")
             store.set(mine, "Done")
-
-
-def _all_done(futures: Sequence[Any]) -> threading.Event:
-    """An event set once every one of ``futures`` (torch futures) is done."""
-    done, lock, left = threading.Event(), threading.Lock(), [len(futures)]
-
-    def one_done(_: Any) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] == 0:
-                done.set()
-
-    if not futures:
-        done.set()
-    for future in futures:
-        future.add_done_callback(one_done)
-    return done
