@@ -293,8 +293,7 @@ class ReceiverCore:
     def close(self) -> None:
         """End this connection: its hub watch stops, its transport receiver closes, and
         deliveries to it fail (the hub still counts it until :meth:`leave_hub`)."""
-        with self._registering:
-            self._registering_ended = True
+        self._end_registering()
         self.closed.set()
         attached.remove(self.identity.attachment)
         self.transport.close()
@@ -320,8 +319,7 @@ class ReceiverCore:
         """Tell the hub to forget this registration: no broadcast targets it any more.
         The hub watch registers this core no more (one registering now is waited for,
         and it is the registration that leaves)."""
-        with self._registering:
-            self._registering_ended = True
+        self._end_registering()
         ray.get(self.hub.actor.leave.remote(self.worker, self.token), timeout=timeout_s)
 
     def model_id(self, model: str | None) -> str:
@@ -343,6 +341,11 @@ class ReceiverCore:
     def hub_knows_me(self, timeout_s: float) -> bool:
         """Whether the hub still knows this registration (False: register again)."""
         return ray.get(self.hub.actor.heartbeat.remote(self.worker, self.token), timeout=timeout_s)
+
+    def _end_registering(self) -> None:
+        """No re-registration of this core from now on; waits for one in flight."""
+        with self._registering:
+            self._registering_ended = True
 
     def register_again(self, timeout_s: float) -> Welcome | None:
         """Register with the same hub again, as this core is now (the hub restarted or
@@ -722,7 +725,7 @@ def _check_not_attached(
             isinstance(other, ReceiverCore)
             and other is not previous
             and other.worker == identity.worker
-            and other.hub.config.hub_id == hub.config.hub_id
+            and _same_hub(other, hub)
         ):
             raise ValueError(
                 f"{identity.actor} is attached to this hub as worker {identity.worker!r} "
