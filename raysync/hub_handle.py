@@ -290,8 +290,10 @@ class _Broadcast:
                     raise
             return senders, payloads
         except TransportError as err:
-            # A closed hub has stopped its transport: say that, not what broke below it.
+            # A closed hub has stopped its transport: say that, not what broke below it,
+            # and let go of what this process holds for it.
             if ray.get(handle.actor.closed.remote()):
+                handle.release()
                 raise HubClosedError(
                     "the hub is shutting down and accepts no more broadcasts"
                 ) from err
@@ -466,7 +468,9 @@ class HubHandle:
         registrations, shared-memory mappings). A later broadcast opens them again.
         Call it once this learner's broadcasts are acked: with ``nixl`` and ``rdt`` the
         latest version is read from the learner's buffers, so a receiver that joins
-        after the release starts on the next broadcast instead."""
+        after the release starts on the next broadcast instead. A hub that closed or
+        died has its side let go without it once this process begins a side on another
+        hub, or a broadcast finds it closed (:mod:`raysync.learner_side`)."""
         end_learner_side(self.config.hub_id)
 
     @property
@@ -481,7 +485,7 @@ class HubHandle:
     def _side(self) -> LearnerSide:
         """What this process keeps for the hub as a learner, shared by every handle on
         it here (:mod:`raysync.learner_side`)."""
-        return learner_side(self.config.hub_id)
+        return learner_side(self.config.hub_id, self.actor)
 
     def _route(self, model: str | None) -> Route:
         """This broadcast's :class:`~raysync.messages.Route`: the hand-offs it carries

@@ -15,6 +15,7 @@ broadcast starts a new one. Called in learner processes only.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -27,6 +28,12 @@ from raysync.transports.base import TransportSender
 
 if TYPE_CHECKING:
     from raysync.learner_channel import ReceiverChannel
+
+logger = logging.getLogger(__name__)
+
+#: How long the check of other hubs (:func:`learner_side`) waits for their answers; a
+#: hub that does not answer in time (busy, restarting) keeps its side.
+GONE_CHECK_S = 10.0
 
 
 class InFlight:
@@ -53,6 +60,8 @@ class InFlight:
 class LearnerSide:
     """What this process keeps for one hub as a learner (module doc)."""
 
+    #: The hub's actor: asked whether it closed when this process begins another side.
+    hub: Any = None
     #: The stream this process's broadcasts are numbered in at the hub.
     submitter: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: The number the next submit call that leaves this process takes.
@@ -103,18 +112,44 @@ _sides: dict[str, LearnerSide] = {}
 _closes_channels_at_exit = False
 
 
-def learner_side(hub_id: str) -> LearnerSide:
-    """This process's side of hub ``hub_id``, begun on first use."""
+def learner_side(hub_id: str, hub: Any) -> LearnerSide:
+    """This process's side of hub ``hub_id`` (whose actor is ``hub``), begun on first
+    use; beginning one ends those of the other hubs found closed or dead, in a thread."""
     global _closes_channels_at_exit
     with _lock:
         side = _sides.get(hub_id)
-        if side is None:
-            side = _sides[hub_id] = LearnerSide()
+        if side is not None:
+            return side
+        side = _sides[hub_id] = LearnerSide(hub=hub)
+        others = {other: s.hub for other, s in _sides.items() if other != hub_id}
         if not _closes_channels_at_exit:
             # Registered after ray.init's own exit hook, so it runs first, while Ray is up.
             atexit.register(_close_channels)
             _closes_channels_at_exit = True
-        return side
+    if others:
+        threading.Thread(
+            target=_end_sides_of_gone_hubs, args=(others,), name="raysync-gone-hubs", daemon=True
+        ).start()
+    return side
+
+
+def _end_sides_of_gone_hubs(hubs: dict[str, Any]) -> None:
+    """End this process's sides of those of ``hubs`` (id -> actor) that closed or died
+    (:data:`GONE_CHECK_S`); the others keep theirs."""
+    asked = {hub_id: actor.closed.remote() for hub_id, actor in hubs.items()}
+    answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=GONE_CHECK_S)
+    for hub_id, ref in asked.items():
+        if ref not in answered:
+            continue
+        try:
+            gone = ray.get(ref)
+        except ray.exceptions.ActorDiedError:
+            gone = True  # it will not restart
+        except ray.exceptions.RayError:
+            continue  # restarting: its learners broadcast to it again
+        if gone:
+            logger.info("hub %s closed: ending this learner's side of it", hub_id)
+            end_learner_side(hub_id)
 
 
 def _close_channels() -> None:

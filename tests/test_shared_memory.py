@@ -548,6 +548,40 @@ def test_the_slots_of_learners_that_released_the_hub_are_freed(actors):
     assert ray.get(_owner(hub).stats.remote()).segments <= 3
 
 
+def _learner_pid(learner) -> int:
+    return ray.get(learner.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def test_a_learner_moved_to_a_new_hub_lets_the_closed_ones_segments_go(actors):
+    """A learner keeps its side of a hub (its slots' mappings) between broadcasts; once
+    that hub is closed and the learner broadcasts on another, the closed hub's segments
+    leave its process: a long-lived learner moved from hub to hub holds the memory of
+    the hub it uses, not of every one it ever used."""
+    from raysync.testing import MODEL, PartLearner
+
+    closing = start_hub(actors, TRANSPORT, models=[MODEL])
+    receiver = start(actors, EqualParts, closing)
+    ready([receiver])
+    learner = ray.remote(num_cpus=0)(PartLearner).remote(closing)
+    actors.append(learner)
+    weights = {f"t{i}": torch.full((64,), 1.0) for i in range(8)}
+    ray.get(learner.send.remote(weights, timeout_s=20), timeout=60)
+    pid = _learner_pid(learner)
+    assert _segments_in(pid) > 0
+    ray.get(closing.close.remote())
+    ray.kill(receiver)
+    assert _segments_in(pid) > 0  # nothing it does tells it yet
+
+    following = start_hub(actors, "object_store", models=[MODEL])
+    receiver = start(actors, EqualParts, following)
+    ready([receiver])
+    ray.get(learner.__ray_call__.remote(lambda self, hub: setattr(self, "hub", hub), following))
+    weights = {k: torch.full((64,), 2.0) for k in weights}
+    assert ray.get(learner.send.remote(weights, timeout_s=20), timeout=60).acked
+    assert_same(ray.get(receiver.state.remote()), weights)
+    wait_until(lambda: _segments_in(pid) == 0, what="the closed hub's segments let go")
+
+
 def _frozen_objects(actor) -> int:
     """How many objects ``actor``'s process keeps out of garbage collection."""
     return ray.get(actor.__ray_call__.remote(lambda self: __import__("gc").get_freeze_count()))

@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 
+from raysync import learner_side
 from raysync.hub_handle import HubHandle
 from raysync.learner_side import InFlight, end_learner_side
 from raysync.messages import HubConfig
@@ -25,11 +26,21 @@ class _Sender(TransportSender):
         self.closed = True
 
 
+@pytest.fixture(autouse=True)
+def checked(monkeypatch) -> list[dict[str, str]]:
+    """The other hubs each new side had checked (no Ray here to ask them); each test
+    begins with no side in this process."""
+    asked: list[dict[str, str]] = []
+    monkeypatch.setattr(learner_side, "_sides", {})
+    monkeypatch.setattr(learner_side, "_end_sides_of_gone_hubs", asked.append)
+    return asked
+
+
 def _handle(hub_id: str) -> HubHandle:
     config = HubConfig(
         transport="object_store", default_timeout_s=60.0, reject_nonfinite=False, hub_id=hub_id
     )
-    return HubHandle("the hub actor", config)
+    return HubHandle(f"the actor of {hub_id}", config)
 
 
 def test_every_handle_on_a_hub_in_a_process_shares_one_side():
@@ -79,3 +90,15 @@ def test_a_submit_call_that_never_left_gives_its_number_to_the_next():
     assert side.submit(send) == (2, "result 2")
     assert sent == [(1, 1), (2, 2)]
     end_learner_side("hub-d")
+
+
+def test_a_side_begun_on_another_hub_checks_whether_the_others_closed(checked):
+    # A learner moved to a new hub would otherwise keep the old one's senders (whole
+    # versions in NIXL buffers or segments) until it exits.
+    first, second = _handle("hub-e"), _handle("hub-f")
+    assert first._side is first._side and checked == []
+    side = second._side
+    assert second._side is side
+    assert checked == [{"hub-e": "the actor of hub-e"}]  # once, and not itself
+    first.release()
+    second.release()
