@@ -470,7 +470,7 @@ class HubHandle:
         latest version is read from the learner's buffers, so a receiver that joins
         after the release starts on the next broadcast instead. A hub that closed or
         died has its side let go without it once this process begins a side on another
-        hub, or a broadcast finds it closed (:mod:`raysync.learner_side`)."""
+        hub, or a transport's hand-off finds it closed (:mod:`raysync.learner_side`)."""
         end_learner_side(self.config.hub_id)
 
     @property
