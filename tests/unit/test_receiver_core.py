@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -497,6 +498,12 @@ def registering(monkeypatch) -> _Receiver:
     receiver = _Receiver()
     hub = receiver.core.hub = _RegisteringHub()
     monkeypatch.setattr(receiver_core.ray, "get", hub.get)
+    # Made without Ray's runtime context (asking for one starts a local cluster).
+    monkeypatch.setattr(
+        receiver_core,
+        "_registration",
+        lambda owner, models, identity: SimpleNamespace(token=uuid.uuid4().hex),
+    )
     monkeypatch.setattr(receiver_core, "_open_transport", lambda welcome: _Transport())
     return receiver
 
