@@ -123,7 +123,7 @@ class AttachedReceiver:
         hub that cannot be reached is only logged."""
         if self.closed:
             return
-        self.core.keep_models_privately()
+        self.core.retire(keep_privately=True)
         try:
             self.core.leave_hub(timeout_s)
         except Exception as err:  # the hub is gone or restarting: it forgets us anyway

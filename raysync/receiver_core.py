@@ -176,8 +176,11 @@ class ReceiverCore:
         token: str,
         on_applied: Callable[[str, int], None] | None,
         gate: ApplyGate | None = None,
+        earlier_hubs: dict[str, HubHandle] | None = None,
     ) -> None:
-        """``gate``: the previous registration's, taken over (see :meth:`register`)."""
+        """``gate``: the previous registration's, taken over (see :meth:`register`), and
+        ``earlier_hubs`` the hubs of the registrations before by token (their deferred
+        versions may end at that gate)."""
         self.owner = owner
         self.hub = hub
         self.models = models
@@ -186,6 +189,9 @@ class ReceiverCore:
         self.actor_name = identity.actor
         self.token = token
         self._learner_deliveries_refused = False
+        #: The hubs of earlier registrations of this process whose deferred versions
+        #: may still end at this gate, by registration token: their acks go there.
+        self._earlier_hubs = earlier_hubs or {}
         self.transport = _open_transport(welcome)
         self.transport_name = welcome.transport
         if gate is None:
@@ -199,6 +205,9 @@ class ReceiverCore:
         #: leaves or is replaced waits for one in flight, then never registers again.
         self._registering = threading.RLock()
         self._registering_ended = False
+        #: Set at a safe point by :meth:`retire`: versions this core staged and that
+        #: reach the safe point after are not applied (a newer registration rules).
+        self._retired = False
         self._on_applied = on_applied
 
     @classmethod
@@ -241,10 +250,12 @@ class ReceiverCore:
         _check_not_attached(hub, identity, previous)
         # Versions are a hub's own numbers: another hub's would hide its latest.
         carried = previous if _same_hub(previous, hub) else None
-        if previous is not None and not (
-            carried is not None and _adoptions_carry_over(previous, identity, hub)
-        ):
-            previous.keep_models_privately()
+        if previous is not None:
+            previous.retire(
+                keep_privately=not (
+                    carried is not None and _adoptions_carry_over(previous, identity, hub)
+                )
+            )
         held = {m: _carried_over(carried, m, path, owner) for m, path in paths.items()}
         registration = _registration(owner, held, identity)
         attached.reserve(identity.attachment)
@@ -254,6 +265,8 @@ class ReceiverCore:
                 welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
             except BaseException:
                 attached.remove(identity.attachment)
+                if previous is not None:
+                    previous._retired = False  # it stays this process's registration
                 raise
             if previous is not None:
                 previous.close()
@@ -266,6 +279,9 @@ class ReceiverCore:
             registration.token,
             on_applied,
             gate=None if previous is None else previous.gate,
+            earlier_hubs=None
+            if previous is None
+            else {**previous._earlier_hubs, previous.token: previous.hub},
         )
         attached.fill(identity.attachment, core)
         return core, welcome
@@ -298,22 +314,28 @@ class ReceiverCore:
         attached.remove(self.identity.attachment)
         self.transport.close()
 
-    def keep_models_privately(self) -> None:
-        """Zero-copy models that live in a transport's memory take a copy of their own
-        (the same version) and hand that memory back (:meth:`Adoption.keep_privately`):
-        called before this receiver leaves the hub, which then holds nothing for it.
-        Exclusive of applies: at the gate's safe point from a thread; on an async host's
-        loop, where applies run, at once (values do not change, so coroutines parked
-        in a read see the same version)."""
+    def retire(self, keep_privately: bool) -> None:
+        """Apply no more versions: called before this receiver leaves the hub or a new
+        registration of this process replaces it. A version this core staged that
+        reaches the safe point after is acked ``NOT_ATTACHED`` instead (applied, a
+        zero-copy one would make the model live again in memory the next registration
+        may copy into: a read-only segment). With ``keep_privately``, zero-copy models
+        that live in a transport's memory take a copy of their own (the same version)
+        and hand that memory back (:meth:`Adoption.keep_privately`): the hub then holds
+        nothing for them. Exclusive of applies: at the gate's safe point from a thread;
+        on an async host's loop, where applies run, at once (values do not change, so
+        coroutines parked in a read see the same version)."""
 
-        def keep() -> None:
-            for held in self.models.values():
-                held.adoption.keep_privately(model_path.resolve(self.owner, held.path))
+        def retire() -> None:
+            self._retired = True
+            if keep_privately:
+                for held in self.models.values():
+                    held.adoption.keep_privately(model_path.resolve(self.owner, held.path))
 
         if on_event_loop():
-            keep()
+            retire()
         else:
-            self.gate.write(keep)
+            self.gate.write(retire)
 
     def leave_hub(self, timeout_s: float) -> None:
         """Tell the hub to forget this registration: no broadcast targets it any more.
@@ -377,8 +399,10 @@ class ReceiverCore:
 
     def send_ack(self, ack: Ack) -> None:
         """Tell the hub an outcome its delivery call did not return (deferred applies,
-        user-facing applies, deliveries of the hub watch)."""
-        self.hub.actor.ack.remote(ack)
+        user-facing applies, deliveries of the hub watch). A deferred version of an
+        earlier registration (this core took over its gate) is acked to that one's hub."""
+        hub = self.hub if ack.token == self.token else self._earlier_hubs.get(ack.token, self.hub)
+        hub.actor.ack.remote(ack)
 
     # -- updates ---------------------------------------------------------------------------
     def receive(self, update: Update) -> Receipt:
@@ -559,6 +583,13 @@ class ReceiverCore:
         """Write ``staged`` into the model: point its tensors at it (zero copy) or copy
         it in place. Runs at the safe point."""
         apply_started = time.perf_counter()
+        if self._retired:
+            return self._ack(
+                update,
+                AckStatus.NOT_ATTACHED,
+                f"{self.actor_name} registered again or closed before version "
+                f"{update.version} of model {update.model!r} reached a safe point",
+            )
         held = self.models[update.model]
         refused = _refusal(held, update)
         if refused is not None:

@@ -7,7 +7,7 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from raysync import WeightReceiver
+from raysync import BroadcastError, WeightReceiver
 from raysync.transports.nixl import NixlTransport
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import (
@@ -130,3 +130,64 @@ def test_zero_copy_is_refused_where_staged_data_is_shared(actors):
         ready([collector])
     message = str(info.value)
     assert "zero_copy" in message and "'object_store'" in message and "nixl" in message
+
+
+
+@ray.remote(num_cpus=0)
+class AsyncZeroCopy(WeightReceiver):
+    """An async zero-copy worker on ``shared_memory``: its policy lives in the node's
+    read-only segment while it is registered so."""
+
+    def __init__(self, hub):
+        self.policy = make_policy()
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id="z", zero_copy=True)
+
+    async def hold_then_move(self, gate, hub) -> None:
+        """Use the model across an await until the test opens ``gate``, then register
+        again by ``object_store``, copied into."""
+        await gate.wait.remote()
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id="z", transport="object_store")
+
+    async def state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)
+
+    async def version(self) -> int:
+        return self.weights_version()
+
+
+def test_a_version_waiting_when_its_receiver_registers_again_is_not_applied_by_the_old_one(
+    actors,
+):
+    """An async host registers again (another transport, zero copy off) from a method
+    that held the model while a version waited for it. That version was staged by the
+    old registration, zero copy: applied after, it would leave the model living in the
+    read-only segment under a registration that copies into it (the next version killed
+    the process). It is not applied: its broadcast names the worker, and the versions
+    after it land by the new registration, bitwise."""
+    from tests.helpers import Gate, wait_until
+
+    hub = start_hub(actors, "shared_memory")
+    worker = start(actors, AsyncZeroCopy, hub)
+    ready([worker])
+    template = make_policy()
+    ray.get(hub.broadcast.remote(filled(template, 1.0)))
+    gate = start(actors, Gate)
+    moved = worker.hold_then_move.remote(gate, hub)
+    assert ray.get(worker.version.remote()) == 1  # runs once the first is parked
+    second = hub.broadcast.remote(filled(template, 2.0))
+    # Asked by __ray_call__: a user method would wait for the version to be applied.
+    waiting = worker.__ray_call__
+    wait_until(
+        lambda: ray.get(waiting.remote(lambda w: len(w._raysync_receiver.core.gate._deferred))),
+        what="version 2 waiting for the model",
+    )
+    ray.get(gate.open.remote())
+    ray.get(moved)
+    with pytest.raises(BroadcastError, match="registered again") as failed:
+        ray.get(second)
+    assert set(failed.value.report.failed) == {"z"}
+    assert_same(ray.get(worker.state.remote()), filled(template, 1.0))
+    for value in (3.0, 4.0):
+        report = ray.get(hub.broadcast.remote(filled(template, value)))
+        assert report.acked == ("z",)
+        assert_same(ray.get(worker.state.remote()), filled(template, value))

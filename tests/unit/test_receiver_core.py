@@ -531,3 +531,33 @@ def test_leaving_waits_for_a_registration_in_flight_and_leaves_with_its_token(re
     leaving.join(5.0)
     assert hub.left == hub.registered == [core.token]
     assert core.register_again(5.0) is None
+
+
+def test_a_retired_core_applies_no_version_and_hands_the_staged_one_back():
+    """Once this process's next registration replaced the core (or it closed), a
+    version it staged that reaches the safe point is not applied: the model keeps its
+    version, the staged data goes back, and the ack says it is no longer attached."""
+    receiver = _Receiver()
+    model = receiver.owner.policy
+    assert receiver.core.receive(receiver.update(1)).ack.status is AckStatus.APPLIED
+    receiver.core.retire(keep_privately=False)
+    receipt = receiver.core.receive(receiver.update(2))
+    assert isinstance(receipt, AckNow)
+    assert receipt.ack.status is AckStatus.NOT_ATTACHED
+    assert "registered again or closed before version 2" in (receipt.ack.error or "")
+    assert torch.equal(model.weight, torch.full((2, 3), 1.0))
+    assert receiver.core.models["policy"].version == 1
+    assert receiver.transport.released == [(1, True), (2, True)]
+
+
+def test_a_deferred_ack_of_an_earlier_registration_goes_to_that_registrations_hub():
+    """A core that took over an earlier registration's gate (one that may have been
+    with another hub) sends that registration's late acks to its hub, not its own."""
+    receiver = _Receiver()
+    earlier = _Hub()
+    receiver.core._earlier_hubs = {"earlier token": earlier}
+    late = Ack(WORKER, "policy", 3, AckStatus.NOT_ATTACHED, token="earlier token")
+    own = Ack(WORKER, "policy", 4, AckStatus.APPLIED, token="token")
+    receiver.core.send_ack(late)
+    receiver.core.send_ack(own)
+    assert earlier.acks == [late] and receiver.hub.acks == [own]
