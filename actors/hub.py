@@ -107,6 +107,11 @@ _ORDER_WAIT_S = 1.0
 _CLOSE_NOTICE_S = 10.0
 #: How long the hub waits for a receiver it could not plan for to answer "alive?".
 _ALIVE_CHECK_S = 30.0
+#: A bucketed version is planned whole before anyone reads it (its stream's readers
+#: must all be known first), so every transport's receivers wait for the slowest
+#: plan: planning gets this share of the broadcast's timeout, and a transport that
+#: never finishes planning leaves the others the rest to deliver in.
+BUCKETED_PLAN_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -727,7 +732,14 @@ class WeightHubActor:
             """Each transport's receivers are delivered to once their own plan is made:
             one slow to plan holds no other back (but for buckets, above)."""
             nonlocal plan_s, unplanned
-            plan = await self._plan_group(transport, group, handed, travels, timeout_s)
+            plan = await self._plan_group(
+                transport,
+                group,
+                handed,
+                travels,
+                timeout_s,
+                share=BUCKETED_PLAN_SHARE if streams else 1.0,
+            )
             plan_s = max(plan_s, time.perf_counter() - plan_started)
             own = [e for e in group if e.worker not in first_calls]
             planned.update((e.worker, plan[e.worker]) for e in own)
@@ -845,9 +857,10 @@ class WeightHubActor:
         handed: HandedOver,
         spec: WeightSpec,
         timeout_s: float,
+        share: float = 1.0,
     ) -> dict[str, _Plan]:
         """Per target reading by ``transport``: the update it reads, planned by its
-        transport within ``timeout_s``, or why there is none."""
+        transport within ``share`` of ``timeout_s``, or why there is none."""
         update = handed.update_for(transport)
         if update is None:
             reason = (
@@ -855,7 +868,8 @@ class WeightHubActor:
                 "this version over without it; the next version reaches it"
             )
             return dict.fromkeys((e.worker for e in group), _Plan(reason=reason))
-        planning = PLAN_DEADLINE.set(time.monotonic() + timeout_s)
+        limit_s = timeout_s * share
+        planning = PLAN_DEADLINE.set(time.monotonic() + limit_s)
         try:
             payload_of = await asyncio.wait_for(
                 plan_parts(
@@ -865,12 +879,15 @@ class WeightHubActor:
                     [e.info for e in group],
                     in_one_plan=get_transport(transport).parts_in_one_plan,
                 ),
-                timeout_s,
+                limit_s,
             )
         except asyncio.TimeoutError:
+            within = f"the {timeout_s:g} s timeout"
+            if share < 1.0:  # a bucketed version: the others wait for every plan
+                within = f"{limit_s:g} s ({share:g} of {within}, a bucketed version's share)"
             reason = (
-                f"transport {transport!r} could not plan the delivery within the "
-                f"{timeout_s:g} s timeout (the hub's log says what it waited for)"
+                f"transport {transport!r} could not plan the delivery within {within} "
+                "(the hub's log says what it waited for)"
             )
             return dict.fromkeys((e.worker for e in group), _Plan(reason=reason))
         except Exception as err:

@@ -14,7 +14,11 @@ from raysync import available_transports
 from raysync.transports import register_transport
 from tests.helpers import assert_same, ready, start, start_hub
 from tests.receivers import Collector, make_policy, state_of
-from tests.third_party_transport import PutReaderTransport, StuckPlanTransport
+from tests.third_party_transport import (
+    PutReaderTransport,
+    StuckBucketPlanTransport,
+    StuckPlanTransport,
+)
 
 
 def test_receivers_choose_their_transport_on_an_object_store_hub(actors):
@@ -89,4 +93,24 @@ def test_a_transport_that_never_finishes_planning_holds_no_other_back(actors):
     report = ray.get(hub.broadcast.remote(learner, timeout_s=5, raise_on_failure=False))
     assert report.acked == ("reader",), report.failed
     assert "'stuck_plan' could not plan the delivery within the 5 s" in report.failed["stuck"]
+    assert_same(ray.get(reader.state.remote()), state_of(learner))
+
+
+def test_a_bucketed_version_one_transport_never_plans_reaches_the_others(actors):
+    """A bucketed version is planned whole before anyone reads it, so every receiver
+    waits for the slowest plan: planning gets half the timeout, and the receivers of
+    the transports that planned read in the other half (they were left nothing)."""
+    register_transport("stuck_bucket_plan", StuckBucketPlanTransport)
+    hub = start_hub(actors, "object_store")
+    stuck = start(actors, Collector, hub, worker_id="stuck", transport="stuck_bucket_plan")
+    reader = start(actors, Collector, hub, worker_id="reader")
+    ready([stuck, reader])
+    learner = make_policy()
+    report = ray.get(
+        hub.broadcast.remote(learner, timeout_s=8, bucket_mb=0.001, raise_on_failure=False)
+    )
+    assert report.acked == ("reader",), report.failed
+    assert (
+        "could not plan the delivery within 4 s (0.5 of the 8 s timeout" in (report.failed["stuck"])
+    )
     assert_same(ray.get(reader.state.remote()), state_of(learner))

@@ -132,7 +132,6 @@ def test_zero_copy_is_refused_where_staged_data_is_shared(actors):
     assert "zero_copy" in message and "'object_store'" in message and "nixl" in message
 
 
-
 @ray.remote(num_cpus=0)
 class AsyncZeroCopy(WeightReceiver):
     """An async zero-copy worker on ``shared_memory``: its policy lives in the node's

@@ -39,6 +39,7 @@ from raysync.transports import (
     TransportReceiver,
     TransportSender,
 )
+from raysync.transports.object_store import ObjectStoreTransport
 from raysync.transports.object_store.wire import ObjectStorePayload
 
 
@@ -143,6 +144,18 @@ class StuckPlanTransport(PackedObjectTransport):
     """``packed_object`` whose broadcasts are never planned (``stuck_plan``)."""
 
     name = "stuck_plan"
+
+    @classmethod
+    def open_hub(cls, hub: HubContext) -> StuckPlanner:
+        return StuckPlanner()
+
+
+class StuckBucketPlanTransport(ObjectStoreTransport):
+    """``object_store``'s buckets, whose broadcasts are never planned
+    (``stuck_bucket_plan``): its receivers read what ``object_store``'s learner sends."""
+
+    name = "stuck_bucket_plan"
+    hand_off = "object_store"
 
     @classmethod
     def open_hub(cls, hub: HubContext) -> StuckPlanner:
