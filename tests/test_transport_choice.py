@@ -99,7 +99,7 @@ def test_a_transport_that_never_finishes_planning_holds_no_other_back(actors):
 def test_a_bucketed_version_one_transport_never_plans_reaches_the_others(actors):
     """A bucketed version is planned whole before anyone reads it, so every receiver
     waits for the slowest plan: planning gets half the timeout, and the receivers of
-    the transports that planned read in the other half (they were left nothing)."""
+    the transports that planned read in the other half (before, they were left nothing)."""
     register_transport("stuck_bucket_plan", StuckBucketPlanTransport)
     hub = start_hub(actors, "object_store")
     stuck = start(actors, Collector, hub, worker_id="stuck", transport="stuck_bucket_plan")
@@ -110,7 +110,6 @@ def test_a_bucketed_version_one_transport_never_plans_reaches_the_others(actors)
         hub.broadcast.remote(learner, timeout_s=8, bucket_mb=0.001, raise_on_failure=False)
     )
     assert report.acked == ("reader",), report.failed
-    assert (
-        "could not plan the delivery within 4 s (0.5 of the 8 s timeout" in (report.failed["stuck"])
-    )
+    reason = report.failed["stuck"]
+    assert "could not plan the delivery within 4 s (0.5 of the 8 s timeout" in reason
     assert_same(ray.get(reader.state.remote()), state_of(learner))
