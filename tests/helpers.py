@@ -73,6 +73,12 @@ def wait_for_file(path: Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def actor_pid(handle) -> int:
+    """The process id of actor ``handle`` (asked through ``__ray_call__``: it never waits
+    behind the actor's own methods' gates)."""
+    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+
+
 def wait_process_exit(pid: int, timeout_s: float = 60.0) -> None:
     """Wait until process ``pid`` (on this node) has exited, its memory released.
     ``wait_dead`` is not enough where that matters: Ray reports an actor dead when it

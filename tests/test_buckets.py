@@ -36,6 +36,7 @@ from raysync.transports.object_store.learner import ObjectStoreSender
 from raysync.transports.rpc import agent_name
 from tests.helpers import (
     Gate,
+    actor_pid,
     ready,
     start,
     start_hub,
@@ -226,7 +227,7 @@ def test_a_frozen_rpc_receiver_holds_no_one_up(actors):
     quick, frozen = (start(actors, Receiver, hub, w) for w in ("quick", "frozen"))
     ready([quick, frozen])
     ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
-    pid = ray.get(frozen.__ray_call__.remote(lambda _: os.getpid()))
+    pid = actor_pid(frozen)
     os.kill(pid, signal.SIGSTOP)
     try:
         weights = special_weights(2.0)
@@ -366,7 +367,7 @@ def test_a_distributed_member_that_dies_midway_fails_alone(actors):
     doomed = start(actors, Receiver, hub, "doomed", transport="distributed")
     stuck = start(actors, Receiver, hub, "stuck")
     ready([survivor, doomed, stuck])
-    doomed_pid = _pid(doomed)
+    doomed_pid = actor_pid(doomed)
     ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
 
     gate = start(actors, Gate)
@@ -455,7 +456,7 @@ def test_late_joiners_and_restarted_receivers_start_on_the_latest_version(actors
     assert ray.get(late.version.remote()) == 2  # before its first call returns
     assert_bitwise(ray.get(late.state.remote()), latest)
 
-    old_pid = _pid(restarting)
+    old_pid = actor_pid(restarting)
     ray.kill(restarting, no_restart=False)
     wait_until(lambda: _pid_or_none(restarting) not in (None, old_pid))
     assert ray.get(restarting.version.remote()) == 2
@@ -642,13 +643,9 @@ def test_the_hub_refuses_a_bucketed_version_for_receivers_of_a_whole_version_tra
     assert_bitwise(ray.get(whole.state.remote()), special_weights(2.0))
 
 
-def _pid(handle) -> int:
-    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
-
-
 def _pid_or_none(handle) -> int | None:
     try:
-        return _pid(handle)
+        return actor_pid(handle)
     except ray.exceptions.ActorUnavailableError:
         return None
 

@@ -24,6 +24,7 @@ from raysync.transports.nixl import receiver as nixl_receiver
 from raysync.transports.nixl.agent import new_agent
 from raysync.transports.nixl.progress import SourceProgress
 from tests.helpers import (
+    actor_pid,
     assert_same,
     ready,
     start,
@@ -50,17 +51,13 @@ pytestmark = [
 ]
 
 
-def _pid(handle) -> int:
-    return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
-
-
 def _wait_restarted(handle, old_pid: int, timeout_s: float = 60.0) -> None:
     """Until the restarted actor answers (its __init__ has reconnected to the hub). The
     old process may still answer right after ``ray.kill``, so wait for a new pid."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if _pid(handle) != old_pid:
+            if actor_pid(handle) != old_pid:
                 return
         except ray.exceptions.ActorUnavailableError:
             pass
@@ -421,7 +418,7 @@ def test_restarted_and_new_receivers_handshake_again(actors):
     ready([restarting])
     learner = make_policy()
     ray.get(hub.broadcast.remote(learner))
-    old_pid = _pid(restarting)
+    old_pid = actor_pid(restarting)
     ray.kill(restarting, no_restart=False)
     _wait_restarted(restarting, old_pid)
     late = start(actors, Collector, hub, worker_id="late")
@@ -469,7 +466,7 @@ def test_learner_killed_while_receivers_read_fails_the_broadcast_within_the_time
     ticket = ray.get(learner.broadcast.remote(2.0, 30))
     for name in names:
         wait_for_file(tmp_path / f"inside-fetch-{name}")
-    learner_pid = _pid(learner)
+    learner_pid = actor_pid(learner)
     ray.kill(learner)
     wait_process_exit(learner_pid)  # a READ from a process still exiting would succeed
     for name in names:

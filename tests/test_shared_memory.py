@@ -18,6 +18,7 @@ from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_n
 from raysync.transports.shared_memory import learner as shm_learner
 from tests.helpers import (
     Gate,
+    actor_pid,
     assert_same,
     cut_off_heartbeats,
     ready,
@@ -548,10 +549,6 @@ def test_the_slots_of_learners_that_released_the_hub_are_freed(actors):
     assert ray.get(_owner(hub).stats.remote()).segments <= 3
 
 
-def _learner_pid(learner) -> int:
-    return ray.get(learner.__ray_call__.remote(lambda self: os.getpid()))
-
-
 def test_a_learner_moved_to_a_new_hub_lets_the_closed_ones_segments_go(actors):
     """A learner keeps its side of a hub (its slots' mappings) between broadcasts; once
     that hub is closed and the learner broadcasts on another, the closed hub's segments
@@ -566,7 +563,7 @@ def test_a_learner_moved_to_a_new_hub_lets_the_closed_ones_segments_go(actors):
     actors.append(learner)
     weights = {f"t{i}": torch.full((64,), 1.0) for i in range(8)}
     ray.get(learner.send.remote(weights, timeout_s=20), timeout=60)
-    pid = _learner_pid(learner)
+    pid = actor_pid(learner)
     assert _segments_in(pid) > 0
     ray.get(closing.close.remote())
     ray.kill(receiver)

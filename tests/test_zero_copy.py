@@ -9,7 +9,7 @@ from tensordict import TensorDict
 
 from raysync import BroadcastError, WeightReceiver
 from raysync.transports.nixl import NixlTransport
-from tests.helpers import assert_same, ready, start, start_hub
+from tests.helpers import Gate, assert_same, ready, start, start_hub, wait_until
 from tests.receivers import (
     Opaque,
     ThreadedProbe,
@@ -163,8 +163,6 @@ def test_a_version_waiting_when_its_receiver_registers_again_is_not_applied_by_t
     read-only segment under a registration that copies into it (the next version killed
     the process). It is not applied: its broadcast names the worker, and the versions
     after it land by the new registration, bitwise."""
-    from tests.helpers import Gate, wait_until
-
     hub = start_hub(actors, "shared_memory")
     worker = start(actors, AsyncZeroCopy, hub)
     ready([worker])
