@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
+import threading
 
 import ray
 import torch
@@ -91,6 +93,75 @@ class Learner:
         )
 
 
+@ray.remote(num_cpus=0)
+class PairHolder(WeightReceiver):
+    """Holds two models, ``"a"`` and ``"b"``, each a state_dict like ``template``."""
+
+    def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str):
+        self.a = {k: torch.zeros_like(v) for k, v in template.items()}
+        self.b = {k: torch.zeros_like(v) for k, v in template.items()}
+        self.connect_hub(hub, models={"a": "a", "b": "b"}, worker_id=worker_id)
+
+    def state(self, model: str) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in getattr(self, model).items()}
+
+
+@ray.remote(num_cpus=0)
+class CrossingLearner:
+    """A learner that broadcasts models ``"a"`` and ``"b"`` from two threads, the hub
+    hearing of ``a`` first and the transport streaming ``b``'s buckets first: ``a``'s
+    thread, once its hub call has left, waits to stream until ``b``'s packs a bucket."""
+
+    def __init__(self, hub):
+        self.hub = hub
+
+    def crossed(
+        self,
+        weights: dict[str, dict[str, torch.Tensor]],
+        ring_module: str,
+        ring_class: str,
+        wait_s: float,
+    ) -> dict[str, ray.ObjectRef]:
+        """Each model's broadcast ref. ``ring_module`` / ``ring_class``: where the
+        transport streams a bucketed version out of its ring."""
+        module = importlib.import_module(ring_module)
+        ring = getattr(module, ring_class)
+        stream_out, pack_bucket = ring.stream_out, module.pack_bucket
+        a_at_hub, b_packing = threading.Event(), threading.Event()
+
+        def streaming(this, *args):
+            if threading.current_thread().name == "a":
+                a_at_hub.set()
+                assert b_packing.wait(wait_s), "b never packed a bucket"
+            return stream_out(this, *args)
+
+        def packing(*args):
+            if threading.current_thread().name == "b":
+                b_packing.set()
+            return pack_bucket(*args)
+
+        refs: dict[str, ray.ObjectRef] = {}
+
+        def send(model: str, after: threading.Event | None) -> None:
+            if after is not None:
+                assert after.wait(wait_s), "a's hub call never left"
+            refs[model] = self.hub.broadcast.remote(weights[model], model=model)
+
+        ring.stream_out, module.pack_bucket = streaming, packing
+        try:
+            threads = [
+                threading.Thread(target=send, name="a", args=("a", None)),
+                threading.Thread(target=send, name="b", args=("b", a_at_hub)),
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            ring.stream_out, module.pack_bucket = stream_out, pack_bucket
+        return refs
+
+
 # The same actors declared for Ray's NIXL tensor transport (transport "rdt"). Ray reads
 # enable_tensor_transport from the class decorator only (.options() ignores it).
 _RDT = {"num_cpus": 0, "enable_tensor_transport": True}
@@ -118,6 +189,16 @@ class RdtLearner(Learner.__ray_actor_class__):
 
 @ray.remote(**_RDT)
 class RdtHolder(Holder.__ray_actor_class__):
+    pass
+
+
+@ray.remote(**_RDT)
+class RdtPairHolder(PairHolder.__ray_actor_class__):
+    pass
+
+
+@ray.remote(**_RDT)
+class RdtCrossingLearner(CrossingLearner.__ray_actor_class__):
     pass
 
 

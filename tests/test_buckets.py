@@ -33,6 +33,7 @@ from raysync.transports.object_store.bucket_stream import (
     broker_name,
 )
 from raysync.transports.object_store.learner import ObjectStoreSender
+from raysync.transports.rdt import RdtTransport
 from raysync.transports.rpc import agent_name
 from tests.helpers import (
     Gate,
@@ -43,6 +44,12 @@ from tests.helpers import (
     wait_dead,
     wait_process_exit,
     wait_until,
+)
+from tests.nixl_actors import (
+    CrossingLearner,
+    PairHolder,
+    RdtCrossingLearner,
+    RdtPairHolder,
 )
 from tests.third_party_transport import PackedObjectTransport, PutReaderTransport
 
@@ -479,6 +486,42 @@ def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors)
     report = ray.get(hub.broadcast.remote(newest, model=MODEL, raise_on_failure=False))
     assert "late" in report.acked
     assert_bitwise(ray.get(late.state.remote()), newest)
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "nixl",
+        pytest.param(
+            "rdt",
+            marks=pytest.mark.skipif(
+                not RdtTransport.availability().available,
+                reason=f"rdt unavailable: {RdtTransport.availability().reason}",
+            ),
+        ),
+    ],
+)
+def test_two_models_streamed_at_once_never_wait_for_each_other(actors, transport):
+    """A learner's two threads stream two models' versions, each out of its registered
+    bucket slots, to a receiver that holds both and reads them one at a time, in the
+    hub's order: a model streamed in the other order waited for that receiver, which
+    waited for it (until the broker dropped the receiver from one of them)."""
+    rdt = transport == "rdt"
+    hub = start_hub(actors, transport, models=["a", "b"], bucket_mb=TINY_MB, timeout_s=10.0)
+    weights = {m: special_weights(seed) for m, seed in (("a", 1.0), ("b", 2.0))}
+    holder = start(actors, RdtPairHolder if rdt else PairHolder, hub, weights["a"], "both")
+    learner = start(actors, RdtCrossingLearner if rdt else CrossingLearner, hub)
+    ready([holder])
+    refs = ray.get(
+        learner.crossed.remote(
+            weights, f"raysync.transports.{transport}.ring", "RdtRing" if rdt else "BucketRing", 30
+        ),
+        timeout=60,
+    )
+    reports = {model: ray.get(ref, timeout=60) for model, ref in refs.items()}
+    for model, report in reports.items():
+        assert report.acked == ("both",), (model, report.failed)
+        assert_bitwise(ray.get(holder.state.remote(model)), weights[model])
 
 
 def test_sharded_learners_each_stream_their_own_part(crew, actors):

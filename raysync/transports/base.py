@@ -150,6 +150,7 @@ class TransportSender(ABC):
         self,
         tensors: Mapping[str, torch.Tensor],
         spec: WeightSpec,
+        model: str,
         bucket_bytes: int,
         stall_s: float,
     ) -> Any:

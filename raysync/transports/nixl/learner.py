@@ -65,9 +65,9 @@ class NixlSender(TransportSender):
         self._progress = SourceProgress(self, self._agent)
         self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
         self._by_address: dict[int, _SourceBuffer] = {}
-        #: Bucketed versions: a ring per (bucket bytes, device), and each version
+        #: Bucketed versions: a ring per (model, bucket bytes, device), and each version
         #: ``send_buckets`` started until ``submitted`` streams it out.
-        self._rings: dict[tuple[int, torch.device], tuple[BucketRing, Any]] = {}
+        self._rings: dict[tuple[str, int, torch.device], tuple[BucketRing, Any]] = {}
         self._outgoing: dict[str, tuple[BucketRing, Outgoing]] = {}
         self._registration = 0
         self._metadata = self._agent.get_agent_metadata()
@@ -107,19 +107,23 @@ class NixlSender(TransportSender):
         self,
         tensors: Mapping[str, torch.Tensor],
         spec: WeightSpec,
+        model: str,
         bucket_bytes: int,
         stall_s: float,
     ) -> NixlBucketStream:
-        """A version larger than a bucket: streamed out of the ring (see
-        :mod:`raysync.transports.nixl.ring`) by ``submitted``."""
+        """A version larger than a bucket: streamed out of ``model``'s ring (see
+        :mod:`raysync.transports.nixl.ring`) by ``submitted``. A ring per model: a
+        receiver holding two models reads their versions one at a time, in the hub's
+        order, so one ring streaming them in this process's order could wait for it while
+        it waits for the other."""
         if self._hub is None:
             raise TransportError("this sender was opened without a hub: whole versions only")
         device = tensors[spec.names[0]].device
         with self._lock:
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
-            ring, _ = self._rings.get((bucket_bytes, device)) or self._register_ring(
-                bucket_bytes, device
+            ring, _ = self._rings.get((model, bucket_bytes, device)) or self._register_ring(
+                model, bucket_bytes, device
             )
             stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
             payload = NixlBucketStream(
@@ -230,7 +234,9 @@ class NixlSender(TransportSender):
             self._by_address[buffer.region.address] = buffer
         return pair
 
-    def _register_ring(self, bucket_bytes: int, device: torch.device) -> tuple[BucketRing, Any]:
+    def _register_ring(
+        self, model: str, bucket_bytes: int, device: torch.device
+    ) -> tuple[BucketRing, Any]:
         tensors = [
             torch.zeros(SLOT_HEADER + bucket_bytes, dtype=torch.uint8, device=device)
             for _ in range(RING_SLOTS)
@@ -240,7 +246,8 @@ class NixlSender(TransportSender):
             NixlRegion(t.data_ptr(), t.numel(), device_index(device), memory_type(device))
             for t in tensors
         )
-        self._rings[(bucket_bytes, device)] = entry = (BucketRing(tensors, regions), registered)
+        entry = (BucketRing(tensors, regions), registered)
+        self._rings[(model, bucket_bytes, device)] = entry
         return entry
 
     def _registered(self, tensors: list[torch.Tensor]) -> Any:

@@ -1,7 +1,7 @@
 """Learner process: bucketed versions through NIXL, out of a ring of registered buckets.
 
 A version larger than ``bucket_mb`` does not go into the sender's two whole-version
-buffers. Per bucket size and device the sender registers, once, a ring of
+buffers. Per model, bucket size and device the sender registers, once, a ring of
 :data:`~raysync.transports.nixl.wire.RING_SLOTS` slots (an int64 stamp, padding, then
 one bucket), and :meth:`BucketRing.stream_out` packs bucket ``k`` into the next slot —
 casting each piece to the wire dtype as it copies it — and hands the hub's bucket
@@ -13,8 +13,8 @@ again only once every reader has taken the bucket after the one it holds (so has
 the one it holds), or the broker dropped the reader that held the others up. The ring
 goes on across versions: the first buckets of version v+1 wait for v's readers to be
 done with its last ones, unless v's broadcast already ended. So the learner holds two
-buckets beyond its model, whatever the model's size, and a version moves as fast as
-its slowest reader reads (receivers read bucket k while the learner packs k+1).
+buckets beyond each model it streams, whatever the model's size, and a version moves as
+fast as its slowest reader reads (receivers read bucket k while the learner packs k+1).
 
 Torn reads: a reader the broker dropped may still be reading a slot when it is written
 again. The learner zeroes a slot's stamp before writing it and sets a fresh,
@@ -75,7 +75,8 @@ class BucketRing:
         self.regions = regions
         self._slots = [_Slot(t) for t in tensors]
         self._next = 0
-        #: One version streams out at a time (two learner threads share the ring).
+        #: One version streams out at a time (two learner threads broadcasting one
+        #: model share its ring; each model has its own, see ``NixlSender.send_buckets``).
         self._streaming = threading.Lock()
 
     def stream_out(

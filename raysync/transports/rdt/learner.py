@@ -52,9 +52,9 @@ class RdtSender(TransportSender):
         #: latest version readable for late joiners: one model's buffer is not another's
         #: to reuse), spec and device, written in turn.
         self._pairs: dict[tuple[str, WeightSpec, torch.device], list[torch.Tensor]] = {}
-        #: Bucketed versions: two registered slots per (bucket bytes, device), and each
-        #: version ``send_buckets`` started until ``submitted``.
-        self._rings: dict[tuple[int, torch.device], tuple[RdtRing, list[torch.Tensor]]] = {}
+        #: Bucketed versions: two registered slots per (model, bucket bytes, device), and
+        #: each version ``send_buckets`` started until ``submitted``.
+        self._rings: dict[tuple[str, int, torch.device], tuple[RdtRing, list[torch.Tensor]]] = {}
         self._outgoing: dict[str, tuple[RdtRing, Outgoing]] = {}
         #: A whole version's ref (hex) -> its buffer, from ``send`` to ``submitted``
         self._in: dict[str, torch.Tensor] = {}
@@ -147,11 +147,14 @@ class RdtSender(TransportSender):
         self,
         tensors: Mapping[str, torch.Tensor],
         spec: WeightSpec,
+        model: str,
         bucket_bytes: int,
         stall_s: float,
     ) -> RdtBucketStream:
-        """A version larger than a bucket: published bucket by bucket out of two
-        registered slots (see :mod:`raysync.transports.rdt.ring`) by ``submitted``."""
+        """A version larger than a bucket: published bucket by bucket out of
+        ``model``'s two registered slots (see :mod:`raysync.transports.rdt.ring`) by
+        ``submitted``; a ring per model, as :class:`~raysync.transports.nixl.learner.NixlSender`
+        says why."""
         from ray.experimental import register_nixl_memory
 
         if self._hub is None:
@@ -160,14 +163,15 @@ class RdtSender(TransportSender):
         with self._lock:
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
-            entry = self._rings.get((bucket_bytes, device))
+            entry = self._rings.get((model, bucket_bytes, device))
             if entry is None:
                 slots = [
                     torch.zeros(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)
                 ]
                 for slot in slots:
                     register_nixl_memory(slot)
-                entry = self._rings[(bucket_bytes, device)] = (RdtRing(slots, REUSE_WAIT_S), slots)
+                entry = (RdtRing(slots, REUSE_WAIT_S), slots)
+                self._rings[(model, bucket_bytes, device)] = entry
             stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
             payload = RdtBucketStream(stream.broker, stream.key, stream.bucket_bytes)
             self._outgoing[payload.key.id] = (entry[0], outgoing)

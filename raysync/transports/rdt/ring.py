@@ -1,7 +1,7 @@
 """Learner process: bucketed versions through RDT, out of two registered bucket slots.
 
 A version larger than ``bucket_mb`` is not packed into the sender's whole-version pair.
-Per bucket size and device the sender registers two slots with Ray's NIXL agent, once;
+Per model, bucket size and device the sender registers two slots with Ray's NIXL agent, once;
 :func:`stream_out` packs bucket ``k`` into slot ``k`` mod 2 — each piece cast to the
 wire dtype as it is copied — publishes it as an RDT object (``ray.put([bucket],
 _tensor_transport="nixl")``, a view of the slot: Ray keeps no copy) and hands the ref
@@ -10,7 +10,7 @@ writing a slot again the learner waits twice: for the broker's room (every reade
 the bucket after the one the slot holds; a reader that holds the others up is dropped
 there) and for Ray to report every reference to the slot's last object gone
 (``wait_tensor_freed``: the broker forgot it and no receiver's get still runs). So the
-learner holds two buckets beyond its model, the object store none, and no read is torn.
+learner holds two buckets beyond each model it streams, the object store none, and no read is torn.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class RdtRing:
         self._slots = [_Slot(t) for t in tensors]
         self._reuse_wait_s = reuse_wait_s
         self._next = 0
-        #: One version streams out at a time (two learner threads share the ring).
+        #: One version streams out at a time (two learner threads broadcasting one
+        #: model share its ring; each model has its own).
         self._streaming = threading.Lock()
 
     def stream_out(
