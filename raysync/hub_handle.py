@@ -277,7 +277,7 @@ class _Broadcast:
                 if wire is not None:
                     return sender.send(wire, travels, model)
                 assert bucket_bytes is not None  # no whole version: a bucketed one
-                return sender.send_buckets(tensors, travels, model, bucket_bytes, stall_s)
+                return sender.send_buckets(tensors, travels, bucket_bytes, stall_s)
 
             if wire is None:
                 _check_bucketed(senders)

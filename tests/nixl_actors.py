@@ -108,50 +108,52 @@ class PairHolder(WeightReceiver):
 
 @ray.remote(num_cpus=0)
 class CrossingLearner:
-    """A learner that broadcasts models ``"a"`` and ``"b"`` from two threads, the hub
-    hearing of ``a`` first and the transport streaming ``b``'s buckets first: ``a``'s
-    thread, once its hub call has left, waits to stream until ``b``'s packs a bucket."""
+    """A learner that broadcasts two versions from two threads, the hub hearing of the
+    first and the transport streaming the second's buckets first: the first's thread,
+    once its hub call has left, waits to stream until the second's packs a bucket."""
 
     def __init__(self, hub):
         self.hub = hub
 
     def crossed(
         self,
-        weights: dict[str, dict[str, torch.Tensor]],
+        versions: list[tuple[str, dict[str, torch.Tensor]]],
         ring_module: str,
         ring_class: str,
         wait_s: float,
-    ) -> dict[str, ray.ObjectRef]:
-        """Each model's broadcast ref. ``ring_module`` / ``ring_class``: where the
-        transport streams a bucketed version out of its ring."""
+    ) -> list[ray.ObjectRef]:
+        """The broadcast refs of ``versions`` (two of (model, weights)), in order.
+        ``ring_module`` / ``ring_class``: where the transport streams a bucketed version
+        out of its ring."""
         module = importlib.import_module(ring_module)
         ring = getattr(module, ring_class)
         stream_out, pack_bucket = ring.stream_out, module.pack_bucket
-        a_at_hub, b_packing = threading.Event(), threading.Event()
+        first_at_hub, second_packing = threading.Event(), threading.Event()
 
         def streaming(this, *args):
-            if threading.current_thread().name == "a":
-                a_at_hub.set()
-                assert b_packing.wait(wait_s), "b never packed a bucket"
+            if threading.current_thread().name == "first":
+                first_at_hub.set()
+                assert second_packing.wait(wait_s), "the second never packed a bucket"
             return stream_out(this, *args)
 
         def packing(*args):
-            if threading.current_thread().name == "b":
-                b_packing.set()
+            if threading.current_thread().name == "second":
+                second_packing.set()
             return pack_bucket(*args)
 
-        refs: dict[str, ray.ObjectRef] = {}
+        refs: list[ray.ObjectRef | None] = [None, None]
 
-        def send(model: str, after: threading.Event | None) -> None:
+        def send(at: int, after: threading.Event | None) -> None:
             if after is not None:
-                assert after.wait(wait_s), "a's hub call never left"
-            refs[model] = self.hub.broadcast.remote(weights[model], model=model)
+                assert after.wait(wait_s), "the first's hub call never left"
+            model, weights = versions[at]
+            refs[at] = self.hub.broadcast.remote(weights, model=model)
 
         ring.stream_out, module.pack_bucket = streaming, packing
         try:
             threads = [
-                threading.Thread(target=send, name="a", args=("a", None)),
-                threading.Thread(target=send, name="b", args=("b", a_at_hub)),
+                threading.Thread(target=send, name="first", args=(0, None)),
+                threading.Thread(target=send, name="second", args=(1, first_at_hub)),
             ]
             for thread in threads:
                 thread.start()

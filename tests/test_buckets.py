@@ -488,6 +488,7 @@ def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors)
     assert_bitwise(ray.get(late.state.remote()), newest)
 
 
+@pytest.mark.parametrize("models", [("a", "b"), ("a", "a")], ids=["two models", "one model"])
 @pytest.mark.parametrize(
     "transport",
     [
@@ -501,27 +502,30 @@ def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors)
         ),
     ],
 )
-def test_two_models_streamed_at_once_never_wait_for_each_other(actors, transport):
-    """A learner's two threads stream two models' versions, each out of its registered
-    bucket slots, to a receiver that holds both and reads them one at a time, in the
-    hub's order: a model streamed in the other order waited for that receiver, which
-    waited for it (until the broker dropped the receiver from one of them)."""
+def test_versions_streamed_at_once_never_wait_for_each_other(actors, transport, models):
+    """A learner's two threads stream two versions (of two models, or of one) out of
+    its registered bucket slots to a receiver that reads them one at a time, in the
+    hub's order. Streamed in the other order out of one ring, the second waited for
+    that receiver, which waited for the first (until the broker dropped the receiver
+    from the second, which failed)."""
     rdt = transport == "rdt"
     hub = start_hub(actors, transport, models=["a", "b"], bucket_mb=TINY_MB, timeout_s=10.0)
-    weights = {m: special_weights(seed) for m, seed in (("a", 1.0), ("b", 2.0))}
-    holder = start(actors, RdtPairHolder if rdt else PairHolder, hub, weights["a"], "both")
+    versions = [
+        (model, special_weights(seed)) for model, seed in zip(models, (1.0, 2.0), strict=True)
+    ]
+    holder = start(actors, RdtPairHolder if rdt else PairHolder, hub, versions[0][1], "both")
     learner = start(actors, RdtCrossingLearner if rdt else CrossingLearner, hub)
     ready([holder])
     refs = ray.get(
         learner.crossed.remote(
-            weights, f"raysync.transports.{transport}.ring", "RdtRing" if rdt else "BucketRing", 30
+            versions, f"raysync.transports.{transport}.ring", "RdtRing" if rdt else "BucketRing", 30
         ),
         timeout=60,
     )
-    reports = {model: ray.get(ref, timeout=60) for model, ref in refs.items()}
-    for model, report in reports.items():
-        assert report.acked == ("both",), (model, report.failed)
-        assert_bitwise(ray.get(holder.state.remote(model)), weights[model])
+    reports = [ray.get(ref, timeout=60) for ref in refs]
+    assert [r.acked for r in reports] == [("both",), ("both",)], [r.failed for r in reports]
+    for model, weights in dict(versions).items():  # each model's last version
+        assert_bitwise(ray.get(holder.state.remote(model)), weights)
 
 
 def test_sharded_learners_each_stream_their_own_part(crew, actors):

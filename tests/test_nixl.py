@@ -127,14 +127,14 @@ def test_a_ring_slot_written_again_is_detected_never_applied(actors):
     spec = WeightSpec.of(weights)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = sender.send_buckets(weights, spec, "m", 1024, stall_s=30.0)
+            first = sender.send_buckets(weights, spec, 1024, stall_s=30.0)
             ray.get(first.broker.readers.remote(first.key, ["slow"]))
             streaming = pool.submit(sender.submitted, first, _Never())
             boxed, why = ray.get(first.broker.take.remote(first.key, 0, "slow"))
             assert why is None
             ray.get(first.broker.drop_reader.remote("slow"))  # the hub drops it
             streaming.result(timeout=30)  # no reader left: the learner stops the version
-            second = sender.send_buckets({"a": -weights["a"]}, spec, "m", 1024, stall_s=30.0)
+            second = sender.send_buckets({"a": -weights["a"]}, spec, 1024, stall_s=30.0)
             ray.get(first.broker.readers.remote(second.key, ["other"]))
             streaming = pool.submit(sender.submitted, second, _Never())
             again, why = ray.get(second.broker.take.remote(second.key, 0, "other"))

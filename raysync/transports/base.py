@@ -150,7 +150,6 @@ class TransportSender(ABC):
         self,
         tensors: Mapping[str, torch.Tensor],
         spec: WeightSpec,
-        model: str,
         bucket_bytes: int,
         stall_s: float,
     ) -> Any:

@@ -53,11 +53,11 @@ a VM), else they fall back to TCP: an agent in a process that sees CUDA is creat
 (:data:`raysync.transports.nixl.agent.UCX_CUDA_DEFAULTS`; ``rdt`` sets it too, for Ray's agents).
 
 Bucketed versions (``bucket_mb``): not the pair, but a ring of two registered buckets
-per model and bucket size, handed out by the hub's bucket broker
-(:mod:`raysync.transports.nixl.ring`); receivers READ each bucket straight into a
-registered staging buffer of the version's layout. A late joiner reads a bucketed
-version from a receiver that holds it, through the object store, as ``object_store``
-receivers do.
+per bucket size (one more per version streaming at the same time), handed out by the
+hub's bucket broker (:mod:`raysync.transports.nixl.ring`); receivers READ each bucket
+straight into a registered staging buffer of the version's layout. A late joiner reads a
+bucketed version from a receiver that holds it, through the object store, as
+``object_store`` receivers do.
 """
 
 from __future__ import annotations
@@ -87,8 +87,7 @@ class NixlTransport(Transport):
     name = "nixl"
     #: The learner's registered pair; a staging buffer in each receiver, two with zero
     #: copy (the model lives in one while the next version lands in the other).
-    #: Bucketed: a ring of two buckets per model in the learner, one staged version per
-    #: receiver.
+    #: Bucketed: a ring of two buckets in the learner, one staged version per receiver.
     memory = MemoryFootprint(learner=2, per_receiver=1)
     zero_copy_memory = MemoryFootprint(learner=2, per_receiver=2)
     zero_copy = "private"

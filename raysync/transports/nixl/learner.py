@@ -65,9 +65,11 @@ class NixlSender(TransportSender):
         self._progress = SourceProgress(self, self._agent)
         self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
         self._by_address: dict[int, _SourceBuffer] = {}
-        #: Bucketed versions: a ring per (model, bucket bytes, device), and each version
-        #: ``send_buckets`` started until ``submitted`` streams it out.
-        self._rings: dict[tuple[str, int, torch.device], tuple[BucketRing, Any]] = {}
+        #: Bucketed versions: the rings per (bucket bytes, device) — one per version
+        #: streaming at once, see ``send_buckets`` — their registrations, and each
+        #: version ``send_buckets`` started until ``submitted`` streams it out.
+        self._rings: dict[tuple[int, torch.device], list[BucketRing]] = {}
+        self._ring_registrations: list[Any] = []
         self._outgoing: dict[str, tuple[BucketRing, Outgoing]] = {}
         self._registration = 0
         self._metadata = self._agent.get_agent_metadata()
@@ -107,25 +109,30 @@ class NixlSender(TransportSender):
         self,
         tensors: Mapping[str, torch.Tensor],
         spec: WeightSpec,
-        model: str,
         bucket_bytes: int,
         stall_s: float,
     ) -> NixlBucketStream:
-        """A version larger than a bucket: streamed out of ``model``'s ring (see
-        :mod:`raysync.transports.nixl.ring`) by ``submitted``. A ring per model: a
-        receiver holding two models reads their versions one at a time, in the hub's
-        order, so one ring streaming them in this process's order could wait for it while
-        it waits for the other."""
+        """A version larger than a bucket: streamed out of a ring (see
+        :mod:`raysync.transports.nixl.ring`) by ``submitted``.
+
+        The ring is this version's from now until its stream ends: a version handed off
+        while another streams (a learner broadcasting from several threads) takes
+        another ring, registered if none is free. One ring for both would stream them
+        one after the other in the order their threads reach it, and a receiver reads
+        versions one at a time in the hub's order: where the two orders differ, the ring
+        waits for that receiver, which waits for the version the ring holds back."""
         if self._hub is None:
             raise TransportError("this sender was opened without a hub: whole versions only")
         device = tensors[spec.names[0]].device
         with self._lock:
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
-            ring, _ = self._rings.get((model, bucket_bytes, device)) or self._register_ring(
-                model, bucket_bytes, device
-            )
-            stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
+            ring = self._free_ring(bucket_bytes, device)
+            try:
+                stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
+            except BaseException:
+                ring.taken = False
+                raise
             payload = NixlBucketStream(
                 stream.broker,
                 stream.key,
@@ -147,7 +154,11 @@ class NixlSender(TransportSender):
             assert done is not None  # the learner's handle passes its broadcast's end
             with self._lock:
                 ring, outgoing = self._outgoing.pop(payload.key.id)
-            ring.stream_out(payload, outgoing, done, copy_on_this_thread, self._next_stamp)
+            try:
+                ring.stream_out(payload, outgoing, done, copy_on_this_thread, self._next_stamp)
+            finally:
+                with self._lock:
+                    ring.taken = False
             return
         with self._lock:
             buffer = self._by_address[payload.region.address]
@@ -181,7 +192,9 @@ class NixlSender(TransportSender):
         handed it already find its stamps ``ABANDONED`` and fail at once."""
         if isinstance(payload, NixlBucketStream):
             with self._lock:
-                self._outgoing.pop(payload.key.id, None)
+                ring, _ = self._outgoing.pop(payload.key.id, (None, None))
+                if ring is not None:
+                    ring.taken = False
             payload.broker.end.remote(payload.key, why)
             return
         with self._lock:
@@ -234,9 +247,18 @@ class NixlSender(TransportSender):
             self._by_address[buffer.region.address] = buffer
         return pair
 
-    def _register_ring(
-        self, model: str, bucket_bytes: int, device: torch.device
-    ) -> tuple[BucketRing, Any]:
+    def _free_ring(self, bucket_bytes: int, device: torch.device) -> BucketRing:
+        """(``_lock`` held.) A ring of this bucket size and device that no version holds,
+        taken: the first free one, else a new one."""
+        rings = self._rings.setdefault((bucket_bytes, device), [])
+        ring = next((r for r in rings if not r.taken), None)
+        if ring is None:
+            ring = self._register_ring(bucket_bytes, device)
+            rings.append(ring)
+        ring.taken = True
+        return ring
+
+    def _register_ring(self, bucket_bytes: int, device: torch.device) -> BucketRing:
         tensors = [
             torch.zeros(SLOT_HEADER + bucket_bytes, dtype=torch.uint8, device=device)
             for _ in range(RING_SLOTS)
@@ -246,9 +268,8 @@ class NixlSender(TransportSender):
             NixlRegion(t.data_ptr(), t.numel(), device_index(device), memory_type(device))
             for t in tensors
         )
-        entry = (BucketRing(tensors, regions), registered)
-        self._rings[(model, bucket_bytes, device)] = entry
-        return entry
+        self._ring_registrations.append(registered)
+        return BucketRing(tensors, regions)
 
     def _registered(self, tensors: list[torch.Tensor]) -> Any:
         """Register ``tensors`` with the agent; receivers load its new metadata."""
@@ -275,9 +296,10 @@ class NixlSender(TransportSender):
         with self._lock:
             for pair in self._pairs.values():
                 self._agent.deregister_memory(pair.registered)
-            for _, registered in self._rings.values():
+            for registered in self._ring_registrations:
                 self._agent.deregister_memory(registered)
             self._pairs.clear()
             self._rings.clear()
+            self._ring_registrations.clear()
             self._outgoing.clear()
             self._by_address.clear()

@@ -1,7 +1,7 @@
 """Learner process: bucketed versions through NIXL, out of a ring of registered buckets.
 
 A version larger than ``bucket_mb`` does not go into the sender's two whole-version
-buffers. Per model, bucket size and device the sender registers, once, a ring of
+buffers. Per bucket size and device the sender registers, once, a ring of
 :data:`~raysync.transports.nixl.wire.RING_SLOTS` slots (an int64 stamp, padding, then
 one bucket), and :meth:`BucketRing.stream_out` packs bucket ``k`` into the next slot —
 casting each piece to the wire dtype as it copies it — and hands the hub's bucket
@@ -12,9 +12,12 @@ Flow control is the broker's, as for the object store's buckets: a slot is writt
 again only once every reader has taken the bucket after the one it holds (so has read
 the one it holds), or the broker dropped the reader that held the others up. The ring
 goes on across versions: the first buckets of version v+1 wait for v's readers to be
-done with its last ones, unless v's broadcast already ended. So the learner holds two
-buckets beyond each model it streams, whatever the model's size, and a version moves as
-fast as its slowest reader reads (receivers read bucket k while the learner packs k+1).
+done with its last ones, unless v's broadcast already ended. A ring streams one version
+at a time, from its hand-off to its stream's end; a version handed off while another
+streams takes another ring (``NixlSender.send_buckets`` says why). So the learner holds
+two buckets beyond its model, whatever the model's size (two per version streaming at
+once, where its threads broadcast concurrently), and a version moves as fast as its
+slowest reader reads (receivers read bucket k while the learner packs k+1).
 
 Torn reads: a reader the broker dropped may still be reading a slot when it is written
 again. The learner zeroes a slot's stamp before writing it and sets a fresh,
@@ -25,7 +28,6 @@ learner that fails while packing sets ``ABANDONED`` and ends the stream.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -75,9 +77,9 @@ class BucketRing:
         self.regions = regions
         self._slots = [_Slot(t) for t in tensors]
         self._next = 0
-        #: One version streams out at a time (two learner threads broadcasting one
-        #: model share its ring; each model has its own, see ``NixlSender.send_buckets``).
-        self._streaming = threading.Lock()
+        #: Held by one version from its hand-off to its stream's end (set and cleared
+        #: by the sender under its lock): one version streams out of a ring at a time.
+        self.taken = False
 
     def stream_out(
         self,
@@ -92,30 +94,29 @@ class BucketRing:
         copies bytes of the same dtype; ``next_stamp`` gives a fresh stamp."""
         broker, key = payload.broker, payload.key
         sender = this_actor()
-        with self._streaming:
-            for index in range(key.count):
-                slot_number = self._next
-                slot = self._slots[slot_number]
-                why = self._wait_until_free(broker, slot, key, done)
-                if why is not None:
-                    broker.end.remote(key, why)
-                    return
-                stamp = next_stamp()
-                try:
-                    slot.stamp.fill_(0)
-                    _sync(slot.tensor)
-                    pack_bucket(slot.data, outgoing.plan, outgoing.sources, index, copy)
-                    _sync(slot.tensor)
-                    slot.stamp.fill_(stamp)
-                    _sync(slot.tensor)
-                except BaseException as err:
-                    slot.stamp.fill_(ABANDONED)
-                    slot.held = None
-                    broker.end.remote(key, f"the learner failed packing bucket {index}: {err!r}")
-                    raise
-                slot.held = _Held(key, index, done)
-                self._next = (slot_number + 1) % len(self._slots)
-                broker.offer.remote(key, index, [RingBucket(slot_number, stamp)], sender)
+        for index in range(key.count):
+            slot_number = self._next
+            slot = self._slots[slot_number]
+            why = self._wait_until_free(broker, slot, key, done)
+            if why is not None:
+                broker.end.remote(key, why)
+                return
+            stamp = next_stamp()
+            try:
+                slot.stamp.fill_(0)
+                _sync(slot.tensor)
+                pack_bucket(slot.data, outgoing.plan, outgoing.sources, index, copy)
+                _sync(slot.tensor)
+                slot.stamp.fill_(stamp)
+                _sync(slot.tensor)
+            except BaseException as err:
+                slot.stamp.fill_(ABANDONED)
+                slot.held = None
+                broker.end.remote(key, f"the learner failed packing bucket {index}: {err!r}")
+                raise
+            slot.held = _Held(key, index, done)
+            self._next = (slot_number + 1) % len(self._slots)
+            broker.offer.remote(key, index, [RingBucket(slot_number, stamp)], sender)
 
     @staticmethod
     def _wait_until_free(broker: Any, slot: _Slot, key: StreamId, done: VersionDone) -> str | None:

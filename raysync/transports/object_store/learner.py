@@ -32,7 +32,6 @@ class ObjectStoreSender(TransportSender):
         self,
         tensors: Mapping[str, torch.Tensor],
         spec: WeightSpec,
-        model: str,
         bucket_bytes: int,
         stall_s: float,
     ) -> BucketStream:

@@ -52,9 +52,10 @@ class RdtSender(TransportSender):
         #: latest version readable for late joiners: one model's buffer is not another's
         #: to reuse), spec and device, written in turn.
         self._pairs: dict[tuple[str, WeightSpec, torch.device], list[torch.Tensor]] = {}
-        #: Bucketed versions: two registered slots per (model, bucket bytes, device), and
-        #: each version ``send_buckets`` started until ``submitted``.
-        self._rings: dict[tuple[str, int, torch.device], tuple[RdtRing, list[torch.Tensor]]] = {}
+        #: Bucketed versions: the rings of two registered slots per (bucket bytes,
+        #: device) — one per version streaming at once, see ``send_buckets`` — and each
+        #: version ``send_buckets`` started until ``submitted``.
+        self._rings: dict[tuple[int, torch.device], list[RdtRing]] = {}
         self._outgoing: dict[str, tuple[RdtRing, Outgoing]] = {}
         #: A whole version's ref (hex) -> its buffer, from ``send`` to ``submitted``
         self._in: dict[str, torch.Tensor] = {}
@@ -147,35 +148,44 @@ class RdtSender(TransportSender):
         self,
         tensors: Mapping[str, torch.Tensor],
         spec: WeightSpec,
-        model: str,
         bucket_bytes: int,
         stall_s: float,
     ) -> RdtBucketStream:
-        """A version larger than a bucket: published bucket by bucket out of
-        ``model``'s two registered slots (see :mod:`raysync.transports.rdt.ring`) by
-        ``submitted``; a ring per model, as :class:`~raysync.transports.nixl.learner.NixlSender`
-        says why."""
-        from ray.experimental import register_nixl_memory
-
+        """A version larger than a bucket: published bucket by bucket out of a ring of
+        two registered slots (see :mod:`raysync.transports.rdt.ring`) by ``submitted``;
+        the ring is this version's until its stream ends (a version handed off while
+        another streams takes another: ``NixlSender.send_buckets`` says why)."""
         if self._hub is None:
             raise TransportError("this sender was opened without a hub: whole versions only")
         device = tensors[spec.names[0]].device
         with self._lock:
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
-            entry = self._rings.get((model, bucket_bytes, device))
-            if entry is None:
-                slots = [
-                    torch.zeros(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)
-                ]
-                for slot in slots:
-                    register_nixl_memory(slot)
-                entry = (RdtRing(slots, REUSE_WAIT_S), slots)
-                self._rings[(model, bucket_bytes, device)] = entry
-            stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
+            ring = self._free_ring(bucket_bytes, device)
+            try:
+                stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
+            except BaseException:
+                ring.taken = False
+                raise
             payload = RdtBucketStream(stream.broker, stream.key, stream.bucket_bytes)
-            self._outgoing[payload.key.id] = (entry[0], outgoing)
+            self._outgoing[payload.key.id] = (ring, outgoing)
             return payload
+
+    def _free_ring(self, bucket_bytes: int, device: torch.device) -> RdtRing:
+        """(``_lock`` held.) A ring of this bucket size and device that no version holds,
+        taken: the first free one, else a new one."""
+        from ray.experimental import register_nixl_memory
+
+        rings = self._rings.setdefault((bucket_bytes, device), [])
+        ring = next((r for r in rings if not r.taken), None)
+        if ring is None:
+            slots = [torch.zeros(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+            for slot in slots:
+                register_nixl_memory(slot)
+            ring = RdtRing(slots, REUSE_WAIT_S)
+            rings.append(ring)
+        ring.taken = True
+        return ring
 
     def submitted(self, payload: RdtPayload | RdtBucketStream, done: VersionDone) -> None:
         """Stream a bucketed version out of its ring (a whole one is already published)."""
@@ -184,7 +194,11 @@ class RdtSender(TransportSender):
         if isinstance(payload, RdtBucketStream):
             with self._lock:
                 ring, outgoing = self._outgoing.pop(payload.key.id)
-            ring.stream_out(payload, outgoing, done)
+            try:
+                ring.stream_out(payload, outgoing, done)
+            finally:
+                with self._lock:
+                    ring.taken = False
             return
         with self._lock:
             buffer = self._in.pop(payload.ref.hex(), None)
@@ -194,7 +208,9 @@ class RdtSender(TransportSender):
     def abandoned(self, payload: RdtPayload | RdtBucketStream, why: str) -> None:
         with self._lock:
             if isinstance(payload, RdtBucketStream):
-                self._outgoing.pop(payload.key.id, None)
+                ring, _ = self._outgoing.pop(payload.key.id, (None, None))
+                if ring is not None:
+                    ring.taken = False
             else:
                 self._in.pop(payload.ref.hex(), None)
         if isinstance(payload, RdtBucketStream):
@@ -207,9 +223,10 @@ class RdtSender(TransportSender):
             for pair in self._pairs.values():
                 for buffer in pair:
                     deregister_nixl_memory(buffer)
-            for _, slots in self._rings.values():
-                for slot in slots:
-                    deregister_nixl_memory(slot)
+            for rings in self._rings.values():
+                for ring in rings:
+                    for slot in ring.tensors:
+                        deregister_nixl_memory(slot)
             for buffer in self._set_aside:
                 deregister_nixl_memory(buffer)
             self._set_aside.clear()

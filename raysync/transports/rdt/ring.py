@@ -1,7 +1,9 @@
 """Learner process: bucketed versions through RDT, out of two registered bucket slots.
 
 A version larger than ``bucket_mb`` is not packed into the sender's whole-version pair.
-Per model, bucket size and device the sender registers two slots with Ray's NIXL agent, once;
+Per bucket size and device the sender registers two slots with Ray's NIXL agent, once
+(and another two per version streaming at the same time: a ring streams one version,
+from its hand-off to its stream's end; ``RdtSender.send_buckets``);
 :func:`stream_out` packs bucket ``k`` into slot ``k`` mod 2 — each piece cast to the
 wire dtype as it is copied — publishes it as an RDT object (``ray.put([bucket],
 _tensor_transport="nixl")``, a view of the slot: Ray keeps no copy) and hands the ref
@@ -10,12 +12,11 @@ writing a slot again the learner waits twice: for the broker's room (every reade
 the bucket after the one the slot holds; a reader that holds the others up is dropped
 there) and for Ray to report every reference to the slot's last object gone
 (``wait_tensor_freed``: the broker forgot it and no receiver's get still runs). So the
-learner holds two buckets beyond each model it streams, the object store none, and no read is torn.
+learner holds two buckets beyond its model, the object store none, and no read is torn.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import ray
@@ -43,9 +44,14 @@ class RdtRing:
         self._slots = [_Slot(t) for t in tensors]
         self._reuse_wait_s = reuse_wait_s
         self._next = 0
-        #: One version streams out at a time (two learner threads broadcasting one
-        #: model share its ring; each model has its own).
-        self._streaming = threading.Lock()
+        #: Held by one version from its hand-off to its stream's end (set and cleared
+        #: by the sender under its lock): one version streams out of a ring at a time.
+        self.taken = False
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The registered slots (the sender deregisters them when it closes)."""
+        return [slot.tensor for slot in self._slots]
 
     def stream_out(
         self,
@@ -58,28 +64,27 @@ class RdtRing:
         broker, key = payload.broker, payload.key
         plan = outgoing.plan
         sender = this_actor()
-        with self._streaming:
-            for index in range(key.count):
-                if index >= BUCKETS_IN_FLIGHT:
-                    why = wait_for_room(broker, key, index, done)
-                    if why is not None:
-                        broker.end.remote(key, why)
-                        return
-                slot = self._slots[self._next]
-                self._wait_until_freed(slot)
-                start = index * plan.bucket_bytes
-                length = min(plan.bucket_bytes, plan.layout.nbytes - start)
-                bucket = slot.tensor[:length]
-                try:
-                    pack_bucket(bucket, plan, outgoing.sources, index, copy_on_this_thread)
-                    ref = ray.put([bucket], _tensor_transport="nixl")
-                except BaseException as err:
-                    broker.end.remote(key, f"the learner failed packing bucket {index}: {err!r}")
-                    raise
-                slot.published = bucket
-                self._next = (self._next + 1) % len(self._slots)
-                broker.offer.remote(key, index, [ref], sender)
-                del ref  # the broker's reference keeps it until every reader took it
+        for index in range(key.count):
+            if index >= BUCKETS_IN_FLIGHT:
+                why = wait_for_room(broker, key, index, done)
+                if why is not None:
+                    broker.end.remote(key, why)
+                    return
+            slot = self._slots[self._next]
+            self._wait_until_freed(slot)
+            start = index * plan.bucket_bytes
+            length = min(plan.bucket_bytes, plan.layout.nbytes - start)
+            bucket = slot.tensor[:length]
+            try:
+                pack_bucket(bucket, plan, outgoing.sources, index, copy_on_this_thread)
+                ref = ray.put([bucket], _tensor_transport="nixl")
+            except BaseException as err:
+                broker.end.remote(key, f"the learner failed packing bucket {index}: {err!r}")
+                raise
+            slot.published = bucket
+            self._next = (self._next + 1) % len(self._slots)
+            broker.offer.remote(key, index, [ref], sender)
+            del ref  # the broker's reference keeps it until every reader took it
 
     def _wait_until_freed(self, slot: _Slot) -> None:
         from ray.experimental import wait_tensor_freed

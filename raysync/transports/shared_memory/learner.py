@@ -131,7 +131,6 @@ class SharedMemorySender(TransportSender):
         self,
         tensors: Mapping[str, torch.Tensor],
         spec: WeightSpec,
-        model: str,
         bucket_bytes: int,
         stall_s: float,
     ) -> BucketStream:
@@ -139,7 +138,7 @@ class SharedMemorySender(TransportSender):
         in Ray's shared memory at once; Ray moves each once per node), not a slot."""
         if self._streams is None:
             self._streams = ObjectStoreSender(self._hub)
-        return self._streams.send_buckets(tensors, spec, model, bucket_bytes, stall_s)
+        return self._streams.send_buckets(tensors, spec, bucket_bytes, stall_s)
 
     def submitted(self, payload: Any, done: VersionDone) -> None:
         """Ask for the next version's slot now that this one has left: asked in
