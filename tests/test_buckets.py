@@ -440,7 +440,9 @@ def test_a_relayed_receiver_that_dies_fails_alone(actors, transport):
     ray.kill(doomed)  # the hub may or may not have noticed by the next broadcast
     weights = special_weights(2.0)
     report = ray.get(hub.broadcast.remote(weights, model=MODEL, raise_on_failure=False), timeout=60)
-    assert report.acked == ("r0", "r1"), report.failed
+    assert report.acked == ("r0", "r1"), "\n".join(
+        f"{w}: {why}" for w, why in report.failed.items()
+    )
     assert set(report.failed) <= {"doomed"}
     for receiver in survivors:
         assert_bitwise(ray.get(receiver.state.remote()), weights)
