@@ -28,6 +28,7 @@ from raysync.transports.nixl.wire import (
 )
 from raysync.transports.object_store.bucket_stream import open_broker
 from raysync.transports.object_store.buckets import Outgoing, start_stream
+from raysync.transports.ring_pool import RingPool
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +66,10 @@ class NixlSender(TransportSender):
         self._progress = SourceProgress(self, self._agent)
         self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
         self._by_address: dict[int, _SourceBuffer] = {}
-        #: Bucketed versions: the rings per (bucket bytes, device) — one per version
-        #: streaming at once, see ``send_buckets`` — their registrations, and each
-        #: version ``send_buckets`` started until ``submitted`` streams it out.
-        self._rings: dict[tuple[int, torch.device], list[BucketRing]] = {}
+        #: Bucketed versions: the rings (one per version streaming at once, see
+        #: :mod:`raysync.transports.ring_pool`), their registrations, and each version
+        #: ``send_buckets`` started until ``submitted`` streams it out.
+        self._rings: RingPool[BucketRing] = RingPool(self._register_ring)
         self._ring_registrations: list[Any] = []
         self._outgoing: dict[str, tuple[BucketRing, Outgoing]] = {}
         self._registration = 0
@@ -113,25 +114,19 @@ class NixlSender(TransportSender):
         stall_s: float,
     ) -> NixlBucketStream:
         """A version larger than a bucket: streamed out of a ring (see
-        :mod:`raysync.transports.nixl.ring`) by ``submitted``.
-
-        The ring is this version's from now until its stream ends: a version handed off
-        while another streams (a learner broadcasting from several threads) takes
-        another ring, registered if none is free. One ring for both would stream them
-        one after the other in the order their threads reach it, and a receiver reads
-        versions one at a time in the hub's order: where the two orders differ, the ring
-        waits for that receiver, which waits for the version the ring holds back."""
+        :mod:`raysync.transports.nixl.ring`) by ``submitted``; the ring is this
+        version's until its stream ends (:mod:`raysync.transports.ring_pool`)."""
         if self._hub is None:
             raise TransportError("this sender was opened without a hub: whole versions only")
         device = tensors[spec.names[0]].device
         with self._lock:
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
-            ring = self._free_ring(bucket_bytes, device)
+            ring = self._rings.take(bucket_bytes, device)
             try:
                 stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
             except BaseException:
-                ring.taken = False
+                self._rings.give_back(ring)
                 raise
             payload = NixlBucketStream(
                 stream.broker,
@@ -157,8 +152,7 @@ class NixlSender(TransportSender):
             try:
                 ring.stream_out(payload, outgoing, done, copy_on_this_thread, self._next_stamp)
             finally:
-                with self._lock:
-                    ring.taken = False
+                self._rings.give_back(ring)
             return
         with self._lock:
             buffer = self._by_address[payload.region.address]
@@ -193,8 +187,8 @@ class NixlSender(TransportSender):
         if isinstance(payload, NixlBucketStream):
             with self._lock:
                 ring, _ = self._outgoing.pop(payload.key.id, (None, None))
-                if ring is not None:
-                    ring.taken = False
+            if ring is not None:
+                self._rings.give_back(ring)
             payload.broker.end.remote(payload.key, why)
             return
         with self._lock:
@@ -247,18 +241,8 @@ class NixlSender(TransportSender):
             self._by_address[buffer.region.address] = buffer
         return pair
 
-    def _free_ring(self, bucket_bytes: int, device: torch.device) -> BucketRing:
-        """(``_lock`` held.) A ring of this bucket size and device that no version holds,
-        taken: the first free one, else a new one."""
-        rings = self._rings.setdefault((bucket_bytes, device), [])
-        ring = next((r for r in rings if not r.taken), None)
-        if ring is None:
-            ring = self._register_ring(bucket_bytes, device)
-            rings.append(ring)
-        ring.taken = True
-        return ring
-
     def _register_ring(self, bucket_bytes: int, device: torch.device) -> BucketRing:
+        """(``_lock`` held: ``send_buckets`` takes rings under it.)"""
         tensors = [
             torch.zeros(SLOT_HEADER + bucket_bytes, dtype=torch.uint8, device=device)
             for _ in range(RING_SLOTS)

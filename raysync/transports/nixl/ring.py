@@ -14,7 +14,7 @@ the one it holds), or the broker dropped the reader that held the others up. The
 goes on across versions: the first buckets of version v+1 wait for v's readers to be
 done with its last ones, unless v's broadcast already ended. A ring streams one version
 at a time, from its hand-off to its stream's end; a version handed off while another
-streams takes another ring (``NixlSender.send_buckets`` says why). So the learner holds
+streams takes another ring (:mod:`raysync.transports.ring_pool` says why). So the learner holds
 two buckets beyond its model, whatever the model's size (two per version streaming at
 once, where its threads broadcast concurrently), and a version moves as fast as its
 slowest reader reads (receivers read bucket k while the learner packs k+1).
@@ -77,9 +77,6 @@ class BucketRing:
         self.regions = regions
         self._slots = [_Slot(t) for t in tensors]
         self._next = 0
-        #: Held by one version from its hand-off to its stream's end (set and cleared
-        #: by the sender under its lock): one version streams out of a ring at a time.
-        self.taken = False
 
     def stream_out(
         self,

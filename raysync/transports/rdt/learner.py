@@ -23,6 +23,7 @@ from raysync.transports.rdt.wire import (
     RdtPayload,
     tensor_transport_enabled,
 )
+from raysync.transports.ring_pool import RingPool
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,10 @@ class RdtSender(TransportSender):
         #: latest version readable for late joiners: one model's buffer is not another's
         #: to reuse), spec and device, written in turn.
         self._pairs: dict[tuple[str, WeightSpec, torch.device], list[torch.Tensor]] = {}
-        #: Bucketed versions: the rings of two registered slots per (bucket bytes,
-        #: device) — one per version streaming at once, see ``send_buckets`` — and each
-        #: version ``send_buckets`` started until ``submitted``.
-        self._rings: dict[tuple[int, torch.device], list[RdtRing]] = {}
+        #: Bucketed versions: the rings of two registered slots (one per version
+        #: streaming at once, see :mod:`raysync.transports.ring_pool`), and each version
+        #: ``send_buckets`` started until ``submitted``.
+        self._rings: RingPool[RdtRing] = RingPool(_new_ring)
         self._outgoing: dict[str, tuple[RdtRing, Outgoing]] = {}
         #: A whole version's ref (hex) -> its buffer, from ``send`` to ``submitted``
         self._in: dict[str, torch.Tensor] = {}
@@ -153,39 +154,23 @@ class RdtSender(TransportSender):
     ) -> RdtBucketStream:
         """A version larger than a bucket: published bucket by bucket out of a ring of
         two registered slots (see :mod:`raysync.transports.rdt.ring`) by ``submitted``;
-        the ring is this version's until its stream ends (a version handed off while
-        another streams takes another: ``NixlSender.send_buckets`` says why)."""
+        the ring is this version's until its stream ends
+        (:mod:`raysync.transports.ring_pool`)."""
         if self._hub is None:
             raise TransportError("this sender was opened without a hub: whole versions only")
         device = tensors[spec.names[0]].device
         with self._lock:
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
-            ring = self._free_ring(bucket_bytes, device)
+            ring = self._rings.take(bucket_bytes, device)
             try:
                 stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
             except BaseException:
-                ring.taken = False
+                self._rings.give_back(ring)
                 raise
             payload = RdtBucketStream(stream.broker, stream.key, stream.bucket_bytes)
             self._outgoing[payload.key.id] = (ring, outgoing)
             return payload
-
-    def _free_ring(self, bucket_bytes: int, device: torch.device) -> RdtRing:
-        """(``_lock`` held.) A ring of this bucket size and device that no version holds,
-        taken: the first free one, else a new one."""
-        from ray.experimental import register_nixl_memory
-
-        rings = self._rings.setdefault((bucket_bytes, device), [])
-        ring = next((r for r in rings if not r.taken), None)
-        if ring is None:
-            slots = [torch.zeros(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-            for slot in slots:
-                register_nixl_memory(slot)
-            ring = RdtRing(slots, REUSE_WAIT_S)
-            rings.append(ring)
-        ring.taken = True
-        return ring
 
     def submitted(self, payload: RdtPayload | RdtBucketStream, done: VersionDone) -> None:
         """Stream a bucketed version out of its ring (a whole one is already published)."""
@@ -197,8 +182,7 @@ class RdtSender(TransportSender):
             try:
                 ring.stream_out(payload, outgoing, done)
             finally:
-                with self._lock:
-                    ring.taken = False
+                self._rings.give_back(ring)
             return
         with self._lock:
             buffer = self._in.pop(payload.ref.hex(), None)
@@ -206,13 +190,14 @@ class RdtSender(TransportSender):
                 self._broadcasts[id(buffer)] = done
 
     def abandoned(self, payload: RdtPayload | RdtBucketStream, why: str) -> None:
+        ring = None
         with self._lock:
             if isinstance(payload, RdtBucketStream):
                 ring, _ = self._outgoing.pop(payload.key.id, (None, None))
-                if ring is not None:
-                    ring.taken = False
             else:
                 self._in.pop(payload.ref.hex(), None)
+        if ring is not None:
+            self._rings.give_back(ring)
         if isinstance(payload, RdtBucketStream):
             payload.broker.end.remote(payload.key, why)
 
@@ -223,10 +208,9 @@ class RdtSender(TransportSender):
             for pair in self._pairs.values():
                 for buffer in pair:
                     deregister_nixl_memory(buffer)
-            for rings in self._rings.values():
-                for ring in rings:
-                    for slot in ring.tensors:
-                        deregister_nixl_memory(slot)
+            for ring in self._rings:
+                for slot in ring.tensors:
+                    deregister_nixl_memory(slot)
             for buffer in self._set_aside:
                 deregister_nixl_memory(buffer)
             self._set_aside.clear()
@@ -235,3 +219,13 @@ class RdtSender(TransportSender):
             self._pairs.clear()
             self._rings.clear()
             self._outgoing.clear()
+
+
+def _new_ring(bucket_bytes: int, device: torch.device) -> RdtRing:
+    """Two bucket slots on ``device``, registered with Ray's NIXL agent."""
+    from ray.experimental import register_nixl_memory
+
+    slots = [torch.zeros(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    for slot in slots:
+        register_nixl_memory(slot)
+    return RdtRing(slots, REUSE_WAIT_S)

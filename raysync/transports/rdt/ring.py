@@ -3,7 +3,7 @@
 A version larger than ``bucket_mb`` is not packed into the sender's whole-version pair.
 Per bucket size and device the sender registers two slots with Ray's NIXL agent, once
 (and another two per version streaming at the same time: a ring streams one version,
-from its hand-off to its stream's end; ``RdtSender.send_buckets``);
+from its hand-off to its stream's end; :mod:`raysync.transports.ring_pool`);
 :func:`stream_out` packs bucket ``k`` into slot ``k`` mod 2 — each piece cast to the
 wire dtype as it is copied — publishes it as an RDT object (``ray.put([bucket],
 _tensor_transport="nixl")``, a view of the slot: Ray keeps no copy) and hands the ref
@@ -44,9 +44,6 @@ class RdtRing:
         self._slots = [_Slot(t) for t in tensors]
         self._reuse_wait_s = reuse_wait_s
         self._next = 0
-        #: Held by one version from its hand-off to its stream's end (set and cleared
-        #: by the sender under its lock): one version streams out of a ring at a time.
-        self.taken = False
 
     @property
     def tensors(self) -> list[torch.Tensor]:
