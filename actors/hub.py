@@ -109,8 +109,9 @@ _CLOSE_NOTICE_S = 10.0
 _ALIVE_CHECK_S = 30.0
 #: A bucketed version is planned whole before anyone reads it (its stream's readers
 #: must all be known first), so every transport's receivers wait for the slowest
-#: plan: planning gets this share of the broadcast's timeout, and a transport that
-#: never finishes planning leaves the others the rest to deliver in.
+#: plan: where its receivers read by more than one transport, planning gets this share
+#: of the broadcast's timeout, and a transport that never finishes planning leaves the
+#: others the rest to deliver in. With one transport, nobody else waits for its plan.
 BUCKETED_PLAN_SHARE = 0.5
 
 
@@ -738,7 +739,7 @@ class WeightHubActor:
                 handed,
                 travels,
                 timeout_s,
-                share=BUCKETED_PLAN_SHARE if streams else 1.0,
+                share=BUCKETED_PLAN_SHARE if streams and len(groups) > 1 else 1.0,
             )
             plan_s = max(plan_s, time.perf_counter() - plan_started)
             own = [e for e in group if e.worker not in first_calls]

@@ -113,3 +113,19 @@ def test_a_bucketed_version_one_transport_never_plans_reaches_the_others(actors)
     reason = report.failed["stuck"]
     assert "could not plan the delivery within 4 s (0.5 of the 8 s timeout" in reason
     assert_same(ray.get(reader.state.remote()), state_of(learner))
+
+
+def test_a_bucketed_version_read_by_one_transport_may_plan_for_the_whole_timeout(actors):
+    """Half the timeout is for a version whose receivers read by several transports
+    (the others wait for every plan); with one, its plan has the whole timeout (a slow
+    rendezvous under load is not cut at half of it)."""
+    register_transport("stuck_bucket_plan", StuckBucketPlanTransport)
+    hub = start_hub(actors, "object_store")
+    stuck = start(actors, Collector, hub, worker_id="stuck", transport="stuck_bucket_plan")
+    ready([stuck])
+    report = ray.get(
+        hub.broadcast.remote(make_policy(), timeout_s=4, bucket_mb=0.001, raise_on_failure=False)
+    )
+    assert report.failed["stuck"].startswith(
+        "transport 'stuck_bucket_plan' could not plan the delivery within the 4 s timeout"
+    ), report.failed["stuck"]
