@@ -14,10 +14,14 @@ at a time keeps one ring per bucket size and device, whatever its models.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 import torch
+
+from raysync.spec import WeightSpec
+from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.buckets import Outgoing, start_stream
 
 R = TypeVar("R")
 
@@ -43,6 +47,24 @@ class RingPool(Generic[R]):
                 rings.append(ring)
             self._taken.add(id(ring))
             return ring
+
+    def start(
+        self,
+        broker: Any,
+        tensors: Mapping[str, torch.Tensor],
+        spec: WeightSpec,
+        bucket_bytes: int,
+        stall_s: float,
+    ) -> tuple[R, BucketStream, Outgoing]:
+        """A version's stream at ``broker`` and the ring it streams out of, taken (given
+        back if the stream cannot start)."""
+        ring = self.take(bucket_bytes, tensors[spec.names[0]].device)
+        try:
+            stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
+        except BaseException:
+            self.give_back(ring)
+            raise
+        return ring, stream, outgoing
 
     def give_back(self, ring: R) -> None:
         """The version that held ``ring`` streamed out, or was abandoned."""

@@ -27,7 +27,7 @@ from raysync.transports.nixl.wire import (
     NixlRegion,
 )
 from raysync.transports.object_store.bucket_stream import open_broker
-from raysync.transports.object_store.buckets import Outgoing, start_stream
+from raysync.transports.object_store.buckets import Outgoing
 from raysync.transports.ring_pool import RingPool
 
 logger = logging.getLogger(__name__)
@@ -118,16 +118,10 @@ class NixlSender(TransportSender):
         version's until its stream ends (:mod:`raysync.transports.ring_pool`)."""
         if self._hub is None:
             raise TransportError("this sender was opened without a hub: whole versions only")
-        device = tensors[spec.names[0]].device
         with self._lock:
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
-            ring = self._rings.take(bucket_bytes, device)
-            try:
-                stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
-            except BaseException:
-                self._rings.give_back(ring)
-                raise
+            ring, stream, outgoing = self._rings.start(broker, tensors, spec, bucket_bytes, stall_s)
             payload = NixlBucketStream(
                 stream.broker,
                 stream.key,

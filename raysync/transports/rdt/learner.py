@@ -14,7 +14,7 @@ from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
 from raysync.transports.nixl.agent import apply_ucx_cuda_defaults
 from raysync.transports.object_store.bucket_stream import open_broker
-from raysync.transports.object_store.buckets import Outgoing, start_stream
+from raysync.transports.object_store.buckets import Outgoing
 from raysync.transports.rdt.agent import ray_agent_progress
 from raysync.transports.rdt.ring import RdtRing
 from raysync.transports.rdt.wire import (
@@ -158,16 +158,10 @@ class RdtSender(TransportSender):
         (:mod:`raysync.transports.ring_pool`)."""
         if self._hub is None:
             raise TransportError("this sender was opened without a hub: whole versions only")
-        device = tensors[spec.names[0]].device
         with self._lock:
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
-            ring = self._rings.take(bucket_bytes, device)
-            try:
-                stream, outgoing = start_stream(broker, tensors, spec, bucket_bytes, stall_s)
-            except BaseException:
-                self._rings.give_back(ring)
-                raise
+            ring, stream, outgoing = self._rings.start(broker, tensors, spec, bucket_bytes, stall_s)
             payload = RdtBucketStream(stream.broker, stream.key, stream.bucket_bytes)
             self._outgoing[payload.key.id] = (ring, outgoing)
             return payload
