@@ -82,6 +82,28 @@ class AgentStatus:
     reader: str  #: how it names itself to the hub's bucket broker
 
 
+def _wait_for_all(futures: Sequence[torch.futures.Future], timeout_s: float) -> None:
+    """Until every one of ``futures`` is done, failed ones included, or ``timeout_s``
+    passed. (``torch.futures.collect_all`` completes at the first failure: one dead
+    receiver's refused call would count every other call still on its way as stalled.)"""
+    if not futures:
+        return
+    all_done = threading.Event()
+    lock = threading.Lock()
+    pending = len(futures)
+
+    def one_done(_: torch.futures.Future) -> None:
+        nonlocal pending
+        with lock:
+            pending -= 1
+            if pending == 0:
+                all_done.set()
+
+    for future in futures:
+        future.add_done_callback(one_done)
+    all_done.wait(timeout_s)
+
+
 class RpcAgentActor:
     """See module docstring. Async actor; sends run in threads."""
 
@@ -280,11 +302,7 @@ class RpcAgentActor:
             if pending:
                 time.sleep(0.01)
         if stall_s is not None:
-            all_done = threading.Event()
-            torch.futures.collect_all(list(futures.values())).add_done_callback(
-                lambda _: all_done.set()
-            )
-            all_done.wait(stall_s)
+            _wait_for_all(list(futures.values()), stall_s)
         for worker, future in futures.items():
             if not future.done() and stall_s is not None:
                 outcomes[worker] = f"RPC to {worker} not done within {stall_s:g} s"

@@ -9,6 +9,7 @@ send until its timeout, not lose the version.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from raysync.spec import WeightSpec
 from raysync.transports.object_store.arrays import object_of
 from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import RpcOptions
-from raysync.transports.rpc import RpcJob, land, rpc_name
+from raysync.transports.rpc import RpcJob, land, land_bucket, rpc_name
 
 pytestmark = pytest.mark.skipif(not rpc.is_available(), reason="no torch.distributed.rpc")
 
@@ -87,3 +88,42 @@ def test_a_receiver_that_never_becomes_reachable_fails_at_the_timeout(monkeypatc
 
     assert "could not find destination url" in outcomes["w0"]
     assert status.sent == 0 and len(status.failures) == 1
+
+
+def _failed_now(why: str) -> torch.futures.Future:
+    """A future that failed as torch's own do (an error, not a value raised on wait)."""
+    source = torch.futures.Future()
+
+    def fail(_):
+        raise RuntimeError(why)
+
+    failed = source.then(fail)
+    source.set_result(None)
+    return failed
+
+
+def test_a_bucket_call_refused_at_once_does_not_cut_the_others_short(monkeypatch):
+    """A dead receiver's call fails at once (its connection is refused) while the other
+    receiver's is still on its way: the other must get the time to finish, not be
+    counted as stalled (``collect_all`` completes at the first error)."""
+    agent = _agent(monkeypatch, timeout_s=10)
+    agent._members["w1"] = rpc_agent._Admitted("q", agent._member(2, "w1"))
+    dead = rpc_name(KEY, 1)  # w0; w1 is rank 2
+    timers: list[threading.Timer] = []
+
+    def rpc_async(to, func, args, timeout):
+        if to == dead:
+            return _failed_now("connection refused")
+        landing = torch.futures.Future()
+        timers.append(threading.Timer(0.2, landing.set_result, (args[1],)))
+        timers[-1].start()
+        return landing
+
+    monkeypatch.setattr(rpc, "rpc_async", rpc_async)
+
+    outcomes = agent._call_each(["w0", "w1"], land_bucket, (KEY, 1, 8, (), []), stall_s=5.0)
+
+    assert outcomes["w1"] is None, outcomes["w1"]
+    assert "connection refused" in outcomes["w0"]
+    for timer in timers:
+        timer.join()
