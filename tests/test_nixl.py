@@ -264,6 +264,52 @@ def test_a_buffer_another_thread_sent_into_is_written_before_it_is_taken():
         sender.close()
 
 
+class _Held(VersionDone):
+    """A broadcast that ends when the test says so, and says when a send waits for it."""
+
+    def __init__(self) -> None:
+        self.waited, self.over = threading.Event(), threading.Event()
+
+    def wait(self, timeout_s: float) -> None:
+        if timeout_s > 0:  # a send waiting (``ended`` asks with 0)
+            self.waited.set()
+        if not self.over.wait(timeout_s):
+            raise TimeoutError("still running")
+
+
+def test_a_send_waiting_for_its_buffer_lets_other_versions_be_written():
+    """Two models broadcast from two threads: model b's version is at the hub, unwritten,
+    when the other thread's send of model a waits for the broadcast that last filled
+    a's buffer, which a receiver reading in the hub's order ends only after it read b's.
+    b's version is written meanwhile (``send`` waited under the lock ``submitted``
+    takes: b stayed unwritten until a's broadcast timed out)."""
+    sender, receiver = NixlSender(), NixlReceiver()
+    a_spec, b_weights = WeightSpec.of(_weights(0.0)), {"w": torch.arange(10.0)}
+    b_spec, a_first = WeightSpec.of(b_weights), _Held()
+    try:
+        b = sender.send(b_weights, b_spec, "b")  # handed to the hub, written later
+        sender.submitted(sender.send(_weights(1.0), a_spec, "a"), a_first)
+        _publish(sender, _weights(2.0), a_spec)  # the pair's other buffer
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            third = pool.submit(sender.send, _weights(3.0), a_spec, "a")
+            assert a_first.waited.wait(30), "the third send did not wait for the first's end"
+            written = pool.submit(sender.submitted, b, None)
+            try:
+                written.result(timeout=30)
+            finally:
+                a_first.over.set()
+            third_payload = third.result(timeout=30)
+        staged = receiver.fetch(b, b_spec)
+        assert_same(dict(zip(b_spec.names, staged, strict=True)), b_weights)
+        receiver.release(b, staged)
+        sender.submitted(third_payload, None)
+        staged = receiver.fetch(third_payload, a_spec)
+        assert_same(dict(zip(a_spec.names, staged, strict=True)), _weights(3.0))
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_staged_data_is_kept_until_released():
     """Two fetched updates waiting for one safe point do not share a staging buffer."""
     sender, receiver = NixlSender(), NixlReceiver()

@@ -14,7 +14,9 @@ and the pack overlaps the hub's planning instead of preceding it.
 
 Buffer reuse, the rule: a buffer is written again only once the broadcast that last
 filled it has completed (every target acked, failed or timed out): ``send`` waits for
-that broadcast's ack future, which ``submitted`` hands it. That keeps every broadcast
+that broadcast's ack future, which ``submitted`` hands it. Meanwhile the versions other
+threads already handed to the hub are written: a receiver reading in the hub's order may
+need one of them before it can end the broadcast waited for. That keeps every broadcast
 receiver's read clean. Readers outside a broadcast (late joiners and pullers reading the
 latest version, receivers still reading after their broadcast timed out) are covered by
 the stamps: the learner sets a buffer's stamps to 0 before packing and each bucket's to

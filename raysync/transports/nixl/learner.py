@@ -48,6 +48,7 @@ class _SourceBuffer:
     broadcast: VersionDone | None = None  #: the end of the broadcast that last filled it
     #: The version ``send`` handed out and ``submitted`` writes: its stamp and sources.
     pending: tuple[int, list[torch.Tensor]] | None = None
+    writing: bool = False  #: ``submitted`` is writing ``pending`` into it
 
 
 @dataclass
@@ -76,26 +77,51 @@ class NixlSender(TransportSender):
         self._metadata = self._agent.get_agent_metadata()
         self._stamp = 0
         self._stamp_lock = threading.Lock()
+        #: One hand-off at a time (``send``, ``send_buckets``): the choice of buffer or
+        #: ring, registrations. Held while ``send`` waits for a buffer's last broadcast.
         self._lock = threading.Lock()
+        #: Who holds each buffer (``pending``, ``broadcast``) and each bucketed version's
+        #: ring: never held while waiting for a broadcast, so that the versions already
+        #: handed to the hub are written (``submitted``) while a ``send`` waits.
+        self._state = threading.Lock()
         #: Notified as a version sent into a buffer is written there, or abandoned.
-        self._written = threading.Condition(self._lock)
+        self._written = threading.Condition(self._state)
 
     def send(
         self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str
     ) -> NixlPayload:
-        """Pick the buffer for this version and clear its stamps; ``submitted`` writes it."""
+        """Pick the buffer for this version and clear its stamps; ``submitted`` writes it.
+
+        Waits for the broadcast that last filled the buffer. Meanwhile other threads'
+        versions already handed to the hub are written: a receiver may be reading one
+        of them before it can apply the version this waits for (two models broadcast
+        from two threads: waiting under the lock ``submitted`` takes held the other
+        model's write until that broadcast timed out)."""
         device = tensors[spec.names[0]].device
         with self._lock:
             pair = self._pairs.get((spec, device)) or self._register(spec, device)
             buffer = pair.buffers[pair.next]
             pair.next ^= 1
-            self._wait_until_written(buffer)
-            self._wait_until_read(buffer)
-            stamp = self._next_stamp()
-            buffer.frame.stamps(buffer.tensor).zero_()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            buffer.pending = (stamp, buffer.frame.layout.byte_views(tensors))
+            with self._state:
+                self._wait_until_written(buffer)
+                last, buffer.broadcast = buffer.broadcast, None
+                # Claimed (stamp 0 is never sent): a version the wait gave up on is
+                # refused by ``submitted`` instead of written under this one.
+                buffer.pending = (0, [])
+            try:
+                self._wait_until_read(last)
+                stamp = self._next_stamp()
+                buffer.frame.stamps(buffer.tensor).zero_()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                sources = buffer.frame.layout.byte_views(tensors)
+            except BaseException:
+                with self._state:
+                    buffer.pending = None
+                    self._written.notify_all()
+                raise
+            with self._state:
+                buffer.pending = (stamp, sources)
             return NixlPayload(
                 self._agent.name, self._metadata, self._registration, buffer.region, stamp
             )
@@ -131,7 +157,8 @@ class NixlSender(TransportSender):
                 registration=self._registration,
                 ring=ring.regions,
             )
-            self._outgoing[payload.key.id] = (ring, outgoing)
+            with self._state:
+                self._outgoing[payload.key.id] = (ring, outgoing)
             return payload
 
     def submitted(self, payload: NixlPayload | NixlBucketStream, done: VersionDone | None) -> None:
@@ -141,20 +168,20 @@ class NixlSender(TransportSender):
             self._progress.serving(done)
         if isinstance(payload, NixlBucketStream):
             assert done is not None  # the learner's handle passes its broadcast's end
-            with self._lock:
+            with self._state:
                 ring, outgoing = self._outgoing.pop(payload.key.id)
             try:
                 ring.stream_out(payload, outgoing, done, copy_on_this_thread, self._next_stamp)
             finally:
                 self._rings.give_back(ring)
             return
-        with self._lock:
+        with self._state:
             buffer = self._by_address[payload.region.address]
+            pending = buffer.pending
+            if pending is None or pending[0] != payload.stamp:
+                raise TransportError(f"nixl: version stamp {payload.stamp} was not sent here")
             buffer.broadcast = done
-            pending, buffer.pending = buffer.pending, None
-            self._written.notify_all()
-        if pending is None or pending[0] != payload.stamp:
-            raise TransportError(f"nixl: version stamp {payload.stamp} was not sent here")
+            buffer.pending, buffer.writing = None, True
         stamp, sources = pending
         stamps = buffer.frame.stamps(buffer.tensor)
         try:
@@ -174,18 +201,22 @@ class NixlSender(TransportSender):
         except BaseException:
             stamps.fill_(ABANDONED)
             raise
+        finally:
+            with self._state:
+                buffer.writing = False
+                self._written.notify_all()
 
     def abandoned(self, payload: NixlPayload | NixlBucketStream, why: str) -> None:
         """Free the buffer (or the ring's place) ``payload`` was sent into; readers
         handed it already find its stamps ``ABANDONED`` and fail at once."""
         if isinstance(payload, NixlBucketStream):
-            with self._lock:
+            with self._state:
                 ring, _ = self._outgoing.pop(payload.key.id, (None, None))
             if ring is not None:
                 self._rings.give_back(ring)
             payload.broker.end.remote(payload.key, why)
             return
-        with self._lock:
+        with self._state:
             buffer = self._by_address.get(payload.region.address)
             if buffer is None or buffer.pending is None or buffer.pending[0] != payload.stamp:
                 return
@@ -194,21 +225,21 @@ class NixlSender(TransportSender):
             self._written.notify_all()
 
     def _wait_until_written(self, buffer: _SourceBuffer) -> None:
-        """(``_lock`` held.) Wait while another thread's version, sent into ``buffer``,
-        is neither written (``submitted``) nor ``abandoned``: three threads sending one
-        spec at once would otherwise take the buffer from the first before it wrote,
-        and lose that version after the hub took it. Bounded by ``WRITTEN_WAIT_S``:
+        """(``_lock`` and ``_state`` held.) Wait while another thread's version, sent into
+        ``buffer``, is neither written to its end (``submitted``) nor ``abandoned``: three
+        threads sending one spec at once would otherwise take the buffer from the first
+        before it wrote, and lose that version after the hub took it (or write under it
+        while it is written). Bounded by ``WRITTEN_WAIT_S``:
         the first thread may itself wait for this one (a broadcast on the channel path
         holds the learner's numbering lock across its hand-off), and then its version
         is lost as before rather than both waiting."""
         deadline = time.monotonic() + WRITTEN_WAIT_S
-        while buffer.pending is not None:
+        while buffer.pending is not None or buffer.writing:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 logger.warning(
-                    "a version sent into this learner's buffer by another thread was "
-                    "neither written nor abandoned within %g s; the buffer is reused (that "
-                    "version fails)",
+                    "a version sent into this learner's buffer by another thread was not "
+                    "written within %g s; the buffer is reused (that version fails)",
                     WRITTEN_WAIT_S,
                 )
                 return
@@ -231,8 +262,9 @@ class NixlSender(TransportSender):
         buffers = (first, second)
         pair = _SourcePair(buffers, registered)
         self._pairs[(spec, device)] = pair
-        for buffer in buffers:
-            self._by_address[buffer.region.address] = buffer
+        with self._state:
+            for buffer in buffers:
+                self._by_address[buffer.region.address] = buffer
         return pair
 
     def _register_ring(self, bucket_bytes: int, device: torch.device) -> BucketRing:
@@ -256,11 +288,11 @@ class NixlSender(TransportSender):
         self._metadata = self._agent.get_agent_metadata()
         return registered
 
-    def _wait_until_read(self, buffer: _SourceBuffer) -> None:
-        """Wait for the broadcast that last filled ``buffer`` to complete (see the package doc)."""
-        if buffer.broadcast is None:
+    def _wait_until_read(self, done: VersionDone | None) -> None:
+        """Wait for ``done``, the end of the broadcast that last filled a buffer (see the
+        package doc)."""
+        if done is None:
             return
-        done, buffer.broadcast = buffer.broadcast, None
         try:
             done.wait(REUSE_WAIT_S)
         except TimeoutError:
@@ -271,7 +303,7 @@ class NixlSender(TransportSender):
             )
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._state:
             for pair in self._pairs.values():
                 self._agent.deregister_memory(pair.registered)
             for registered in self._ring_registrations:
