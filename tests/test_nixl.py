@@ -226,6 +226,29 @@ def test_a_receiver_keeps_only_the_learner_agents_it_read_last(monkeypatch):
             sender.close()
 
 
+def test_a_payload_of_an_earlier_registration_is_read_with_the_metadata_loaded():
+    """A learner's metadata only grows: a receiver that loaded a later registration
+    reads an earlier one's buffers without loading the older metadata again."""
+    sender, receiver = NixlSender(), NixlReceiver()
+    loads = []
+    add_remote_agent = receiver._agent.add_remote_agent
+    receiver._agent.add_remote_agent = lambda metadata: loads.append(add_remote_agent(metadata))
+    try:
+        small, large = _weights(1.0), {"w": torch.arange(64.0)}
+        earlier = _publish(sender, small, WeightSpec.of(small))
+        later = _publish(sender, large, WeightSpec.of(large))  # registers a second pair
+        assert later.registration > earlier.registration
+        for payload, weights in ((later, large), (earlier, small)):
+            spec = WeightSpec.of(weights)
+            staged = receiver.fetch(payload, spec)
+            assert_same(dict(zip(spec.names, staged, strict=True)), weights)
+            receiver.release(payload, staged)
+        assert len(loads) == 1
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_a_buffer_another_thread_sent_into_is_written_before_it_is_taken():
     """Three sends of one spec before the first is written (three threads): the third,
     which takes the first's buffer, waits until the first is written; the first is

@@ -311,13 +311,17 @@ class NixlReceiver(TransportReceiver):
         return _Staging(tensor, viewed(frame.layout.views(tensor)), registered, local)
 
     def _load(self, agent: str, metadata: bytes, registration: int) -> None:
-        """Load learner ``agent``'s metadata unless this registration of it is loaded.
+        """Load learner ``agent``'s metadata unless this registration of it, or a later
+        one, is loaded: an agent's metadata only grows until its learner releases it (a
+        new agent), and payloads can arrive out of registration order (a learner
+        streaming versions at once registers a ring for each).
 
         A learner that released its side, or was restarted, comes back as a new agent
         and never says the old one is gone: past ``AGENTS_KEPT`` agents, the one read
         least recently is forgotten with its prepared READs (loaded again if it
         returns; every fetch holds ``_lock``, so none is reading from it)."""
-        if self._sources.get(agent) == registration:
+        loaded = self._sources.get(agent)
+        if loaded is not None and loaded >= registration:
             self._sources.move_to_end(agent)
             return
         try:
