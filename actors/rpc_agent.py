@@ -261,10 +261,10 @@ class RpcAgentActor:
         self, workers: Sequence[str], fn: Callable, args: tuple, stall_s: float | None = None
     ) -> dict[str, str | None]:
         """``rpc_async(worker, fn, args)`` to each of ``workers``, then wait for every
-        call: None, or why it failed, per worker. With ``stall_s``, a call not done that
-        long after the last was sent fails (a bucket: a receiver whose process stopped
-        would keep the others from the next one for the RPC timeout, as long as they
-        wait for it).
+        call: None, or why it failed, per worker. With ``stall_s`` (a bucket), a call not
+        made and done within ``stall_s`` fails: a receiver whose process stopped, or that
+        never became reachable, would keep the others from the next bucket for the RPC
+        timeout, past the time they wait for it.
 
         A receiver admitted a moment ago, or moving here from a dead agent's group, may
         still be inside ``init_rpc``: until its join reaches this process ``rpc_async``
@@ -276,7 +276,8 @@ class RpcAgentActor:
         it held every later receiver's call back to the deadline)."""
         import torch.distributed.rpc as rpc
 
-        deadline = time.monotonic() + self._settings.timeout_s
+        limit = self._settings.timeout_s if stall_s is None else stall_s
+        deadline = time.monotonic() + limit
         outcomes: dict[str, str | None] = {}
         pending: dict[str, str] = {}  #: worker -> its RPC name, not called yet
         for worker in workers:
@@ -295,14 +296,14 @@ class RpcAgentActor:
                 except RuntimeError as err:
                     if time.monotonic() <= deadline:
                         continue  # not reachable yet: again, after the others
-                    outcomes[worker] = f"could not send to {name}: {err}"
+                    outcomes[worker] = f"could not send to {name} within {limit:g} s: {err}"
                 except Exception as err:
                     outcomes[worker] = f"could not send to {name}: {err}"
                 del pending[worker]
             if pending:
                 time.sleep(0.01)
         if stall_s is not None:
-            _wait_for_all(list(futures.values()), stall_s)
+            _wait_for_all(list(futures.values()), max(0.0, deadline - time.monotonic()))
         for worker, future in futures.items():
             if not future.done() and stall_s is not None:
                 outcomes[worker] = f"RPC to {worker} not done within {stall_s:g} s"

@@ -127,3 +127,27 @@ def test_a_bucket_call_refused_at_once_does_not_cut_the_others_short(monkeypatch
     assert "connection refused" in outcomes["w0"]
     for timer in timers:
         timer.join()
+
+
+def test_a_bucket_call_that_cannot_be_made_gives_up_at_the_stall_limit(monkeypatch):
+    """A receiver torch cannot reach (admitted, never joined) is tried again until the
+    bucket's stall limit, not the RPC timeout: the others wait for the next bucket
+    only as long as the timeout from the last one, and a bucket held back that long
+    failed them all."""
+    agent = _agent(monkeypatch, timeout_s=3)
+    agent._members["w1"] = rpc_agent._Admitted("q", agent._member(2, "w1"))
+    unreachable = rpc_name(KEY, 1)  # w0; w1 is rank 2
+
+    def rpc_async(to, func, args, timeout):
+        if to == unreachable:
+            raise RuntimeError(f"could not find destination url for name {to}")
+        landed = torch.futures.Future()
+        landed.set_result(args[1])
+        return landed
+
+    monkeypatch.setattr(rpc, "rpc_async", rpc_async)
+
+    outcomes = agent._call_each(["w0", "w1"], land_bucket, (KEY, 1, 8, (), []), stall_s=0.2)
+
+    assert outcomes["w1"] is None
+    assert "within 0.2 s: could not find destination url" in outcomes["w0"], outcomes["w0"]

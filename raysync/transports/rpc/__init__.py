@@ -55,8 +55,10 @@ broker, calls ``land_bucket`` on every receiver still in the version, waits for 
 calls, then takes ``k + 1``. ``land_bucket`` copies the pieces into the receiver's
 staging buffer on its RPC threads (a busy actor never holds the stream up); ``fetch``
 waits until every bucket landed, so the model changes at one safe point and a version
-whose later bucket fails never reaches it. A receiver whose call fails gets no further
-bucket and fails alone; a stream that ends early is abandoned on every receiver at
+whose later bucket fails never reaches it. A receiver whose call fails, or is not made
+and done within half the timeout (its process stopped, or it never became reachable),
+gets no further bucket and fails alone: the others wait for each bucket no longer than
+the timeout. A stream that ends early is abandoned on every receiver at
 once, with the reason. A receiver that pulls a bucketed version later (joining,
 restarted) reads it from the broker, served by a receiver that got it.
 
