@@ -89,11 +89,8 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
     broker, key = payload.broker, payload.key
     sender = this_actor()
     for index in range(key.count):
-        if index >= BUCKETS_IN_FLIGHT:
-            why = wait_for_room(broker, key, index, done)
-            if why is not None:
-                broker.end.remote(key, why)
-                return
+        if not room_or_end(broker, key, index, done):
+            return
         try:
             ref = put_arrays(bucket_arrays(outgoing, index))
         except BaseException as err:
@@ -156,6 +153,18 @@ def wait_for_room(broker: Any, key: StreamId, index: int, done: VersionDone) -> 
         if done.ended():
             return "the broadcast ended before every bucket was sent"
     return ray.get(room)
+
+
+def room_or_end(broker: Any, key: StreamId, index: int, done: VersionDone) -> bool:
+    """Learner: whether bucket ``index`` of ``key``'s stream may be put, once it may (the
+    first ``BUCKETS_IN_FLIGHT`` at once, each later one once the broker has room); if
+    it may not, the stream is ended here and its readers are told why."""
+    if index < BUCKETS_IN_FLIGHT:
+        return True
+    why = wait_for_room(broker, key, index, done)
+    if why is not None:
+        broker.end.remote(key, why)
+    return why is None
 
 
 def fetch_stream(

@@ -25,8 +25,7 @@ import torch
 from raysync.copies import copy_on_this_thread
 from raysync.transports.base import TransportError, VersionDone
 from raysync.transports.buckets import pack_bucket
-from raysync.transports.object_store.bucket_stream import BUCKETS_IN_FLIGHT
-from raysync.transports.object_store.buckets import Outgoing, this_actor, wait_for_room
+from raysync.transports.object_store.buckets import Outgoing, room_or_end, this_actor
 from raysync.transports.rdt.wire import RdtBucketStream
 
 
@@ -62,11 +61,8 @@ class RdtRing:
         plan = outgoing.plan
         sender = this_actor()
         for index in range(key.count):
-            if index >= BUCKETS_IN_FLIGHT:
-                why = wait_for_room(broker, key, index, done)
-                if why is not None:
-                    broker.end.remote(key, why)
-                    return
+            if not room_or_end(broker, key, index, done):
+                return
             slot = self._slots[self._next]
             self._wait_until_freed(slot)
             start = index * plan.bucket_bytes
