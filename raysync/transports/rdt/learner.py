@@ -64,7 +64,13 @@ class RdtSender(TransportSender):
         self._broadcasts: dict[int, VersionDone] = {}
         #: Buffers a straggler still holds a version in (see ``_reusable``)
         self._set_aside: list[torch.Tensor] = []
+        #: One hand-off at a time (``send``, ``send_buckets``): buffers, rings,
+        #: registrations. Held while ``send`` waits for a buffer's last broadcast.
         self._lock = threading.Lock()
+        #: ``_in``, ``_broadcasts`` and ``_outgoing``: never held while waiting, so that
+        #: the versions already handed to the hub go on (a bucketed one streams from
+        #: ``submitted``) while a ``send`` waits.
+        self._state = threading.Lock()
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str) -> RdtPayload:
         from ray.experimental import register_nixl_memory
@@ -87,7 +93,8 @@ class RdtSender(TransportSender):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             payload = RdtPayload(ray.put([buffer], _tensor_transport="nixl"))
-            self._in[payload.ref.hex()] = buffer
+            with self._state:
+                self._in[payload.ref.hex()] = buffer
             return payload
 
     def _reusable(self, pair: list[torch.Tensor]) -> torch.Tensor:
@@ -95,11 +102,17 @@ class RdtSender(TransportSender):
         it is freed: after its broadcast ended, and Ray dropped its last ref. A receiver
         that timed out while busy keeps its queued delivery call, and that version's
         ref, for as long as it stays busy: its buffer is set aside for it (freed once it
-        lets go) and a new one takes its place, so the learner does not wait on it."""
+        lets go) and a new one takes its place, so the learner does not wait on it.
+
+        The wait holds the hand-off lock only: another thread's version of another model
+        may be one a receiver must read before it can end the broadcast waited for
+        (under the lock ``submitted`` takes, a bucketed one never streamed until that
+        broadcast timed out)."""
         from ray.experimental import register_nixl_memory, wait_tensor_freed
 
         buffer = pair[0]
-        done = self._broadcasts.pop(id(buffer), None)
+        with self._state:
+            done = self._broadcasts.pop(id(buffer), None)
         if done is not None:
             try:
                 done.wait(REUSE_WAIT_S)
@@ -163,7 +176,8 @@ class RdtSender(TransportSender):
             broker = open_broker(self._hub)
             ring, stream, outgoing = self._rings.start(broker, tensors, spec, bucket_bytes, stall_s)
             payload = RdtBucketStream(stream.broker, stream.key, stream.bucket_bytes)
-            self._outgoing[payload.key.id] = (ring, outgoing)
+            with self._state:
+                self._outgoing[payload.key.id] = (ring, outgoing)
             return payload
 
     def submitted(self, payload: RdtPayload | RdtBucketStream, done: VersionDone) -> None:
@@ -171,21 +185,21 @@ class RdtSender(TransportSender):
         if self._progress is not None:
             self._progress.serving(done)
         if isinstance(payload, RdtBucketStream):
-            with self._lock:
+            with self._state:
                 ring, outgoing = self._outgoing.pop(payload.key.id)
             try:
                 ring.stream_out(payload, outgoing, done)
             finally:
                 self._rings.give_back(ring)
             return
-        with self._lock:
+        with self._state:
             buffer = self._in.pop(payload.ref.hex(), None)
             if buffer is not None:
                 self._broadcasts[id(buffer)] = done
 
     def abandoned(self, payload: RdtPayload | RdtBucketStream, why: str) -> None:
         ring = None
-        with self._lock:
+        with self._state:
             if isinstance(payload, RdtBucketStream):
                 ring, _ = self._outgoing.pop(payload.key.id, (None, None))
             else:
@@ -198,7 +212,7 @@ class RdtSender(TransportSender):
     def close(self) -> None:
         from ray.experimental import deregister_nixl_memory
 
-        with self._lock:
+        with self._lock, self._state:
             for pair in self._pairs.values():
                 for buffer in pair:
                     deregister_nixl_memory(buffer)
