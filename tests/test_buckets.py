@@ -8,13 +8,14 @@ joiners read the latest version from a holder."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 import ray
 import torch
 
-from raysync import DistributedOptions, RpcOptions, WeightHub, WeightReceiver
+from raysync import DistributedOptions, RpcOptions, WeightHub, WeightReceiver, hub_handle
 from raysync.testing import (
     MODEL,
     ConformanceReceiver,
@@ -27,6 +28,7 @@ from raysync.testing import (
 from raysync.transports import register_transport
 from raysync.transports.base import TransportError
 from raysync.transports.distributed import process_group_name, rank0_reader
+from raysync.transports.nixl import NixlSender
 from raysync.transports.object_store.bucket_stream import (
     BROKER_NAMESPACE,
     BUCKETS_IN_FLIGHT,
@@ -34,6 +36,7 @@ from raysync.transports.object_store.bucket_stream import (
 )
 from raysync.transports.object_store.learner import ObjectStoreSender
 from raysync.transports.rdt import RdtTransport
+from raysync.transports.rdt.learner import RdtSender
 from raysync.transports.rpc import agent_name
 from tests.helpers import (
     Gate,
@@ -528,6 +531,73 @@ def test_versions_streamed_at_once_never_wait_for_each_other(actors, transport, 
     assert [r.acked for r in reports] == [("both",), ("both",)], [r.failed for r in reports]
     for model, weights in dict(versions).items():  # each model's last version
         assert_bitwise(ray.get(holder.state.remote(model)), weights)
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "nixl",
+        pytest.param(
+            "rdt",
+            marks=pytest.mark.skipif(
+                not RdtTransport.availability().available,
+                reason=f"rdt unavailable: {RdtTransport.availability().reason}",
+            ),
+        ),
+    ],
+)
+def test_a_send_waiting_for_its_buffer_lets_another_models_version_stream(
+    actors, transport, monkeypatch
+):
+    """Two models broadcast from two threads of the learner (this process): the receiver
+    is reading model b's bucketed version when a's third send waits for a's first
+    broadcast (its buffer's last), which the receiver can end only after b's. b streams
+    meanwhile (``send`` waited under the lock ``submitted`` takes: b never streamed, and
+    failed at its timeout)."""
+    rdt = transport == "rdt"
+    hub = start_hub(actors, transport, models=["a", "b"], timeout_s=10.0)
+    template = special_weights(0.0)
+    holder = start(actors, RdtPairHolder if rdt else PairHolder, hub, template, "both")
+    ready([holder])
+    sender = RdtSender if rdt else NixlSender
+    submitted, wait = sender.submitted, hub_handle._BroadcastDone.wait
+    b_at_hub, a_waits = threading.Event(), threading.Event()
+
+    def submitting(this, payload, done):
+        if threading.current_thread().name == "b":
+            b_at_hub.set()
+            assert a_waits.wait(30), "a's third send never waited for its first broadcast"
+        return submitted(this, payload, done)
+
+    def waiting(this, timeout_s):
+        if threading.current_thread().name == "a":
+            a_waits.set()
+        return wait(this, timeout_s)
+
+    monkeypatch.setattr(sender, "submitted", submitting)
+    monkeypatch.setattr(hub_handle._BroadcastDone, "wait", waiting)
+    versions = {"a": [special_weights(s) for s in (1.0, 2.0, 3.0)], "b": [special_weights(4.0)]}
+    refs: dict[str, list] = {}
+
+    def send(model: str) -> None:
+        if model == "a":  # once the holder reads b's version (asked for buckets 0 and 1)
+            assert b_at_hub.wait(30), "b's broadcast never reached the hub"
+            broker = _wait_for_broker(hub)
+            wait_until(lambda: _copier_waits_for_bucket(broker, "both", 1), what="b read")
+        refs[model] = [
+            hub.broadcast.remote(w, model=model, bucket_mb=TINY_MB if model == "b" else None)
+            for w in versions[model]
+        ]
+
+    threads = [threading.Thread(target=send, args=(m,), name=m) for m in "ba"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    reports = ray.get([ref for m in "ba" for ref in refs[m]], timeout=60)
+    assert [r.acked for r in reports] == [("both",)] * 4, [r.failed for r in reports]
+    for model in "ab":
+        assert_bitwise(ray.get(holder.state.remote(model)), versions[model][-1])
 
 
 def test_sharded_learners_each_stream_their_own_part(crew, actors):

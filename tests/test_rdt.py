@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 import ray
 import torch
 
-from raysync.transports.object_store.bucket_stream import BROKER_NAMESPACE, broker_name
 from raysync.transports.rdt import RdtTransport
 from raysync.transports.rdt import learner as rdt_learner
 from tests.helpers import (
@@ -19,7 +17,6 @@ from tests.helpers import (
     ready,
     start,
     start_hub,
-    wait_until,
 )
 from tests.nixl_actors import (
     Learner,
@@ -28,7 +25,6 @@ from tests.nixl_actors import (
     RdtHashingCollector,
     RdtHolder,
     RdtLearner,
-    RdtPairHolder,
     big_model,
     digest,
     nixl_level_once_rays_agent_is_made,
@@ -217,53 +213,3 @@ def test_two_models_of_one_spec_broadcast_in_turn_never_wait_for_each_other(acto
     assert [r.getMessage() for r in caplog.records if r.name == rdt_learner.__name__] == []
     late = start(actors, RdtHolder, hub, template, "late", "a")
     assert_same(ray.get(late.state.remote()), ray.get(holders["a"].state.remote()))
-
-
-def test_a_send_waiting_for_its_buffer_lets_another_models_version_stream(actors, monkeypatch):
-    """Two models broadcast from two threads of the learner (this process): the receiver
-    is reading model b's bucketed version when a's third send waits for a's first
-    broadcast, which the receiver can end only after b's. b streams
-    meanwhile (``send`` waited under the lock ``submitted`` takes: b never streamed,
-    and failed at its timeout)."""
-    hub = start_hub(actors, "rdt", models=["a", "b"], timeout_s=10.0)
-    template = state_of(make_policy())
-    holder = start(actors, RdtPairHolder, hub, template, "both")
-    ready([holder])
-    submitted, reusable = rdt_learner.RdtSender.submitted, rdt_learner.RdtSender._reusable
-    b_at_hub, a_waits = threading.Event(), threading.Event()
-
-    def submitting(sender, payload, done):
-        if threading.current_thread().name == "b":
-            b_at_hub.set()
-            assert a_waits.wait(30), "a's third send never waited for its first broadcast"
-        return submitted(sender, payload, done)
-
-    def waiting(sender, pair):
-        if threading.current_thread().name == "a" and id(pair[0]) in sender._broadcasts:
-            a_waits.set()
-        return reusable(sender, pair)
-
-    monkeypatch.setattr(rdt_learner.RdtSender, "submitted", submitting)
-    monkeypatch.setattr(rdt_learner.RdtSender, "_reusable", waiting)
-    versions = {"a": [state_of(make_policy()) for _ in range(3)], "b": [state_of(make_policy())]}
-    refs: dict[str, list] = {}
-
-    def send(model: str) -> None:
-        if model == "a":  # once the holder reads b's version (asked for buckets 0 and 1)
-            assert b_at_hub.wait(30), "b's broadcast never reached the hub"
-            broker = ray.get_actor(broker_name(hub.config.hub_id), namespace=BROKER_NAMESPACE)
-            wait_until(lambda: ray.get(broker.taken.remote("both")) >= 1, what="b read")
-        refs[model] = [
-            hub.broadcast.remote(w, model=model, bucket_mb=1 / 1024 if model == "b" else None)
-            for w in versions[model]
-        ]
-
-    threads = [threading.Thread(target=send, args=(m,), name=m) for m in "ba"]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    reports = ray.get([ref for m in "ba" for ref in refs[m]], timeout=60)
-    assert [r.acked for r in reports] == [("both",)] * 4, [r.failed for r in reports]
-    for model in "ab":
-        assert_same(ray.get(holder.state.remote(model)), versions[model][-1])
