@@ -62,6 +62,20 @@ TINY_MB = 1 / 1024
 #: and the ``crew`` fixture starts one of each.
 BUCKETED_TRANSPORTS = ["object_store", "shared_memory", "rpc", "distributed", "nixl"]
 BUCKETED = pytest.mark.parametrize("transport", BUCKETED_TRANSPORTS)
+#: The transports whose learner streams a bucketed version out of registered slots.
+RINGS = pytest.mark.parametrize(
+    "transport",
+    [
+        "nixl",
+        pytest.param(
+            "rdt",
+            marks=pytest.mark.skipif(
+                not RdtTransport.availability().available,
+                reason=f"rdt unavailable: {RdtTransport.availability().reason}",
+            ),
+        ),
+    ],
+)
 #: The receivers of each transport's shared hub (the ``crew`` fixture).
 CREW = ("r0", "r1")
 
@@ -494,19 +508,7 @@ def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors)
 
 
 @pytest.mark.parametrize("models", [("a", "b"), ("a", "a")], ids=["two models", "one model"])
-@pytest.mark.parametrize(
-    "transport",
-    [
-        "nixl",
-        pytest.param(
-            "rdt",
-            marks=pytest.mark.skipif(
-                not RdtTransport.availability().available,
-                reason=f"rdt unavailable: {RdtTransport.availability().reason}",
-            ),
-        ),
-    ],
-)
+@RINGS
 def test_versions_streamed_at_once_never_wait_for_each_other(actors, transport, models):
     """A learner's two threads stream two versions (of two models, or of one) out of
     its registered bucket slots to a receiver that reads them one at a time, in the
@@ -533,19 +535,7 @@ def test_versions_streamed_at_once_never_wait_for_each_other(actors, transport, 
         assert_bitwise(ray.get(holder.state.remote(model)), weights)
 
 
-@pytest.mark.parametrize(
-    "transport",
-    [
-        "nixl",
-        pytest.param(
-            "rdt",
-            marks=pytest.mark.skipif(
-                not RdtTransport.availability().available,
-                reason=f"rdt unavailable: {RdtTransport.availability().reason}",
-            ),
-        ),
-    ],
-)
+@RINGS
 def test_a_send_waiting_for_its_buffer_lets_another_models_version_stream(
     actors, transport, monkeypatch
 ):
