@@ -28,12 +28,14 @@ pytestmark = pytest.mark.skipif(not rpc.is_available(), reason="no torch.distrib
 KEY = "k" * 32
 
 
-def _agent(monkeypatch, timeout_s: float) -> rpc_agent.RpcAgentActor:
-    """An agent whose group has one member, ``w0`` at rank 1; no store, no RPC agent."""
+def _agent(monkeypatch, timeout_s: float, members: int = 1) -> rpc_agent.RpcAgentActor:
+    """An agent whose group has ``members`` members, ``w0`` at rank 1, ``w1`` at rank 2
+    and so on; no store, no RPC agent."""
     monkeypatch.setattr(rpc_agent, "node_ip", lambda: "127.0.0.1")
     monkeypatch.setattr(rpc_agent, "open_master_store", lambda host, t: ("raysync-rpc://x", None))
     monkeypatch.setattr(rpc_agent, "init_rpc", lambda name, rank, url, settings: None)
-    return rpc_agent.RpcAgentActor(KEY, "hub", RpcOptions(timeout_s=timeout_s), {"w0": ("p", 1)})
+    known = {f"w{i}": (f"p{i}", i + 1) for i in range(members)}
+    return rpc_agent.RpcAgentActor(KEY, "hub", RpcOptions(timeout_s=timeout_s), known)
 
 
 def _send(agent: rpc_agent.RpcAgentActor, weights: list[np.ndarray]):
@@ -106,8 +108,7 @@ def test_a_bucket_call_refused_at_once_does_not_cut_the_others_short(monkeypatch
     """A dead receiver's call fails at once (its connection is refused) while the other
     receiver's is still on its way: the other must get the time to finish, not be
     counted as stalled (``collect_all`` completes at the first error)."""
-    agent = _agent(monkeypatch, timeout_s=10)
-    agent._members["w1"] = rpc_agent._Admitted("q", agent._member(2, "w1"))
+    agent = _agent(monkeypatch, timeout_s=10, members=2)
     dead = rpc_name(KEY, 1)  # w0; w1 is rank 2
     timers: list[threading.Timer] = []
 
@@ -134,8 +135,7 @@ def test_a_bucket_call_that_cannot_be_made_gives_up_at_the_stall_limit(monkeypat
     bucket's stall limit, not the RPC timeout: the others wait for the next bucket
     only as long as the timeout from the last one, and a bucket held back that long
     failed them all."""
-    agent = _agent(monkeypatch, timeout_s=3)
-    agent._members["w1"] = rpc_agent._Admitted("q", agent._member(2, "w1"))
+    agent = _agent(monkeypatch, timeout_s=3, members=2)
     unreachable = rpc_name(KEY, 1)  # w0; w1 is rank 2
 
     def rpc_async(to, func, args, timeout):
