@@ -287,6 +287,48 @@ def test_a_buffer_another_thread_sent_into_is_written_before_it_is_taken():
         sender.close()
 
 
+def test_a_buffer_being_written_is_never_taken_however_long_the_write(monkeypatch):
+    """A send that gives up waiting for another thread's version (``WRITTEN_WAIT_S``)
+    only ever takes a buffer that version was never written into: one whose write is
+    under way (a multi-GB version) is waited for to its end. Taken mid-write, both
+    versions were written at once, and a bucket could mix them under a stamp."""
+    from raysync.transports.nixl import learner as nixl_learner
+
+    sender, receiver = NixlSender(), NixlReceiver()
+    writing, write_on = threading.Event(), threading.Event()
+
+    def slow_copy(destination: torch.Tensor, source: torch.Tensor) -> None:
+        writing.set()
+        assert write_on.wait(30), "the test never let the write go on"
+        copy_on_this_thread(destination, source)
+
+    try:
+        spec = WeightSpec.of(_weights(0.0))
+        first = sender.send(_weights(1.0), spec, "m")
+        sender.submitted(sender.send(_weights(2.0), spec, "m"), None)  # the other buffer
+        monkeypatch.setattr(nixl_learner, "WRITTEN_WAIT_S", 0.05)
+        monkeypatch.setattr(nixl_learner, "copy_on_this_thread", slow_copy)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            written = pool.submit(sender.submitted, first, None)
+            assert writing.wait(30), "the first version's write did not start"
+            third = pool.submit(sender.send, _weights(3.0), spec, "m")  # first's buffer
+            try:
+                with pytest.raises(concurrent.futures.TimeoutError):
+                    third.result(timeout=1.0)  # 20 times the bound: still waiting
+            finally:
+                write_on.set()
+            written.result(timeout=30)
+            third_payload = third.result(timeout=30)
+        assert third_payload.region == first.region
+        sender.submitted(third_payload, None)
+        staged = receiver.fetch(third_payload, spec)
+        assert_same(dict(zip(spec.names, staged, strict=True)), _weights(3.0))
+    finally:
+        write_on.set()
+        receiver.close()
+        sender.close()
+
+
 class _Held(VersionDone):
     """A broadcast that ends when the test says so, and says when a send waits for it."""
 

@@ -229,12 +229,17 @@ class NixlSender(TransportSender):
         ``buffer``, is neither written to its end (``submitted``) nor ``abandoned``: three
         threads sending one spec at once would otherwise take the buffer from the first
         before it wrote, and lose that version after the hub took it (or write under it
-        while it is written). Bounded by ``WRITTEN_WAIT_S``:
-        the first thread may itself wait for this one (a broadcast on the channel path
-        holds the learner's numbering lock across its hand-off), and then its version
-        is lost as before rather than both waiting."""
+        while it is written). The wait for a version not yet submitted is bounded by
+        ``WRITTEN_WAIT_S``: the first thread may itself wait for this one (a broadcast on
+        the channel path holds the learner's numbering lock across its hand-off), and
+        then its version is lost (refused by ``submitted``) rather than both waiting.
+        A write under way is always waited for to its end: it holds no lock, so it ends,
+        and a version written beside it could mix both in one bucket under a stamp."""
         deadline = time.monotonic() + WRITTEN_WAIT_S
         while buffer.pending is not None or buffer.writing:
+            if buffer.writing:
+                self._written.wait()
+                continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 logger.warning(
