@@ -225,13 +225,9 @@ class RpcAgentActor:
             ) as buckets:
                 async for bucket, pieces in buckets:
                     args = (self._key, job.seq, nbytes, bucket.pieces, pieces)
-                    called = await asyncio.to_thread(
-                        self._call_each, live, land_bucket, args, self._settings.timeout_s / 2
-                    )
-                    for worker, why in called.items():
-                        if why is not None:
-                            outcomes[worker] = why
-                            live.remove(worker)
+                    dropped = await asyncio.to_thread(self._land_bucket, live, args)
+                    outcomes.update(dropped)
+                    live = [worker for worker in live if worker not in dropped]
                     if not live:
                         break
         except TransportError as err:
@@ -315,6 +311,32 @@ class RpcAgentActor:
             else:
                 outcomes[worker] = None
         return outcomes
+
+    def _land_bucket(self, workers: Sequence[str], args: tuple) -> dict[str, str]:
+        """One bucket (``land_bucket``'s ``args``) to each of ``workers``: why each that
+        failed did. Those get no more buckets of the version, and are told so with
+        ``abandon``, not waited for: one whose call only stalled (a busy process) would
+        otherwise wait the whole timeout for its next bucket and fail with a guess ("the
+        RPC agent may have died") instead of this reason."""
+        called = self._call_each(workers, land_bucket, args, self._settings.timeout_s / 2)
+        dropped = {worker: why for worker, why in called.items() if why is not None}
+        key, seq = args[0], args[1]
+        for worker, why in dropped.items():
+            self._tell_quietly(worker, abandon, (key, seq, f"the RPC agent gave it up: {why}"))
+        return dropped
+
+    def _tell_quietly(self, worker: str, fn: Callable, args: tuple) -> None:
+        """``rpc_async(worker, fn, args)`` not waited for; a receiver that is gone or cannot
+        be reached is not told, and that is all."""
+        import torch.distributed.rpc as rpc
+
+        admitted = self._members.get(worker)
+        if admitted is None:
+            return
+        try:
+            rpc.rpc_async(admitted.member.name, fn, args=args, timeout=self._settings.timeout_s)
+        except Exception:
+            return  # torch's own error: the receiver is not in reach
 
     def _fail(self, job: RpcJob, outcomes: dict[str, str | None]) -> dict[str, str | None]:
         for worker, reason in outcomes.items():

@@ -18,10 +18,12 @@ import torch.distributed.rpc as rpc
 
 from raysync.actors import rpc_agent
 from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError
 from raysync.transports.object_store.arrays import object_of
 from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import RpcOptions
-from raysync.transports.rpc import RpcJob, land, land_bucket, rpc_name
+from raysync.transports.rpc import RpcJob, abandon, land, land_bucket, rpc_name
+from raysync.transports.rpc import receiver as receiver_inbox
 
 pytestmark = pytest.mark.skipif(not rpc.is_available(), reason="no torch.distributed.rpc")
 
@@ -151,3 +153,31 @@ def test_a_bucket_call_that_cannot_be_made_gives_up_at_the_stall_limit(monkeypat
 
     assert outcomes["w1"] is None
     assert "within 0.2 s: could not find destination url" in outcomes["w0"], outcomes["w0"]
+
+
+def test_a_receiver_dropped_from_a_bucketed_version_is_told_why(monkeypatch):
+    """A receiver whose bucket call stalls (a busy process) gets no more buckets of the
+    version; it is told so at once, with the agent's reason, rather than waiting the
+    whole timeout for a bucket that will not come and failing with a guess."""
+    agent = _agent(monkeypatch, timeout_s=0.4, members=2)
+    stalled = rpc_name(KEY, 1)  # w0; w1 is rank 2
+    calls: list = []
+
+    def rpc_async(to, func, args, timeout):
+        calls.append((to, func, args))
+        future = torch.futures.Future()
+        if to != stalled or func is not land_bucket:
+            future.set_result(None)
+        return future  # w0's bucket never lands
+
+    monkeypatch.setattr(rpc, "rpc_async", rpc_async)
+    seq = 7
+
+    dropped = agent._land_bucket(["w0", "w1"], (KEY, seq, 8, (), []))
+
+    assert list(dropped) == ["w0"] and "not done within 0.2 s" in dropped["w0"]
+    told = [(to, args) for to, func, args in calls if func is abandon]
+    assert told == [(stalled, (KEY, seq, f"the RPC agent gave it up: {dropped['w0']}"))]
+    abandon(*told[0][1])  # as it runs on w0's RPC thread pool: w0's fetch fails now
+    with pytest.raises(TransportError, match="gave it up: RPC to w0 not done within 0.2 s"):
+        receiver_inbox._BUCKETS.take(KEY, seq, count=2, timeout_s=30)

@@ -57,10 +57,11 @@ staging buffer on its RPC threads (a busy actor never holds the stream up); ``fe
 waits until every bucket landed, so the model changes at one safe point and a version
 whose later bucket fails never reaches it. A receiver whose call fails, or is not made
 and done within half the timeout (its process stopped, or it never became reachable),
-gets no further bucket and fails alone: the others wait for each bucket no longer than
-the timeout. A stream that ends early is abandoned on every receiver at
-once, with the reason. A receiver that pulls a bucketed version later (joining,
-restarted) reads it from the broker, served by a receiver that got it.
+gets no further bucket and fails alone, told at once with the agent's reason (a call
+not waited for): the others wait for each bucket no longer than the timeout. A stream
+that ends early is abandoned on every receiver at once, with the reason. A receiver
+that pulls a bucketed version later (joining, restarted) reads it from the broker,
+served by a receiver that got it.
 
 Settings: ``WeightHub.remote(options=RpcOptions(timeout_s=...))``
 (:class:`~raysync.transports.options.RpcOptions`: the timeout of the rendezvous, of
