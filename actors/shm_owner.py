@@ -35,19 +35,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import ray
-import torch
 
-from raysync.layout import HEADER_BYTES
 from raysync.ordering import ThreadsInOrder
 from raysync.transports.base import TransportError
-from raysync.transports.shared_memory import ORDER_WAIT_S, TOKEN_BYTES, Slot, write_seq
 from raysync.transports.shared_memory.wire import (
     BOARD_COLUMNS,
     BOARD_POLL_S,
     BOARD_ROWS,
+    HEADER_BYTES,
+    ORDER_WAIT_S,
     RETIRED_SEQ,
     SLOT_WAIT_S,
+    TOKEN_BYTES,
     Board,
+    Slot,
+    write_seq,
 )
 
 from .heap import settle_heap
@@ -99,7 +101,7 @@ PENDING_KEPT_S = 2 * SLOT_WAIT_S
 @dataclass
 class _Segment:
     fd: int
-    buffer: torch.Tensor  #: uint8 view of the whole mapping
+    buffer: np.ndarray  #: uint8 view of the whole mapping
     token: bytes
     column: int  #: its column on the release board (-1: none)
     seq: int = 0  #: the version written into it (0: none yet)
@@ -254,7 +256,7 @@ class ShmOwner:
             # the latest): its own keeps the slot from being written meanwhile.
             exporting = Hold.exporting(self._exports)
             segment.holds.add(exporting)
-            data = segment.buffer[HEADER_BYTES:].numpy()
+            data = segment.buffer[HEADER_BYTES:]
         try:
             return [ray.put(data)]
         finally:
@@ -279,7 +281,7 @@ class ShmOwner:
             with self._lock:
                 slot = self._assign(segment)
             write_seq(segment.buffer, 0)
-            np.copyto(segment.buffer[HEADER_BYTES:].numpy(), data)
+            np.copyto(segment.buffer[HEADER_BYTES:], data)
             write_seq(segment.buffer, slot.seq)
         except BaseException:
             with self._lock:
@@ -340,7 +342,7 @@ class ShmOwner:
             return OwnerStats(
                 node_id=self._node_id,
                 segments=len(segments),
-                segment_bytes=sum(s.buffer.numel() for s in segments),
+                segment_bytes=sum(s.buffer.size for s in segments),
                 relays=self._relays,
                 exports=self._exports,
                 holds=tuple(sorted(str(h) for s in segments for h in s.holds)),
@@ -462,8 +464,8 @@ class ShmOwner:
         # Allocate (and zero) every page now, in the owner, ahead of the first write:
         # the learner asks for its next slot ahead, so this is off the broadcast's path.
         os.posix_fallocate(fd, 0, nbytes)
-        buffer = torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
-        buffer[:TOKEN_BYTES] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+        buffer = np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
+        buffer[:TOKEN_BYTES] = np.frombuffer(token, dtype=np.uint8)
         return _Segment(fd, buffer, token, column, stream=stream)
 
     def _assign(self, segment: _Segment) -> Slot:
@@ -481,7 +483,7 @@ class ShmOwner:
             self._pid,
             segment.fd,
             segment.token,
-            segment.buffer.numel(),
+            segment.buffer.size,
             segment.seq,
             segment.column,
         )

@@ -137,6 +137,25 @@ def test_bitwise_mixed_dtypes_every_version_one_write_per_node(actors):
     assert_same(ray.get(receiver.state.remote("sd")), mixed)
 
 
+def test_the_segment_owner_never_imports_torch(actors):
+    """A node's owner hands out slots, keeps their holds and relays bytes between nodes;
+    it never unpacks a version, so its process does without torch (seconds of CPU at
+    each start, on every node, and a few hundred MB for the hub's lifetime)."""
+    hub = start_hub(actors, TRANSPORT)
+    receiver = start(actors, Collector, hub, worker_id="c")
+    ready([receiver])
+    learner = make_policy()
+    for _ in range(2):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(1.0)
+        assert ray.get(hub.broadcast.remote(learner)).acked == ("c",)
+        assert_same(ray.get(receiver.state.remote()), state_of(learner))
+    # By value, not a function of this module: the owner must not import this module.
+    imported_torch = lambda _: "torch" in __import__("sys").modules  # noqa: E731
+    assert ray.get(_owner(hub).__ray_call__.remote(imported_torch)) is False
+
+
 def test_back_to_back_broadcasts_never_tear_a_lagging_reader(actors):
     """wait=False broadcasts faster than one receiver applies them: every version each
     receiver applies is exactly that version's bytes, although the learner writes far

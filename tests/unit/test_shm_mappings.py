@@ -11,9 +11,9 @@ import secrets
 import pytest
 import torch
 
-from raysync.layout import HEADER_BYTES, PackedLayout
+from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.shared_memory import TOKEN_BYTES, Slot
+from raysync.transports.shared_memory import HEADER_BYTES, TOKEN_BYTES, Slot
 from raysync.transports.shared_memory.segments import Mappings
 
 
@@ -78,7 +78,7 @@ def test_a_segment_its_owner_freed_is_let_go_when_another_is_mapped(segment):
     slot, writer = segment
     mappings = Mappings(writable=False)
     first = mappings.buffer(slot)
-    write_seq(writer, RETIRED_SEQ)  # the owner freed it
+    write_seq(writer.numpy(), RETIRED_SEQ)  # the owner freed it
     token = secrets.token_bytes(TOKEN_BYTES)
     fd = os.memfd_create("raysync-test-segment", os.MFD_CLOEXEC)
     try:

@@ -8,7 +8,10 @@ Who does what:
   into ``/dev/shm`` or any file system, so there is no name to guess and nothing left
   behind when a process dies; the kernel frees it when the last descriptor and mapping
   close. Processes on the node open it as ``/proc/<owner pid>/fd/<fd>`` (same user
-  only) and check the random 16-byte token in its header.
+  only) and check the random 16-byte token in its header. It never unpacks a version:
+  its process does without torch (this package opens its learner's and receiver's
+  halves only when they are used), which saves each node's owner seconds of CPU at
+  start and a few hundred MB.
 * **Learner** (:class:`SharedMemorySender`): asks its node's owner for a free slot,
   packs the version into it once (:class:`raysync.layout.PackedLayout`: 64-byte aligned
   offsets after a 64-byte header), and hands the hub a :class:`SharedMemoryPayload`.
@@ -70,14 +73,14 @@ other's slots.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from raysync.transports.base import Availability, HubContext, MemoryFootprint, Transport
-from raysync.transports.shared_memory.learner import SharedMemorySender
 from raysync.transports.shared_memory.planner import SharedMemoryPlanner
-from raysync.transports.shared_memory.receiver import SharedMemoryReceiver
 from raysync.transports.shared_memory.wire import (
     BOARD_POLL_S,
     BOARD_ROWS,
+    HEADER_BYTES,
     MAX_SLOTS,
     ORDER_WAIT_S,
     OWNER_NAMESPACE,
@@ -93,9 +96,14 @@ from raysync.transports.shared_memory.wire import (
     write_seq,
 )
 
+if TYPE_CHECKING:
+    from raysync.transports.shared_memory.learner import SharedMemorySender
+    from raysync.transports.shared_memory.receiver import SharedMemoryReceiver
+
 __all__ = [
     "BOARD_POLL_S",
     "BOARD_ROWS",
+    "HEADER_BYTES",
     "MAX_SLOTS",
     "ORDER_WAIT_S",
     "OWNER_NAMESPACE",
@@ -105,9 +113,7 @@ __all__ = [
     "Board",
     "SharedMemoryPayload",
     "SharedMemoryPlanner",
-    "SharedMemoryReceiver",
     "SharedMemoryReceiverInfo",
-    "SharedMemorySender",
     "SharedMemoryTransport",
     "Slot",
     "owner_name",
@@ -143,8 +149,12 @@ class SharedMemoryTransport(Transport):
 
     @classmethod
     def open_sender(cls, hub: HubContext) -> SharedMemorySender:
+        from raysync.transports.shared_memory.learner import SharedMemorySender
+
         return SharedMemorySender(hub)
 
     @classmethod
     def open_receiver(cls, info: SharedMemoryReceiverInfo) -> SharedMemoryReceiver:
+        from raysync.transports.shared_memory.receiver import SharedMemoryReceiver
+
         return SharedMemoryReceiver(info)

@@ -13,13 +13,14 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from raysync.layout import HEADER_BYTES, PackedLayout
+from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
 from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.learner import ObjectStoreSender
 from raysync.transports.shared_memory.segments import Mappings
 from raysync.transports.shared_memory.wire import (
+    HEADER_BYTES,
     OWNER_NAMESPACE,
     OWNER_WAIT_S,
     SLOT_WAIT_S,
@@ -122,9 +123,10 @@ class SharedMemorySender(TransportSender):
         layout = PackedLayout.of(spec, HEADER_BYTES)
         with self._lock:
             slot, buffer = self._slot(layout.nbytes)
-            write_seq(buffer, 0)
+            header = buffer.numpy()
+            write_seq(header, 0)
             layout.pack(tensors, buffer, self._mappings.views(slot, layout))
-            write_seq(buffer, slot.seq)
+            write_seq(header, slot.seq)
             return SharedMemoryPayload(slot)
 
     def send_buckets(

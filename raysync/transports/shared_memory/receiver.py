@@ -9,13 +9,14 @@ from typing import Any
 import ray
 import torch
 
-from raysync.layout import HEADER_BYTES, PackedLayout
+from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.shared_memory.segments import Mappings, open_segment_fd
 from raysync.transports.shared_memory.wire import (
+    HEADER_BYTES,
     OWNER_NAMESPACE,
     SharedMemoryPayload,
     SharedMemoryReceiverInfo,
@@ -57,11 +58,11 @@ class SharedMemoryReceiver(TransportReceiver):
                 f"slot of {slot.nbytes} bytes does not fit the spec's layout of "
                 f"{layout.nbytes} bytes ({spec.summary()})"
             )
-        buffer = self._mappings.buffer(slot)
-        if read_seq(buffer) != slot.seq:
+        seq = read_seq(self._mappings.buffer(slot).numpy())
+        if seq != slot.seq:
             raise TransportError(
                 f"shared-memory slot of receiver {self._worker} holds sequence "
-                f"{read_seq(buffer)}, expected {slot.seq}: it was rewritten before this "
+                f"{seq}, expected {slot.seq}: it was rewritten before this "
                 "receiver read it (its hold was lost: did it re-register meanwhile?)"
             )
         return self._mappings.views(slot, layout)

@@ -73,7 +73,7 @@ class Mappings:
         self._buffers = {
             t: e
             for t, e in self._buffers.items()
-            if e[0] == slot.pid and read_seq(e[1]) != RETIRED_SEQ
+            if e[0] == slot.pid and read_seq(e[1].numpy()) != RETIRED_SEQ
         }
         self._views = {t: v for t, v in self._views.items() if t in self._buffers}
         buffer = _open(slot, self._writable)

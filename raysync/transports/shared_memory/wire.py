@@ -1,12 +1,14 @@
-"""All processes: slots, payloads, the owners' names and the segment header's format."""
+"""All processes: slots, payloads, the owners' names and the segment header's format.
+
+No torch here: the owner's process never imports it (seconds of CPU and a few hundred
+MB on each node's owner); it and these helpers see a segment as a NumPy uint8 array
+(``tensor.numpy()`` in the learner and receivers, a view of the same bytes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from raysync.layout import HEADER_BYTES
+import numpy as np
 
 #: Namespace of the owner actors (named per hub and node, looked up by the learner).
 OWNER_NAMESPACE = "raysync"
@@ -32,7 +34,9 @@ BOARD_COLUMNS = 64
 BOARD_POLL_S = 0.005
 
 #: Header: [0:16] segment token, [16:24] sequence number of the version in the slot
-#: (0 while it is being written), little-endian int64.
+#: (0 while it is being written), little-endian int64; the packed tensors start after
+#: it (:class:`raysync.layout.PackedLayout`, at this offset), on a cache line.
+HEADER_BYTES = 64
 TOKEN_BYTES = 16
 _SEQ = slice(16, 24)
 
@@ -83,9 +87,9 @@ class Board:
         return HEADER_BYTES + (self.row * BOARD_COLUMNS + column) * 8
 
     @staticmethod
-    def cells(buffer: torch.Tensor) -> torch.Tensor:
+    def cells(buffer: np.ndarray) -> np.ndarray:
         """The cells of a board segment (its uint8 ``buffer``) as int64 ``[row, column]``."""
-        return buffer[HEADER_BYTES:].view(torch.int64).view(BOARD_ROWS, BOARD_COLUMNS)
+        return buffer[HEADER_BYTES:].view(np.int64).reshape(BOARD_ROWS, BOARD_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -101,9 +105,11 @@ class SharedMemoryReceiverInfo:
 RETIRED_SEQ = -1
 
 
-def write_seq(buffer: torch.Tensor, seq: int) -> None:
-    buffer[_SEQ].view(torch.int64)[0] = seq
+def write_seq(buffer: np.ndarray, seq: int) -> None:
+    """Write ``seq`` into the header of a segment (its uint8 ``buffer``)."""
+    buffer[_SEQ].view(np.int64)[0] = seq
 
 
-def read_seq(buffer: torch.Tensor) -> int:
-    return int(buffer[_SEQ].view(torch.int64)[0])
+def read_seq(buffer: np.ndarray) -> int:
+    """The sequence number in the header of a segment (its uint8 ``buffer``)."""
+    return int(buffer[_SEQ].view(np.int64)[0])
