@@ -15,7 +15,8 @@ and, before admitting a new one, any listed member that does not answer a ping.
 ``rpc_async`` per target (retried, within the timeout, while a receiver that was just
 admitted or is moving to this group is still joining), then wait for every future. Its
 result maps each target to ``None`` or why its RPC failed; failures are kept for
-``describe``.
+``describe``, and each receiver the version will not reach is told why
+(``abandon_whole``, not waited for), so its fetch fails at once with that reason.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from raysync.transports.rpc import (
     LEFT_KEPT,
     RpcJob,
     RpcMember,
-    abandon,
+    abandon_bucketed,
+    abandon_whole,
     answer_ping,
     init_rpc,
     land,
@@ -197,19 +199,24 @@ class RpcAgentActor:
         if is_bucketed(job.source):
             return await self._send_buckets(job)
         assert not isinstance(job.source, BucketStream)  # is_bucketed says so
+        outcomes: dict[str, str | None]
         try:  # read the learner's copy here: a blocking get would hold the event loop
             arrays = await read_put(job.source, self._settings.timeout_s)
         except Exception as err:
-            reason = f"could not read the update: {err!r}"
-            return self._fail(job, dict.fromkeys(job.workers, reason))
-        with warnings.catch_warnings():
-            # Read-only views of the object store; RPC only reads them.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            tensors = [torch.from_numpy(a) for a in arrays]
-        outcomes = await asyncio.to_thread(
-            self._call_each, job.workers, land, (self._key, job.seq, tensors)
-        )
-        self._sent += sum(why is None for why in outcomes.values())
+            outcomes = dict.fromkeys(job.workers, f"could not read the update: {err!r}")
+        else:
+            with warnings.catch_warnings():
+                # Read-only views of the object store; RPC only reads them.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                tensors = [torch.from_numpy(a) for a in arrays]
+            outcomes = await asyncio.to_thread(
+                self._call_each, job.workers, land, (self._key, job.seq, tensors)
+            )
+            self._sent += sum(why is None for why in outcomes.values())
+        # Each receiver the version will not reach hears why now, not at its timeout.
+        for worker, why in outcomes.items():
+            if why is not None:
+                self._tell_quietly(worker, abandon_whole, (self._key, job.seq, why))
         return self._fail(job, outcomes)
 
     async def _send_buckets(self, job: RpcJob) -> dict[str, str | None]:
@@ -232,7 +239,9 @@ class RpcAgentActor:
                         break
         except TransportError as err:
             why = f"the agent could not read the version: {err}"
-            await asyncio.to_thread(self._call_each, live, abandon, (self._key, job.seq, why))
+            await asyncio.to_thread(
+                self._call_each, live, abandon_bucketed, (self._key, job.seq, why)
+            )
             outcomes.update(dict.fromkeys(live, why))
             live = []
         finally:
@@ -315,14 +324,16 @@ class RpcAgentActor:
     def _land_bucket(self, workers: Sequence[str], args: tuple) -> dict[str, str]:
         """One bucket (``land_bucket``'s ``args``) to each of ``workers``: why each that
         failed did. Those get no more buckets of the version, and are told so with
-        ``abandon``, not waited for: one whose call only stalled (a busy process) would
-        otherwise wait the whole timeout for its next bucket and fail with a guess ("the
-        RPC agent may have died") instead of this reason."""
+        ``abandon_bucketed``, not waited for: one whose call only stalled (a busy
+        process) would otherwise wait the whole timeout for its next bucket and fail
+        with a guess ("the RPC agent may have died") instead of this reason."""
         called = self._call_each(workers, land_bucket, args, self._settings.timeout_s / 2)
         dropped = {worker: why for worker, why in called.items() if why is not None}
         key, seq = args[0], args[1]
         for worker, why in dropped.items():
-            self._tell_quietly(worker, abandon, (key, seq, f"the RPC agent gave it up: {why}"))
+            self._tell_quietly(
+                worker, abandon_bucketed, (key, seq, f"the RPC agent gave it up: {why}")
+            )
         return dropped
 
     def _tell_quietly(self, worker: str, fn: Callable, args: tuple) -> None:

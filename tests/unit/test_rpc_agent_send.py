@@ -22,7 +22,14 @@ from raysync.transports.base import TransportError
 from raysync.transports.object_store.arrays import object_of
 from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import RpcOptions
-from raysync.transports.rpc import RpcJob, abandon, land, land_bucket, rpc_name
+from raysync.transports.rpc import (
+    RpcJob,
+    abandon_bucketed,
+    abandon_whole,
+    land,
+    land_bucket,
+    rpc_name,
+)
 from raysync.transports.rpc import receiver as receiver_inbox
 
 pytestmark = pytest.mark.skipif(not rpc.is_available(), reason="no torch.distributed.rpc")
@@ -176,8 +183,79 @@ def test_a_receiver_dropped_from_a_bucketed_version_is_told_why(monkeypatch):
     dropped = agent._land_bucket(["w0", "w1"], (KEY, seq, 8, (), []))
 
     assert list(dropped) == ["w0"] and "not done within 0.2 s" in dropped["w0"]
-    told = [(to, args) for to, func, args in calls if func is abandon]
+    told = [(to, args) for to, func, args in calls if func is abandon_bucketed]
     assert told == [(stalled, (KEY, seq, f"the RPC agent gave it up: {dropped['w0']}"))]
-    abandon(*told[0][1])  # as it runs on w0's RPC thread pool: w0's fetch fails now
+    abandon_bucketed(*told[0][1])  # as it runs on w0's RPC thread pool: w0's fetch fails now
     with pytest.raises(TransportError, match="gave it up: RPC to w0 not done within 0.2 s"):
         receiver_inbox._BUCKETS.take(KEY, seq, count=2, timeout_s=30)
+
+
+def _whole(agent: rpc_agent.RpcAgentActor, seq: int, copy: Exception | None):
+    """The agent's send of whole version #``seq`` to w0 and w1: the learner's copy is
+    read, or raises ``copy``."""
+
+    async def run():
+        ref = asyncio.get_running_loop().create_future()  # stands in for the learner's copy
+        weights = [np.arange(4, dtype=np.float32)]
+        if copy is None:
+            ref.set_result(object_of(weights))
+        else:
+            ref.set_exception(copy)
+        spec = WeightSpec.of({"w": torch.from_numpy(weights[0])})
+        job = RpcJob(seq, "policy", seq, ("w0", "w1"), ObjectStorePayload((ref,)), spec)
+        return await agent.send(job)
+
+    return asyncio.run(run())
+
+
+def _recording(calls: list, failing: str | None = None):
+    """``rpc_async`` that records each call; the one to ``failing`` fails as torch's do."""
+
+    def rpc_async(to, func, args, timeout):
+        calls.append((to, func, args))
+        if to == failing and func is land:
+            return _failed_now("connection reset by peer")
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    return rpc_async
+
+
+def test_receivers_of_a_version_the_agent_cannot_read_are_told_why_at_once(monkeypatch):
+    """The learner's copy is gone (its process died): each receiver's fetch fails at once
+    with that reason, not after its timeout with a guess ("did not land ... the RPC
+    agent may have died")."""
+    agent = _agent(monkeypatch, timeout_s=10, members=2)
+    calls: list = []
+    monkeypatch.setattr(rpc, "rpc_async", _recording(calls))
+
+    outcomes = _whole(agent, 21, copy=RuntimeError("the learner's object is lost"))
+
+    assert all("could not read the update" in why for why in outcomes.values()), outcomes
+    told = {to: args for to, func, args in calls if func is abandon_whole}
+    assert told == {
+        rpc_name(KEY, 1): (KEY, 21, outcomes["w0"]),
+        rpc_name(KEY, 2): (KEY, 21, outcomes["w1"]),
+    }
+    assert not [call for call in calls if call[1] is land]
+    abandon_whole(*told[rpc_name(KEY, 1)])  # as it runs on w0's RPC thread pool
+    with pytest.raises(TransportError, match="could not read the update.*object is lost"):
+        receiver_inbox._INBOX.take(KEY, 21, timeout_s=30)
+
+
+def test_a_receiver_whose_version_failed_to_land_is_told_why_at_once(monkeypatch):
+    """Its RPC failed (the connection broke): it hears the agent's reason at once; the
+    receiver whose RPC landed is not told anything."""
+    agent = _agent(monkeypatch, timeout_s=10, members=2)
+    calls: list = []
+    monkeypatch.setattr(rpc, "rpc_async", _recording(calls, failing=rpc_name(KEY, 1)))
+
+    outcomes = _whole(agent, 22, copy=None)
+
+    assert outcomes["w1"] is None and "connection reset by peer" in outcomes["w0"]
+    told = [(to, args) for to, func, args in calls if func is abandon_whole]
+    assert told == [(rpc_name(KEY, 1), (KEY, 22, outcomes["w0"]))]
+    abandon_whole(*told[0][1])
+    with pytest.raises(TransportError, match="connection reset by peer"):
+        receiver_inbox._INBOX.take(KEY, 22, timeout_s=30)

@@ -14,14 +14,17 @@ Processes and roles:
   on its node) and calls ``rpc_async(receiver, land, (hub key, seq, tensors))`` once
   per target; TensorPipe moves the tensors (same-host shared-memory/CMA channels, TCP
   across nodes). Each RPC future completes when the tensors are in the receiver's
-  memory; its failures are kept for ``describe``.
+  memory; its failures are kept for ``describe``, and a receiver the version will not
+  reach (the learner's copy could not be read, or its RPC failed) is told why at once
+  (``abandon_whole``, a call not waited for).
 * **receiver process** — joins the group in ``open_receiver`` (``init_rpc`` with
   dynamic membership, ``world_size=None``). ``land`` runs on the receiver's RPC thread
   pool, independent of what the actor is doing, and parks the tensors in a per-process
   inbox; ``fetch`` (inside the delivery call) waits for its version there, with a
   timeout, and returns views of the landed tensors. So the receiver's ack resolves
-  once the RPC has landed *and* the copy is applied; an RPC that never lands raises
-  :class:`TransportError` from ``fetch`` at the timeout.
+  once the RPC has landed *and* the copy is applied; a version the agent gave up, or
+  an RPC that never lands, raises :class:`TransportError` from ``fetch``: with the
+  agent's reason as soon as it is told, else at the timeout.
 
 Membership is repaired, not rebuilt: TensorPipe's dynamic membership lets receivers join
 a running group; a dead receiver's RPCs fail alone (nobody else waits for it), and the
@@ -86,7 +89,14 @@ from raysync.transports.base import (
 from raysync.transports.object_store import ObjectStoreTransport
 from raysync.transports.options import RpcOptions
 from raysync.transports.rpc.planner import RpcPlanner
-from raysync.transports.rpc.receiver import RpcReceiver, abandon, answer_ping, land, land_bucket
+from raysync.transports.rpc.receiver import (
+    RpcReceiver,
+    abandon_bucketed,
+    abandon_whole,
+    answer_ping,
+    land,
+    land_bucket,
+)
 from raysync.transports.rpc.rendezvous import SCHEME, init_rpc, interface_of, open_master_store
 from raysync.transports.rpc.wire import (
     LEFT_KEPT,
@@ -106,7 +116,8 @@ __all__ = [
     "RpcPlanner",
     "RpcReceiver",
     "RpcTransport",
-    "abandon",
+    "abandon_bucketed",
+    "abandon_whole",
     "agent_name",
     "answer_ping",
     "init_rpc",

@@ -36,17 +36,31 @@ class _Inbox:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._landed: dict[str, dict[int, list[torch.Tensor]]] = {}
+        #: key -> seq -> why the agent gave that version up here
+        self._failed: dict[str, dict[int, str]] = {}
 
     def put(self, key: str, seq: int, tensors: list[torch.Tensor]) -> None:
         with self._cond:
             self._landed.setdefault(key, {})[seq] = tensors
             self._cond.notify_all()
 
+    def fail(self, key: str, seq: int, why: str) -> None:
+        with self._cond:
+            self._failed.setdefault(key, {})[seq] = why
+            self._cond.notify_all()
+
     def take(self, key: str, seq: int, timeout_s: float) -> list[torch.Tensor]:
+        """Version #``seq`` once it landed; TransportError if the agent gave it up, or
+        it did not land within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             versions = self._landed.setdefault(key, {})
+            failed = self._failed.setdefault(key, {})
+            for stale in [s for s in failed if s < seq - _INBOX_WINDOW]:
+                del failed[stale]
             while seq not in versions:
+                if seq in failed:
+                    raise TransportError(f"version #{seq} of RPC hub {key[:12]}: {failed.pop(seq)}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TransportError(
@@ -176,7 +190,13 @@ def land_bucket(
     return seq
 
 
-def abandon(key: str, seq: int, why: str) -> None:
+def abandon_whole(key: str, seq: int, why: str) -> None:
+    """The agent gave whole version #``seq`` up (RPC thread pool): its fetch raises
+    ``why`` at once instead of waiting its timeout for a version that will not land."""
+    _INBOX.fail(key, seq, why)
+
+
+def abandon_bucketed(key: str, seq: int, why: str) -> None:
     """The agent gave bucketed version #``seq`` up (RPC thread pool): its fetch raises."""
     _BUCKETS.fail(key, seq, why)
 
