@@ -7,26 +7,32 @@ admitting new receivers.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
+import pytest
 import ray
 import torch
 
-from raysync import RpcOptions, WeightHub
+from raysync import BroadcastError, RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
 from raysync.testing import special_weights
 from tests.helpers import (
     Gate,
+    actor_pid,
     assert_bitwise,
     assert_policy_reaches,
     free_and_reach_all,
     ready,
     start,
+    wait_process_exit,
     wait_until,
 )
 from tests.receivers import (
     Collector,
     Holder,
+    OtherLearner,
     PlainWorker,
     attach_actor_net,
     connect_policy_again,
@@ -129,6 +135,49 @@ def test_busy_receiver_times_out_alone_and_catches_up(actors):
     assert report.acked == ("h0", "h1")
     assert "within the 3 s timeout" in report.failed["busy"]
     free_and_reach_all(hub, gate, blocked, [*holders, busy], ("busy", "h0", "h1"))
+
+
+def _unreadable(payload) -> bool:
+    """Whether the object-store copy ``payload`` is gone (its owner died)."""
+    try:
+        payload.arrays(timeout_s=5)
+    except ray.exceptions.ObjectLostError:
+        return True
+    return False
+
+
+def test_a_version_whose_copy_is_lost_before_the_agent_reads_it_fails_at_once(actors):
+    """The learner died between its broadcast and the agent's read of its copy (the
+    agent was stopped meanwhile): every receiver fails that version with the agent's
+    reason as soon as it tries, not at its timeout with a guess ("did not land ... the
+    RPC agent may have died"); the next broadcast reaches them."""
+    hub = start_rpc_hub(actors)
+    template = {"w": torch.zeros(1024, 256)}  # 1 MB: in the object store, not inlined
+    holders = [start(actors, Holder, hub, template, f"w{i}") for i in range(2)]
+    ready(holders)
+    assert ray.get(hub.broadcast.remote({"w": torch.ones(1024, 256)})).acked == ("w0", "w1")
+    agent_pid = actor_pid(ray.get_actor(f"raysync-rpc-agent-{hub.config.hub_id}"))
+    learner = start(actors, OtherLearner, hub)
+    learner_pid = actor_pid(learner)
+    os.kill(agent_pid, signal.SIGSTOP)  # the hub's plan waits for its ping
+    try:
+        ticket = ray.get(learner.broadcast.remote({"w": torch.full((1024, 256), 2.0)}, wait=False))
+        ray.kill(learner)  # its copy in the object store goes with it
+        wait_process_exit(learner_pid)
+        lost = ray.get(hub.latest.remote("m")).payload  # that copy, version 2
+        wait_until(lambda: _unreadable(lost), what="Ray to let the dead learner's copy go")
+    finally:
+        os.kill(agent_pid, signal.SIGCONT)
+    with pytest.raises(BroadcastError) as info:
+        ray.get(hub.wait_for.remote(ticket), timeout=60)
+    failed = info.value.report.failed
+    assert sorted(failed) == ["w0", "w1"], failed
+    for why in failed.values():
+        assert "could not read the update" in why and "did not land" not in why, why
+    weights = {"w": torch.full((1024, 256), 3.0)}
+    assert ray.get(hub.broadcast.remote(weights), timeout=60).acked == ("w0", "w1")
+    for holder in holders:
+        assert_bitwise(ray.get(holder.state.remote()), weights)
 
 
 def test_pull_mode_reads_the_learner_copy(actors):
