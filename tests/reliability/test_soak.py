@@ -62,7 +62,7 @@ def _soak(actors, transport, broadcasts: int) -> None:
     assert _plasma_objects() <= before["plasma_objects"] + 2, (before, _plasma_objects())
     assert after["dev_shm"] - before["dev_shm"] == set()
     assert after["hub"]["fds"] <= before["hub"]["fds"] + 5, (before["hub"], after["hub"])
-    assert after["hub"]["threads"] <= before["hub"]["threads"] + 2
+    assert after["hub"]["threads"] <= before["hub"]["threads"] + 2, (before["hub"], after["hub"])
     assert after["hub"]["rss_mb"] <= before["hub"]["rss_mb"] + 64, (before["hub"], after["hub"])
     for b, a in zip(before["receivers"], after["receivers"], strict=True):
         assert a["fds"] <= b["fds"] + 5 and a["threads"] <= b["threads"] + 2, (b, a)
