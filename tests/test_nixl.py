@@ -82,6 +82,18 @@ def _weights(value: float) -> dict[str, torch.Tensor]:
     }
 
 
+def _named(spec: WeightSpec, staged) -> dict[str, torch.Tensor]:
+    """A fetch's staged tensors by name."""
+    return dict(zip(spec.names, staged, strict=True))
+
+
+def _assert_reads(receiver: NixlReceiver, payload, spec: WeightSpec, expected) -> None:
+    """``receiver`` fetches ``payload`` as ``expected`` bitwise, then lets it go."""
+    staged = receiver.fetch(payload, spec)
+    assert_same(_named(spec, staged), expected)
+    receiver.release(payload, staged)
+
+
 def _publish(sender: NixlSender, weights: dict[str, torch.Tensor], spec: WeightSpec):
     """What a HubHandle does: ``send``, hand the payload over, then ``submitted`` writes."""
     payload = sender.send(weights, spec, "m")
@@ -100,9 +112,7 @@ def test_overwritten_buffer_is_detected_never_returned():
         with pytest.raises(TransportError, match="overwrote its buffer"):
             receiver.fetch(payloads[0], spec)
         for payload, value in ((payloads[1], 2.0), (payloads[2], 3.0)):
-            staged = receiver.fetch(payload, spec)
-            assert_same(dict(zip(spec.names, staged, strict=True)), _weights(value))
-            receiver.release(payload, staged)
+            _assert_reads(receiver, payload, spec, _weights(value))
     finally:
         receiver.close()
         sender.close()
@@ -208,9 +218,7 @@ def test_a_receiver_keeps_only_the_learner_agents_it_read_last(monkeypatch):
 
         def read(sender: NixlSender, value: float) -> None:
             payload = _publish(sender, _weights(value), spec)
-            staged = receiver.fetch(payload, spec)
-            assert_same(dict(zip(spec.names, staged, strict=True)), _weights(value))
-            receiver.release(payload, staged)
+            _assert_reads(receiver, payload, spec, _weights(value))
 
         for value, sender in enumerate(senders, start=1):
             read(sender, float(value))
@@ -240,9 +248,7 @@ def test_a_payload_of_an_earlier_registration_is_read_with_the_metadata_loaded()
         assert later.registration > earlier.registration
         for payload, weights in ((later, large), (earlier, small)):
             spec = WeightSpec.of(weights)
-            staged = receiver.fetch(payload, spec)
-            assert_same(dict(zip(spec.names, staged, strict=True)), weights)
-            receiver.release(payload, staged)
+            _assert_reads(receiver, payload, spec, weights)
         assert len(loads) == 1
     finally:
         receiver.close()
@@ -272,16 +278,13 @@ def test_a_buffer_another_thread_sent_into_is_written_before_it_is_taken():
         assert third_payload.region == first.region
         sender.submitted(third_payload, None)
         for payload, value in ((second, 2.0), (third_payload, 3.0)):
-            staged = receiver.fetch(payload, spec)
-            assert_same(dict(zip(spec.names, staged, strict=True)), _weights(value))
-            receiver.release(payload, staged)
+            _assert_reads(receiver, payload, spec, _weights(value))
         fourth = sender.send(_weights(4.0), spec, "m")
         sender.abandoned(fourth, "the broadcast failed")
         with pytest.raises(TransportError, match="failed while writing stamp"):
             receiver.fetch(fourth, spec)
         fifth = _publish(sender, _weights(5.0), spec)  # took the fourth's buffer at once
-        staged = receiver.fetch(fifth, spec)
-        assert_same(dict(zip(spec.names, staged, strict=True)), _weights(5.0))
+        _assert_reads(receiver, fifth, spec, _weights(5.0))
     finally:
         receiver.close()
         sender.close()
@@ -321,8 +324,7 @@ def test_a_buffer_being_written_is_never_taken_however_long_the_write(monkeypatc
             third_payload = third.result(timeout=30)
         assert third_payload.region == first.region
         sender.submitted(third_payload, None)
-        staged = receiver.fetch(third_payload, spec)
-        assert_same(dict(zip(spec.names, staged, strict=True)), _weights(3.0))
+        _assert_reads(receiver, third_payload, spec, _weights(3.0))
     finally:
         write_on.set()
         receiver.close()
@@ -364,12 +366,9 @@ def test_a_send_waiting_for_its_buffer_lets_other_versions_be_written():
             finally:
                 a_first.over.set()
             third_payload = third.result(timeout=30)
-        staged = receiver.fetch(b, b_spec)
-        assert_same(dict(zip(b_spec.names, staged, strict=True)), b_weights)
-        receiver.release(b, staged)
+        _assert_reads(receiver, b, b_spec, b_weights)
         sender.submitted(third_payload, None)
-        staged = receiver.fetch(third_payload, a_spec)
-        assert_same(dict(zip(a_spec.names, staged, strict=True)), _weights(3.0))
+        _assert_reads(receiver, third_payload, a_spec, _weights(3.0))
     finally:
         receiver.close()
         sender.close()
@@ -383,12 +382,12 @@ def test_staged_data_is_kept_until_released():
         first_payload = _publish(sender, _weights(1.0), spec)
         first = receiver.fetch(first_payload, spec)
         second = receiver.fetch(_publish(sender, _weights(2.0), spec), spec)
-        assert_same(dict(zip(spec.names, first, strict=True)), _weights(1.0))
-        assert_same(dict(zip(spec.names, second, strict=True)), _weights(2.0))
+        assert_same(_named(spec, first), _weights(1.0))
+        assert_same(_named(spec, second), _weights(2.0))
         receiver.release(first_payload, first)
         third = receiver.fetch(_publish(sender, _weights(3.0), spec), spec)
         assert third[0].data_ptr() == first[0].data_ptr()  # the released buffer is reused
-        assert_same(dict(zip(spec.names, second, strict=True)), _weights(2.0))
+        assert_same(_named(spec, second), _weights(2.0))
     finally:
         receiver.close()
         sender.close()
@@ -413,7 +412,7 @@ def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
                 fetched.result(timeout=0.3)  # nothing written yet: the reader waits
             sender.submitted(payload, None)
             staged = fetched.result(timeout=30)
-        assert_same(dict(zip(spec.names, staged, strict=True)), big)
+        assert_same(_named(spec, staged), big)
         receiver.release(payload, staged)
 
         # Tensors that do not fill the spec break the pack part-way: a real failure.
@@ -466,13 +465,13 @@ def test_a_reader_reads_what_is_written_then_waits_for_the_rest(monkeypatch):
             sender.submitted(payload, None)
             staged = fetched.result(timeout=30)
         assert len(frame.buckets) > 5 and 3 in awaited
-        assert_same(dict(zip(spec.names, staged, strict=True)), big)
+        assert_same(_named(spec, staged), big)
         receiver.release(payload, staged)
 
         awaited.clear()
         staged = receiver.fetch(payload, spec)  # written whole by now
         assert awaited == [0]
-        assert_same(dict(zip(spec.names, staged, strict=True)), big)
+        assert_same(_named(spec, staged), big)
         receiver.release(payload, staged)
     finally:
         receiver.close()
@@ -696,7 +695,7 @@ def test_cuda_weights_are_registered_as_vram_and_read_bitwise():
         assert payload.region.mem_type == "VRAM"
         staged = receiver.fetch(payload, spec)
         assert all(t.is_cuda for t in staged)
-        assert_same(dict(zip(spec.names, staged, strict=True)), weights)
+        assert_same(_named(spec, staged), weights)
     finally:
         receiver.close()
         sender.close()
