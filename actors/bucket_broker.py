@@ -36,8 +36,11 @@ The broker stamps each of those calls on its clock (:mod:`raysync.transports.han
 Ray does not keep an async actor's calls in order, so any of them may be the first the
 broker hears of a stream (a :class:`~raysync.transports.object_store.bucket_stream.StreamId`:
 its id, bucket count and the receivers' wait): each one opens it. A stream the hub has
-not planned within that wait (it refused the version), or whose readers have not
-finished within it of its last bucket, ends and frees its buckets.
+not planned within twice that wait (it refused the version; one part of a version sent
+in parts waits up to that wait for the others before the hub plans the whole), or
+whose readers have not finished within it of its last bucket and its plan, whichever
+came later (the receivers of a version in parts read its streams one after the other,
+from the plan on), ends and frees its buckets.
 
 A reader that has not taken bucket ``k - 1`` within the stream's ``stall_s`` (half its
 ``wait_s``) of the learner asking for room, once the stream is planned and some reader
@@ -82,6 +85,7 @@ class _Stream:
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     sender: str | None = None  #: the actor id of the process that puts it, if watched
     clock: HandOffClock = field(default_factory=HandOffClock)
+    deadline_set: bool = False  #: whether its readers' deadline to finish runs
 
     def behind(self, needed: int) -> list[str]:
         """Readers that have copied fewer than ``needed`` buckets (all, unplanned)."""
@@ -167,11 +171,7 @@ class BucketBroker:
         state.offered = max(state.offered, index + 1)
         state.free_taken()
         self._peak = max(self._peak, len(state.buckets))
-        if state.offered == key.count:
-            loop = asyncio.get_running_loop()
-            loop.call_later(
-                key.wait_s, self._expire, state, "its readers did not finish in time", False
-            )
+        self._start_readers_deadline(state)
         await state.changed_now()
 
     async def room(self, key: StreamId, index: int) -> str | None:
@@ -232,6 +232,7 @@ class BucketBroker:
             return
         state.readers = (state.readers or set()) | {w for w in workers if w not in state.dropped}
         state.free_taken()
+        self._start_readers_deadline(state)
         await state.changed_now()
 
     async def drop_reader(self, worker: str) -> None:
@@ -362,9 +363,20 @@ class BucketBroker:
             while len(self._clocks) > _CLOCKS_KEPT:
                 del self._clocks[next(iter(self._clocks))]
             asyncio.get_running_loop().call_later(
-                key.wait_s, self._expire, state, "the hub never planned this version", True
+                2 * key.wait_s, self._expire, state, "the hub never planned this version", True
             )
         return state
+
+    def _start_readers_deadline(self, state: _Stream) -> None:
+        """Once every bucket is offered and the hub planned the stream, its readers have
+        ``wait_s`` to finish it (not from the last bucket: the stream of an early part
+        of a version sent in parts waits for the others, then for its turn)."""
+        if state.deadline_set or state.readers is None or state.offered < state.key.count:
+            return
+        state.deadline_set = True
+        asyncio.get_running_loop().call_later(
+            state.key.wait_s, self._expire, state, "its readers did not finish in time", False
+        )
 
     def _watch_hub(self) -> None:
         if self._watching is None:

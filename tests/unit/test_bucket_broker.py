@@ -237,6 +237,40 @@ def test_a_stream_the_hub_never_plans_ends_and_frees_its_buckets():
     assert broker.stats().streams == 0
 
 
+def test_a_stream_put_whole_before_its_plan_is_read_to_the_end_after_it():
+    """An early part of a version sent in parts: its learner put every bucket, and the
+    hub plans the version only once the other parts came. Its readers' time to finish
+    runs from the plan, not from the last bucket (they read the parts in turn)."""
+
+    async def main():
+        broker, k = BucketBroker(_NO_HUB), key(count=2, wait_s=0.3)
+        for index in range(2):
+            await broker.offer(k, index, [f"ref{index}"])
+        await asyncio.sleep(0.2)  # the other parts come
+        await broker.readers(k, ["a"])
+        await asyncio.sleep(0.2)  # "a" reads the parts before this one
+        taken = [await broker.take(k, index, "a") for index in range(2)]
+        return broker, taken, await broker.take(k, 2, "a")
+
+    broker, taken, end = run(main())
+    assert taken == [(["ref0"], None), (["ref1"], None)]
+    assert end == (None, None) and broker.stats().streams == 0
+
+
+def test_a_planned_stream_not_read_to_the_end_in_time_ends():
+    async def main():
+        broker, k = BucketBroker(_NO_HUB), key(count=2, wait_s=0.1)
+        await broker.readers(k, ["a"])
+        for index in range(2):
+            await broker.offer(k, index, [f"ref{index}"])
+        await asyncio.sleep(0.3)  # "a" never reads it
+        return broker, await broker.take(k, 0, "a")
+
+    broker, (boxed, why) = run(main())
+    assert boxed is None and "its readers did not finish in time" in why
+    assert broker.stats().streams == 0
+
+
 def test_the_learner_ending_a_stream_answers_readers_waiting_for_a_bucket():
     async def main():
         broker, k = BucketBroker(_NO_HUB), key(count=3)

@@ -40,7 +40,8 @@ class StreamId:
     id: str
     count: int  #: how many buckets
     #: How long a receiver waits for the next bucket; the broker ends a stream that is
-    #: not planned within it, or not read to the end within it of its last bucket.
+    #: not planned within twice it, or not read to the end within it of its last bucket
+    #: and its plan (whichever came later).
     wait_s: float
 
     @property
