@@ -12,9 +12,15 @@ model that mixes two versions. This covers every way Ray runs actor methods:
   a running one may wait for one of them);
 * async actors: deliveries run on the event loop thread while user coroutines may be
   parked at an ``await``. The write cannot block the loop, so it is *deferred*: the
-  last user coroutine to finish applies it, and the ack is sent then. A write from
-  another thread of an async host (a pull in ``asyncio.to_thread``) waits for the
-  coroutines as for threads, and coroutines that start meanwhile wait for it.
+  last user coroutine to finish applies it, and the ack is sent then. Coroutines that
+  start meanwhile wait for it (for :data:`WRITER_FIRST_S` at most, as threads do), but
+  for those a running user method started itself (``asyncio.gather`` of other user
+  methods), which go at once: their caller waits for them. A write from another thread
+  of an async host (a pull in ``asyncio.to_thread``) waits for the coroutines as for
+  threads, and coroutines that start meanwhile wait for it likewise. A synchronous
+  user method, which Ray runs on the loop, cannot wait for a write that waits (the
+  coroutines it waits for are parked on that loop): it goes at once and is counted,
+  so a write from another thread waits for it; only one already running ends first.
 
 A long-running user method (``while True: collect()``) opens safe points itself with
 :meth:`safe_point`; nested calls and :meth:`write` from inside a user method (pull
@@ -40,10 +46,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: How long a write from a thread keeps user methods that start meanwhile waiting for
-#: it. After that they start again, and the write goes once none runs: a user method
-#: that waits for a call of another thread (a pool's) which waits for the write no
-#: longer deadlocks the actor for good.
+#: How long a write keeps user methods that start meanwhile waiting for it. After that
+#: they start again, and the write goes once none runs: a user method that waits for
+#: another call of the actor (a pool's thread, a coroutine that feeds its queue), which
+#: waits for the write, no longer deadlocks the actor for good.
 WRITER_FIRST_S = 60.0
 
 
@@ -51,10 +57,12 @@ WRITER_FIRST_S = 60.0
 class _Read:
     """The reads a user method holds: ``depth`` counted in the gate's readers (nested
     async reads count each; 0 once the outermost ended) and who opened it, the task on
-    an event loop or the thread."""
+    an event loop or the thread. ``lent``: how many of them a write from a thread that
+    runs for it took out of the count while it waits (see :meth:`ApplyGate._lend`)."""
 
     depth: int
     opener: object
+    lent: int = 0
 
 
 #: The read the current thread or task holds (re-entrant user methods). Tasks and
@@ -79,6 +87,13 @@ def _own_read() -> _Read | None:
     except RuntimeError:
         return read
     return read if read.opener is asyncio.current_task() else None
+
+
+def _inside_a_read() -> bool:
+    """Whether the calling task was started inside a read that still runs (its opener
+    may be waiting for it: ``asyncio.gather`` of other user methods)."""
+    read = _held.get()
+    return read is not None and read.depth > 0
 
 
 def _own_reads() -> int:
@@ -138,7 +153,11 @@ class ApplyGate:
         self._deferred: list[_Pending] = []
         self._finish_deferred = finish_deferred
         self._drained: asyncio.Event | None = None
-        #: Coroutines' futures, done when the write of another thread ends.
+        #: When the oldest deferred write was deferred (``time.monotonic()``), while any is.
+        self._deferred_since: float | None = None
+        self._said_overdue = False  #: whether the deferred writes' wait was logged
+        #: Coroutines' futures, done when the write of another thread ends (or lets
+        #: new readers in: :data:`WRITER_FIRST_S`).
         self._thread_write_waiters: list[asyncio.Future[None]] = []
         #: The event loop async readers run on (an async host), once one has read.
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -162,10 +181,15 @@ class ApplyGate:
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Hold the model steady for a synchronous user method."""
-        if self.note_loop() or _own_read() is not None or self._writes_here():
-            # Nested call, sync code on an async actor's loop, or a call made while this
-            # thread applies a write: no apply can run on this thread until it returns.
+        on_loop = self.note_loop()
+        if _own_read() is not None or self._writes_here():
+            # Nested call, or a call made while this thread applies a write: no apply
+            # can run on this thread until it returns.
             yield
+            return
+        if on_loop:
+            with self._reading_on_the_loop():
+                yield
             return
         with self._cond:
             while self._writing or self._writers_waiting:
@@ -179,22 +203,42 @@ class ApplyGate:
             read.depth = 0
             _held.reset(token)
             with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
+                self._leave(read)
                 last_out = not self._readers and bool(self._deferred)
             if last_out:  # deferred by a coroutine while this thread read (an async host)
                 _call_soon(self.loop, self._run_deferred_if_idle)
+
+    @contextmanager
+    def _reading_on_the_loop(self) -> Iterator[None]:
+        """A synchronous user method on an async actor's loop: counted at once (see the
+        module doc); the deferred writes it held back run as it leaves, if it was last."""
+        with self._cond:
+            while self._writing:  # another thread's, which needs nothing of this loop
+                self._cond.wait()
+            self._readers += 1
+        read = _Read(1, asyncio.current_task())
+        token = _held.set(read)
+        try:
+            yield
+        finally:
+            read.depth = 0
+            _held.reset(token)
+            with self._cond:
+                self._leave(read)
+            self._run_deferred_if_idle()
 
     @asynccontextmanager
     async def reading_async(self) -> AsyncIterator[None]:
         """Hold the model steady for an async user method (async actors)."""
         self.note_loop()
         own = _own_read()
-        while not self._enter_async(0 if own is None else own.depth):
+        # Started by a user method that reads: it goes at once (its caller may wait for it).
+        held = own.depth if own is not None else int(_inside_a_read())
+        while not self._enter_async(held):
             if self._deferred:
                 self._run_deferred_if_idle()  # no reader left to run them: this one does
                 if self._deferred:
-                    await self._drained_event().wait()
+                    await self._deferred_drained_or_overdue()
             else:  # a write from another thread: it wakes this loop when it ends
                 ended = self._thread_write_ended()
                 if ended is not None:
@@ -208,18 +252,73 @@ class ApplyGate:
             read.depth -= 1
             _held.reset(token)
             with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()  # a write waiting in another thread goes on
+                self._leave(read)  # a write waiting in another thread goes on
             self._run_deferred_if_idle()
+
+    def _leave(self, read: _Read) -> None:
+        """One of ``read``'s reads ended (called holding the gate's lock; its depth is
+        already down): out of the count, unless a waiting write took it out already."""
+        if read.lent:
+            read.lent -= 1
+        else:
+            self._readers -= 1
+        self._cond.notify_all()
+
+    def _lend(self, read: _Read | None) -> int:
+        """A write (or safe point) in a thread that runs for ``read`` (its own, or that
+        of the coroutine that started it through ``to_thread``) takes what ``read``
+        holds out of the count while it waits: how many (called holding the lock)."""
+        if read is None:
+            return 0
+        lent = read.depth - read.lent
+        read.lent += lent
+        self._readers -= lent
+        return lent
+
+    def _take_back(self, read: _Read | None, lent: int) -> None:
+        """Count again what :meth:`_lend` took out of ``read`` and that has not ended
+        meanwhile (a coroutine that did not wait for the thread may have left)."""
+        if read is None:
+            return
+        back = min(lent, read.lent)
+        read.lent -= back
+        self._readers += back
 
     def _enter_async(self, held: int) -> bool:
         """Count an async reader in, unless a write goes first (a nested read never
-        waits: its caller holds the model already)."""
+        waits: its caller holds the model already; deferred writes go first for
+        ``writer_first_s`` only)."""
         with self._cond:
-            if not held and (self._deferred or self._writing or self._writers_waiting):
+            if not held and (
+                self._deferred_go_first() or self._writing or self._writers_waiting
+            ):
                 return False
             self._readers += 1
             return True
+
+    def _deferred_go_first(self) -> bool:
+        """Whether deferred writes keep new readers waiting: for ``writer_first_s``."""
+        since = self._deferred_since
+        return since is not None and time.monotonic() - since < self._writer_first_s
+
+    async def _deferred_drained_or_overdue(self) -> None:
+        """Wait until the deferred writes ran, or have kept new readers waiting for
+        ``writer_first_s`` (then say so, once)."""
+        since = self._deferred_since
+        if since is None:
+            return
+        left = self._writer_first_s - (time.monotonic() - since)
+        try:
+            await asyncio.wait_for(self._drained_event().wait(), max(0.0, left))
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
+            if self._deferred_since == since and not self._said_overdue:
+                self._said_overdue = True
+                logger.warning(
+                    "a weight update waited %g s for the user coroutines running to "
+                    "return; new ones no longer wait for it (one may wait for another "
+                    "call of this actor, which waited for the update)",
+                    self._writer_first_s,
+                )
 
     def _thread_write_ended(self) -> asyncio.Future[None] | None:
         """A future of this loop's, done when the write of another thread now running
@@ -235,18 +334,18 @@ class ApplyGate:
 
     def safe_point(self) -> None:
         """Let waiting writes through from inside a long-running user method."""
-        held = _own_reads()
         if on_event_loop():
-            self._run_deferred_if_idle(own=held)
+            self._run_deferred_if_idle(own=_own_reads())
             return
+        read = _own_read()
         with self._cond:
             if not (self._writers_waiting or self._writing):
                 return
-            self._readers -= held
+            lent = self._lend(read)
             self._cond.notify_all()
             while self._writers_waiting or self._writing:
                 self._cond.wait()
-            self._readers += held
+            self._take_back(read, lent)
 
     # -- the writer: applying an update -------------------------------------------------
     def write(
@@ -294,13 +393,16 @@ class ApplyGate:
                     self._deferred.remove(older)
                     pending.followers += [older.supersede(), *older.followers]
             self._deferred.append(pending)
+            if self._deferred_since is None:
+                self._deferred_since = time.monotonic()
             with self._cond:  # what made it wait may have ended before it was listed
                 idle = not (self._readers - held or self._writing or self._writers_waiting)
             if idle:
                 asyncio.get_running_loop().call_soon(self._run_deferred_if_idle)
             return DEFERRED
+        read = _own_read()
         with self._cond:
-            self._readers -= held
+            lent = self._lend(read)
             self._writers_waiting += 1
             self._cond.notify_all()
             first_until = time.monotonic() + self._writer_first_s
@@ -314,6 +416,7 @@ class ApplyGate:
                     first = False
                     self._writers_waiting -= 1
                     self._cond.notify_all()
+                    self._wake_coroutines_waiting()
                     logger.warning(
                         "a weight update waited %g s for the user methods running to "
                         "return; new ones no longer wait for it (one may wait for a call "
@@ -328,14 +431,19 @@ class ApplyGate:
         finally:
             with self._cond:
                 self._writing, self._writer = False, None
-                self._readers += held
+                self._take_back(read, lent)
                 self._cond.notify_all()
                 deferred_waiting = bool(self._deferred)
-                waiters, self._thread_write_waiters = self._thread_write_waiters, []
-            for ended in waiters:  # coroutines waiting to read: let them try again
-                _call_soon(ended.get_loop(), _set_done, ended)
+                self._wake_coroutines_waiting()
             if deferred_waiting:  # held back by this write: run them on their loop
                 _call_soon(self.loop, self._run_deferred_if_idle)
+
+    def _wake_coroutines_waiting(self) -> None:
+        """Let the coroutines waiting for a thread's write try to read again (called
+        holding the gate's lock)."""
+        waiters, self._thread_write_waiters = self._thread_write_waiters, []
+        for ended in waiters:
+            _call_soon(ended.get_loop(), _set_done, ended)
 
     def _writes_here(self) -> bool:
         """Whether the calling thread is the one applying a write now."""
@@ -348,7 +456,8 @@ class ApplyGate:
         with self._cond:
             if self._readers - own or not self._deferred or self._writing:
                 return
-            pending, self._deferred = self._deferred, []
+            pending, self._deferred, self._deferred_since = self._deferred, [], None
+            self._said_overdue = False
             # a write from another thread waits for these
             self._writing, self._writer = True, threading.get_ident()
         failure: Exception | None = None

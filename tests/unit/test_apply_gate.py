@@ -977,3 +977,197 @@ def test_a_reader_waiting_on_another_threads_reader_does_not_deadlock_a_waiting_
     write_waits.set()
     assert reader.finish() == "inner"
     assert writer.finish() == "v2"
+
+
+# -- user methods that wait for other user methods --------------------------------------
+
+
+def test_a_reader_that_gathers_other_readers_while_a_write_is_deferred_ends():
+    """``generate`` (a user method) fans out to ``generate_one`` (user methods too) with
+    ``asyncio.gather`` after a delivery was deferred: they go at once, since their
+    caller waits for them (they waited for the write, which waited for the caller: the
+    actor was stuck for good). The write runs as ``generate`` returns."""
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    async def generate_one(prompt: int) -> tuple[int, int]:
+        async with gate.reading_async():
+            return prompt, model["v"]
+
+    async def generate(prompts: list[int], go: asyncio.Event) -> list[tuple[int, int]]:
+        async with gate.reading_async():
+            await go.wait()
+            return list(await asyncio.gather(*(generate_one(p) for p in prompts)))
+
+    async def main() -> list[tuple[int, int]]:
+        go = asyncio.Event()
+        task = asyncio.create_task(generate([1, 2, 3], go))
+        await asyncio.sleep(0)  # one loop turn: generate reads, parked on go
+        assert gate.write(_setter(model, 1), key="m") is DEFERRED
+        go.set()
+        return await task
+
+    assert _run(main()) == [(1, 0), (2, 0), (3, 0)]  # one version throughout
+    assert model["v"] == 1 and finished == ["ack-1"]
+
+
+def test_a_reader_that_gathers_other_readers_while_a_thread_write_waits_ends():
+    """The same with a write from another thread waiting for ``generate``."""
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+
+    async def generate_one(prompt: int) -> tuple[int, int]:
+        async with gate.reading_async():
+            return prompt, model["v"]
+
+    async def main() -> None:
+        go = asyncio.Event()
+
+        async def generate() -> list[tuple[int, int]]:
+            async with gate.reading_async():
+                await go.wait()
+                return list(await asyncio.gather(*(generate_one(p) for p in (1, 2))))
+
+        task = asyncio.create_task(generate())
+        await asyncio.sleep(0)  # one loop turn: generate reads, parked on go
+        writer = _started("writer", lambda: gate.write(_setter(model, 1)))
+        await asyncio.to_thread(_wait, cond.blocked("writer"), "the write waits")
+        go.set()
+        assert await task == [(1, 0), (2, 0)]
+        assert await asyncio.to_thread(writer.finish) == "ack-1"
+        assert model["v"] == 1
+
+    _run(main())
+
+
+def test_a_reader_waiting_for_another_call_lets_it_in_after_a_deferred_writes_turn():
+    """``serve`` (a user method) waits for items that ``submit`` (another call of the
+    actor, not started by it) brings; a delivery deferred meanwhile keeps ``submit``
+    waiting for ``writer_first_s`` only, then it goes, ``serve`` ends and the write
+    runs (it kept the actor stuck for good)."""
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append, writer_first_s=0.2)
+    model = {"v": 0}
+    items: asyncio.Queue[int] = asyncio.Queue()
+
+    async def serve() -> tuple[int, int]:
+        async with gate.reading_async():
+            before = model["v"]
+            await items.get()
+            return before, model["v"]
+
+    async def submit(item: int) -> None:
+        async with gate.reading_async():
+            items.put_nowait(item)
+
+    async def main() -> tuple[int, int]:
+        serving = asyncio.create_task(serve())
+        await asyncio.sleep(0)  # one loop turn: serve reads, waits for an item
+        assert gate.write(_setter(model, 1), key="m") is DEFERRED
+        await submit(7)
+        return await serving
+
+    assert _run(main()) == (0, 0)
+    assert model["v"] == 1 and finished == ["ack-1"]
+
+
+def test_a_reader_waiting_for_another_call_lets_it_in_after_a_thread_writes_turn():
+    """The same with a write from another thread: after ``writer_first_s`` it lets the
+    coroutines waiting for it in too, not only threads."""
+    gate, cond = _watched_gate([])
+    gate._writer_first_s = 0.2
+    model = {"v": 0}
+
+    async def main() -> None:
+        items: asyncio.Queue[int] = asyncio.Queue()
+
+        async def serve() -> tuple[int, int]:
+            async with gate.reading_async():
+                before = model["v"]
+                await items.get()
+                return before, model["v"]
+
+        async def submit(item: int) -> None:
+            async with gate.reading_async():
+                items.put_nowait(item)
+
+        serving = asyncio.create_task(serve())
+        await asyncio.sleep(0)  # one loop turn: serve reads, waits for an item
+        writer = _started("writer", lambda: gate.write(_setter(model, 1)))
+        await asyncio.to_thread(_wait, cond.blocked("writer"), "the write waits")
+        await submit(7)
+        assert await serving == (0, 0)
+        assert await asyncio.to_thread(writer.finish) == "ack-1"
+        assert model["v"] == 1
+
+    _run(main())
+
+
+def test_a_sync_read_on_the_loop_waits_for_a_thread_write_under_way():
+    """A sync user method of an async actor (Ray runs it on the loop) starting while a
+    pull's write runs in a thread sees the model after that write, not halfway."""
+    gate, cond = _watched_gate([])
+    model = {"a": 0, "b": 0}
+    halfway, finish = threading.Event(), threading.Event()
+
+    def apply() -> str:
+        model["a"] = 1
+        halfway.set()
+        _wait(finish, "the sync read waits in the gate")
+        model["b"] = 1
+        return "v1"
+
+    async def main() -> dict[str, int]:
+        async def refresh() -> Any:  # a user coroutine pulling in a thread
+            async with gate.reading_async():
+                return await asyncio.to_thread(gate.write, apply, "m")
+
+        pulling = asyncio.create_task(refresh())
+        await asyncio.to_thread(_wait, halfway, "the write runs")
+        loop_thread = threading.current_thread().name
+        releaser = _started(
+            "releaser", lambda: (_wait(cond.blocked(loop_thread), "it waits"), finish.set())
+        )
+        with gate.reading():  # the sync method, on the loop
+            seen = dict(model)
+        releaser.finish()
+        assert await pulling == "v1"
+        return seen
+
+    assert _run(main()) == {"a": 1, "b": 1}
+
+
+def test_a_thread_write_for_a_task_started_inside_a_read_waits_for_the_other_readers():
+    """``start`` (a user method) starts a refresh task that pulls through ``to_thread``
+    and returns; the pull's thread carries ``start``'s read, which ends while the write
+    waits for another parked reader. The write still waits for that reader (it went on
+    as ``start`` left, and that reader saw the model change under it)."""
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+    pulls = ThreadPoolExecutor(1, thread_name_prefix="pull")  # to_thread's
+    waits = ThreadPoolExecutor(1)  # the test's own waits
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(pulls)
+        other = await _Parked(gate, model).started()
+
+        async def refresh() -> Any:
+            return await asyncio.to_thread(gate.write, _setter(model, 1), "m")
+
+        async with gate.reading_async():  # start
+            pulling = asyncio.create_task(refresh())
+            await loop.run_in_executor(waits, _wait, cond.blocked("pull_0"), "the write waits")
+        # The write waits for the parked reader still (ran as start left, it would
+        # hold at most its own apply here: the count says whether it went).
+        assert gate._readers == 1
+        assert await other.finish() == 0  # its version to the end
+        assert await pulling == "ack-1"
+        assert model["v"] == 1 and gate._readers == 0
+
+    try:
+        _run(main())
+    finally:
+        pulls.shutdown()
+        waits.shutdown()
