@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import operator
 import threading
 import time
 from collections.abc import Sequence
@@ -357,6 +358,7 @@ def _checked_part(part: int | None, parts: int | None, version: int | None) -> t
             "part and parts go together: part=rank, parts=world (got "
             f"part={part!r}, parts={parts!r})"
         )
+    part, parts = _whole_number("part", part), _whole_number("parts", parts)
     if parts < 1 or not 0 <= part < parts:
         raise ValueError(
             f"part must be in [0, parts) and parts >= 1; got part={part}, parts={parts}"
@@ -367,6 +369,17 @@ def _checked_part(part: int | None, parts: int | None, version: int | None) -> t
             "hub tells which parts belong together"
         )
     return part, parts
+
+
+def _whole_number(name: str, value: object) -> int:
+    """``value`` as an int (a NumPy or torch integer too); ValueError, naming ``name``,
+    for anything else (a float, a bool)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
 
 
 class _BroadcastDone(VersionDone):

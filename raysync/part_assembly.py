@@ -65,7 +65,7 @@ class PartAssembly:
         if index in self._arrived:
             raise ValueError(f"{name} arrived twice")
         workers = None if request.workers is None else tuple(request.workers)
-        if workers != self.workers:
+        if _as_set(workers) != _as_set(self.workers):  # listed in any order, as a whole one
             raise ValueError(
                 f"{name} is for workers {workers}, an earlier part for {self.workers}: "
                 "every part of a version goes to the same receivers"
@@ -135,6 +135,10 @@ def _check_in_spec(part: WeightSpec, whole: WeightSpec, name: str) -> None:
                 f"{name}: key {tensor.name!r} has {tensor.describe()}, the model has "
                 f"{expected.describe()}"
             )
+
+
+def _as_set(workers: tuple[str, ...] | None) -> frozenset[str] | None:
+    return None if workers is None else frozenset(workers)
 
 
 def _union(specs: Iterable[WeightSpec]) -> WeightSpec:

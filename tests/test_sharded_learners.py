@@ -125,6 +125,8 @@ def test_a_part_with_a_key_the_model_lacks_or_a_wrong_shape_is_refused(hub_and_r
         ({"parts": 2}, "part and parts go together"),
         ({"part": 2, "parts": 2, "version": 5}, r"part must be in \[0, parts\)"),
         ({"part": 0, "parts": 2}, "needs version=..."),
+        ({"part": 0, "parts": 2.0, "version": 5}, r"parts must be an int, got 2\.0 \(float\)"),
+        ({"part": True, "parts": 2, "version": 5}, r"part must be an int, got True \(bool\)"),
     ],
 )
 def test_bad_part_arguments_raise_in_the_learner(hub_and_receiver, kw, message):

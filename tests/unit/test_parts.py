@@ -142,6 +142,14 @@ def test_parts_that_disagree_with_the_first_are_refused(second, message):
         assembly.add(second, HUB_SPEC)
 
 
+def test_parts_may_list_the_same_workers_in_any_order():
+    """Ranks that build ``workers`` from a set list them in their own order."""
+    assembly = PartAssembly("m", 7, 2, ("w1", "w2"))
+    assembly.add(part(0, "a", "b", workers=("w1", "w2")), HUB_SPEC)
+    assembly.add(part(1, "c", "d", workers=("w2", "w1")), HUB_SPEC)
+    assert assembly.complete and assembly.request(HUB_SPEC).workers == ("w1", "w2")
+
+
 # -- the receiver's side -------------------------------------------------------------
 class _Staging(TransportReceiver):
     """Stages each payload as tensors filled with its number; records releases."""
