@@ -551,12 +551,13 @@ class ReceiverCore:
         self._release(update, staged)
 
         def outcome(newer: Ack) -> Ack:
-            if newer.status is AckStatus.FAILED:
+            if newer.status in (AckStatus.FAILED, AckStatus.NOT_ATTACHED):
+                # The model holds neither: this one is not applied either, and why.
                 return self._ack(
                     update,
-                    AckStatus.FAILED,
+                    newer.status,
                     f"superseded while waiting for a safe point by version {newer.version}, "
-                    f"which then failed: {newer.error}",
+                    f"which then was not applied: {newer.error}",
                 )
             if (
                 update.from_learner

@@ -550,6 +550,28 @@ def test_a_retired_core_applies_no_version_and_hands_the_staged_one_back():
     assert receiver.transport.released == [(1, True), (2, True)]
 
 
+def test_a_version_superseded_by_one_the_retired_core_did_not_apply_is_not_acked_held():
+    """Versions 2 and 3 wait for a busy async actor's safe point (3 supersedes 2), and
+    the process registers again before it comes: neither is applied, and 2 is not
+    acked as held (SUPERSEDED would tell the hub this worker holds version 2)."""
+    receiver = _Receiver()
+
+    def deliver_then_register_again() -> list[Any]:
+        receipts = [receiver.core.receive(receiver.update(v)) for v in (2, 3)]
+        receiver.core.retire(keep_privately=False)
+        return receipts
+
+    assert _while_a_method_runs(receiver, deliver_then_register_again) == [ACK_LATER] * 2
+    assert [(a.version, a.status) for a in receiver.hub.acks] == [
+        (3, AckStatus.NOT_ATTACHED),
+        (2, AckStatus.NOT_ATTACHED),
+    ]
+    assert "superseded while waiting for a safe point by version 3" in (
+        receiver.hub.acks[1].error or ""
+    )
+    assert receiver.core.models["policy"].version == 0
+
+
 def test_a_deferred_ack_of_an_earlier_registration_goes_to_that_registrations_hub():
     """A core that took over an earlier registration's gate (one that may have been
     with another hub) sends that registration's late acks to its hub, not its own."""
