@@ -99,13 +99,17 @@ class Assemblies(Generic[Started]):
             )
         try:
             assembling.assembly.add(request, known)
-            if assembling.assembly.complete:
-                whole = assembling.assembly.request(known)
-                begun = await self._start(whole, timeout_s, assembling.first_arrived)
-                self._assembled(key, begun)
         except Exception as err:
             self.fail(key, f"part {request.part} was refused ({type(err).__name__}: {err})")
             raise
+        if assembling.assembly.complete:
+            try:
+                whole = assembling.assembly.request(known)
+                begun = await self._start(whole, timeout_s, assembling.first_arrived)
+            except Exception as err:  # no one part's fault: the whole was refused
+                self.fail(key, f"the whole was refused ({type(err).__name__}: {err})")
+                raise
+            self._assembled(key, begun)
         try:
             return await asyncio.shield(assembling.started)
         except IncompleteVersionError as failed:

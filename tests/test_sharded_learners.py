@@ -82,8 +82,18 @@ NAMES = sorted(special_weights())
 @pytest.mark.parametrize(
     "first, second, refusal, reason",
     [
-        (NAMES[:5], NAMES[4:], f"parts 0 and 1 .* both hold key\\(s\\) '{NAMES[4]}'", "both hold"),
-        (NAMES[:3], NAMES[4:], f"do not add up .* missing key\\(s\\) '{NAMES[3]}'", "add up"),
+        (
+            NAMES[:5],
+            NAMES[4:],
+            f"parts 0 and 1 .* both hold key\\(s\\) '{NAMES[4]}'",
+            "part 1 was refused .*both hold",
+        ),
+        (
+            NAMES[:3],
+            NAMES[4:],
+            f"do not add up .* missing key\\(s\\) '{NAMES[3]}'",
+            "the whole was refused .*add up",
+        ),
     ],
     ids=["overlapping", "leaving-a-key-out"],
 )
@@ -98,7 +108,7 @@ def test_parts_that_do_not_make_the_model_are_refused_naming_the_key(
     told, refused = send_parts(hub, parts, version=v + 1)
     with pytest.raises(SpecMismatchError, match=refusal):
         ray.get(refused, timeout=30)
-    with pytest.raises(IncompleteVersionError, match=f"part 1 was refused .*{reason}"):
+    with pytest.raises(IncompleteVersionError, match=reason):
         ray.get(told, timeout=30)
     assert_untouched(receiver, v)
 

@@ -85,6 +85,29 @@ def test_a_refused_part_fails_the_version_for_the_parts_waiting_and_to_come():
     asyncio.run(run())
 
 
+class RefusingStarts(Starts):
+    """The hub refuses the whole version (a stale number, say) as it starts it."""
+
+    async def __call__(self, whole: BroadcastRequest, timeout_s: float, first: float) -> str:
+        raise ValueError("version 7 is not above the current version 9")
+
+
+def test_a_whole_refused_as_it_starts_blames_no_part():
+    async def run():
+        assemblies = Assemblies(RefusingStarts())
+        waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 0))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="not above the current version"):
+            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, 0)
+        with pytest.raises(
+            IncompleteVersionError,
+            match=r"failed: the whole was refused \(ValueError: version 7 is not above",
+        ):
+            await waiting
+
+    asyncio.run(run())
+
+
 def test_a_part_missing_at_the_deadline_is_named_and_fails_the_version():
     async def run():
         assemblies = Assemblies(Starts())
