@@ -302,6 +302,32 @@ class AsyncProbe(WeightReceiver):
 
 
 @ray.remote(num_cpus=0)
+class FanOut(WeightReceiver):
+    """Async actor serving like an inference engine: ``generate`` fans out to
+    ``generate_one`` (user methods too) with ``asyncio.gather``, once a delivery came
+    while it held the model and was deferred to its end."""
+
+    def __init__(self, hub):
+        self.model = make_probe_model()
+        self.deferred = asyncio.Event()
+        self.connect_hub(hub, models={"probe": "model"})
+
+    def _raysync_deliver(self, key, update):
+        ack = super()._raysync_deliver(key, update)
+        if ack is None:  # deferred to the end of the user method that runs
+            self.deferred.set()
+        return ack
+
+    async def generate(self, prompts: int) -> list[float]:
+        await self.deferred.wait()
+        return list(await asyncio.gather(*(self.generate_one() for _ in range(prompts))))
+
+    async def generate_one(self) -> float:
+        await asyncio.sleep(0)  # parked once, as a request is
+        return float(next(self.model.parameters()).view(-1)[0])
+
+
+@ray.remote(num_cpus=0)
 @weight_receiver
 class Decorated:
     def __init__(self, hub):

@@ -14,6 +14,7 @@ from tests.helpers import ready, start, start_hub
 from tests.receivers import (
     AsyncProbe,
     Collector,
+    FanOut,
     HookCaller,
     ThreadedProbe,
     filled,
@@ -98,6 +99,22 @@ def test_busy_async_actor_skips_to_the_newest_version(actors, transport):
     assert applied[0] == 1 and applied[-1] == 7 and applied == sorted(applied)
     assert len(applied) < 7, applied
     assert ray.get(probe.first_value.remote()) == 7.0
+
+
+def test_an_async_actor_fanning_out_to_its_own_methods_while_an_update_waits_goes_on(actors):
+    """``generate`` holds the model when a broadcast arrives (its apply waits for
+    ``generate`` to end) and then gathers ``generate_one`` calls: they see the version
+    ``generate`` began with and go, ``generate`` ends, and the update lands (the calls
+    used to wait for the update, which waited for ``generate``: stuck for good)."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    engine = start(actors, FanOut, hub)
+    ready([engine])
+    ray.get(hub.broadcast.remote(filled(_TEMPLATE, 1.0)))
+    generating = engine.generate.remote(3)
+    report = hub.broadcast.remote(filled(_TEMPLATE, 2.0))
+    assert ray.get(generating, timeout=30) == [1.0, 1.0, 1.0]
+    assert ray.get(report, timeout=30).failed == {}
+    assert ray.get(engine.generate_one.remote()) == 2.0
 
 
 def test_on_weights_applied_may_call_the_actors_methods_and_close_it(actors):
