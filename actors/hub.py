@@ -230,7 +230,9 @@ class WeightHubActor:
         self._background = BackgroundTasks("hub")
         self._metrics = HubMetrics(config.hub_id)
         #: Versions sent in parts, until whole (then started as one) or failed.
-        self._assemblies: Assemblies[_Started] = Assemblies(self._version_and_start)
+        self._assemblies: Assemblies[_Started] = Assemblies(
+            self._version_and_start, self._end_streams_left_out
+        )
         settle_heap()
 
     # -- learner -------------------------------------------------------------------------
@@ -815,6 +817,14 @@ class WeightHubActor:
         ]
         if unread:
             self._background.spawn(_name_no_readers(unread), "streams nobody reads")
+
+    def _end_streams_left_out(self, payloads: list[object]) -> None:
+        """A version in parts left these payloads out (not every part carried their
+        hand-off): their bucket streams get no readers, so that their learner goes on
+        to the hand-offs the version uses instead of waiting for a reader of these."""
+        streams = [stream for payload in payloads for stream in streams_of(payload)]
+        if streams:
+            self._background.spawn(_name_no_readers(streams), "streams left out of a version")
 
     async def _drop_if_dead(self, entry: ReceiverEntry) -> None:
         """Drop a receiver nobody calls if Ray says its actor died: one its transport had

@@ -49,13 +49,17 @@ class Assemblies(Generic[Started]):
 
     ``start(whole, timeout_s, first_arrived)`` versions and starts a whole request
     (the hub's own start of a broadcast); what it returns is what every part's
-    :meth:`take` returns.
+    :meth:`take` returns. ``unread(payloads)`` is told the payloads the whole leaves
+    out (:meth:`~raysync.part_assembly.PartAssembly.unread_payloads`) as it starts.
     """
 
     def __init__(
-        self, start: Callable[[BroadcastRequest, float, float], Awaitable[Started]]
+        self,
+        start: Callable[[BroadcastRequest, float, float], Awaitable[Started]],
+        unread: Callable[[list[object]], None] = lambda payloads: None,
     ) -> None:
         self._start = start
+        self._unread = unread
         self._open: OrderedDict[Key, _Assembling[Started]] = OrderedDict()
 
     def __contains__(self, key: Key) -> bool:
@@ -105,6 +109,7 @@ class Assemblies(Generic[Started]):
         if assembling.assembly.complete:
             try:
                 whole = assembling.assembly.request(known)
+                self._unread(assembling.assembly.unread_payloads())
                 begun = await self._start(whole, timeout_s, assembling.first_arrived)
             except Exception as err:  # no one part's fault: the whole was refused
                 self.fail(key, f"the whole was refused ({type(err).__name__}: {err})")

@@ -120,6 +120,16 @@ class PartAssembly:
         )
 
 
+    def unread_payloads(self) -> list[object]:
+        """Once :attr:`complete`: the payloads of hand-offs that not every part carries
+        (the ranks' routes differed: a receiver of a new transport joined between their
+        broadcasts). :meth:`request` leaves them out, and nobody reads them: their
+        transports are told so (a bucketed one's learner stops streaming it)."""
+        parts = list(self._arrived.values())
+        common = set.intersection(*(set(r.payloads) for r in parts))
+        return [p for r in parts for h, p in r.payloads.items() if h not in common]
+
+
 def _check_in_spec(part: WeightSpec, whole: WeightSpec, name: str) -> None:
     """Raise SpecMismatchError unless every key of ``part`` is in ``whole``, alike."""
     known = {t.name: t for t in whole.tensors}

@@ -85,6 +85,23 @@ def test_a_refused_part_fails_the_version_for_the_parts_waiting_and_to_come():
     asyncio.run(run())
 
 
+def test_payloads_the_whole_leaves_out_are_named_unread_as_it_starts():
+    async def run():
+        unread: list[list[object]] = []
+        assemblies = Assemblies(Starts(), unread.append)
+        carrying_two = dataclasses.replace(
+            part(0, "a"), payloads={"object_store": "put0", "nixl": "ring0"}
+        )
+        first = asyncio.ensure_future(assemblies.take(carrying_two, "m", KNOWN, 30, 0))
+        await asyncio.sleep(0)
+        assert unread == []
+        await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, 0)
+        await first
+        return unread
+
+    assert asyncio.run(run()) == [["ring0"]]
+
+
 class RefusingStarts(Starts):
     """The hub refuses the whole version (a stale number, say) as it starts it."""
 

@@ -150,6 +150,19 @@ def test_parts_may_list_the_same_workers_in_any_order():
     assert assembly.complete and assembly.request(HUB_SPEC).workers == ("w1", "w2")
 
 
+def test_hand_offs_not_every_part_carries_are_left_out_and_named_unread():
+    """Ranks whose routes differ (a receiver of a new transport joined between their
+    broadcasts): the version goes by the hand-offs every part carries; the others'
+    payloads are nobody's to read."""
+    assembly = PartAssembly("m", 7, 2, None)
+    assembly.add(part(0, "a", "b"), HUB_SPEC)
+    assembly.add(
+        dataclasses.replace(part(1, "c", "d"), payloads={"object_store": "put1"}), HUB_SPEC
+    )
+    assert set(assembly.request(HUB_SPEC).payloads) == {"object_store"}
+    assert assembly.unread_payloads() == ["slot0"]
+
+
 # -- the receiver's side -------------------------------------------------------------
 class _Staging(TransportReceiver):
     """Stages each payload as tensors filled with its number; records releases."""
