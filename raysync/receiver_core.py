@@ -390,6 +390,21 @@ class ReceiverCore:
         logger.info("%s re-registered with its hub", self.actor_name)
         return welcome
 
+    def decline(self, update: Update) -> None:
+        """Hand back an update the hub planned for this receiver and that it will not
+        read (a pull receiver's welcome on registering again: it takes versions when it
+        pulls): its transport lets go of what it holds for it (a shared-memory slot's
+        hold, which would otherwise keep the learner from reusing that slot)."""
+        try:
+            self.transport.release(update.payload, None)
+        except Exception:
+            logger.exception(
+                "%s could not hand back version %d of model %r",
+                self.actor_name,
+                update.version,
+                update.model,
+            )
+
     def latest(self, model: str, timeout_s: float) -> Update | None:
         """The hub's latest update of ``model`` if newer than the version held here."""
         have = self.models[model].version

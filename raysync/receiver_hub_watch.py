@@ -155,9 +155,11 @@ class HubWatch(threading.Thread):
             return True
         self._failures = 0
         self._connection = replace(self._connection, connected=True, reregistering_since=None)
-        if self._pushed:  # a pull receiver takes versions when it pulls, not in the background
-            for update in welcome.latest.values():
+        for update in welcome.latest.values():
+            if self._pushed:
                 self._deliver_offered(update)
+            else:  # a pull receiver takes versions when it pulls, not in the background
+                core.decline(update)
         return True
 
     def _deliver_offered(self, update: Update) -> None:

@@ -54,6 +54,7 @@ class _Core:
         self.receipts: dict[Update, Receipt] = {}
         self.latest_updates: dict[str, Update] = {}
         self.delivered: list[Update] = []
+        self.declined: list[Update] = []
         self.acks: list[Ack] = []
 
     def hub_knows_me(self, timeout_s: float) -> bool:
@@ -71,6 +72,9 @@ class _Core:
 
     def send_ack(self, ack: Ack) -> None:
         self.acks.append(ack)
+
+    def decline(self, update: Update) -> None:
+        self.declined.append(update)
 
 
 def _answer(scripted: Any) -> Any:
@@ -110,10 +114,12 @@ def test_a_hub_that_forgot_the_receiver_gets_it_back_with_its_versions():
 
 def test_a_pull_receiver_is_registered_again_and_left_to_pull_what_the_hub_offers():
     """Nothing is applied behind its back: not the welcome's versions, not the models
-    it could not fetch while connecting."""
+    it could not fetch while connecting. The welcome's versions are handed back (the
+    hub planned reading them: a shared-memory slot is held for this receiver)."""
+    offered = _update("policy", 3)
     core = _Core(
         heartbeats=[False, True],
-        registrations=[_welcome(_update("policy", 3))],
+        registrations=[_welcome(offered)],
         mode=DeliveryMode.PULL,
     )
     core.behind = {"critic"}
@@ -121,6 +127,7 @@ def test_a_pull_receiver_is_registered_again_and_left_to_pull_what_the_hub_offer
     watch = HubWatch(core, BEAT)
     assert watch.beat() == BEAT and watch.beat() == BEAT
     assert core.delivered == [] and core.acks == [] and core.behind == {"critic"}
+    assert core.declined == [offered]
     assert watch.connection().connected
 
 
