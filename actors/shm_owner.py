@@ -159,6 +159,9 @@ class ShmOwner:
         #: worker -> its row; never given to another worker (a former holder of a row
         #: may still write there)
         self._rows: dict[str, int] = {}
+        #: workers that died, left or moved to another node: a hold for one of them that
+        #: lands after (a relay's, or a plan's made before the hub heard) is not taken
+        self._gone: set[str] = set()
         self._next_column = 0
         self._free_columns: list[int] = []  #: columns of freed segments
         #: learner (sender id) -> its process, and the learners gone (their slots are
@@ -226,6 +229,8 @@ class ShmOwner:
                 other.holds.discard(PENDING)
         segment.holds.discard(PENDING)
         for worker in workers:
+            if worker in self._gone:  # nobody would ever release it
+                continue
             if self._on_board(segment, worker):  # done with it before its hold came
                 self._board_releases += 1
             elif worker not in segment.released:
@@ -312,27 +317,41 @@ class ShmOwner:
                 segment.released.add(worker)
 
     def join(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> Board | None:
-        """``worker`` (re)joined on this node: as :meth:`drop_worker`, and its row of the
-        release board (the same one again if it had one; None once every row is
-        taken: it then releases by call)."""
-        self.drop_worker(worker, keep)
+        """``worker`` (re)joined on this node: it holds nothing but ``keep`` (see
+        :meth:`drop_worker`), and gets its row of the release board (the same one again
+        if it had one; None once every row is taken: it then releases by call)."""
         with self._lock:
+            self._forget(worker, keep)
+            self._gone.discard(worker)
             row = self._rows.get(worker)
             if row is None and len(self._rows) < BOARD_ROWS:
                 row = self._rows[worker] = len(self._rows)
             return None if row is None else Board(self._slot(self._board), row)
 
     def drop_worker(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> None:
-        """``worker`` died, left or re-registered: it holds nothing any more, but the
-        slots in ``keep`` ((owner pid, seq) pairs: its zero-copy models live there)."""
-        kept = {seq for pid, seq in keep if pid == self._pid}
+        """``worker`` died, left or moved to another node: it holds nothing any more,
+        but the slots in ``keep`` ((owner pid, seq) pairs: its zero-copy models live
+        there), and a hold for it that lands later (the hub does not wait for its holds
+        to land; a relay takes its receivers' after its copy) is not taken, until it
+        joins here again."""
         with self._lock:
-            for segment in self._by_seq.values():
-                if segment.seq in kept:
-                    continue
-                segment.holds.discard(Hold.of_worker(worker))
-                segment.released.discard(worker)
-            self._lock.notify_all()
+            self._forget(worker, keep)
+            self._gone.add(worker)
+
+    def _forget(self, worker: str, keep: tuple[tuple[int, int], ...]) -> None:
+        """(Lock held.) ``worker``'s holds and releases go, but those of the slots in
+        ``keep``: its early releases, and what its row of the board says it released
+        (a new incarnation gets the same row: its reads of those versions are to come)."""
+        kept = {seq for pid, seq in keep if pid == self._pid}
+        row = self._rows.get(worker)
+        for segment in self._by_seq.values():
+            if segment.seq in kept:
+                continue
+            segment.holds.discard(Hold.of_worker(worker))
+            segment.released.discard(worker)
+            if row is not None and segment.column >= 0:
+                self._cells[row, segment.column] = 0
+        self._lock.notify_all()
 
     def stats(self) -> OwnerStats:
         with self._lock:

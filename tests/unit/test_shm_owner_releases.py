@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from raysync.actors.shm_owner import ShmOwner
+from raysync.actors.shm_owner import Hold, ShmOwner
 
 PID = os.getpid()  # the owner runs in this process: its slots name this pid
 
@@ -213,5 +213,57 @@ def test_the_slots_of_a_learner_whose_pid_a_new_process_took_are_freed(monkeypat
         monkeypatch.setattr(shm_owner, "_started_at", lambda pid: started + 1)  # reused
         owner.acquire(4096, timeout_s=5.0, learner="lives", pid=PID)
         assert owner.stats().segments == 1
+    finally:
+        owner.close()
+
+
+def test_a_restarted_receiver_holds_the_version_it_reads_again(owner):
+    """It released version s on its row of the board, died, and its new process joined
+    with the same worker id (the same row): the hold of its catch-up read of s is
+    taken, not mistaken for the old release, so the slot is not handed to the learner
+    while the new process reads it."""
+    board = owner.join("w")
+    assert board is not None
+    slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    owner.deliver(PID, slot.seq, "m", ("w",))
+    owner._cells[board.row, slot.column] = slot.seq  # what its release wrote (pwrite)
+    assert owner.stats().holds == ("latest/m",)
+
+    assert owner.join("w") == board  # Ray restarted it: the same row
+    owner.deliver(PID, slot.seq, "m", ("w",))  # the hub's catch-up of the latest
+    assert owner.stats().holds == ("latest/m", "worker/w")
+    newer = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    owner.deliver(PID, newer.seq, "m", ())  # the next version: the latest moves on
+    assert owner._by_seq[slot.seq].holds == {Hold.of_worker("w")}
+
+
+def test_a_hold_for_a_worker_gone_that_lands_after_is_not_taken(owner):
+    """The hub's hold for a receiver (not awaited) lands after the owner heard it died:
+    nothing would ever release it. Once it joins again, its holds count again."""
+    slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    owner.drop_worker("w1")
+    owner.deliver(PID, slot.seq, "m", ("w0", "w1"))
+    assert owner.stats().holds == ("latest/m", "worker/w0")
+    owner.join("w1")
+    owner.deliver(PID, slot.seq, "m", ("w1",))
+    assert owner.stats().holds == ("latest/m", "worker/w0", "worker/w1")
+
+
+def test_a_relay_whose_receiver_died_while_it_copied_does_not_hold_for_it(monkeypatch):
+    import numpy as np
+
+    from raysync.actors import shm_owner
+    from raysync.layout import HEADER_BYTES
+
+    owner = ShmOwner("node", max_slots=1)
+
+    def get(ref: str) -> np.ndarray:
+        owner.drop_worker("w1")  # the hub heard w1 died while the relay copied
+        return np.zeros(4096 - HEADER_BYTES, dtype=np.uint8)
+
+    monkeypatch.setattr(shm_owner.ray, "get", get)
+    try:
+        owner.relay(["ref"], 4096, "m", ("w0", "w1"), 5.0)
+        assert owner.stats().holds == ("latest/m", "worker/w0")
     finally:
         owner.close()
