@@ -6,6 +6,7 @@ slot for that receiver and counts as a release by call."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -267,3 +268,39 @@ def test_a_relay_whose_receiver_died_while_it_copied_does_not_hold_for_it(monkey
         assert owner.stats().holds == ("latest/m", "worker/w0")
     finally:
         owner.close()
+
+
+def test_a_version_handed_to_a_receiver_twice_is_held_until_both_are_released(owner, monkeypatch):
+    """A delivery tried again (or a catch-up beside a broadcast of the same version)
+    hands one receiver the same slot twice; the owner holds it once for that worker.
+    The first handing, superseded by the second at the safe point, is released: the
+    slot stays held for the second, which has yet to be copied."""
+    import torch
+
+    from raysync.spec import WeightSpec
+    from raysync.transports.shared_memory import receiver as shm_receiver
+    from raysync.transports.shared_memory.wire import (
+        HEADER_BYTES,
+        SharedMemoryPayload,
+        SharedMemoryReceiverInfo,
+        write_seq,
+    )
+
+    monkeypatch.setattr(
+        shm_receiver.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node")
+    )
+    spec = WeightSpec.of({"w": torch.zeros(16)})
+    board = owner.join("w")
+    receiver = shm_receiver.SharedMemoryReceiver(SharedMemoryReceiverInfo("w", "owner", board))
+    slot = owner.acquire(HEADER_BYTES + 64, timeout_s=5.0, learner="learner")
+    write_seq(owner._by_seq[slot.seq].buffer, slot.seq)  # the learner wrote it
+    owner.deliver(PID, slot.seq, "m", ("w",))
+    payload = SharedMemoryPayload(slot)
+    try:
+        first, second = (receiver.fetch(payload, spec) for _ in range(2))
+        receiver.release(payload, first)  # superseded by the second
+        assert owner.stats().holds == ("latest/m", "worker/w")
+        receiver.release(payload, second)  # applied
+        assert owner.stats().holds == ("latest/m",)
+    finally:
+        receiver.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,6 +40,12 @@ class SharedMemoryReceiver(TransportReceiver):
         self._mappings = Mappings(writable=False)
         #: Bucketed versions: read from the bucket broker into a private staging buffer.
         self._streams = ObjectStoreReceiver(info.worker)
+        #: (owner pid, seq) -> how many fetches of that version are not released yet. Its
+        #: owner holds a slot once per worker: a version handed here twice (a delivery
+        #: tried again, a catch-up beside a broadcast of it) is released when the last
+        #: of them is, not when the first one (superseded by the second) is.
+        self._leases: dict[tuple[int, int], int] = {}
+        self._leases_lock = threading.Lock()
 
     def fetch(
         self, payload: SharedMemoryPayload | BucketStream, spec: WeightSpec
@@ -65,7 +72,11 @@ class SharedMemoryReceiver(TransportReceiver):
                 f"{seq}, expected {slot.seq}: it was rewritten before this "
                 "receiver read it (its hold was lost: did it re-register meanwhile?)"
             )
-        return self._mappings.views(slot, layout)
+        views = self._mappings.views(slot, layout)
+        with self._leases_lock:
+            key = (slot.pid, slot.seq)
+            self._leases[key] = self._leases.get(key, 0) + 1
+        return views
 
     def release(
         self, payload: SharedMemoryPayload | BucketStream, staged: Sequence[torch.Tensor] | None
@@ -74,6 +85,12 @@ class SharedMemoryReceiver(TransportReceiver):
             self._streams.release(payload, staged)
             return
         slot = payload.slot
+        with self._leases_lock:  # one of its fetches ends (or one that failed)
+            key = (slot.pid, slot.seq)
+            left = self._leases.pop(key, 0) - 1
+            if left > 0:
+                self._leases[key] = left
+                return
         if self._released_on_board(slot):
             return
         if self._owner is None or self._owner[0] != slot.pid:
