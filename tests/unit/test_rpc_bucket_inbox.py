@@ -56,3 +56,35 @@ def test_versions_left_far_behind_are_dropped_when_a_newer_one_is_taken():
     inbox.take("hub", 10, count=1, timeout_s=10)
     with pytest.raises(TransportError, match="did not land"):
         inbox.take("hub", 1, count=1, timeout_s=0.05)
+
+
+def test_a_buffer_a_late_bucket_still_lands_in_is_not_given_to_the_next_version(monkeypatch):
+    """A bucket call that stalled is still copying when the agent gives its version up
+    (the receiver's ``take`` raises and drops it): the next version gets a buffer of its
+    own, not the one that copy then overwrites."""
+    from raysync.transports.rpc import receiver as rpc_receiver
+
+    real_place = rpc_receiver.place
+    copying, go = threading.Event(), threading.Event()
+
+    def stalled_place(buffer, places, pieces):
+        if pieces[0][0] == 1:  # version 1's bucket: stalls mid-copy
+            copying.set()
+            assert go.wait(10)
+        real_place(buffer, places, pieces)
+
+    monkeypatch.setattr(rpc_receiver, "place", stalled_place)
+    inbox = _BucketInbox()
+    late = threading.Thread(
+        target=inbox.put, args=("hub", 1, 64, [(0, 64)], [torch.ones(64, dtype=torch.uint8)])
+    )
+    late.start()
+    assert copying.wait(10)
+    inbox.fail("hub", 1, "the RPC agent gave it up")
+    with pytest.raises(TransportError, match="gave it up"):
+        inbox.take("hub", 1, count=1, timeout_s=10)
+    inbox.put("hub", 2, 64, [(0, 64)], [torch.zeros(64, dtype=torch.uint8)])
+    buffer = inbox.take("hub", 2, count=1, timeout_s=10)
+    go.set()
+    late.join(10)
+    assert torch.equal(buffer, torch.zeros(64, dtype=torch.uint8))

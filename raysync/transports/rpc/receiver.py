@@ -84,6 +84,7 @@ class _Landing:
     buffer: torch.Tensor
     landed: int = 0
     failed: str | None = None
+    placing: int = 0  #: buckets being copied into ``buffer`` now (outside the lock)
 
 
 class _BucketInbox:
@@ -111,8 +112,13 @@ class _BucketInbox:
                 if buffer is None:
                     buffer = torch.empty(nbytes, dtype=torch.uint8)
                 landing = self._landing[(key, seq)] = _Landing(buffer)
+            landing.placing += 1
         # One bucket of a version lands at a time (the agent waits for each call).
-        place(landing.buffer, places, pieces)
+        try:
+            place(landing.buffer, places, pieces)
+        finally:
+            with self._cond:
+                landing.placing -= 1
         with self._cond:
             landing.landed += 1
             self._cond.notify_all()
@@ -157,9 +163,11 @@ class _BucketInbox:
             self._free[buffer.numel()] = buffer
 
     def _drop(self, key: tuple[str, int]) -> None:
-        """Forget a landing and reuse its buffer (holds the lock)."""
+        """Forget a landing and reuse its buffer (holds the lock), unless a bucket is
+        still being copied into it (a call that stalled past the agent's patience: the
+        next version would get a buffer that copy then overwrites)."""
         landing = self._landing.pop(key, None)
-        if landing is not None and landing.buffer.numel():
+        if landing is not None and landing.buffer.numel() and not landing.placing:
             self._free[landing.buffer.numel()] = landing.buffer
 
 
