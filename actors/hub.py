@@ -833,6 +833,16 @@ class WeightHubActor:
         stopped (a live one is kept, and the memory its zero-copy model lives in stays
         held for it: a busy or cut-off process must not lose it)."""
         registration = entry.registration
+        if registration.handle is None:  # a driver or a task: no actor to ask Ray about
+            logger.warning(
+                "%s (%s, no actor) stopped beating; dropped from the registry until it "
+                "registers again (its hub watch does, if it is alive)",
+                registration.worker,
+                registration.actor,
+            )
+            self._drop(registration.worker, registration.token)
+            self._asking_if_alive.discard(registration.token)
+            return
         try:
             await asyncio.wait_for(registration.handle.__ray_ready__.remote(), _ALIVE_CHECK_S)
         except ActorDiedError:

@@ -9,6 +9,7 @@ also what every other receiver test checks.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -16,7 +17,14 @@ import torch
 
 import raysync
 from raysync.transports import DEFAULT_TRANSPORT
-from tests.helpers import assert_same, ready, start, start_hub, wait_until
+from tests.helpers import (
+    assert_same,
+    cut_off_heartbeats,
+    ready,
+    start,
+    start_hub,
+    wait_until,
+)
 from tests.receivers import (
     AsyncHost,
     Collector,
@@ -185,6 +193,20 @@ def test_a_pull_receiver_registered_again_takes_versions_only_when_it_pulls(acto
         assert_same(state_of(mine), state_of(second))
     finally:
         beat_may_ask.set()
+        receiver.close()
+
+
+def test_a_driver_pull_receiver_that_stops_beating_is_forgotten(actors):
+    """No actor to ask Ray about: once its heartbeats lapse the hub drops it (it asked
+    a handle it does not have, failed on every beat and kept it for good)."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, models=["policy"])
+    mine = make_policy()
+    receiver = raysync.attach(hub, {"policy": mine}, mode="pull", heartbeat_s=0.2)
+    try:
+        assert [r.worker for r in ray.get(hub.status.remote()).receivers] == [receiver.worker]
+        cut_off_heartbeats(SimpleNamespace(_raysync_receiver=receiver))
+        wait_until(lambda: ray.get(hub.status.remote()).receivers == (), what="the hub forgot it")
+    finally:
         receiver.close()
 
 
