@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
@@ -95,7 +96,8 @@ from .hub_parts import Assemblies
 
 logger = logging.getLogger(__name__)
 
-#: Reports kept per model for ``wait_for`` after the broadcast finished.
+#: Reports kept per model for ``wait_for`` after the broadcast finished (those still
+#: running are kept however many: ``wait_for`` and ``close`` wait for them).
 _REPORTS_KEPT = 256
 #: Refused registrations ``status`` lists (the newest, one per worker id).
 _REFUSALS_KEPT = 256
@@ -342,8 +344,10 @@ class WeightHubActor:
         task: asyncio.Task[BroadcastReport] = asyncio.create_task(self._deliver_all(delivery))
         reports = self._reports.setdefault(handed.model, OrderedDict())
         reports[handed.version] = task
-        while len(reports) > _REPORTS_KEPT:
-            reports.popitem(last=False)
+        if len(reports) > _REPORTS_KEPT:  # the oldest ended ones go; running ones stay
+            ended = (v for v, t in reports.items() if t.done())
+            for version in list(itertools.islice(ended, len(reports) - _REPORTS_KEPT)):
+                del reports[version]
         return _Started(handed.model, handed.version, task)
 
     def _save_snapshot(self) -> None:

@@ -107,6 +107,12 @@ def cut_off_heartbeats(receiver) -> None:
     receiver._raysync_receiver.core.hub_knows_me = unreachable
 
 
+def keep_two_reports(hub_actor) -> None:
+    """Runs in the hub actor (``__ray_call__``): it keeps the reports of its last two
+    ended broadcasts per model for ``wait_for``, not 256."""
+    sys.modules[type(hub_actor).__module__]._REPORTS_KEPT = 2
+
+
 def release_hub(learner) -> None:
     """Runs in a learner actor holding its hub handle as ``hub`` (``__ray_call__``, e.g.
     ``raysync.testing.PartLearner``): ``HubHandle.release``."""

@@ -27,12 +27,14 @@ from raysync import (
 )
 from raysync.messages import Entry
 from raysync.receiver_delivery import delivery_call
+from raysync.testing import assert_bitwise, special_weights
 from raysync.transports import DEFAULT_TRANSPORT, register_transport
-from tests.helpers import assert_same, ready, start, start_hub
+from tests.helpers import Gate, assert_same, keep_two_reports, ready, start, start_hub
 from tests.receivers import (
     Collector,
     Decorated,
     FailingHook,
+    Holder,
     MultiModel,
     SlowHook,
     make_policy,
@@ -304,6 +306,28 @@ class TestAsyncAcks:
         assert [r.version for r in reports] == versions
         assert all(r.acked == ("w0",) for r in reports)
         assert ray.get(collector.version.remote()) == versions[-1]
+
+
+def test_broadcasts_still_running_past_the_reports_kept_can_be_waited_for(actors):
+    """The hub keeps the reports of its last broadcasts for ``wait_for`` (two here):
+    those still running, behind a receiver busy in a long method, are kept however
+    many (the oldest were let go, and ``wait_for`` raised for a running broadcast)."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    ray.get(hub.actor.__ray_call__.remote(keep_two_reports))
+    template = special_weights(0.0)
+    holder = start(actors, Holder, hub, template, "busy")
+    ready([holder])
+    gate = start(actors, Gate)
+    busy = holder.hold.remote(gate)
+    weights = [special_weights(float(v)) for v in range(1, 5)]
+    tickets = ray.get([hub.broadcast.remote(w, model="m", wait=False) for w in weights])
+    waiting = [hub.wait_for.remote(t) for t in tickets]
+    gate.open.remote()
+    ray.get(busy)
+    reports = ray.get(waiting, timeout=60)
+    assert [r.version for r in reports] == [t.version for t in tickets]
+    assert all(r.failed == {} and r.acked == ("busy",) for r in reports)
+    assert_bitwise(ray.get(holder.state.remote()), weights[-1])
 
 
 class TestFailures:
