@@ -256,7 +256,10 @@ class WeightHubActor:
         if begun is None and request.parts > 1:
             begun = await self._assemble(request, timeout_s, started)
         elif begun is None:
-            begun = await self._version_and_start(request, timeout_s, started)
+            # Delivered by its learner under a number another broadcast took: receivers
+            # were touched, so a named one gone since fails alone, as when booked.
+            taken = request.direct_calls is not None
+            begun = await self._version_and_start(request, timeout_s, started, gone_ok=taken)
         if not request.wait:
             return BroadcastTicket(
                 begun.model, begun.version, route=self._route(request.model, request.known)
@@ -405,10 +408,12 @@ class WeightHubActor:
         return Route(hand_offs, resolved, next_version, spec, targets)
 
     async def _version_and_start(
-        self, request: BroadcastRequest, timeout_s: float, started: float
+        self, request: BroadcastRequest, timeout_s: float, started: float, gone_ok: bool = False
     ) -> _Started:
         """Check ``request``, give it its version and start its delivery (in the order
-        its learner submitted it: nothing here awaits once the model is known)."""
+        its learner submitted it: nothing here awaits once the model is known).
+        ``gone_ok``: named workers no longer registered fail in the report instead of
+        refusing the broadcast (its learner delivered it to the others already)."""
         if not self._state.models:
             await self._wait_for_first_model(timeout_s)
         model = self._state.resolve_model(request.model)
@@ -418,7 +423,16 @@ class WeightHubActor:
         version = request.version
         if version is None and request.above > self._state.version_of(model):
             version = request.above + 1  # its learner delivered one the hub never booked
-        targets = self._state.targets(model, request.workers)
+        workers, gone = request.workers, {}
+        if gone_ok and workers:
+            gone = {
+                w: f"{w} left the hub (it died or closed) before this version of model "
+                f"{model!r} was booked"
+                for w in dict.fromkeys(workers)
+                if w not in self._state.receivers
+            }
+            workers = tuple(w for w in workers if w not in gone)
+        targets = [] if gone and not workers else self._state.targets(model, workers)
         if request.bucket_bytes is not None:
             _check_bucket_readers(targets)
         handed = self._state.publish(
@@ -432,7 +446,9 @@ class WeightHubActor:
         if request.workers is None:  # left out: joined by a transport the learner had not seen
             targets = [t for t in targets if handed.readable_by(t.transport)]
         self._save_snapshot()
-        return self._start(_Delivery.of(request, handed, spec, targets, timeout_s, started))
+        return self._start(
+            _Delivery.of(request, handed, spec, targets, timeout_s, started, gone=gone)
+        )
 
     async def _assemble(
         self, request: BroadcastRequest, timeout_s: float, started: float

@@ -131,6 +131,27 @@ def test_two_learners_guessing_the_same_version_stay_in_the_hubs_order(actors):
     assert ray.get(first.status.remote()).versions == {"policy": 3}
 
 
+def test_a_taken_version_whose_named_receiver_left_is_versioned_anew_and_fails_it(actors):
+    """The first learner delivered its broadcast to the workers it named under a number
+    the second learner's took, and one of them left meanwhile: the hub versions it anew
+    and delivers it to the one still there, failing the other (it raised
+    UnknownWorkerError though a receiver had the learner's call)."""
+    first = start_hub(actors, "object_store")
+    second = start(actors, OtherLearner, first)
+    stays, other = (start(actors, Collector, first, worker_id=w) for w in ("stays", "other"))
+    ready([stays, other])
+    ray.get(first.broadcast.remote(make_policy()))  # version 1; the route lists both
+    assert ray.get(second.broadcast.remote(make_policy())).version == 2
+    ray.get(other.__ray_call__.remote(lambda c: c._raysync_connected().close()))
+    learner = make_policy()
+    report = ray.get(
+        first.broadcast.remote(learner, workers=["stays", "other"], raise_on_failure=False)
+    )
+    assert (report.version, report.direct, report.acked) == (3, (), ("stays",))
+    assert "left the hub" in report.failed["other"], report.failed
+    _hold([stays], learner, 3)
+
+
 def test_a_receiver_killed_after_the_route_is_reported_dead(actors):
     hub = start_hub(actors, "object_store")
     survivor = start(actors, Collector, hub, worker_id="survivor")
