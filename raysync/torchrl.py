@@ -309,9 +309,15 @@ class RaySyncScheme(WeightSyncScheme):
     def _pass_on(self, model_id: str, version: int) -> None:
         """After each applied version, in the collector's actor: hand the weights to the
         collector's own ``update_policy_weights_``, as TorchRL's schemes do (it updates
-        sub-collectors' workers and bumps the collector's policy version)."""
+        sub-collectors' workers and bumps the collector's policy version). Only for a
+        model the collector can take that way: one its own schemes sync (a
+        multi-process collector's), or, with none, its policy (a ``Collector`` raises
+        ``KeyError`` for any other id, and the version, applied, would fail its ack)."""
         context = self.context
-        if context is not None:
+        if context is None:
+            return
+        schemes = getattr(context, "_weight_sync_schemes", None) or {}
+        if model_id in schemes or (not schemes and model_id == "policy"):
             context.update_policy_weights_(
                 model_id=model_id, policy_or_weights=_weights_of(self.model)
             )

@@ -29,3 +29,13 @@ class MismatchedCountingPolicy(CountingPolicy):
     def __init__(self) -> None:
         super().__init__()
         self.unexpected = nn.Parameter(torch.ones(()))
+
+
+def normalized_counting_env():
+    """``CountingEnv`` whose observations an ``ObservationNorm`` shifts by its ``loc``:
+    a second model of the collector (``"env.transform"``), besides its policy."""
+    from torchrl.envs import ObservationNorm, TransformedEnv
+    from torchrl.testing.mocking_classes import CountingEnv
+
+    norm = ObservationNorm(loc=torch.zeros(1), scale=torch.ones(1), in_keys=["observation"])
+    return TransformedEnv(CountingEnv(), norm)

@@ -12,14 +12,18 @@ import pytest
 import ray
 import torch
 from tensordict import TensorDict
-from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 from torchrl.collectors.distributed import RayCollector
 from torchrl.testing.mocking_classes import CountingEnv
 from torchrl.weight_update import WeightSyncScheme
 
 from raysync import SpecMismatchError, UnknownModelError, WeightHub
-from raysync.torchrl import RaySyncScheme
-from tests.torchrl.policies import CountingPolicy, MismatchedCountingPolicy
+from raysync.torchrl import RaySyncScheme, _collector_model
+from tests.torchrl.policies import (
+    CountingPolicy,
+    MismatchedCountingPolicy,
+    normalized_counting_env,
+)
 
 FRAMES = 8  # per remote collector and batch
 REMOTE = {"num_cpus": 0}  # many small actors on a 2-core machine
@@ -250,3 +254,25 @@ def closed(hub) -> bool:
         return ray.get(hub.actor.closed.remote(), timeout=30)
     except ray.exceptions.RayActorError:
         return True
+
+
+def test_an_applied_version_of_a_model_besides_the_policy_is_not_passed_on_to_fail():
+    """TorchRL's model ids are attribute paths (``"env.transform"``). After a version
+    lands in the collector's model, the scheme's hook hands it to the collector's
+    ``update_policy_weights_`` only for a model the collector takes that way: a
+    ``Collector`` takes its policy and raises ``KeyError`` for any other id (the
+    version, applied, then failed its ack: every update raised ``BroadcastError``)."""
+    collector = Collector(
+        normalized_counting_env, policy=CountingPolicy(), frames_per_batch=FRAMES, total_frames=-1
+    )
+    passed_on: list[str | None] = []
+    take = collector.update_policy_weights_
+    collector.update_policy_weights_ = lambda **kw: (passed_on.append(kw["model_id"]), take(**kw))
+    try:
+        for model_id in ("env.transform", "policy"):
+            scheme = RaySyncScheme()
+            scheme.context, scheme.model = collector, _collector_model(collector, model_id)
+            scheme._pass_on(model_id, 1)  # what attach's on_applied runs
+        assert passed_on == ["policy"]
+    finally:
+        collector.shutdown()
