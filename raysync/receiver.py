@@ -36,7 +36,9 @@ class WeightReceiver:
     *reader*: a new version is applied only while none of them runs, so user code
     never sees a model that mixes two versions, under threaded and async actors too.
     A method that runs for a long time lets updates in with :meth:`weights_safe_point`.
-    Sync generator methods are not guarded.
+    An async generator method (a streamed reply) reads from its first item to its
+    last; sync generator methods are not guarded (hold the model through one with
+    ``self._raysync_receiver.using()``).
 
     :meth:`weights_connection` tells how the link to the hub stands, as the hub watch
     (the heartbeat thread ``connect_hub`` starts) last saw it: a
@@ -56,7 +58,7 @@ class WeightReceiver:
             raw = inspect.getattr_static(cls, name)
             if not inspect.isfunction(raw) or getattr(raw, "__raysync_guarded__", False):
                 continue
-            if inspect.isgeneratorfunction(raw) or inspect.isasyncgenfunction(raw):
+            if inspect.isgeneratorfunction(raw):
                 continue
             setattr(cls, name, _guard(raw))
 
@@ -177,6 +179,26 @@ _MIXIN_NAMES = frozenset(n for n in vars(WeightReceiver) if not n.startswith("__
 
 def _guard(method: Any) -> Any:
     """Wrap a user method so it runs as a reader of the receiver's ApplyGate."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def guarded_stream(self: WeightReceiver, *args: Any, **kwargs: Any) -> Any:
+            stream = method(self, *args, **kwargs)
+            receiver = self.__dict__.get("_raysync_receiver")
+            try:
+                if receiver is None:
+                    async for item in stream:
+                        yield item
+                    return
+                async with receiver.using_async():  # one version from first item to last
+                    async for item in stream:
+                        yield item
+            finally:
+                await stream.aclose()
+
+        cast(Any, guarded_stream).__raysync_guarded__ = True  # an attribute of our own
+        return guarded_stream
+
     if inspect.iscoroutinefunction(method):
 
         @functools.wraps(method)

@@ -326,6 +326,14 @@ class FanOut(WeightReceiver):
         await asyncio.sleep(0)  # parked once, as a request is
         return float(next(self.model.parameters()).view(-1)[0])
 
+    async def stream(self, tokens: int):
+        """A streamed reply (an async generator): its first item, then the rest once a
+        delivery came while it streamed and was deferred to its end."""
+        yield float(next(self.model.parameters()).view(-1)[0])
+        await self.deferred.wait()
+        for _ in range(tokens - 1):
+            yield float(next(self.model.parameters()).view(-1)[0])
+
 
 @ray.remote(num_cpus=0)
 @weight_receiver

@@ -117,6 +117,29 @@ def test_an_async_actor_fanning_out_to_its_own_methods_while_an_update_waits_goe
     assert ray.get(engine.generate_one.remote()) == 2.0
 
 
+def test_a_streamed_reply_of_an_async_generator_method_is_of_one_version(actors):
+    """An async generator method (a streamed reply) holds the model from its first item
+    to its last: a broadcast arriving midway lands after it (it landed between two
+    items, and the stream never heard of a deferred delivery)."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    engine = start(actors, FanOut, hub)
+    ready([engine])
+    ray.get(hub.broadcast.remote(filled(_TEMPLATE, 1.0)))
+    stream = engine.stream.remote(3)
+    first = _next_item(stream)
+    report = hub.broadcast.remote(filled(_TEMPLATE, 2.0))
+    assert [first, _next_item(stream), _next_item(stream)] == [1.0, 1.0, 1.0]
+    assert ray.get(report, timeout=30).failed == {}
+    assert ray.get(engine.generate_one.remote()) == 2.0
+
+
+def _next_item(stream, timeout_s: float = 30.0):
+    """The next item of a streamed reply; fail if none comes within ``timeout_s``."""
+    ready, _ = ray.wait([stream], timeout=timeout_s)
+    assert ready, f"no next item within {timeout_s:g} s"
+    return ray.get(next(stream))
+
+
 def test_on_weights_applied_may_call_the_actors_methods_and_close_it(actors):
     """The hook runs inside the apply: a public method of the actor it calls (a reader)
     or ``close()`` (which writes, to move zero-copy models out of shared memory) waited
