@@ -187,36 +187,33 @@ class ApplyGate:
             # can run on this thread until it returns.
             yield
             return
-        if on_loop:
-            with self._reading_on_the_loop():
-                yield
+        if on_loop:  # counted at once (see the module doc): the loop cannot wait
+            try:  # for a write that waits, only for another thread's that runs
+                with self._counted(asyncio.current_task(), lambda: self._writing):
+                    yield
+            finally:  # the deferred writes it held back run as it leaves, if last
+                self._run_deferred_if_idle()
             return
-        with self._cond:
-            while self._writing or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-        read = _Read(1, threading.current_thread())
-        token = _held.set(read)
         try:
-            yield
+            with self._counted(
+                threading.current_thread(), lambda: bool(self._writing or self._writers_waiting)
+            ):
+                yield
         finally:
-            read.depth = 0
-            _held.reset(token)
             with self._cond:
-                self._leave(read)
                 last_out = not self._readers and bool(self._deferred)
             if last_out:  # deferred by a coroutine while this thread read (an async host)
                 _call_soon(self.loop, self._run_deferred_if_idle)
 
     @contextmanager
-    def _reading_on_the_loop(self) -> Iterator[None]:
-        """A synchronous user method on an async actor's loop: counted at once (see the
-        module doc); the deferred writes it held back run as it leaves, if it was last."""
+    def _counted(self, opener: object, wait_while: Callable[[], bool]) -> Iterator[None]:
+        """One read of ``opener`` (a thread, or the task of a sync method on the loop),
+        counted once ``wait_while()`` is false (asked holding the gate's lock)."""
         with self._cond:
-            while self._writing:  # another thread's, which needs nothing of this loop
+            while wait_while():
                 self._cond.wait()
             self._readers += 1
-        read = _Read(1, asyncio.current_task())
+        read = _Read(1, opener)
         token = _held.set(read)
         try:
             yield
@@ -225,7 +222,6 @@ class ApplyGate:
             _held.reset(token)
             with self._cond:
                 self._leave(read)
-            self._run_deferred_if_idle()
 
     @asynccontextmanager
     async def reading_async(self) -> AsyncIterator[None]:

@@ -1041,6 +1041,26 @@ def test_a_reader_that_gathers_other_readers_while_a_thread_write_waits_ends():
     _run(main())
 
 
+class _Server:
+    """Two user methods of one async actor: ``serve`` reads until ``submit`` (another
+    call, not started by it) brings an item; ``serve`` returns the model's version
+    when it began and when it ended."""
+
+    def __init__(self, gate: ApplyGate, model: dict[str, int]) -> None:
+        self._gate, self._model = gate, model
+        self._items: asyncio.Queue[int] = asyncio.Queue()
+
+    async def serve(self) -> tuple[int, int]:
+        async with self._gate.reading_async():
+            before = self._model["v"]
+            await self._items.get()
+            return before, self._model["v"]
+
+    async def submit(self, item: int) -> None:
+        async with self._gate.reading_async():
+            self._items.put_nowait(item)
+
+
 def test_a_reader_waiting_for_another_call_lets_it_in_after_a_deferred_writes_turn():
     """``serve`` (a user method) waits for items that ``submit`` (another call of the
     actor, not started by it) brings; a delivery deferred meanwhile keeps ``submit``
@@ -1049,23 +1069,13 @@ def test_a_reader_waiting_for_another_call_lets_it_in_after_a_deferred_writes_tu
     finished: list[Any] = []
     gate = ApplyGate(finish_deferred=finished.append, writer_first_s=0.2)
     model = {"v": 0}
-    items: asyncio.Queue[int] = asyncio.Queue()
-
-    async def serve() -> tuple[int, int]:
-        async with gate.reading_async():
-            before = model["v"]
-            await items.get()
-            return before, model["v"]
-
-    async def submit(item: int) -> None:
-        async with gate.reading_async():
-            items.put_nowait(item)
 
     async def main() -> tuple[int, int]:
-        serving = asyncio.create_task(serve())
+        server = _Server(gate, model)
+        serving = asyncio.create_task(server.serve())
         await asyncio.sleep(0)  # one loop turn: serve reads, waits for an item
         assert gate.write(_setter(model, 1), key="m") is DEFERRED
-        await submit(7)
+        await server.submit(7)
         return await serving
 
     assert _run(main()) == (0, 0)
@@ -1080,23 +1090,12 @@ def test_a_reader_waiting_for_another_call_lets_it_in_after_a_thread_writes_turn
     model = {"v": 0}
 
     async def main() -> None:
-        items: asyncio.Queue[int] = asyncio.Queue()
-
-        async def serve() -> tuple[int, int]:
-            async with gate.reading_async():
-                before = model["v"]
-                await items.get()
-                return before, model["v"]
-
-        async def submit(item: int) -> None:
-            async with gate.reading_async():
-                items.put_nowait(item)
-
-        serving = asyncio.create_task(serve())
+        server = _Server(gate, model)
+        serving = asyncio.create_task(server.serve())
         await asyncio.sleep(0)  # one loop turn: serve reads, waits for an item
         writer = _started("writer", lambda: gate.write(_setter(model, 1)))
         await asyncio.to_thread(_wait, cond.blocked("writer"), "the write waits")
-        await submit(7)
+        await server.submit(7)
         assert await serving == (0, 0)
         assert await asyncio.to_thread(writer.finish) == "ack-1"
         assert model["v"] == 1
