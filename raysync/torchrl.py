@@ -53,6 +53,9 @@ from raysync.transports import DEFAULT_TRANSPORT
 #: Seconds between tries of an update while Ray restarts the hub, or until it knows the
 #: collectors again.
 _REGISTERED_AGAIN_LOOK_S = 0.5
+#: Seconds a remote collector has to answer whether it lives, when the hub does not
+#: know it (one that does not answer in time is busy, not dead).
+_ALIVE_LOOK_S = 1.0
 
 
 @register_weight_sync_backend("raysync")
@@ -188,11 +191,20 @@ class RaySyncScheme(WeightSyncScheme):
             except BroadcastError as err:
                 if time.monotonic() > deadline or not self._attach_restarted(err.report.failed):
                     raise
-            except (UnknownWorkerError, ray.exceptions.ActorUnavailableError):
+            except (UnknownWorkerError, ray.exceptions.ActorUnavailableError) as err:
                 # A hub Ray is restarting (the update may or may not have gone out: the
                 # same weights again are harmless), or restarted and knows each
                 # collector again once its hub watch registered it (a heartbeat): until
-                # then, try again.
+                # then, try again. Unless a collector it does not know is dead: the hub
+                # dropped it, and no wait brings it back.
+                if isinstance(err, UnknownWorkerError):
+                    dead = self._dead(workers)
+                    if dead:
+                        raise UnknownWorkerError(
+                            f"remote collector(s) {', '.join(dead)} of model "
+                            f"{self.model_id!r} died and the hub dropped them: no update "
+                            "reaches them (pass worker_ids= to update the others)"
+                        ) from err
                 if time.monotonic() + _REGISTERED_AGAIN_LOOK_S > deadline:
                     raise
                 time.sleep(_REGISTERED_AGAIN_LOOK_S)
@@ -223,6 +235,20 @@ class RaySyncScheme(WeightSyncScheme):
                 continue
             attached = True
         return attached
+
+    def _dead(self, workers: list[str]) -> list[str]:
+        """Those of ``workers`` whose remote collector's actor is dead (as
+        ``"index (worker id)"``)."""
+        indices = [self._workers.index(w) for w in workers]
+        asked = {self._collectors[i].__ray_ready__.remote(): i for i in indices}
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=_ALIVE_LOOK_S)
+        dead = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(asked[ref])
+        return [f"{i} ({self._workers[i]})" for i in sorted(dead)]
 
     def _targets(self, worker_ids: int | list[int] | None) -> list[str]:
         if worker_ids is None:

@@ -17,7 +17,13 @@ from torchrl.collectors.distributed import RayCollector
 from torchrl.testing.mocking_classes import CountingEnv
 from torchrl.weight_update import WeightSyncScheme
 
-from raysync import SpecMismatchError, UnknownModelError, WeightHub
+from raysync import (
+    BroadcastError,
+    SpecMismatchError,
+    UnknownModelError,
+    UnknownWorkerError,
+    WeightHub,
+)
 from raysync.torchrl import RaySyncScheme, _collector_model
 from tests.torchrl.policies import (
     CountingPolicy,
@@ -189,6 +195,26 @@ def test_an_update_after_the_hub_restarted_waits_until_the_collectors_are_back(r
     finally:
         collector.shutdown()
         ray.kill(hub.actor)
+
+
+def test_an_update_after_a_collector_died_for_good_names_it_at_once(ray_cluster):
+    """A remote collector killed for good: the update that finds it dead fails naming
+    it, and so does the next one, at once (the hub had dropped it, and the scheme
+    waited out its whole timeout as if the hub were restarting)."""
+    policy = set_weight(CountingPolicy(), 2.0)
+    scheme = RaySyncScheme(timeout_s=3 * QUICK_S)
+    collector = ray_collector(2, sync=True, scheme=scheme, policy=policy)
+    try:
+        collector.update_policy_weights_()  # TorchRL's own first-update set-up
+        ray.kill(collector.remote_collectors[1], no_restart=True)
+        with pytest.raises(BroadcastError, match="died"):
+            collector.update_policy_weights_()
+        started = time.monotonic()
+        with pytest.raises(UnknownWorkerError, match=r"remote collector\(s\) 1 .* died"):
+            collector.update_policy_weights_()
+        assert time.monotonic() - started < QUICK_S
+    finally:
+        collector.shutdown()
 
 
 def test_a_collector_ray_restarted_acts_with_the_next_update(ray_cluster):
