@@ -27,7 +27,7 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import ray
@@ -293,17 +293,12 @@ class WeightHubActor:
             self._background.spawn(_settled(calls), "direct calls of a taken version")
             return None
         spec = self._state.check_broadcast(model, request.spec)
+        gone: dict[str, str] = {}
         if request.workers is None:
-            targets, gone = self._state.targets(model, None), {}
+            targets = self._state.targets(model, None)
         else:  # every one was registered when the route was made: some may be gone since
-            named = dict.fromkeys(request.workers)
-            targets = [self._state.receivers[w] for w in named if w in self._state.receivers]
-            gone = {
-                w: f"{w} left the hub (it died or closed) before version {version} of model "
-                f"{model!r} was booked"
-                for w in named
-                if w not in self._state.receivers
-            }
+            here, gone = self._gone_since(request.workers, f"version {version} of model {model!r}")
+            targets = [self._state.receivers[w] for w in here]
         handed = self._state.publish(
             model,
             spec,
@@ -423,15 +418,9 @@ class WeightHubActor:
         version = request.version
         if version is None and request.above > self._state.version_of(model):
             version = request.above + 1  # its learner delivered one the hub never booked
-        workers, gone = request.workers, {}
+        workers, gone = request.workers, dict[str, str]()
         if gone_ok and workers:
-            gone = {
-                w: f"{w} left the hub (it died or closed) before this version of model "
-                f"{model!r} was booked"
-                for w in dict.fromkeys(workers)
-                if w not in self._state.receivers
-            }
-            workers = tuple(w for w in workers if w not in gone)
+            workers, gone = self._gone_since(workers, f"this version of model {model!r}")
         targets = [] if gone and not workers else self._state.targets(model, workers)
         if request.bucket_bytes is not None:
             _check_bucket_readers(targets)
@@ -837,6 +826,21 @@ class WeightHubActor:
         ]
         if unread:
             self._background.spawn(_name_no_readers(unread), "streams nobody reads")
+
+    def _gone_since(
+        self, workers: Sequence[str], booked: str
+    ) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The named ``workers`` still registered (each once, in order), and why each
+        of the others fails the version: it left before ``booked`` was booked (every
+        one was registered when its learner's route was made)."""
+        named = dict.fromkeys(workers)
+        here = tuple(w for w in named if w in self._state.receivers)
+        gone = {
+            w: f"{w} left the hub (it died or closed) before {booked} was booked"
+            for w in named
+            if w not in self._state.receivers
+        }
+        return here, gone
 
     def _end_streams_left_out(self, payloads: list[object]) -> None:
         """A version in parts left these payloads out (not every part carried their

@@ -97,7 +97,7 @@ class PartAssembly:
                 f"the {self.parts} parts of {self.what} do not add up to the model: "
                 f"missing key(s) {keys_listed(missing)}; nothing was applied"
             )
-        hand_offs = set.intersection(*(set(r.payloads) for r in ordered))
+        hand_offs = self._common_hand_offs()
         payloads = {
             hand_off: Parts(
                 tuple(Part(r.payloads[hand_off], r.wire_spec or r.spec) for r in ordered)
@@ -119,15 +119,17 @@ class PartAssembly:
             bucket_bytes=next((r.bucket_bytes for r in ordered if r.bucket_bytes), None),
         )
 
-
     def unread_payloads(self) -> list[object]:
         """Once :attr:`complete`: the payloads of hand-offs that not every part carries
         (the ranks' routes differed: a receiver of a new transport joined between their
         broadcasts). :meth:`request` leaves them out, and nobody reads them: their
         transports are told so (a bucketed one's learner stops streaming it)."""
-        parts = list(self._arrived.values())
-        common = set.intersection(*(set(r.payloads) for r in parts))
-        return [p for r in parts for h, p in r.payloads.items() if h not in common]
+        common = self._common_hand_offs()
+        return [p for r in self._arrived.values() for h, p in r.payloads.items() if h not in common]
+
+    def _common_hand_offs(self) -> set[str]:
+        """The hand-offs every part arrived carries: the whole version goes by these."""
+        return set.intersection(*(set(r.payloads) for r in self._arrived.values()))
 
 
 def _check_in_spec(part: WeightSpec, whole: WeightSpec, name: str) -> None:
