@@ -198,6 +198,46 @@ def test_member_that_never_enters_does_not_hang_the_hub(actors):
     free_and_reach_all(hub, gate, blocked, [*holders, busy], ("busy", "h0", "h1"))
 
 
+def test_a_busy_member_two_hops_from_rank_0_holds_no_one_up_at_the_next_versions(actors):
+    """gloo broadcasts down a binomial tree: of four ranks, rank 1 ("a") passes each
+    version on to rank 3 ("z"). "z" is busy past the group's timeout: rank 0 and "b"
+    (its own child) finish that collective, "a" and "z" fail it and read the learner's
+    copy, and the generation goes on for rank 0. At the next version rank 0's send to
+    "a", which left it, fails, and rank 0 leaving closes "b"'s wait at once: every
+    member reads the learner's copy within a broadcast timeout no longer than the
+    group's (in four gloo ranks in threads, rank 2 waited the group's whole timeout
+    there), and the version after forms a new generation."""
+    hub = start_dist_hub(actors)
+    template = {"w": torch.zeros(2048, 1024)}  # 8 MB: more than a socket buffer holds
+    a, b, z = (start(actors, Holder, hub, template, worker) for worker in ("a", "b", "z"))
+    ready([a, b, z])
+    ray.get(hub.broadcast.remote({"w": torch.randn(2048, 1024)}))
+    first_generation = group_status(hub).generation
+
+    gate = start(actors, Gate)
+    blocked = z.hold.remote(gate)  # one method at a time: no delivery gets in
+    second = {"w": torch.randn(2048, 1024)}
+    ref = hub.broadcast.remote(second, timeout_s=6 * _TIMEOUT_S, raise_on_failure=False)
+    wait_until(
+        lambda: ray.get([a.version.remote(), b.version.remote()]) == [2, 2],
+        timeout_s=60,
+        what="a and b hold version 2",
+    )
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    assert {"a", "b"} <= set(ray.get(ref, timeout=60).acked)
+
+    # 3: within the group's timeout, every member reads the learner's copy; 4: a new
+    # generation (its rendezvous has the default broadcast timeout).
+    for version, timeout_s in ((3, _TIMEOUT_S), (4, None)):
+        weights = {"w": torch.randn(2048, 1024)}
+        report = ray.get(hub.broadcast.remote(weights, timeout_s=timeout_s), timeout=60)
+        assert (report.version, report.acked) == (version, ("a", "b", "z")), report.failed
+        for holder in (a, b, z):
+            assert_bitwise(ray.get(holder.state.remote()), weights)
+    assert group_status(hub).generation > first_generation
+
+
 def test_a_version_in_parts_read_from_the_learners_copies_is_let_go(actors):
     """A member whose collective failed reads a version sent in parts from the learners'
     copies; once applied, it keeps none of them (each part's bytes stay pinned in the
