@@ -264,7 +264,9 @@ class WeightHubActor:
             return BroadcastTicket(
                 begun.model, begun.version, route=self._route(request.model, request.known)
             )
-        report = await begun.report
+        # Shielded: a learner that cancels its call (``ray.cancel``) gives up its wait,
+        # not the version, which other parts' calls, ``wait_for`` and ``close`` await.
+        report = await asyncio.shield(begun.report)
         if report.failed and request.raise_on_failure:
             raise BroadcastError(report)
         # The learner's next broadcast reads its route here instead of asking for it.

@@ -18,7 +18,8 @@ from raysync.testing import (
     special_weights,
     split_in_parts,
 )
-from tests.helpers import start
+from tests.helpers import Gate, ready, start, start_hub, wait_until
+from tests.receivers import Holder
 
 Receiver = ray.remote(num_cpus=0)(ConformanceReceiver)
 
@@ -185,3 +186,25 @@ def test_a_part_whose_bytes_are_lost_leaves_the_model_untouched(actors, hub_and_
         ray.get(lost, timeout=60)
     assert_untouched(receiver, v)
     assert ray.get(hub.status.remote()).assembling == {}
+
+
+
+def test_a_part_whose_learner_cancels_its_call_does_not_fail_the_others(actors):
+    """A learner that gives up waiting on its own part's call (``ray.cancel``) while the
+    version, started, waits for a busy receiver: the version and the other part's
+    report go on as if it waited."""
+    hub = start_hub(actors, "object_store", models=[MODEL])
+    held = start(actors, Holder, hub, special_weights(), "held", MODEL)
+    gate = start(actors, Gate)
+    ready([held])
+    blocked = held.hold.remote(gate)  # the version's delivery waits behind this
+    weights = special_weights(2.0)
+    first, second = send_parts(hub, split_in_parts(weights, 2), version=1)
+    wait_until(lambda: ray.get(hub.status.remote()).versions.get(MODEL) == 1, what="version 1")
+    ray.cancel(first)
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    report = ray.get(second, timeout=60)
+    assert report.version == 1 and report.acked == ("held",) and not report.failed
+    assert ray.get(hub.wait_for.remote(report), timeout=60).acked == ("held",)
+    assert_bitwise(ray.get(held.state.remote()), weights)
