@@ -393,6 +393,31 @@ def test_staged_data_is_kept_until_released():
         sender.close()
 
 
+def test_a_read_that_timed_out_leaves_its_buffer_out_of_later_versions(monkeypatch):
+    """A READ still running when its wait timed out may land late: its staging buffer
+    is never filled again (the next versions are read into another)."""
+    sender, receiver = NixlSender(), NixlReceiver()
+    try:
+        weights = {"a": torch.full((1 << 20,), 1.0)}
+        spec = WeightSpec.of(weights)
+        monkeypatch.setattr(nixl_receiver, "READ_TIMEOUT_S", -1.0)  # any READ not done yet
+        with pytest.raises(TransportError, match="did not finish within -1 s"):
+            receiver.fetch(_publish(sender, weights, spec), spec)
+        [aside] = receiver._pool.created()
+        monkeypatch.undo()
+        for value in (2.0, 3.0):
+            payload = _publish(sender, {"a": torch.full((1 << 20,), value)}, spec)
+            staged = receiver.fetch(payload, spec)
+            assert_same(_named(spec, staged), {"a": torch.full((1 << 20,), value)})
+            start = aside.tensor.data_ptr()
+            assert not start <= staged[0].data_ptr() < start + aside.tensor.numel()
+            receiver.release(payload, staged)
+        assert len(receiver._pool.created()) == 2
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_reader_follows_the_learner_bucket_by_bucket(monkeypatch):
     """A READ posted before the learner wrote the version waits for each bucket and
     gets the whole version; a learner that fails while writing fails its reader."""

@@ -7,13 +7,16 @@ A transport that reads each version into memory of its own — registered with a
 creates, and registers if it must) and returns the views the fill made, leased with the
 buffer; the receiver core hands those views back through ``release`` once the version
 is applied (or, with zero copy, replaced), and the buffer is free again. A fill that
-fails frees its buffer at once. A buffer is never written while leased, so a model that
-lives in it never changes under its reader. ``close`` hands every buffer the pool
-created back to the transport to deregister.
+fails frees its buffer at once, unless a transfer into it may still run
+(:class:`StillWriting`: a READ that timed out): that buffer is set aside, never filled
+again, so a late completion cannot land in a later version. A buffer is never written
+while leased, so a model that lives in it never changes under its reader. ``close``
+hands every buffer the pool created back to the transport to deregister.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -23,8 +26,17 @@ import torch
 from raysync.copies import Viewed, viewed
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError
+
+logger = logging.getLogger(__name__)
 
 Buffer = TypeVar("Buffer")
+
+
+class StillWriting(TransportError):
+    """A fill failed while a transfer into its buffer may still be running (a READ
+    that timed out, which the agent may not abort): :meth:`StagingPool.fill` sets the
+    buffer aside for good instead of freeing it."""
 
 
 def staging_device() -> torch.device:
@@ -63,6 +75,12 @@ class StagingPool(Generic[Buffer]):
             # return views it keeps (nixl's staging views) for every fill.
             written = write(buffer)
             staged = written.alias() if isinstance(written, Viewed) else list(written)
+        except StillWriting as err:
+            # Kept in ``created`` (``close`` deregisters it), never filled again.
+            logger.warning(
+                "a staging buffer of %d bytes is set aside for good: %s", spec.nbytes, err
+            )
+            raise
         except BaseException:
             with self._lock:
                 self._free.setdefault(spec, []).append(buffer)

@@ -10,7 +10,7 @@ import torch
 from raysync.copies import Viewed
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.staging import StagingPool
+from raysync.transports.staging import StagingPool, StillWriting
 
 SMALL = WeightSpec.of({"w": torch.zeros(4)})
 LARGE = WeightSpec.of({"w": torch.zeros(64)})
@@ -65,6 +65,26 @@ def test_a_failed_fill_frees_its_buffer_and_raises():
     _, buffer = _filled(pool, SMALL)
     assert made == [SMALL]  # the failed fill's buffer, taken again
     assert pool.created() == [buffer]
+
+
+def test_a_fill_whose_transfer_may_still_run_sets_its_buffer_aside_for_good():
+    """A READ that timed out may still write its buffer: the next version is read into
+    another, and the one set aside is still handed back at close to deregister."""
+    pool, made = _pool()
+    aside: list[torch.Tensor] = []
+
+    def timed_out(buffer: torch.Tensor) -> list[torch.Tensor]:
+        aside.append(buffer)
+        raise StillWriting("READ of the update did not finish within 60 s")
+
+    with pytest.raises(StillWriting, match="did not finish"):
+        pool.fill(SMALL, timed_out)
+    staged, buffer = _filled(pool, SMALL)
+    assert buffer is not aside[0] and made == [SMALL, SMALL]
+    pool.release(staged)
+    _, again = _filled(pool, SMALL)
+    assert again is buffer and len(made) == 2
+    assert pool.close() == [aside[0], buffer]
 
 
 def test_buffers_are_kept_per_spec():

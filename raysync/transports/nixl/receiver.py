@@ -37,7 +37,7 @@ from raysync.transports.nixl.wire import (
 from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.buckets import buckets_of, give_up
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
-from raysync.transports.staging import StagingPool, staging_device
+from raysync.transports.staging import StagingPool, StillWriting, staging_device
 
 logger = logging.getLogger(__name__)
 
@@ -376,7 +376,7 @@ class NixlReceiver(TransportReceiver):
                 elapsed = time.monotonic() - started
                 if elapsed > READ_TIMEOUT_S:
                     self._forget(agent)
-                    raise TransportError(
+                    raise StillWriting(  # the agent may not abort it: a late write
                         f"READ of the {what} from learner agent {agent}"
                         f" did not finish within {READ_TIMEOUT_S:g} s"
                     )

@@ -23,7 +23,7 @@ from raysync.transports.object_store.buckets import buckets_of, give_up
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.rdt.agent import ray_agent_progress
 from raysync.transports.rdt.wire import RdtBucketStream, RdtPayload
-from raysync.transports.staging import StagingPool, staging_device
+from raysync.transports.staging import StagingPool, StillWriting, staging_device
 
 #: Seconds a receiver's ``ray.get`` of one version may take.
 READ_TIMEOUT_S = 60.0
@@ -114,6 +114,10 @@ def _read_into(ref: ray.ObjectRef, place: torch.Tensor, what: str) -> None:
     try:
         set_target_for_ref(ref, [place])
         (received,) = ray.get(ref, timeout=READ_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError as err:  # Ray's READ into ``place`` may go on
+        raise StillWriting(
+            f"Ray's NIXL tensor transport did not fetch {what} within {READ_TIMEOUT_S:g} s"
+        ) from err
     except (ray.exceptions.RayError, ValueError) as err:
         raise TransportError(
             f"Ray's NIXL tensor transport could not fetch {what} ({type(err).__name__}: "
