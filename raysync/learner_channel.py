@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,11 @@ BUFFER_SLACK = 64 * 2**10
 #: How long building a graph may wait for its receivers' claims.
 CLAIM_WAIT_S = 10.0
 
+#: How long a set of receivers whose graph could not be built (one was busy past
+#: :data:`CLAIM_WAIT_S`, another learner's channel held one, Ray refused the graph) goes
+#: the plain way before a broadcast to it asks for the graph again.
+REFUSED_FOR_S = 30.0
+
 #: How long ``close`` waits for the thread to tear the graph down.
 CLOSE_WAIT_S = 5.0
 
@@ -118,7 +124,8 @@ class Written:
     version: int
     timeout_s: float  #: the broadcast's: a reply not in by then is ChannelLost
     tokens: dict[str, str]  #: worker -> its registration, in the graph's output order
-    refs: Any  #: the graph's CompiledDAGRefs, one per worker
+    graph: Any  #: the compiled graph it was written into
+    refs: Any  #: its CompiledDAGRefs, one per worker
     replies: dict[str, Ack | ChannelLost | None] = field(default_factory=dict)
     done: bool = False  #: every reply is in
     forward: bool = False  #: the broadcast went on without them: the thread tells the hub
@@ -139,7 +146,8 @@ class ReceiverChannel:
         self._targets: tuple[DirectTarget, ...] = ()  #: the graph's, in its output order
         self._members: tuple[tuple[str, str], ...] = ()  #: (worker, token) of the graph
         self._wanted: tuple[tuple[str, str], ...] = ()  #: the last set asked to be built
-        self._refused: set[tuple[tuple[str, str], ...]] = set()  #: sets another holds
+        #: Sets whose graph could not be built -> when (``time.monotonic()``)
+        self._refused: dict[tuple[tuple[str, str], ...], float] = {}
         self._out: Written | None = None  #: the version whose replies are still out
         self._jobs: queue.SimpleQueue[_Build | _Teardown | Written | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="raysync-channel", daemon=True)
@@ -160,7 +168,7 @@ class ReceiverChannel:
         members = tuple(sorted((t.worker, t.token) for t in targets))
         with self._lock:
             if members != self._members or self._graph is None:
-                if members and members != self._wanted and members not in self._refused:
+                if members and members != self._wanted and not self._refused_lately(members):
                     self._wanted = members
                     self._builds += 1
                     nbytes = sum(a.nbytes for a in update.payload.arrays)
@@ -176,7 +184,11 @@ class ReceiverChannel:
                 broken, self._graph, self._members, self._wanted = self._graph, None, (), ()
                 self._jobs.put(_Teardown(broken, self._targets))
                 return None
-            self._out = Written(update.model, update.version, timeout_s, tokens, refs)
+            # A build asked for another set before this broadcast is not wanted now.
+            self._wanted = members
+            self._out = Written(
+                update.model, update.version, timeout_s, tokens, self._graph, refs
+            )
         self._jobs.put(self._out)
         return self._out
 
@@ -258,11 +270,24 @@ class ReceiverChannel:
         with self._lock:
             self._graph, self._targets, self._members = graph, job.targets, job.members
 
+    def _refused_lately(self, members: tuple[tuple[str, str], ...]) -> bool:
+        """Whether a graph for ``members`` could not be built within the last
+        :data:`REFUSED_FOR_S` (caller holds the lock)."""
+        refused = self._refused.get(members)
+        return refused is not None and time.monotonic() - refused < REFUSED_FOR_S
+
     def _refuse(self, job: _Build) -> None:
-        """No graph for ``job``'s receivers, ever: free what was claimed."""
+        """No graph for ``job``'s receivers for :data:`REFUSED_FOR_S`: free what was
+        claimed; a broadcast to them after that asks again (the receiver that was busy
+        is idle, the other learner's channel let go)."""
         self._release(job.targets)
         with self._lock:
-            self._refused.add(job.members)
+            now = time.monotonic()
+            for members in [m for m, at in self._refused.items() if now - at >= REFUSED_FOR_S]:
+                del self._refused[members]
+            self._refused[job.members] = now
+            if self._wanted == job.members:
+                self._wanted = ()
 
     def _answer(self, written: Written) -> None:
         """Read one version's replies; hand them to the broadcast waiting in
@@ -282,15 +307,18 @@ class ReceiverChannel:
             written.replies, written.done, self._out = replies, True, None
             self._changed.notify_all()
             forward = written.forward
-            graph, targets = self._graph, self._targets
-            if broken is not None and graph is not None:
+            # Only the graph it was written into, if still the channel's (a build since
+            # tore that one down and holds the one it built).
+            torn = broken is not None and self._graph is written.graph
+            targets = self._targets
+            if torn:
                 self._graph, self._members, self._wanted = None, (), ()
         if forward:
             self._hub.channel_replies.remote(
                 self._submitter, written.model, written.version, replies
             )
-        if broken is not None and graph is not None:
-            self._teardown(graph, targets)
+        if torn:
+            self._teardown(written.graph, targets)
 
     def _teardown(self, graph: Any = None, targets: tuple[DirectTarget, ...] | None = None) -> None:
         """Tear down ``graph`` (default: the current one) and free its receivers' claims."""

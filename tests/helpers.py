@@ -113,6 +113,14 @@ def keep_two_reports(hub_actor) -> None:
     sys.modules[type(hub_actor).__module__]._REPORTS_KEPT = 2
 
 
+def ask_refused_channels_again(learner) -> None:
+    """Runs in a learner actor (``__ray_call__``): its channels ask at once again for
+    a graph to receivers they could not reach (``REFUSED_FOR_S``, 30 s, set to 0)."""
+    import raysync.learner_channel
+
+    raysync.learner_channel.REFUSED_FOR_S = 0.0
+
+
 def release_hub(learner) -> None:
     """Runs in a learner actor holding its hub handle as ``hub`` (``__ray_call__``, e.g.
     ``raysync.testing.PartLearner``): ``HubHandle.release``."""

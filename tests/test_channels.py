@@ -17,7 +17,14 @@ import ray
 import torch
 
 from raysync import BroadcastError
-from tests.helpers import Gate, assert_same, ready, start, start_hub
+from tests.helpers import (
+    Gate,
+    ask_refused_channels_again,
+    assert_same,
+    ready,
+    start,
+    start_hub,
+)
 from tests.receivers import Collector, OtherLearner, Reader, make_policy, state_of
 
 
@@ -173,6 +180,19 @@ def test_a_receiver_in_another_learners_channel_is_called_the_plain_way(actors, 
         assert (report.version, report.acked) == (expected, ("c0", "c1"))
         assert report.channel == by_channel
         _hold(collectors, learner, expected)
+    # Once the first learner lets its channel go, the second's is built (refused sets
+    # are asked again after a while: at once here).
+    first.release()
+    ray.get(second.__ray_call__.remote(ask_refused_channels_again))
+    for _ in range(3):  # the first's releases and the second's claims cross
+        ray.get(second.broadcast.remote(make_policy()))
+        if sorted(ray.get(second.wait_channel.remote("policy"))) == ["c0", "c1"]:
+            break
+    assert sorted(ray.get(second.wait_channel.remote("policy"))) == ["c0", "c1"]
+    learner = make_policy()
+    report = ray.get(second.broadcast.remote(learner))
+    assert report.channel == ("c0", "c1") and report.acked == ("c0", "c1")
+    _hold(collectors, learner, report.version)
 
 
 #: A learner in a driver of its own: it broadcasts through its channel to receiver "c"
