@@ -250,14 +250,19 @@ class ReceiverCore:
         _check_not_attached(hub, identity, previous)
         # Versions are a hub's own numbers: another hub's would hide its latest.
         carried = previous if _same_hub(previous, hub) else None
-        if previous is not None:
-            previous.retire(
-                keep_privately=not (
-                    carried is not None and _adoptions_carry_over(previous, identity, hub)
+        try:  # a model that cannot take its own copy, a path that does not resolve...
+            if previous is not None:
+                previous.retire(
+                    keep_privately=not (
+                        carried is not None and _adoptions_carry_over(previous, identity, hub)
+                    )
                 )
-            )
-        held = {m: _carried_over(carried, m, path, owner) for m, path in paths.items()}
-        registration = _registration(owner, held, identity)
+            held = {m: _carried_over(carried, m, path, owner) for m, path in paths.items()}
+            registration = _registration(owner, held, identity)
+        except BaseException:  # ...: the previous registration stays this process's
+            if previous is not None:
+                previous._retired = False
+            raise
         attached.reserve(identity.attachment)
         # The previous core's hub watch must not register it again over this one.
         with contextlib.nullcontext() if previous is None else previous._registering:

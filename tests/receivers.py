@@ -476,11 +476,11 @@ def hold_then_pull(host, gate) -> dict[str, int]:
     return host.pull_weights()
 
 
-def connect_policy_again(host, hub, **options) -> None:
+def connect_policy_again(host, hub, path: str = "policy", **options) -> None:
     """Runs in a Collector through ``__ray_call__``: ``connect_hub`` again, under the
-    same worker id, with ``options`` (another transport, say)."""
+    same worker id, with its policy at ``path`` and ``options`` (another transport, say)."""
     worker = host._raysync_receiver.worker
-    host.connect_hub(hub, models={"policy": "policy"}, worker_id=worker, **options)
+    host.connect_hub(hub, models={"policy": path}, worker_id=worker, **options)
 
 
 def attach_actor_net(host, hub, **options) -> str:

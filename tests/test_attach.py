@@ -16,6 +16,7 @@ import ray
 import torch
 
 import raysync
+from raysync import ModelPathError
 from raysync.transports import DEFAULT_TRANSPORT
 from tests.helpers import (
     assert_same,
@@ -238,6 +239,22 @@ def test_a_new_model_object_registered_again_is_brought_to_the_latest_version(ac
     ray.get(worker.rebuild.remote(), timeout=60)
     assert_same(ray.get(worker.state.remote()), state_of(learner))
     assert ray.get(worker.weights_version.remote()) == 1
+
+
+def test_registering_again_with_a_wrong_path_leaves_the_receiver_as_it_was(actors):
+    """``connect_hub`` again naming a path the actor lacks raises, naming it; the
+    registration before it goes on receiving (it had been retired before the path was
+    looked up: every later version was refused as from a receiver that left)."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    collector = start(actors, Collector, hub, worker_id="c")
+    ready([collector])
+    ray.get(hub.broadcast.remote(make_policy()))
+    with pytest.raises(ModelPathError, match="polcy"):
+        ray.get(collector.__ray_call__.remote(connect_policy_again, hub, "polcy"))
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert (report.version, report.acked) == (2, ("c",))
+    assert_same(ray.get(collector.state.remote()), state_of(learner))
 
 
 def test_attaching_twice_as_one_worker_is_refused_naming_it(actors):
