@@ -94,9 +94,11 @@ def _assert_reads(receiver: NixlReceiver, payload, spec: WeightSpec, expected) -
     receiver.release(payload, staged)
 
 
-def _publish(sender: NixlSender, weights: dict[str, torch.Tensor], spec: WeightSpec):
+def _publish(
+    sender: NixlSender, weights: dict[str, torch.Tensor], spec: WeightSpec, model: str = "m"
+):
     """What a HubHandle does: ``send``, hand the payload over, then ``submitted`` writes."""
-    payload = sender.send(weights, spec, "m")
+    payload = sender.send(weights, spec, model)
     sender.submitted(payload, None)
     return payload
 
@@ -113,6 +115,23 @@ def test_overwritten_buffer_is_detected_never_returned():
             receiver.fetch(payloads[0], spec)
         for payload, value in ((payloads[1], 2.0), (payloads[2], 3.0)):
             _assert_reads(receiver, payload, spec, _weights(value))
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_models_latest_version_is_not_written_over_by_another_model_of_its_spec():
+    """Two models of one spec (a policy and its reference copy), broadcast a, b, a, a:
+    b's latest stays readable (for late joiners) in a buffer of b's own."""
+    sender, receiver = NixlSender(), NixlReceiver()
+    try:
+        spec = WeightSpec.of(_weights(0.0))
+        b_latest = None
+        for model, value in (("a", 1), ("b", 2), ("a", 3), ("a", 4)):
+            payload = _publish(sender, _weights(float(value)), spec, model)
+            if model == "b":
+                b_latest = payload
+        _assert_reads(receiver, b_latest, spec, _weights(2.0))
     finally:
         receiver.close()
         sender.close()

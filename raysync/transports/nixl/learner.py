@@ -65,7 +65,10 @@ class NixlSender(TransportSender):
         self._hub = hub
         self._agent = new_agent("learner", shared=True)
         self._progress = SourceProgress(self, self._agent)
-        self._pairs: dict[tuple[WeightSpec, torch.device], _SourcePair] = {}
+        #: Whole versions: two registered buffers per model (the hub keeps each model's
+        #: latest version readable for late joiners: one model's buffer is not another's
+        #: to write, even of the same spec).
+        self._pairs: dict[tuple[str, WeightSpec, torch.device], _SourcePair] = {}
         self._by_address: dict[int, _SourceBuffer] = {}
         #: Bucketed versions: the rings (one per version streaming at once, see
         #: :mod:`raysync.transports.ring_pool`), their registrations, and each version
@@ -99,7 +102,7 @@ class NixlSender(TransportSender):
         model's write until that broadcast timed out)."""
         device = tensors[spec.names[0]].device
         with self._lock:
-            pair = self._pairs.get((spec, device)) or self._register(spec, device)
+            pair = self._pairs.get((model, spec, device)) or self._register(model, spec, device)
             buffer = pair.buffers[pair.next]
             pair.next ^= 1
             with self._state:
@@ -250,7 +253,7 @@ class NixlSender(TransportSender):
                 return
             self._written.wait(remaining)
 
-    def _register(self, spec: WeightSpec, device: torch.device) -> _SourcePair:
+    def _register(self, model: str, spec: WeightSpec, device: torch.device) -> _SourcePair:
         frame = Frame.of(spec)
         tensors = [
             torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
@@ -266,7 +269,7 @@ class NixlSender(TransportSender):
         )
         buffers = (first, second)
         pair = _SourcePair(buffers, registered)
-        self._pairs[(spec, device)] = pair
+        self._pairs[(model, spec, device)] = pair
         with self._state:
             for buffer in buffers:
                 self._by_address[buffer.region.address] = buffer
