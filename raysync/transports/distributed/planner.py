@@ -37,21 +37,12 @@ _RESTART_POLL_S = 0.1
 class DistributedPlanner(TransportPlanner):
     """Runs in the hub process; owns generation and rank assignment (see module doc)."""
 
-    def __init__(self, hub: HubContext) -> None:
+    def __init__(self, hub: HubContext, rank0: Any = None) -> None:
+        """``rank0``: the process-group actor to plan for (default: one started here, on
+        the hub's node; a unit test passes a stand-in)."""
         self._settings = hub.options or DistributedOptions()
         self._name = process_group_name(hub.hub_id)
-        options: dict[str, Any] = {
-            "num_cpus": 0,
-            "name": self._name,
-            "max_restarts": -1,
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=True
-            ),
-        }
-        if self._settings.backend == "nccl":
-            options["num_gpus"] = 1
-        rank0 = ray.remote(actor_class(PROCESS_GROUP))
-        self._actor = rank0.options(**options).remote(self._settings)
+        self._actor = rank0 if rank0 is not None else _start_rank0(self._name, self._settings)
         self._store: StoreAddress | None = None
         self._generation: Generation | None = None
         self._generations = 0  #: generations formed so far; numbers only grow
@@ -71,8 +62,8 @@ class DistributedPlanner(TransportPlanner):
         return receiver.worker
 
     async def receiver_left(self, worker: str) -> None:
+        self._receivers.pop(worker, None)  # no plan from now on takes it in
         await self._forget(worker, "died or left")
-        self._receivers.pop(worker, None)
         if self._broker is not None:  # it may read a version itself, its group broken
             try:
                 await self._broker.drop_reader.remote(worker)
@@ -107,10 +98,15 @@ class DistributedPlanner(TransportPlanner):
                 self._last_job = None
                 if failed:
                     self._generation = None  # form a new one
+            # A target that left while this plan waited (its targets were chosen before
+            # the hub heard) has no place in a generation: the hub fails it alone (it
+            # gets no payload), and the others do not wait for it at the rendezvous.
+            members = tuple(sorted(t.worker for t in targets if t.worker in self._receivers))
+            if not members:
+                return {}
             store = await self._rank0_store()
             if store != self._store:  # first plan, or Ray restarted rank 0: new rendezvous
                 self._store, self._generation = store, None
-            members = tuple(sorted(t.worker for t in targets))
             generation = self._generation
             if generation is None or generation.members != members:
                 self._generations += 1
@@ -147,10 +143,14 @@ class DistributedPlanner(TransportPlanner):
 
     @staticmethod
     async def _collective_failed(job: Any) -> bool:
-        """Did rank 0's collective ``job`` fail (or rank 0 die while running it)?"""
+        """Did rank 0's collective ``job`` fail (or rank 0 die while running it, or its
+        call raise: each plan would raise it again, and the transport stop for good)?"""
         try:
             return await job is not None
         except ray.exceptions.RayActorError:
+            return True
+        except Exception as err:  # a bug of rank 0's: the next generation starts afresh
+            logger.warning("rank 0's last collective raised: %s", err)
             return True
 
     async def _rank0_store(self) -> StoreAddress:
@@ -179,3 +179,18 @@ class DistributedPlanner(TransportPlanner):
             pass  # already gone: nothing of it to close
         finally:
             ray.kill(self._actor)
+
+
+def _start_rank0(name: str, settings: DistributedOptions) -> Any:
+    """The hub's process-group actor (rank 0), on the hub's node, restarted by Ray."""
+    options: dict[str, Any] = {
+        "num_cpus": 0,
+        "name": name,
+        "max_restarts": -1,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=True
+        ),
+    }
+    if settings.backend == "nccl":
+        options["num_gpus"] = 1
+    return ray.remote(actor_class(PROCESS_GROUP)).options(**options).remote(settings)

@@ -1,0 +1,124 @@
+"""The ``distributed`` planner's bookkeeping (raysync/transports/distributed/planner.py),
+in the hub's event loop, with a stand-in for rank 0's process-group actor (its calls
+are what the planner asks of it; the group itself is tests/test_distributed.py's)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from raysync.spec import WeightSpec
+from raysync.transports.base import HubContext, ReceiverInfo
+from raysync.transports.distributed.planner import DistributedPlanner
+from raysync.transports.distributed.wire import StoreAddress
+from raysync.transports.object_store.wire import ObjectStorePayload
+
+SPEC = WeightSpec.of({"w": torch.zeros(4)})
+
+
+class _Call:
+    """One remote method of the stand-in: records its arguments, answers ``answer``."""
+
+    def __init__(self, calls: list, name: str, answer: Any) -> None:
+        self._calls, self._name, self.answer = calls, name, answer
+
+    def remote(self, *args: Any) -> Any:
+        self._calls.append((self._name, args))
+        answer = self.answer
+
+        async def reply() -> Any:
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+        return asyncio.ensure_future(reply())
+
+
+class _Rank0:
+    """Rank 0 as the planner calls it: where its store listens, its collectives (which
+    answer None, or raise), and generations called off."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+        self.store_address = _Call(self.calls, "store_address", StoreAddress("127.0.0.1", 1))
+        self.broadcast = _Call(self.calls, "broadcast", None)
+        self.call_off = _Call(self.calls, "call_off", None)
+
+    def called_off(self) -> list[tuple[int, str]]:
+        return [(args[0].number, args[1]) for name, args in self.calls if name == "call_off"]
+
+
+def _info(worker: str) -> ReceiverInfo:
+    return ReceiverInfo(worker, f"Collector({worker})", "node", f"process-{worker}", None)
+
+
+class _Update:
+    def __init__(self, version: int) -> None:
+        self.model, self.version, self.payload = "m", version, ObjectStorePayload(())
+
+
+def _planner(rank0: _Rank0) -> DistributedPlanner:
+    return DistributedPlanner(HubContext(actor=None, hub_id="hub"), rank0=rank0)
+
+
+def test_a_receiver_that_left_while_a_plan_waited_gets_no_place_in_a_generation():
+    """Two versions' targets were chosen before the hub heard c2 died; the first's
+    generation is called off, and the second's is formed without it (with it, the
+    others waited the group's whole timeout at its rendezvous, and failed)."""
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+    targets = [_info(w) for w in ("c0", "c1", "c2")]
+
+    async def run() -> tuple[dict, dict, Any]:
+        for target in targets:
+            await planner.receiver_joined(target)
+        first = await planner.plan(_Update(1), SPEC, targets)
+        await planner.receiver_left("c2")
+        second = await planner.plan(_Update(2), SPEC, targets)
+        return first, second, planner._generation
+
+    first, second, generation = asyncio.run(run())
+    assert sorted(first) == ["c0", "c1", "c2"] and first["c2"].generation.number == 1
+    assert rank0.called_off() == [(1, "member c2 died or left")]
+    assert sorted(second) == ["c0", "c1"]
+    assert generation.number == 2 and generation.members == ("c0", "c1")
+
+
+def test_a_plan_whose_every_target_left_plans_nothing():
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+
+    async def run() -> dict:
+        await planner.receiver_joined(_info("c0"))
+        await planner.receiver_left("c0")
+        return await planner.plan(_Update(1), SPEC, [_info("c0")])
+
+    assert asyncio.run(run()) == {}
+    assert [name for name, _ in rank0.calls] == []
+
+
+@pytest.mark.parametrize("raised", [ValueError("a bug in rank 0"), RuntimeError("gloo")])
+def test_a_collective_call_that_raised_leaves_the_next_plans_a_new_generation(raised):
+    """Any error of rank 0's last collective (not only its death) is heard once: the
+    next plan forms a new generation (it was raised again by every plan: the
+    transport stopped for good)."""
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+    targets = [_info("c0")]
+
+    async def run() -> list[dict]:
+        await planner.receiver_joined(targets[0])
+        rank0.broadcast.answer = raised
+        planned = [await planner.plan(_Update(1), SPEC, targets)]
+        rank0.broadcast.answer = None
+        planned.append(await planner.plan(_Update(2), SPEC, targets))
+        planned.append(await planner.plan(_Update(3), SPEC, targets))
+        return planned
+
+    first, second, third = asyncio.run(run())
+    assert first["c0"].generation.number == 1
+    assert second["c0"].generation.number == 2 and third["c0"].generation.number == 2
+    assert (second["c0"].seq, third["c0"].seq) == (0, 1)
