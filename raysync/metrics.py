@@ -74,7 +74,8 @@ class HubMetrics:
         """Record one broadcast's report; ``causes``: one per failed receiver."""
         tags = {**self._tags, "model": report.model}
         self.broadcasts.inc(1, {**tags, "outcome": "failed" if report.failed else "ok"})
-        self.bytes.inc(report.bytes, tags)
+        if report.bytes:  # a model of empty tensors moves none (Ray's inc refuses 0)
+            self.bytes.inc(report.bytes, tags)
         self.seconds.observe(report.seconds, tags)
         for cause in causes:
             self.failures.inc(1, {**tags, "cause": cause.value})
