@@ -41,7 +41,7 @@ from typing import Any
 import ray
 import torch
 
-from raysync.hub_handle import HubHandle
+from raysync.hub_handle import HubHandle, check_seconds
 from raysync.hub_launch import get_hub
 from raysync.hub_state import DEFAULT_MODEL
 from raysync.messages import DeliveryMode, Entry
@@ -173,11 +173,16 @@ def attach(
     Raises :class:`~raysync.SpecMismatchError` if a model disagrees with the hub's spec,
     :class:`~raysync.ModelPathError` if a path does not resolve, ``ValueError`` for
     push mode outside an actor, a path without ``owner`` or an unknown transport, and
-    :class:`~raysync.TransportUnavailableError` if the transport cannot run here, and
-    :class:`~raysync.RaySyncError` if a version the hub welcomes it with fails to apply
-    (its ``on_applied`` raised): the receiver then leaves the hub again.
+    :class:`~raysync.TransportUnavailableError` if the transport cannot run here,
+    ``ValueError`` for a ``heartbeat_s`` or ``timeout_s`` that is not a positive number
+    of seconds, and :class:`~raysync.RaySyncError` if a version the hub welcomes it
+    with fails to apply (its ``on_applied`` raised): the receiver then leaves the hub
+    again.
     """
     delivery = DeliveryMode(mode)
+    if heartbeat_s is not None:
+        check_seconds("heartbeat_s", heartbeat_s)
+    check_seconds("timeout_s", timeout_s)
     context = ray.get_runtime_context()
     actor_id = context.get_actor_id()
     if actor_id is None and delivery is DeliveryMode.PUSH:

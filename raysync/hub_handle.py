@@ -127,10 +127,12 @@ class _Broadcast:
         """
         started = time.perf_counter()
         part, parts = _checked_part(part, parts, version)
-        if timeout_s is not None and not (
-            isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf
-        ):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if isinstance(workers, str):  # iterated, it would name a worker per letter
+            raise TypeError(
+                f"workers is a sequence of worker ids, not a str: workers=[{workers!r}]"
+            )
+        if timeout_s is not None:
+            check_seconds("timeout_s", timeout_s)
         config = self._handle.config
         tensors = weights_mod.flatten(
             weights, what="broadcast weights", reject_nonfinite=config.reject_nonfinite
@@ -324,6 +326,13 @@ def _route_in(result: ray.ObjectRef) -> Route | None:
     except ray.exceptions.RayError:
         return None
     return getattr(outcome, "route", None)
+
+
+def check_seconds(name: str, value: object) -> None:
+    """ValueError naming argument ``name`` unless ``value`` is a positive, finite number
+    of seconds (a zero heartbeat or timeout would spin)."""
+    if isinstance(value, bool) or not (isinstance(value, int | float) and 0 < value < math.inf):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 def _bucket_bytes(bucket_mb: float | None, travels: WeightSpec) -> int | None:

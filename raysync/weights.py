@@ -45,7 +45,8 @@ def flatten(
     """Flat, name-sorted ``name -> tensor`` view of ``weights`` (no copy).
 
     Raises :class:`InvalidWeightsError` naming the key for a non-tensor leaf, a
-    non-contiguous tensor, a tensor without data (``meta`` device), NaN/Inf when
+    non-contiguous tensor, a lazily conjugated or negated view (``t.conj()`` of a
+    complex tensor), a tensor without data (``meta`` device), NaN/Inf when
     ``reject_nonfinite``, or an empty model. Called in the learner process.
     """
     tensors = _flat_tensors(weights, what)
@@ -65,6 +66,12 @@ def flatten(
                     f"{what}: key {name!r} holds {bad} NaN/Inf value(s) of "
                     f"{tensor.numel()} (the hub rejects non-finite weights)"
                 )
+        if tensor.is_conj() or tensor.is_neg():
+            lazily = "conjugated" if tensor.is_conj() else "negated"
+            raise InvalidWeightsError(
+                f"{what}: key {name!r} is a lazily {lazily}"
+                f" view (shape {tuple(tensor.shape)}); pass tensor.resolve_conj().resolve_neg()"
+            )
         if not tensor.is_contiguous():
             raise InvalidWeightsError(
                 f"{what}: key {name!r} is a non-contiguous view (shape {tuple(tensor.shape)}, "

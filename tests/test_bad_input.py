@@ -254,6 +254,12 @@ def test_unknown_worker(before):
     before.untouched()
 
 
+def test_one_worker_named_as_a_str_is_refused_in_the_learner(before):
+    with pytest.raises(TypeError, match=r"not a str: workers=\['w0'\]"):
+        before.hub.broadcast.remote(make_policy(), workers="w0")
+    before.untouched()
+
+
 def test_ambiguous_default_model(actors):
     hub = start_hub(actors, DEFAULT_TRANSPORT, models=("one", "two"))
     ray.get(hub.broadcast.remote({"a": torch.zeros(1)}, model="one"))

@@ -146,6 +146,25 @@ def test_a_sliced_parameter_of_a_module_is_refused():
         flatten(module)
 
 
+@pytest.mark.parametrize(
+    "view, kind",
+    [
+        (torch.ones(3, dtype=torch.complex64).conj(), "conjugated"),
+        (torch._neg_view(torch.ones(3)), "negated"),
+    ],
+    ids=["conj", "neg"],
+)
+def test_a_lazily_conjugated_or_negated_view_is_refused_naming_its_key(view, kind):
+    """Its bytes are the tensor's before the conjugation: NumPy refused it later, in
+    the transport, with an error naming no key."""
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        flatten({"z": view, "ok": torch.ones(2)})
+    assert _message(excinfo) == (
+        f"weights: key 'z' is a lazily {kind} view (shape (3,)); "
+        "pass tensor.resolve_conj().resolve_neg()"
+    )
+
+
 def test_a_meta_tensor_is_refused_naming_its_key():
     with pytest.raises(InvalidWeightsError) as excinfo:
         flatten({"w": torch.empty(2, 5, device="meta")})
