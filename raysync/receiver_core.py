@@ -275,6 +275,8 @@ class ReceiverCore:
                 raise
             if previous is not None:
                 previous.close()
+                if not carried or previous.worker != identity.worker:
+                    previous.forget_me()  # this registration does not replace it there
         core = cls(
             owner,
             hub,
@@ -341,6 +343,13 @@ class ReceiverCore:
             retire()
         else:
             self.gate.write(retire)
+
+    def forget_me(self) -> None:
+        """Ask the hub to forget this registration, without waiting: a receiver that
+        registered elsewhere (another hub, another worker id) is no longer one of its
+        targets (it would fail each broadcast as one that left). A hub that is gone
+        forgets it anyway."""
+        self.hub.actor.leave.remote(self.worker, self.token)
 
     def leave_hub(self, timeout_s: float) -> None:
         """Tell the hub to forget this registration: no broadcast targets it any more.

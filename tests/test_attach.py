@@ -225,6 +225,21 @@ def test_paths_without_an_owner_are_refused(ray_cluster):
         raysync.attach("no-such-hub", {"policy": "nets.actor"}, mode="pull")
 
 
+@pytest.mark.parametrize(
+    "seconds, message",
+    [
+        ({"heartbeat_s": 0}, "heartbeat_s must be a positive number of seconds, got 0"),
+        ({"heartbeat_s": -1.0}, "heartbeat_s must be a positive number of seconds, got -1.0"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a positive number of seconds, got nan"),
+    ],
+)
+def test_a_heartbeat_or_timeout_of_no_positive_seconds_is_refused(ray_cluster, seconds, message):
+    """A zero heartbeat had the receiver's watch, and the hub's watch of a pull
+    receiver, spin without a pause."""
+    with pytest.raises(ValueError, match=message):
+        raysync.attach("no-such-hub", make_policy(), mode="pull", **seconds)
+
+
 def test_a_new_model_object_registered_again_is_brought_to_the_latest_version(actors):
     """connect_hub again, from one of the actor's methods, with a fresh policy at the
     same path: the version the old object held is not carried over to it, so the hub's
@@ -288,3 +303,9 @@ def test_connecting_to_another_hub_starts_from_its_versions(actors):
     assert ray.get(collector.version.remote()) == 1
     assert_same(ray.get(collector.state.remote()), state_of(learner))
     assert ray.get(new.status.remote()).versions == {"policy": 1}
+    # The old hub, if it lives, is told: it no longer counts the receiver (each of its
+    # broadcasts failed it as one that left).
+    wait_until(
+        lambda: not ray.get(old.status.remote()).receivers, what="the old hub forgot it"
+    )
+    assert ray.get(old.broadcast.remote(make_policy())).acked == ()
