@@ -168,6 +168,7 @@ class ReceiverDelivery:
                         cause=FailureCause.DIED,
                     )
         except asyncio.TimeoutError:
+            self._state.timed_out(registration.worker, registration.token)
             return Outcome(
                 registration.worker,
                 f"{registration.actor} did not apply version {update.version} of model "

@@ -46,6 +46,7 @@ from raysync.transports.distributed import (
     BroadcastJob,
     Generation,
     StoreAddress,
+    bucket_timeout_s,
     call_off,
     forget_rendezvous,
     header,
@@ -112,13 +113,23 @@ class ProcessGroupActor:
         """One collective per bucket (:mod:`raysync.transports.bucket_relay`), bucket
         ``k + 1`` read while bucket ``k``'s collective runs. If one fails, the members read
         the rest of the version from the broker themselves (they are made its readers
-        first), so a dead member costs the others nothing."""
+        first), so a dead or busy member costs the others nothing.
+
+        The broker drops a reader that holds the stream up; this one is the stream's
+        only reader until it fails, so it must fail first: it joins the generation
+        before it takes a bucket, and each bucket's collective waits
+        :func:`~raysync.transports.distributed.group.bucket_timeout_s` at most."""
         settings = job.generation.settings
         plan = relay_plan(job.source, job.spec)
         size = HEADER_BYTES + max(bucket.nbytes for bucket in plan)
+        limit_s = bucket_timeout_s(settings, job.source)
         passed_on: tuple[str, ...] = ()
         number = 0  #: of the bucket being broadcast, from 1
         try:
+            joined = await asyncio.to_thread(self._collective, job, "its rendezvous", None)
+            if joined is not None:
+                await adopt(job.source, job.generation.members)
+                return joined
             async with contextlib.aclosing(
                 read_buckets(plan, reader, settings.timeout_s)
             ) as buckets:
@@ -126,7 +137,7 @@ class ProcessGroupActor:
                     async for _, pieces in buckets:
                         number += 1
                         reason = await asyncio.to_thread(
-                            self._broadcast_bucket, job, number, size, pieces
+                            self._broadcast_bucket, job, number, size, pieces, limit_s
                         )
                         if reason is not None:
                             await adopt(job.source, job.generation.members)
@@ -134,7 +145,7 @@ class ProcessGroupActor:
                 except TransportError as err:
                     # The collective fails with it, so members stop waiting at once.
                     reason = await asyncio.to_thread(
-                        self._broadcast_bucket, job, number + 1, size, err
+                        self._broadcast_bucket, job, number + 1, size, err, limit_s
                     )
                     await adopt(job.source, job.generation.members)
                     return reason
@@ -173,9 +184,10 @@ class ProcessGroupActor:
         number: int,
         size: int,
         pieces: list[torch.Tensor] | BaseException,
+        limit_s: float,
     ) -> str | None:
         """Bucket ``number`` (from 1) of ``job`` as one collective of ``size`` bytes: the
-        header, then the bucket's pieces back to back."""
+        header, then the bucket's pieces back to back; failed after ``limit_s``."""
 
         def fill() -> torch.Tensor:
             if isinstance(pieces, BaseException):
@@ -189,29 +201,41 @@ class ProcessGroupActor:
                 at += piece.numel()
             return buffer
 
-        return self._collective(job, f"collective {job.seq} (bucket {number})", fill, agree=True)
+        what = f"collective {job.seq} (bucket {number})"
+        return self._collective(job, what, fill, agree=True, timeout_s=limit_s)
 
     def _collective(
         self,
         job: BroadcastJob,
         what: str,
-        fill: Callable[[], torch.Tensor],
+        fill: Callable[[], torch.Tensor] | None,
         agree: bool = False,
+        timeout_s: float | None = None,
     ) -> str | None:
         """Join ``job``'s generation if need be and broadcast the buffer ``fill`` makes
-        (``agree``: see ``run_broadcast``); None, or why not (the group is left: members
-        blocked in it fail fast)."""
+        (``agree``, ``timeout_s``: see ``run_broadcast``; no ``fill``: join only); None,
+        or why not (the group is left: members blocked in it fail fast)."""
         generation = job.generation
         with self._lock:
             try:
                 if self._generation != generation:
                     self._leave()
                     self._generation = generation
-                    self._group = join_group(generation, 0, self._store)
+                    try:
+                        self._group = join_group(generation, 0, self._store)
+                    except Exception as err:
+                        # A member that arrives after the others gave up (busy, its
+                        # delivery queued) fails at once, not after its own timeout.
+                        call_off(self._store, generation, f"rank 0 gave it up ({err})")
+                        raise
                     forget_rendezvous(self._store, generation)
                 if self._group is None:
                     raise RuntimeError("the group broke in an earlier collective")
-                run_broadcast(self._group, fill(), generation.settings, agree=agree)
+                if fill is None:
+                    return None
+                run_broadcast(
+                    self._group, fill(), generation.settings, agree=agree, timeout_s=timeout_s
+                )
             except Exception as err:
                 self._leave()
                 reason = (

@@ -67,6 +67,9 @@ class ReceiverEntry:
     timings: dict[str, ReceiverTimings] = field(default_factory=dict)
     #: ``time.monotonic()`` when it registered or its last heartbeat came
     heard: float = field(default_factory=time.monotonic)
+    #: Its last delivery timed out and it has acked no version since
+    #: (:attr:`ReceiverInfo.behind`).
+    behind: bool = False
 
     def lapsed(self, now: float) -> bool:
         """Whether this is a watched pull receiver not heard from for ``LEASE_BEATS``
@@ -103,6 +106,7 @@ class ReceiverEntry:
             kept=payloads_in(r.kept),
             attachment=r.attachment,
             entry=r.entry,
+            behind=self.behind,
         )
 
 
@@ -334,10 +338,20 @@ class HubState:
         """Remember that ``worker`` holds ``version`` of ``model`` (or a newer one), and
         where the time went if it applied that version (``timings``)."""
         entry = self.receivers.get(worker)
-        if entry is not None and version > entry.versions.get(model, 0):
+        if entry is None:
+            return
+        entry.behind = False
+        if version > entry.versions.get(model, 0):
             entry.versions[model] = version
             if timings is not None:
                 entry.timings[model] = timings
+
+    def timed_out(self, worker: str, token: str) -> None:
+        """A delivery to ``worker``'s registration ``token`` timed out: it is behind
+        until it acks a version (:attr:`ReceiverInfo.behind`)."""
+        entry = self.receivers.get(worker)
+        if entry is not None and entry.registration.token == token:
+            entry.behind = True
 
     def statuses(self, now: float | None = None) -> tuple[ReceiverStatus, ...]:
         """Each receiver's versions, lag (in versions, and in seconds at ``now``,

@@ -198,6 +198,58 @@ def test_member_that_never_enters_does_not_hang_the_hub(actors):
     free_and_reach_all(hub, gate, blocked, [*holders, busy], ("busy", "h0", "h1"))
 
 
+def test_a_member_busy_past_a_timeout_reads_alone_and_holds_no_one_up(actors):
+    """A member busy in a long method (one call at a time: its deliveries queue behind
+    it) held every other member up for the group's timeout at each version: each new
+    generation took it in again and waited for it at the rendezvous. Behind (its last
+    delivery timed out), it reads the learner's copy alone until it acks again, and
+    the others' generation goes on without it; back, it is a member again."""
+    hub, holders, busy = start_two_holders_and_a_busy_one(actors)
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)  # one method at a time: no delivery gets in
+    # The hub cannot know yet: this collective waits for it, the others read the copy.
+    ref = hub.broadcast.remote(
+        {"w": torch.randn(2048, 1024)}, timeout_s=2 * _TIMEOUT_S, raise_on_failure=False
+    )
+    assert set(ray.get(ref, timeout=60).failed) == {"busy"}
+    for _ in range(2):  # within less than the group's timeout: no rendezvous waits for it
+        weights = {"w": torch.randn(2048, 1024)}
+        ref = hub.broadcast.remote(weights, timeout_s=0.75 * _TIMEOUT_S, raise_on_failure=False)
+        report = ray.get(ref, timeout=60)
+        assert report.acked == ("h0", "h1"), report.failed
+        for holder in holders:
+            assert_bitwise(ray.get(holder.state.remote()), weights)
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    for _ in range(2):  # by the learner's copy, acked: then in the generation again
+        weights = {"w": torch.randn(2048, 1024)}
+        report = ray.get(hub.broadcast.remote(weights), timeout=60)
+        assert report.acked == ("busy", "h0", "h1")
+        for holder in [*holders, busy]:
+            assert_bitwise(ray.get(holder.state.remote()), weights)
+    assert group_status(hub).members == ("busy", "h0", "h1")
+
+
+def test_a_busy_member_fails_alone_at_a_bucketed_version(actors):
+    """Rank 0 relays a bucketed version, the bucket broker's one reader of it, one
+    collective per bucket. A member busy past the group's timeout held rank 0's
+    collective that long, longer than the broker waits for a reader that holds the
+    stream up (half the broadcast's timeout): the broker dropped rank 0, the stream
+    ended with no reader, and the healthy members found it over when they fell back
+    to it: every receiver failed. Rank 0 gives a bucket's collective half that wait."""
+    hub, holders, busy = start_two_holders_and_a_busy_one(actors)
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)  # one method at a time: no delivery gets in
+    weights = {"w": torch.randn(2048, 1024)}  # 8 MB: eight buckets
+    timeout_s = 1.75 * _TIMEOUT_S  # the broker's patience, 0.875 of the group's timeout
+    ref = hub.broadcast.remote(weights, bucket_mb=1, timeout_s=timeout_s, raise_on_failure=False)
+    report = ray.get(ref, timeout=60)
+    assert report.acked == ("h0", "h1") and set(report.failed) == {"busy"}, report.failed
+    for holder in holders:
+        assert_bitwise(ray.get(holder.state.remote()), weights)
+    free_and_reach_all(hub, gate, blocked, [*holders, busy], ("busy", "h0", "h1"))
+
+
 def test_a_busy_member_two_hops_from_rank_0_holds_no_one_up_at_the_next_versions(actors):
     """gloo broadcasts down a binomial tree: of four ranks, rank 1 ("a") passes each
     version on to rank 3 ("z"). "z" is busy past the group's timeout: rank 0 and "b"

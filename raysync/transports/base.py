@@ -191,6 +191,11 @@ class ReceiverInfo:
     #: (:func:`raysync.receiver_delivery.serve_call` asks it to serve a version it holds).
     attachment: str = ""
     entry: Any = None
+    #: Its last delivery timed out and it has acked no version since (a receiver busy
+    #: in a long method, its deliveries queued behind it): a transport whose receivers
+    #: move each version together may have it read the learner's copy alone instead of
+    #: holding up the others (``distributed``).
+    behind: bool = False
 
 
 #: While the hub awaits a planner's ``plan``: the ``time.monotonic()`` by which it needs

@@ -5,6 +5,7 @@ are what the planner asks of it; the group itself is tests/test_distributed.py's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -122,3 +123,29 @@ def test_a_collective_call_that_raised_leaves_the_next_plans_a_new_generation(ra
     assert first["c0"].generation.number == 1
     assert second["c0"].generation.number == 2 and third["c0"].generation.number == 2
     assert (second["c0"].seq, third["c0"].seq) == (0, 1)
+
+
+def test_a_receiver_behind_reads_the_learners_copy_alone_until_it_acks_again():
+    """One whose last delivery timed out (busy in a long method) held every member up
+    for the group's timeout at each version: it reads the learner's copy by itself,
+    and the others form a generation without it; back (acked), it is a member again."""
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+    idle = [_info("c0"), _info("c1")]
+    behind = dataclasses.replace(_info("busy"), behind=True)
+    update = _Update(2)
+
+    async def run() -> list[dict]:
+        for target in [*idle, behind]:
+            await planner.receiver_joined(target)
+        planned = [await planner.plan(_Update(1), SPEC, [*idle, _info("busy")])]
+        planned.append(await planner.plan(update, SPEC, [*idle, behind]))
+        planned.append(await planner.plan(_Update(3), SPEC, [*idle, _info("busy")]))
+        return planned
+
+    first, second, third = asyncio.run(run())
+    assert first["busy"].generation.members == ("busy", "c0", "c1")
+    assert second["busy"] is update.payload
+    assert second["c0"].generation.members == ("c0", "c1")
+    assert third["busy"].generation.members == ("busy", "c0", "c1")
+    assert third["busy"].generation.number == 3

@@ -139,6 +139,22 @@ def test_registering_again_replaces_the_entry_and_only_the_current_token_drops_i
     assert state.targets("policy", None) == []
 
 
+def test_a_receiver_whose_delivery_timed_out_is_behind_until_it_acks_a_version():
+    state = HubState()
+    _publish(state)
+    state.register(_registration("w1", {"policy": POLICY}, token="first"))
+    assert state.receivers["w1"].info.behind is False
+    state.timed_out("w1", "other")  # another registration's delivery: not this one's
+    assert state.receivers["w1"].info.behind is False
+    state.timed_out("w1", "first")
+    assert state.receivers["w1"].info.behind is True
+    state.record("w1", "policy", 1)  # acked (older ones too: it answers again)
+    assert state.receivers["w1"].info.behind is False
+    state.timed_out("w1", "first")
+    state.register(_registration("w1", {"policy": POLICY}, token="second"))
+    assert state.receivers["w1"].info.behind is False  # a new registration starts afresh
+
+
 def test_a_watched_pull_receiver_not_heard_from_for_its_lease_lapses():
     state = HubState()
     state.register(_registration("pulls", {"policy": POLICY}, mode=PULL, heartbeat_s=2.0))

@@ -81,6 +81,7 @@ from raysync.transports.base import (
     TransportSender,
 )
 from raysync.transports.distributed.group import (
+    bucket_timeout_s,
     call_off,
     forget_rendezvous,
     join_group,
@@ -111,6 +112,7 @@ __all__ = [
     "Generation",
     "GroupPayload",
     "StoreAddress",
+    "bucket_timeout_s",
     "call_off",
     "forget_rendezvous",
     "header",

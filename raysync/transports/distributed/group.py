@@ -3,11 +3,13 @@ the hub, through rank 0's actor, calling a generation off."""
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, cast
 
 import torch
 
 from raysync.transports.distributed.wire import Generation
+from raysync.transports.object_store.bucket_stream import streams_of
 from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import node_ip
 
@@ -104,10 +106,15 @@ def call_off(store: Any, generation: Generation, why: str) -> None:
 
 
 def run_broadcast(
-    group: Any, buffer: torch.Tensor, settings: DistributedOptions, *, agree: bool = False
+    group: Any,
+    buffer: torch.Tensor,
+    settings: DistributedOptions,
+    *,
+    agree: bool = False,
+    timeout_s: float | None = None,
 ) -> None:
     """Broadcast ``buffer`` from rank 0 (every member calls this, with the same
-    ``agree``); raises on failure.
+    ``agree``); raises on failure, or after ``timeout_s`` (default: the group's).
 
     ``agree`` (a bucket of a bucketed version), with three ranks or more: then agree
     that every member has it, with one allreduce of one element. gloo broadcasts down a
@@ -122,16 +129,27 @@ def run_broadcast(
     """
     import torch.distributed as dist
 
+    timeout = settings.timeout if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    options.timeout = settings.timeout
-    group.broadcast([buffer], options).wait(settings.timeout)
+    options.timeout = timeout
+    group.broadcast([buffer], options).wait(timeout)
     if agree and group.size() >= 3:
         agreed = dist.AllreduceOptions()
-        agreed.timeout = settings.timeout
-        group.allreduce([torch.zeros(1, device=buffer.device)], agreed).wait(settings.timeout)
+        agreed.timeout = timeout
+        group.allreduce([torch.zeros(1, device=buffer.device)], agreed).wait(timeout)
     if buffer.device.type == "cuda":
         torch.cuda.current_stream(buffer.device).synchronize()
+
+
+def bucket_timeout_s(settings: DistributedOptions, source: object) -> float:
+    """How long rank 0 and each member wait for one bucket's collective of a bucketed
+    version from ``source`` (the learner's streams): the group's timeout, or half the
+    time the bucket broker waits for a reader that holds its stream up, if shorter.
+    Rank 0 is the stream's one reader: had it waited longer, the broker would drop it
+    and end the stream, and the members, failing after it, would find it over; they
+    fail as early, so they read on from the broker within that time."""
+    return min([settings.timeout_s, *(s.key.stall_s / 2 for s in streams_of(source))])
 
 
 def staging_device(settings: DistributedOptions) -> torch.device:

@@ -101,9 +101,15 @@ class DistributedPlanner(TransportPlanner):
             # A target that left while this plan waited (its targets were chosen before
             # the hub heard) has no place in a generation: the hub fails it alone (it
             # gets no payload), and the others do not wait for it at the rendezvous.
-            members = tuple(sorted(t.worker for t in targets if t.worker in self._receivers))
+            here = [t for t in targets if t.worker in self._receivers]
+            # One behind (busy in a long method, its last delivery timed out) reads the
+            # learner's copy alone until it acks again: in the collective it held every
+            # other member up for the group's timeout at each version. A bucketed
+            # version has no copy to read: it stays a member (and fails alone).
+            alone = {} if is_bucketed(update.payload) else _alone(here, update.payload)
+            members = tuple(sorted(t.worker for t in here if t.worker not in alone))
             if not members:
-                return {}
+                return alone
             store = await self._rank0_store()
             if store != self._store:  # first plan, or Ray restarted rank 0: new rendezvous
                 self._store, self._generation = store, None
@@ -127,7 +133,7 @@ class DistributedPlanner(TransportPlanner):
             buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
             job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
             self._last_job = self._actor.broadcast.remote(job, self._reader)
-            return {
+            return alone | {
                 worker: GroupPayload(
                     generation, generation.rank_of(worker), seq, update.payload, buckets
                 )
@@ -179,6 +185,11 @@ class DistributedPlanner(TransportPlanner):
             pass  # already gone: nothing of it to close
         finally:
             ray.kill(self._actor)
+
+
+def _alone(targets: Sequence[ReceiverInfo], copy: Any) -> dict[str, Any]:
+    """The learner's ``copy`` for each of ``targets`` that is behind."""
+    return {t.worker: copy for t in targets if t.behind}
 
 
 def _start_rank0(name: str, settings: DistributedOptions) -> Any:

@@ -20,7 +20,12 @@ from raysync.transports.bucket_relay import (
     read_bucket_now,
     relay_plan,
 )
-from raysync.transports.distributed.group import join_group, run_broadcast, staging_device
+from raysync.transports.distributed.group import (
+    bucket_timeout_s,
+    join_group,
+    run_broadcast,
+    staging_device,
+)
 from raysync.transports.distributed.wire import HEADER_BYTES, MAGIC, Generation, GroupPayload
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.parts import PartedReceiver
@@ -127,8 +132,9 @@ class DistributedReceiver(TransportReceiver):
                 if self._generation != generation:
                     self._switch_to(generation, payload.rank)
                 incoming = torch.empty(size, dtype=torch.uint8, device=self._device)
+                limit_s = bucket_timeout_s(settings, payload.source)
                 for index, bucket in enumerate(plan):
-                    run_broadcast(self._group, incoming, settings, agree=True)
+                    run_broadcast(self._group, incoming, settings, agree=True, timeout_s=limit_s)
                     got = incoming[:HEADER_BYTES].cpu().view(torch.int64)[:5].tolist()
                     expected = [MAGIC, generation.number, payload.seq, size, index + 1]
                     if got != expected:
