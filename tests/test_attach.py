@@ -305,7 +305,5 @@ def test_connecting_to_another_hub_starts_from_its_versions(actors):
     assert ray.get(new.status.remote()).versions == {"policy": 1}
     # The old hub, if it lives, is told: it no longer counts the receiver (each of its
     # broadcasts failed it as one that left).
-    wait_until(
-        lambda: not ray.get(old.status.remote()).receivers, what="the old hub forgot it"
-    )
+    wait_until(lambda: not ray.get(old.status.remote()).receivers, what="the old hub forgot it")
     assert ray.get(old.broadcast.remote(make_policy())).acked == ()

@@ -188,7 +188,6 @@ def test_a_part_whose_bytes_are_lost_leaves_the_model_untouched(actors, hub_and_
     assert ray.get(hub.status.remote()).assembling == {}
 
 
-
 def test_a_part_whose_learner_cancels_its_call_does_not_fail_the_others(actors):
     """A learner that gives up waiting on its own part's call (``ray.cancel``) while the
     version, started, waits for a busy receiver: the version and the other part's
