@@ -375,7 +375,7 @@ def test_a_send_waiting_for_its_buffer_lets_other_versions_be_written():
     try:
         b = sender.send(b_weights, b_spec, "b")  # handed to the hub, written later
         sender.submitted(sender.send(_weights(1.0), a_spec, "a"), a_first)
-        _publish(sender, _weights(2.0), a_spec)  # the pair's other buffer
+        _publish(sender, _weights(2.0), a_spec, "a")  # the pair's other buffer
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             third = pool.submit(sender.send, _weights(3.0), a_spec, "a")
             assert a_first.waited.wait(30), "the third send did not wait for the first's end"
@@ -432,6 +432,22 @@ def test_a_read_that_timed_out_leaves_its_buffer_out_of_later_versions(monkeypat
             assert not start <= staged[0].data_ptr() < start + aside.tensor.numel()
             receiver.release(payload, staged)
         assert len(receiver._pool.created()) == 2
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_read_is_given_time_by_its_size(monkeypatch):
+    """A version the learner has written is one READ of it all: a fixed limit failed
+    every large model on a slow link, however long the broadcast's timeout. Here no
+    fixed time at all, and a byte a second: the READs of 4 MB are waited for."""
+    monkeypatch.setattr(nixl_receiver, "READ_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(nixl_receiver, "READ_FLOOR_BYTES_PER_S", 1.0)
+    sender, receiver = NixlSender(), NixlReceiver()
+    try:
+        weights = {"a": torch.full((1 << 20,), 5.0)}
+        spec = WeightSpec.of(weights)
+        _assert_reads(receiver, _publish(sender, weights, spec), spec, weights)
     finally:
         receiver.close()
         sender.close()

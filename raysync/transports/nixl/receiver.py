@@ -43,8 +43,13 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between a receiver's looks at the stamp of a bucket not written yet.
 _STAMP_POLL_S = 0.0001
-#: Seconds a receiver waits for one READ before it gives up on the learner.
+#: Seconds a receiver waits for one READ before it gives up on the learner, plus one
+#: per :data:`READ_FLOOR_BYTES_PER_S` of the READ's bytes: a whole model is one READ
+#: when the learner has written it already (a 70 GB one over 10 GbE takes a minute).
 READ_TIMEOUT_S = 60.0
+#: The slowest rate a READ is given time for (NIXL over TCP alone measured 250-340 MB/s
+#: here, docs/benchmarks.md).
+READ_FLOOR_BYTES_PER_S = 100 * 2**20
 #: Learner agents whose metadata and prepared READs a receiver keeps (sharded learners
 #: are one agent each; a learner that released or restarted is a new one).
 AGENTS_KEPT = 64
@@ -131,15 +136,18 @@ class NixlReceiver(TransportReceiver):
             count = len(frame.buckets)
             written = self._await_buckets(read, 0, payload, stamps)
             if written == count:  # the learner was done packing: one READ of it all
-                self._post(read.all_data, payload.agent, f"buckets of stamp {payload.stamp}")
+                what = f"buckets of stamp {payload.stamp}"
+                self._post(read.all_data, payload.agent, what, payload.region.nbytes)
             else:  # read behind the learner, bucket by bucket as it writes them
                 for index in range(count):
                     if index == written:
                         written = self._await_buckets(read, index, payload, stamps)
-                    self._post(
-                        read.data[index], payload.agent, f"bucket {index} of stamp {payload.stamp}"
-                    )
-            self._post(read.stamps, payload.agent, f"stamps of stamp {payload.stamp}")
+                    start, stop = frame.buckets[index]
+                    what = f"bucket {index} of stamp {payload.stamp}"
+                    self._post(read.data[index], payload.agent, what, stop - start)
+            self._post(
+                read.stamps, payload.agent, f"stamps of stamp {payload.stamp}", stamps.nbytes
+            )
             for found in stamps.tolist():
                 if found != payload.stamp:
                     raise self._not_that_version(payload, found)
@@ -248,7 +256,7 @@ class NixlReceiver(TransportReceiver):
                 f"could not prepare a READ of the {what} from learner agent {agent}: {err}"
             ) from err
         try:
-            self._post(handle, agent, what)
+            self._post(handle, agent, what, sum(length for _, length, _ in local))
         finally:
             _release(handle)
 
@@ -266,7 +274,7 @@ class NixlReceiver(TransportReceiver):
         version; how many buckets from the first on it has written by then."""
         started = time.monotonic()
         while True:
-            self._post(read.stamps, payload.agent, f"stamps of {payload.stamp}")
+            self._post(read.stamps, payload.agent, f"stamps of {payload.stamp}", stamps.nbytes)
             found_all = stamps.tolist()
             found = found_all[index]
             if found == payload.stamp:
@@ -367,18 +375,20 @@ class NixlReceiver(TransportReceiver):
         staging.reads[key] = read
         return read
 
-    def _post(self, handle: Any, agent: str, what: str) -> None:
-        """Post one prepared READ and wait for it; TransportError on failure or timeout."""
+    def _post(self, handle: Any, agent: str, what: str, nbytes: int = 0) -> None:
+        """Post one prepared READ of ``nbytes`` and wait for it; TransportError on
+        failure or timeout (:data:`READ_TIMEOUT_S`, more for a large one)."""
         started = time.monotonic()
+        limit_s = READ_TIMEOUT_S + nbytes / READ_FLOOR_BYTES_PER_S
         try:
             state = self._agent.transfer(handle)
             while state == "PROC":
                 elapsed = time.monotonic() - started
-                if elapsed > READ_TIMEOUT_S:
+                if elapsed > limit_s:
                     self._forget(agent)
                     raise StillWriting(  # the agent may not abort it: a late write
                         f"READ of the {what} from learner agent {agent}"
-                        f" did not finish within {READ_TIMEOUT_S:g} s"
+                        f" did not finish within {limit_s:g} s"
                     )
                 time.sleep(0 if elapsed < _SPIN_S else _POLL_SLEEP_S)
                 state = self._agent.check_xfer_state(handle)

@@ -25,8 +25,12 @@ from raysync.transports.rdt.agent import ray_agent_progress
 from raysync.transports.rdt.wire import RdtBucketStream, RdtPayload
 from raysync.transports.staging import StagingPool, StillWriting, staging_device
 
-#: Seconds a receiver's ``ray.get`` of one version may take.
+#: Seconds a receiver's ``ray.get`` of one RDT object may take, plus one per
+#: :data:`READ_FLOOR_BYTES_PER_S` of its bytes (a whole version is one object).
 READ_TIMEOUT_S = 60.0
+#: The slowest rate a read is given time for (NIXL over TCP alone measured 250-340 MB/s
+#: here, docs/benchmarks.md).
+READ_FLOOR_BYTES_PER_S = 100 * 2**20
 
 
 class RdtReceiver(TransportReceiver):
@@ -111,12 +115,13 @@ def _read_into(ref: ray.ObjectRef, place: torch.Tensor, what: str) -> None:
     Ray put it anywhere else."""
     from ray.experimental import set_target_for_ref
 
+    limit_s = READ_TIMEOUT_S + place.nbytes / READ_FLOOR_BYTES_PER_S
     try:
         set_target_for_ref(ref, [place])
-        (received,) = ray.get(ref, timeout=READ_TIMEOUT_S)
+        (received,) = ray.get(ref, timeout=limit_s)
     except ray.exceptions.GetTimeoutError as err:  # Ray's READ into ``place`` may go on
         raise StillWriting(
-            f"Ray's NIXL tensor transport did not fetch {what} within {READ_TIMEOUT_S:g} s"
+            f"Ray's NIXL tensor transport did not fetch {what} within {limit_s:g} s"
         ) from err
     except (ray.exceptions.RayError, ValueError) as err:
         raise TransportError(
