@@ -6,6 +6,7 @@ Ray job that owns it, usually the learner's driver) and :func:`get_hub` finds a 
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ from raysync.transports import (
 from raysync.transports.buckets import bucket_bytes_of
 from raysync.wire_dtype import check_wire_dtype
 
+logger = logging.getLogger(__name__)
+
 
 class HubLauncher:
     """``WeightHub.options(...)``: actor options waiting for ``.remote(...)``."""
@@ -46,7 +49,9 @@ class HubLauncher:
         bucket_mb: float | None = None,
         channels: bool = False,
     ) -> HubHandle:
-        """Start the hub actor.
+        """Start the hub actor (with ``get_if_exists=True`` among the options, find the
+        running one of that name if there is one: the handle then carries that hub's
+        own settings, and a warning names those that differ from these).
 
         ``transport`` names the data path (see :func:`raysync.known_transports`);
         ``timeout_s`` is the default ack timeout of a broadcast; ``reject_nonfinite``
@@ -102,6 +107,12 @@ class HubLauncher:
         )
         hub_class = ray.remote(actor_class(HUB))
         actor = hub_class.options(**self._actor_options).remote(config)
+        if self._actor_options.get("get_if_exists"):
+            # Ray hands back the running hub of that name, started with its own config
+            # (its transport, its hub_id, which names its resource actors): ours is not it.
+            running = ray.get(actor.config.remote(), timeout=timeout_s)
+            _warn_if_other(running, config)
+            config = running
         return HubHandle(actor, config)
 
 
@@ -119,6 +130,31 @@ class WeightHub:
 
     #: Start a hub with default actor options: :meth:`HubLauncher.remote`.
     remote = staticmethod(HubLauncher({}).remote)
+
+
+#: What a hub found with ``get_if_exists`` may differ in from what was asked.
+_SETTINGS = (
+    "transport",
+    "default_timeout_s",
+    "reject_nonfinite",
+    "models",
+    "transport_options",
+    "wire_dtype",
+    "bucket_mb",
+    "channels",
+)
+
+
+def _warn_if_other(running: HubConfig, asked: HubConfig) -> None:
+    """Log the settings a hub found with ``get_if_exists`` has other than asked for
+    (Ray ignores the arguments when it hands back a running actor)."""
+    other = [
+        f"{name}={getattr(running, name)!r} (asked: {getattr(asked, name)!r})"
+        for name in _SETTINGS
+        if getattr(running, name) != getattr(asked, name)
+    ]
+    if other:
+        logger.warning("get_if_exists found a running hub with " + ", ".join(other))
 
 
 def _transport_options(options: object | Sequence[object]) -> tuple[object, ...]:

@@ -23,6 +23,7 @@ from raysync import (
     BroadcastReport,
     BroadcastTicket,
     DeliveryMode,
+    WeightHub,
     get_hub,
 )
 from raysync.messages import Entry
@@ -272,6 +273,27 @@ class TestReceivers:
         ray.get(same_hub.broadcast.remote(learner))
         assert_same(ray.get(receiver.state.remote()), state_of(learner))
         assert ray.get(hub.status.remote()).versions == {"default": 1}
+
+    @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # hub logic
+    def test_get_if_exists_hands_back_the_running_hub_with_its_own_settings(
+        self, actors, transport, caplog
+    ):
+        """Ray hands back the running hub and ignores the arguments: the handle was
+        built from them (another hub_id, which names the hub's resource actors, another
+        transport), and a learner looked for actors that did not exist."""
+        hub = start_hub(actors, transport, {"name": "raysync-existing-hub"})
+        receiver = start(actors, Decorated, "raysync-existing-hub")
+        ready([receiver])
+        again = WeightHub.options(name="raysync-existing-hub", get_if_exists=True).remote(
+            transport="shared_memory", timeout_s=7
+        )
+        assert again.config == hub.config
+        assert "transport='object_store' (asked: 'shared_memory')" in caplog.text
+        assert "default_timeout_s=60.0 (asked: 7)" in caplog.text
+        learner = make_policy()
+        report = ray.get(again.broadcast.remote(learner))
+        assert (report.version, len(report.acked), report.failed) == (1, 1, {})
+        assert_same(ray.get(receiver.state.remote()), state_of(learner))
 
     def test_stale_and_duplicate_updates_are_skipped(self, shared_hubs, transport):
         hub, collector = shared_hubs.pair(transport)
