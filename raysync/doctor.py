@@ -36,6 +36,9 @@ class ProcessReport:
     transports: tuple[TransportCheck, ...]
     cuda: str  #: "2 x NVIDIA H100 ..." or why none
     dev_shm_free_gib: float | None  #: None: no /dev/shm here
+    #: Why the check could not run there (a node where raysync does not import, or
+    #: whose worker never started); empty when it ran.
+    error: str = ""
 
 
 def check_this_process(where: str = "this process") -> ProcessReport:
@@ -55,8 +58,14 @@ def check_this_process(where: str = "this process") -> ProcessReport:
     )
 
 
-def check_cluster() -> list[ProcessReport]:
-    """:func:`check_this_process` on every alive node of the connected Ray cluster."""
+#: How long ``check_cluster`` waits for each node's check.
+NODE_CHECK_S = 60.0
+
+
+def check_cluster(timeout_s: float = NODE_CHECK_S) -> list[ProcessReport]:
+    """:func:`check_this_process` on every alive node of the connected Ray cluster; a
+    node where it raised, or did not answer within ``timeout_s``, is reported with
+    why (those are the nodes the check is for)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -64,14 +73,29 @@ def check_cluster() -> list[ProcessReport]:
     def check(where: str) -> ProcessReport:
         return check_this_process(where)
 
-    refs = [
+    asked = {
         check.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        ).remote(f"node {node['NodeID'][:12]} ({node['NodeManagerAddress']})")
+        ).remote(where): where
         for node in ray.nodes()
         if node["Alive"]
-    ]
-    return ray.get(refs)
+        for where in [f"node {node['NodeID'][:12]} ({node['NodeManagerAddress']})"]
+    }
+    ray.wait(list(asked), num_returns=len(asked), timeout=timeout_s)
+    reports = []
+    for ref, where in asked.items():
+        try:
+            reports.append(ray.get(ref, timeout=0))
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref)
+            reports.append(_failed(where, f"no answer within {timeout_s:g} s"))
+        except ray.exceptions.RayError as err:
+            reports.append(_failed(where, f"{type(err).__name__}: {err}".splitlines()[0]))
+    return reports
+
+
+def _failed(where: str, error: str) -> ProcessReport:
+    return ProcessReport(where, {}, (), cuda="", dev_shm_free_gib=None, error=error)
 
 
 def render(reports: list[ProcessReport]) -> str:
@@ -79,6 +103,9 @@ def render(reports: list[ProcessReport]) -> str:
     lines: list[str] = []
     for report in reports:
         lines.append(f"== {report.where}")
+        if report.error:
+            lines.append(f"  could not check: {report.error}")
+            continue
         lines.append("  " + ", ".join(f"{k} {v}" for k, v in report.versions.items()))
         lines.append(f"  cuda: {report.cuda}")
         shm = report.dev_shm_free_gib

@@ -20,3 +20,11 @@ def test_every_alive_node_is_checked(ray_cluster):
     for report in reports:
         assert [c.name for c in report.transports] == built_in
     assert render(reports).count("== node ") == len(alive)
+
+
+def test_a_node_that_does_not_answer_in_time_is_reported_with_why(ray_cluster):
+    """A node whose check hangs (its worker never starts) held the whole report up for
+    good; one where it raised failed the whole report. Each is reported, with why."""
+    reports = check_cluster(timeout_s=0)  # no check answers in no time
+    assert reports and all(r.error == "no answer within 0 s" for r in reports)
+    assert render(reports).count("could not check: no answer within 0 s") == len(reports)
