@@ -38,6 +38,7 @@ from raysync.channel_replies import ChannelReplies
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
+    StaleVersionError,
     TransportUnavailableError,
     UnknownModelError,
 )
@@ -417,6 +418,7 @@ class WeightHubActor:
         self._state.check_known(model)
         spec = self._state.check_broadcast(model, request.spec)
         self._state.check_version(model, request.version)
+        _check_above_direct(model, request)
         version = request.version
         if version is None and request.above > self._state.version_of(model):
             version = request.above + 1  # its learner delivered one the hub never booked
@@ -452,6 +454,7 @@ class WeightHubActor:
         model = self._state.resolve_model(request.model)
         if request.version is None:  # the learner's handle insists on one
             raise ValueError("a version sent in parts needs an explicit version")
+        _check_above_direct(model, request)
         if (model, request.version) not in self._assemblies:  # its first part
             self._state.check_known(model)
             self._state.check_version(model, request.version)
@@ -1026,6 +1029,19 @@ def _by_channel(call: Any) -> bool:
     """Whether a learner's first delivery to a receiver went through its channel (the
     reply, or word that it comes later) rather than as a Ray call (an ObjectRef)."""
     return isinstance(call, ChannelCall | ChannelReply)
+
+
+def _check_above_direct(model: str, request: BroadcastRequest) -> None:
+    """StaleVersionError for an explicit version at or below one its learner delivered
+    itself (``request.above``) that the hub never booked (the learner failed before its
+    request left): receivers hold that number with that version's weights, and would
+    ack this one as held."""
+    if request.version is not None and request.version <= request.above:
+        raise StaleVersionError(
+            f"version {request.version} of model {model!r} is not above version "
+            f"{request.above}, which this learner delivered itself (its receivers may "
+            "hold it); versions only go up"
+        )
 
 
 def _check_bucket_readers(targets: list[ReceiverEntry]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from raysync import hub_handle
+from raysync import StaleVersionError, hub_handle
 from tests.helpers import assert_same, ready, start, start_hub, wait_dead
 from tests.receivers import (
     Collector,
@@ -202,11 +202,9 @@ def test_a_named_receiver_that_left_or_moved_after_the_route_is_reported(actors,
     _hold([stays, other], learner, 3)
 
 
-def test_a_version_delivered_directly_but_never_booked_is_not_numbered_again(actors, monkeypatch):
-    """The learner delivered version 2 itself, then failed before the hub booked it (its
-    request could not be sent): receivers hold it as version 2. The next broadcast,
-    numbered by the hub, must not be version 2 again: its receivers would keep the
-    failed one's weights and be counted as having applied the new ones."""
+def _delivered_but_never_booked(actors, monkeypatch):
+    """A hub and its receiver "a", which holds version 2 from its learner's own delivery
+    (this process's), the hub having booked version 1 only: ``(hub, a)``."""
     hub = start_hub(actors, "object_store")
     a = start(actors, Collector, hub, worker_id="a")
     ready([a])
@@ -223,6 +221,36 @@ def test_a_version_delivered_directly_but_never_booked_is_not_numbered_again(act
         hub.broadcast.remote(make_policy())
     monkeypatch.undo()
     assert ray.get(a.version.remote()) == 2
+    return hub, a
+
+
+def test_a_version_delivered_directly_but_never_booked_may_not_be_named_again(
+    actors, monkeypatch
+):
+    """Named explicitly (whole, or in parts), the hub booked it and the receiver, holding
+    that number, acked it as held: with the failed broadcast's weights."""
+    hub, a = _delivered_but_never_booked(actors, monkeypatch)
+    held = ray.get(a.state.remote())
+    with pytest.raises(StaleVersionError, match="version 2 .* this learner delivered"):
+        ray.get(hub.broadcast.remote(make_policy(), version=2))
+    weights = make_policy().state_dict()
+    halves = [dict(list(weights.items())[:2]), dict(list(weights.items())[2:])]
+    parts = [hub.broadcast.remote(h, version=2, part=i, parts=2) for i, h in enumerate(halves)]
+    for part in parts:
+        with pytest.raises(StaleVersionError, match="version 2 .* this learner delivered"):
+            ray.get(part)
+    assert_same(ray.get(a.state.remote()), held)
+    learner = make_policy()
+    assert ray.get(hub.broadcast.remote(learner, version=3)).acked == ("a",)
+    _hold([a], learner, 3)
+
+
+def test_a_version_delivered_directly_but_never_booked_is_not_numbered_again(actors, monkeypatch):
+    """The learner delivered version 2 itself, then failed before the hub booked it (its
+    request could not be sent): receivers hold it as version 2. The next broadcast,
+    numbered by the hub, must not be version 2 again: its receivers would keep the
+    failed one's weights and be counted as having applied the new ones."""
+    hub, a = _delivered_but_never_booked(actors, monkeypatch)
     late = start(actors, Collector, hub, worker_id="late")
     ready([late])
     learner = make_policy()  # names a worker the route does not list: through the hub
