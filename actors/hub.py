@@ -110,6 +110,9 @@ _ORDER_WAIT_S = 1.0
 _CLOSE_NOTICE_S = 10.0
 #: How long the hub waits for a receiver it could not plan for to answer "alive?".
 _ALIVE_CHECK_S = 30.0
+#: How long a registration waits for the actor that holds its worker id to answer
+#: "alive?" (a busy one is alive: it does not answer until its method ends).
+_TAKEN_CHECK_S = 2.0
 #: A bucketed version is planned whole before anyone reads it (its stream's readers
 #: must all be known first), so every transport's receivers wait for the slowest
 #: plan: where its receivers read by more than one transport, planning gets this share
@@ -531,6 +534,8 @@ class WeightHubActor:
         planner = self._planner(transport, asked_by=registration.actor)
         registration = dataclasses.replace(registration, transport=transport)
         former = self._state.receivers.get(registration.worker)
+        if former is not None:
+            await self._check_not_taken(former.registration, registration)
         latest = self._state.register(registration)
         if former is not None and former.transport != transport:  # its planner forgets it
             self._background.spawn(
@@ -567,6 +572,26 @@ class WeightHubActor:
         if self._lease_keeper is None and self._state.shortest_heartbeat() is not None:
             self._lease_keeper = self._background.spawn(self._forget_lapsed(), "leases")
         return Welcome(transport, info, catch_up)
+
+    async def _check_not_taken(self, former: Registration, registration: Registration) -> None:
+        """ValueError if ``registration``'s worker id is registered by another actor
+        that is alive: the two would register again over each other at every heartbeat,
+        each broadcast reaching (and its report naming) whichever held the id then.
+        Ray's restart of an actor is the same actor; a driver's or task's receiver has
+        none to ask about, and one whose actor died is replaced."""
+        if former.handle is None or former.handle == registration.handle:
+            return
+        try:
+            await asyncio.wait_for(former.handle.__ray_ready__.remote(), _TAKEN_CHECK_S)
+        except ActorDiedError:
+            return
+        except (asyncio.TimeoutError, RayError):
+            pass  # busy in a method, or restarting: it lives
+        raise ValueError(
+            f"worker id {registration.worker!r} is registered by {former.actor}, which is "
+            f"alive: {registration.actor} cannot take it over (each receiver needs a worker "
+            "id of its own: pass another worker_id)"
+        )
 
     async def heartbeat(self, worker: str, token: str) -> bool:
         """A receiver's check that this hub still knows it; False means register again."""

@@ -24,6 +24,7 @@ from tests.helpers import (
     ready,
     start,
     start_hub,
+    wait_dead,
     wait_until,
 )
 from tests.receivers import (
@@ -270,6 +271,27 @@ def test_registering_again_with_a_wrong_path_leaves_the_receiver_as_it_was(actor
     report = ray.get(hub.broadcast.remote(learner), timeout=60)
     assert (report.version, report.acked) == (2, ("c",))
     assert_same(ray.get(collector.state.remote()), state_of(learner))
+
+
+def test_a_worker_id_another_live_actor_holds_is_refused_naming_both(actors):
+    """Two actors given one worker id registered over each other at every heartbeat: a
+    broadcast reached, and its report named, whichever held the id then, the other one
+    behind with nothing said. Once the first is dead, the id may be taken over."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    first = start(actors, Collector, hub, worker_id="dup")
+    ready([first])
+    second = start(actors, Collector, hub, worker_id="dup")
+    with pytest.raises(ray.exceptions.RayActorError, match="worker id 'dup' is registered by"):
+        ready([second])
+    learner = make_policy()
+    assert ray.get(hub.broadcast.remote(learner)).acked == ("dup",)
+    assert_same(ray.get(first.state.remote()), state_of(learner))
+    ray.kill(first)
+    wait_dead(first)
+    third = start(actors, Collector, hub, worker_id="dup")
+    ready([third])
+    assert_same(ray.get(third.state.remote()), state_of(learner))  # welcomed with it
+    assert ray.get(hub.broadcast.remote(make_policy())).acked == ("dup",)
 
 
 def test_attaching_twice_as_one_worker_is_refused_naming_it(actors):
