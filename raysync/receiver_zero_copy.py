@@ -80,6 +80,12 @@ class Adoption:
         says why, once per model)."""
         refusal = rebind(model, names, version.staged)
         if refusal is not None:
+            current = self.current
+            if current is not None and not _still_in(model, names, current.staged):
+                # The host moved the model (another device) or built it anew: it lives
+                # in memory of its own now, and the version it left is handed back.
+                self.current = None
+                current.release()
             if not self.copies_instead:
                 self.copies_instead = True
                 logger.warning(
@@ -103,6 +109,10 @@ class Adoption:
         current = self.current
         if current is None or current.transport is None:
             return
+        if not _still_in(model, self.names, current.staged):  # moved since: nothing to copy
+            self.current = None
+            current.release()
+            return
         copies = [tensor.clone() for tensor in current.staged]
         refusal = rebind(model, self.names, copies)
         if refusal is not None:  # it was rebound to these very views: it cannot refuse
@@ -113,3 +123,13 @@ class Adoption:
     def lives_in(self, staged: Sequence[torch.Tensor]) -> bool:
         """Whether the model's tensors are ``staged`` (so it must not be released)."""
         return self.current is not None and self.current.staged is staged
+
+
+def _still_in(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``model``'s tensors named ``names`` is still one of the ``staged``
+    views it was rebound to (the host may have moved it, or built it anew)."""
+    own = weights.own_tensors(model, names)
+    if own is None:
+        return False
+    views = {view.data_ptr() for view in staged if view.numel()}
+    return any(t.numel() and t.data_ptr() in views for t in own.values())

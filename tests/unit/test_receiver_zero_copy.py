@@ -100,3 +100,28 @@ def test_a_refused_take_keeps_the_current_version_and_warns_once(caplog):
         "Collector(a): zero_copy is off for model 'policy' ('bias' is on cpu, the staged "
         "data on meta); its updates are copied"
     ]
+
+
+def test_a_model_the_host_moved_hands_back_the_version_it_left():
+    """The host moved the model off the staged version (to another device, here meta):
+    the next take is refused and the model is copied into as usual, and the version it
+    no longer lives in went back to its transport (it was held for good, a shared-memory
+    slot among them); leaving the hub then has nothing to copy (it raised)."""
+    transport, model, adoption = _Transport(), torch.nn.Linear(3, 2), Adoption()
+    first = AdoptedVersion(transport, "v1", _staged(1.0))
+    assert adoption.take(model, NAMES, first, actor="Collector(a)", model_id="policy")
+    model.to("meta")
+    second = AdoptedVersion(transport, "v2", _staged(2.0))
+    assert not adoption.take(model, NAMES, second, actor="Collector(a)", model_id="policy")
+    assert adoption.current is None and transport.released == ["v1"]
+    adoption.keep_privately(model)
+    assert transport.released == ["v1"]
+
+
+def test_leaving_the_hub_after_the_host_moved_the_model_hands_its_version_back():
+    transport, model, adoption = _Transport(), torch.nn.Linear(3, 2), Adoption()
+    first = AdoptedVersion(transport, "v1", _staged(1.0))
+    assert adoption.take(model, NAMES, first, actor="Collector(a)", model_id="policy")
+    model.to("meta")
+    adoption.keep_privately(model)
+    assert adoption.current is None and transport.released == ["v1"]
