@@ -8,8 +8,11 @@ creates, and registers if it must) and returns the views the fill made, leased w
 buffer; the receiver core hands those views back through ``release`` once the version
 is applied (or, with zero copy, replaced), and the buffer is free again. A fill that
 fails frees its buffer at once, unless a transfer into it may still run
-(:class:`StillWriting`: a READ that timed out): that buffer is set aside, never filled
-again, so a late completion cannot land in a later version. A buffer is never written
+(:class:`StillWriting`: a READ that timed out): that buffer is set aside, so a late
+completion cannot land in a later version, until :data:`SET_ASIDE_KEPT` others of its
+spec were set aside after it (each a READ timeout later: its own READ is long over by
+then), so that a learner that keeps timing out costs a bounded number of buffers. A
+buffer is never written
 while leased, so a model that lives in it never changes under its reader. ``close``
 hands every buffer the pool created back to the transport to deregister.
 """
@@ -31,6 +34,10 @@ from raysync.transports.base import TransportError
 logger = logging.getLogger(__name__)
 
 Buffer = TypeVar("Buffer")
+
+#: Buffers of one spec set aside at most (their READs timed out); the oldest is taken
+#: back when another is set aside.
+SET_ASIDE_KEPT = 2
 
 
 class StillWriting(TransportError):
@@ -60,6 +67,7 @@ class StagingPool(Generic[Buffer]):
         self._free: dict[WeightSpec, list[Buffer]] = {}
         self._created: list[Buffer] = []
         self._leased: dict[int, tuple[WeightSpec, Buffer]] = {}
+        self._set_aside: dict[WeightSpec, list[Buffer]] = {}
         #: id(tensor) -> (tensor, layout, its views): see :meth:`views`
         self._views: dict[int, tuple[torch.Tensor, PackedLayout, Sequence[torch.Tensor]]] = {}
 
@@ -76,10 +84,13 @@ class StagingPool(Generic[Buffer]):
             written = write(buffer)
             staged = written.alias() if isinstance(written, Viewed) else list(written)
         except StillWriting as err:
-            # Kept in ``created`` (``close`` deregisters it), never filled again.
-            logger.warning(
-                "a staging buffer of %d bytes is set aside for good: %s", spec.nbytes, err
-            )
+            # Kept in ``created`` (``close`` deregisters it) and out of the free list.
+            logger.warning("a staging buffer of %d bytes is set aside: %s", spec.nbytes, err)
+            with self._lock:
+                aside = self._set_aside.setdefault(spec, [])
+                aside.append(buffer)
+                if len(aside) > SET_ASIDE_KEPT:
+                    self._free.setdefault(spec, []).append(aside.pop(0))
             raise
         except BaseException:
             with self._lock:
@@ -136,6 +147,7 @@ class StagingPool(Generic[Buffer]):
         with self._lock:
             created, self._created = self._created, []
             self._free.clear()
+            self._set_aside.clear()
             self._leased.clear()
             self._views.clear()
             return created

@@ -10,7 +10,7 @@ import torch
 from raysync.copies import Viewed
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.staging import StagingPool, StillWriting
+from raysync.transports.staging import SET_ASIDE_KEPT, StagingPool, StillWriting
 
 SMALL = WeightSpec.of({"w": torch.zeros(4)})
 LARGE = WeightSpec.of({"w": torch.zeros(64)})
@@ -67,7 +67,7 @@ def test_a_failed_fill_frees_its_buffer_and_raises():
     assert pool.created() == [buffer]
 
 
-def test_a_fill_whose_transfer_may_still_run_sets_its_buffer_aside_for_good():
+def test_a_fill_whose_transfer_may_still_run_sets_its_buffer_aside():
     """A READ that timed out may still write its buffer: the next version is read into
     another, and the one set aside is still handed back at close to deregister."""
     pool, made = _pool()
@@ -85,6 +85,28 @@ def test_a_fill_whose_transfer_may_still_run_sets_its_buffer_aside_for_good():
     _, again = _filled(pool, SMALL)
     assert again is buffer and len(made) == 2
     assert pool.close() == [aside[0], buffer]
+
+
+def test_buffers_set_aside_are_taken_back_beyond_a_few_per_spec():
+    """A learner that keeps timing out (stuck, or a link slower than the READ's limit)
+    cost one model-sized buffer per try, for good: beyond ``SET_ASIDE_KEPT`` of a spec,
+    the oldest (its READ long over, a timeout later at least) is free again."""
+    pool, made = _pool()
+    aside: list[torch.Tensor] = []
+
+    def timed_out(buffer: torch.Tensor) -> list[torch.Tensor]:
+        aside.append(buffer)
+        raise StillWriting("READ of the update did not finish within 60 s")
+
+    for _ in range(SET_ASIDE_KEPT):
+        with pytest.raises(StillWriting):
+            pool.fill(SMALL, timed_out)
+    assert len(made) == SET_ASIDE_KEPT  # each try another buffer
+    with pytest.raises(StillWriting):
+        pool.fill(SMALL, timed_out)
+    assert len(made) == SET_ASIDE_KEPT + 1
+    _, buffer = _filled(pool, SMALL)  # the oldest, taken back
+    assert buffer is aside[0] and len(made) == SET_ASIDE_KEPT + 1
 
 
 def test_buffers_are_kept_per_spec():
