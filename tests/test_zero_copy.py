@@ -141,9 +141,10 @@ class AsyncZeroCopy(WeightReceiver):
         self.policy = make_policy()
         self.connect_hub(hub, models={"policy": "policy"}, worker_id="z", zero_copy=True)
 
-    async def hold_then_move(self, gate, hub) -> None:
+    async def hold_then_move(self, entered, gate, hub) -> None:
         """Use the model across an await until the test opens ``gate``, then register
-        again by ``object_store``, copied into."""
+        again by ``object_store``, copied into (``entered`` is opened on the way in)."""
+        await entered.open.remote()
         await gate.wait.remote()
         self.connect_hub(hub, models={"policy": "policy"}, worker_id="z", transport="object_store")
 
@@ -168,9 +169,10 @@ def test_a_version_waiting_when_its_receiver_registers_again_is_not_applied_by_t
     ready([worker])
     template = make_policy()
     ray.get(hub.broadcast.remote(filled(template, 1.0)))
-    gate = start(actors, Gate)
-    moved = worker.hold_then_move.remote(gate, hub)
-    assert ray.get(worker.version.remote()) == 1  # runs once the first is parked
+    entered, gate = start(actors, Gate), start(actors, Gate)
+    moved = worker.hold_then_move.remote(entered, gate, hub)
+    ray.get(entered.wait.remote())  # Ray may start an async actor's calls out of order
+    assert ray.get(worker.version.remote()) == 1
     second = hub.broadcast.remote(filled(template, 2.0))
     # Asked by __ray_call__: a user method would wait for the version to be applied.
     waiting = worker.__ray_call__
