@@ -30,6 +30,9 @@ from raysync.wire_dtype import check_wire_dtype
 
 logger = logging.getLogger(__name__)
 
+#: How long ``get_if_exists`` waits for a running hub's config (it may still be starting).
+RUNNING_HUB_WAIT_S = 120.0
+
 
 class HubLauncher:
     """``WeightHub.options(...)``: actor options waiting for ``.remote(...)``."""
@@ -105,15 +108,27 @@ class HubLauncher:
             channels=channels,
             restartable=self._actor_options.get("max_restarts", 0) != 0,
         )
+        if self._actor_options.get("get_if_exists"):
+            running = self._running()
+            if running is not None:
+                _warn_if_other(running.config, config)
+                return running
         hub_class = ray.remote(actor_class(HUB))
         actor = hub_class.options(**self._actor_options).remote(config)
-        if self._actor_options.get("get_if_exists"):
-            # Ray hands back the running hub of that name, started with its own config
-            # (its transport, its hub_id, which names its resource actors): ours is not it.
-            running = ray.get(actor.config.remote(), timeout=timeout_s)
-            _warn_if_other(running, config)
-            config = running
         return HubHandle(actor, config)
+
+    def _running(self) -> HubHandle | None:
+        """With ``get_if_exists``: the hub of this name if it runs already (Ray would
+        hand it back and ignore the arguments: its config, with its own hub_id, which
+        names its resource actors, and its transport, is not the one asked for)."""
+        name = self._actor_options.get("name")
+        if name is None:
+            return None
+        try:
+            actor: Any = ray.get_actor(name, namespace=self._actor_options.get("namespace"))
+        except ValueError:
+            return None
+        return HubHandle(actor, ray.get(actor.config.remote(), timeout=RUNNING_HUB_WAIT_S))
 
 
 class WeightHub:

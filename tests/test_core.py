@@ -294,6 +294,13 @@ class TestReceivers:
         report = ray.get(again.broadcast.remote(learner))
         assert (report.version, len(report.acked), report.failed) == (1, 1, {})
         assert_same(ray.get(receiver.state.remote()), state_of(learner))
+        # None of that name yet: started as asked, without waiting for it (the ack
+        # timeout is no bound on an actor's start).
+        fresh = WeightHub.options(name="raysync-fresh-hub", get_if_exists=True).remote(
+            timeout_s=0.001
+        )
+        actors.append(fresh)
+        assert ray.get(fresh.actor.config.remote()) == fresh.config
 
     def test_stale_and_duplicate_updates_are_skipped(self, shared_hubs, transport):
         hub, collector = shared_hubs.pair(transport)
