@@ -111,7 +111,7 @@ _CLOSE_NOTICE_S = 10.0
 #: How long the hub waits for a receiver it could not plan for to answer "alive?".
 _ALIVE_CHECK_S = 30.0
 #: How long a registration waits for the actor that holds its worker id to answer
-#: "alive?" (a busy one is alive: it does not answer until its method ends).
+#: "alive?" before it takes the id over.
 _TAKEN_CHECK_S = 2.0
 #: A bucketed version is planned whole before anyone reads it (its stream's readers
 #: must all be known first), so every transport's receivers wait for the slowest
@@ -575,18 +575,25 @@ class WeightHubActor:
 
     async def _check_not_taken(self, former: Registration, registration: Registration) -> None:
         """ValueError if ``registration``'s worker id is registered by another actor
-        that is alive: the two would register again over each other at every heartbeat,
+        that answers: the two would register again over each other at every heartbeat,
         each broadcast reaching (and its report naming) whichever held the id then.
         Ray's restart of an actor is the same actor; a driver's or task's receiver has
-        none to ask about, and one whose actor died is replaced."""
+        none to ask about; one that died, or does not answer in time (busy, or on a
+        node that died and Ray does not know it yet: its replacement must get in), is
+        replaced, with a warning."""
         if former.handle is None or former.handle == registration.handle:
             return
         try:
             await asyncio.wait_for(former.handle.__ray_ready__.remote(), _TAKEN_CHECK_S)
-        except ActorDiedError:
+        except (asyncio.TimeoutError, RayError) as err:
+            logger.warning(
+                "worker id %r passes from %s (%s) to %s",
+                registration.worker,
+                former.actor,
+                "dead" if isinstance(err, ActorDiedError) else "not answering",
+                registration.actor,
+            )
             return
-        except (asyncio.TimeoutError, RayError):
-            pass  # busy in a method, or restarting: it lives
         raise ValueError(
             f"worker id {registration.worker!r} is registered by {former.actor}, which is "
             f"alive: {registration.actor} cannot take it over (each receiver needs a worker "

@@ -19,6 +19,7 @@ import raysync
 from raysync import ModelPathError
 from raysync.transports import DEFAULT_TRANSPORT
 from tests.helpers import (
+    Gate,
     assert_same,
     cut_off_heartbeats,
     ready,
@@ -30,6 +31,7 @@ from tests.helpers import (
 from tests.receivers import (
     AsyncHost,
     Collector,
+    Holder,
     LoopingWorker,
     PlainWorker,
     Rebuilder,
@@ -292,6 +294,24 @@ def test_a_worker_id_another_live_actor_holds_is_refused_naming_both(actors):
     ready([third])
     assert_same(ray.get(third.state.remote()), state_of(learner))  # welcomed with it
     assert ray.get(hub.broadcast.remote(make_policy())).acked == ("dup",)
+
+
+def test_a_worker_id_whose_holder_does_not_answer_passes_to_its_new_actor(actors):
+    """A holder that does not answer within 2 s (busy in a method here; on a node that
+    died and Ray does not know it yet, in the case this is for) gives the id up: a
+    replacement must get in."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    busy = start(actors, Holder, hub, state_of(make_policy()), "dup", "policy")
+    ready([busy])
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)
+    replacement = start(actors, Collector, hub, worker_id="dup")
+    ready([replacement])
+    learner = make_policy()
+    assert ray.get(hub.broadcast.remote(learner)).acked == ("dup",)
+    assert_same(ray.get(replacement.state.remote()), state_of(learner))
+    ray.get(gate.open.remote())
+    ray.get(blocked)
 
 
 def test_attaching_twice_as_one_worker_is_refused_naming_it(actors):
