@@ -222,7 +222,7 @@ class WeightHubActor:
             logger.warning("hub restarted; model versions restored: %s", self._state.versions())
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
         self._acks = AckBook()  #: acks sent apart from their delivery call (``ack``)
-        self._deliveries = ReceiverDelivery(self._state, self._acks, self._drop)
+        self._deliveries = ReceiverDelivery(self._state, self._acks, self._drop, self._catch_up)
         self._channel_replies = ChannelReplies()  #: learners' channels (direct path)
         self._refused: dict[str, RefusedRegistration] = {}  #: worker -> last refusal
         #: Forgets pull receivers whose heartbeats stopped, while there are any.
@@ -334,6 +334,13 @@ class WeightHubActor:
             else:
                 replies.append((request.submitter, model, version, worker))
                 first_calls[worker] = self._channel_replies.expect(replies[-1])
+        # Each learner's call its receiver's running call, where deliveries take turns
+        # (a channel's runs on the compiled-graph thread: it queues behind no method).
+        for worker in first_calls.keys() - set(by_channel):
+            if get_transport(self._state.receivers[worker].transport).one_call_at_a_time:
+                call = first_calls[worker] = asyncio.ensure_future(first_calls[worker])
+                retrieve_outcome(call)
+                self._deliveries.called_by_learner(calls[worker][0], model, version, call)
         delivery = _Delivery.of(
             request, handed, spec, targets, timeout_s, started, first_calls, gone
         )
@@ -631,6 +638,48 @@ class WeightHubActor:
         if entry is not None and self._state.drop(worker, token):
             planner = self._planners[entry.transport]
             self._background.spawn(planner.receiver_left(worker), f"{worker} left")
+
+    def _catch_up(self, entry: ReceiverEntry, model: str) -> None:
+        """``entry`` answered at last a call its delivery had timed out on (busy in a long
+        method; no later delivery waited for it): if it lacks the latest version of
+        ``model``, deliver it that one now, as a pull reads it. Outside any broadcast:
+        a failure is logged, and the next broadcast reaches it."""
+        handed = self._state.latest(model)
+        if self._closed or handed is None or handed.version <= entry.versions.get(model, 0):
+            return
+        reports = self._reports.get(model)
+        running = None if reports is None else reports.get(handed.version)
+        if running is not None and not running.done():
+            return  # that version's broadcast delivers it, or fails it
+        update = handed.update_for(entry.transport)
+        if update is None:  # sent before anyone read by its transport: the next one will be
+            return
+
+        async def deliver_latest() -> None:
+            assert update is not None  # checked above
+            try:
+                planned = await self._planned_pull(update, entry)
+                current = self._state.receivers.get(entry.worker)
+                if current is None or current.registration.token != entry.registration.token:
+                    return  # it left, or registered again (welcomed with the latest)
+                deadline = time.monotonic() + self._default_timeout_s
+                outcome = await self._deliveries.deliver(
+                    entry, planned, deadline, self._default_timeout_s
+                )
+                error = outcome.error
+            except Exception as err:
+                error = f"{type(err).__name__}: {err}"
+            if error is not None:
+                logger.warning(
+                    "%s, free again after a delivery timed out, did not catch up with "
+                    "version %d of model %r: %s; the next broadcast reaches it",
+                    entry.worker,
+                    update.version,
+                    model,
+                    error,
+                )
+
+        self._background.spawn(deliver_latest(), f"{entry.worker} catches up with {model!r}")
 
     async def channel_replies(
         self,

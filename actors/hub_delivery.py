@@ -29,6 +29,10 @@ from raysync.hub_state import HubState, ReceiverEntry
 from raysync.messages import Ack, AckStatus, ChannelLost, ReceiverTimings, Registration, Update
 from raysync.metrics import FailureCause
 from raysync.receiver_delivery import delivery_call
+from raysync.transports import get_transport
+from raysync.transports.object_store.bucket_stream import is_bucketed
+
+from .delivery_lanes import DeliveryLanes, Turn, leader_outcome
 
 #: Acks that reached the hub before the delivery awaiting them started (a learner's
 #: direct delivery applied at a safe point before its booking ran), kept for it.
@@ -36,6 +40,9 @@ EARLY_ACKS_KEPT = 4096
 #: How often a delivery asks an unavailable receiver (restarting, or unreachable for a
 #: moment) whether it answers again.
 UNAVAILABLE_RETRY_S = 0.1
+
+#: The acks of a receiver that holds the version it was delivered (or a newer one).
+_HOLDS = (AckStatus.APPLIED, AckStatus.SUPERSEDED)
 
 #: (registration token, model, version, origin): the delivery an ack answers.
 AckKey = tuple[str, str, int, str]
@@ -98,13 +105,31 @@ class ReceiverDelivery:
     """Delivers versions to the hub's receivers, one receiver per :meth:`deliver`.
 
     ``state`` is the hub's registry (a receiver's process now, and what it applied);
-    ``drop(worker, token)`` forgets a receiver that is gone for good.
+    ``drop(worker, token)`` forgets a receiver that is gone for good;
+    ``catch_up(entry, model)`` delivers the latest version of ``model`` to a receiver
+    that answered at last a call it had timed out on, if it lacks it.
     """
 
-    def __init__(self, state: HubState, acks: AckBook, drop: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        state: HubState,
+        acks: AckBook,
+        drop: Callable[[str, str], None],
+        catch_up: Callable[[ReceiverEntry, str], None],
+    ) -> None:
         self._state = state
         self._acks = acks
         self._drop = drop
+        self._catch_up = catch_up
+        self._lanes: DeliveryLanes[Outcome] = DeliveryLanes()
+
+    def called_by_learner(
+        self, token: str, model: str, version: int, call: asyncio.Future[Any]
+    ) -> None:
+        """A learner called registration ``token`` with ``version`` of ``model`` itself
+        (the direct path; ``call`` its reply): the receiver's running call until it
+        returns."""
+        self._lanes.calling(token, model, version, call)
 
     async def deliver(
         self,
@@ -118,10 +143,15 @@ class ReceiverDelivery:
         """Deliver to one receiver: its outcome, with the reason if it failed.
 
         ``first_call``: the learner already called it (the direct path); that call's
-        ObjectRef stands for the first delivery, made at ``update_sent_at``
-        (``time.time()`` in the learner), and any retry is the hub's own. ``deadline``
-        (``time.monotonic()``) bounds the whole delivery, ``timeout_s`` is how the
-        reason names it.
+        reply (its ObjectRef, or a future of it) stands for the first delivery, made at
+        ``update_sent_at`` (``time.time()`` in the learner), and any retry is the hub's
+        own. ``deadline`` (``time.monotonic()``) bounds the whole delivery,
+        ``timeout_s`` is how the reason names it.
+
+        A receiver whose last call of this model has not returned (busy in a long
+        method) gets no other, where the update takes turns (:func:`takes_turns`): the
+        delivery waits for it, and the newest version waiting then goes in place of
+        the others (see :mod:`actors.delivery_lanes`).
 
         ``ActorUnavailableError``: the delivery waits for the actor to answer again; a
         new process (registered again from its ``__init__``) means this one died; the
@@ -129,6 +159,96 @@ class ReceiverDelivery:
         superseded).
         """
         registration = entry.registration
+        turn: Turn[Outcome] = Turn()
+        while first_call is None and takes_turns(update):
+            running = self._lanes.running(registration.token, update.model)
+            try:
+                turn = await self._lanes.turn(
+                    registration.token, update.model, update.version, deadline
+                )
+            except asyncio.TimeoutError:
+                self._gave_up(registration, update.model)
+                return self._timed_out(
+                    registration,
+                    update,
+                    timeout_s,
+                    f"it takes one call at a time, and the call that delivered version "
+                    f"{running} to it had not returned",
+                )
+            if turn.follow is None:
+                break
+            try:
+                led = await leader_outcome(turn.follow, deadline)
+            except asyncio.TimeoutError:
+                return self._timed_out(
+                    registration,
+                    update,
+                    timeout_s,
+                    f"it was busy, and version {turn.follow.leader}, delivered in its place "
+                    f"once it was free, was not applied either",
+                )
+            if led.error is None:  # it holds a newer version: acked, as superseded
+                return Outcome(registration.worker, None, led.delivered_s)
+            turn = Turn()  # that one failed: this version tries on its own
+        try:
+            outcome = await self._deliver(
+                entry, update, deadline, timeout_s, first_call, update_sent_at
+            )
+        except BaseException as err:
+            turn.led(
+                Outcome(
+                    registration.worker,
+                    f"the hub's delivery to {registration.actor} ended: {err!r}",
+                    cause=FailureCause.RAISED,
+                )
+            )
+            raise
+        turn.led(outcome)
+        return outcome
+
+    def _timed_out(
+        self, registration: Registration, update: Update, timeout_s: float, why: str = ""
+    ) -> Outcome:
+        """The outcome of a delivery past its deadline; the receiver is behind."""
+        self._state.timed_out(registration.worker, registration.token)
+        return Outcome(
+            registration.worker,
+            f"{registration.actor} did not apply version {update.version} of model "
+            f"{update.model!r} within the {timeout_s:g} s timeout" + (f" ({why})" if why else ""),
+            cause=FailureCause.TIMEOUT,
+        )
+
+    def _gave_up(self, registration: Registration, model: str) -> None:
+        """A delivery to ``registration`` of ``model`` timed out while a call to it still
+        ran (busy in a long method): once that call returns with no delivery waiting,
+        the receiver holds what it acked, and it is free for the latest version, if it
+        lacks it (``catch_up``). Nothing of it if it registered again meanwhile."""
+
+        def returned(call: asyncio.Future[Any], version: int) -> None:
+            if call.cancelled() or call.exception() is not None:
+                return
+            ack = call.result()
+            if not isinstance(ack, Ack) or ack.status not in _HOLDS:
+                return
+            entry = self._state.receivers.get(registration.worker)
+            if entry is not None and entry.registration.token == registration.token:
+                self._state.record(registration.worker, model, version)
+                self._catch_up(entry, model)
+
+        self._lanes.gave_up(registration.token, model, returned)
+
+    async def _deliver(
+        self,
+        entry: ReceiverEntry,
+        update: Update,
+        deadline: float,
+        timeout_s: float,
+        first_call: Any,
+        update_sent_at: float,
+    ) -> Outcome:
+        """:meth:`deliver`, its turn come."""
+        registration = entry.registration
+        call: asyncio.Future[Any] | None = None  # the last call made, until it returns
         key = (registration.token, update.model, update.version, update.origin)
         deferred_ack = self._acks.expect(key)
         delivery_started = time.perf_counter()
@@ -138,16 +258,28 @@ class ReceiverDelivery:
             while True:
                 try:
                     if first_call is not None:  # awaited once: a retry is the hub's call
-                        call, first_call = first_call, None
+                        call, first_call = asyncio.ensure_future(first_call), None
                         reply = await _reply_or_ack(call, deferred_ack, deadline)
                         if isinstance(reply, ChannelLost):  # never reached it: deliver here
                             continue
                         ack = reply
                     else:
-                        ref = delivery_call(
-                            registration.handle, registration.entry, registration.attachment, update
+                        call = asyncio.ensure_future(
+                            delivery_call(
+                                registration.handle,
+                                registration.entry,
+                                registration.attachment,
+                                update,
+                            )
                         )
-                        ack = await asyncio.wait_for(ref, max(0.0, deadline - time.monotonic()))
+                        retrieve_outcome(call)
+                        if takes_turns(update):
+                            self._lanes.calling(
+                                registration.token, update.model, update.version, call
+                            )
+                        ack = await asyncio.wait_for(
+                            asyncio.shield(call), max(0.0, deadline - time.monotonic())
+                        )
                     if ack is None:  # applied later, at the receiver's next safe point
                         ack = await asyncio.wait_for(
                             deferred_ack, max(0.0, deadline - time.monotonic())
@@ -168,13 +300,9 @@ class ReceiverDelivery:
                         cause=FailureCause.DIED,
                     )
         except asyncio.TimeoutError:
-            self._state.timed_out(registration.worker, registration.token)
-            return Outcome(
-                registration.worker,
-                f"{registration.actor} did not apply version {update.version} of model "
-                f"{update.model!r} within the {timeout_s:g} s timeout",
-                cause=FailureCause.TIMEOUT,
-            )
+            if call is not None and not call.done() and takes_turns(update):
+                self._gave_up(registration, update.model)
+            return self._timed_out(registration, update, timeout_s)
         except RayActorError as err:
             self._drop(registration.worker, registration.token)
             return Outcome(
@@ -269,6 +397,12 @@ class ReceiverDelivery:
                 if asked is not None:
                     asked.cancel()
                 raise asyncio.TimeoutError
+
+
+def takes_turns(update: Update) -> bool:
+    """Whether deliveries of ``update`` take turns at a busy receiver
+    (:mod:`actors.delivery_lanes`): a whole version of a transport that declares it."""
+    return get_transport(update.transport).one_call_at_a_time and not is_bucketed(update.payload)
 
 
 async def not_delivered(worker: str, reason: str, cause: FailureCause) -> Outcome:

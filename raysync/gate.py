@@ -285,9 +285,7 @@ class ApplyGate:
         waits: its caller holds the model already; deferred writes go first for
         ``writer_first_s`` only)."""
         with self._cond:
-            if not held and (
-                self._deferred_go_first() or self._writing or self._writers_waiting
-            ):
+            if not held and (self._deferred_go_first() or self._writing or self._writers_waiting):
                 return False
             self._readers += 1
             return True

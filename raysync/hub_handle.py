@@ -216,7 +216,7 @@ class _Broadcast:
                             calls = channel.collect(written, COLLECT_WAIT_S)
                         if not direct_version:
                             direct_version = handle._next_direct_version(route)
-                        calls |= deliver_directly(
+                        called = deliver_directly(
                             route,
                             direct_version,
                             spec,
@@ -226,7 +226,10 @@ class _Broadcast:
                             side.submitter,
                             handle._learner_node(),
                             reached=calls,
+                            busy=side.direct_calls.busy(route.model),
                         )
+                        side.direct_calls.add(route.model, called)
+                        calls |= called
                     request = dataclasses.replace(
                         request,
                         direct_version=direct_version,

@@ -72,19 +72,24 @@ def deliver_directly(
     origin: str,
     node_id: str,
     reached: Collection[str] = (),
+    busy: Collection[str] = (),
 ) -> dict[str, tuple[str, Any]]:
     """The direct path, in the learner (on node ``node_id``): call each of ``route``'s
-    receivers (those of ``workers`` only, if given, none ``reached`` already through the
-    learner's channel, and, of a transport whose payload is read on the learner's node
-    only, those on it) with this broadcast as ``version``; per worker, its registration
-    and the call's ref (the hub awaits them as its first delivery, so deaths, restarts
-    and deferred acks are handled as for its own calls; it delivers to the others)."""
+    receivers (those of ``workers`` only, if given; none ``reached`` already through the
+    learner's channel; where deliveries take turns, none whose registration is ``busy``
+    with this process's earlier calls; and, of a transport whose payload is read on the
+    learner's node only, those on it) with this broadcast as ``version``; per worker,
+    its registration and the call's ref (the hub awaits them as its first delivery, so
+    deaths, restarts and deferred acks are handled as for its own calls; it delivers to
+    the others)."""
     calls: dict[str, tuple[str, Any]] = {}
     chosen = None if workers is None else set(workers)
     for target in route.targets:
         if (chosen is not None and target.worker not in chosen) or target.worker in reached:
             continue
         transport = get_transport(target.transport)
+        if target.token in busy and transport.one_call_at_a_time:
+            continue  # the hub delivers it, the newest version once a call returned
         if transport.learner_delivers_on_its_node and target.node_id != node_id:
             continue
         update = Update(

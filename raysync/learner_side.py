@@ -56,6 +56,50 @@ class InFlight:
         return min(self._calls, default=sequence)
 
 
+#: How many of this process's delivery calls to one receiver (and model) may run at
+#: once on the direct path: the last one, whose reply may still be on its way when the
+#: next broadcast leaves (the receiver acks to the hub first), and one queued behind
+#: it. A receiver with that many is busy in a long method (a default actor runs one
+#: call at a time; a queued call keeps its version's payload in the object store): the
+#: hub delivers it instead, once one returns, the newest version waiting.
+DIRECT_CALLS_RUNNING_MOST = 2
+
+
+class DirectCalls:
+    """This process's direct delivery calls that may still run, per receiver
+    registration and model (see :data:`DIRECT_CALLS_RUNNING_MOST`)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[str, str], list[ray.ObjectRef]] = {}
+
+    def add(self, model: str, calls: dict[str, tuple[str, Any]]) -> None:
+        """The calls of one broadcast of ``model``: per worker, its registration and
+        the call (an ObjectRef; a channel's write is none)."""
+        for token, call in calls.values():
+            if isinstance(call, ray.ObjectRef):
+                self._calls.setdefault((token, model), []).append(call)
+
+    def busy(self, model: str) -> set[str]:
+        """The registrations that :data:`DIRECT_CALLS_RUNNING_MOST` calls of ``model``
+        from this process have not returned from (those returned are let go)."""
+        keys = [key for key in self._calls if key[1] == model]
+        refs = [ref for key in keys for ref in self._calls[key]]
+        if not refs:
+            return set()
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        returned = set(done)
+        busy = set()
+        for key in keys:
+            running = [ref for ref in self._calls[key] if ref not in returned]
+            if not running:
+                del self._calls[key]
+                continue
+            self._calls[key] = running
+            if len(running) >= DIRECT_CALLS_RUNNING_MOST:
+                busy.add(key[0])
+        return busy
+
+
 @dataclass
 class LearnerSide:
     """What this process keeps for one hub as a learner (module doc)."""
@@ -79,6 +123,8 @@ class LearnerSide:
     handles: dict[str | None, dict[str, Any]] = field(default_factory=dict)
     #: per model, the version this process last delivered itself
     last_direct: dict[str, int] = field(default_factory=dict)
+    #: its delivery calls on the direct path that may still run
+    direct_calls: DirectCalls = field(default_factory=DirectCalls)
     #: per model, with ``channels``
     channels: dict[str, ReceiverChannel] = field(default_factory=dict)
     #: per hand-off, the transport's learner half

@@ -432,13 +432,21 @@ class Holder(WeightReceiver):
 
     def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str, model: str = "m"):
         self.sd = {k: torch.zeros_like(v) for k, v in template.items()}
+        self.applied: list[int] = []
         self.connect_hub(hub, models={model: "sd"}, worker_id=worker_id)
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        self.applied.append(version)
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.sd.items()}
 
     def version(self) -> int:
         return self.weights_version()
+
+    def applied_versions(self) -> list[int]:
+        """The versions applied, in order."""
+        return list(self.applied)
 
     def hold(self, gate) -> None:
         """Hold the actor's only method slot (a long rollout step) until the test opens

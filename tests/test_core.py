@@ -30,7 +30,15 @@ from raysync.messages import Entry
 from raysync.receiver_delivery import delivery_call
 from raysync.testing import assert_bitwise, special_weights
 from raysync.transports import DEFAULT_TRANSPORT, register_transport
-from tests.helpers import Gate, assert_same, keep_two_reports, ready, start, start_hub
+from tests.helpers import (
+    Gate,
+    assert_same,
+    keep_two_reports,
+    ready,
+    start,
+    start_hub,
+    wait_until,
+)
 from tests.receivers import (
     Collector,
     Decorated,
@@ -357,6 +365,74 @@ def test_broadcasts_still_running_past_the_reports_kept_can_be_waited_for(actors
     assert [r.version for r in reports] == [t.version for t in tickets]
     assert all(r.failed == {} and r.acked == ("busy",) for r in reports)
     assert_bitwise(ray.get(holder.state.remote()), weights[-1])
+
+
+def test_a_receiver_busy_in_a_long_method_is_sent_the_newest_version_not_each_one(actors):
+    """A default actor runs one call at a time: busy in a long method, it queued one
+    delivery call per version broadcast meanwhile (each holding its version's payload
+    in the object store until it ran) and then applied every one of them in turn. The
+    learner calls it while at most two of its calls run; the hub's deliveries of the
+    later versions wait for those to return, and the newest of them goes alone. Every
+    version is acked (the receiver holds a newer one, as a superseded version acks)."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    holder = start(actors, Holder, hub, special_weights(0.0), "busy")
+    ready([holder])
+    first = special_weights(1.0)
+    ray.get(hub.broadcast.remote(first, model="m"))  # its route comes back with it
+    gate = start(actors, Gate)
+    busy = holder.hold.remote(gate)  # called by this process first: it runs first
+    weights = [special_weights(float(v)) for v in range(2, 7)]
+    tickets = ray.get([hub.broadcast.remote(w, model="m", wait=False) for w in weights])
+    assert [t.version for t in tickets] == [2, 3, 4, 5, 6]
+    waiting = [hub.wait_for.remote(t) for t in tickets]
+    ray.get(gate.open.remote())
+    ray.get(busy)
+    reports = ray.get(waiting, timeout=60)
+    assert [r.direct for r in reports] == [("busy",), ("busy",), (), (), ()]
+    assert all(r.failed == {} and r.acked == ("busy",) for r in reports)
+    assert ray.get(holder.applied_versions.remote()) == [1, 2, 3, 6]
+    assert_bitwise(ray.get(holder.state.remote()), weights[-1])
+
+
+def test_a_receiver_busy_past_its_timeouts_gets_no_call_per_version_and_then_the_latest(
+    actors,
+):
+    """Deliveries to a receiver busy past their timeout: the first one's call waits
+    behind the method; the later ones made a call each too, each holding its version's
+    payload in the object store until the method ended, then applied in turn. They
+    make none now and fail saying why; once the first call returns, the hub sends the
+    receiver the latest version (outside any broadcast, as a pull reads it)."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    holder = start(actors, Holder, hub, special_weights(0.0), "busy")
+    ready([holder])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    gate = start(actors, Gate)
+    busy = holder.hold.remote(gate)
+    weights = {v: special_weights(float(v)) for v in (2, 3, 4)}
+    reports = [  # a version named: the hub delivers it (no direct path)
+        ray.get(
+            hub.broadcast.remote(w, model="m", version=v, timeout_s=1.0, raise_on_failure=False)
+        )
+        for v, w in weights.items()
+    ]
+    assert [(r.version, set(r.failed)) for r in reports] == [(v, {"busy"}) for v in weights]
+    assert reports[0].failed["busy"].endswith("within the 1 s timeout")
+    for report in reports[1:]:
+        assert report.failed["busy"].endswith(
+            "within the 1 s timeout (it takes one call at a time, and the call that "
+            "delivered version 2 to it had not returned)"
+        )
+    ray.get(gate.open.remote())
+    ray.get(busy)
+    wait_until(
+        lambda: ray.get(holder.version.remote()) == 4, what="the busy receiver holds version 4"
+    )
+    assert ray.get(holder.applied_versions.remote()) == [1, 2, 4]
+    assert_bitwise(ray.get(holder.state.remote()), weights[4])
+    wait_until(
+        lambda: ray.get(hub.status.remote()).receivers[0].versions == {"m": 4},
+        what="the hub's books say it holds version 4",
+    )
 
 
 class TestFailures:

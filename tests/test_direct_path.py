@@ -224,9 +224,7 @@ def _delivered_but_never_booked(actors, monkeypatch):
     return hub, a
 
 
-def test_a_version_delivered_directly_but_never_booked_may_not_be_named_again(
-    actors, monkeypatch
-):
+def test_a_version_delivered_directly_but_never_booked_may_not_be_named_again(actors, monkeypatch):
     """Named explicitly (whole, or in parts), the hub booked it and the receiver, holding
     that number, acked it as held: with the failed broadcast's weights."""
     hub, a = _delivered_but_never_booked(actors, monkeypatch)

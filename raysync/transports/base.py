@@ -327,6 +327,11 @@ class Transport(ABC):
     #: one already): every receiver of a version takes part in moving it (a collective
     #: waits for each member), so the receiver fetches it and lets it go at once.
     reads_refused: ClassVar[bool] = False
+    #: Whether the hub sends a busy receiver one call at a time per model, the newest
+    #: version waiting once its last call returned (``actors/delivery_lanes.py``): a
+    #: call queued behind a long method keeps its update, which pins the version's
+    #: bytes, and a version planned for a receiver but never delivered holds nothing.
+    one_call_at_a_time: ClassVar[bool] = False
     #: Whether its sender moves a version in buckets under a memory cap
     #: (``send_buckets``; ``bucket_mb`` of the hub and of a broadcast).
     buckets: ClassVar[bool] = False

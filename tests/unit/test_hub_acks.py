@@ -104,7 +104,9 @@ def test_a_learners_call_that_found_the_actor_unavailable_is_delivered_again_by_
     async def run():
         failed: asyncio.Future = asyncio.get_running_loop().create_future()
         failed.set_exception(ActorUnavailableError("unavailable for a moment", None))
-        delivery = hub_delivery.ReceiverDelivery(HubState(), AckBook(), lambda *_: None)
+        delivery = hub_delivery.ReceiverDelivery(
+            HubState(), AckBook(), lambda *_: None, lambda *_: None
+        )
         entry = ReceiverEntry(registration)
         deadline = time.monotonic() + 10
         return await asyncio.wait_for(
@@ -130,7 +132,9 @@ def test_a_call_the_hub_cannot_make_fails_that_receiver_only(monkeypatch):
     monkeypatch.setattr(hub_delivery, "delivery_call", delivery_call)
 
     async def run():
-        delivery = hub_delivery.ReceiverDelivery(HubState(), AckBook(), lambda *_: None)
+        delivery = hub_delivery.ReceiverDelivery(
+            HubState(), AckBook(), lambda *_: None, lambda *_: None
+        )
         return await delivery.deliver(
             ReceiverEntry(registration), update, time.monotonic() + 10, 10
         )

@@ -47,6 +47,7 @@ class ObjectStoreTransport(Transport):
     memory = MemoryFootprint(learner=2, per_receiver=0)
     learner_delivers = True
     buckets = True
+    one_call_at_a_time = True  #: whole versions (a bucket stream's readers are waited for)
 
     @classmethod
     def availability(cls) -> Availability:

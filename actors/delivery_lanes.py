@@ -1,0 +1,176 @@
+"""One delivery call at a time to each receiver, per model: :class:`DeliveryLanes`.
+
+Hub process, on its event loop. A default (threaded, one call at a time) actor busy in
+a long method — a rollout, a training step — queues every call made to it meanwhile,
+and Ray keeps a queued call's arguments until it runs: each version delivered to it in
+that time stayed pinned in the object store (the update names its payload) until the
+method ended, and then it applied every one of them in turn, the newest last.
+
+A lane keeps the last delivery call made to a receiver (its registration) for one model
+while it runs. A delivery that comes meanwhile makes no call but waits for that one to
+return; then the newest of the deliveries waiting goes (the *leader*), and the others
+end with its outcome (*followers*: acked, as a receiver that already holds a newer
+version acks, ``AckStatus.SUPERSEDED``; if it failed, each tries on its own). A
+receiver whose last call returned gets the next one at once; one sent versions faster
+than it applies them (``wait=False``) is sent the newest, like a busy one. Deliveries
+take turns on transports that declare it (``Transport.one_call_at_a_time``: their
+updates pin the version's bytes, and a plan left unread holds nothing), for whole
+versions only (the others wait for each reader of a bucket stream).
+
+A call that returns after a delivery gave up on it (its own, or one waiting for it,
+past its deadline) with no delivery waiting is the hub's cue that its receiver is free
+again: :meth:`DeliveryLanes.gave_up` says what to do then (the hub records what it
+acked and delivers it the latest version, if it lacks it).
+
+Who calls what: :class:`~actors.hub_delivery.ReceiverDelivery` calls :meth:`calling`
+for each call it makes, :meth:`turn` before its own first call and :meth:`gave_up` when
+its deadline passes; the hub calls :meth:`calling` for the calls a learner made itself
+(the direct path) as it books them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+#: A delivery's outcome, as the hub's delivery makes it (``hub_delivery.Outcome``).
+OutcomeT = TypeVar("OutcomeT")
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiting:
+    """A delivery waiting for its receiver's running call to return."""
+
+    version: int
+    turn: asyncio.Future[Turn[Any]]
+
+
+@dataclasses.dataclass(eq=False)
+class Lane(Generic[OutcomeT]):
+    """A receiver's last delivery call of one model (``version``), while it runs."""
+
+    call: asyncio.Future[Any]
+    version: int
+    #: the deliveries waiting for ``call`` to return, in the order they came
+    waiting: list[_Waiting] = dataclasses.field(default_factory=list)
+    #: once ``call`` returned: the newest version waiting, the one that goes
+    leader: int | None = None
+    #: the leader's outcome, for its followers to end with
+    led: asyncio.Future[OutcomeT] | None = None
+    #: set once a delivery gave up on ``call``: run with it and ``version`` when it
+    #: returns, if no delivery waits for it (see :meth:`DeliveryLanes.gave_up`)
+    then: Callable[[asyncio.Future[Any], int], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn(Generic[OutcomeT]):
+    """What a delivery does once :meth:`DeliveryLanes.turn` returned: call the receiver
+    (``follow`` None), then, if it leads (``lead``), say its outcome with :meth:`led`;
+    or take the outcome of ``follow``'s leader, a newer version that went in its place
+    (:func:`leader_outcome`)."""
+
+    lead: Lane[OutcomeT] | None = None
+    follow: Lane[OutcomeT] | None = None
+
+    def led(self, outcome: OutcomeT) -> None:
+        """The leader's outcome, for the deliveries it went in place of."""
+        if self.lead is not None and self.lead.led is not None and not self.lead.led.done():
+            self.lead.led.set_result(outcome)
+
+
+class DeliveryLanes(Generic[OutcomeT]):
+    """The running delivery calls of the hub, one lane per registration and model."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[tuple[str, str], Lane[OutcomeT]] = {}
+
+    def calling(self, token: str, model: str, version: int, call: asyncio.Future[Any]) -> None:
+        """A call was made to registration ``token`` with ``version`` of ``model``: the
+        lane's call until it returns. One made while another runs (a learner's own, a
+        process other than the hub) takes over the deliveries waiting: they wait for
+        the newest call."""
+        key = (token, model)
+        lane: Lane[OutcomeT] = Lane(call, version)
+        former = self._lanes.get(key)
+        if former is not None:
+            lane.waiting, former.waiting = former.waiting, []
+        self._lanes[key] = lane
+
+        def returned(_: asyncio.Future[Any]) -> None:
+            if self._lanes.get(key) is not lane:
+                return  # a newer call was made: the receiver's word is that one's
+            del self._lanes[key]
+            if lane.waiting:
+                _take_turns(lane)
+            elif lane.then is not None:
+                lane.then(call, lane.version)
+
+        call.add_done_callback(returned)
+
+    def running(self, token: str, model: str) -> int | None:
+        """The version of the running call to ``token`` of ``model``; None if none runs."""
+        lane = self._lanes.get((token, model))
+        return None if lane is None or lane.call.done() else lane.version
+
+    def gave_up(
+        self, token: str, model: str, then: Callable[[asyncio.Future[Any], int], None]
+    ) -> None:
+        """A delivery to ``token`` of ``model`` ended (its deadline passed) while a call
+        to it still ran, its own or the one it waited for: once that call returns,
+        ``then(call, its version)`` runs, unless deliveries wait for it (they go then)
+        or a newer call was made (its own return says)."""
+        lane = self._lanes.get((token, model))
+        if lane is not None and not lane.call.done():
+            lane.then = then
+
+    async def turn(self, token: str, model: str, version: int, deadline: float) -> Turn[OutcomeT]:
+        """Before a delivery of ``version`` calls registration ``token``: return at once
+        if no call to it of ``model`` runs; else once that call returned, as the leader
+        (the newest version waiting) or a follower. Raises ``asyncio.TimeoutError`` if
+        the call is still running at ``deadline`` (``time.monotonic()``)."""
+        lane = self._lanes.get((token, model))
+        if lane is None or lane.call.done():
+            return Turn()
+        waiting = _Waiting(version, asyncio.get_running_loop().create_future())
+        lane.waiting.append(waiting)
+        try:
+            done, _ = await asyncio.wait({waiting.turn}, timeout=_left(deadline))
+        finally:
+            if not waiting.turn.done():  # its deadline passed, or it was cancelled
+                waiting.turn.cancel()
+                for holder in (lane, self._lanes.get((token, model))):
+                    if holder is not None and waiting in holder.waiting:
+                        holder.waiting.remove(waiting)
+        if not done:
+            raise asyncio.TimeoutError
+        return waiting.turn.result()
+
+
+def _take_turns(lane: Lane[Any]) -> None:
+    """``lane``'s call returned: the newest version waiting goes, the others follow it."""
+    lane.leader = max(w.version for w in lane.waiting)
+    lane.led = asyncio.get_running_loop().create_future()
+    leading = False
+    for waiting in lane.waiting:
+        if waiting.version == lane.leader and not leading:
+            leading = True
+            waiting.turn.set_result(Turn(lead=lane))
+        else:
+            waiting.turn.set_result(Turn(follow=lane))
+    lane.waiting = []
+
+
+async def leader_outcome(lane: Lane[OutcomeT], deadline: float) -> OutcomeT:
+    """The outcome of ``lane``'s leader; ``asyncio.TimeoutError`` at ``deadline``."""
+    assert lane.led is not None  # followers exist once a leader was picked
+    done, _ = await asyncio.wait({lane.led}, timeout=_left(deadline))
+    if not done:
+        raise asyncio.TimeoutError
+    return lane.led.result()
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())

@@ -1,0 +1,196 @@
+"""One delivery call at a time to a receiver (actors/delivery_lanes.py), without Ray:
+deliveries that come while its call runs wait, the newest of them goes when it returns
+and the others end as it did; a call whose delivery gave up on it says when it
+returned with nobody waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from raysync.actors.delivery_lanes import DeliveryLanes, leader_outcome
+
+
+def _later(seconds: float) -> float:
+    return time.monotonic() + seconds
+
+
+def test_a_delivery_goes_at_once_when_no_call_to_its_receiver_runs():
+    async def run():
+        lanes: DeliveryLanes[str] = DeliveryLanes()
+        returned = asyncio.get_running_loop().create_future()
+        returned.set_result(None)
+        lanes.calling("t", "m", 1, returned)  # a call that returned already
+        first = await lanes.turn("t", "m", 2, _later(5))
+        other = await lanes.turn("t", "other model", 2, _later(5))
+        return first, other, lanes.running("t", "m")
+
+    first, other, running = asyncio.run(run())
+    assert (first.lead, first.follow) == (None, None)
+    assert (other.lead, other.follow) == (None, None)
+    assert running is None
+
+
+def test_the_newest_version_waiting_goes_and_the_others_end_as_it_did():
+    async def run():
+        lanes: DeliveryLanes[str] = DeliveryLanes()
+        call = asyncio.get_running_loop().create_future()
+        lanes.calling("t", "m", 1, call)
+        assert lanes.running("t", "m") == 1
+        turns = [asyncio.ensure_future(lanes.turn("t", "m", v, _later(5))) for v in (3, 4, 2)]
+        await asyncio.sleep(0)  # each one waits for the call now
+        assert not any(turn.done() for turn in turns)
+        call.set_result("acked")
+        three, four, two = await asyncio.gather(*turns)
+        assert four.follow is None and four.lead is not None
+        assert three.lead is None and two.lead is None
+        assert three.follow is two.follow is four.lead
+        four.led("version 4 applied")
+        return await leader_outcome(three.follow, _later(5)), lanes.running("t", "m")
+
+    outcome, running = asyncio.run(run())
+    assert outcome == "version 4 applied"
+    assert running is None
+
+
+def test_a_delivery_past_its_deadline_stops_waiting_and_is_not_the_one_that_goes():
+    async def run():
+        lanes: DeliveryLanes[str] = DeliveryLanes()
+        call = asyncio.get_running_loop().create_future()
+        lanes.calling("t", "m", 1, call)
+        patient = asyncio.ensure_future(lanes.turn("t", "m", 2, _later(5)))
+        with pytest.raises(asyncio.TimeoutError):
+            await lanes.turn("t", "m", 3, _later(0.01))
+        call.set_result("acked")
+        return await patient
+
+    turn = asyncio.run(run())
+    assert turn.lead is not None and turn.follow is None  # version 2 goes, alone
+
+
+def test_a_newer_call_is_the_one_waited_for():
+    async def run():
+        lanes: DeliveryLanes[str] = DeliveryLanes()
+        loop = asyncio.get_running_loop()
+        older, newer = loop.create_future(), loop.create_future()
+        lanes.calling("t", "m", 1, older)
+        lanes.calling("t", "m", 2, newer)  # a learner called it again
+        waiting = asyncio.ensure_future(lanes.turn("t", "m", 3, _later(5)))
+        older.set_result("acked")
+        await asyncio.sleep(0)
+        still = not waiting.done()
+        newer.set_result("acked")
+        return still, await waiting
+
+    still_waiting, turn = asyncio.run(run())
+    assert still_waiting
+    assert turn.lead is not None
+
+
+def test_a_call_given_up_on_says_when_it_returned_unless_a_delivery_waited_for_it():
+    async def run():
+        lanes: DeliveryLanes[str] = DeliveryLanes()
+        loop = asyncio.get_running_loop()
+        heard: list[str] = []
+        alone, waited, replaced, newer = (loop.create_future() for _ in range(4))
+        lanes.calling("a", "m", 1, alone)
+        lanes.gave_up("a", "m", lambda call, v: heard.append(f"a {v} {call.result()}"))
+        lanes.calling("b", "m", 1, waited)
+        lanes.gave_up("b", "m", lambda call, v: heard.append("b"))
+        turn = asyncio.ensure_future(lanes.turn("b", "m", 2, _later(5)))
+        await asyncio.sleep(0)
+        lanes.calling("c", "m", 1, replaced)
+        lanes.gave_up("c", "m", lambda call, v: heard.append("c"))
+        lanes.calling("c", "m", 2, newer)
+        for call in (alone, waited, replaced):
+            call.set_result("acked")
+        await asyncio.sleep(0)
+        return heard, await turn
+
+    heard, turn = asyncio.run(run())
+    assert heard == ["a 1 acked"]  # b: version 2 goes; c: the newer call's word counts
+    assert turn.lead is not None
+
+
+def test_a_delivery_that_gave_up_waiting_hears_when_the_call_returned():
+    """The call a delivery waited for past its deadline returns with nobody waiting:
+    the receiver is free, and the version that gave up was never sent."""
+
+    async def run():
+        lanes: DeliveryLanes[str] = DeliveryLanes()
+        call = asyncio.get_running_loop().create_future()
+        lanes.calling("t", "m", 1, call)
+        heard: list[int] = []
+        with pytest.raises(asyncio.TimeoutError):
+            await lanes.turn("t", "m", 2, _later(0.01))
+        lanes.gave_up("t", "m", lambda returned, version: heard.append(version))
+        call.set_result("acked")
+        await asyncio.sleep(0)
+        return heard
+
+    assert asyncio.run(run()) == [1]
+
+
+def _deliveries_behind_a_running_call(monkeypatch, answers: dict[int, str]):
+    """Deliveries of versions 2 and 3 to a receiver whose call with version 1 runs;
+    each call it gets answers ``answers[version]`` (an AckStatus value): the calls it
+    got, and the two outcomes."""
+    from raysync.actors import hub_delivery
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import Ack, AckStatus, DeliveryMode, Entry, Registration, Update
+
+    registration = Registration(
+        "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, "t1"
+    )
+    calls: list[int] = []
+
+    def delivery_call(handle, entry, attachment, update):
+        calls.append(update.version)
+        status = AckStatus(answers[update.version])
+
+        async def answer() -> Ack:
+            return Ack("w", "m", update.version, status, f"version {update.version} refused")
+
+        return answer()
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", delivery_call)
+
+    async def run():
+        delivery = hub_delivery.ReceiverDelivery(
+            HubState(), hub_delivery.AckBook(), lambda *_: None, lambda *_: None
+        )
+        running = asyncio.get_running_loop().create_future()
+        delivery.called_by_learner("t1", "m", 1, running)
+        entry = ReceiverEntry(registration)
+        outcomes = [
+            asyncio.ensure_future(
+                delivery.deliver(
+                    entry, Update("m", v, "digest", "object_store", None), _later(10), 10
+                )
+            )
+            for v in (2, 3)
+        ]
+        await asyncio.sleep(0)
+        assert calls == []  # each one waits for the running call
+        running.set_result(None)
+        return await asyncio.gather(*outcomes)
+
+    two, three = asyncio.run(run())
+    return calls, two, three
+
+
+def test_only_the_newest_version_waiting_is_sent_and_the_older_one_is_acked_with_it(
+    monkeypatch,
+):
+    calls, two, three = _deliveries_behind_a_running_call(monkeypatch, {3: "applied"})
+    assert calls == [3]
+    assert (two.error, three.error) == (None, None)
+
+
+def test_a_version_whose_newer_one_failed_in_its_place_is_sent_on_its_own(monkeypatch):
+    calls, two, three = _deliveries_behind_a_running_call(monkeypatch, {2: "applied", 3: "failed"})
+    assert calls == [3, 2]
+    assert two.error is None
+    assert "failed to apply: version 3 refused" in three.error
