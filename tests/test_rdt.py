@@ -17,6 +17,7 @@ from tests.helpers import (
     ready,
     start,
     start_hub,
+    wait_until,
 )
 from tests.nixl_actors import (
     Learner,
@@ -169,10 +170,11 @@ def test_no_rdt_process_spins_a_core_while_idle(actors):
 
 
 def test_a_receiver_busy_past_its_timeouts_does_not_stall_the_learner(actors, monkeypatch):
-    """A receiver busy in a user method past two versions' timeouts keeps their delivery
-    calls queued, each holding its version's ref: the learner's third version, which
-    reuses the first's buffer, sets that buffer aside for it instead of waiting (it
-    waited REUSE_WAIT_S, 600 s by default, then failed the version for everyone)."""
+    """A receiver busy in a user method past a version's timeout keeps its delivery call
+    queued, holding the version's ref (the hub makes it no other call meanwhile): the
+    learner's third version, which reuses the first's buffer, sets that buffer aside
+    for it instead of waiting (it waited REUSE_WAIT_S, 600 s by default, then failed
+    the version for everyone). Free again, it is sent the latest version."""
     monkeypatch.setattr(rdt_learner, "REUSE_WAIT_S", 30.0)  # the learner is this process
     hub = start_hub(actors, "rdt")
     template = state_of(make_policy())
@@ -188,6 +190,9 @@ def test_a_receiver_busy_past_its_timeouts_does_not_stall_the_learner(actors, mo
         assert_same(ray.get(quick.state.remote()), weights)
     ray.get(gate.open.remote())
     ray.get(blocked)
+    wait_until(lambda: ray.get(busy.version.remote()) == 4, what="busy holds version 4")
+    assert ray.get(busy.applied_versions.remote()) == [1, 4]  # not 2 and 3 in turn
+    assert_same(ray.get(busy.state.remote()), weights)
     weights = state_of(make_policy())
     report = ray.get(hub.broadcast.remote(weights, model="m"), timeout=60)
     assert report.acked == ("busy", "quick")

@@ -52,6 +52,8 @@ class RdtTransport(Transport):
     #: Bucketed: two registered buckets in the learner, one staged version per receiver.
     memory = MemoryFootprint(learner=2, per_receiver=1)
     buckets = True
+    #: whole versions: a queued call's update holds the learner's buffer (its RDT ref)
+    one_call_at_a_time = True
 
     @classmethod
     def availability(cls) -> Availability:
