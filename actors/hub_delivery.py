@@ -222,18 +222,22 @@ class ReceiverDelivery:
         """A delivery to ``registration`` of ``model`` timed out while a call to it still
         ran (busy in a long method): once that call returns with no delivery waiting,
         the receiver holds what it acked, and it is free for the latest version, if it
-        lacks it (``catch_up``). Nothing of it if it registered again meanwhile."""
+        lacks it (``catch_up``; also after a late read that failed, as a ``nixl`` one
+        of a buffer written again since does). Nothing of it if it registered again
+        meanwhile, or its receiver is gone."""
 
         def returned(call: asyncio.Future[Any], version: int) -> None:
             if call.cancelled() or call.exception() is not None:
                 return
             ack = call.result()
-            if not isinstance(ack, Ack) or ack.status not in _HOLDS:
+            if not isinstance(ack, Ack) or ack.status is AckStatus.NOT_ATTACHED:
                 return
             entry = self._state.receivers.get(registration.worker)
-            if entry is not None and entry.registration.token == registration.token:
+            if entry is None or entry.registration.token != registration.token:
+                return
+            if ack.status in _HOLDS:
                 self._state.record(registration.worker, model, version)
-                self._catch_up(entry, model)
+            self._catch_up(entry, model)
 
         self._lanes.gave_up(registration.token, model, returned)
 

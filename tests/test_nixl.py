@@ -24,6 +24,7 @@ from raysync.transports.nixl import receiver as nixl_receiver
 from raysync.transports.nixl.agent import new_agent
 from raysync.transports.nixl.progress import SourceProgress
 from tests.helpers import (
+    Gate,
     actor_pid,
     assert_same,
     ready,
@@ -31,6 +32,7 @@ from tests.helpers import (
     start_hub,
     wait_for_file,
     wait_process_exit,
+    wait_until,
 )
 from tests.nixl_actors import (
     BigCollector,
@@ -40,7 +42,7 @@ from tests.nixl_actors import (
     big_model,
     digest,
 )
-from tests.receivers import Collector, make_policy, state_of
+from tests.receivers import Collector, Holder, make_policy, state_of
 
 pytestmark = [
     pytest.mark.nixl,
@@ -580,6 +582,29 @@ def test_back_to_back_broadcasts_never_tear(actors):
         for version, applied in seen.items():
             assert applied == sent[version], f"version {version} applied torn or wrong data"
         assert digest(ray.get(receiver.state.remote())) == sent[last]
+
+
+def test_a_receiver_busy_past_its_timeouts_is_sent_the_latest_version_once_free(actors):
+    """A receiver busy in a long method: its first timed-out call reads the learner's
+    buffer late, written again since (the stamps fail the read); the later versions
+    made it no call (each read late, failed or applied in turn, once it was free).
+    Free again, it is sent the latest version."""
+    hub = start_hub(actors, "nixl")
+    busy = start(actors, Holder, hub, state_of(make_policy()), "busy")
+    ready([busy])
+    ray.get(hub.broadcast.remote(state_of(make_policy()), model="m"))
+    gate = start(actors, Gate)
+    blocked = busy.hold.remote(gate)
+    for version in (2, 3, 4):
+        weights = state_of(make_policy())
+        sent = hub.broadcast.remote(weights, model="m", timeout_s=1.0, raise_on_failure=False)
+        report = ray.get(sent, timeout=60)
+        assert (report.version, set(report.failed)) == (version, {"busy"})
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    wait_until(lambda: ray.get(busy.version.remote()) == 4, what="busy holds version 4")
+    assert ray.get(busy.applied_versions.remote()) == [1, 4]
+    assert_same(ray.get(busy.state.remote()), weights)
 
 
 def test_restarted_and_new_receivers_handshake_again(actors):

@@ -94,6 +94,9 @@ class NixlTransport(Transport):
     zero_copy_memory = MemoryFootprint(learner=2, per_receiver=2)
     zero_copy = "private"
     buckets = True
+    #: whole versions: a call queued behind a busy receiver reads the learner's buffer
+    #: late, once the learner wrote it again (its stamps fail the read)
+    one_call_at_a_time = True
 
     @classmethod
     def availability(cls) -> Availability:
