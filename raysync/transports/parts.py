@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import re
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -193,8 +194,12 @@ class PartedReceiver(TransportReceiver):
     """A transport's receiver that also reads versions sent in parts (receiver process).
 
     Each part is fetched by the wrapped receiver with its own spec; a part that fails
-    releases the parts fetched before it, so nothing stays held. Each part is released
-    with the very sequence its fetch returned (a transport may know its leases by it).
+    releases every part (those fetched before it with what they staged), so nothing
+    stays held, and the release of that version without staged data that follows (the
+    receiver's core releases what a failed fetch held) releases none again: a part
+    released twice freed a shared-memory slot that another fetch of it still read.
+    Each part is released with the very sequence its fetch returned (a transport may
+    know its leases by it).
     """
 
     def __init__(self, inner: TransportReceiver) -> None:
@@ -202,6 +207,8 @@ class PartedReceiver(TransportReceiver):
         self._lock = threading.Lock()
         #: id of a version's staged list -> each part's staged sequence, as fetched
         self._parts_of: dict[int, list[Sequence[torch.Tensor]]] = {}
+        #: the versions whose fetch failed, their parts released already, while alive
+        self._released: weakref.WeakValueDictionary[int, Parts] = weakref.WeakValueDictionary()
 
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         if not isinstance(payload, Parts):
@@ -215,6 +222,8 @@ class PartedReceiver(TransportReceiver):
                 self.inner.release(part.payload, staged)
             for part in payload.parts[len(fetched) :]:
                 self.inner.release(part.payload, None)
+            with self._lock:
+                self._released[id(payload)] = payload
             raise
         whole = payload.in_spec_order(fetched)
         with self._lock:
@@ -226,6 +235,8 @@ class PartedReceiver(TransportReceiver):
             self.inner.release(payload, staged)
             return
         with self._lock:
+            if staged is None and self._released.pop(id(payload), None) is payload:
+                return  # its failed fetch released every part
             fetched = self._parts_of.pop(id(staged), None) if staged is not None else None
         for index, part in enumerate(payload.parts):
             self.inner.release(part.payload, None if fetched is None else fetched[index])

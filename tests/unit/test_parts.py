@@ -202,11 +202,19 @@ def test_each_part_is_fetched_and_staged_in_spec_order():
     assert inner.released[2:] == [("put1", None), ("put2", None)]
 
 
-def test_a_part_that_fails_releases_the_parts_fetched_before_it():
+def test_a_part_that_fails_releases_every_part_once():
+    """The receiver's core releases what a failed fetch held (no staged data): the
+    parts, released by the failed fetch already, are not released again (a second
+    release of a shared-memory part freed its slot under another fetch of it)."""
     inner = _Staging(failing="put2")
+    receiver = PartedReceiver(inner)
     with pytest.raises(RuntimeError, match="put2 is gone"):
-        PartedReceiver(inner).fetch(PARTED, HUB_SPEC)
+        receiver.fetch(PARTED, HUB_SPEC)
     assert inner.released == [("put1", [1.0, 1.0]), ("put2", None)]
+    receiver.release(PARTED, None)  # as the core does after a failed fetch
+    assert inner.released == [("put1", [1.0, 1.0]), ("put2", None)]
+    receiver.release(PARTED, None)  # a release of the version, not of that fetch
+    assert inner.released[2:] == [("put1", None), ("put2", None)]
 
 
 def test_a_whole_payload_passes_through():
