@@ -19,13 +19,24 @@ import torch
 from raysync.errors import InvalidWeightsError
 from raysync.spec import WeightSpec
 
+#: The dtypes weights may travel in. Not the float8 ones: they saturate or wrap
+#: without Inf (1e6 arrives as 448 in float8_e4m3fn), so neither a receiver nor the
+#: non-finite check could tell, and torch has no ``isfinite`` for them.
+WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
 
 def check_wire_dtype(wire_dtype: object) -> torch.dtype:
-    """``wire_dtype`` if it is a floating torch dtype; else ValueError."""
+    """``wire_dtype`` if weights may travel in it (:data:`WIRE_DTYPES`); else ValueError."""
     if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
         raise ValueError(
             f"wire_dtype must be a floating torch dtype (torch.bfloat16, torch.float16), "
             f"got {wire_dtype!r}"
+        )
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(
+            f"wire_dtype {wire_dtype} is not one weights travel in: values out of its range "
+            f"would arrive clipped, not as Inf; use one of "
+            f"{', '.join(str(d) for d in WIRE_DTYPES)}"
         )
     return wire_dtype
 

@@ -63,6 +63,14 @@ def test_a_wire_dtype_must_be_a_floating_dtype(bad):
         check_wire_dtype(bad)
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_float8_wire_dtype_is_refused_saying_why(fp8):
+    """float8_e4m3fn saturates (1e6 arrives as 448): neither the receiver nor the check
+    for non-finite values (torch has no isfinite for it) could tell."""
+    with pytest.raises(ValueError, match=rf"wire_dtype {fp8} is not one .* clipped, not as Inf"):
+        check_wire_dtype(fp8)
+
+
 def test_values_the_wire_dtype_cannot_hold_are_refused_naming_the_key(monkeypatch):
     """float16 overflows to Inf from 65520: with reject_nonfinite the cast must not make
     the Inf the hub refuses. Checked a chunk at a time; bfloat16 holds float32's range."""
