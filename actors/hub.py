@@ -464,7 +464,11 @@ class WeightHubActor:
         model = self._state.resolve_model(request.model)
         if request.version is None:  # the learner's handle insists on one
             raise ValueError("a version sent in parts needs an explicit version")
-        _check_above_direct(model, request)
+        try:
+            _check_above_direct(model, request)
+        except StaleVersionError as err:  # this part's learner alone: the others hear it
+            self._assemblies.refuse(request, model, err)
+            raise
         if (model, request.version) not in self._assemblies:  # its first part
             self._state.check_known(model)
             self._state.check_version(model, request.version)

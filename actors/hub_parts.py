@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -121,6 +122,18 @@ class Assemblies(Generic[Started]):
             # The failed version keeps this exception to tell late parts why: raised
             # here, it would keep this frame, and the part's payload with it.
             raise IncompleteVersionError(str(failed)) from failed.with_traceback(None)
+
+    def refuse(self, request: BroadcastRequest, model: str, err: Exception) -> None:
+        """A part the hub refused before taking it (``err``: its learner's own check):
+        its version fails for every part waiting and every part to come, at once (they
+        waited out the deadline, told that this part never came)."""
+        assert request.version is not None  # the hub refused a part without one
+        key = (model, request.version)
+        if key not in self._open:
+            workers = None if request.workers is None else tuple(request.workers)
+            assembly = PartAssembly(model, request.version, request.parts, workers)
+            self._open[key] = _Assembling(assembly, time.perf_counter(), _quiet_future())
+        self.fail(key, f"part {request.part} was refused ({type(err).__name__}: {err})")
 
     def fail(self, key: Key, reason: str) -> None:
         """Fail version ``key`` for every part waiting and every part to come (nothing

@@ -14,7 +14,7 @@ import torch
 
 from raysync.actors import hub_parts
 from raysync.actors.hub_parts import Assemblies
-from raysync.errors import IncompleteVersionError, SpecMismatchError
+from raysync.errors import IncompleteVersionError, SpecMismatchError, StaleVersionError
 from raysync.messages import BroadcastRequest
 from raysync.spec import WeightSpec
 
@@ -83,6 +83,30 @@ def test_a_refused_part_fails_the_version_for_the_parts_waiting_and_to_come():
         assert ("m", 7) in assemblies and assemblies.arrived() == {}
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("first_to_come", ["refused", "taken"])
+def test_a_part_refused_before_it_is_taken_fails_the_version_at_once(first_to_come):
+    """A part the hub refuses before taking it (its learner's own check: a version it
+    delivered itself): the other parts, waiting or to come, fail at once saying so
+    (they waited out the deadline, told the part never came)."""
+    refusal = StaleVersionError("version 7 is at or below version 9, which its learner sent")
+
+    async def run():
+        assemblies = Assemblies(Starts())
+        waiting = None
+        if first_to_come == "taken":
+            waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 0))
+            await asyncio.sleep(0)
+        assemblies.refuse(part(1, "b", "c"), "m", refusal)
+        if waiting is None:
+            waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 0))
+        with pytest.raises(IncompleteVersionError) as failed:
+            await asyncio.wait_for(waiting, 5)
+        return str(failed.value)
+
+    reason = asyncio.run(run())
+    assert "part 1 was refused (StaleVersionError: version 7 is at or below" in reason
 
 
 def test_payloads_the_whole_leaves_out_are_named_unread_as_it_starts():
