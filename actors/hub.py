@@ -646,8 +646,9 @@ class WeightHubActor:
     def _catch_up(self, entry: ReceiverEntry, model: str) -> None:
         """``entry`` answered at last a call its delivery had timed out on (busy in a long
         method; no later delivery waited for it): if it lacks the latest version of
-        ``model``, deliver it that one now, as a pull reads it. Outside any broadcast:
-        a failure is logged, and the next broadcast reaches it."""
+        ``model`` and that one was sent whole, deliver it that one now, as a pull reads
+        it. Outside any broadcast: a failure is logged, and the next broadcast reaches
+        it."""
         handed = self._state.latest(model)
         if self._closed or handed is None or handed.version <= entry.versions.get(model, 0):
             return
@@ -656,7 +657,10 @@ class WeightHubActor:
         if running is not None and not running.done():
             return  # that version's broadcast delivers it, or fails it
         update = handed.update_for(entry.transport)
-        if update is None:  # sent before anyone read by its transport: the next one will be
+        if update is None or is_bucketed(update.payload):
+            # Sent before anyone read by its transport; or in buckets, gone once read: a
+            # holder would serve it, held up for as long as this receiver, busy again,
+            # does not read. The next broadcast reaches it.
             return
 
         async def deliver_latest() -> None:
