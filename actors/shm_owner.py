@@ -144,7 +144,9 @@ class ShmOwner:
         #: part each) never wait for each other's slots
         self._pools: dict[tuple[str, int], list[_Segment]] = {}
         self._by_seq: dict[int, _Segment] = {}
-        self._latest: dict[str, int] = {}  #: model -> seq of its latest version here
+        #: model -> (version, seq) of its latest version here: the hub's version orders
+        #: them (two learners, or a learner's threads, take slots in another order)
+        self._latest: dict[str, tuple[int, int]] = {}
         self._next_seq = 1
         self._in_order = ThreadsInOrder(ORDER_WAIT_S)
         #: Guards every field; notified whenever a hold goes.
@@ -202,9 +204,17 @@ class ShmOwner:
 
     # -- hub's planner -------------------------------------------------------------------
     def deliver(
-        self, pid: int, seq: int, model: str, workers: tuple[str, ...], order: int = 0
+        self,
+        pid: int,
+        seq: int,
+        model: str,
+        workers: tuple[str, ...],
+        order: int = 0,
+        version: int = 0,
     ) -> Slot:
-        """Hold version ``seq`` of ``model`` for ``workers`` and as the latest of ``model``.
+        """Hold version ``seq`` of ``model`` for ``workers`` and, if ``version`` is the
+        newest here, as the latest of ``model`` (late joiners and pulls are planned to
+        read it, so it must not be written again).
 
         The hub plans versions in the order the learner submitted them and numbers its
         calls here (``order``, run in that order: Ray may start them out of order), so a
@@ -214,9 +224,11 @@ class ShmOwner:
         slots.
         """
         with self._in_order.turn("hub", order):
-            return self._deliver(pid, seq, model, workers)
+            return self._deliver(pid, seq, model, workers, version)
 
-    def _deliver(self, pid: int, seq: int, model: str, workers: tuple[str, ...]) -> Slot:
+    def _deliver(
+        self, pid: int, seq: int, model: str, workers: tuple[str, ...], version: int
+    ) -> Slot:
         """(Lock held.)"""
         segment = self._by_seq.get(seq) if pid == self._pid else None
         if segment is None:
@@ -235,12 +247,12 @@ class ShmOwner:
                 self._board_releases += 1
             elif worker not in segment.released:
                 segment.holds.add(Hold.of_worker(worker))
-        latest = self._latest.get(model, 0)
-        if seq > latest:
-            previous = self._by_seq.get(latest)
+        latest = self._latest.get(model, (0, 0))
+        if (version, seq) > latest:
+            previous = self._by_seq.get(latest[1])
             if previous is not None:
                 previous.holds.discard(Hold.latest(model))
-            self._latest[model] = seq
+            self._latest[model] = (version, seq)
             segment.holds.add(Hold.latest(model))
         self._lock.notify_all()
         return self._slot(segment)
@@ -276,6 +288,7 @@ class ShmOwner:
         model: str,
         workers: tuple[str, ...],
         timeout_s: float,
+        version: int = 0,
     ) -> Slot:
         """Copy an exported version into a slot here; hold it like :meth:`deliver`."""
         with self._lock:
@@ -296,7 +309,7 @@ class ShmOwner:
         with self._lock:  # its receivers' holds are taken before its own goes
             try:
                 self._relays += 1
-                return self._deliver(self._pid, slot.seq, model, workers)
+                return self._deliver(self._pid, slot.seq, model, workers, version)
             finally:
                 segment.holds.discard(RELAYING)
                 self._lock.notify_all()

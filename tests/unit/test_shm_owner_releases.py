@@ -47,6 +47,27 @@ def test_a_release_of_a_version_the_owner_no_longer_has_is_ignored(owner):
     assert stats.release_calls == 0
 
 
+def test_the_latest_hold_follows_the_hubs_version_not_the_slots_order():
+    """Two learners (or one learner's threads) take slots in one order and are
+    versioned by the hub in another: the latest hold, which keeps the version late
+    joiners and pulls are planned to read, stayed on the higher slot number (an older
+    version), and the newest version's slot was handed out again."""
+    from raysync.transports import TransportError
+
+    owner = ShmOwner("node", max_slots=1)
+    try:
+        first = owner.acquire(4096, timeout_s=5.0, learner="a")  # versioned second
+        second = owner.acquire(4096, timeout_s=5.0, learner="b")  # versioned first
+        owner.deliver(PID, second.seq, "m", (), order=1, version=1)
+        owner.deliver(PID, first.seq, "m", (), order=2, version=2)
+        again = owner.acquire(4096, timeout_s=5.0, learner="b")  # version 1's slot: free
+        assert again.seq > second.seq
+        with pytest.raises(TransportError):  # version 2's slot: the latest, held
+            owner.acquire(4096, timeout_s=0.2, learner="a")
+    finally:
+        owner.close()
+
+
 def test_a_slot_is_not_handed_out_while_the_owner_exports_it(monkeypatch):
     """The owner puts a version into the object store for other nodes outside its
     lock; if a newer version becomes the latest meanwhile, the exported slot has no

@@ -227,10 +227,11 @@ class SharedMemoryPlanner(TransportPlanner):
                     update.model,
                     workers,
                     next(self._orders[node_id]),
+                    update.version,
                 )
             else:
                 answer = node_owner.relay.remote(
-                    export, slot.nbytes, update.model, workers, _slot_wait_s()
+                    export, slot.nbytes, update.model, workers, _slot_wait_s(), update.version
                 )
             placed.append((node_owner, answer, workers))
             relayed[node_id] = SharedMemoryPayload(await answer)
@@ -263,7 +264,12 @@ class SharedMemoryPlanner(TransportPlanner):
         (a refusal is logged). The owner's answer: the slot."""
         slot = update.payload.slot
         held = owner.deliver.remote(
-            slot.pid, slot.seq, update.model, workers, next(self._orders[slot.node_id])
+            slot.pid,
+            slot.seq,
+            update.model,
+            workers,
+            next(self._orders[slot.node_id]),
+            update.version,
         )
         self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
         return held
