@@ -103,9 +103,7 @@ class DeliveryLanes(Generic[OutcomeT]):
             if self._lanes.get(key) is not lane:
                 return  # a newer call was made: the receiver's word is that one's
             del self._lanes[key]
-            if lane.waiting:
-                _take_turns(lane)
-            elif lane.then is not None:
+            if not _take_turns(lane) and lane.then is not None:
                 lane.then(call, lane.version)
 
         call.add_done_callback(returned)
@@ -149,18 +147,23 @@ class DeliveryLanes(Generic[OutcomeT]):
         return waiting.turn.result()
 
 
-def _take_turns(lane: Lane[Any]) -> None:
-    """``lane``'s call returned: the newest version waiting goes, the others follow it."""
-    lane.leader = max(w.version for w in lane.waiting)
+def _take_turns(lane: Lane[Any]) -> bool:
+    """``lane``'s call returned: the newest version waiting goes, the others follow it.
+    False if no delivery waits (one cancelled since it began to wait is none)."""
+    waiting = [w for w in lane.waiting if not w.turn.done()]
+    lane.waiting = []
+    if not waiting:
+        return False
+    lane.leader = max(w.version for w in waiting)
     lane.led = asyncio.get_running_loop().create_future()
     leading = False
-    for waiting in lane.waiting:
-        if waiting.version == lane.leader and not leading:
+    for each in waiting:
+        if each.version == lane.leader and not leading:
             leading = True
-            waiting.turn.set_result(Turn(lead=lane))
+            each.turn.set_result(Turn(lead=lane))
         else:
-            waiting.turn.set_result(Turn(follow=lane))
-    lane.waiting = []
+            each.turn.set_result(Turn(follow=lane))
+    return True
 
 
 async def leader_outcome(lane: Lane[OutcomeT], deadline: float) -> OutcomeT:
