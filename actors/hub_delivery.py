@@ -185,7 +185,7 @@ class ReceiverDelivery:
                     update,
                     timeout_s,
                     f"it was busy, and version {turn.follow.leader}, delivered in its place "
-                    f"once it was free, was not applied either",
+                    f"once it was free, had not been applied by this version's deadline",
                 )
             if led.error is None:  # it holds a newer version: acked, as superseded
                 return Outcome(registration.worker, None, led.delivered_s)
@@ -229,13 +229,13 @@ class ReceiverDelivery:
         def returned(call: asyncio.Future[Any], version: int) -> None:
             if call.cancelled() or call.exception() is not None:
                 return
-            ack = call.result()
-            if not isinstance(ack, Ack) or ack.status is AckStatus.NOT_ATTACHED:
+            ack = call.result()  # None: staged, applied at its next safe point
+            if isinstance(ack, Ack) and ack.status is AckStatus.NOT_ATTACHED:
                 return
             entry = self._state.receivers.get(registration.worker)
             if entry is None or entry.registration.token != registration.token:
                 return
-            if ack.status in _HOLDS:
+            if isinstance(ack, Ack) and ack.status in _HOLDS:
                 self._state.record(registration.worker, model, version)
             self._catch_up(entry, model)
 

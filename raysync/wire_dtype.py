@@ -19,9 +19,9 @@ import torch
 from raysync.errors import InvalidWeightsError
 from raysync.spec import WeightSpec
 
-#: The dtypes weights may travel in. Not the float8 ones: they saturate or wrap
-#: without Inf (1e6 arrives as 448 in float8_e4m3fn), so neither a receiver nor the
-#: non-finite check could tell, and torch has no ``isfinite`` for them.
+#: The dtypes weights may travel in. Not the float8 ones: torch has no ``isfinite`` for
+#: them (the non-finite check could not run), and float8_e4m3fn saturates without Inf
+#: (1e6 arrives as 448), so a receiver could not tell either.
 WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 

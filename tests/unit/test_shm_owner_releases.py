@@ -60,8 +60,9 @@ def test_the_latest_hold_follows_the_hubs_version_not_the_slots_order():
         second = owner.acquire(4096, timeout_s=5.0, learner="b")  # versioned first
         owner.deliver(PID, second.seq, "m", (), order=1, version=1)
         owner.deliver(PID, first.seq, "m", (), order=2, version=2)
-        again = owner.acquire(4096, timeout_s=5.0, learner="b")  # version 1's slot: free
-        assert again.seq > second.seq
+        assert owner._by_seq[first.seq].holds == {Hold.latest("m")}
+        assert owner._by_seq[second.seq].holds == set()
+        owner.acquire(4096, timeout_s=5.0, learner="b")  # version 1's slot: free again
         with pytest.raises(TransportError):  # version 2's slot: the latest, held
             owner.acquire(4096, timeout_s=0.2, learner="a")
     finally:
