@@ -8,7 +8,9 @@ method ended, and then it applied every one of them in turn, the newest last.
 
 A lane keeps the last delivery call made to a receiver (its registration) for one model
 while it runs. A delivery that comes meanwhile makes no call but waits for that one to
-return; then the newest of the deliveries waiting goes (the *leader*), and the others
+return; then those of versions no newer than the one it applied end acked (a learner's
+newer call may have taken over the wait), the newest of the others goes (the
+*leader*), and the rest
 end with its outcome (*followers*: acked, as a receiver that already holds a newer
 version acks, ``AckStatus.SUPERSEDED``; if it failed, each tries on its own). A
 receiver whose last call returned gets the next one at once; one sent versions faster
@@ -67,13 +69,17 @@ class Lane(Generic[OutcomeT]):
 
 @dataclasses.dataclass(frozen=True)
 class Turn(Generic[OutcomeT]):
-    """What a delivery does once :meth:`DeliveryLanes.turn` returned: call the receiver
-    (``follow`` None), then, if it leads (``lead``), say its outcome with :meth:`led`;
-    or take the outcome of ``follow``'s leader, a newer version that went in its place
-    (:func:`leader_outcome`)."""
+    """What a delivery does once :meth:`DeliveryLanes.turn` returned: end acked if the
+    call it waited for left its receiver holding its version or a newer one (``held``,
+    that call's version); else call the receiver (``follow`` None), then, if it leads
+    (``lead``), say its outcome with :meth:`led`; or take the outcome of ``follow``'s
+    leader, a newer version that went in its place (:func:`leader_outcome`)."""
 
     lead: Lane[OutcomeT] | None = None
     follow: Lane[OutcomeT] | None = None
+    #: the call waited for delivered this version (or a newer one) and its receiver
+    #: holds it: the delivery ends acked, with no call of its own
+    held: int | None = None
 
     def led(self, outcome: OutcomeT) -> None:
         """The leader's outcome, for the deliveries it went in place of."""
@@ -82,10 +88,14 @@ class Turn(Generic[OutcomeT]):
 
 
 class DeliveryLanes(Generic[OutcomeT]):
-    """The running delivery calls of the hub, one lane per registration and model."""
+    """The running delivery calls of the hub, one lane per registration and model.
+    ``holds(reply)``: whether a call's reply says its receiver holds the call's version
+    (or a newer one) now; the deliveries waiting for that call of versions no newer
+    end at once, held (``Turn.held``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, holds: Callable[[Any], bool] = lambda reply: False) -> None:
         self._lanes: dict[tuple[str, str], Lane[OutcomeT]] = {}
+        self._holds = holds
 
     def calling(self, token: str, model: str, version: int, call: asyncio.Future[Any]) -> None:
         """A call was made to registration ``token`` with ``version`` of ``model``: the
@@ -103,7 +113,8 @@ class DeliveryLanes(Generic[OutcomeT]):
             if self._lanes.get(key) is not lane:
                 return  # a newer call was made: the receiver's word is that one's
             del self._lanes[key]
-            if not _take_turns(lane) and lane.then is not None:
+            held = not call.cancelled() and call.exception() is None and self._holds(call.result())
+            if not _take_turns(lane, held) and lane.then is not None:
                 lane.then(call, lane.version)
 
         call.add_done_callback(returned)
@@ -147,13 +158,21 @@ class DeliveryLanes(Generic[OutcomeT]):
         return waiting.turn.result()
 
 
-def _take_turns(lane: Lane[Any]) -> bool:
-    """``lane``'s call returned: the newest version waiting goes, the others follow it.
-    False if no delivery waits (one cancelled since it began to wait is none)."""
+def _take_turns(lane: Lane[Any], held: bool) -> bool:
+    """``lane``'s call returned: the deliveries waiting of versions no newer than it end
+    held if it ``held``, the newest of the others goes, the rest follow it. False if no
+    delivery waits (one cancelled since it began to wait is none)."""
     waiting = [w for w in lane.waiting if not w.turn.done()]
     lane.waiting = []
     if not waiting:
         return False
+    if held:
+        for each in waiting:
+            if each.version <= lane.version:
+                each.turn.set_result(Turn(held=lane.version))
+        waiting = [w for w in waiting if w.version > lane.version]
+        if not waiting:
+            return True
     lane.leader = max(w.version for w in waiting)
     lane.led = asyncio.get_running_loop().create_future()
     leading = False

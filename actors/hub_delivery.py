@@ -121,7 +121,7 @@ class ReceiverDelivery:
         self._acks = acks
         self._drop = drop
         self._catch_up = catch_up
-        self._lanes: DeliveryLanes[Outcome] = DeliveryLanes()
+        self._lanes: DeliveryLanes[Outcome] = DeliveryLanes(holds=_holds)
 
     def called_by_learner(
         self, token: str, model: str, version: int, call: asyncio.Future[Any]
@@ -175,6 +175,9 @@ class ReceiverDelivery:
                     f"it takes one call at a time, and the call that delivered version "
                     f"{running} to it had not returned",
                 )
+            if turn.held is not None:  # the call waited for left it holding a newer one
+                self._record(registration, update.model, turn.held)
+                return Outcome(registration.worker, None)
             if turn.follow is None:
                 break
             try:
@@ -218,6 +221,12 @@ class ReceiverDelivery:
             cause=FailureCause.TIMEOUT,
         )
 
+    def _record(self, registration: Registration, model: str, version: int) -> None:
+        """``registration`` holds ``version`` of ``model`` (unless it registered again)."""
+        entry = self._state.receivers.get(registration.worker)
+        if entry is not None and entry.registration.token == registration.token:
+            self._state.record(registration.worker, model, version)
+
     def _gave_up(self, registration: Registration, model: str) -> None:
         """A delivery to ``registration`` of ``model`` timed out while a call to it still
         ran (busy in a long method): once that call returns with no delivery waiting,
@@ -235,7 +244,7 @@ class ReceiverDelivery:
             entry = self._state.receivers.get(registration.worker)
             if entry is None or entry.registration.token != registration.token:
                 return
-            if isinstance(ack, Ack) and ack.status in _HOLDS:
+            if _holds(ack):
                 self._state.record(registration.worker, model, version)
             self._catch_up(entry, model)
 
@@ -401,6 +410,12 @@ class ReceiverDelivery:
                 if asked is not None:
                     asked.cancel()
                 raise asyncio.TimeoutError
+
+
+def _holds(reply: Any) -> bool:
+    """Whether a delivery call's reply says its receiver holds the version it was
+    delivered, or a newer one (None: staged, to be applied at a safe point)."""
+    return isinstance(reply, Ack) and reply.status in _HOLDS
 
 
 def takes_turns(update: Update) -> bool:

@@ -55,6 +55,30 @@ def test_the_newest_version_waiting_goes_and_the_others_end_as_it_did():
     assert running is None
 
 
+def test_versions_no_newer_than_the_one_the_call_applied_end_held():
+    """A learner's newer call took over the wait: once it returns applied, the older
+    versions waiting are held (no call of theirs: it would queue an older payload
+    behind the receiver's method), and only a newer one goes."""
+
+    async def run():
+        lanes: DeliveryLanes[str] = DeliveryLanes(holds=lambda reply: reply == "applied")
+        loop = asyncio.get_running_loop()
+        older, newer = loop.create_future(), loop.create_future()
+        lanes.calling("t", "m", 3, older)
+        turns = [asyncio.ensure_future(lanes.turn("t", "m", v, _later(5))) for v in (4, 6)]
+        await asyncio.sleep(0)
+        lanes.calling("t", "m", 5, newer)  # the learner called it with version 5
+        older.set_result("applied")
+        await asyncio.sleep(0)
+        assert not any(turn.done() for turn in turns)  # they wait for version 5's call
+        newer.set_result("applied")
+        return await asyncio.gather(*turns)
+
+    four, six = asyncio.run(run())
+    assert (four.held, four.lead, four.follow) == (5, None, None)
+    assert six.lead is not None and six.held is None
+
+
 def test_a_delivery_past_its_deadline_stops_waiting_and_is_not_the_one_that_goes():
     async def run():
         lanes: DeliveryLanes[str] = DeliveryLanes()
@@ -194,3 +218,49 @@ def test_a_version_whose_newer_one_failed_in_its_place_is_sent_on_its_own(monkey
     assert calls == [3, 2]
     assert two.error is None
     assert "failed to apply: version 3 refused" in three.error
+
+
+def test_an_older_version_waiting_behind_a_call_that_applied_a_newer_one_makes_no_call(
+    monkeypatch,
+):
+    from raysync.actors import hub_delivery
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import Ack, AckStatus, DeliveryMode, Entry, Registration, Update
+
+    registration = Registration(
+        "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, "t1"
+    )
+    calls: list[int] = []
+
+    def delivery_call(handle, entry, attachment, update):
+        calls.append(update.version)
+
+        async def answer() -> Ack:
+            return Ack("w", "m", update.version, AckStatus.APPLIED)
+
+        return answer()
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", delivery_call)
+
+    async def run():
+        delivery = hub_delivery.ReceiverDelivery(
+            HubState(), hub_delivery.AckBook(), lambda *_: None, lambda *_: None
+        )
+        running = asyncio.get_running_loop().create_future()
+        delivery.called_by_learner("t1", "m", 3, running)
+        entry = ReceiverEntry(registration)
+        outcomes = [
+            asyncio.ensure_future(
+                delivery.deliver(
+                    entry, Update("m", v, "digest", "object_store", None), _later(10), 10
+                )
+            )
+            for v in (1, 2)
+        ]
+        await asyncio.sleep(0)
+        running.set_result(Ack("w", "m", 3, AckStatus.APPLIED))
+        return await asyncio.gather(*outcomes)
+
+    one, two = asyncio.run(run())
+    assert calls == []  # versions 1 and 2 are held once version 3 applied
+    assert (one.error, two.error) == (None, None)
