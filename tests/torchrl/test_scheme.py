@@ -49,6 +49,19 @@ def ray_collector(n: int, *, sync: bool, scheme: RaySyncScheme, **kwargs) -> Ray
     )
 
 
+def ready_again(actor) -> None:
+    """Until Ray's new incarnation of ``actor`` answers: a call made while Ray restarts
+    it may fail as unavailable (Ray cannot tell whether it ran), and is made again."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=60)
+            return
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+
+
 def actions(batch: TensorDict) -> set[float]:
     return set(batch["action"].float().flatten().tolist())
 
@@ -231,7 +244,7 @@ def test_a_collector_ray_restarted_acts_with_the_next_update(ray_cluster):
         assert actions(next(batches)) == {2.0}
         died = collector.remote_collectors[1]
         ray.kill(died, no_restart=False)
-        ray.get(died.__ray_ready__.remote())  # the new incarnation
+        ready_again(died)
         set_weight(policy, 3.0)
         collector.update_policy_weights_()
         assert scheme.last_report.acked == scheme.workers
