@@ -157,10 +157,12 @@ def test_a_delivery_that_gave_up_waiting_hears_when_the_call_returned():
     assert asyncio.run(run()) == [1]
 
 
-def _deliveries_behind_a_running_call(monkeypatch, answers: dict[int, str]):
-    """Deliveries of versions 2 and 3 to a receiver whose call with version 1 runs;
-    each call it gets answers ``answers[version]`` (an AckStatus value): the calls it
-    got, and the two outcomes."""
+def _deliveries_behind_a_running_call(
+    monkeypatch, answers: dict[int, str], versions=(2, 3), running=(1, None)
+):
+    """Deliveries of ``versions`` to a receiver whose call with version ``running[0]``
+    runs, replying ``running[1]`` once they wait; each call they make answers
+    ``answers[version]`` (an AckStatus value): the calls made, and their outcomes."""
     from raysync.actors import hub_delivery
     from raysync.hub_state import HubState, ReceiverEntry
     from raysync.messages import Ack, AckStatus, DeliveryMode, Entry, Registration, Update
@@ -185,8 +187,8 @@ def _deliveries_behind_a_running_call(monkeypatch, answers: dict[int, str]):
         delivery = hub_delivery.ReceiverDelivery(
             HubState(), hub_delivery.AckBook(), lambda *_: None, lambda *_: None
         )
-        running = asyncio.get_running_loop().create_future()
-        delivery.called_by_learner("t1", "m", 1, running)
+        call = asyncio.get_running_loop().create_future()
+        delivery.called_by_learner("t1", "m", running[0], call)
         entry = ReceiverEntry(registration)
         outcomes = [
             asyncio.ensure_future(
@@ -194,15 +196,14 @@ def _deliveries_behind_a_running_call(monkeypatch, answers: dict[int, str]):
                     entry, Update("m", v, "digest", "object_store", None), _later(10), 10
                 )
             )
-            for v in (2, 3)
+            for v in versions
         ]
         await asyncio.sleep(0)
         assert calls == []  # each one waits for the running call
-        running.set_result(None)
+        call.set_result(running[1])
         return await asyncio.gather(*outcomes)
 
-    two, three = asyncio.run(run())
-    return calls, two, three
+    return calls, *asyncio.run(run())
 
 
 def test_only_the_newest_version_waiting_is_sent_and_the_older_one_is_acked_with_it(
@@ -223,44 +224,11 @@ def test_a_version_whose_newer_one_failed_in_its_place_is_sent_on_its_own(monkey
 def test_an_older_version_waiting_behind_a_call_that_applied_a_newer_one_makes_no_call(
     monkeypatch,
 ):
-    from raysync.actors import hub_delivery
-    from raysync.hub_state import HubState, ReceiverEntry
-    from raysync.messages import Ack, AckStatus, DeliveryMode, Entry, Registration, Update
+    from raysync.messages import Ack, AckStatus
 
-    registration = Registration(
-        "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, "t1"
+    applied_3 = Ack("w", "m", 3, AckStatus.APPLIED)
+    calls, one, two = _deliveries_behind_a_running_call(
+        monkeypatch, {}, versions=(1, 2), running=(3, applied_3)
     )
-    calls: list[int] = []
-
-    def delivery_call(handle, entry, attachment, update):
-        calls.append(update.version)
-
-        async def answer() -> Ack:
-            return Ack("w", "m", update.version, AckStatus.APPLIED)
-
-        return answer()
-
-    monkeypatch.setattr(hub_delivery, "delivery_call", delivery_call)
-
-    async def run():
-        delivery = hub_delivery.ReceiverDelivery(
-            HubState(), hub_delivery.AckBook(), lambda *_: None, lambda *_: None
-        )
-        running = asyncio.get_running_loop().create_future()
-        delivery.called_by_learner("t1", "m", 3, running)
-        entry = ReceiverEntry(registration)
-        outcomes = [
-            asyncio.ensure_future(
-                delivery.deliver(
-                    entry, Update("m", v, "digest", "object_store", None), _later(10), 10
-                )
-            )
-            for v in (1, 2)
-        ]
-        await asyncio.sleep(0)
-        running.set_result(Ack("w", "m", 3, AckStatus.APPLIED))
-        return await asyncio.gather(*outcomes)
-
-    one, two = asyncio.run(run())
     assert calls == []  # versions 1 and 2 are held once version 3 applied
     assert (one.error, two.error) == (None, None)
