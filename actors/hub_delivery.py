@@ -159,8 +159,9 @@ class ReceiverDelivery:
         superseded).
         """
         registration = entry.registration
+        turns = takes_turns(update)
         turn: Turn[Outcome] = Turn()
-        while first_call is None and takes_turns(update):
+        while first_call is None and turns:
             running = self._lanes.running(registration.token, update.model)
             try:
                 turn = await self._lanes.turn(
@@ -195,7 +196,7 @@ class ReceiverDelivery:
             turn = Turn()  # that one failed: this version tries on its own
         try:
             outcome = await self._deliver(
-                entry, update, deadline, timeout_s, first_call, update_sent_at
+                entry, update, deadline, timeout_s, first_call, update_sent_at, turns
             )
         except BaseException as err:
             turn.led(
@@ -221,10 +222,16 @@ class ReceiverDelivery:
             cause=FailureCause.TIMEOUT,
         )
 
+    def _still_registered(self, registration: Registration) -> ReceiverEntry | None:
+        """``registration``'s entry, unless its worker left or registered again."""
+        entry = self._state.receivers.get(registration.worker)
+        if entry is None or entry.registration.token != registration.token:
+            return None
+        return entry
+
     def _record(self, registration: Registration, model: str, version: int) -> None:
         """``registration`` holds ``version`` of ``model`` (unless it registered again)."""
-        entry = self._state.receivers.get(registration.worker)
-        if entry is not None and entry.registration.token == registration.token:
+        if self._still_registered(registration) is not None:
             self._state.record(registration.worker, model, version)
 
     def _gave_up(self, registration: Registration, model: str) -> None:
@@ -241,8 +248,8 @@ class ReceiverDelivery:
             ack = call.result()  # None: staged, applied at its next safe point
             if isinstance(ack, Ack) and ack.status is AckStatus.NOT_ATTACHED:
                 return
-            entry = self._state.receivers.get(registration.worker)
-            if entry is None or entry.registration.token != registration.token:
+            entry = self._still_registered(registration)
+            if entry is None:
                 return
             if _holds(ack):
                 self._state.record(registration.worker, model, version)
@@ -258,8 +265,9 @@ class ReceiverDelivery:
         timeout_s: float,
         first_call: Any,
         update_sent_at: float,
+        turns: bool,
     ) -> Outcome:
-        """:meth:`deliver`, its turn come."""
+        """:meth:`deliver`, its turn come (``turns``: its calls take turns)."""
         registration = entry.registration
         call: asyncio.Future[Any] | None = None  # the last call made, until it returns
         key = (registration.token, update.model, update.version, update.origin)
@@ -286,7 +294,7 @@ class ReceiverDelivery:
                             )
                         )
                         retrieve_outcome(call)
-                        if takes_turns(update):
+                        if turns:
                             self._lanes.calling(
                                 registration.token, update.model, update.version, call
                             )
@@ -313,7 +321,7 @@ class ReceiverDelivery:
                         cause=FailureCause.DIED,
                     )
         except asyncio.TimeoutError:
-            if call is not None and not call.done() and takes_turns(update):
+            if call is not None and not call.done() and turns:
                 self._gave_up(registration, update.model)
             return self._timed_out(registration, update, timeout_s)
         except RayActorError as err:
