@@ -161,8 +161,13 @@ class _Broadcast:
         if config.reject_nonfinite and wire_spec is not None:
             check_finite_on_wire(tensors, wire_spec, what="broadcast weights", cast=wire)
         # A version written into the learner's channel leaves before its object-store
-        # copy is made (the receivers apply it meanwhile): numbered from the write on.
-        with side.submitting if channel is not None else contextlib.nullcontext():
+        # copy is made (the receivers apply it meanwhile): numbered from the write on;
+        # so is one whose transport needs sends submitted in their order.
+        in_order = channel is not None or (
+            wire is not None
+            and any(get_transport(name).submits_in_send_order for name in route.hand_offs)
+        )
+        with side.submitting if in_order else contextlib.nullcontext():
             written, direct_version = None, 0
             if channel is not None:
                 assert wire is not None  # direct: a whole version, not buckets

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -448,9 +449,12 @@ class Holder(WeightReceiver):
         """The versions applied, in order."""
         return list(self.applied)
 
-    def hold(self, gate) -> None:
+    def hold(self, gate, entered=None) -> None:
         """Hold the actor's only method slot (a long rollout step) until the test opens
-        ``gate`` (``tests.helpers.Gate``): no delivery gets in meanwhile."""
+        ``gate`` (``tests.helpers.Gate``): no delivery gets in meanwhile. ``entered``
+        (a Gate too) is opened on the way in."""
+        if entered is not None:
+            ray.get(entered.open.remote())
         ray.get(gate.wait.remote())
 
     def parts_kept(self) -> int:
@@ -608,6 +612,108 @@ class OtherLearner:
 
     def wait_channel(self, model: str) -> tuple[str, ...]:
         return self.hub.wait_channel(model)
+
+
+class _NotesBlocked:
+    """A learner side's submit lock that notes when thread ``name`` has to wait for it."""
+
+    def __init__(self, lock: Any, name: str, blocked: threading.Event) -> None:
+        self._lock, self._name, self._blocked = lock, name, blocked
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        if threading.current_thread().name == self._name:
+            self._blocked.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@ray.remote(num_cpus=0)
+class SlotCrossingLearner:
+    """A shared-memory learner whose two threads take their slots in one order and
+    submit in the other, if the learner lets them: the first's thread, its slot
+    written, waits until the second's broadcast ended, the slot the second asked for
+    ahead came back and the receiver is held in a method (or until the second waits
+    for the first to submit)."""
+
+    def __init__(self, hub):
+        self.hub = hub
+
+    def crossed(
+        self, versions: list[dict[str, torch.Tensor]], holder: Any, gate: Any, wait_s: float
+    ) -> list[ray.ObjectRef]:
+        """The results of ``versions`` (two), each broadcast from a thread of its own;
+        ``holder`` (a ``Holder``) is held on ``gate`` before the first's submit goes."""
+        from raysync.transports.shared_memory.learner import SharedMemorySender
+        from tests.helpers import Gate, wait_until
+
+        send, submitted = SharedMemorySender.send, SharedMemorySender.submitted
+        first_written, go = threading.Event(), threading.Event()
+        side = self.hub._side
+        lock = side.submitting
+
+        def sending(this, *args):
+            payload = send(this, *args)
+            if threading.current_thread().name == "first":
+                first_written.set()
+                assert go.wait(wait_s), "the second neither submitted nor waited"
+            return payload
+
+        def second_submitted(this, payload, done):
+            if threading.current_thread().name != "second":
+                return submitted(this, payload, done)
+            done.wait(wait_s)
+            # The owner took the version's holds (the hub does not wait for them),
+            # freeing the learner's older unplanned slots: then the slot ahead is asked.
+            wait_until(
+                lambda: "pending" not in ray.get(this._owner.stats.remote()).holds,
+                wait_s,
+                what="the second's version held by the owner",
+            )
+            submitted(this, payload, done)
+            ray.get(this._next[1], timeout=wait_s)  # the slot asked for ahead
+            entered = Gate.remote()
+            holder.hold.remote(gate, entered)
+            ray.get(entered.wait.remote(), timeout=wait_s)
+            go.set()
+            return None
+
+        refs: list[Any] = [None, None]
+
+        def broadcast(at: int, after: threading.Event | None) -> None:
+            if after is not None:
+                assert after.wait(wait_s), "the first never wrote its slot"
+            refs[at] = self.hub.broadcast.remote(versions[at], raise_on_failure=False)
+
+        SharedMemorySender.send, SharedMemorySender.submitted = sending, second_submitted
+        side.submitting = _NotesBlocked(lock, "second", go)
+        try:
+            threads = [
+                threading.Thread(target=broadcast, name="first", args=(0, None)),
+                threading.Thread(target=broadcast, name="second", args=(1, first_written)),
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            SharedMemorySender.send, SharedMemorySender.submitted = send, submitted
+            side.submitting = lock
+        return refs
+
+    def broadcast(self, weights: dict[str, torch.Tensor]) -> list[ray.ObjectRef]:
+        """The result of a broadcast of ``weights`` from this learner (in a list: not
+        waited for)."""
+        return [self.hub.broadcast.remote(weights, raise_on_failure=False)]
 
 
 def fail_next_rpc_join(_actor) -> None:

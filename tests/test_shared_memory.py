@@ -30,6 +30,7 @@ from tests.helpers import (
 from tests.receivers import (
     Collector,
     Holder,
+    SlotCrossingLearner,
     SlowHook,
     filled,
     make_policy,
@@ -231,6 +232,31 @@ def test_a_handle_unpickled_for_each_broadcast_writes_into_the_same_slots(actors
         assert ray.get(fresh.broadcast.remote(learner)).acked == ("c0",)
         assert_same(ray.get(receiver.state.remote()), state_of(learner))
     assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
+
+
+def test_a_learners_threads_submit_their_slots_in_the_order_they_took_them(actors):
+    """Two threads of one learner broadcast at once, the first taking its slot first.
+    Planning a version frees the learner's older slots the hub never planned (versions
+    it refused). Had the second's version reached the hub first, the first's slot was
+    freed unplanned and handed out again as the next slot: the first's version was
+    then held for nobody, and a receiver busy in a method read it after the next
+    version was written there (and failed). The second's broadcast waits for the
+    first's submit instead."""
+    hub = start_hub(actors, TRANSPORT)
+    template = filled(make_policy(), 0.0)
+    receiver = start(actors, Holder, hub, template, "c0")
+    ready([receiver])
+    learner = start(actors, SlotCrossingLearner, hub)
+    gate = start(actors, Gate)
+    versions = [filled(make_policy(), float(v)) for v in (1, 2, 3)]
+    refs = ray.get(learner.crossed.remote(versions[:2], receiver, gate, 30.0))
+    refs += ray.get(learner.broadcast.remote(versions[2]))  # while the receiver is busy
+    ray.get(gate.open.remote())
+    reports = ray.get(refs, timeout=60)
+    assert [r.failed for r in reports] == [{}, {}, {}], reports
+    assert sorted(r.version for r in reports) == [1, 2, 3]
+    assert ray.get(receiver.applied_versions.remote()) == [1, 2, 3]
+    assert_same(ray.get(receiver.state.remote()), versions[2])
 
 
 def test_killed_receiver_releases_its_holds(actors):

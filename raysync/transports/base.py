@@ -332,6 +332,11 @@ class Transport(ABC):
     #: call queued behind a long method keeps its update, which pins the version's
     #: bytes, and a version planned for a receiver but never delivered holds nothing.
     one_call_at_a_time: ClassVar[bool] = False
+    #: Whether its sender's whole versions must reach the hub in the order its ``send``
+    #: made them: a learner's thread then holds off the others' broadcasts from its
+    #: send to its submit call (``shared_memory``: planning a version frees the
+    #: sender's older slots the hub never planned, taken to be versions it refused).
+    submits_in_send_order: ClassVar[bool] = False
     #: Whether its sender moves a version in buckets under a memory cap
     #: (``send_buckets``; ``bucket_mb`` of the hub and of a broadcast).
     buckets: ClassVar[bool] = False

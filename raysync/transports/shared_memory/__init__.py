@@ -136,6 +136,8 @@ class SharedMemoryTransport(Transport):
     learner_delivers = True
     learner_delivers_on_its_node = True
     plans_learner_deliveries = True
+    #: The owner frees a learner's unplanned slots older than the one the hub plans.
+    submits_in_send_order = True
 
     @classmethod
     def availability(cls) -> Availability:
