@@ -45,7 +45,8 @@ from the plan on), ends and frees its buckets.
 A reader that has not taken bucket ``k - 1`` within the stream's ``stall_s`` (half its
 ``wait_s``) of the learner asking for room, once the stream is planned and some reader
 began it, is dropped from the stream (its ``take`` then answers why): one stuck
-receiver fails only itself, the others go on.
+receiver fails only itself, the others go on. A planned stream that no reader began
+within ``wait_s`` drops its readers too.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class _Stream:
     sender: str | None = None  #: the actor id of the process that puts it, if watched
     clock: HandOffClock = field(default_factory=HandOffClock)
     deadline_set: bool = False  #: whether its readers' deadline to finish runs
+    planned_at: float | None = None  #: ``time.monotonic()`` when the hub first named readers
 
     def behind(self, needed: int) -> list[str]:
         """Readers that have copied fewer than ``needed`` buckets (all, unplanned)."""
@@ -179,33 +181,31 @@ class BucketBroker:
         :data:`BUCKETS_IN_FLIGHT` before it. Readers still behind ``key.stall_s`` after
         the version was planned and a reader began reading it are dropped (a receiver
         reads the parts of a version one stream after the other: the later ones wait
-        for it meanwhile). None, or why the stream cannot go on."""
+        for it meanwhile); so are readers of a planned stream nobody began within
+        ``key.wait_s`` of its plan (a version served to a late joiner whose pull gave
+        up: nothing else would end it; a broadcast's own delivery timed out by then).
+        None, or why the stream cannot go on."""
         stall_s = key.stall_s
         state = self._open(key)
         if state is None:
             return self._ended.get(key.id, ("",))[0] or "the stream is over"
         state.clock.ask_room(index)
         needed = index - BUCKETS_IN_FLIGHT + 1
-        deadline = None
+        stalled_at = None  #: when the stall deadline ends, once a reader began
         async with state.changed:
             while state.ended is None and state.behind(needed):
-                if state.readers is not None and state.taken and deadline is None:
-                    deadline = time.monotonic() + stall_s
+                if state.readers is not None and state.taken and stalled_at is None:
+                    stalled_at = time.monotonic() + stall_s
+                deadline, why = _room_deadline(state, stalled_at, needed)
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     for worker in state.behind(needed):
-                        self._drop(
-                            state,
-                            worker,
-                            f"it had not taken bucket {needed - 1} of {key.count} within "
-                            f"{stall_s:g} s while the other receivers waited for it; the "
-                            "version went on without it",
-                        )
+                        self._drop(state, worker, why)
                     break
                 try:
                     await asyncio.wait_for(state.changed.wait(), remaining)
                 except asyncio.TimeoutError:
-                    pass  # the stall deadline passed: the next turn drops who is behind
+                    pass  # a deadline passed: the next turn drops who is behind
         if state.ended is not None:
             return state.ended
         if not state.readers:
@@ -231,6 +231,8 @@ class BucketBroker:
         if state is None:
             return
         state.readers = (state.readers or set()) | {w for w in workers if w not in state.dropped}
+        if state.planned_at is None:
+            state.planned_at = time.monotonic()
         state.free_taken()
         self._start_readers_deadline(state)
         await state.changed_now()
@@ -456,3 +458,20 @@ class BucketBroker:
         )
         while len(self._ended) > _ENDED_KEPT:
             del self._ended[next(iter(self._ended))]
+
+
+def _room_deadline(
+    state: _Stream, stalled_at: float | None, needed: int
+) -> tuple[float | None, str]:
+    """When the learner's wait for room in ``state`` ends with the readers that have not
+    copied ``needed`` buckets dropped (None: not yet known), and why they are."""
+    key = state.key
+    if stalled_at is not None or state.planned_at is None:
+        return stalled_at, (
+            f"it had not taken bucket {needed - 1} of {key.count} within {key.stall_s:g} s "
+            "while the other receivers waited for it; the version went on without it"
+        )
+    return state.planned_at + key.wait_s, (
+        f"no reader began the version within {key.wait_s:g} s of its plan (its "
+        "receivers' wait for a bucket)"
+    )

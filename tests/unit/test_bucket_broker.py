@@ -133,23 +133,43 @@ def test_a_reader_is_not_dropped_from_a_stream_it_has_not_begun_to_read():
 
     async def main():
         broker, log = BucketBroker(_NO_HUB), []
-        parts = [StreamId(f"part{i}", 6, 1.0) for i in range(2)]  # stall 0.5 s each
+        parts = [StreamId(f"part{i}", 6, 2.0) for i in range(2)]  # stall 1.0 s each
         for k in parts:
             await broker.readers(k, ["r"])
         learners = [asyncio.ensure_future(learner(broker, k, log)) for k in parts]
         got = []
-        for k in parts:  # 6 buckets of 0.15 s: 0.9 s per part
+        for k in parts:  # 6 buckets of 0.2 s: 1.2 s per part, the second begun after it
             for index in range(k.count):
                 boxed, why = await broker.take(k, index, "r")
                 assert why is None, why
                 got.append(boxed[0])
-                await asyncio.sleep(0.15)
+                await asyncio.sleep(0.2)
             assert await broker.take(k, k.count, "r") == (None, None)
         await asyncio.gather(*learners)
         return got, [entry for entry in log if entry[0] == "stopped"]
 
     got, stopped = run(main())
     assert got == [f"ref{i}" for i in range(6)] * 2 and stopped == []
+
+
+def test_readers_of_a_planned_stream_nobody_begins_are_dropped_after_their_wait():
+    """A version served to a late joiner whose pull gave up is never read: the receiver
+    serving it waited for room for ever, its model held steady. The stream's readers
+    are dropped once none began it within the receivers' wait from its plan."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4, wait_s=0.3), []
+        await broker.readers(k, ["gone"])
+        await learner(broker, k, log)
+        return log, await broker.take(k, 0, "gone")
+
+    log, (boxed, why) = run(main())
+    assert log == [("put", 0), ("put", 1), ("stopped", "no receiver reads this version any more")]
+    assert boxed is None
+    assert why == (
+        "this receiver was dropped from the stream: no reader began the version within "
+        "0.3 s of its plan (its receivers' wait for a bucket)"
+    )
 
 
 @pytest.mark.parametrize(
