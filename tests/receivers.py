@@ -716,6 +716,30 @@ class SlotCrossingLearner:
         return [self.hub.broadcast.remote(weights, raise_on_failure=False)]
 
 
+class _HangingGets:
+    """Ray's module for a shared-memory owner, whose object reads (a relay's read of the
+    exported version) hang until ``gate`` opens: a node whose object transfer stalls."""
+
+    def __init__(self, real: Any, gate: Any) -> None:
+        self._real, self._gate = real, gate
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        self._real.get(self._gate.wait.remote())
+        return self._real.get(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def hang_relay_reads(owner, gate) -> None:
+    """Runs in a shared-memory owner through ``__ray_call__``: its relays hang reading
+    the exported version until ``gate`` (``tests.helpers.Gate``) opens."""
+    import sys
+
+    module = sys.modules[type(owner).__module__]
+    module.ray = _HangingGets(module.ray, gate)  # type: ignore[attr-defined]
+
+
 def fail_next_rpc_join(_actor) -> None:
     """Runs in an actor through ``__ray_call__``: its next torch RPC join (moving to a
     replaced agent's group) fails once, as one with a dead or frozen member listed can."""

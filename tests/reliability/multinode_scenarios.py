@@ -1,5 +1,5 @@
-"""Three simulated nodes (four for a while), three scenarios: what crosses a node
-boundary once per node, and a node lost.
+"""Three simulated nodes (four for a while), one cluster for every scenario: what
+crosses a node boundary once per node, and nodes that fail.
 
 Run by ``test_multinode.py`` as a script in a fresh interpreter
 (``python -m tests.reliability.multinode_scenarios`` from the repository root): it starts
@@ -21,6 +21,9 @@ scenario runs in this one cluster, one after the other:
   one on node_a receives all 9 versions.
 - ``moved_receiver`` (shared memory): a zero-copy receiver on node_a dies and registers
   again from node_b: node_a's owner lets its hold go.
+- ``hung_relay`` (shared memory): node_b's owner hangs reading the exported version;
+  the receiver on node_a gets the version, node_b's fails saying why, and both get
+  the next one once node_b reads again.
 - ``node_lost`` (shared memory): a third worker node with two receivers is removed
   after a broadcast; the next versions reach the receiver on another node, and the
   lost ones are dropped.
@@ -49,7 +52,15 @@ from ray.cluster_utils import Cluster
 from raysync import WeightHub
 from raysync.testing import assert_bitwise
 from raysync.transports.shared_memory import OWNER_NAMESPACE, owner_name
-from tests.receivers import Collector, SlowHook, make_policy, make_probe_model, state_of
+from tests.helpers import Gate
+from tests.receivers import (
+    Collector,
+    SlowHook,
+    hang_relay_reads,
+    make_policy,
+    make_probe_model,
+    state_of,
+)
 
 RESULT_PREFIX = "SCENARIOS "
 WORKER_NODES = ("node_a", "node_b")
@@ -80,6 +91,7 @@ def main() -> int:
             "shared_memory": run(shared_memory_relays_once_per_node, nodes),
             "stuck_receiver": run(shared_memory_goes_on_past_a_stuck_receiver, nodes),
             "moved_receiver": run(shared_memory_lets_a_moved_receivers_holds_go, nodes),
+            "hung_relay": run(shared_memory_goes_on_past_a_hung_relay, nodes),
             # Last: it adds a node and removes it.
             "node_lost": run(functools.partial(shared_memory_survives_a_lost_node, cluster), nodes),
         }
@@ -241,6 +253,39 @@ def shared_memory_lets_a_moved_receivers_holds_go(nodes: dict[str, str], facts: 
         ray.kill(mover)
         ray.get(hub.close.remote())
 
+
+def shared_memory_goes_on_past_a_hung_relay(nodes: dict[str, str], facts: dict) -> None:
+    """node_b's owner hangs reading the exported version (its relay never answers): the
+    receiver on node_a gets the version all the same and node_b's fails, saying why
+    (the plan waited for every node's relay, past the broadcast's timeout: node_a's
+    receiver failed too). Once node_b's reads go again, both get the next version."""
+    hub = WeightHub.options(resources={"head": 0.01}).remote(transport="shared_memory")
+    healthy, hung = on_node("node_a", hub, "node_a-0"), on_node("node_b", hub, "node_b-0")
+    gate = Gate.options(resources={"head": 0.01}).remote()
+    try:
+        ray.get([healthy.__ray_ready__.remote(), hung.__ray_ready__.remote()])
+        learner = make_policy()
+        facts["first"] = list(ray.get(hub.broadcast.remote(learner)).acked)
+        name = owner_name(hub.config.hub_id, nodes["node_b"])
+        node_b = ray.get_actor(name, namespace=OWNER_NAMESPACE)
+        ray.get(node_b.__ray_call__.remote(hang_relay_reads, gate))
+        for phase, timeout_s in (("hung", _HUNG_TIMEOUT_S), ("after", 60.0)):
+            with torch.no_grad():
+                for p in learner.parameters():
+                    p.add_(torch.randn_like(p))
+            report = ray.get(
+                hub.broadcast.remote(learner, raise_on_failure=False, timeout_s=timeout_s)
+            )
+            facts[phase] = {"acked": list(report.acked), "failed": report.failed}
+            ray.get(gate.open.remote())
+        receivers = {"node_a-0": healthy, "node_b-0": hung}
+        facts["not_bitwise_equal"] = not_bitwise_equal(receivers, state_of(learner))
+    finally:
+        ray.get(gate.open.remote())
+        ray.get(hub.close.remote())
+
+
+_HUNG_TIMEOUT_S = 4.0
 
 #: Enough versions to fill node_b's slots (4) with the stuck receiver's holds, and a few.
 _STUCK_BROADCASTS = 9

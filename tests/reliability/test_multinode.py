@@ -147,6 +147,17 @@ def test_shared_memory_goes_on_past_a_stuck_receiver_on_another_node(scenarios):
     assert facts["not_bitwise_equal"] == {}
 
 
+def test_shared_memory_goes_on_past_a_node_whose_relay_hangs(scenarios):
+    facts = scenarios.facts("hung_relay")
+    assert facts["first"] == ["node_a-0", "node_b-0"]
+    hung = facts["hung"]
+    assert hung["acked"] == ["node_a-0"] and list(hung["failed"]) == ["node_b-0"], hung
+    why = hung["failed"]["node_b-0"]
+    assert "the shared-memory owner on node" in why and "had not answered within" in why, why
+    assert facts["after"] == {"acked": ["node_a-0", "node_b-0"], "failed": {}}
+    assert facts["not_bitwise_equal"] == {}
+
+
 def test_shared_memory_lets_go_of_a_receiver_that_registered_again_on_another_node(scenarios):
     facts = scenarios.facts("moved_receiver")
     assert "worker/mover" in facts["held_on_node_a"]  # its zero-copy model lived there

@@ -201,7 +201,10 @@ class SharedMemoryPlanner(TransportPlanner):
         """The payloads of a version held on the learner's node: its receivers read the
         learner's slot, those of ``by_node`` (the other nodes) their node's relay of it,
         exported once by ``owner`` (the learner's node's). Each call that holds a slot is
-        added to ``placed`` as it is made."""
+        added to ``placed`` as it is made (and taken out when given up: its holds are
+        let go then). A node whose owner does not answer within half of what is left of
+        the plan's time fails alone, as does every node the export was for if it did not
+        come in that time."""
         slot = source.slot
         payloads: dict[str, SharedMemoryPayload | Unplanned] = dict.fromkeys(placed[0][2], source)
         if not by_node:
@@ -215,7 +218,15 @@ class SharedMemoryPlanner(TransportPlanner):
         export = None
         if missing:  # numbered next to its hold: the owner exports it before a newer one
             turn = next(self._orders[slot.node_id])
-            export = await owner.export.remote(slot.pid, slot.seq, turn)
+            try:
+                export = await _within_plan(
+                    owner.export.remote(slot.pid, slot.seq, turn),
+                    f"the export of the version for other nodes by the owner on {slot.node_id}",
+                )
+            except (RayError, TransportError) as err:  # the nodes it was for fail, no other
+                why = Unplanned(f"the shared-memory export for other nodes failed: {err}")
+                for node_id in missing:
+                    payloads.update(dict.fromkeys(by_node.pop(node_id), why))
 
         async def to_node(node_id: str, workers: tuple[str, ...]) -> None:
             node_owner = self._owner(node_id)
@@ -233,8 +244,16 @@ class SharedMemoryPlanner(TransportPlanner):
                 answer = node_owner.relay.remote(
                     export, slot.nbytes, update.model, workers, _slot_wait_s(), update.version
                 )
-            placed.append((node_owner, answer, workers))
-            relayed[node_id] = SharedMemoryPayload(await answer)
+            placed.append(call := (node_owner, answer, workers))
+            try:
+                held = await _within_plan(answer, f"the shared-memory owner on node {node_id}")
+            except TransportError:  # given up: the holds it may take yet are let go
+                placed.remove(call)
+                self._background.spawn(
+                    self._let_go(node_owner, answer, workers), "holds of a relay given up"
+                )
+                raise
+            relayed[node_id] = SharedMemoryPayload(held)
             payloads.update({w: relayed[node_id] for w in workers})
 
         relays = await asyncio.gather(
@@ -316,6 +335,23 @@ def _slot_wait_s() -> float:
     if deadline is None:
         return SLOT_WAIT_S
     return max(0.0, min(SLOT_WAIT_S, (deadline - time.monotonic()) / 2))
+
+
+async def _within_plan(answer: ray.ObjectRef, who: str) -> Any:
+    """``answer`` once it comes, or TransportError once half of what is left of the
+    hub's plan deadline has passed (a node whose owner hangs then fails alone: the
+    others get their payloads and the rest of the time to read them)."""
+    deadline = PLAN_DEADLINE.get()
+    if deadline is None:
+        return await answer
+    wait_s = max(0.0, (deadline - time.monotonic()) / 2)
+    try:
+        return await asyncio.wait_for(answer, wait_s)
+    except asyncio.TimeoutError:
+        raise TransportError(
+            f"{who} had not answered within {wait_s:.3g} s (half of the time left to plan "
+            "the version); the other nodes' receivers went on"
+        ) from None
 
 
 def _alive(node_id: str) -> bool:
