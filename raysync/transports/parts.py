@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     ReceiverInfo,
+    TransportError,
     TransportPlanner,
     TransportReceiver,
     Unplanned,
@@ -111,27 +112,38 @@ async def plan_parts(
 ) -> Mapping[str, Any]:
     """``planner.plan`` of ``update`` for ``targets``: a :class:`Parts` update is planned
     part by part (concurrently), each worker getting a :class:`Parts` of its planned
-    payloads, unless ``in_one_plan``. Called in the hub process."""
+    payloads, unless ``in_one_plan``. Called in the hub process.
+
+    A part that could not be planned for a worker (an :class:`Unplanned`, or its plan
+    raised) stays in that worker's :class:`Parts` as the :class:`Unplanned`, beside the
+    parts that were planned for it: its receiver lets those go (a planner may hold
+    something for it, a slot or a stream's place) and fails, saying why
+    (:class:`PartedReceiver`). A worker no part was planned for gets the first
+    :class:`Unplanned` (nothing to let go: the hub fails it without a call)."""
     parted = update.payload
     if not isinstance(parted, Parts) or in_one_plan:
         return await planner.plan(update, spec, targets)
     planned = await _each_part(update, parted, lambda u, s: planner.plan(u, s, targets))
+    count = len(parted.parts)
     payloads: dict[str, Any] = {}
     for target in targets:
         worker = target.worker
-        if not all(worker in plan for plan in planned):
-            continue  # it left meanwhile
-        unplanned = [plan[worker] for plan in planned if isinstance(plan[worker], Unplanned)]
-        payloads[worker] = (
-            unplanned[0]
-            if unplanned
-            else Parts(
-                tuple(
-                    Part(plan[worker], part.spec)
-                    for plan, part in zip(planned, parted.parts, strict=True)
+        per_part: list[Any] = []
+        for index, plan in enumerate(planned):
+            if isinstance(plan, BaseException):
+                per_part.append(
+                    Unplanned(f"part {index} of {count} could not be planned: {plan!r}")
                 )
+            elif worker in plan:
+                per_part.append(plan[worker])
+        if len(per_part) < count:
+            continue  # it left meanwhile (its planners let go of what they hold for it)
+        if all(isinstance(p, Unplanned) for p in per_part):
+            payloads[worker] = per_part[0]
+        else:
+            payloads[worker] = Parts(
+                tuple(Part(p, part.spec) for p, part in zip(per_part, parted.parts, strict=True))
             )
-        )
     return payloads
 
 
@@ -156,7 +168,21 @@ async def plan_pull_parts(
     if not isinstance(parted, Parts) or in_one_plan:
         return await planner.plan_pull(update, spec, receiver)
     planned = await _each_part(update, parted, lambda u, s: planner.plan_pull(u, s, receiver))
-    return Parts(tuple(Part(p, part.spec) for p, part in zip(planned, parted.parts, strict=True)))
+    count = len(parted.parts)
+    failed = [(i, p) for i, p in enumerate(planned) if isinstance(p, BaseException)]
+    if len(failed) == count:
+        raise failed[0][1]
+    return Parts(  # a part not planned: the puller lets the others go and fails, saying why
+        tuple(
+            Part(
+                Unplanned(f"part {i} of {count} could not be planned: {p!r}")
+                if isinstance(p, BaseException)
+                else p,
+                part.spec,
+            )
+            for i, (p, part) in enumerate(zip(planned, parted.parts, strict=True))
+        )
+    )
 
 
 async def published_parts(
@@ -168,16 +194,25 @@ async def published_parts(
     if not isinstance(parted, Parts) or in_one_plan:
         await planner.published(update, spec)
         return
-    await _each_part(update, parted, planner.published)
+    for outcome in await _each_part(update, parted, planner.published):
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
 async def _each_part(
     update: Any, parted: Parts, plan: Callable[[Any, WeightSpec], Awaitable[T]]
-) -> list[T]:
-    """``plan(part's update, part's spec)`` of every part, concurrently, in part order."""
-    return await asyncio.gather(
-        *(plan(_part_update(update, i, parted), part.spec) for i, part in enumerate(parted.parts))
+) -> list[T | BaseException]:
+    """``plan(part's update, part's spec)`` of every part, concurrently, in part order:
+    each one's result, or the exception it raised (every part's plan runs to its end,
+    so none is left placing holds for a plan nobody reads)."""
+    outcomes = await asyncio.gather(
+        *(plan(_part_update(update, i, parted), part.spec) for i, part in enumerate(parted.parts)),
+        return_exceptions=True,
     )
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+            raise outcome  # cancelled, or the process is ending
+    return outcomes
 
 
 def _part_update(update: Any, index: int, parted: Parts) -> Any:
@@ -213,6 +248,22 @@ class PartedReceiver(TransportReceiver):
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         if not isinstance(payload, Parts):
             return self.inner.fetch(payload, spec)
+        unplanned = [
+            (index, part.payload)
+            for index, part in enumerate(payload.parts)
+            if isinstance(part.payload, Unplanned)
+        ]
+        if unplanned:  # the hub could not plan a part for it: the others are let go
+            for part in payload.parts:
+                if not isinstance(part.payload, Unplanned):
+                    self.inner.release(part.payload, None)
+            with self._lock:
+                self._released[id(payload)] = payload
+            index, why = unplanned[0]
+            raise TransportError(
+                f"part {index} of {len(payload.parts)} of the version was not planned for "
+                f"this receiver: {why.reason}"
+            )
         fetched: list[Sequence[torch.Tensor]] = []
         try:
             for part in payload.parts:
@@ -239,7 +290,8 @@ class PartedReceiver(TransportReceiver):
                 return  # its failed fetch released every part
             fetched = self._parts_of.pop(id(staged), None) if staged is not None else None
         for index, part in enumerate(payload.parts):
-            self.inner.release(part.payload, None if fetched is None else fetched[index])
+            if not isinstance(part.payload, Unplanned):  # nothing was planned to let go
+                self.inner.release(part.payload, None if fetched is None else fetched[index])
 
     def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
         self.inner.serve(payload, tensors, spec)

@@ -14,7 +14,13 @@ from raysync.errors import SpecMismatchError
 from raysync.messages import BroadcastRequest, Update
 from raysync.part_assembly import PartAssembly
 from raysync.spec import WeightSpec
-from raysync.transports.base import ReceiverInfo, TransportPlanner, TransportReceiver, Unplanned
+from raysync.transports.base import (
+    ReceiverInfo,
+    TransportError,
+    TransportPlanner,
+    TransportReceiver,
+    Unplanned,
+)
 from raysync.transports.parts import (
     Part,
     PartedReceiver,
@@ -273,9 +279,11 @@ def test_a_worker_one_part_was_not_planned_for_gets_no_payload():
     assert list(planned) == ["w1"]
 
 
-def test_a_worker_one_part_could_not_be_planned_for_gets_why():
-    """Its node's relay of the second part failed: it gets that part's Unplanned (the
-    hub reports it as its failure alone), the other worker its parts."""
+def test_a_worker_one_part_could_not_be_planned_for_lets_the_others_go_and_says_why():
+    """Its node's relay of the second part failed: it gets that part's Unplanned beside
+    the first part's payload (left out, the first part's hold, a shared-memory slot,
+    stayed taken for a worker that never read it); its receiver lets the first part
+    go and fails naming the part and why. The other worker gets its parts."""
     why = Unplanned("the relay to its node failed")
 
     class _SecondPartUnplannedForW0(_Planner):
@@ -288,8 +296,61 @@ def test_a_worker_one_part_could_not_be_planned_for_gets_why():
     planned = asyncio.run(
         plan_parts(_SecondPartUnplannedForW0(), UPDATE, HUB_SPEC, TARGETS, in_one_plan=False)
     )
-    assert planned["w0"] == why
+    assert [p.payload for p in planned["w0"].parts] == ["put1@w0", why]
     assert [p.payload for p in planned["w1"].parts] == ["put1@w1", "put2@w1"]
+    inner = _Staging()
+    receiver = PartedReceiver(inner)
+    with pytest.raises(TransportError) as raised:
+        receiver.fetch(planned["w0"], HUB_SPEC)
+    assert str(raised.value) == (
+        "part 1 of 2 of the version was not planned for this receiver: the relay to its node failed"
+    )
+    assert inner.released == [("put1@w0", None)]
+    receiver.release(planned["w0"], None)  # as the core does after a failed fetch
+    assert inner.released == [("put1@w0", None)]
+
+
+def test_a_part_whose_plan_raised_does_not_lose_the_others_plans():
+    """One part's plan raised (its owner was lost): the other part's plan, which placed
+    holds, still reaches each worker, to be let go; a worker no part was planned for
+    gets the first reason, and a pull of such a version says it."""
+
+    class _SecondPartRaises(_Planner):
+        async def plan(self, update, spec, targets):
+            if update.payload == "put2":
+                raise TransportError("lost with its owner")
+            return await super().plan(update, spec, targets)
+
+        async def plan_pull(self, update, spec, receiver):
+            if update.payload == "put2":
+                raise TransportError("lost with its owner")
+            return await super().plan_pull(update, spec, receiver)
+
+    planned = asyncio.run(
+        plan_parts(_SecondPartRaises(), UPDATE, HUB_SPEC, TARGETS, in_one_plan=False)
+    )
+    for worker in ("w0", "w1"):
+        first, second = (p.payload for p in planned[worker].parts)
+        assert first == f"put1@{worker}"
+        assert second == Unplanned(
+            "part 1 of 2 could not be planned: TransportError('lost with its owner')"
+        )
+    pulled = asyncio.run(
+        plan_pull_parts(_SecondPartRaises(), UPDATE, HUB_SPEC, TARGETS[0], in_one_plan=False)
+    )
+    assert [p.payload for p in pulled.parts] == [
+        "put1>w0",
+        Unplanned("part 1 of 2 could not be planned: TransportError('lost with its owner')"),
+    ]
+
+    class _EveryPartUnplanned(_Planner):
+        async def plan(self, update, spec, targets):
+            return {t.worker: Unplanned(f"no node for {update.payload}") for t in targets}
+
+    planned = asyncio.run(
+        plan_parts(_EveryPartUnplanned(), UPDATE, HUB_SPEC, TARGETS, in_one_plan=False)
+    )
+    assert planned == dict.fromkeys(("w0", "w1"), Unplanned("no node for put1"))
 
 
 def test_a_transport_planning_parts_in_one_plan_gets_the_whole_update():
