@@ -40,6 +40,7 @@ class _Assembling(Generic[Started]):
 
     assembly: PartAssembly
     first_arrived: float  #: ``time.perf_counter()`` when the first part reached the hub
+    timeout_s: float  #: the first part's: the deadline for the others, then the delivery's
     started: asyncio.Future[Started]
     timer: asyncio.TimerHandle | None = None
 
@@ -79,9 +80,11 @@ class Assemblies(Generic[Started]):
         """Take one part of version ``request.version`` of ``model`` (whose spec the hub
         knows as ``known``, None before any receiver registered it), arrived at
         ``arrived`` (``time.perf_counter()``). The first part starts the deadline:
-        ``timeout_s`` for the others to arrive. Returns the version's start once every
-        part is here; raises the part's own refusal, or :class:`IncompleteVersionError`
-        saying why the version failed."""
+        ``timeout_s`` for the others to arrive, and the whole version's delivery has
+        that timeout from the first part's arrival on (a part with another timeout is
+        refused: which one the version keeps would depend on which rank came first).
+        Returns the version's start once every part is here; raises the part's own
+        refusal, or :class:`IncompleteVersionError` saying why the version failed."""
         assert request.version is not None  # the hub refused a part without one
         key = (model, request.version)
         assembling = self._open.get(key)
@@ -92,7 +95,7 @@ class Assemblies(Generic[Started]):
                 request.parts,
                 None if request.workers is None else tuple(request.workers),
             )
-            assembling = _Assembling(assembly, arrived, _quiet_future())
+            assembling = _Assembling(assembly, arrived, timeout_s, _quiet_future())
             assembling.timer = asyncio.get_running_loop().call_later(
                 timeout_s, self._timed_out, key, timeout_s
             )
@@ -103,6 +106,12 @@ class Assemblies(Generic[Started]):
                 f"version failed: {assembling.started.exception()}"
             )
         try:
+            if timeout_s != assembling.timeout_s:
+                raise ValueError(
+                    f"part {request.part} of {assembling.assembly.what} has a timeout of "
+                    f"{timeout_s:g} s, an earlier part {assembling.timeout_s:g} s: every "
+                    "part of a version has the same timeout_s"
+                )
             assembling.assembly.add(request, known)
         except Exception as err:
             self.fail(key, f"part {request.part} was refused ({type(err).__name__}: {err})")
@@ -111,7 +120,7 @@ class Assemblies(Generic[Started]):
             try:
                 whole = assembling.assembly.request(known)
                 self._unread(assembling.assembly.unread_payloads())
-                begun = await self._start(whole, timeout_s, assembling.first_arrived)
+                begun = await self._start(whole, assembling.timeout_s, assembling.first_arrived)
             except Exception as err:  # no one part's fault: the whole was refused
                 self.fail(key, f"the whole was refused ({type(err).__name__}: {err})")
                 raise
@@ -132,7 +141,8 @@ class Assemblies(Generic[Started]):
         if key not in self._open:
             workers = None if request.workers is None else tuple(request.workers)
             assembly = PartAssembly(model, request.version, request.parts, workers)
-            self._open[key] = _Assembling(assembly, time.perf_counter(), _quiet_future())
+            # Failed at once below: its timeout is never waited on.
+            self._open[key] = _Assembling(assembly, time.perf_counter(), 0.0, _quiet_future())
         self.fail(key, f"part {request.part} was refused ({type(err).__name__}: {err})")
 
     def fail(self, key: Key, reason: str) -> None:

@@ -92,9 +92,11 @@ class _Broadcast:
         each learner calls it with its own disjoint keys. Receivers apply the version
         once every part arrived, as one version at one safe point; each part's bytes
         leave its own learner. Every part's ref resolves to the same report; a part
-        that does not arrive within ``timeout_s`` of the first, or parts that overlap or
-        do not add up to the model's spec (the error names the keys), fail the version
-        for every part, and nothing of it is applied (:mod:`raysync.transports.parts`).
+        that does not arrive within ``timeout_s`` of the first, parts that overlap or
+        do not add up to the model's spec (the error names the keys), or that give
+        different ``timeout_s`` (the version is delivered within it, counted from the
+        first part's arrival), fail the version for every part, and nothing of it is
+        applied (:mod:`raysync.transports.parts`).
 
         The returned ObjectRef resolves to a :class:`~raysync.BroadcastReport` when every
         targeted receiver applied the version; if any failed, ``ray.get`` raises

@@ -69,6 +69,28 @@ def test_every_part_gets_the_one_start_once_the_last_arrives():
     assert ("m", 7) not in assemblies and assemblies.arrived() == {}
 
 
+def test_a_part_with_another_timeout_is_refused_naming_both():
+    """The first part's timeout is the deadline for the others and then the whole
+    version's: a part that says another would have one or the other ignored,
+    depending on which rank came first."""
+
+    async def run():
+        assemblies = Assemblies(Starts())
+        waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 0))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError) as refused:
+            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 5, 0)
+        with pytest.raises(IncompleteVersionError, match="part 1 was refused"):
+            await waiting
+        return str(refused.value)
+
+    assert asyncio.run(run()) == (
+        "part 1 of version 7 of model 'm' (2 parts) has a timeout of 5 s, an earlier part "
+        "30 s: "
+        "every part of a version has the same timeout_s"
+    )
+
+
 def test_a_refused_part_fails_the_version_for_the_parts_waiting_and_to_come():
     async def run():
         assemblies = Assemblies(Starts())
