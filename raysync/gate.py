@@ -47,9 +47,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 #: How long a write keeps user methods that start meanwhile waiting for it. After that
-#: they start again, and the write goes once none runs: a user method that waits for
-#: another call of the actor (a pool's thread, a coroutine that feeds its queue), which
-#: waits for the write, no longer deadlocks the actor for good.
+#: they start again, and the write goes once none runs (or at a safe point of the only
+#: one running): a user method that waits for another call of the actor (a pool's
+#: thread, a coroutine that feeds its queue), which waits for the write, no longer
+#: deadlocks the actor for good.
 WRITER_FIRST_S = 60.0
 
 
@@ -145,7 +146,9 @@ class ApplyGate:
         self._writer_first_s = writer_first_s
         self._cond = threading.Condition()
         self._readers = 0
-        self._writers_waiting = 0
+        self._writers_waiting = 0  #: thread writes new readers wait for (their first turn)
+        #: every thread write waiting, past its first turn too (a safe point lends to it)
+        self._writers_blocked = 0
         self._writing = False
         #: the thread running the write, while ``_writing``: what it calls while it
         #: applies (``on_weights_applied``: a user method, a pull) is inside that write
@@ -333,11 +336,17 @@ class ApplyGate:
             return
         read = _own_read()
         with self._cond:
-            if not (self._writers_waiting or self._writing):
+            if not (self._writers_waiting or self._writing or self._writers_blocked):
                 return
             lent = self._lend(read)
             self._cond.notify_all()
-            while self._writers_waiting or self._writing:
+            # A write past its first turn waits for a moment with no reader: this one
+            # waits for it only if it made that moment (others may wait for this one).
+            while (
+                self._writers_waiting
+                or self._writing
+                or (self._writers_blocked and not self._readers)
+            ):
                 self._cond.wait()
             self._take_back(read, lent)
 
@@ -398,6 +407,7 @@ class ApplyGate:
         with self._cond:
             lent = self._lend(read)
             self._writers_waiting += 1
+            self._writers_blocked += 1
             self._cond.notify_all()
             first_until = time.monotonic() + self._writer_first_s
             first = True  #: counted in _writers_waiting: new readers wait for it
@@ -419,6 +429,7 @@ class ApplyGate:
                     )
             if first:
                 self._writers_waiting -= 1
+            self._writers_blocked -= 1
             self._writing, self._writer = True, threading.get_ident()
         try:
             return apply()

@@ -221,6 +221,36 @@ def test_safe_point_lets_a_waiting_write_in_and_the_reader_holds_again_after():
     assert model["v"] == 2
 
 
+def test_a_safe_point_lets_in_a_write_past_its_first_turn():
+    """A write that waited ``writer_first_s`` lets new readers in first again; a
+    looping method's safe points must still let it in (they returned at once, and the
+    version waited for the method to end: for ever, for a loop that never does)."""
+    gate, cond = _watched_gate([])
+    gate._writer_first_s = 0.2
+    model = {"v": 0}
+    inside, turn_over = threading.Event(), threading.Event()
+
+    def loop() -> int:
+        with gate.reading():
+            inside.set()
+            _wait(turn_over, "the write's first turn is over")
+            gate.safe_point()
+            return model["v"]
+
+    def probe() -> int:
+        with gate.reading():  # waits while the write has its first turn
+            return model["v"]
+
+    reader = _started("loop", loop)
+    _wait(inside, "the loop reads")
+    writer = _started("writer", lambda: gate.write(_setter(model, 1)))
+    _wait(cond.blocked("writer"), "the write waits")
+    assert _started("probe", probe).finish() == 0
+    turn_over.set()
+    assert reader.finish() == 1  # applied at the safe point
+    assert writer.finish() == "ack-1"
+
+
 def test_safe_point_with_no_waiting_write_returns_at_once():
     gate = ApplyGate(finish_deferred=lambda result: None)
     model = {"v": 0}
