@@ -177,10 +177,12 @@ class ReceiverCore:
         on_applied: Callable[[str, int], None] | None,
         gate: ApplyGate | None = None,
         earlier_hubs: dict[str, HubHandle] | None = None,
+        transport: TransportReceiver | None = None,
     ) -> None:
         """``gate``: the previous registration's, taken over (see :meth:`register`), and
         ``earlier_hubs`` the hubs of the registrations before by token (their deferred
-        versions may end at that gate)."""
+        versions may end at that gate). ``transport``: the transport's receiver for
+        ``welcome``, if opened already (else opened here)."""
         self.owner = owner
         self.hub = hub
         self.models = models
@@ -192,7 +194,7 @@ class ReceiverCore:
         #: The hubs of earlier registrations of this process whose deferred versions
         #: may still end at this gate, by registration token: their acks go there.
         self._earlier_hubs = earlier_hubs or {}
-        self.transport = _open_transport(welcome)
+        self.transport = _open_transport(welcome) if transport is None else transport
         self.transport_name = welcome.transport
         if gate is None:
             gate = ApplyGate(finish_deferred=self.send_ack)
@@ -263,15 +265,37 @@ class ReceiverCore:
             if previous is not None:
                 previous._retired = False
             raise
+
+        def undo() -> None:
+            """The previous registration stays this process's (and where it was found)."""
+            if previous is not None and previous.identity.attachment == identity.attachment:
+                attached.fill(identity.attachment, previous)
+            else:
+                attached.remove(identity.attachment)
+            if previous is not None:
+                previous._retired = False
+
         attached.reserve(identity.attachment)
         # The previous core's hub watch must not register it again over this one.
         with contextlib.nullcontext() if previous is None else previous._registering:
             try:
                 welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
             except BaseException:
-                attached.remove(identity.attachment)
-                if previous is not None:
-                    previous._retired = False  # it stays this process's registration
+                undo()
+                raise
+            try:  # before the previous core closes: if it cannot open, that one stays
+                transport = _open_transport(welcome)
+            except BaseException:
+                undo()
+                # The hub forgets this registration; under the previous one's worker id,
+                # that one's hub watch registers it again at its next beat.
+                try:
+                    ray.get(
+                        hub.actor.leave.remote(identity.worker, registration.token),
+                        timeout=timeout_s,
+                    )
+                except Exception:  # what is raised is why the transport did not open
+                    logger.exception("could not withdraw %s's registration", identity.worker)
                 raise
             if previous is not None:
                 previous.close()
@@ -289,6 +313,7 @@ class ReceiverCore:
             earlier_hubs=None
             if previous is None
             else {**previous._earlier_hubs, previous.token: previous.hub},
+            transport=transport,
         )
         attached.fill(identity.attachment, core)
         return core, welcome
@@ -519,11 +544,12 @@ class ReceiverCore:
             spec = held.spec_for(self.owner, update.spec_digest)
             _check_digest(spec, update, self.actor_name)
             fetch_started = time.perf_counter()
-            staged = self._staged(update, spec)
-            fetched = _Fetched(fetch_started, time.perf_counter())
+            tensors = self.transport.fetch(update.payload, update.wire_spec or spec)
         except BaseException:
             self.transport.release(update.payload, None)
             raise
+        staged = self._staged(update, spec, tensors)  # released once, if it raises
+        fetched = _Fetched(fetch_started, time.perf_counter())
         result = self.gate.write(
             functools.partial(self._apply_and_release, update, staged, fetched),
             key=update.model,
@@ -552,12 +578,11 @@ class ReceiverCore:
             return
         self.transport.release(update.payload, tensors)
 
-    def _staged(self, update: Update, spec: WeightSpec) -> _Staged:
-        """Fetch ``update``: the transport's tensors, or, for a zero-copy model of a
-        version cast on the wire (it cannot live in bytes of another dtype), a copy in
-        the model's own dtypes made here, outside the safe point, the transport's data
-        handed back at once."""
-        tensors = self.transport.fetch(update.payload, update.wire_spec or spec)
+    def _staged(self, update: Update, spec: WeightSpec, tensors: Sequence[torch.Tensor]) -> _Staged:
+        """What ``update``'s fetched ``tensors`` are staged as: themselves, or, for a
+        zero-copy model of a version cast on the wire (it cannot live in bytes of another
+        dtype), a copy in the model's own dtypes made here, outside the safe point, the
+        transport's data handed back at once (also if the copy fails: once)."""
         if not (self.identity.zero_copy and update.wire_spec is not None):
             return _Staged(tensors, in_transport=True)
         try:

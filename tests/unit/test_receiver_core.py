@@ -255,6 +255,24 @@ def test_a_zero_copy_model_takes_a_cast_copy_of_a_version_cast_on_the_wire():
     assert receiver.transport.released == [(2, True), (1, True)]
 
 
+def test_a_zero_copy_cast_that_fails_hands_the_staged_version_back_once(monkeypatch):
+    """The cast copy fails (out of memory): the staged version goes back to the
+    transport once (twice, a shared-memory lease of another fetch of it was counted
+    down too, and its slot freed under that fetch)."""
+    receiver = _Receiver(zero_copy=True)
+    update = receiver.cast_on_the_wire(1)
+
+    def out_of_memory(self, *args, **kwargs):
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(torch.Tensor, "to", out_of_memory)
+    receipt = receiver.core.receive(update)
+    monkeypatch.undo()
+    assert receipt.ack.status is AckStatus.FAILED and "out of memory" in receipt.ack.error
+    assert receiver.transport.released == [(1, True)]
+    assert receiver.core.models["policy"].version == 0
+
+
 def test_a_zero_copy_model_owns_every_tensor_of_a_cast_version_uncast_ones_too():
     """Tensors that travel as they are (integers) are copied as well: the model never
     lives in data handed back to the transport."""
