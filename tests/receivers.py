@@ -495,6 +495,24 @@ def connect_policy_again(host, hub, path: str = "policy", **options) -> None:
     host.connect_hub(hub, models={"policy": path}, worker_id=worker, **options)
 
 
+def connect_again_failing_transport(host, hub) -> None:
+    """Runs in a Collector through ``__ray_call__``: ``connect_hub`` again, under the same
+    worker id, its transport receiver failing to open once the hub accepted it (as a
+    NIXL agent that cannot start)."""
+    from raysync import receiver_core
+
+    real = receiver_core._open_transport
+
+    def failing(welcome):
+        raise RuntimeError("the transport's receiver could not be opened (injected)")
+
+    receiver_core._open_transport = failing
+    try:
+        connect_policy_again(host, hub)
+    finally:
+        receiver_core._open_transport = real
+
+
 def attach_actor_net(host, hub, **options) -> str:
     """Runs in a PlainWorker through ``__ray_call__``: attach its actor net; the worker id."""
     host.receiver = raysync.attach(hub, {"policy": "nets.actor"}, owner=host, **options)

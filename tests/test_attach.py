@@ -36,6 +36,7 @@ from tests.receivers import (
     PlainWorker,
     Rebuilder,
     attach_actor_net,
+    connect_again_failing_transport,
     connect_policy_again,
     filled,
     make_policy,
@@ -272,6 +273,28 @@ def test_registering_again_with_a_wrong_path_leaves_the_receiver_as_it_was(actor
     learner = make_policy()
     report = ray.get(hub.broadcast.remote(learner), timeout=60)
     assert (report.version, report.acked) == (2, ("c",))
+    assert_same(ray.get(collector.state.remote()), state_of(learner))
+
+
+def test_registering_again_whose_transport_fails_to_open_leaves_the_receiver_receiving(actors):
+    """``connect_hub`` again whose transport receiver cannot open once the hub accepted
+    it raises; the registration before it goes on (the hub had the new one, the old
+    core was closed and the new one never made: every version waited, then failed as
+    for a receiver not attached). The hub forgets the new one, and the old core's
+    watch registers it again."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    collector = start(actors, Collector, hub, worker_id="c", heartbeat_s=0.5)
+    ready([collector])
+    ray.get(hub.broadcast.remote(make_policy()))
+    with pytest.raises(RuntimeError, match="could not be opened"):
+        ray.get(collector.__ray_call__.remote(connect_again_failing_transport, hub))
+    wait_until(
+        lambda: [r.worker for r in ray.get(hub.status.remote()).receivers] == ["c"],
+        what="the receiver registered again",
+    )
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert report.acked == ("c",)
     assert_same(ray.get(collector.state.remote()), state_of(learner))
 
 
