@@ -210,7 +210,7 @@ class RpcAgentActor:
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                 tensors = [torch.from_numpy(a) for a in arrays]
             outcomes = await asyncio.to_thread(
-                self._call_each, job.workers, land, (self._key, job.seq, tensors)
+                self._call_each, job.workers, land, (self._key, job.seq, tensors, job.model)
             )
             self._sent += sum(why is None for why in outcomes.values())
         # Each receiver the version will not reach hears why now, not at its timeout.
@@ -231,7 +231,7 @@ class RpcAgentActor:
                 read_buckets(relay_plan(job.source, job.spec), reader, self._settings.timeout_s)
             ) as buckets:
                 async for bucket, pieces in buckets:
-                    args = (self._key, job.seq, nbytes, bucket.pieces, pieces)
+                    args = (self._key, job.seq, nbytes, bucket.pieces, pieces, job.model)
                     dropped = await asyncio.to_thread(self._land_bucket, live, args)
                     outcomes.update(dropped)
                     live = [worker for worker in live if worker not in dropped]

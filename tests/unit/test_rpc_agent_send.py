@@ -86,8 +86,8 @@ def test_a_receiver_still_joining_gets_its_version_once_it_can_be_reached(monkey
     assert outcomes == {"w0": None}
     assert status.sent == 1 and status.failures == ()
     assert len(calls) == 4
-    to, func, (key, seq, tensors) = calls[-1]
-    assert (to, func, key, seq) == (rpc_name(KEY, 1), land, KEY, 1)
+    to, func, (key, seq, tensors, model) = calls[-1]
+    assert (to, func, key, seq, model) == (rpc_name(KEY, 1), land, KEY, 1, "policy")
     assert torch.equal(tensors[0], torch.from_numpy(weights[0]))
 
 

@@ -1,7 +1,7 @@
-"""The RPC receiver's bucket inbox (raysync/transports/rpc/receiver.py), without RPC:
+"""The RPC receiver's inboxes (raysync/transports/rpc/receiver.py), without RPC:
 buckets land into one staging buffer per version, ``take`` waits for the last one,
-a version the agent gave up or that stops landing raises naming why, and buffers are
-reused."""
+a version the agent gave up or that stops landing raises naming why, buffers are
+reused, and versions never taken are dropped per model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raysync.transports.base import TransportError
-from raysync.transports.rpc.receiver import _BucketInbox
+from raysync.transports.rpc.receiver import _BucketInbox, _Inbox
 
 
 def test_buckets_land_at_their_offsets_and_take_returns_the_whole_buffer():
@@ -56,6 +56,45 @@ def test_versions_left_far_behind_are_dropped_when_a_newer_one_is_taken():
     inbox.take("hub", 10, count=1, timeout_s=10)
     with pytest.raises(TransportError, match="did not land"):
         inbox.take("hub", 1, count=1, timeout_s=0.05)
+
+
+def test_another_models_version_far_behind_is_kept_for_its_own_take():
+    """The numbers are the hub's, across models: a receiver of two models that takes
+    model b's #10 has not given up model a's #1, which its delivery takes later."""
+    inbox = _BucketInbox()
+    inbox.put("hub", 1, 64, [(0, 64)], [torch.ones(64, dtype=torch.uint8)], "a")
+    inbox.put("hub", 10, 64, [(0, 64)], [torch.zeros(64, dtype=torch.uint8)], "b")
+    inbox.take("hub", 10, count=1, timeout_s=10)
+    assert torch.equal(
+        inbox.take("hub", 1, count=1, timeout_s=10), torch.ones(64, dtype=torch.uint8)
+    )
+
+
+def test_a_version_turned_down_is_dropped_and_its_buffer_reused():
+    inbox = _BucketInbox()
+    inbox.put("hub", 1, 64, [(0, 64)], [torch.ones(64, dtype=torch.uint8)], "a")
+    inbox.discard("hub", 1)
+    with pytest.raises(TransportError, match="did not land"):
+        inbox.take("hub", 1, count=1, timeout_s=0.05)
+    assert list(inbox._free) == [64]
+
+
+def test_whole_versions_far_behind_are_dropped_per_model():
+    """The whole-version inbox: a version far behind of the model taken is dropped (its
+    delivery never came), another model's is kept, and one turned down goes at once."""
+    inbox = _Inbox()
+    one = [torch.ones(2)]
+    inbox.put("hub", 1, one, "a")
+    inbox.put("hub", 2, one, "b")
+    inbox.put("hub", 3, one, "b")
+    inbox.put("hub", 10, [torch.zeros(2)], "b")
+    inbox.take("hub", 10, timeout_s=10)
+    assert inbox.take("hub", 1, timeout_s=10) is one
+    with pytest.raises(TransportError, match="did not land"):
+        inbox.take("hub", 2, timeout_s=0.05)
+    inbox.discard("hub", 3)
+    with pytest.raises(TransportError, match="did not land"):
+        inbox.take("hub", 3, timeout_s=0.05)
 
 
 def test_a_buffer_a_late_bucket_still_lands_in_is_not_given_to_the_next_version(monkeypatch):

@@ -19,10 +19,15 @@ from raysync.transports.parts import PartedReceiver
 from raysync.transports.rpc.rendezvous import init_rpc
 from raysync.transports.rpc.wire import RpcMember, RpcPayload
 
-#: When a receiver takes version #n from its inbox, versions older than #(n - this) that
-#: landed but were never taken (superseded: their delivery skipped them) are dropped.
-#: Deliveries of a threaded receiver may run out of order, hence a window, not "< n".
+#: When a receiver takes version #n of a model from its inbox, versions of that model
+#: older than #(n - this) that landed but were never taken (their delivery never came:
+#: a receiver's delivery that turns one down lets it go) are dropped. Deliveries of a
+#: threaded receiver may run out of order, hence a window, not "< n"; the numbers are
+#: the hub's across models, hence per model (another model's may come much later).
 _INBOX_WINDOW = 4
+#: Reasons the agent gave versions up, kept per group until a version this much newer
+#: is taken (a few bytes each).
+_FAILED_KEPT = 1024
 
 
 class _Inbox:
@@ -35,14 +40,20 @@ class _Inbox:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._landed: dict[str, dict[int, list[torch.Tensor]]] = {}
+        #: key -> seq -> (model, its tensors)
+        self._landed: dict[str, dict[int, tuple[str, list[torch.Tensor]]]] = {}
         #: key -> seq -> why the agent gave that version up here
         self._failed: dict[str, dict[int, str]] = {}
 
-    def put(self, key: str, seq: int, tensors: list[torch.Tensor]) -> None:
+    def put(self, key: str, seq: int, tensors: list[torch.Tensor], model: str = "") -> None:
         with self._cond:
-            self._landed.setdefault(key, {})[seq] = tensors
+            self._landed.setdefault(key, {})[seq] = (model, tensors)
             self._cond.notify_all()
+
+    def discard(self, key: str, seq: int) -> None:
+        """Its delivery turned version #``seq`` down: drop it if it landed."""
+        with self._cond:
+            self._landed.get(key, {}).pop(seq, None)
 
     def fail(self, key: str, seq: int, why: str) -> None:
         with self._cond:
@@ -56,7 +67,7 @@ class _Inbox:
         with self._cond:
             versions = self._landed.setdefault(key, {})
             failed = self._failed.setdefault(key, {})
-            for stale in [s for s in failed if s < seq - _INBOX_WINDOW]:
+            for stale in [s for s in failed if s < seq - _FAILED_KEPT]:
                 del failed[stale]
             while seq not in versions:
                 if seq in failed:
@@ -69,9 +80,11 @@ class _Inbox:
                         "this receiver"
                     )
                 self._cond.wait(remaining)
-            for stale in [s for s in versions if s < seq - _INBOX_WINDOW]:
-                del versions[stale]
-            return versions.pop(seq)
+            model, tensors = versions.pop(seq)
+            for stale in [s for s, v in versions.items() if s < seq - _INBOX_WINDOW]:
+                if versions[stale][0] == model:
+                    del versions[stale]
+            return tensors
 
 
 _INBOX = _Inbox()
@@ -82,6 +95,7 @@ class _Landing:
     """A bucketed version landing: its staging buffer and how far it got."""
 
     buffer: torch.Tensor
+    model: str = ""
     landed: int = 0
     failed: str | None = None
     placing: int = 0  #: buckets being copied into ``buffer`` now (outside the lock)
@@ -104,6 +118,7 @@ class _BucketInbox:
         nbytes: int,
         places: Sequence[tuple[int, int]],
         pieces: list[torch.Tensor],
+        model: str = "",
     ) -> None:
         with self._cond:
             landing = self._landing.get((key, seq))
@@ -111,7 +126,7 @@ class _BucketInbox:
                 buffer = self._free.pop(nbytes, None)
                 if buffer is None:
                     buffer = torch.empty(nbytes, dtype=torch.uint8)
-                landing = self._landing[(key, seq)] = _Landing(buffer)
+                landing = self._landing[(key, seq)] = _Landing(buffer, model)
             landing.placing += 1
         # One bucket of a version lands at a time (the agent waits for each call).
         try:
@@ -135,8 +150,6 @@ class _BucketInbox:
         """The buffer of version #``seq`` once its ``count`` buckets landed; TransportError
         if the agent gave it up, or no bucket landed for ``timeout_s``."""
         with self._cond:
-            for stale in [k for k in self._landing if k[0] == key and k[1] < seq - _INBOX_WINDOW]:
-                self._drop(stale)
             progress, deadline = -1, 0.0
             while True:
                 landing = self._landing.get((key, seq))
@@ -145,7 +158,14 @@ class _BucketInbox:
                     raise TransportError(f"version #{seq} of RPC hub {key[:12]}: {landing.failed}")
                 landed = 0 if landing is None else landing.landed
                 if landed >= count:
-                    return self._landing.pop((key, seq)).buffer
+                    taken = self._landing.pop((key, seq))
+                    for stale in [
+                        k
+                        for k, other in self._landing.items()
+                        if k[0] == key and k[1] < seq - _INBOX_WINDOW and other.model == taken.model
+                    ]:
+                        self._drop(stale)
+                    return taken.buffer
                 if landed != progress:
                     progress, deadline = landed, time.monotonic() + timeout_s
                 remaining = deadline - time.monotonic()
@@ -161,6 +181,16 @@ class _BucketInbox:
     def give_back(self, buffer: torch.Tensor) -> None:
         with self._cond:
             self._free[buffer.numel()] = buffer
+
+    def discard(self, key: str, seq: int) -> None:
+        """Its delivery turned bucketed version #``seq`` down: drop what landed of it."""
+        with self._cond:
+            self._drop((key, seq))
+
+    def clear_free(self) -> None:
+        """Forget the buffers kept for reuse (this process's last receiver closed)."""
+        with self._cond:
+            self._free.clear()
 
     def _drop(self, key: tuple[str, int]) -> None:
         """Forget a landing and reuse its buffer (holds the lock), unless a bucket is
@@ -179,9 +209,10 @@ def answer_ping() -> bool:
     return True
 
 
-def land(key: str, seq: int, tensors: list[torch.Tensor]) -> int:
-    """Runs on the receiver's RPC thread pool when the agent's ``rpc_async`` arrives."""
-    _INBOX.put(key, seq, tensors)
+def land(key: str, seq: int, tensors: list[torch.Tensor], model: str = "") -> int:
+    """Runs on the receiver's RPC thread pool when the agent's ``rpc_async`` arrives:
+    version #``seq`` (of ``model``) lands in this process's inbox."""
+    _INBOX.put(key, seq, tensors, model)
     return seq
 
 
@@ -191,10 +222,12 @@ def land_bucket(
     nbytes: int,
     places: Sequence[tuple[int, int]],
     pieces: list[torch.Tensor],
+    model: str = "",
 ) -> int:
-    """One bucket of bucketed version #``seq`` (RPC thread pool): its ``pieces`` go to
-    their ``places`` ((offset, bytes)) in the version's staging buffer of ``nbytes``."""
-    _BUCKETS.put(key, seq, nbytes, places, pieces)
+    """One bucket of bucketed version #``seq`` of ``model`` (RPC thread pool): its
+    ``pieces`` go to their ``places`` ((offset, bytes)) in the version's staging buffer
+    of ``nbytes``."""
+    _BUCKETS.put(key, seq, nbytes, places, pieces, model)
     return seq
 
 
@@ -333,9 +366,15 @@ class RpcReceiver(TransportReceiver):
             buffer = None if staged is None else self._leased.pop(id(staged), None)
         if buffer is not None:
             _BUCKETS.give_back(buffer)
+        elif staged is None:  # turned down (or its fetch failed): not kept for a take
+            if payload.buckets:
+                _BUCKETS.discard(payload.key, payload.seq)
+            else:
+                _INBOX.discard(payload.key, payload.seq)
 
     def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
         self._pull.serve(payload, tensors, spec)
 
     def close(self) -> None:
         self._pull.close()
+        _BUCKETS.clear_free()  # staging kept for reuse (a later receiver here makes its own)
