@@ -72,6 +72,11 @@ class RpcPlanner(TransportPlanner):
         and the next call reads them before anything is planned with them."""
         try:
             await self._actor.ping.remote()
+        except ray.exceptions.ActorUnavailableError as err:  # alive, out of reach a while
+            raise TransportError(
+                f"the RPC agent {self._name} did not answer now ({err}); it is kept, and "
+                "the next version tries it again"
+            ) from err
         except ray.exceptions.RayActorError as err:
             logger.warning("the RPC agent %s died (%s); starting a new group", self._name, err)
             if self._broker is not None:  # no bucketed version waits for the dead agent
