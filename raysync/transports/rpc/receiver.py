@@ -313,16 +313,16 @@ class _Membership:
         rank it had (after a move's shutdown, or a move that failed). Holds ``lock``."""
         import torch.distributed.rpc as rpc
 
-        if cls.rank is not None:
-            if member.rank != cls.rank:
-                raise TransportError(
-                    f"the hub placed this process at rank {member.rank} of its RPC group; "
-                    f"it was rank {cls.rank}, which torch RPC keeps for a process's life"
-                )
-            # init_rpc prefixes its store keys with a per-process count of init_rpc
-            # calls; the new agent's process counts its first, so this one must too.
-            with rpc._init_counter_lock:
-                rpc._init_counter = 0
+        if cls.rank is not None and member.rank != cls.rank:
+            raise TransportError(
+                f"the hub placed this process at rank {member.rank} of its RPC group; "
+                f"it was rank {cls.rank}, which torch RPC keeps for a process's life"
+            )
+        # init_rpc prefixes its store keys with a per-process count of init_rpc calls,
+        # counted once its store connects (a join that fails after counts too); the
+        # agent's process counts its first, so each join here must too.
+        with rpc._init_counter_lock:
+            rpc._init_counter = 0
         init_rpc(member.name, member.rank, member.url, member.settings)
         cls.member, cls.rank = member, member.rank
 

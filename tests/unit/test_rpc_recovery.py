@@ -1,0 +1,85 @@
+"""The RPC transport recovering, without Ray: the planner keeps an agent that is out
+of reach for a moment and replaces a dead one (raysync/transports/rpc/planner.py); a
+receiver whose first join failed joins again where the agent looks for it
+(raysync/transports/rpc/receiver.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from raysync.transports.base import TransportError
+from raysync.transports.rpc.planner import RpcPlanner
+
+
+class _Agent:
+    """Stands for the agent's actor handle: ``ping`` raises ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.ping = self
+        self.members = self
+
+    async def _raise(self) -> None:
+        raise self.error
+
+    def remote(self):
+        return self._raise()
+
+
+def _planner(agent: _Agent) -> RpcPlanner:
+    planner = RpcPlanner.__new__(RpcPlanner)  # its agent, without starting one
+    planner._name, planner._key, planner._actor = "agent", "k1", agent
+    planner._members_of, planner._broker = "k1", None
+    planner._start_agent = lambda: ("k2", _Agent(ActorDiedError()))
+    return planner
+
+
+def test_an_agent_out_of_reach_for_a_moment_is_kept():
+    """Ray says an actor is unavailable while a network blip lasts: replacing it (as a
+    dead one) moved every receiver to a new group, and naming a second agent failed."""
+    agent = _Agent(ActorUnavailableError("connection to the actor lost", None))
+    planner = _planner(agent)
+    with pytest.raises(TransportError, match="did not answer now"):
+        asyncio.run(planner._live_agent())
+    assert (planner._key, planner._actor) == ("k1", agent)
+
+
+def test_a_dead_agent_is_replaced():
+    planner = _planner(_Agent(ActorDiedError()))
+    with pytest.raises(TransportError, match="could not start"):  # the stand-in's members
+        asyncio.run(planner._live_agent())
+    assert planner._key == "k2"
+
+
+def test_a_first_join_that_failed_is_tried_again_under_the_agents_store_prefix(monkeypatch):
+    """torch's init_rpc counts its calls once its store connects, and prefixes the
+    store's keys with that count; the agent's process counts its first call. A first
+    join that failed after connecting made the next one count 1: it joined a namespace
+    of its own, which the agent never read (every version waited its timeout)."""
+    import torch.distributed.rpc as rpc
+
+    from raysync.transports.options import RpcOptions
+    from raysync.transports.rpc import receiver
+    from raysync.transports.rpc.wire import RpcMember
+
+    prefixes: list[int] = []
+
+    def init_rpc(name, rank, url, settings):
+        with rpc._init_counter_lock:
+            prefixes.append(rpc._init_counter)
+            rpc._init_counter += 1  # connected: counted, whatever follows
+        if len(prefixes) == 1:
+            raise RuntimeError("the join failed after its store connected (injected)")
+
+    monkeypatch.setattr(receiver, "init_rpc", init_rpc)
+    monkeypatch.setattr(receiver._Membership, "member", None)
+    monkeypatch.setattr(receiver._Membership, "rank", None)
+    monkeypatch.setattr(rpc, "_init_counter", 0)
+    member = RpcMember("raysync-rpc://h:1/p", "k1", "hub", "raysync_k1_1", 1, RpcOptions(), "w")
+    with pytest.raises(RuntimeError, match="injected"):
+        receiver._Membership.join(member)
+    assert receiver._Membership.join(member) == member
+    assert prefixes == [0, 0]
