@@ -632,7 +632,15 @@ class ReceiverCore:
             return self._apply(update, staged, fetched)
         finally:
             if not held.adoption.lives_in(staged.tensors):
-                self._release(update, staged)
+                try:
+                    self._release(update, staged)
+                except Exception:  # the ack says what the model holds, not this
+                    logger.exception(
+                        "%s could not hand version %d of model %r back to its transport",
+                        self.actor_name,
+                        update.version,
+                        update.model,
+                    )
 
     def _apply(self, update: Update, staged: _Staged, fetched: _Fetched) -> Ack:
         """Write ``staged`` into the model: point its tensors at it (zero copy) or copy

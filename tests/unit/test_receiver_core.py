@@ -114,6 +114,21 @@ def test_an_update_is_copied_into_the_models_own_tensors():
     assert receiver.transport.released == [(1, True)]
 
 
+def test_a_transport_that_fails_to_take_a_version_back_leaves_the_ack_applied(caplog):
+    """The version is in the model: its ack says so, whatever handing its staged data
+    back raised (it said FAILED for a version the model holds; deferred, it sent no ack
+    at all and raised into the user method that ended the read)."""
+    receiver = _Receiver()
+
+    def release(payload, staged):
+        raise TransportError("the transport's owner is gone (injected)")
+
+    receiver.transport.release = release
+    assert receiver.core.receive(receiver.update(1)) == AckNow(_ack(1, AckStatus.APPLIED))
+    assert receiver.core.models["policy"].version == 1
+    assert "could not hand version 1 of model 'policy' back" in caplog.text
+
+
 def test_a_dict_model_whose_entry_was_replaced_gets_the_next_version_in_the_new_tensor():
     """A dict model's write targets are cached between updates (1000 entries cost ~2 ms
     to rebuild); an entry replaced meanwhile is where the next version lands."""
