@@ -81,7 +81,10 @@ class AttachedReceiver:
         than the one held; the versions held afterwards.
 
         Safe from inside :meth:`using`: the caller's own hold is let go while the version
-        is applied. Raises :class:`~raysync.RaySyncError` if a version cannot be applied.
+        is applied. On an event loop while other coroutines hold the models, the version
+        is staged and applied once they leave (as a broadcast's is): the versions
+        returned are then those held before. Raises :class:`~raysync.RaySyncError` if a
+        version cannot be applied.
         """
         core = self.core
         chosen = [core.model_id(model)] if model is not None else list(core.models)

@@ -140,7 +140,10 @@ class WeightReceiver:
         """Fetch and apply the latest version of ``model`` (default: every model) if newer.
 
         Returns the versions held afterwards. Safe to call from inside a user method:
-        the caller's own read is released while the update is applied.
+        the caller's own read is released while the update is applied. In an async
+        actor's coroutine while other coroutines hold the models, the version is staged
+        and applied once they leave (as a broadcast's is): the versions returned are
+        then those held before.
         """
         return self._raysync_connected().pull(model, timeout_s=timeout_s)
 
