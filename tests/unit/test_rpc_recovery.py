@@ -83,3 +83,30 @@ def test_a_first_join_that_failed_is_tried_again_under_the_agents_store_prefix(m
         receiver._Membership.join(member)
     assert receiver._Membership.join(member) == member
     assert prefixes == [0, 0]
+
+
+def test_a_late_delivery_of_a_group_left_does_not_move_the_receiver_back(monkeypatch):
+    """The agent was replaced and this process moved to the new group; a delivery of
+    the old group that runs after (threads, another model's queue) moved it back into
+    the dead group, joining a store nobody serves for its whole timeout."""
+    import torch.distributed.rpc as rpc
+
+    from raysync.transports.options import RpcOptions
+    from raysync.transports.rpc import receiver
+    from raysync.transports.rpc.wire import RpcMember
+
+    joined: list[str] = []
+    monkeypatch.setattr(receiver, "init_rpc", lambda name, rank, url, settings: joined.append(url))
+    monkeypatch.setattr(rpc, "shutdown", lambda graceful: None)
+    monkeypatch.setattr(receiver._Membership, "member", None)
+    monkeypatch.setattr(receiver._Membership, "rank", None)
+    monkeypatch.setattr(receiver._Membership, "left", set())
+    old, new = (
+        RpcMember(f"raysync-rpc://h:1/{key}", key, "hub", f"raysync_{key}_1", 1, RpcOptions(), "w")
+        for key in ("k1", "k2")
+    )
+    receiver._Membership.join(old)
+    receiver._Membership.follow(new)  # the agent was replaced: moved
+    with pytest.raises(TransportError, match="RPC group this process has left"):
+        receiver._Membership.follow(old)
+    assert joined == [old.url, new.url] and receiver._Membership.member == new

@@ -258,12 +258,16 @@ class _Membership:
     #: it for life, so every later group (a replaced agent's) must give it the same.
     #: Set while ``member`` is None too: between groups, after a move that failed.
     rank: int | None = None
+    #: Keys of the groups this process left (their agents were replaced): a delivery
+    #: of one that comes late must not move it back.
+    left: set[str] = set()
 
     @classmethod
     def join(cls, member: RpcMember) -> RpcMember:
         """Join ``member``'s group, or stay in it; moves from an earlier group of the same
         hub (its agent was replaced, or the hub restarted); refuses another hub's."""
         with cls.lock:
+            cls._refuse_left(member)
             if cls.member is None:
                 cls._init(member)
             elif cls.member.hub != member.hub:
@@ -286,11 +290,23 @@ class _Membership:
         """Called with every delivery's member: move if the hub's group changed, or join
         it if an earlier move failed (that delivery failed; this one tries again)."""
         with cls.lock:
+            cls._refuse_left(member)
             if cls.member is None:
                 if cls.rank is not None:
                     cls._init(member)
             elif cls.member.key != member.key:
                 cls._move(member)
+
+    @classmethod
+    def _refuse_left(cls, member: RpcMember) -> None:
+        """TransportError if ``member``'s group is one this process left (a delivery or
+        registration of the replaced agent's, come late). Holds ``lock``."""
+        if member.key in cls.left:
+            raise TransportError(
+                f"this comes from an RPC group this process has left (its agent was "
+                f"replaced; key {member.key[:12]}): the hub's new group carries the next "
+                "version"
+            )
 
     @classmethod
     def _move(cls, member: RpcMember) -> None:
@@ -304,6 +320,8 @@ class _Membership:
                 f"{member.rank} of its new RPC group; torch RPC keeps a process's rank"
             )
         rpc.shutdown(graceful=False)
+        if cls.member is not None:
+            cls.left.add(cls.member.key)
         cls.member = None
         cls._init(member)
 
