@@ -14,9 +14,11 @@ import time
 import pytest
 import ray
 import torch
+from ray.experimental import internal_kv
 
 from raysync import BroadcastError, RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
+from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.testing import special_weights
 from tests.helpers import (
     Gate,
@@ -75,6 +77,17 @@ def test_bitwise_every_version(actors):
         status = agent_status(hub)
     assert sorted(status.members) == ["w0", "w1", "w2"]
     assert status.sent == 9 and status.failures == ()
+
+
+def test_a_closed_hub_leaves_no_rank_book_in_the_gcs(actors):
+    """The receivers' ranks are kept in the GCS for a restarted hub or a new agent; a
+    closed hub is neither: they were kept for the cluster's life, one key per hub."""
+    hub = start_rpc_hub(actors)
+    ready([start(actors, Collector, hub, worker_id="c0", transport="rpc")])
+    key = f"hub/{hub.config.hub_id}/rpc-ranks"
+    assert internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE) is not None
+    ray.get(hub.close.remote())
+    assert internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE) is None
 
 
 def test_killed_receiver_fails_and_the_next_broadcast_reaches_the_others(actors):

@@ -148,6 +148,7 @@ class RpcPlanner(TransportPlanner):
 
     async def close(self) -> None:
         self._serving.close()
+        self._ranks.delete()  # a closed hub is not restarted: nobody needs them
         try:
             await self._actor.close.remote()
         except ray.exceptions.RayActorError:
@@ -159,9 +160,9 @@ class RpcPlanner(TransportPlanner):
 class _RankBook:
     """worker -> (process, rank) of a hub's RPC members, and process -> rank of the
     processes that left, in Ray's GCS next to the hub's restart snapshot
-    (:mod:`raysync.hub_snapshot`, deleted with it): a new agent or a restarted hub gives
-    every receiver process its rank again, torch RPC keeping a process's first rank for
-    its life. Hub process only."""
+    (:mod:`raysync.hub_snapshot`), deleted as the hub closes: a new agent or a restarted
+    hub gives every receiver process its rank again, torch RPC keeping a process's first
+    rank for its life. Hub process only."""
 
     def __init__(self, hub: str) -> None:
         self._key = f"hub/{hub}/rpc-ranks"
@@ -191,6 +192,9 @@ class _RankBook:
             while len(self._left) > LEFT_KEPT:
                 del self._left[next(iter(self._left))]
             self._save()
+
+    def delete(self) -> None:
+        internal_kv._internal_kv_del(self._key, namespace=KV_NAMESPACE)
 
     def _save(self) -> None:
         internal_kv._internal_kv_put(
