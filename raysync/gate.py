@@ -215,7 +215,7 @@ class ApplyGate:
         with self._cond:
             while wait_while():
                 self._cond.wait()
-            self._readers += 1
+            self._count_reader_in()
         read = _Read(1, opener)
         token = _held.set(read)
         try:
@@ -290,8 +290,17 @@ class ApplyGate:
         with self._cond:
             if not held and (self._deferred_go_first() or self._writing or self._writers_waiting):
                 return False
-            self._readers += 1
+            self._count_reader_in()
             return True
+
+    def _count_reader_in(self) -> None:
+        """Count a new reader (holding the lock). A safe point that lent its read to a
+        write past its first turn waits only while no one else reads: it is woken to
+        see that someone now does (it would wait for that reader, which may wait for
+        it)."""
+        self._readers += 1
+        if self._writers_blocked:
+            self._cond.notify_all()
 
     def _deferred_go_first(self) -> bool:
         """Whether deferred writes keep new readers waiting: for ``writer_first_s``."""
