@@ -495,6 +495,12 @@ def connect_policy_again(host, hub, path: str = "policy", **options) -> None:
     host.connect_hub(hub, models={"policy": path}, worker_id=worker, **options)
 
 
+def close_receiver(host) -> None:
+    """Runs in a WeightReceiver actor through ``__ray_call__``: it stops receiving and
+    leaves its hub."""
+    host._raysync_receiver.close()
+
+
 def connect_again_failing_transport(host, hub) -> None:
     """Runs in a Collector through ``__ray_call__``: ``connect_hub`` again, under the same
     worker id, its transport receiver failing to open once the hub accepted it (as a
@@ -633,7 +639,7 @@ class OtherLearner:
 
 
 class _NotesBlocked:
-    """A learner side's submit lock that notes when thread ``name`` has to wait for it."""
+    """A learner side's lock that notes when thread ``name`` has to wait for it."""
 
     def __init__(self, lock: Any, name: str, blocked: threading.Event) -> None:
         self._lock, self._name, self._blocked = lock, name, blocked
@@ -677,7 +683,7 @@ class SlotCrossingLearner:
         send, submitted = SharedMemorySender.send, SharedMemorySender.submitted
         first_written, go = threading.Event(), threading.Event()
         side = self.hub._side
-        lock = side.submitting
+        lock = side.sending_in_order
 
         def sending(this, *args):
             payload = send(this, *args)
@@ -713,7 +719,7 @@ class SlotCrossingLearner:
             refs[at] = self.hub.broadcast.remote(versions[at], raise_on_failure=False)
 
         SharedMemorySender.send, SharedMemorySender.submitted = sending, second_submitted
-        side.submitting = _NotesBlocked(lock, "second", go)
+        side.sending_in_order = _NotesBlocked(lock, "second", go)
         try:
             threads = [
                 threading.Thread(target=broadcast, name="first", args=(0, None)),
@@ -725,7 +731,7 @@ class SlotCrossingLearner:
                 thread.join()
         finally:
             SharedMemorySender.send, SharedMemorySender.submitted = send, submitted
-            side.submitting = lock
+            side.sending_in_order = lock
         return refs
 
     def broadcast(self, weights: dict[str, torch.Tensor]) -> list[ray.ObjectRef]:

@@ -37,6 +37,7 @@ from tests.receivers import (
     OtherLearner,
     PlainWorker,
     attach_actor_net,
+    close_receiver,
     connect_policy_again,
     fail_next_rpc_join,
     make_policy,
@@ -83,10 +84,12 @@ def test_a_closed_hub_leaves_no_rank_book_in_the_gcs(actors):
     """The receivers' ranks are kept in the GCS for a restarted hub or a new agent; a
     closed hub is neither: they were kept for the cluster's life, one key per hub."""
     hub = start_rpc_hub(actors)
-    ready([start(actors, Collector, hub, worker_id="c0", transport="rpc")])
+    collector = start(actors, Collector, hub, worker_id="c0", transport="rpc")
+    ready([collector])
     key = f"hub/{hub.config.hub_id}/rpc-ranks"
     assert internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE) is not None
     ray.get(hub.close.remote())
+    ray.get(collector.__ray_call__.remote(close_receiver))  # it leaves the closed hub after
     assert internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE) is None
 
 

@@ -166,6 +166,7 @@ class _RankBook:
 
     def __init__(self, hub: str) -> None:
         self._key = f"hub/{hub}/rpc-ranks"
+        self._deleted = False
         raw = internal_kv._internal_kv_get(self._key, namespace=KV_NAMESPACE)
         self._ranks: dict[str, tuple[str, int]] = {}
         self._left: dict[str, int] = {}
@@ -194,9 +195,14 @@ class _RankBook:
             self._save()
 
     def delete(self) -> None:
+        """The hub closed: the book goes, and is not written again (a receiver may still
+        leave, or register, while the closed hub's actor lives)."""
+        self._deleted = True
         internal_kv._internal_kv_del(self._key, namespace=KV_NAMESPACE)
 
     def _save(self) -> None:
+        if self._deleted:
+            return
         internal_kv._internal_kv_put(
             self._key,
             pickle.dumps((self._ranks, self._left)),
