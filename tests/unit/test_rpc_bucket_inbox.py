@@ -71,12 +71,16 @@ def test_another_models_version_far_behind_is_kept_for_its_own_take():
 
 
 def test_a_version_turned_down_is_dropped_and_its_buffer_reused():
+    """Turned down while its buckets land: what landed goes back for reuse, and what
+    lands after is not kept (a new buffer nobody took stayed until four versions of
+    its model were taken)."""
     inbox = _BucketInbox()
-    inbox.put("hub", 1, 64, [(0, 64)], [torch.ones(64, dtype=torch.uint8)], "a")
+    inbox.put("hub", 1, 64, [(0, 32)], [torch.ones(32, dtype=torch.uint8)], "a")
     inbox.discard("hub", 1)
+    inbox.put("hub", 1, 64, [(32, 32)], [torch.ones(32, dtype=torch.uint8)], "a")
+    assert inbox._landing == {} and list(inbox._free) == [64]
     with pytest.raises(TransportError, match="did not land"):
-        inbox.take("hub", 1, count=1, timeout_s=0.05)
-    assert list(inbox._free) == [64]
+        inbox.take("hub", 1, count=2, timeout_s=0.05)
 
 
 def test_whole_versions_far_behind_are_dropped_per_model():
@@ -93,8 +97,11 @@ def test_whole_versions_far_behind_are_dropped_per_model():
     with pytest.raises(TransportError, match="did not land"):
         inbox.take("hub", 2, timeout_s=0.05)
     inbox.discard("hub", 3)
-    with pytest.raises(TransportError, match="did not land"):
-        inbox.take("hub", 3, timeout_s=0.05)
+    inbox.discard("hub", 4)  # turned down before it landed
+    inbox.put("hub", 4, one, "b")
+    for seq in (3, 4):
+        with pytest.raises(TransportError, match="did not land"):
+            inbox.take("hub", seq, timeout_s=0.05)
 
 
 def test_a_buffer_a_late_bucket_still_lands_in_is_not_given_to_the_next_version(monkeypatch):

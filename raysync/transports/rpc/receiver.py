@@ -30,6 +30,22 @@ _INBOX_WINDOW = 4
 _FAILED_KEPT = 1024
 
 
+class _TurnedDown:
+    """The last versions (key, seq) whose delivery turned them down, so that what lands
+    of them after is not kept (a bounded set; the caller holds its inbox's lock)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, int], None] = {}
+
+    def add(self, version: tuple[str, int]) -> None:
+        self._seen[version] = None
+        while len(self._seen) > _FAILED_KEPT:
+            del self._seen[next(iter(self._seen))]
+
+    def __contains__(self, version: object) -> bool:
+        return version in self._seen
+
+
 class _Inbox:
     """Per process: versions that landed by RPC, until ``fetch`` takes them.
 
@@ -44,16 +60,19 @@ class _Inbox:
         self._landed: dict[str, dict[int, tuple[str, list[torch.Tensor]]]] = {}
         #: key -> seq -> why the agent gave that version up here
         self._failed: dict[str, dict[int, str]] = {}
+        self._turned_down = _TurnedDown()
 
     def put(self, key: str, seq: int, tensors: list[torch.Tensor], model: str = "") -> None:
         with self._cond:
-            self._landed.setdefault(key, {})[seq] = (model, tensors)
-            self._cond.notify_all()
+            if (key, seq) not in self._turned_down:
+                self._landed.setdefault(key, {})[seq] = (model, tensors)
+                self._cond.notify_all()
 
     def discard(self, key: str, seq: int) -> None:
-        """Its delivery turned version #``seq`` down: drop it if it landed."""
+        """Its delivery turned version #``seq`` down: drop it, now or as it lands."""
         with self._cond:
             self._landed.get(key, {}).pop(seq, None)
+            self._turned_down.add((key, seq))
 
     def fail(self, key: str, seq: int, why: str) -> None:
         with self._cond:
@@ -110,6 +129,7 @@ class _BucketInbox:
         self._cond = threading.Condition()
         self._landing: dict[tuple[str, int], _Landing] = {}
         self._free: dict[int, torch.Tensor] = {}
+        self._turned_down = _TurnedDown()
 
     def put(
         self,
@@ -121,6 +141,8 @@ class _BucketInbox:
         model: str = "",
     ) -> None:
         with self._cond:
+            if (key, seq) in self._turned_down:
+                return  # its delivery came first and turned it down
             landing = self._landing.get((key, seq))
             if landing is None:
                 buffer = self._free.pop(nbytes, None)
@@ -183,9 +205,11 @@ class _BucketInbox:
             self._free[buffer.numel()] = buffer
 
     def discard(self, key: str, seq: int) -> None:
-        """Its delivery turned bucketed version #``seq`` down: drop what landed of it."""
+        """Its delivery turned bucketed version #``seq`` down: drop what landed of it,
+        and what lands of it later."""
         with self._cond:
             self._drop((key, seq))
+            self._turned_down.add((key, seq))
 
     def clear_free(self) -> None:
         """Forget the buffers kept for reuse (this process's last receiver closed)."""
