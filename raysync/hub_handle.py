@@ -162,14 +162,17 @@ class _Broadcast:
             wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
         if config.reject_nonfinite and wire_spec is not None:
             check_finite_on_wire(tensors, wire_spec, what="broadcast weights", cast=wire)
-        # A version written into the learner's channel leaves before its object-store
-        # copy is made (the receivers apply it meanwhile): numbered from the write on;
-        # so is one whose transport needs sends submitted in their order.
-        in_order = channel is not None or (
-            wire is not None
-            and any(get_transport(name).submits_in_send_order for name in route.hand_offs)
+        # A version whose transport needs sends submitted in their order holds the
+        # others of such transports off from its send to its submit call. One written
+        # into the learner's channel leaves before its object-store copy is made (the
+        # receivers apply it meanwhile): numbered from the write on.
+        in_send_order = wire is not None and any(
+            get_transport(name).submits_in_send_order for name in route.hand_offs
         )
-        with side.submitting if in_order else contextlib.nullcontext():
+        with (
+            side.sending_in_order if in_send_order else contextlib.nullcontext(),
+            side.submitting if channel is not None else contextlib.nullcontext(),
+        ):
             written, direct_version = None, 0
             if channel is not None:
                 assert wire is not None  # direct: a whole version, not buckets

@@ -112,6 +112,10 @@ class LearnerSide:
     next_sequence: int = 1
     #: Held while a broadcast is numbered and sent, so numbers leave in order.
     submitting: threading.RLock = field(default_factory=threading.RLock)
+    #: Held from the send to the submit call by a broadcast whose hand-off needs its
+    #: versions submitted in the order they were sent
+    #: (``Transport.submits_in_send_order``); taken before :attr:`submitting`.
+    sending_in_order: threading.RLock = field(default_factory=threading.RLock)
     in_flight: InFlight = field(default_factory=InFlight)
     #: the model a route named for broadcasts that leave ``model`` out: their route key
     unnamed_model: str | None = None
