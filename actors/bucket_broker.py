@@ -45,8 +45,8 @@ from the plan on), ends and frees its buckets.
 A reader that has not taken bucket ``k - 1`` within the stream's ``stall_s`` (half its
 ``wait_s``) of the learner asking for room, once the stream is planned and some reader
 began it, is dropped from the stream (its ``take`` then answers why): one stuck
-receiver fails only itself, the others go on. A planned stream that no reader began
-within ``wait_s`` drops its readers too.
+receiver fails only itself, the others go on. A version served to a late joiner that
+no reader began within ``wait_s`` of its plan drops its reader too.
 """
 
 from __future__ import annotations
@@ -181,9 +181,9 @@ class BucketBroker:
         :data:`BUCKETS_IN_FLIGHT` before it. Readers still behind ``key.stall_s`` after
         the version was planned and a reader began reading it are dropped (a receiver
         reads the parts of a version one stream after the other: the later ones wait
-        for it meanwhile); so are readers of a planned stream nobody began within
-        ``key.wait_s`` of its plan (a version served to a late joiner whose pull gave
-        up: nothing else would end it; a broadcast's own delivery timed out by then).
+        for it meanwhile); so are the readers of a version served to a late joiner
+        (``key.served``) that none began within ``key.wait_s`` of its plan (its pull
+        gave up first: nothing else would end it; a broadcast's ends with the broadcast).
         None, or why the stream cannot go on."""
         stall_s = key.stall_s
         state = self._open(key)
@@ -466,7 +466,7 @@ def _room_deadline(
     """When the learner's wait for room in ``state`` ends with the readers that have not
     copied ``needed`` buckets dropped (None: not yet known), and why they are."""
     key = state.key
-    if stalled_at is not None or state.planned_at is None:
+    if stalled_at is not None or state.planned_at is None or not key.served:
         return stalled_at, (
             f"it had not taken bucket {needed - 1} of {key.count} within {key.stall_s:g} s "
             "while the other receivers waited for it; the version went on without it"

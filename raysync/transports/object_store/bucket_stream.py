@@ -43,6 +43,9 @@ class StreamId:
     #: not planned within twice it, or not read to the end within it of its last bucket
     #: and its plan (whichever came later).
     wait_s: float
+    #: A version a receiver serves to one late joiner (no broadcast ends it): the broker
+    #: drops a reader that has not begun it within ``wait_s`` of its plan.
+    served: bool = False
 
     @property
     def stall_s(self) -> float:

@@ -94,7 +94,7 @@ class BucketServing:
             return payload
         holder = holders[self._turn % len(holders)]
         self._turn += 1
-        key = StreamId(uuid.uuid4().hex, payload.key.count, payload.key.wait_s)
+        key = StreamId(uuid.uuid4().hex, payload.key.count, payload.key.wait_s, served=True)
         served = BucketStream(payload.broker, key, payload.bucket_bytes)
         await payload.broker.readers.remote(key, [receiver.worker])
         request = ServeRequest(model_of_stream(update.model), update.version, spec, served)
