@@ -552,7 +552,9 @@ class ReceiverCore:
         fetched = _Fetched(fetch_started, time.perf_counter())
         result = self.gate.write(
             functools.partial(self._apply_and_release, update, staged, fetched),
-            key=update.model,
+            # Per hub: another hub's versions (a retired registration's, in its own
+            # numbers) neither supersede this one's nor follow them.
+            key=(self.hub.config.hub_id, update.model),
             supersede=functools.partial(self._superseded, update, staged),
             # The hub's update of a number outranks a learner's own delivery of it.
             rank=(update.version, not update.from_learner),

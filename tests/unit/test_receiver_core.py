@@ -42,6 +42,7 @@ class _Hub:
     def __init__(self) -> None:
         self.acks: list[Ack] = []
         self.actor = SimpleNamespace(ack=SimpleNamespace(remote=self.acks.append))
+        self.config = SimpleNamespace(hub_id=f"hub {id(self)}")
 
 
 class _Transport(TransportReceiver):
@@ -603,6 +604,41 @@ def test_a_version_superseded_by_one_the_retired_core_did_not_apply_is_not_acked
         receiver.hub.acks[1].error or ""
     )
     assert receiver.core.models["policy"].version == 0
+
+
+def test_a_new_registrations_version_never_follows_a_retired_cores_waiting_one():
+    """An async actor registers again with another hub while hub A's version 500 waits
+    for its safe point: hub B's version 3 is no older than it (another hub's numbers).
+    It followed version 500 (same model id, lower rank) and took its NOT_ATTACHED ack,
+    so hub B dropped the new registration and the model never got version 3."""
+    receiver = _Receiver()
+    other_hub = _Hub()
+    identity = ReceiverIdentity(WORKER, "Collector(abc)", "attachment")
+    welcome = Welcome("object_store", None, {})
+    models = {"policy": HeldModel("policy", "policy")}
+
+    def deliver_then_register_elsewhere() -> list[Any]:
+        first = receiver.core.receive(receiver.update(500))
+        receiver.core.retire(keep_privately=False)
+        again = ReceiverCore(
+            receiver.owner,
+            other_hub,
+            models,
+            identity,
+            welcome,
+            "token 2",
+            None,
+            gate=receiver.core.gate,
+            earlier_hubs={"token": receiver.hub},
+            transport=receiver.transport,
+        )
+        return [first, again.receive(receiver.update(3))]
+
+    assert _while_a_method_runs(receiver, deliver_then_register_elsewhere) == [ACK_LATER] * 2
+    assert [(a.version, a.status) for a in receiver.hub.acks] == [(500, AckStatus.NOT_ATTACHED)]
+    assert [(a.version, a.status) for a in other_hub.acks] == [(3, AckStatus.APPLIED)]
+    assert models["policy"].version == 3
+    assert torch.equal(receiver.owner.policy.weight, torch.full((2, 3), 3.0))
 
 
 def test_a_deferred_ack_of_an_earlier_registration_goes_to_that_registrations_hub():
