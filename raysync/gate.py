@@ -380,6 +380,7 @@ class ApplyGate:
             return apply()
         held = _own_reads()
         if on_event_loop():
+            self.note_loop()  # the thread readers holding it back hand it to this loop
             with self._cond:
                 idle = not (
                     self._readers - held or self._deferred or self._writing or self._writers_waiting

@@ -883,6 +883,31 @@ def test_a_write_deferred_while_a_thread_reads_on_an_async_host_runs_when_it_end
     asyncio.run(main())
 
 
+def test_a_write_deferred_on_a_loop_no_reader_named_runs_when_the_thread_reader_ends():
+    """The same on a host whose loop no coroutine read announced (it connected in its
+    ``__init__``; only its threads read, through ``using()``): the last thread out
+    handed the write to no loop, and it waited for the next coroutine or delivery."""
+    ran = threading.Event()
+    gate = ApplyGate(finish_deferred=lambda result: ran.set())
+    inside, release = threading.Event(), threading.Event()
+
+    def serve() -> None:
+        with gate.reading():
+            inside.set()
+            release.wait(TIMEOUT)
+
+    async def main() -> None:
+        thread = threading.Thread(target=serve)
+        thread.start()
+        await asyncio.to_thread(inside.wait, TIMEOUT)
+        assert gate.write(lambda: "v2", key="m") is DEFERRED
+        release.set()
+        await asyncio.to_thread(thread.join, TIMEOUT)
+        assert await asyncio.to_thread(ran.wait, TIMEOUT), "the deferred write never ran"
+
+    asyncio.run(main())
+
+
 def test_a_task_started_inside_a_read_writes_once_that_read_ended():
     """``start()`` holds a read while it starts a refresh task: the task inherits the
     read's context, but once ``start`` returned it holds nothing (a pull then applies at
