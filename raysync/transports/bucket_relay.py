@@ -176,6 +176,13 @@ def finish(source: object, reader: str, passed_on: Sequence[str] = ()) -> None:
         stream.broker.take.remote(stream.key, stream.key.count, reader, tuple(passed_on))
 
 
+def leave(source: object, reader: str) -> None:
+    """``reader`` gives ``source``'s streams up (its read of a bucket failed): it does
+    not hold the version, so it is not offered to serve it to a late joiner."""
+    for stream in streams_of(source):
+        stream.broker.leave.remote(stream.key, reader)
+
+
 def place(
     buffer: torch.Tensor, places: Sequence[tuple[int, int]], pieces: Sequence[torch.Tensor]
 ) -> None:

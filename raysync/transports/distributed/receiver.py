@@ -16,6 +16,7 @@ from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.bucket_relay import (
     RelayedBucket,
     finish,
+    leave,
     place,
     read_bucket_now,
     relay_plan,
@@ -101,15 +102,17 @@ class DistributedReceiver(TransportReceiver):
                     len(plan),
                 )
                 wait_s = settings.timeout_s
+                read = False
                 try:
                     for bucket in plan[failed_at:]:
                         place(
                             buffer, bucket.pieces, read_bucket_now(bucket, payload.worker, wait_s)
                         )
+                    read = True
                 except TransportError as fallback:
                     raise TransportError(f"{err}; and then {fallback}") from fallback
-                finally:
-                    finish(payload.source, payload.worker)
+                finally:  # only a reader that holds it whole may serve it to a late joiner
+                    (finish if read else leave)(payload.source, payload.worker)
             return self._staging.views(buffer, PackedLayout.of(spec))
 
         return self._staging.fill(spec, write)

@@ -1,0 +1,73 @@
+"""A distributed member's fallback for a bucketed version (raysync/transports/
+distributed/receiver.py), without a process group: once its collective failed it
+reads the rest from the hub's bucket broker, and tells the broker whether it got the
+version whole: only then may it serve the version to a late joiner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError
+from raysync.transports.distributed import receiver as receiver_mod
+from raysync.transports.distributed.receiver import DistributedReceiver
+from raysync.transports.distributed.wire import Generation, GroupPayload, StoreAddress
+from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
+from raysync.transports.options import DistributedOptions
+
+SPEC = WeightSpec.of({"w": torch.zeros(32)})  # 128 bytes: two buckets of 64
+
+
+class _Broker:
+    """Stands for the bucket broker's actor handle: records the calls made to it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+        self.take = _Method(self.calls, "take")
+        self.leave = _Method(self.calls, "leave")
+
+
+class _Method:
+    def __init__(self, calls: list, name: str) -> None:
+        self._calls, self._name = calls, name
+
+    def remote(self, *args) -> None:
+        self._calls.append((self._name, args))
+
+
+def _fallback(monkeypatch, bucket_read) -> tuple[_Broker, StreamId, object]:
+    """A member whose first collective failed, reading the rest with ``bucket_read``:
+    the broker, the stream, and what its fetch returned or raised."""
+    broker, key = _Broker(), StreamId("s", 2, 10.0)
+    generation = Generation(1, ("w",), "p", StoreAddress("h", 1), DistributedOptions())
+    payload = GroupPayload(generation, 1, 0, BucketStream(broker, key, 64), buckets=2)
+    failed = TransportError("rank 1 could not receive collective 0 (a member died)")
+    monkeypatch.setattr(DistributedReceiver, "_receive_buckets", lambda *args: (0, failed))
+    monkeypatch.setattr(receiver_mod, "read_bucket_now", bucket_read)
+    try:
+        return broker, key, DistributedReceiver("w").fetch(payload, SPEC)
+    except TransportError as err:
+        return broker, key, err
+
+
+def test_a_member_whose_fallback_read_failed_leaves_the_stream(monkeypatch):
+    """It said it took every bucket: the broker offered it to serve the version to a
+    late joiner, which it could not (it holds another version), and the catch-up
+    failed."""
+
+    def gone(bucket, reader, timeout_s):
+        raise TransportError("bucket 1 of 2 is gone")
+
+    broker, key, outcome = _fallback(monkeypatch, gone)
+    assert isinstance(outcome, TransportError) and "is gone" in str(outcome)
+    assert broker.calls == [("leave", (key, "w"))]
+
+
+def test_a_member_whose_fallback_read_the_rest_finishes_the_stream(monkeypatch):
+    broker, key, outcome = _fallback(
+        monkeypatch,
+        lambda bucket, reader, timeout_s: [torch.ones(bucket.nbytes, dtype=torch.uint8)],
+    )
+    assert not isinstance(outcome, Exception)
+    assert broker.calls == [("take", (key, 2, "w", ()))]
