@@ -5,7 +5,6 @@ version whole: only then may it serve the version to a late joiner."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from raysync.spec import WeightSpec
