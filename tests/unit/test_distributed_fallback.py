@@ -1,9 +1,11 @@
-"""A distributed member's fallback for a bucketed version (raysync/transports/
-distributed/receiver.py), without a process group: once its collective failed it
-reads the rest from the hub's bucket broker, and tells the broker whether it got the
-version whole: only then may it serve the version to a late joiner."""
+"""A distributed member without a process group (raysync/transports/distributed/
+receiver.py): once a bucketed version's collective failed it reads the rest from the
+hub's bucket broker and tells the broker whether it got the version whole (only then
+may it serve it to a late joiner); a fetch waiting for its turn ends when it closes."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -70,3 +72,28 @@ def test_a_member_whose_fallback_read_the_rest_finishes_the_stream(monkeypatch):
     )
     assert not isinstance(outcome, Exception)
     assert broker.calls == [("take", (key, 2, "w", ()))]
+
+
+def test_a_fetch_waiting_for_its_turn_ends_when_the_receiver_closes():
+    """Collective 1 waits for collective 0 to be delivered first; the receiver closes
+    (it registered again): the wait ends then, not at its deadline."""
+    generation = Generation(1, ("w",), "p", StoreAddress("h", 1), DistributedOptions())
+    receiver = DistributedReceiver("w")
+    receiver._generation, receiver._next_seq = generation, 0
+    payload = GroupPayload(generation, 1, 1, BucketStream(_Broker(), StreamId("s", 1, 60.0), 64))
+    outcome: list[BaseException] = []
+
+    def fetch() -> None:
+        try:
+            receiver._receive(payload, SPEC)
+        except TransportError as err:
+            outcome.append(err)
+
+    waiting = threading.Thread(target=fetch)
+    waiting.start()
+    with receiver._turn:  # it waits in the turn's condition (or has not reached it yet)
+        pass
+    receiver.close()
+    waiting.join(10)
+    assert not waiting.is_alive(), "the fetch waited on after the close"
+    assert "closed before collective 1" in str(outcome[0])

@@ -44,6 +44,7 @@ class DistributedReceiver(TransportReceiver):
         self._group: Any = None
         self._next_seq = 0
         self._broken: dict[int, str] = {}  #: generation number -> why it broke here
+        self._closed = False
         #: the learner's put(s), or a bucket stream served to this receiver
         self._pull = PartedReceiver(ObjectStoreReceiver(worker))
         #: id -> staged tensors a fallback read from the learner's copy (released there)
@@ -207,6 +208,11 @@ class DistributedReceiver(TransportReceiver):
         of order. Called with ``self._turn`` held."""
         number = payload.generation.number
         while True:
+            if self._closed:
+                raise TransportError(
+                    f"this receiver closed before collective {payload.seq} of process-group "
+                    f"generation {number} was its turn"
+                )
             if number in self._broken:
                 raise TransportError(
                     f"process-group generation {number} broke on this receiver earlier "
@@ -247,6 +253,12 @@ class DistributedReceiver(TransportReceiver):
             group.shutdown()
 
     def close(self) -> None:
+        """Leave the group and let the staging buffers go; a fetch waiting for its turn
+        hears it now (it waited out its deadline)."""
         with self._turn:
             self._leave()
             self._generation = None
+            self._closed = True
+            self._turn.notify_all()
+        self._staging.close()
+        self._pull.close()
