@@ -10,7 +10,9 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,16 @@ class Gate:
 
     async def open(self) -> None:
         self._opened.set()
+
+
+def run_in_threads(*calls: tuple[str, Callable[..., None], tuple]) -> None:
+    """Run each ``(name, target, args)`` in a thread of that name, all at once; return
+    once every one ended (a test's threads that meet through events)."""
+    threads = [threading.Thread(target=t, name=n, args=a) for n, t, a in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def wait_until(condition, timeout_s: float = 30.0, what: str = "condition"):

@@ -11,6 +11,7 @@ import ray
 import torch
 
 from raysync import WeightReceiver
+from tests.helpers import run_in_threads
 from tests.receivers import Collector, Holder, _stall_fetches, _Stalls, make_policy, state_of
 
 #: Big enough that one READ takes tens of milliseconds, so kills land mid-transfer.
@@ -151,14 +152,7 @@ class CrossingLearner:
 
         ring.stream_out, module.pack_bucket = streaming, packing
         try:
-            threads = [
-                threading.Thread(target=send, name="first", args=(0, None)),
-                threading.Thread(target=send, name="second", args=(1, first_at_hub)),
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            run_in_threads(("first", send, (0, None)), ("second", send, (1, first_at_hub)))
         finally:
             ring.stream_out, module.pack_bucket = stream_out, pack_bucket
         return refs

@@ -678,7 +678,7 @@ class SlotCrossingLearner:
         """The results of ``versions`` (two), each broadcast from a thread of its own;
         ``holder`` (a ``Holder``) is held on ``gate`` before the first's submit goes."""
         from raysync.transports.shared_memory.learner import SharedMemorySender
-        from tests.helpers import Gate, wait_until
+        from tests.helpers import Gate, run_in_threads, wait_until
 
         send, submitted = SharedMemorySender.send, SharedMemorySender.submitted
         first_written, go = threading.Event(), threading.Event()
@@ -721,14 +721,9 @@ class SlotCrossingLearner:
         SharedMemorySender.send, SharedMemorySender.submitted = sending, second_submitted
         side.sending_in_order = _NotesBlocked(lock, "second", go)
         try:
-            threads = [
-                threading.Thread(target=broadcast, name="first", args=(0, None)),
-                threading.Thread(target=broadcast, name="second", args=(1, first_written)),
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            run_in_threads(
+                ("first", broadcast, (0, None)), ("second", broadcast, (1, first_written))
+            )
         finally:
             SharedMemorySender.send, SharedMemorySender.submitted = send, submitted
             side.sending_in_order = lock

@@ -851,44 +851,19 @@ def test_coroutines_waiting_for_a_thread_write_leave_the_loops_threads_to_the_re
 
 
 # -- reads started by one context and used by another -----------------------------------
-def test_a_write_deferred_while_a_thread_reads_on_an_async_host_runs_when_it_ends():
+@pytest.mark.parametrize("loop_announced", [True, False])
+def test_a_write_deferred_while_a_thread_reads_on_an_async_host_runs_when_it_ends(
+    loop_announced: bool,
+):
     """An async host's thread-side read (a late joiner served through ``__ray_call__``, a
     user thread in ``using()``) holds a write deferred on the loop: when it ends the
-    write runs, and the host's coroutines are not left waiting for it for good."""
+    write runs, and the host's coroutines are not left waiting for it for good. Also on
+    a host whose loop no coroutine read announced (it connected in its ``__init__``;
+    only its threads read): the last thread out handed the write to no loop, and it
+    waited for the next coroutine or delivery."""
     finished: list[Any] = []
-    gate = ApplyGate(finish_deferred=finished.append)
-    inside, release = threading.Event(), threading.Event()
-
-    def serve() -> None:
-        with gate.reading():
-            inside.set()
-            release.wait(TIMEOUT)
-
-    async def main() -> None:
-        async with gate.reading_async():
-            pass  # the host's loop is known
-        thread = threading.Thread(target=serve)
-        thread.start()
-        await asyncio.to_thread(inside.wait, TIMEOUT)
-        assert gate.write(lambda: "v2", key="m") is DEFERRED
-        release.set()
-        await asyncio.to_thread(thread.join, TIMEOUT)
-
-        async def user_method() -> list[Any]:
-            async with gate.reading_async():
-                return list(finished)
-
-        assert await asyncio.wait_for(user_method(), TIMEOUT) == ["v2"]
-
-    asyncio.run(main())
-
-
-def test_a_write_deferred_on_a_loop_no_reader_named_runs_when_the_thread_reader_ends():
-    """The same on a host whose loop no coroutine read announced (it connected in its
-    ``__init__``; only its threads read, through ``using()``): the last thread out
-    handed the write to no loop, and it waited for the next coroutine or delivery."""
     ran = threading.Event()
-    gate = ApplyGate(finish_deferred=lambda result: ran.set())
+    gate = ApplyGate(finish_deferred=lambda result: (finished.append(result), ran.set()))
     inside, release = threading.Event(), threading.Event()
 
     def serve() -> None:
@@ -897,6 +872,9 @@ def test_a_write_deferred_on_a_loop_no_reader_named_runs_when_the_thread_reader_
             release.wait(TIMEOUT)
 
     async def main() -> None:
+        if loop_announced:
+            async with gate.reading_async():
+                pass
         thread = threading.Thread(target=serve)
         thread.start()
         await asyncio.to_thread(inside.wait, TIMEOUT)
@@ -904,6 +882,12 @@ def test_a_write_deferred_on_a_loop_no_reader_named_runs_when_the_thread_reader_
         release.set()
         await asyncio.to_thread(thread.join, TIMEOUT)
         assert await asyncio.to_thread(ran.wait, TIMEOUT), "the deferred write never ran"
+
+        async def user_method() -> list[Any]:
+            async with gate.reading_async():
+                return list(finished)
+
+        assert await asyncio.wait_for(user_method(), TIMEOUT) == ["v2"]
 
     asyncio.run(main())
 
