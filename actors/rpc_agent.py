@@ -67,6 +67,11 @@ from .heap import settle_heap
 _MEMBER_LIST_KEY = "names/_ALL_WORKER_INFOS"  #: "name-rank,name-rank,"
 _TOKEN_KEY = "RpcGroupManagementToken"
 _PING_TIMEOUT_S = 2.0
+#: A receiver a send could not reach within its whole timeout (not joined: busy since
+#: the agent was replaced, say) is tried this long by the next sends, until one reaches
+#: it: each would otherwise hold one of the agent's threads for the whole timeout, and a
+#: few broadcasts in flight took them all (admissions and departures waited too).
+_UNREACHED_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,9 @@ class RpcAgentActor:
         self._left_before = dict(left)
         self._sent = 0
         self._failures: list[str] = []
+        #: workers the last send to gave up reaching (worker threads share it)
+        self._unreached: set[str] = set()
+        self._unreached_lock = threading.Lock()
         settle_heap()
 
     async def admit(self, worker: str, process: str) -> RpcMember:
@@ -282,7 +290,10 @@ class RpcAgentActor:
         import torch.distributed.rpc as rpc
 
         limit = self._settings.timeout_s if stall_s is None else stall_s
-        deadline = time.monotonic() + limit
+        started = time.monotonic()
+        deadline = started + limit
+        with self._unreached_lock:
+            unreached = self._unreached & set(workers)
         outcomes: dict[str, str | None] = {}
         pending: dict[str, str] = {}  #: worker -> its RPC name, not called yet
         for worker in workers:
@@ -299,11 +310,21 @@ class RpcAgentActor:
                         name, fn, args=args, timeout=max(0.1, deadline - time.monotonic())
                     )
                 except RuntimeError as err:
-                    if time.monotonic() <= deadline:
+                    tried_s = _UNREACHED_RETRY_S if worker in unreached else limit
+                    if time.monotonic() <= min(deadline, started + tried_s):
                         continue  # not reachable yet: again, after the others
-                    outcomes[worker] = f"could not send to {name} within {limit:g} s: {err}"
+                    before = " (nor could the send before)" if worker in unreached else ""
+                    outcomes[worker] = (
+                        f"could not send to {name} within {tried_s:g} s{before}: {err}"
+                    )
+                    with self._unreached_lock:
+                        self._unreached.add(worker)
                 except Exception as err:
                     outcomes[worker] = f"could not send to {name}: {err}"
+                else:
+                    if worker in unreached:
+                        with self._unreached_lock:
+                            self._unreached.discard(worker)
                 del pending[worker]
             if pending:
                 time.sleep(0.01)

@@ -101,6 +101,31 @@ def test_a_receiver_that_never_becomes_reachable_fails_at_the_timeout(monkeypatc
     assert status.sent == 0 and len(status.failures) == 1
 
 
+def test_a_receiver_no_send_reached_is_tried_briefly_until_one_does(monkeypatch):
+    """Once a send gave up reaching a receiver (a whole timeout), the next ones try it
+    for a moment only: each held one of the agent's threads for the whole timeout, and
+    a few broadcasts in flight took them all. Once a call to it goes out, it is given
+    the whole timeout again."""
+    monkeypatch.setattr(rpc_agent, "_UNREACHED_RETRY_S", 0.0)
+    agent = _agent(monkeypatch, timeout_s=0.3)
+    calls: list = []
+    monkeypatch.setattr(rpc, "rpc_async", _joining(refusals=10**9, calls=calls))
+
+    def lands() -> int:
+        return sum(func is land for _, func, _ in calls)
+
+    first, _ = _send(agent, [np.zeros(2, dtype=np.float32)])
+    tries = lands()
+    second, _ = _send(agent, [np.zeros(2, dtype=np.float32)])
+    assert "within 0.3 s:" in first["w0"] and tries > 1
+    assert "within 0 s (nor could the send before)" in second["w0"]
+    assert lands() == tries + 1  # tried once: its short window had passed
+    monkeypatch.setattr(rpc, "rpc_async", _joining(refusals=0, calls=calls))
+    assert _send(agent, [np.zeros(2, dtype=np.float32)])[0] == {"w0": None}
+    monkeypatch.setattr(rpc, "rpc_async", _joining(refusals=10**9, calls=calls))
+    assert "within 0.3 s:" in _send(agent, [np.zeros(2, dtype=np.float32)])[0]["w0"]
+
+
 def _failed_now(why: str) -> torch.futures.Future:
     """A future that failed as torch's own do (an error, not a value raised on wait)."""
     source = torch.futures.Future()
