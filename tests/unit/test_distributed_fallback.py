@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from raysync.spec import WeightSpec
@@ -97,3 +98,16 @@ def test_a_fetch_waiting_for_its_turn_ends_when_the_receiver_closes():
     waiting.join(10)
     assert not waiting.is_alive(), "the fetch waited on after the close"
     assert "closed before collective 1" in str(outcome[0])
+
+
+def test_a_collective_of_a_new_generation_names_the_one_it_waited_for():
+    """Collective 1 of a new generation waits for that generation's collective 0 (not
+    for the next one of the generation this receiver is in, which it named)."""
+    settings = DistributedOptions(timeout_s=0.05)
+    receiver = DistributedReceiver("w")
+    receiver._generation = Generation(1, ("w",), "p", StoreAddress("h", 1), settings)
+    receiver._next_seq = 3
+    newer = Generation(2, ("w",), "q", StoreAddress("h", 1), settings)
+    payload = GroupPayload(newer, 1, 1, BucketStream(_Broker(), StreamId("s", 1, 60.0), 64))
+    with pytest.raises(TransportError, match="waited 0.05 s for its collective 0 to be"):
+        receiver._receive(payload, SPEC)

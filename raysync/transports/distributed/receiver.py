@@ -229,10 +229,11 @@ class DistributedReceiver(TransportReceiver):
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                first = 0 if number > current else self._next_seq
                 raise TransportError(
                     f"collective {payload.seq} of process-group generation {number} waited "
-                    f"{payload.generation.settings.timeout_s:g} s for collective "
-                    f"{self._next_seq} to be delivered to this receiver first"
+                    f"{payload.generation.settings.timeout_s:g} s for its collective "
+                    f"{first} to be delivered to this receiver first"
                 )
             self._turn.wait(remaining)
 
