@@ -100,9 +100,10 @@ class _Inbox:
                     )
                 self._cond.wait(remaining)
             model, tensors = versions.pop(seq)
-            for stale in [s for s, v in versions.items() if s < seq - _INBOX_WINDOW]:
-                if versions[stale][0] == model:
-                    del versions[stale]
+            for stale in [
+                s for s, (m, _) in versions.items() if m == model and s < seq - _INBOX_WINDOW
+            ]:
+                del versions[stale]
             return tensors
 
 
@@ -212,7 +213,8 @@ class _BucketInbox:
             self._turned_down.add((key, seq))
 
     def clear_free(self) -> None:
-        """Forget the buffers kept for reuse (this process's last receiver closed)."""
+        """Forget the buffers kept for reuse (a receiver here closed; the next version
+        that lands makes its own)."""
         with self._cond:
             self._free.clear()
 
