@@ -326,25 +326,30 @@ async def _drop_worker(owner: Any, worker: str) -> None:
         pass  # its watch restarts it (a new owner holds nothing), or its node died
 
 
+def _half_of_plan_left() -> float | None:
+    """Half of what is left of the hub's plan deadline (None outside a plan): what one
+    node's owner is given, so that a node that hangs fails alone and the others keep
+    the rest of the time to read."""
+    deadline = PLAN_DEADLINE.get()
+    return None if deadline is None else max(0.0, (deadline - time.monotonic()) / 2)
+
+
 def _slot_wait_s() -> float:
     """How long a relay waits for a free slot on its node: ``SLOT_WAIT_S``, or half of
     what is left of the hub's plan deadline (a node whose slots stay held, by a
     receiver stuck there, then fails alone: the other nodes' receivers get their
     payloads and the rest of the time to read them)."""
-    deadline = PLAN_DEADLINE.get()
-    if deadline is None:
-        return SLOT_WAIT_S
-    return max(0.0, min(SLOT_WAIT_S, (deadline - time.monotonic()) / 2))
+    half = _half_of_plan_left()
+    return SLOT_WAIT_S if half is None else min(SLOT_WAIT_S, half)
 
 
 async def _within_plan(answer: ray.ObjectRef, who: str) -> Any:
     """``answer`` once it comes, or TransportError once half of what is left of the
     hub's plan deadline has passed (a node whose owner hangs then fails alone: the
     others get their payloads and the rest of the time to read them)."""
-    deadline = PLAN_DEADLINE.get()
-    if deadline is None:
+    wait_s = _half_of_plan_left()
+    if wait_s is None:
         return await answer
-    wait_s = max(0.0, (deadline - time.monotonic()) / 2)
     try:
         return await asyncio.wait_for(answer, wait_s)
     except asyncio.TimeoutError:
