@@ -58,10 +58,31 @@ def process_stats(self) -> dict:
         names[name] = names.get(name, 0) + 1
     return {
         "fds": len(os.listdir("/proc/self/fd")),
+        "tcp": _established_tcp(),
         "threads": sum(n for name, n in names.items() if name != ELASTIC_THREADS),
         "thread_names": names,
         "rss_mb": int(status["VmRSS"].split()[0]) / 1024,
     }
+
+
+def _established_tcp() -> int:
+    """How many of this process's fds are established TCP connections (its gRPC
+    channels to other Ray processes, and theirs to it)."""
+    sockets = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            sockets.add(target[len("socket:[") : -1])
+    established = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                fields = row.split()
+                established += fields[3] == "01" and fields[9] in sockets
+    return established
 
 
 def state_of(model) -> dict[str, torch.Tensor]:

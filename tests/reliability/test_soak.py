@@ -26,6 +26,11 @@ def _dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
+def _other_fds(stats: dict) -> int:
+    """A process's fds that are not established TCP connections."""
+    return stats["fds"] - stats["tcp"]
+
+
 def _snapshot(hub, receivers) -> dict:
     return {
         "hub": ray.get(hub.actor.__ray_call__.remote(process_stats)),
@@ -61,9 +66,16 @@ def _soak(actors, transport, broadcasts: int) -> None:
         time.sleep(0.5)
     assert _plasma_objects() <= before["plasma_objects"] + 2, (before, _plasma_objects())
     assert after["dev_shm"] - before["dev_shm"] == set()
-    assert after["hub"]["fds"] <= before["hub"]["fds"] + 5, (before["hub"], after["hub"])
-    assert after["hub"]["threads"] <= before["hub"]["threads"] + 2, (before["hub"], after["hub"])
-    assert after["hub"]["rss_mb"] <= before["hub"]["rss_mb"] + 64, (before["hub"], after["hub"])
+    # The hub asks Ray whether a receiver whose heartbeat is late is alive (16 busy
+    # receivers on 2 cores: some are, when broadcasts overlap): that opens Ray's one
+    # channel to that receiver, made on first use and kept (seen: 3 to all 16, never
+    # two to one receiver), and Ray's own processes may connect once more. Every other
+    # fd returns to its baseline.
+    hub_before, hub_after = before["hub"], after["hub"]
+    assert hub_after["tcp"] <= hub_before["tcp"] + RECEIVERS + 2, (hub_before, hub_after)
+    assert _other_fds(hub_after) <= _other_fds(hub_before) + 5, (hub_before, hub_after)
+    assert hub_after["threads"] <= hub_before["threads"] + 2, (hub_before, hub_after)
+    assert hub_after["rss_mb"] <= hub_before["rss_mb"] + 64, (hub_before, hub_after)
     for b, a in zip(before["receivers"], after["receivers"], strict=True):
         assert a["fds"] <= b["fds"] + 5 and a["threads"] <= b["threads"] + 2, (b, a)
         assert a["rss_mb"] <= b["rss_mb"] + 64, (b, a)
