@@ -48,6 +48,7 @@ from raysync.transports.distributed import (
     StoreAddress,
     bucket_timeout_s,
     call_off,
+    collective_bytes,
     forget_rendezvous,
     header,
     join_group,
@@ -121,7 +122,7 @@ class ProcessGroupActor:
         :func:`~raysync.transports.distributed.group.bucket_timeout_s` at most."""
         settings = job.generation.settings
         plan = relay_plan(job.source, job.spec)
-        size = HEADER_BYTES + max(bucket.nbytes for bucket in plan)
+        size = collective_bytes(job.source, job.spec)
         limit_s = bucket_timeout_s(settings, job.source)
         passed_on: tuple[str, ...] = ()
         number = 0  #: of the bucket being broadcast, from 1

@@ -184,6 +184,31 @@ def start_two_holders_and_a_busy_one(actors):
     return hub, holders, busy
 
 
+@pytest.mark.parametrize("bucket_mb", [None, 3])  # whole, or in three buckets
+def test_a_member_that_fails_versions_before_reading_them_holds_no_one_up(actors, bucket_mb):
+    """A member whose model was replaced by one of another shape fails each version
+    before fetching it. It still enters the version's collectives and drops what
+    arrives: it fails alone, and the others' generation goes on. It used to stay out:
+    each collective waited the group's timeout for it, the others read the learner's
+    copy after it, and the next version formed a new generation, to fail the same way."""
+    hub, holders, odd = start_two_holders_and_a_busy_one(actors)
+    first = group_status(hub)
+    replaced = {"w": torch.zeros(1024, 2048)}
+    ray.get(odd.__ray_call__.remote(lambda self: setattr(self, "sd", replaced)))
+    for _ in range(3):
+        weights = {"w": torch.randn(2048, 1024)}
+        ref = hub.broadcast.remote(weights, bucket_mb=bucket_mb, raise_on_failure=False)
+        report = ray.get(ref, timeout=60)
+        assert report.acked == ("h0", "h1") and "spec digest" in report.failed["busy"]
+        for holder in holders:
+            assert_bitwise(ray.get(holder.state.remote()), weights)
+    status = group_status(hub)
+    assert (status.generation, status.members) == (first.generation, ("busy", "h0", "h1"))
+    per_version = 1 if bucket_mb is None else 3  # one per bucket of 8 MB
+    assert status.collectives == first.collectives + 3 * per_version
+    assert status.failures == ()
+
+
 def test_member_that_never_enters_does_not_hang_the_hub(actors):
     hub, holders, busy = start_two_holders_and_a_busy_one(actors)
 

@@ -14,11 +14,17 @@ from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError
 from raysync.transports.distributed import receiver as receiver_mod
 from raysync.transports.distributed.receiver import DistributedReceiver
-from raysync.transports.distributed.wire import Generation, GroupPayload, StoreAddress
+from raysync.transports.distributed.wire import (
+    HEADER_BYTES,
+    Generation,
+    GroupPayload,
+    StoreAddress,
+)
 from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
 from raysync.transports.options import DistributedOptions
 
 SPEC = WeightSpec.of({"w": torch.zeros(32)})  # 128 bytes: two buckets of 64
+BUCKET_BUFFER = HEADER_BYTES + 64  #: each collective's buffer: a bucket behind the header
 
 
 class _Broker:
@@ -43,7 +49,9 @@ def _fallback(monkeypatch, bucket_read) -> tuple[_Broker, StreamId, object]:
     the broker, the stream, and what its fetch returned or raised."""
     broker, key = _Broker(), StreamId("s", 2, 10.0)
     generation = Generation(1, ("w",), "p", StoreAddress("h", 1), DistributedOptions())
-    payload = GroupPayload(generation, 1, 0, BucketStream(broker, key, 64), buckets=2)
+    payload = GroupPayload(
+        generation, 1, 0, BucketStream(broker, key, 64), BUCKET_BUFFER, buckets=2
+    )
     failed = TransportError("rank 1 could not receive collective 0 (a member died)")
     monkeypatch.setattr(DistributedReceiver, "_receive_buckets", lambda *args: (0, failed))
     monkeypatch.setattr(receiver_mod, "read_bucket_now", bucket_read)
@@ -81,7 +89,8 @@ def test_a_fetch_waiting_for_its_turn_ends_when_the_receiver_closes():
     generation = Generation(1, ("w",), "p", StoreAddress("h", 1), DistributedOptions())
     receiver = DistributedReceiver("w")
     receiver._generation, receiver._next_seq = generation, 0
-    payload = GroupPayload(generation, 1, 1, BucketStream(_Broker(), StreamId("s", 1, 60.0), 64))
+    stream = BucketStream(_Broker(), StreamId("s", 1, 60.0), 64)
+    payload = GroupPayload(generation, 1, 1, stream, BUCKET_BUFFER)
     outcome: list[BaseException] = []
 
     def fetch() -> None:
@@ -108,6 +117,46 @@ def test_a_collective_of_a_new_generation_names_the_one_it_waited_for():
     receiver._generation = Generation(1, ("w",), "p", StoreAddress("h", 1), settings)
     receiver._next_seq = 3
     newer = Generation(2, ("w",), "q", StoreAddress("h", 1), settings)
-    payload = GroupPayload(newer, 1, 1, BucketStream(_Broker(), StreamId("s", 1, 60.0), 64))
+    stream = BucketStream(_Broker(), StreamId("s", 1, 60.0), 64)
+    payload = GroupPayload(newer, 1, 1, stream, BUCKET_BUFFER)
     with pytest.raises(TransportError, match="waited 0.05 s for its collective 0 to be"):
         receiver._receive(payload, SPEC)
+
+
+def test_only_a_version_released_unread_is_sat_in(monkeypatch):
+    """A version whose fetch ran (here it raised: its collective failed) is let go; one
+    handed back without a fetch (the receiver failed it before) enters its collectives."""
+    sat_in: list[int] = []
+    monkeypatch.setattr(DistributedReceiver, "_sit_in", lambda self, p: sat_in.append(p.seq))
+    generation = Generation(1, ("w",), "p", StoreAddress("h", 1), DistributedOptions())
+    failed = TransportError("rank 1 could not receive collective 0 (a member died)")
+
+    def receive(self, payload, spec):
+        raise failed
+
+    monkeypatch.setattr(DistributedReceiver, "_receive", receive)
+    monkeypatch.setattr(
+        receiver_mod.PartedReceiver, "fetch", lambda *args: (_ for _ in ()).throw(failed)
+    )
+    receiver = DistributedReceiver("w")
+    source = BucketStream(_Broker(), StreamId("s", 1, 60.0), 64)
+    fetched, unread = (GroupPayload(generation, 1, seq, source, BUCKET_BUFFER) for seq in (0, 1))
+    with pytest.raises(TransportError):
+        receiver.fetch(fetched, SPEC)
+    receiver.release(fetched, None)
+    receiver.release(unread, None)
+    assert sat_in == [1]
+
+
+def test_a_closed_receiver_sits_in_no_bucketed_version_and_leaves_its_stream():
+    """Its turn never comes: rank 0 makes the members readers of the rest once the
+    collective failed; this one gives the stream up, so no one waits for its read."""
+    broker, key = _Broker(), StreamId("s", 2, 10.0)
+    generation = Generation(1, ("w",), "p", StoreAddress("h", 1), DistributedOptions())
+    receiver = DistributedReceiver("w")
+    receiver.close()
+    payload = GroupPayload(
+        generation, 1, 0, BucketStream(broker, key, 64), BUCKET_BUFFER, buckets=2
+    )
+    receiver.release(payload, None)
+    assert broker.calls == [("leave", (key, "w"))]

@@ -42,7 +42,10 @@ and a failed collective is known before the next one is planned. A version whose
 collective fails (a member died or never entered it within the timeout) is not lost on
 the members that did not get it: each of them reads the learner's object-store copy
 rank 0 was sending from (named in its payload) instead, so only the dead or absent
-member fails; the next version goes to a new generation without it. Pull mode
+member fails; the next version goes to a new generation without it. A member that
+fails a version before reading it (its model was replaced by one of another shape)
+still enters its collectives and drops what arrives: it fails alone, and the
+generation goes on. Pull mode
 (``pull_weights``) and a receiver's catch-up when it registers read the learner's
 object-store copy directly: the hub hands them the learner's payload, and a collective
 cannot be arranged for one receiver that asks on its own schedule.
@@ -96,6 +99,7 @@ from raysync.transports.distributed.wire import (
     Generation,
     GroupPayload,
     StoreAddress,
+    collective_bytes,
     header,
     process_group_name,
     rank0_reader,
@@ -114,6 +118,7 @@ __all__ = [
     "StoreAddress",
     "bucket_timeout_s",
     "call_off",
+    "collective_bytes",
     "forget_rendezvous",
     "header",
     "join_group",

@@ -20,6 +20,7 @@ from raysync.transports.distributed.wire import (
     Generation,
     GroupPayload,
     StoreAddress,
+    collective_bytes,
     process_group_name,
     rank0_reader,
 )
@@ -131,11 +132,12 @@ class DistributedPlanner(TransportPlanner):
             seq = self._next_seq
             self._next_seq += 1
             buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
+            nbytes = collective_bytes(update.payload, spec)
             job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
             self._last_job = self._actor.broadcast.remote(job, self._reader)
             return alone | {
                 worker: GroupPayload(
-                    generation, generation.rank_of(worker), seq, update.payload, buckets
+                    generation, generation.rank_of(worker), seq, update.payload, nbytes, buckets
                 )
                 for worker in members
             }

@@ -49,6 +49,9 @@ class DistributedReceiver(TransportReceiver):
         self._pull = PartedReceiver(ObjectStoreReceiver(worker))
         #: id -> staged tensors a fallback read from the learner's copy (released there)
         self._read_from_source: dict[int, Sequence[torch.Tensor]] = {}
+        #: (generation, collective) of each version a fetch was called for, until its
+        #: release: one released and not among them was never read (:meth:`_sit_in`)
+        self._fetched: set[tuple[int, int]] = set()
         self._device = torch.device("cpu")  #: where bucketed versions are staged
         self._staging: StagingPool[torch.Tensor] = StagingPool(self._staging_buffer)
 
@@ -60,6 +63,7 @@ class DistributedReceiver(TransportReceiver):
     def fetch(self, payload: Any, spec: WeightSpec) -> Sequence[torch.Tensor]:
         if not isinstance(payload, GroupPayload):  # pull mode: from the object store
             return self._pull.fetch(payload, spec)
+        self._fetched.add(_collective_of(payload))
         if payload.buckets:
             return self._fetch_buckets(payload, spec)
         try:
@@ -76,9 +80,17 @@ class DistributedReceiver(TransportReceiver):
             return staged
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
+        """Let ``staged`` go; a version handed back unread (its receiver failed it before
+        fetching) has its collectives entered all the same (:meth:`_sit_in`)."""
         if not isinstance(payload, GroupPayload):
             self._pull.release(payload, staged)
-        elif staged is not None and self._read_from_source.pop(id(staged), None) is not None:
+            return
+        try:
+            self._fetched.remove(_collective_of(payload))
+        except KeyError:
+            self._sit_in(payload)
+            return
+        if staged is not None and self._read_from_source.pop(id(staged), None) is not None:
             self._pull.release(payload.source, staged)  # the parts it read, if in parts
         else:
             self._staging.release(staged)  # a bucketed version's staging buffer
@@ -160,6 +172,46 @@ class DistributedReceiver(TransportReceiver):
                     f"(collective {payload.seq} of process-group generation "
                     f"{generation.number}, {settings.backend}, {generation.world_size} "
                     f"ranks): {err}"
+                )
+            finally:
+                self._next_seq = max(self._next_seq, payload.seq + 1)
+                self._turn.notify_all()
+
+    def _sit_in(self, payload: GroupPayload) -> None:
+        """Enter ``payload``'s collectives, though this receiver will not read the version
+        (it failed it before fetching: its model was replaced by one of another shape,
+        say), and drop what arrives. Each collective waits for every member: without
+        this one the others waited the group's timeout and read the learner's copy
+        instead, at each version it failed so, each time in a new generation. A failure
+        is logged: the receiver's ack already says why it has not the version."""
+        generation, settings = payload.generation, payload.generation.settings
+        deadline = time.monotonic() + settings.timeout_s
+        with self._turn:
+            try:
+                self._wait_for_turn(payload, deadline)
+                if self._generation != generation:
+                    self._switch_to(generation, payload.rank)
+                scratch = torch.empty(
+                    payload.buffer_bytes, dtype=torch.uint8, device=staging_device(settings)
+                )
+                if payload.buckets:
+                    limit_s = bucket_timeout_s(settings, payload.source)
+                    for _ in range(payload.buckets):
+                        run_broadcast(self._group, scratch, settings, agree=True, timeout_s=limit_s)
+                else:
+                    run_broadcast(self._group, scratch, settings)
+            except Exception as err:
+                if not isinstance(err, TransportError):  # not its turn: the group is whole
+                    self._break(generation, f"collective {payload.seq} failed: {err}")
+                if payload.buckets:  # rank 0 makes the members readers of the rest
+                    leave(payload.source, payload.worker)
+                logger.warning(
+                    "rank %d could not sit in collective %d of process-group generation %d "
+                    "(a version it does not read): %s",
+                    payload.rank,
+                    payload.seq,
+                    generation.number,
+                    err,
                 )
             finally:
                 self._next_seq = max(self._next_seq, payload.seq + 1)
@@ -263,3 +315,8 @@ class DistributedReceiver(TransportReceiver):
             self._turn.notify_all()
         self._staging.close()
         self._pull.close()
+
+
+def _collective_of(payload: GroupPayload) -> tuple[int, int]:
+    """Which collective (generation, sequence number) carries ``payload``'s version."""
+    return payload.generation.number, payload.seq

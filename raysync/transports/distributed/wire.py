@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from raysync.layout import HEADER_BYTES
+from raysync.layout import HEADER_BYTES, PackedLayout
 from raysync.spec import WeightSpec
-from raysync.transports.bucket_relay import relay_reader
-from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.bucket_relay import relay_plan, relay_reader
+from raysync.transports.object_store.bucket_stream import BucketStream, is_bucketed
 from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import DistributedOptions
 from raysync.transports.parts import Parts
@@ -69,12 +69,24 @@ class GroupPayload:
     seq: int
     #: the learner's put, or its bucket stream (one per part if sent in parts)
     source: ObjectStorePayload | BucketStream | Parts
+    #: the bytes of each collective's buffer (:func:`collective_bytes`): a member that
+    #: will not read the version still enters its collectives, with a buffer this size
+    buffer_bytes: int
     #: how many collectives (one per bucket) carry the version, 0 if one carries it whole
     buckets: int = 0
 
     @property
     def worker(self) -> str:
         return self.generation.members[self.rank - 1]
+
+
+def collective_bytes(source: object, spec: WeightSpec) -> int:
+    """The bytes of the buffer each collective carrying a version from ``source`` (the
+    learner's put or bucket streams) moves, header included: the whole version packed,
+    or its largest bucket. ``spec``: the version as it travels (the wire dtype's)."""
+    if not is_bucketed(source):
+        return PackedLayout.of(spec, HEADER_BYTES).nbytes
+    return HEADER_BYTES + max(bucket.nbytes for bucket in relay_plan(source, spec))
 
 
 def rank0_reader(hub_id: str) -> str:
