@@ -47,6 +47,7 @@ from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
 from raysync.transports.rpc import (
+    JOIN_TOKEN_KEY,
     LEFT_KEPT,
     RpcJob,
     RpcMember,
@@ -62,10 +63,9 @@ from raysync.transports.rpc import (
 
 from .heap import settle_heap
 
-#: Keys torch's dynamic RPC membership keeps in the store (torch/csrc/distributed/rpc/
-#: agent_utils.cpp and torch/distributed/rpc/_utils.py).
+#: The key of the member list torch's dynamic RPC membership keeps in the store
+#: (torch/csrc/distributed/rpc/agent_utils.cpp and torch/distributed/rpc/_utils.py).
 _MEMBER_LIST_KEY = "names/_ALL_WORKER_INFOS"  #: "name-rank,name-rank,"
-_TOKEN_KEY = "RpcGroupManagementToken"
 _PING_TIMEOUT_S = 2.0
 #: A receiver a send could not reach within its whole timeout (not joined: busy since
 #: the agent was replaced, say) is tried this long by the next sends, until one reaches
@@ -434,11 +434,11 @@ class RpcAgentActor:
         orphaned = {f"Token_for_{n}_{op}" for n in names for op in ("join", "leave")}
         deadline = time.monotonic() + self._settings.timeout_s
         while True:
-            holder = store.compare_set(_TOKEN_KEY, "", mine).decode()
+            holder = store.compare_set(JOIN_TOKEN_KEY, "", mine).decode()
             if holder == mine:
                 break
             if holder in orphaned:
-                store.compare_set(_TOKEN_KEY, holder, mine)
+                store.compare_set(JOIN_TOKEN_KEY, holder, mine)
                 store.set(holder, "Done")  # wakes joiners waiting on the dead holder
                 continue
             if time.monotonic() > deadline:
@@ -447,5 +447,5 @@ class RpcAgentActor:
         try:
             store.set(_MEMBER_LIST_KEY, "".join(f"{e}," for e in edit(self._listed())))
         finally:
-            store.set(_TOKEN_KEY, "")
+            store.set(JOIN_TOKEN_KEY, "")
             store.set(mine, "Done")

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from urllib.parse import urlparse
 
 import pytest
 import ray
@@ -20,6 +23,7 @@ from raysync import BroadcastError, RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.testing import special_weights
+from raysync.transports.rpc import JOIN_TOKEN_KEY, open_master_store
 from tests.helpers import (
     Gate,
     actor_pid,
@@ -310,3 +314,36 @@ def test_a_receiver_whose_move_to_a_new_agent_failed_moves_at_the_next_version(a
     report = ray.get(hub.broadcast.remote(make_policy(), raise_on_failure=False), timeout=60)
     assert report.acked == ("c1",) and "(injected)" in report.failed["c0"]
     assert_policy_reaches(hub, collectors, ("c0", "c1"))
+
+
+#: A process joining the RPC group at ``sys.argv[1]`` as "joiner", rank 2.
+_JOINER = """
+import sys
+from raysync.transports.options import RpcOptions
+from raysync.transports.rpc.rendezvous import init_rpc
+try:
+    init_rpc("joiner", 2, sys.argv[1], RpcOptions(timeout_s=2.0))
+except Exception as err:
+    print("failed:", type(err).__name__, err)
+else:
+    print("joined")
+"""
+
+
+def test_a_join_that_fails_gives_the_groups_join_token_back():
+    """torch's dynamic membership takes the group's join token when a join starts and
+    gives it back only if the join succeeds. A join failed by a listed member that
+    died meanwhile (here one that never was: its address never comes) kept it: every
+    later join, and the agent's edits of the member list, waited for it until they
+    failed. Real torch RPC in a process of its own (torch RPC is once per process)."""
+    import torch.distributed as dist
+
+    url, master = open_master_store("127.0.0.1", 2.0)
+    # init_rpc's keys: the group's prefix, then its per-process count of init_rpc calls
+    group = dist.PrefixStore("rpc_prefix_0", dist.PrefixStore(urlparse(url).path[1:] + "/", master))
+    group.set("names/_ALL_WORKER_INFOS", "ghost-1,")
+    joiner = subprocess.run(
+        [sys.executable, "-c", _JOINER, url], capture_output=True, text=True, timeout=120
+    )
+    assert joiner.stdout.startswith("failed:") and "ghost" in joiner.stdout, joiner
+    assert group.get(JOIN_TOKEN_KEY) == b""

@@ -97,7 +97,13 @@ from raysync.transports.rpc.receiver import (
     land,
     land_bucket,
 )
-from raysync.transports.rpc.rendezvous import SCHEME, init_rpc, interface_of, open_master_store
+from raysync.transports.rpc.rendezvous import (
+    JOIN_TOKEN_KEY,
+    SCHEME,
+    init_rpc,
+    interface_of,
+    open_master_store,
+)
 from raysync.transports.rpc.wire import (
     LEFT_KEPT,
     RpcJob,
@@ -108,6 +114,7 @@ from raysync.transports.rpc.wire import (
 )
 
 __all__ = [
+    "JOIN_TOKEN_KEY",
     "LEFT_KEPT",
     "SCHEME",
     "RpcJob",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import logging
 import os
 import socket
 import struct
@@ -15,7 +16,12 @@ from urllib.parse import parse_qs, urlparse
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import bound_master_store, node_ip
 
+logger = logging.getLogger(__name__)
+
 SCHEME = "raysync-rpc"
+#: The store key of torch's dynamic RPC membership token (torch/distributed/rpc/
+#: _utils.py): the name of the process joining or leaving the group, or "".
+JOIN_TOKEN_KEY = "RpcGroupManagementToken"
 #: Master stores made by agents in this process, by URL (the handler hands them out).
 _MASTER_STORES: dict[str, Any] = {}
 
@@ -31,12 +37,19 @@ def open_master_store(host: str, timeout_s: float) -> tuple[str, Any]:
 
 def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
     """torch's rendezvous handler for ``raysync-rpc://`` URLs (see ``init_rpc``)."""
+    query = parse_qs(urlparse(url).query)
+    rank = int(query["rank"][0])
+    world_size = int(query.get("world_size", ["-1"])[0])
+    yield _group_store(url), rank, world_size
+
+
+def _group_store(url: str) -> Any:
+    """The store of the RPC group at ``url`` (an agent's, from open_master_store), under
+    the group's prefix: the master store in the agent's process, a client elsewhere."""
     import torch.distributed as dist
 
     parsed = urlparse(url)
     query = parse_qs(parsed.query)
-    rank = int(query["rank"][0])
-    world_size = int(query.get("world_size", ["-1"])[0])
     base = parsed._replace(query="").geturl()
     store = _MASTER_STORES.get(base)
     if store is None:
@@ -49,7 +62,7 @@ def _rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[Any, int, int]]:
             is_master=False,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    yield dist.PrefixStore(parsed.path.strip("/") + "/", store), rank, world_size
+    return dist.PrefixStore(parsed.path.strip("/") + "/", store)
 
 
 def _register_rendezvous() -> None:
@@ -91,7 +104,29 @@ def init_rpc(name: str, rank: int, url: str, settings: RpcOptions) -> None:
         # go by its channels: cross-memory attach on a node).
         _transports=["uv"],
     )
-    rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
+    with rpc._init_counter_lock:  # the prefix this init_rpc gives its store keys
+        prefix = f"rpc_prefix_{rpc._init_counter}"
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
+    except BaseException:
+        _give_join_token_back(url, prefix, name)
+        raise
+
+
+def _give_join_token_back(url: str, prefix: str, name: str) -> None:
+    """After a join of ``name`` that failed: torch takes the group's membership token
+    when a join starts and gives it back only once it succeeded (a listed member that
+    died meanwhile fails it): held, it kept every later join, and the agent's repairs
+    of the member list, waiting on it until they failed. Give it back if still held."""
+    import torch.distributed as dist
+
+    mine = f"Token_for_{name}_join"
+    try:
+        store = dist.PrefixStore(prefix, _group_store(url))
+        if store.compare_set(JOIN_TOKEN_KEY, mine, "").decode() == "":
+            store.set(mine, "Done")  # wakes the joins waiting for it
+    except Exception:  # the store is out of reach too: nothing is held there, or no one joins
+        logger.warning("could not give the RPC group's join token back", exc_info=True)
 
 
 _register_rendezvous()
