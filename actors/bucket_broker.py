@@ -287,7 +287,9 @@ class BucketBroker:
         state.asked[worker] = max(state.asked.get(worker, 0), index)
         state.free_taken()
         if index >= key.count:
-            state.finished.extend(passed_on)
+            # A member that gave the version up (a distributed one that sat in its
+            # collectives unread) holds nothing to serve, though its relay passed it on.
+            state.finished.extend(w for w in passed_on if w not in state.dropped)
             self._finish_reader(state, worker)
             await state.changed_now()
             return None, None

@@ -529,13 +529,16 @@ class ReceiverCore:
     def _stage_and_apply(self, update: Update) -> Receipt:
         """Fetch ``update`` and apply it at the safe point. The transport's hold on the
         payload is released on every path, once nothing reads the staged data."""
+        # Staged data goes back to the transport that fetched it, also once the hub
+        # watch opened another one (the core registered again meanwhile).
+        transport = self.transport
         held = self.models.get(update.model)
         refused = None if held is None else _refusal(held, update)
         if held is None or refused is not None:
             if held is not None and get_transport(self.transport_name).reads_refused:
-                self._read_and_let_go(update, held)
+                self._read_and_let_go(transport, update, held)
             else:
-                self.transport.release(update.payload, None)
+                transport.release(update.payload, None)
             if held is None:
                 raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
             assert refused is not None  # held, so the refusal is why
@@ -544,11 +547,11 @@ class ReceiverCore:
             spec = held.spec_for(self.owner, update.spec_digest)
             _check_digest(spec, update, self.actor_name)
             fetch_started = time.perf_counter()
-            tensors = self.transport.fetch(update.payload, update.wire_spec or spec)
+            tensors = transport.fetch(update.payload, update.wire_spec or spec)
         except BaseException:
-            self.transport.release(update.payload, None)
+            transport.release(update.payload, None)
             raise
-        staged = self._staged(update, spec, tensors)  # released once, if it raises
+        staged = self._staged(transport, update, spec, tensors)  # released once, if it raises
         fetched = _Fetched(fetch_started, time.perf_counter())
         result = self.gate.write(
             functools.partial(self._apply_and_release, update, staged, fetched),
@@ -561,13 +564,15 @@ class ReceiverCore:
         )
         return ACK_LATER if result is DEFERRED else AckNow(result)
 
-    def _read_and_let_go(self, update: Update, held: HeldModel) -> None:
+    def _read_and_let_go(
+        self, transport: TransportReceiver, update: Update, held: HeldModel
+    ) -> None:
         """Fetch a version this receiver turns down and release it at once, for a
         transport whose other receivers wait for each one to read (``reads_refused``).
         A failure is only logged: the version is turned down all the same."""
         try:
             spec = held.spec_for(self.owner, update.spec_digest)
-            tensors = self.transport.fetch(update.payload, update.wire_spec or spec)
+            tensors = transport.fetch(update.payload, update.wire_spec or spec)
         except Exception as err:
             logger.info(
                 "%s turned version %d of model %r down and could not read it: %s",
@@ -576,30 +581,36 @@ class ReceiverCore:
                 update.model,
                 err,
             )
-            self.transport.release(update.payload, None)
+            transport.release(update.payload, None)
             return
-        self.transport.release(update.payload, tensors)
+        transport.release(update.payload, tensors)
 
-    def _staged(self, update: Update, spec: WeightSpec, tensors: Sequence[torch.Tensor]) -> _Staged:
+    def _staged(
+        self,
+        transport: TransportReceiver,
+        update: Update,
+        spec: WeightSpec,
+        tensors: Sequence[torch.Tensor],
+    ) -> _Staged:
         """What ``update``'s fetched ``tensors`` are staged as: themselves, or, for a
         zero-copy model of a version cast on the wire (it cannot live in bytes of another
         dtype), a copy in the model's own dtypes made here, outside the safe point, the
         transport's data handed back at once (also if the copy fails: once)."""
         if not (self.identity.zero_copy and update.wire_spec is not None):
-            return _Staged(tensors, in_transport=True)
+            return _Staged(tensors, transport)
         try:
             own = [
                 view.to(entry.dtype, copy=True)
                 for view, entry in zip(tensors, spec.tensors, strict=True)
             ]
         finally:
-            self.transport.release(update.payload, tensors)
-        return _Staged(own, in_transport=False)
+            transport.release(update.payload, tensors)
+        return _Staged(own, None)
 
     def _release(self, update: Update, staged: _Staged) -> None:
         """Hand ``staged`` back to the transport if it still holds it."""
-        if staged.in_transport:
-            self.transport.release(update.payload, staged.tensors)
+        if staged.transport is not None:
+            staged.transport.release(update.payload, staged.tensors)
 
     def _superseded(self, update: Update, staged: _Staged) -> Callable[[Ack], Ack]:
         """A newer version of the same model now waits for the same safe point: free
@@ -697,8 +708,8 @@ class ReceiverCore:
         """What a zero-copy model takes as its memory: the staged version itself (handed
         back to the transport when the model moves on), or the receiver's own copy of a
         version cast on the wire (nothing to hand back)."""
-        if staged.in_transport:
-            return AdoptedVersion(self.transport, update.payload, staged.tensors)
+        if staged.transport is not None:
+            return AdoptedVersion(staged.transport, update.payload, staged.tensors)
         return AdoptedVersion(None, None, staged.tensors)
 
     def _ack(
@@ -739,11 +750,12 @@ def _refusal(held: HeldModel, update: Update) -> AckStatus | None:
 
 @dataclass(frozen=True)
 class _Staged:
-    """A fetched version waiting for its safe point: the tensors, and whether they are
-    the transport's (handed back with ``release``) or the receiver's own copy."""
+    """A fetched version waiting for its safe point: the tensors, and the transport
+    receiver that fetched and holds them (handed back with its ``release``), or None
+    for the receiver's own copy."""
 
     tensors: Sequence[torch.Tensor]
-    in_transport: bool
+    transport: TransportReceiver | None
 
 
 @dataclass(frozen=True)

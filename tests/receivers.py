@@ -78,10 +78,14 @@ def _established_tcp() -> int:
             sockets.add(target[len("socket:[") : -1])
     established = 0
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            for row in f.readlines()[1:]:
-                fields = row.split()
-                established += fields[3] == "01" and fields[9] in sockets
+        try:
+            with open(table) as f:
+                rows = f.readlines()[1:]
+        except FileNotFoundError:  # no IPv6 in this kernel
+            continue
+        for row in rows:
+            fields = row.split()
+            established += fields[3] == "01" and fields[9] in sockets
     return established
 
 

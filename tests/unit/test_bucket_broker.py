@@ -365,6 +365,28 @@ def test_each_planner_adds_its_readers_and_a_relay_names_who_it_passed_every_buc
     assert sorted(finished) == ["a", "agent", "r0", "r1"]
 
 
+def test_a_member_that_gave_the_version_up_is_not_named_among_those_that_got_it():
+    """A distributed member that sits in its collectives unread leaves the stream; rank 0,
+    relaying every bucket, names all its members: that one must not be offered to serve
+    the version to a late joiner (it does not hold it)."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=2), []
+        await broker.readers(k, ["rank0"])
+        await broker.leave(k, "m1")
+
+        async def rank0() -> None:
+            for index in range(k.count):
+                assert (await broker.take(k, index, "rank0"))[1] is None
+                await asyncio.sleep(0)
+            assert await broker.take(k, k.count, "rank0", ("m0", "m1")) == (None, None)
+
+        await asyncio.gather(rank0(), learner(broker, k, log))
+        return broker.finished(k)
+
+    assert sorted(run(main())) == ["m0", "rank0"]
+
+
 class _Sender:
     """A sender's actor handle as the broker uses it: each ``__ray_ready__.remote()``
     is a future the test settles (a sync actor answers it once its sending method

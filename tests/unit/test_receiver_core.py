@@ -377,6 +377,24 @@ def test_a_busy_async_actor_defers_the_apply_and_acks_it_from_the_safe_point():
     assert receiver.core.models["policy"].version == 1
 
 
+def test_a_version_staged_before_the_core_registered_again_goes_back_where_it_was_fetched():
+    """The hub watch registered the core again (a new transport receiver) while a
+    version waited for its safe point: it is handed back to the transport that fetched
+    it, which holds it (the new one knew nothing of it: a distributed one took it for a
+    version never read and entered its collective again)."""
+    receiver = _Receiver()
+    fetched_by, reopened = receiver.transport, _Transport()
+
+    def deliver() -> Any:
+        receipt = receiver.core.receive(receiver.update(1))
+        receiver.core.transport = reopened
+        return receipt
+
+    assert _while_a_method_runs(receiver, deliver) == ACK_LATER
+    assert receiver.hub.acks == [_ack(1, AckStatus.APPLIED)]
+    assert fetched_by.released == [(1, True)] and reopened.released == []
+
+
 def test_a_learners_own_delivery_replaced_by_another_learners_of_its_number_conflicts():
     """Two learners delivering themselves guessed the same next version; both wait for
     a busy async actor's safe point and the later one replaces the first. The first is

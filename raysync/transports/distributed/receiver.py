@@ -186,9 +186,18 @@ class DistributedReceiver(TransportReceiver):
         is logged: the receiver's ack already says why it has not the version."""
         generation, settings = payload.generation, payload.generation.settings
         deadline = time.monotonic() + settings.timeout_s
+        if payload.buckets:
+            # Not a reader of the version's stream: rank 0 does not name it among those
+            # that got the version (and may serve it to a late joiner), nor, if a
+            # collective fails, among the members that read the rest from the broker.
+            leave(payload.source, payload.worker)
         with self._turn:
             try:
                 self._wait_for_turn(payload, deadline)
+            except TransportError as err:  # not its turn: it moved on, or never came
+                _log_sat_out(payload, err)
+                return
+            try:
                 if self._generation != generation:
                     self._switch_to(generation, payload.rank)
                 scratch = torch.empty(
@@ -201,18 +210,8 @@ class DistributedReceiver(TransportReceiver):
                 else:
                     run_broadcast(self._group, scratch, settings)
             except Exception as err:
-                if not isinstance(err, TransportError):  # not its turn: the group is whole
-                    self._break(generation, f"collective {payload.seq} failed: {err}")
-                if payload.buckets:  # rank 0 makes the members readers of the rest
-                    leave(payload.source, payload.worker)
-                logger.warning(
-                    "rank %d could not sit in collective %d of process-group generation %d "
-                    "(a version it does not read): %s",
-                    payload.rank,
-                    payload.seq,
-                    generation.number,
-                    err,
-                )
+                self._break(generation, f"collective {payload.seq} failed: {err}")
+                _log_sat_out(payload, err)
             finally:
                 self._next_seq = max(self._next_seq, payload.seq + 1)
                 self._turn.notify_all()
@@ -320,3 +319,14 @@ class DistributedReceiver(TransportReceiver):
 def _collective_of(payload: GroupPayload) -> tuple[int, int]:
     """Which collective (generation, sequence number) carries ``payload``'s version."""
     return payload.generation.number, payload.seq
+
+
+def _log_sat_out(payload: GroupPayload, err: Exception) -> None:
+    logger.warning(
+        "rank %d could not sit in collective %d of process-group generation %d (a version "
+        "it does not read): %s",
+        payload.rank,
+        payload.seq,
+        payload.generation.number,
+        err,
+    )

@@ -89,6 +89,7 @@ def interface_of(ip: str) -> str | None:
 
 def init_rpc(name: str, rank: int, url: str, settings: RpcOptions) -> None:
     """Join the RPC group at ``url`` as ``name`` (dynamic membership); raises on timeout."""
+    import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
     host = node_ip()
@@ -106,25 +107,29 @@ def init_rpc(name: str, rank: int, url: str, settings: RpcOptions) -> None:
     )
     with rpc._init_counter_lock:  # the prefix this init_rpc gives its store keys
         prefix = f"rpc_prefix_{rpc._init_counter}"
+    store = dist.PrefixStore(prefix, _group_store(url))
+    mine = f"Token_for_{name}_join"
+    # Set once this process gives the token back. A join that fails in torch calls
+    # rpc.shutdown(), whose leave waits for this key while the join holds the token:
+    # had an earlier failed join left it set, that wait returned at once, for ever.
+    store.delete_key(mine)
     try:
         rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     except BaseException:
-        _give_join_token_back(url, prefix, name)
+        _give_join_token_back(store, mine)
         raise
 
 
-def _give_join_token_back(url: str, prefix: str, name: str) -> None:
-    """After a join of ``name`` that failed: torch takes the group's membership token
+def _give_join_token_back(store: Any, mine: str) -> None:
+    """After a join that failed: torch takes the group's membership token (as ``mine``)
     when a join starts and gives it back only once it succeeded (a listed member that
     died meanwhile fails it): held, it kept every later join, and the agent's repairs
     of the member list, waiting on it until they failed. Give it back if still held."""
-    import torch.distributed as dist
-
-    mine = f"Token_for_{name}_join"
     try:
-        store = dist.PrefixStore(prefix, _group_store(url))
-        if store.compare_set(JOIN_TOKEN_KEY, mine, "").decode() == "":
-            store.set(mine, "Done")  # wakes the joins waiting for it
+        if store.check([JOIN_TOKEN_KEY]) and store.get(JOIN_TOKEN_KEY).decode() == mine:
+            # Atomic: the agent may take over the token meanwhile (then it is not ours).
+            if store.compare_set(JOIN_TOKEN_KEY, mine, "").decode() == "":
+                store.set(mine, "Done")  # wakes the joins waiting for it
     except Exception:  # the store is out of reach too: nothing is held there, or no one joins
         logger.warning("could not give the RPC group's join token back", exc_info=True)
 
