@@ -117,6 +117,7 @@ def init_rpc(name: str, rank: int, url: str, settings: RpcOptions) -> None:
         rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     except BaseException:
         _give_join_token_back(store, mine)
+        _drop_failed_agent()
         raise
 
 
@@ -132,6 +133,19 @@ def _give_join_token_back(store: Any, mine: str) -> None:
                 store.set(mine, "Done")  # wakes the joins waiting for it
     except Exception:  # the store is out of reach too: nothing is held there, or no one joins
         logger.warning("could not give the RPC group's join token back", exc_info=True)
+
+
+def _drop_failed_agent() -> None:
+    """After a join that failed once torch had made its agent this process's (waiting
+    for a listed member's address, say): torch RPC stayed initialized, and every later
+    ``init_rpc`` raised "RPC is already initialized": the process could never join a
+    group again. A local shutdown lets it go (none if the join failed before it)."""
+    import torch.distributed.rpc as rpc
+
+    try:
+        rpc.shutdown(graceful=False)
+    except Exception:  # no agent was set, or torch's own shutdown in the join let it go
+        pass
 
 
 _register_rendezvous()
