@@ -156,6 +156,7 @@ def copy_all(
     if not destinations or not destinations[0].is_cpu:
         with torch.no_grad():
             torch._foreach_copy_(list(destinations), list(sources))
+        wait_for_devices(destinations)
         return
     shares = copy_shares(spec, torch.get_num_threads() if threads is None else threads)
     pending = [
@@ -167,6 +168,16 @@ def copy_all(
     finally:
         for future in pending:
             future.result()
+
+
+def wait_for_devices(tensors: Sequence[torch.Tensor]) -> None:
+    """Return once the work queued on the current streams of ``tensors``' CUDA devices
+    has run (nothing to wait for on the CPU). A copy out of a transport's buffer is
+    only queued until then, and the buffer, handed back, may be written again by DMA
+    (NIXL, RDT), which waits for no stream: the model would get the next version's
+    bytes."""
+    for device in {tensor.device for tensor in tensors if tensor.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 @functools.lru_cache(maxsize=32)

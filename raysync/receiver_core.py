@@ -37,7 +37,7 @@ import ray
 import torch
 
 from raysync import model_path, weights
-from raysync.copies import Viewed, copy_all, viewed
+from raysync.copies import Viewed, copy_all, viewed, wait_for_devices
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.gate import DEFERRED, ApplyGate, on_event_loop
 from raysync.hub_handle import HubHandle
@@ -603,6 +603,7 @@ class ReceiverCore:
                 view.to(entry.dtype, copy=True)
                 for view, entry in zip(tensors, spec.tensors, strict=True)
             ]
+            wait_for_devices(own)  # read out before the transport gets its data back
         finally:
             transport.release(update.payload, tensors)
         return _Staged(own, None)

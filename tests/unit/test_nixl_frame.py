@@ -201,3 +201,14 @@ def test_a_read_that_finds_the_abandoned_stamp_reports_a_failed_learner():
         "the learner (agent raysync-learner-abc) failed while writing stamp 7; "
         "this version is dropped"
     )
+
+
+def test_a_closed_receiver_reads_nothing_more():
+    """The core registered again and closed this receiver while a delivery was on its
+    way to it: its fetch must not register new staging, never to be let go."""
+    receiver = NixlReceiver("w")
+    receiver.close()
+    spec = WeightSpec.of(_small())
+    with pytest.raises(TransportError, match="closed"):
+        receiver.fetch(_payload(7), spec)
+    assert receiver._pool.close() == []  # no staging was made

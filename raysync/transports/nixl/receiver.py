@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from raysync.copies import viewed
+from raysync.copies import viewed, wait_for_devices
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
@@ -109,6 +109,7 @@ class NixlReceiver(TransportReceiver):
         #: agent -> registration whose metadata is loaded, least recently read first
         self._sources: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
 
     def fetch(
         self, payload: NixlPayload | NixlBucketStream | BucketStream, spec: WeightSpec
@@ -120,6 +121,7 @@ class NixlReceiver(TransportReceiver):
             if self._worker is None:
                 raise TransportError("this receiver reads whole versions, not buckets")
             with self._lock:
+                self._check_open()
                 return self._fetch_stream(payload, spec, self._worker)
         if isinstance(payload, BucketStream):
             return self._served.fetch(payload, spec)
@@ -154,7 +156,14 @@ class NixlReceiver(TransportReceiver):
             return staging.views
 
         with self._lock:
+            self._check_open()
             return self._pool.fill(spec, write)
+
+    def _check_open(self) -> None:
+        """TransportError once closed (the core registered again and opened another
+        receiver): staging registered now would never be let go. Holds ``_lock``."""
+        if self._closed:
+            raise TransportError("this NIXL receiver closed (its receiver registered again)")
 
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         if isinstance(payload, NixlBucketStream):
@@ -264,6 +273,7 @@ class NixlReceiver(TransportReceiver):
         """A staging buffer for bucketed versions of ``spec``, registered."""
         layout = PackedLayout.of(spec, SLOT_HEADER)
         tensor = torch.zeros(layout.nbytes, dtype=torch.uint8, device=self._device)
+        wait_for_devices([tensor])  # zeroed before a READ lands in it (no stream waits)
         registered = self._agent.register_memory(tensor)
         return _RingStaging(tensor, viewed(layout.views(tensor)), registered)
 
@@ -310,6 +320,7 @@ class NixlReceiver(TransportReceiver):
         its local descriptor list prepared."""
         frame = Frame.of(spec)
         tensor = torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=self._device)
+        wait_for_devices([tensor])  # zeroed before a READ lands in it (no stream waits)
         registered = self._agent.register_memory(tensor)
         local = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT",
@@ -421,6 +432,7 @@ class NixlReceiver(TransportReceiver):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for agent in list(self._sources):
                 self._forget(agent)
             for staging in self._pool.close():
