@@ -109,7 +109,8 @@ class _Broadcast:
         receivers are still reading. What it blocks the calling thread on, in order:
         the hand-off list the hub sent with the previous broadcast's result (the first
         broadcast, and one sent before the previous one's result came back, wait one
-        hub round trip for it);
+        hub round trip for it, at most the broadcast's timeout: TimeoutError, nothing
+        sent, from a hub that does not answer);
         flattening and checking ``weights``; the transport's send — one copy into the
         object store (``object_store``, ``distributed``, ``rpc``), one into the node's
         shared-memory slot (``shared_memory``), or, with ``nixl`` and ``rdt``, for the
@@ -146,7 +147,7 @@ class _Broadcast:
         bucket_bytes = _bucket_bytes(config.bucket_mb if bucket_mb is None else bucket_mb, travels)
         handle = self._handle
         side = handle._side
-        route = handle._route(model)
+        route = handle._route(model, config.default_timeout_s if timeout_s is None else timeout_s)
         route_key = handle._route_key(model)  # after _route: it may name the model
         direct = (
             route.next_version > 0
@@ -522,25 +523,30 @@ class HubHandle:
         it here (:mod:`raysync.learner_side`)."""
         return learner_side(self.config.hub_id, self.actor)
 
-    def _route(self, model: str | None) -> Route:
+    def _route(self, model: str | None, timeout_s: float) -> Route:
         """This broadcast's :class:`~raysync.messages.Route`: the hand-offs it carries
         and, for the direct path, the model's next version and the receivers to call. It
         comes with the result of the previous broadcast of ``model`` (the hub makes it
         when it answers that broadcast: no round trip of its own); a broadcast whose
         previous one is still out (or failed, or the first) asks the hub for it. A
         receiver that registered since gets this version from the hub (by a new
-        transport: the next version)."""
+        transport: the next version). TimeoutError if the hub, asked, does not answer
+        within ``timeout_s``."""
         key = self._route_key(model)
         sequence, last = self._side.last_results.get(key, (0, None))
         route = _route_in(last) if last is not None else None
         if route is None:
-            route = ray.get(self._ask_route(model, sequence, self._known_receivers(key)))
+            route = self._answer(
+                self._ask_route(model, sequence, self._known_receivers(key)), timeout_s
+            )
         if model is None and route.model:
             with self._side.submitting:
                 self._side.unnamed_model = key = route.model
         filled = self._with_handles(key, route)
         if filled is None:  # left out a handle this process let go of: ask with every one
-            filled = self._with_handles(key, ray.get(self._ask_route(model, sequence)))
+            filled = self._with_handles(
+                key, self._answer(self._ask_route(model, sequence), timeout_s)
+            )
         assert filled is not None  # a route with every handle needs none from here
         return filled
 
@@ -617,6 +623,18 @@ class HubHandle:
         ``after`` (the hub answers once it has versioned that one, so the route's next
         version is above it, even an explicit one), leaving out the ``known`` handles."""
         return self.actor.route.remote(model, self._side.submitter, after, known)
+
+    def _answer(self, asked: ray.ObjectRef, timeout_s: float) -> Route:
+        """The route the hub answers ``asked`` with. TimeoutError after ``timeout_s``: a
+        hub alive but hung (or busy that long) must not hang the learner's broadcast."""
+        try:
+            return ray.get(asked, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as err:
+            raise TimeoutError(
+                f"hub {self.config.hub_id} did not answer within {timeout_s:g} s which "
+                "hand-offs this broadcast takes (it is alive, but busy or hung); nothing "
+                "was sent"
+            ) from err
 
     def _sender(self, hand_off: str) -> TransportSender:
         """The learner half of transport ``hand_off``: this process's, shared by every

@@ -52,6 +52,12 @@ class Gate:
         self._opened.set()
 
 
+def hold_the_loop(actor, gate) -> None:
+    """Runs in an async actor through ``__ray_call__``: blocks its event loop (Ray runs
+    a sync method there) until ``gate`` opens, as a hung actor would."""
+    ray.get(gate.wait.remote())
+
+
 def run_in_threads(*calls: tuple[str, Callable[..., None], tuple]) -> None:
     """Run each ``(name, target, args)`` in a thread of that name, all at once; return
     once every one ended (a test's threads that meet through events)."""
