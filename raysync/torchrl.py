@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ray
@@ -121,6 +121,8 @@ class RaySyncScheme(WeightSyncScheme):
                 f"RaySyncScheme for model {model_id!r} needs the remote collectors "
                 "(remote_collectors=, or a RayCollector as context)"
             )
+        if self._owns_hub:  # run again (a RayCollector built anew with this scheme)
+            self._close_own_hub()
         self.model_id = model_id
         self.context = context
         self.model = model
@@ -181,22 +183,30 @@ class RaySyncScheme(WeightSyncScheme):
         )
         workers = self._targets(worker_ids)
         deadline = time.monotonic() + self._timeout_s
+        looked_for_restarted = False
         while True:
-            ack = self._hub.broadcast.remote(
-                prepared, model=self.model_id, workers=workers, timeout_s=self._timeout_s
-            )
             try:
+                # In the try: the handle asks a hub it has no route from yet (the first
+                # update, or the one after a failed one) for it, and a hub Ray is
+                # restarting answers that with ActorUnavailableError.
+                ack = self._hub.broadcast.remote(
+                    prepared, model=self.model_id, workers=workers, timeout_s=self._timeout_s
+                )
                 self.last_report = ray.get(ack)
                 return
             except BroadcastError as err:
-                if time.monotonic() > deadline or not self._attach_restarted(err.report.failed):
+                if time.monotonic() > deadline or not self._attach_restarted(
+                    err.report.failed, deadline
+                ):
                     raise
             except (UnknownWorkerError, ray.exceptions.ActorUnavailableError) as err:
                 # A hub Ray is restarting (the update may or may not have gone out: the
                 # same weights again are harmless), or restarted and knows each
                 # collector again once its hub watch registered it (a heartbeat): until
                 # then, try again. Unless a collector it does not know is dead: the hub
-                # dropped it, and no wait brings it back.
+                # dropped it, and no wait brings it back. One Ray restarted after the
+                # hub dropped it (its attach, after the delivery that failed, did not
+                # come through) holds no receiver: it is attached again here.
                 if isinstance(err, UnknownWorkerError):
                     dead = self._dead(workers)
                     if dead:
@@ -205,35 +215,47 @@ class RaySyncScheme(WeightSyncScheme):
                             f"{self.model_id!r} died and the hub dropped them: no update "
                             "reaches them (pass worker_ids= to update the others)"
                         ) from err
+                    if not looked_for_restarted:
+                        looked_for_restarted = True
+                        if self._attach_restarted(workers, deadline):
+                            continue
                 if time.monotonic() + _REGISTERED_AGAIN_LOOK_S > deadline:
                     raise
                 time.sleep(_REGISTERED_AGAIN_LOOK_S)
 
-    def _attach_restarted(self, failed: dict[str, str]) -> bool:
-        """In the learner, after a broadcast failed on ``failed``: hand this scheme again
-        to each of those remote collectors that holds no receiver of it (a new
-        incarnation Ray restarted), the way RayCollector's constructor did. Whether any
-        was attached again; one dead for good or unreachable is left to the report."""
+    def _attach_restarted(self, workers: Iterable[str], deadline: float) -> bool:
+        """In the learner, after a broadcast failed on ``workers`` (or the hub knew them
+        not): hand this scheme again to each of those remote collectors that holds no
+        receiver of it (a new incarnation Ray restarted), the way RayCollector's
+        constructor did, asking all at once until ``deadline``. Whether any was attached
+        again; one dead for good, busy or unreachable is left to the report."""
+        collectors = {
+            w: self._collectors[self._workers.index(w)] for w in workers if w in self._workers
+        }
         attached = False
-        for worker in failed:
-            if worker not in self._workers:
-                continue
-            collector = self._collectors[self._workers.index(worker)]
-            try:
-                if ray.get(
-                    collector.__ray_call__.remote(_holds_receiver, self.model_id),
-                    timeout=self._timeout_s,
-                ):
-                    continue
-                ray.get(
-                    collector.register_scheme_receiver.remote(
-                        {self.model_id: self}, synchronize_weights=False
-                    ),
-                    timeout=self._timeout_s,
-                )
-            except (ray.exceptions.RayError, TimeoutError):
-                continue
-            attached = True
+        while collectors:
+            asked = {
+                c.__ray_call__.remote(_holds_receiver, self.model_id): w
+                for w, c in collectors.items()
+            }
+            held = _answers(asked, deadline)
+            registered = {
+                collectors[w].register_scheme_receiver.remote(
+                    {self.model_id: self}, synchronize_weights=False
+                ): w
+                for w, holds in held.items()
+                if holds is False
+            }
+            outcomes = _answers(registered, deadline)
+            attached |= any(o not in (_NO_ANSWER, _UNAVAILABLE) for o in outcomes.values())
+            # A call Ray could not tell ran (the collector was still restarting, as
+            # its handle saw it): ask again whether it holds a receiver.
+            again = {w for w, a in [*held.items(), *outcomes.items()] if a is _UNAVAILABLE}
+            collectors = {w: c for w, c in collectors.items() if w in again}
+            if collectors and time.monotonic() + _REGISTERED_AGAIN_LOOK_S > deadline:
+                break
+            if collectors:
+                time.sleep(_REGISTERED_AGAIN_LOOK_S)
         return attached
 
     def _dead(self, workers: list[str]) -> list[str]:
@@ -246,7 +268,7 @@ class RaySyncScheme(WeightSyncScheme):
         for ref in ready:
             try:
                 ray.get(ref)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.ActorDiedError:  # not one Ray is restarting
                 dead.append(asked[ref])
         return [f"{i} ({self._workers[i]})" for i in sorted(dead)]
 
@@ -355,13 +377,19 @@ class RaySyncScheme(WeightSyncScheme):
         receiver, self._receiver = getattr(self, "_receiver", None), None
         if receiver is not None:
             receiver.close()
-        if getattr(self, "_owns_hub", False) and self._hub is not None:
-            hub, self._hub, self._owns_hub = self._hub, None, False
-            try:
-                hub.release()
-                ray.get(hub.close.remote(), timeout=self._timeout_s)
-            finally:  # a close that timed out still ends the hub this scheme started
-                ray.kill(hub.actor)
+        if getattr(self, "_owns_hub", False):
+            self._close_own_hub()
+
+    def _close_own_hub(self) -> None:
+        """In the learner: close the hub this scheme started, and forget it."""
+        hub, self._hub, self._owns_hub = self._hub, None, False
+        if hub is None:
+            return
+        try:
+            hub.release()
+            ray.get(hub.close.remote(), timeout=self._timeout_s)
+        finally:  # a close that timed out still ends the hub this scheme started
+            ray.kill(hub.actor)
 
     def __getstate__(self) -> dict[str, Any]:
         """What TorchRL pickles to each remote collector: the hub's handle and the
@@ -374,6 +402,30 @@ class RaySyncScheme(WeightSyncScheme):
 def _worker_id(scheme_id: str, model_id: str, index: int) -> str:
     """A remote collector's name at the hub (in reports and ``hub.status``)."""
     return f"torchrl-{scheme_id}-{model_id}-{index}"
+
+
+#: What :func:`_answers` gives a call that raised or did not answer in time, and one
+#: Ray could not tell ran (the actor was restarting).
+_NO_ANSWER = object()
+_UNAVAILABLE = object()
+
+
+def _answers(calls: dict[Any, str], deadline: float) -> dict[str, Any]:
+    """Each of ``calls`` (ObjectRef -> worker) answered by ``deadline``: worker -> its
+    result, ``_UNAVAILABLE`` or ``_NO_ANSWER``."""
+    if not calls:
+        return {}
+    timeout = max(0.0, deadline - time.monotonic())
+    ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout)
+    answers: dict[str, Any] = dict.fromkeys(calls.values(), _NO_ANSWER)
+    for ref in ready:
+        try:
+            answers[calls[ref]] = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:
+            answers[calls[ref]] = _UNAVAILABLE
+        except ray.exceptions.RayError:
+            pass
+    return answers
 
 
 def _holds_receiver(collector: Any, model_id: str) -> bool:

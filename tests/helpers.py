@@ -52,9 +52,10 @@ class Gate:
         self._opened.set()
 
 
-def hold_the_loop(actor, gate) -> None:
-    """Runs in an async actor through ``__ray_call__``: blocks its event loop (Ray runs
-    a sync method there) until ``gate`` opens, as a hung actor would."""
+def hold_the_actor(actor, gate) -> None:
+    """Runs in an async actor through ``__ray_call__``: until ``gate`` opens, none of
+    the actor's other calls runs (seen: a hub's ``status`` is not answered), as in a
+    hung actor."""
     ray.get(gate.wait.remote())
 
 

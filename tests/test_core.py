@@ -33,7 +33,7 @@ from raysync.transports import DEFAULT_TRANSPORT, register_transport
 from tests.helpers import (
     Gate,
     assert_same,
-    hold_the_loop,
+    hold_the_actor,
     keep_two_reports,
     ready,
     start,
@@ -478,13 +478,13 @@ class TestFailures:
 
 def test_a_broadcast_to_a_hub_that_does_not_answer_fails_within_its_timeout(actors):
     """A learner's first broadcast asks the hub which hand-offs it takes: a hub alive
-    but hung (its event loop held) kept ``broadcast.remote`` blocked for ever. It fails
+    but hung (here held by a call) kept ``broadcast.remote`` blocked for ever. It fails
     within the broadcast's timeout, nothing sent; the hub, free again, goes on."""
     hub = start_hub(actors, DEFAULT_TRANSPORT)
     collector = start(actors, Collector, hub, worker_id="c")
     ready([collector])
     gate = start(actors, Gate)
-    held = hub.actor.__ray_call__.remote(hold_the_loop, gate)
+    held = hub.actor.__ray_call__.remote(hold_the_actor, gate)
     try:
         with pytest.raises(TimeoutError, match="did not answer within 2 s"):
             hub.broadcast.remote(make_policy(), timeout_s=2)

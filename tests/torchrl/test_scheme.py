@@ -149,6 +149,22 @@ def test_a_scheme_used_before_init_on_sender_says_so():
         RaySyncScheme().send({"weight": torch.tensor(1.0)})
 
 
+def test_a_scheme_initialized_again_ends_the_hub_it_started_first(ray_cluster):
+    """A scheme handed to a second RayCollector (the first one's constructor failed
+    after init_on_sender, say) starts its hub again: the first one it started is ended,
+    not left running, with its transports' actors, for the driver's life."""
+    scheme = RaySyncScheme()
+    scheme.init_on_sender(model_id="policy", remote_collectors=["stands for a collector"])
+    first = scheme.hub
+    scheme.init_on_sender(model_id="policy", remote_collectors=["stands for a collector"])
+    try:
+        assert scheme.hub is not first
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            ray.get(first.actor.__ray_ready__.remote(), timeout=60)
+    finally:
+        scheme.shutdown()
+
+
 def test_torchrl_builds_it_from_its_backend_registry():
     scheme = WeightSyncScheme.from_backend("raysync", timeout_s=5.0)
     assert isinstance(scheme, RaySyncScheme)
@@ -252,6 +268,37 @@ def test_a_collector_ray_restarted_acts_with_the_next_update(ray_cluster):
         set_weight(policy, 4.0)
         collector.update_policy_weights_()
         assert actions(next(batches)) == {4.0}
+    finally:
+        collector.shutdown()
+
+
+def test_a_collector_ray_restarted_after_the_hub_dropped_it_is_attached_again(ray_cluster):
+    """The hub dropped a remote collector (a delivery found it dead) and the update that
+    found it so could not attach its new incarnation (Ray was still starting it): the
+    next update found a hub that knew it not, and a live actor, and waited out its whole
+    timeout as if the hub were restarting; the collector acted on its old weights for
+    good. That update now attaches it again and reaches it."""
+    policy = set_weight(CountingPolicy(), 2.0)
+    scheme = RaySyncScheme(timeout_s=3 * QUICK_S)
+    restarting = {**REMOTE, "max_restarts": 1}
+    collector = ray_collector(2, sync=True, scheme=scheme, policy=policy, remote_configs=restarting)
+    try:
+        batches = iter(collector)
+        collector.update_policy_weights_()
+        died = collector.remote_collectors[1]
+        ray.kill(died, no_restart=False)
+        ready_again(died)
+        worker = scheme.workers[1]
+        token = ray.get(
+            scheme.hub.actor.__ray_call__.remote(
+                lambda hub: hub._state.receivers[worker].registration.token
+            )
+        )
+        ray.get(scheme.hub.actor.leave.remote(worker, token))  # as when a delivery found it dead
+        set_weight(policy, 3.0)
+        collector.update_policy_weights_()
+        assert scheme.last_report.acked == scheme.workers
+        assert actions(next(batches)) == {3.0}
     finally:
         collector.shutdown()
 
