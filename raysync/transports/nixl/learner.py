@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +56,9 @@ class _SourcePair:
     buffers: tuple[_SourceBuffer, _SourceBuffer]
     registered: Any  #: nixlRegDList, for deregistration
     next: int = 0
+    #: One ``send`` of this model at a time: the choice of buffer, and the wait for the
+    #: broadcast that last filled it (other models' sends do not wait for that).
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class NixlSender(TransportSender):
@@ -80,8 +83,8 @@ class NixlSender(TransportSender):
         self._metadata = self._agent.get_agent_metadata()
         self._stamp = 0
         self._stamp_lock = threading.Lock()
-        #: One hand-off at a time (``send``, ``send_buckets``): the choice of buffer or
-        #: ring, registrations. Held while ``send`` waits for a buffer's last broadcast.
+        #: Registrations and the choice of ring (``send_buckets``); never held while a
+        #: ``send`` waits for a buffer's last broadcast (its pair's ``lock`` is).
         self._lock = threading.Lock()
         #: Who holds each buffer (``pending``, ``broadcast``) and each bucketed version's
         #: ring: never held while waiting for a broadcast, so that the versions already
@@ -99,10 +102,13 @@ class NixlSender(TransportSender):
         versions already handed to the hub are written: a receiver may be reading one
         of them before it can apply the version this waits for (two models broadcast
         from two threads: waiting under the lock ``submitted`` takes held the other
-        model's write until that broadcast timed out)."""
+        model's write until that broadcast timed out). Only this model's sends wait with
+        it: one slow receiver of model a does not hold up model b's broadcasts."""
         device = tensors[spec.names[0]].device
+        key = (model, spec, device)
         with self._lock:
-            pair = self._pairs.get((model, spec, device)) or self._register(model, spec, device)
+            pair = self._pairs.get(key) or self._register(model, spec, device)
+        with pair.lock:
             buffer = pair.buffers[pair.next]
             pair.next ^= 1
             with self._state:
@@ -123,11 +129,18 @@ class NixlSender(TransportSender):
                     buffer.pending = None
                     self._written.notify_all()
                 raise
+            with self._lock:  # the metadata that holds this buffer's registration
+                closed = self._pairs.get(key) is not pair
+                metadata, registration = self._metadata, self._registration
             with self._state:
-                buffer.pending = (stamp, sources)
-            return NixlPayload(
-                self._agent.name, self._metadata, self._registration, buffer.region, stamp
-            )
+                buffer.pending = None if closed else (stamp, sources)
+                self._written.notify_all()
+            if closed:
+                raise TransportError(
+                    f"nixl: the sender closed while model {model!r}'s version waited for "
+                    "its buffer"
+                )
+            return NixlPayload(self._agent.name, metadata, registration, buffer.region, stamp)
 
     def _next_stamp(self) -> int:
         """A fresh stamp, larger than every one before (whole buffers and ring slots)."""
@@ -228,7 +241,7 @@ class NixlSender(TransportSender):
             self._written.notify_all()
 
     def _wait_until_written(self, buffer: _SourceBuffer) -> None:
-        """(``_lock`` and ``_state`` held.) Wait while another thread's version, sent into
+        """(The pair's ``lock`` and ``_state`` held.) Wait while another thread's version, sent into
         ``buffer``, is neither written to its end (``submitted``) nor ``abandoned``: three
         threads sending one spec at once would otherwise take the buffer from the first
         before it wrote, and lose that version after the hub took it (or write under it

@@ -1,0 +1,113 @@
+"""The NIXL learner's sender (raysync/transports/nixl/learner.py) with a real NIXL agent,
+without Ray: which sends wait for the broadcast that last filled a buffer.
+
+Each model has two registered buffers; a third version of a model waits until the
+broadcast that filled its buffer first has ended (its receivers read it). That wait is
+the model's own: another model's versions go out meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError, VersionDone
+from raysync.transports.nixl.learner import NixlSender
+
+#: Bound on a wait that must end at once (it ends in milliseconds): a failure, not a hang.
+_PROMPT_S = 30.0
+
+
+class _HeldBroadcast(VersionDone):
+    """A broadcast whose receivers have not finished until :meth:`end`; ``waited`` is set
+    when a sender starts waiting for it."""
+
+    def __init__(self) -> None:
+        self._ended = threading.Event()
+        self.waited = threading.Event()
+
+    def wait(self, timeout_s: float) -> None:
+        if timeout_s > 0:
+            self.waited.set()
+        if not self._ended.wait(timeout_s):
+            raise TimeoutError("the broadcast is still running")
+
+    def end(self) -> None:
+        self._ended.set()
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, generator=generator), "b": torch.randn(8, generator=generator)}
+
+
+@pytest.fixture
+def sender():
+    sender = NixlSender()
+    yield sender
+    sender.close()
+
+
+@pytest.fixture
+def held(sender):
+    """A broadcast that ends when the test is done with it, at the latest at teardown
+    (before the sender closes: a send still waiting for it returns first)."""
+    held = _HeldBroadcast()
+    yield held
+    held.end()
+
+
+def _in_thread(call) -> tuple[threading.Thread, dict]:
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["payload"] = call()
+        except BaseException as err:  # handed to the test
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _fill_both_buffers(sender: NixlSender, model: str, held: _HeldBroadcast) -> WeightSpec:
+    weights = _weights(1)
+    spec = WeightSpec.of(weights)
+    for _ in range(2):
+        sender.submitted(sender.send(weights, spec, model), held)
+    return spec
+
+
+def test_a_model_waiting_for_its_buffer_does_not_hold_up_another_models_send(sender, held):
+    spec = _fill_both_buffers(sender, "slow", held)
+    waiting, waited_outcome = _in_thread(lambda: sender.send(_weights(2), spec, "slow"))
+    assert held.waited.wait(_PROMPT_S), "the third version of 'slow' did not wait"
+
+    other, other_outcome = _in_thread(lambda: sender.send(_weights(3), spec, "fast"))
+    other.join(_PROMPT_S)
+    assert not other.is_alive(), "model 'fast' waited for model 'slow''s broadcast"
+    sender.submitted(other_outcome["payload"], None)
+    assert waiting.is_alive()  # 'slow' still waits for its receivers
+
+    held.end()
+    waiting.join(_PROMPT_S)
+    assert not waiting.is_alive() and "payload" in waited_outcome
+    sender.submitted(waited_outcome["payload"], None)
+
+
+def test_a_send_that_waited_while_the_sender_closed_fails_naming_its_model(sender, held):
+    spec = _fill_both_buffers(sender, "slow", held)
+    waiting, outcome = _in_thread(lambda: sender.send(_weights(2), spec, "slow"))
+    assert held.waited.wait(_PROMPT_S)
+    closing, _ = _in_thread(sender.close)
+    closing.join(_PROMPT_S)
+    assert not closing.is_alive(), "close waited for a send's broadcast"
+    held.end()
+    waiting.join(_PROMPT_S)
+    assert not waiting.is_alive()
+    assert isinstance(outcome.get("error"), TransportError)
+    assert "'slow'" in str(outcome["error"]) and "closed" in str(outcome["error"])
