@@ -67,8 +67,12 @@ class RaySyncScheme(WeightSyncScheme):
     closed again by :meth:`shutdown`. ``transport`` is that hub's transport; with a hub
     given, it is the one the collectors read by (overriding the hub's for them).
     ``timeout_s`` bounds each ``update_policy_weights_()`` (every collector's ack) and
-    every wait on the hub. Registered with TorchRL as backend ``"raysync"``:
-    ``WeightSyncScheme.from_backend("raysync", hub=...)``.
+    every wait on the hub. ``model`` is the model's id at the hub (default: TorchRL's id
+    for it, the key of ``weight_sync_schemes``, e.g. ``"policy"``): every receiver of that
+    id on the hub shares its versions (an evaluator actor attached to ``"policy"`` gets
+    each update too, and a collector that joins later gets the latest, whoever sent it),
+    so two RayCollectors on one given hub need a ``model`` each. Registered with TorchRL
+    as backend ``"raysync"``: ``WeightSyncScheme.from_backend("raysync", hub=...)``.
 
     After :meth:`send`, :attr:`last_report` holds that broadcast's
     :class:`~raysync.BroadcastReport` (its ``version``, who acked, where the time went).
@@ -88,10 +92,14 @@ class RaySyncScheme(WeightSyncScheme):
         transport: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         namespace: str | None = None,
+        model: str | None = None,
     ) -> None:
         super().__init__(strategy="tensordict")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"model must be a non-empty model id, got {model!r}")
+        self._hub_model_given = model
         self._hub_given = hub
         self._namespace = namespace
         self._transport = transport
@@ -131,7 +139,7 @@ class RaySyncScheme(WeightSyncScheme):
         self._workers = tuple(
             _worker_id(scheme_id, model_id, index) for index in range(len(remote_collectors))
         )
-        self._hub, self._owns_hub = self._open_hub(model_id)
+        self._hub, self._owns_hub = self._open_hub(self.hub_model)
 
     def _open_hub(self, model_id: str) -> tuple[HubHandle, bool]:
         given = self._hub_given
@@ -190,7 +198,7 @@ class RaySyncScheme(WeightSyncScheme):
                 # update, or the one after a failed one) for it, and a hub Ray is
                 # restarting answers that with ActorUnavailableError.
                 ack = self._hub.broadcast.remote(
-                    prepared, model=self.model_id, workers=workers, timeout_s=self._timeout_s
+                    prepared, model=self.hub_model, workers=workers, timeout_s=self._timeout_s
                 )
                 self.last_report = ray.get(ack)
                 return
@@ -212,7 +220,7 @@ class RaySyncScheme(WeightSyncScheme):
                     if dead:
                         raise UnknownWorkerError(
                             f"remote collector(s) {', '.join(dead)} of model "
-                            f"{self.model_id!r} died and the hub dropped them: no update "
+                            f"{self.hub_model!r} died and the hub dropped them: no update "
                             "reaches them (pass worker_ids= to update the others)"
                         ) from err
                     if not looked_for_restarted:
@@ -290,6 +298,11 @@ class RaySyncScheme(WeightSyncScheme):
         return self._hub
 
     @property
+    def hub_model(self) -> str:
+        """The model's id at the hub: ``model`` as given, else TorchRL's model id."""
+        return self._hub_model_given or self.model_id
+
+    @property
     def workers(self) -> tuple[str, ...]:
         """The remote collectors' worker ids at the hub, by collector index."""
         return self._workers
@@ -346,7 +359,7 @@ class RaySyncScheme(WeightSyncScheme):
         self.model = target
         self._receiver = attach(
             self._hub,
-            {model_id: _weights_of(target)},
+            {self.hub_model: _weights_of(target)},
             owner=context,
             worker_id=self._workers[worker_idx],
             transport=self._transport if self._hub_given is not None else None,
@@ -354,14 +367,14 @@ class RaySyncScheme(WeightSyncScheme):
             on_applied=self._pass_on,
         )
 
-    def _pass_on(self, model_id: str, version: int) -> None:
+    def _pass_on(self, hub_model: str, version: int) -> None:
         """After each applied version, in the collector's actor: hand the weights to the
         collector's own ``update_policy_weights_``, as TorchRL's schemes do (it updates
         sub-collectors' workers and bumps the collector's policy version). Only for a
         model the collector can take that way: one its own schemes sync (a
         multi-process collector's), or, with none, its policy (a ``Collector`` raises
         ``KeyError`` for any other id, and the version, applied, would fail its ack)."""
-        context = self.context
+        context, model_id = self.context, self.model_id
         if context is None:
             return
         schemes = getattr(context, "_weight_sync_schemes", None) or {}

@@ -206,6 +206,51 @@ def test_async_collectors_on_a_named_hub_act_with_the_new_weights_once_it_return
     ray.kill(hub.actor)
 
 
+def test_two_ray_collectors_on_one_hub_keep_their_policies_apart_by_model(ray_cluster):
+    """Two RayCollectors on one given hub, each scheme naming its model there: each
+    collector acts with its own learner's updates only, and one built after the other's
+    update starts with its own policy (on a shared id it joins late and takes the
+    other's latest version)."""
+    hub = WeightHub.options(name="torchrl-two-collectors-hub").remote()
+    first = RaySyncScheme("torchrl-two-collectors-hub", model="first-policy")
+    second = RaySyncScheme("torchrl-two-collectors-hub", model="second-policy")
+    collectors = []
+    try:
+        collectors.append(
+            ray_collector(1, sync=True, scheme=first, policy=set_weight(CountingPolicy(), 3.0))
+        )
+        first_batches = iter(collectors[0])
+        collectors[0].update_policy_weights_()
+        assert first.last_report.acked == first.workers
+        assert actions(next(first_batches)) == {3.0}
+
+        collectors.append(
+            ray_collector(1, sync=True, scheme=second, policy=set_weight(CountingPolicy(), 2.0))
+        )
+        second_batches = iter(collectors[1])
+        assert actions(next(second_batches)) == {2.0}
+        collectors[1].update_policy_weights_(policy=set_weight(CountingPolicy(), 4.0))
+        assert second.last_report.acked == second.workers
+        assert actions(next(second_batches)) == {4.0}
+        assert actions(next(first_batches)) == {3.0}
+
+        status = ray.get(hub.status.remote())
+        held = {r.worker: r.versions for r in status.receivers}
+        assert held == {
+            first.workers[0]: {"first-policy": 1},
+            second.workers[0]: {"second-policy": 1},
+        }
+    finally:
+        for collector in collectors:
+            collector.shutdown()
+        ray.kill(hub.actor)
+
+
+def test_a_model_id_at_the_hub_must_be_a_non_empty_string():
+    with pytest.raises(ValueError, match="model must be a non-empty model id"):
+        RaySyncScheme(model="")
+
+
 def test_an_update_after_the_hub_restarted_waits_until_the_collectors_are_back(ray_cluster):
     """A hub Ray restarts knows no collector until each registers again (a heartbeat
     later): an update in between raised UnknownWorkerError; it is tried again."""
@@ -356,9 +401,10 @@ def test_an_applied_version_of_a_model_besides_the_policy_is_not_passed_on_to_fa
     collector.update_policy_weights_ = lambda **kw: (passed_on.append(kw["model_id"]), take(**kw))
     try:
         for model_id in ("env.transform", "policy"):
-            scheme = RaySyncScheme()
+            scheme = RaySyncScheme(model=f"{model_id} at the hub")
+            scheme.model_id = model_id
             scheme.context, scheme.model = collector, _collector_model(collector, model_id)
-            scheme._pass_on(model_id, 1)  # what attach's on_applied runs
-        assert passed_on == ["policy"]
+            scheme._pass_on(scheme.hub_model, 1)  # what attach's on_applied runs
+        assert passed_on == ["policy"]  # TorchRL's id, not the hub's
     finally:
         collector.shutdown()
