@@ -77,6 +77,9 @@ class _Stream:
     key: StreamId
     buckets: dict[int, list[ray.ObjectRef]] = field(default_factory=dict)
     offered: int = 0  #: buckets the learner has put so far
+    #: Every reader copied the buckets below it: they were freed. (Not ``offered``: Ray
+    #: may start the learner's offers out of order, bucket 1 before bucket 0.)
+    freed_below: int = 0
     readers: set[str] | None = None  #: the workers it goes to; None: not planned yet
     taken: dict[str, int] = field(default_factory=dict)  #: worker -> buckets it copied
     asked: dict[str, int] = field(default_factory=dict)  #: worker -> bucket it asked for last
@@ -102,6 +105,7 @@ class _Stream:
         lowest = min((self.taken.get(w, 0) for w in self.readers), default=self.key.count)
         for index in [i for i in self.buckets if i < lowest]:
             del self.buckets[index]
+        self.freed_below = max(self.freed_below, lowest)
 
     async def changed_now(self) -> None:
         async with self.changed:
@@ -294,7 +298,7 @@ class BucketBroker:
             await state.changed_now()
             return None, None
         state.clock.take(worker, index)
-        if index < state.offered and index not in state.buckets:
+        if index < state.freed_below and index not in state.buckets:
             return None, (
                 f"bucket {index} of {key.count} is gone: every reader of the version took "
                 "it before this receiver asked (it was not among the version's readers)"

@@ -504,3 +504,21 @@ def test_the_broker_keeps_the_clocks_of_its_last_streams_only():
     assert broker.hand_off("s0") is None
     assert broker.hand_off(f"s{bucket_broker._CLOCKS_KEPT}") == broker.hand_off()
     assert broker.hand_off().buckets == 1
+
+
+def test_a_bucket_offered_after_the_next_one_is_waited_for_not_called_gone():
+    """Ray may start the learner's offers out of order (an async actor): bucket 1's
+    before bucket 0's. A reader asking for bucket 0 in between waits for it (it was told
+    the bucket was gone, as if every reader had taken it, and failed the version)."""
+
+    async def main():
+        broker, k = BucketBroker(_NO_HUB), key(count=3)
+        await broker.readers(k, ["a"])
+        await broker.offer(k, 1, ["ref1"])
+        first = asyncio.ensure_future(broker.take(k, 0, "a"))
+        await asyncio.sleep(0)  # the take runs up to its wait for bucket 0
+        assert not first.done()
+        await broker.offer(k, 0, ["ref0"])
+        return await first, await broker.take(k, 1, "a")
+
+    assert run(main()) == ((["ref0"], None), (["ref1"], None))
