@@ -168,6 +168,8 @@ def copy_all(
     finally:
         for future in pending:
             future.result()
+    # A model whose first tensor (by name) is on the CPU may hold others on a GPU.
+    wait_for_devices(destinations)
 
 
 def wait_for_devices(tensors: Sequence[torch.Tensor]) -> None:
