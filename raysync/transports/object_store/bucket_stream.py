@@ -72,6 +72,14 @@ class BucketStream:
     bucket_bytes: int
 
 
+#: Calls the broker runs at once. Each reader keeps up to two ``take``s waiting there (it
+#: asks for the next bucket while it copies one), and the learner's ``offer`` and
+#: ``room`` queue behind them once every slot is taken: at Ray's default (1000) a stream
+#: to ~500 readers stalled until its takes timed out. Waiting coroutines cost the actor
+#: memory only.
+BROKER_CALLS_AT_ONCE = 20_000
+
+
 def open_broker(hub: HubContext) -> Any:
     """The hub's bucket broker: started by a hub that has a ``bucket_mb`` as it starts,
     else by the first learner that needs it (detached from that learner: it lives as
@@ -83,7 +91,7 @@ def open_broker(hub: HubContext) -> Any:
         get_if_exists=True,
         lifetime="detached",
         num_cpus=0,
-        max_concurrency=1000,
+        max_concurrency=BROKER_CALLS_AT_ONCE,
     ).remote(hub.actor)
 
 
