@@ -137,8 +137,9 @@ class BucketBroker:
         #: actor id -> the one task watching it (it outlives the sender's streams while
         #: its call waits behind a long method, and covers the sender's next streams)
         self._watches: dict[str, asyncio.Task] = {}
-        #: stream id -> its hand-off clock, for the last ``_CLOCKS_KEPT`` streams opened
-        self._clocks: dict[str, HandOffClock] = {}
+        #: stream id -> its hand-off clock (once it ended, the clock's summary), for the
+        #: last ``_CLOCKS_KEPT`` streams opened
+        self._clocks: dict[str, HandOffClock | HandOff] = {}
         self._background = BackgroundTasks("bucket broker")  #: streams ended by timers
         # An actor: unit tests make a plain object, in a process where Ray may be up.
         if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
@@ -346,10 +347,11 @@ class BucketBroker:
         stream's clock (it keeps the last few)."""
         if stream is not None:
             clock = self._clocks.get(stream)
-            return None if clock is None else clock.summary()
+            return None if clock is None else _summary(clock)
         for clock in reversed(self._clocks.values()):
-            if clock.offered:
-                return clock.summary()
+            summary = _summary(clock)
+            if summary.buckets:
+                return summary
         return None
 
     def taken(self, worker: str) -> int:
@@ -457,6 +459,9 @@ class BucketBroker:
 
     def _remember_end(self, stream: str, why: str, state: _Stream | None) -> None:
         """``stream`` ended (``state``: what it was, if the broker had it open)."""
+        clock = self._clocks.get(stream)
+        if isinstance(clock, HandOffClock):  # kept as its few figures
+            self._clocks[stream] = clock.summary()
         if state is not None and state.sender is not None:
             self._sending.get(state.sender, set()).discard(stream)
         self._ended[stream] = (
@@ -481,3 +486,7 @@ def _room_deadline(
         f"no reader began the version within {key.wait_s:g} s of its plan (its "
         "receivers' wait for a bucket)"
     )
+
+
+def _summary(clock: HandOffClock | HandOff) -> HandOff:
+    return clock if isinstance(clock, HandOff) else clock.summary()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from array import array
 from dataclasses import dataclass, field
 
 
@@ -47,14 +48,22 @@ class HandOff:
 @dataclass
 class HandOffClock:
     """Broker process: when each hand-off call of one stream arrived or was answered
-    (``time.monotonic()``)."""
+    (``time.monotonic()``). Per bucket it keeps a few stamps; per reader, only its takes
+    not answered yet and its last answer (a stream of 2,000 buckets to 1,000 readers kept
+    two million stamps per reader-bucket pair in dicts); each reader-bucket wait is one
+    float in an array."""
 
     offered: dict[int, float] = field(default_factory=dict)
     room_asked: dict[int, float] = field(default_factory=dict)
     room_granted: dict[int, float] = field(default_factory=dict)
-    #: reader -> bucket -> when its ``take`` arrived / was answered with the bucket
-    taken: dict[str, dict[int, float]] = field(default_factory=dict)
-    answered: dict[str, dict[int, float]] = field(default_factory=dict)
+    #: reader -> bucket -> when its ``take`` arrived, until answered
+    _waiting: dict[str, dict[int, float]] = field(default_factory=dict)
+    #: reader -> (bucket, when) of the last answer it got with a bucket
+    _last_answer: dict[str, tuple[int, float]] = field(default_factory=dict)
+    #: bucket -> the slowest reader's turn before its take (see the module doc)
+    _readers_turn: dict[int, float] = field(default_factory=dict)
+    #: each answered take's wait, in seconds
+    _take_waits: array = field(default_factory=lambda: array("d"))
 
     def offer(self, index: int) -> None:
         self.offered.setdefault(index, time.monotonic())
@@ -66,39 +75,46 @@ class HandOffClock:
         self.room_granted.setdefault(index, time.monotonic())
 
     def take(self, worker: str, index: int) -> None:
-        self.taken.setdefault(worker, {}).setdefault(index, time.monotonic())
+        waiting = self._waiting.setdefault(worker, {})
+        last = self._last_answer.get(worker)
+        if index in waiting or (last is not None and index <= last[0]):
+            return  # asked again: its first take counts
+        now = waiting[index] = time.monotonic()
+        if last is not None and last[0] == index - 1:
+            self._turn(index, now - last[1])
 
     def answer(self, worker: str, index: int) -> None:
-        self.answered.setdefault(worker, {}).setdefault(index, time.monotonic())
+        waiting = self._waiting.get(worker, {})
+        asked = waiting.pop(index, None)
+        if asked is None:
+            return  # answered before (its first answer counts)
+        now = time.monotonic()
+        self._take_waits.append(now - asked)
+        self._last_answer[worker] = (index, now)
+        for earlier in [i for i in waiting if i < index]:
+            del waiting[earlier]
+        following = waiting.get(index + 1)
+        if following is not None:  # asked ahead, before this answer left: a negative turn
+            self._turn(index + 1, following - now)
+
+    def _turn(self, index: int, turn: float) -> None:
+        slowest = self._readers_turn.get(index)
+        self._readers_turn[index] = turn if slowest is None else max(slowest, turn)
 
     def summary(self) -> HandOff:
         offered = self.offered
         periods = [offered[k] - offered[k - 1] for k in offered if k - 1 in offered]
-        readers_turns = []
-        for k in offered:
-            turns = [
-                taken[k] - self.answered[worker][k - 1]
-                for worker, taken in self.taken.items()
-                if k in taken and k - 1 in self.answered.get(worker, {})
-            ]
-            if turns:
-                readers_turns.append(max(turns))
+        readers_turns = [turn for k, turn in self._readers_turn.items() if k in offered]
         granted = self.room_granted
         learner_turns = [offered[k] - granted[k] for k in offered if k in granted]
         room_waits = [at - self.room_asked[k] for k, at in granted.items() if k in self.room_asked]
-        take_waits = [
-            answered[k] - self.taken[worker][k]
-            for worker, answered in self.answered.items()
-            for k in answered
-            if k in self.taken.get(worker, {})
-        ]
         return HandOff(
             buckets=len(offered),
             period_s=_median(periods),
             readers_turn_s=_median(readers_turns),
             learner_turn_s=_median(learner_turns),
             room_wait_s=_median(room_waits),
-            take_wait_s=_median(take_waits),
+            take_wait_s=_median(list(self._take_waits)),
         )
 
 

@@ -5,31 +5,55 @@ from __future__ import annotations
 
 import pytest
 
+from raysync.transports import hand_off
 from raysync.transports.hand_off import HandOff, HandOffClock
 
 
-def stamped(learner_s: float, reader_s: dict[str, float], count: int = 5) -> HandOffClock:
-    """The stamps of a steady stream: each reader's next take arrives ``reader_s``
-    after its answer, the learner's offer ``learner_s`` after its room."""
+class _Clock:
+    """What ``time.monotonic`` returns in hand_off while a test stamps: ``now``."""
+
+    now = 0.0
+
+    @classmethod
+    def monotonic(cls) -> float:
+        return cls.now
+
+
+@pytest.fixture
+def at(monkeypatch):
+    """Stamp calls at given times: ``at(t, call, *args)``."""
+    monkeypatch.setattr(hand_off, "time", _Clock)
+
+    def stamp(when: float, call, *args) -> None:
+        _Clock.now = when
+        call(*args)
+
+    return stamp
+
+
+def stamped(at, learner_s: float, reader_s: dict[str, float], count: int = 5) -> HandOffClock:
+    """The calls of a steady stream: each reader's next take arrives ``reader_s`` after
+    its answer, the learner's offer ``learner_s`` after its room."""
     clock, now = HandOffClock(), 0.0
     answered = now  # the answer to the previous bucket's takes
     for k in range(count):
         if k >= 2:
-            clock.room_asked[k] = clock.offered[k - 1] + 0.001
-            clock.room_granted[k] = now
+            at(clock.offered[k - 1] + 0.001, clock.ask_room, k)
+            at(now, clock.grant_room, k)
         if k >= 1:
             now += learner_s
-        clock.offered[k] = now
         for worker, turn in reader_s.items():
-            clock.taken.setdefault(worker, {})[k] = now - 0.002 if k == 0 else answered + turn
-            clock.answered.setdefault(worker, {})[k] = now
+            at(now - 0.002 if k == 0 else answered + turn, clock.take, worker, k)
+        at(now, clock.offer, k)
+        for worker in reader_s:
+            at(now, clock.answer, worker, k)
         answered = now
         now = answered + max(reader_s.values())
     return clock
 
 
-def test_a_steady_stream_splits_its_period_into_the_readers_and_the_learners_turns():
-    summary = stamped(learner_s=0.003, reader_s={"a": 0.001, "b": 0.004}).summary()
+def test_a_steady_stream_splits_its_period_into_the_readers_and_the_learners_turns(at):
+    summary = stamped(at, learner_s=0.003, reader_s={"a": 0.001, "b": 0.004}).summary()
     assert summary.buckets == 5
     assert summary.readers_turn_s == pytest.approx(0.004)  # the slowest reader's
     assert summary.learner_turn_s == pytest.approx(0.003)
