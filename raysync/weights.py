@@ -95,18 +95,34 @@ class Destination:
 
 
 def destinations(model: Any, *, what: str) -> Destination:
-    """The in-place write targets of a receiver's model. Called in the receiver process."""
+    """The in-place write targets of a receiver's model. Called in the receiver process.
+    Raises :class:`InvalidWeightsError` naming the key of a tensor on the meta device
+    (a copy into it does nothing: every version would be acked, none held)."""
     if isinstance(model, (torch.nn.Module, Mapping)) or is_tensordict(model):
-        return Destination(_flat_tensors(model, what))
+        return Destination(_with_data(_flat_tensors(model, what), what))
     if callable(getattr(model, "state_dict", None)) and callable(
         getattr(model, "load_state_dict", None)
     ):
         state = model.state_dict()
-        return Destination(_flat_tensors(state, what), commit=lambda: model.load_state_dict(state))
+        return Destination(
+            _with_data(_flat_tensors(state, what), what),
+            commit=lambda: model.load_state_dict(state),
+        )
     raise InvalidWeightsError(
         f"{what} is a {type(model).__name__}: expected an nn.Module, a TensorDict, a "
         "mapping of tensors (state_dict) or an object with state_dict()/load_state_dict()"
     )
+
+
+def _with_data(tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+    for name, tensor in tensors.items():
+        if tensor.is_meta:
+            raise InvalidWeightsError(
+                f"{what}: key {name!r} is on the meta device and holds no data "
+                f"(shape {tuple(tensor.shape)}): a version copied into it would be lost; "
+                "materialize the model first (module.to_empty(device=...))"
+            )
+    return tensors
 
 
 def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:

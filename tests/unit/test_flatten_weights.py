@@ -174,6 +174,24 @@ def test_a_meta_tensor_is_refused_naming_its_key():
     )
 
 
+@pytest.mark.parametrize("form", ["module", "state_dict holder"])
+def test_a_receiver_model_on_the_meta_device_is_refused_naming_its_key(form):
+    """A copy into a meta tensor does nothing: each version was acked, none held."""
+    model = torch.nn.Linear(4, 2, device="meta")
+
+    class Holder:  # reachable through state_dict()/load_state_dict() only
+        state_dict = model.state_dict
+        load_state_dict = model.load_state_dict
+
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        destinations(model if form == "module" else Holder(), what="model 'policy'")
+    assert _message(excinfo) == (
+        "model 'policy': key 'weight' is on the meta device and holds no data (shape (2, 4)): "
+        "a version copied into it would be lost; materialize the model first "
+        "(module.to_empty(device=...))"
+    )
+
+
 def test_non_finite_values_are_refused_only_when_asked():
     bad = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0])
     weights = {"a.ok": torch.ones(3), "b.bad": bad, "c.ints": torch.arange(3)}
