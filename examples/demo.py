@@ -1,5 +1,5 @@
 """`make demo`: every transport that runs here, side by side on the same ~100 MB model
-(``object_store`` also with versions in 16 MiB buckets).
+(each that moves buckets also with versions in 16 MiB buckets).
 
 A local Ray cluster; per transport, a hub and 4 receivers, a few broadcasts of the
 same model. Prints one row per transport (median seconds per broadcast, GB/s
@@ -140,7 +140,8 @@ def main() -> None:
         "--bucket-mb",
         type=float,
         default=16.0,
-        help="object_store also runs with versions in buckets of this many MiB (0: not)",
+        help="each transport that moves buckets also runs with versions in buckets of "
+        "this many MiB (0: not)",
     )
     parser.add_argument("--png", type=Path, default=Path("demo_transports.png"))
     args = parser.parse_args()

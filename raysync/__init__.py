@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from raysync.hub_handle import HubHandle
     from raysync.hub_launch import HubLauncher, WeightHub, get_hub
     from raysync.messages import (
+        BroadcastPhases,
         BroadcastReport,
         BroadcastTicket,
         DeliveryMode,
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
         HubStatus,
         ReceiverStatus,
         RefusedRegistration,
+        Spread,
     )
     from raysync.receiver import WeightReceiver, weight_receiver
+    from raysync.receiver_hub_watch import HubConnection
     from raysync.spec import TensorSpec, WeightSpec
     from raysync.transports import (
         DistributedOptions,
@@ -50,12 +53,14 @@ if TYPE_CHECKING:
 _HOMES = {
     "AttachedReceiver": "raysync.attached",
     "BroadcastError": "raysync.errors",
+    "BroadcastPhases": "raysync.messages",
     "BroadcastReport": "raysync.messages",
     "BroadcastTicket": "raysync.messages",
     "DeliveryMode": "raysync.messages",
     "DistributedOptions": "raysync.transports",
     "HubClosedError": "raysync.errors",
     "HubConfig": "raysync.messages",
+    "HubConnection": "raysync.receiver_hub_watch",
     "HubHandle": "raysync.hub_handle",
     "HubLauncher": "raysync.hub_launch",
     "HubNotFoundError": "raysync.errors",
@@ -68,6 +73,7 @@ _HOMES = {
     "RefusedRegistration": "raysync.messages",
     "RpcOptions": "raysync.transports",
     "SpecMismatchError": "raysync.errors",
+    "Spread": "raysync.messages",
     "StaleVersionError": "raysync.errors",
     "TensorSpec": "raysync.spec",
     "TransportUnavailableError": "raysync.errors",
@@ -86,12 +92,14 @@ _HOMES = {
 __all__ = [
     "AttachedReceiver",
     "BroadcastError",
+    "BroadcastPhases",
     "BroadcastReport",
     "BroadcastTicket",
     "DeliveryMode",
     "DistributedOptions",
     "HubClosedError",
     "HubConfig",
+    "HubConnection",
     "HubHandle",
     "HubLauncher",
     "HubNotFoundError",
@@ -104,6 +112,7 @@ __all__ = [
     "RefusedRegistration",
     "RpcOptions",
     "SpecMismatchError",
+    "Spread",
     "StaleVersionError",
     "TensorSpec",
     "TransportUnavailableError",
