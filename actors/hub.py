@@ -28,7 +28,7 @@ import uuid
 import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 from ray.exceptions import ActorDiedError, RayError
@@ -72,6 +72,7 @@ from raysync.spec import WeightSpec
 from raysync.transports import (
     PLAN_DEADLINE,
     Availability,
+    TransportError,
     TransportPlanner,
     Unplanned,
     get_transport,
@@ -229,6 +230,8 @@ class WeightHubActor:
         self._lease_keeper: asyncio.Task[None] | None = None
         #: Registrations whose actor Ray is being asked about (``_ask_if_alive``).
         self._asking_if_alive: set[str] = set()
+        #: worker -> its planner's ``receiver_left`` still running (see :meth:`_drop`)
+        self._leaving: dict[str, asyncio.Task[Any]] = {}
         self._closed = False
         self._closing = asyncio.Event()  #: set with ``_closed``: ends submits' waits
         self._model_known = asyncio.Event()
@@ -252,8 +255,10 @@ class WeightHubActor:
         self._check_open()
         started = time.perf_counter()
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
-        await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
+        late = await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
         self._check_open()  # close() may have begun while it waited its turn
+        if late:
+            self._refuse_late(request)
         begun = None
         if request.direct_calls is not None:
             begun = self._book_direct(request, request.direct_calls, timeout_s, started)
@@ -275,6 +280,19 @@ class WeightHubActor:
             raise BroadcastError(report)
         # The learner's next broadcast reads its route here instead of asking for it.
         return dataclasses.replace(report, route=self._route(request.model, request.known))
+
+    def _refuse_late(self, request: BroadcastRequest) -> NoReturn:
+        """A broadcast that reached the hub after its learner's later ones were versioned
+        without it (:data:`_ORDER_WAIT_S` after): its weights are older than what went
+        on, so published now they would replace the newer ones everywhere."""
+        if request.direct_calls is not None:
+            self._background.spawn(_settled(request.direct_calls), "direct calls of a late one")
+        raise StaleVersionError(
+            f"broadcast {request.sequence} of learner {request.submitter} (model "
+            f"{request.model!r}) reached the hub more than {_ORDER_WAIT_S:g} s after the "
+            "learner's later broadcasts, which were versioned without it: its weights are "
+            "older than theirs and are not published"
+        )
 
     def _book_direct(
         self,
@@ -541,6 +559,11 @@ class WeightHubActor:
         return welcome
 
     async def _register(self, registration: Registration) -> Welcome:
+        if self._closed:  # its planners and background tasks are closed: none opens again
+            raise HubClosedError(
+                f"the hub is shutting down: {registration.worker} ({registration.actor}) "
+                "cannot register with it"
+            )
         transport = registration.transport or self._transport
         planner = self._planner(transport, asked_by=registration.actor)
         registration = dataclasses.replace(registration, transport=transport)
@@ -556,7 +579,22 @@ class WeightHubActor:
         self._model_known.set()
         entry = self._state.receivers[registration.worker]
         try:
-            info = await planner.receiver_joined(entry.info)
+            leaving = self._leaving.get(registration.worker)
+            if leaving is not None:
+                # Its planner forgets the registration that left first: a receiver that
+                # closes and attaches again at once was otherwise joined, then dropped
+                # by its own earlier departure (a shared-memory owner then held no slot
+                # for it, and a zero-copy model's segment could be rewritten under it).
+                await asyncio.wait({leaving}, timeout=self._default_timeout_s)
+            try:  # bounded: a resource actor that hangs fails this registration alone
+                info = await asyncio.wait_for(
+                    planner.receiver_joined(entry.info), self._default_timeout_s
+                )
+            except asyncio.TimeoutError:
+                raise TransportError(
+                    f"transport {transport!r} did not take {registration.worker} in within "
+                    f"{self._default_timeout_s:g} s"
+                ) from None
             catch_up: dict[str, Update] = {}
             for model, handed in latest.items():
                 update = handed.update_for(transport)
@@ -641,7 +679,13 @@ class WeightHubActor:
         entry = self._state.receivers.get(worker)
         if entry is not None and self._state.drop(worker, token):
             planner = self._planners[entry.transport]
-            self._background.spawn(planner.receiver_left(worker), f"{worker} left")
+            task = self._background.spawn(planner.receiver_left(worker), f"{worker} left")
+            self._leaving[worker] = task
+            task.add_done_callback(
+                lambda done: self._leaving.pop(worker)
+                if self._leaving.get(worker) is done
+                else None
+            )
 
     def _catch_up(self, entry: ReceiverEntry, model: str) -> None:
         """``entry`` answered at last a call its delivery had timed out on (busy in a long
@@ -725,15 +769,30 @@ class WeightHubActor:
 
     async def _planned_pull(self, update: Update, entry: ReceiverEntry) -> Update:
         """``update`` as ``entry`` reads it outside a broadcast (a pull, joining): its
-        transport's planner plans it by the spec its bytes travel in."""
+        transport's planner plans it by the spec its bytes travel in, within the hub's
+        default timeout (a node's owner that hangs fails this read, instead of holding
+        one of the hub's calls for ever)."""
         travels = update.wire_spec or self._state.spec(update.model)
-        payload = await plan_pull_parts(
-            self._planners[entry.transport],
-            update,
-            travels,
-            entry.info,
-            in_one_plan=get_transport(entry.transport).parts_in_one_plan,
-        )
+        limit_s = self._default_timeout_s
+        planning = PLAN_DEADLINE.set(time.monotonic() + limit_s)
+        try:
+            payload = await asyncio.wait_for(
+                plan_pull_parts(
+                    self._planners[entry.transport],
+                    update,
+                    travels,
+                    entry.info,
+                    in_one_plan=get_transport(entry.transport).parts_in_one_plan,
+                ),
+                limit_s,
+            )
+        except asyncio.TimeoutError:
+            raise TransportError(
+                f"transport {entry.transport!r} could not plan {entry.worker}'s read of "
+                f"version {update.version} of model {update.model!r} within {limit_s:g} s"
+            ) from None
+        finally:
+            PLAN_DEADLINE.reset(planning)
         return dataclasses.replace(update, payload=payload)
 
     # -- anyone ----------------------------------------------------------------------------
@@ -797,14 +856,16 @@ class WeightHubActor:
         """Deliver a version to its targets and collect their acks (see :class:`_Delivery`)."""
         handed, spec, targets = delivery.handed, delivery.spec, delivery.targets
         timeout_s, started, first_calls = delivery.timeout_s, delivery.started, delivery.first_calls
-        deadline = time.monotonic() + timeout_s
+        # Counted from the request's arrival (a version sent in parts: its first part's),
+        # not from the last part's, nor from the end of a wait for the first receiver.
+        deadline = time.monotonic() + max(0.0, timeout_s - (time.perf_counter() - started))
         plan_started = time.perf_counter()
         travels = handed.wire_spec or spec  # what the transports carry
         groups: dict[str, list[ReceiverEntry]] = {}
         for entry in targets:
             if entry.worker not in first_calls or _books_direct(entry):
                 groups.setdefault(entry.transport, []).append(entry)
-        await self._tell_published(handed, travels, groups)
+        await self._tell_published(handed, travels, groups, deadline)
         # The learner's own deliveries need no plan (one that books them runs beside).
         planned = {
             e.worker: _Plan(update=handed.update_for(e.transport))
@@ -981,13 +1042,19 @@ class WeightHubActor:
         self._metrics.lags(self._state.statuses())
 
     async def _tell_published(
-        self, handed: HandedOver, spec: WeightSpec, groups: dict[str, list[ReceiverEntry]]
+        self,
+        handed: HandedOver,
+        spec: WeightSpec,
+        groups: dict[str, list[ReceiverEntry]],
+        deadline: float,
     ) -> None:
-        """Tell the planners none of whose receivers this version is planned for."""
+        """Tell the planners none of whose receivers this version is planned for, until
+        the broadcast's ``deadline`` (``time.monotonic()``)."""
         for transport, planner in list(self._planners.items()):
             update = handed.update_for(transport)
             if transport not in groups and update is not None:
-                await self._published(transport, planner, update, spec)
+                left_s = max(0.0, deadline - time.monotonic())
+                await self._published(transport, planner, update, spec, left_s)
 
     async def _plan_group(
         self,
@@ -1049,12 +1116,21 @@ class WeightHubActor:
         return planned
 
     async def _published(
-        self, transport: str, planner: TransportPlanner, update: Update, spec: WeightSpec
+        self,
+        transport: str,
+        planner: TransportPlanner,
+        update: Update,
+        spec: WeightSpec,
+        timeout_s: float,
     ) -> None:
-        """Tell ``transport``'s planner of a version none of its receivers is sent."""
+        """Tell ``transport``'s planner of a version none of its receivers is sent,
+        within ``timeout_s``."""
         try:
-            await published_parts(
-                planner, update, spec, in_one_plan=get_transport(transport).parts_in_one_plan
+            await asyncio.wait_for(
+                published_parts(
+                    planner, update, spec, in_one_plan=get_transport(transport).parts_in_one_plan
+                ),
+                timeout_s,
             )
         except Exception as err:  # its receivers' next pull or version tells
             logger.warning(

@@ -309,7 +309,7 @@ class _Broadcast:
         except TransportError as err:
             # A closed hub has stopped its transport: say that, not what broke below it,
             # and let go of what this process holds for it.
-            if ray.get(handle.actor.closed.remote()):
+            if _closed(handle):
                 handle.release()
                 raise HubClosedError(
                     "the hub is shutting down and accepts no more broadcasts"
@@ -651,3 +651,16 @@ class HubHandle:
 
     def __repr__(self) -> str:
         return f"HubHandle({self.config.hub_id}, transport={self.transport!r})"
+
+
+#: Seconds a learner whose transport failed waits for the hub to say whether it closed.
+_CLOSED_LOOK_S = 10.0
+
+
+def _closed(handle: HubHandle) -> bool:
+    """Whether the hub says it has closed (False if it does not answer in time: the
+    transport's own error then goes on)."""
+    try:
+        return bool(ray.get(handle.actor.closed.remote(), timeout=_CLOSED_LOOK_S))
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        return False

@@ -44,6 +44,11 @@ class _Turns:
         """How many streams it keeps books for."""
         return len(self._next)
 
+    def came_late(self, stream: str, number: int) -> bool:
+        """Whether call ``number`` arrives after the calls numbered above it had their
+        turn without it (it was given up on after ``wait_s``)."""
+        return self._next.get(stream, 1) > number
+
     def enter(self, stream: str, number: int, floor: int) -> None:
         self._next[stream] = max(self._next.get(stream, 1), floor)
         self._next.move_to_end(stream)
@@ -122,15 +127,18 @@ class InOrder:
         ``streams_kept`` others used last."""
         return self._turns.streams()
 
-    async def wait_turn(self, stream: str, number: int, floor: int = 0) -> None:
+    async def wait_turn(self, stream: str, number: int, floor: int = 0) -> bool:
         """Return once every lower number of ``stream`` has had its turn (or ``wait_s``
         passed). ``floor``: the caller knows every number below it is done with (it
         completed or failed), so none of those is waited for — what lets a stream that
-        began before this actor restarted go on at once."""
+        began before this actor restarted go on at once. Returns whether the call came
+        late: a call numbered above it had its turn first, after ``wait_s`` without
+        it (what it carries is older than what went on); False for number 0."""
         if number <= 0:
-            return
+            return False
         turns = self._turns
         async with self._changed:
+            late = turns.came_late(stream, number)
             turns.enter(stream, number, floor)
             ran = False
             try:
@@ -147,6 +155,7 @@ class InOrder:
             finally:
                 turns.leave(stream, number, ran)
             self._changed.notify_all()
+        return late
 
     async def wait_passed(self, stream: str, number: int) -> None:
         """Return once call ``number`` of ``stream`` has had its turn and run up to its

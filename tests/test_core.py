@@ -18,18 +18,21 @@ import ray
 import torch
 from tensordict import TensorDict
 
+import raysync
 from raysync import (
     BroadcastError,
     BroadcastReport,
     BroadcastTicket,
     DeliveryMode,
+    HubClosedError,
+    StaleVersionError,
     WeightHub,
     get_hub,
 )
 from raysync.messages import Entry
 from raysync.receiver_delivery import delivery_call
 from raysync.testing import assert_bitwise, special_weights
-from raysync.transports import DEFAULT_TRANSPORT, register_transport
+from raysync.transports import DEFAULT_TRANSPORT, TransportError, register_transport
 from tests.helpers import (
     Gate,
     assert_same,
@@ -50,7 +53,12 @@ from tests.receivers import (
     make_policy,
     state_of,
 )
-from tests.third_party_transport import LostCopyTransport
+from tests.third_party_transport import (
+    HangingJoinTransport,
+    LostCopyTransport,
+    SlowLeaveTransport,
+    planner_events,
+)
 
 
 def _assert_phases_cover_every_receiver(report: BroadcastReport) -> None:
@@ -494,3 +502,90 @@ def test_a_broadcast_to_a_hub_that_does_not_answer_fails_within_its_timeout(acto
     learner = make_policy()
     assert ray.get(hub.broadcast.remote(learner)).version == 1
     assert_same(ray.get(collector.state.remote()), state_of(learner))
+
+
+def test_a_broadcast_reaching_the_hub_after_the_learners_next_one_is_refused_as_stale(actors):
+    """A learner's broadcast whose call reaches the hub after its next one was versioned
+    without it (the hub waits a second for a missing number): published then, its older
+    weights replaced the newer ones on every receiver and for every late joiner, and
+    both reports said OK. It is refused, naming it; the newer weights stay."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    holder = start(actors, Holder, hub, special_weights(0.0), "w")
+    ready([holder])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    older, newer = special_weights(2.0), special_weights(3.0)
+    side, gate = hub._side, start(actors, Gate)
+    submit, held_back = side.submit, []
+
+    def submit_later(send):
+        """Take this broadcast's number now and leave its call for later (in flight
+        meanwhile, as a call still on its way)."""
+        with side.submitting:
+            sequence = side.next_sequence
+            side.next_sequence += 1
+            placeholder = gate.wait.remote()
+            side.in_flight.add(sequence, placeholder)
+        held_back.append(lambda: send(sequence, side.in_flight.floor(sequence)))
+        return sequence, placeholder
+
+    side.submit = submit_later
+    try:
+        hub.broadcast.remote(older, model="m")
+    finally:
+        side.submit = submit
+    report = ray.get(hub.broadcast.remote(newer, model="m"), timeout=60)
+    assert report.acked == ("w",)
+    late = held_back[0]()
+    ray.get(gate.open.remote())
+    with pytest.raises(StaleVersionError, match=r"broadcast \d+ of learner .* not published"):
+        ray.get(late, timeout=60)
+    assert ray.get(hub.status.remote()).versions == {"m": report.version}
+    assert ray.get(holder.version.remote()) == report.version
+    assert_bitwise(ray.get(holder.state.remote()), newer)
+
+
+def test_a_receiver_that_leaves_and_attaches_again_at_once_joins_after_it_left(actors):
+    """A receiver that closes and attaches again at once: its planner forgets the first
+    registration before it hears of the second. It heard of them the other way round
+    when forgetting took a while (shared memory tells each node's owner in turn), and
+    the owners then dropped the new registration: no slot held for it, a zero-copy
+    model's segment free to be rewritten under it."""
+    register_transport("slow_leave", SlowLeaveTransport)
+    hub = start_hub(actors, "slow_leave", models=["m"])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    first = raysync.attach(hub, {"m": special_weights(0.0)}, mode="pull", heartbeat_s=None)
+    worker = first.worker
+    first.close()
+    again = raysync.attach(
+        hub, {"m": special_weights(0.0)}, worker_id=worker, mode="pull", heartbeat_s=None
+    )
+    try:
+        events = ray.get(hub.actor.__ray_call__.remote(planner_events, "slow_leave"))
+        assert events == [("joined", worker), ("left", worker), ("joined", worker)]
+    finally:
+        again.close()
+
+
+def test_a_receiver_registering_with_a_closed_hub_is_refused(actors):
+    """A closed hub's planners and background tasks are closed: a registration after
+    close opened them again (a node's shared-memory owner, the lease keeper), for as
+    long as the hub actor lived."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    ray.get(hub.close.remote())
+    with pytest.raises(HubClosedError, match="cannot register with it"):
+        raysync.attach(hub, {"m": special_weights(0.0)}, mode="pull", heartbeat_s=None)
+
+
+def test_a_registration_whose_transport_never_takes_it_in_fails_within_the_hubs_timeout(
+    actors,
+):
+    """A planner that never answers (a node's resource actor hung) held each
+    registration's call in the hub for ever, one more of its concurrent calls each time
+    a receiver or its watch tried again. It fails within the hub's timeout, naming the
+    transport, and the hub goes on answering."""
+    register_transport("hanging_join", HangingJoinTransport)
+    hub = start_hub(actors, "hanging_join", timeout_s=2)
+    with pytest.raises(TransportError, match="'hanging_join' did not take .* within 2 s"):
+        raysync.attach(hub, {"m": special_weights(0.0)}, mode="pull", heartbeat_s=None)
+    status = ray.get(hub.status.remote(), timeout=30)
+    assert status.receivers == () and "hanging_join" in str(status.refused)

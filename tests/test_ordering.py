@@ -164,3 +164,18 @@ def test_a_stream_with_a_call_waiting_is_never_forgotten():
 
     asyncio.run(main())
     assert ran == [1, 2]
+
+
+def test_a_call_that_comes_after_later_ones_went_on_without_it_is_told_it_is_late():
+    """A learner's broadcast 1 reaching the hub after broadcast 2 was versioned without
+    it (the wait for 1 gave up): the hub must not publish its older weights over 2's."""
+    gate = InOrder(wait_s=0.1)
+
+    async def main() -> list[bool]:
+        second = await gate.wait_turn("learner", 2)  # 1 has not come: 2 goes on after 0.1 s
+        first = await gate.wait_turn("learner", 1)
+        third = await gate.wait_turn("learner", 3)
+        unnumbered = await gate.wait_turn("learner", 0)
+        return [second, first, third, unnumbered]
+
+    assert asyncio.run(main()) == [False, True, False, False]

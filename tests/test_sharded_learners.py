@@ -6,6 +6,8 @@ receivers read them. In every case no receiver applies anything of that version.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -207,3 +209,28 @@ def test_a_part_whose_learner_cancels_its_call_does_not_fail_the_others(actors):
     assert report.version == 1 and report.acked == ("held",) and not report.failed
     assert ray.get(hub.wait_for.remote(report), timeout=60).acked == ("held",)
     assert_bitwise(ray.get(held.state.remote()), weights)
+
+
+def test_a_version_in_parts_is_delivered_within_its_timeout_of_the_first_part(actors):
+    """The whole version's delivery has ``timeout_s`` from its first part's arrival (the
+    README's promise): a busy receiver failed it ``timeout_s`` after the *last* part,
+    so learners whose parts were spread out waited up to twice as long."""
+    hub = start_hub(actors, "object_store", models=[MODEL])
+    held = start(actors, Holder, hub, special_weights(), "held", MODEL)
+    gate = start(actors, Gate)
+    ready([held])
+    blocked = held.hold.remote(gate)  # busy past the version's timeout
+    first, second = split_in_parts(special_weights(2.0), 2)
+    timeout_s, later_s = 4.0, 3.0
+    sent = time.monotonic()
+    refs = [hub.broadcast.remote(first, model=MODEL, version=1, part=0, parts=2, timeout_s=4)]
+    wait_until(lambda: ray.get(hub.status.remote()).assembling != {}, what="part 0 waiting")
+    time.sleep(max(0.0, later_s - (time.monotonic() - sent)))  # the other rank's part, later
+    refs.append(hub.broadcast.remote(second, model=MODEL, version=1, part=1, parts=2, timeout_s=4))
+    with pytest.raises(BroadcastError, match="held"):
+        ray.get(refs[1], timeout=60)
+    waited = time.monotonic() - sent
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    # Failed at its timeout from part 0 (4 s), not from part 1 (7 s): the bound is loose.
+    assert timeout_s <= waited < timeout_s + later_s - 0.5, waited

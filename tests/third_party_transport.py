@@ -9,6 +9,9 @@ place. No planner of its own: every receiver reads the learner's object.
 ``lost_copy``: ``packed_object`` whose planner cannot plan a late joiner's catch-up;
 ``stuck_plan``: one whose planner never finishes planning a broadcast.
 
+``slow_leave``: ``packed_object`` whose planner is slow to forget a receiver that left;
+``hanging_join``: one whose planner never takes a receiver in.
+
 ``put_reader``: a receiver half only, reading the ``object_store`` transport's whole put
 (its ``hand_off``); it moves no buckets, so the hub refuses a bucketed version for its
 receivers.
@@ -160,3 +163,52 @@ class StuckBucketPlanTransport(ObjectStoreTransport):
     @classmethod
     def open_hub(cls, hub: HubContext) -> StuckPlanner:
         return StuckPlanner()
+
+
+class SlowLeavePlanner(TransportPlanner):
+    """Notes its receivers' joins and departures in order; a departure takes a while
+    (shared memory's planner tells each node's owner in turn)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    async def receiver_joined(self, receiver: ReceiverInfo) -> Any:
+        self.events.append(("joined", receiver.worker))
+        return None
+
+    async def receiver_left(self, worker: str) -> None:
+        await asyncio.sleep(0.5)  # the owners' calls, not a synchronization
+        self.events.append(("left", worker))
+
+
+class SlowLeaveTransport(PackedObjectTransport):
+    """``packed_object`` whose planner is slow to forget a receiver (``slow_leave``)."""
+
+    name = "slow_leave"
+
+    @classmethod
+    def open_hub(cls, hub: HubContext) -> SlowLeavePlanner:
+        return SlowLeavePlanner()
+
+
+class HangingJoinPlanner(TransportPlanner):
+    """Never takes a receiver in (a resource actor it asks never answers)."""
+
+    async def receiver_joined(self, receiver: ReceiverInfo) -> Any:
+        await asyncio.Event().wait()  # cancelled by the hub at its timeout
+        raise AssertionError("unreachable")
+
+
+class HangingJoinTransport(PackedObjectTransport):
+    """``packed_object`` whose planner never takes a receiver in (``hanging_join``)."""
+
+    name = "hanging_join"
+
+    @classmethod
+    def open_hub(cls, hub: HubContext) -> HangingJoinPlanner:
+        return HangingJoinPlanner()
+
+
+def planner_events(hub: Any, transport: str) -> list[tuple[str, str]]:
+    """Runs in the hub (``__ray_call__``): what ``transport``'s SlowLeavePlanner noted."""
+    return list(hub._planners[transport].events)
