@@ -41,6 +41,7 @@ from typing import Any
 import ray
 import torch
 
+from raysync.errors import RaySyncError
 from raysync.hub_handle import HubHandle, check_seconds
 from raysync.hub_launch import get_hub
 from raysync.hub_state import DEFAULT_MODEL
@@ -57,7 +58,9 @@ class AttachedReceiver:
 
     Every method is called in the host process, from any thread. ``worker`` is its
     name in the hub's reports; ``core`` the :class:`~raysync.receiver_core.ReceiverCore`
-    underneath.
+    underneath. A context manager: ``with raysync.attach(...) as receiver:`` closes it
+    at the end of the block (a Ray task's process is reused by the next task, which
+    could not attach under the same worker id while this one stays attached).
     """
 
     def __init__(self, core: ReceiverCore, watch: HubWatch | None) -> None:
@@ -84,9 +87,14 @@ class AttachedReceiver:
         is applied. On an event loop while other coroutines hold the models, the version
         is staged and applied once they leave (as a broadcast's is): the versions
         returned are then those held before. Raises :class:`~raysync.RaySyncError` if a
-        version cannot be applied.
+        version cannot be applied, or once the receiver is closed.
         """
         core = self.core
+        if self.closed:
+            raise RaySyncError(
+                f"{core.actor_name}'s receiver {self.worker!r} is closed: it pulls nothing "
+                "(attach again)"
+            )
         chosen = [core.model_id(model)] if model is not None else list(core.models)
         for model_id in chosen:
             update = core.latest(model_id, timeout_s)
@@ -118,6 +126,12 @@ class AttachedReceiver:
     @property
     def closed(self) -> bool:
         return self.core.closed.is_set()
+
+    def __enter__(self) -> AttachedReceiver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def close(self, *, timeout_s: float = HUB_CALL_TIMEOUT_S) -> None:
         """Leave the hub (no broadcast waits for this receiver any more) and stop

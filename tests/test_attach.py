@@ -162,6 +162,22 @@ def test_the_driver_attaches_in_pull_mode(actors):
     assert ray.get(hub.status.remote()).receivers == ()
 
 
+def test_a_receiver_attached_in_a_with_block_leaves_at_its_end_and_pulls_no_more(actors):
+    """A task's process is reused by the next task: a receiver left attached kept its
+    heartbeat, its registration and its worker id (the next task's attach was refused).
+    A closed receiver's pull fetched the version and applied nothing, silently."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, models=["policy"])
+    ray.get(hub.broadcast.remote(make_policy(), model="policy"))
+    mine = make_policy()
+    with raysync.attach(hub, {"policy": mine}, mode="pull", heartbeat_s=None) as receiver:
+        assert [r.worker for r in ray.get(hub.status.remote()).receivers] == [receiver.worker]
+    assert receiver.closed and ray.get(hub.status.remote()).receivers == ()
+    ray.get(hub.broadcast.remote(make_policy(), model="policy"))
+    with pytest.raises(raysync.RaySyncError, match="is closed: it pulls nothing"):
+        receiver.pull()
+    assert receiver.version("policy") == 1
+
+
 def test_a_pull_receiver_registered_again_takes_versions_only_when_it_pulls(actors):
     """After a hub restart the hub watch registers the driver's pull receiver again;
     the hub's welcome offered a version published meanwhile, which the watch applied
