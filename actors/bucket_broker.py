@@ -445,6 +445,15 @@ class BucketBroker:
             state.readers.discard(worker)
         state.dropped[worker] = why
         state.free_taken()
+        if state.readers is not None and not state.readers:
+            # Nobody reads it any more: the learner's next ``room`` ends it, but a learner
+            # that died mid-version (a driver: not watched) never asks, and the stream
+            # stayed here for good.
+            asyncio.get_running_loop().call_later(state.key.wait_s, self._end_unread, state)
+
+    def _end_unread(self, state: _Stream) -> None:
+        if not state.readers:  # none adopted since (a relay names its members readers)
+            self._expire(state, "no receiver reads this version any more", False)
 
     def _finish_reader(self, state: _Stream, worker: str) -> None:
         """``worker`` took every bucket; the stream ends once every reader has."""

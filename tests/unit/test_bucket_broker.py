@@ -295,6 +295,22 @@ def test_a_planned_stream_not_read_to_the_end_in_time_ends():
     assert broker.stats().streams == 0
 
 
+def test_a_stream_whose_readers_all_left_ends_though_its_learner_never_asks_again():
+    """A driver learner that died mid-version (the broker watches actors only) never
+    asks for room again: once its last reader left, the stream stayed for good."""
+
+    async def main():
+        broker, k = BucketBroker(_NO_HUB), key(count=4, wait_s=0.1)
+        await broker.readers(k, ["a"])
+        await broker.offer(k, 0, ["ref0"])
+        assert await broker.take(k, 0, "a") == (["ref0"], None)
+        await broker.leave(k, "a")
+        await asyncio.sleep(0.3)  # past the stream's wait: nothing else happens
+        return broker
+
+    assert run(main()).stats().streams == 0
+
+
 def test_the_learner_ending_a_stream_answers_readers_waiting_for_a_bucket():
     async def main():
         broker, k = BucketBroker(_NO_HUB), key(count=3)
