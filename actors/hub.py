@@ -65,7 +65,7 @@ from raysync.messages import (
     Welcome,
 )
 from raysync.metrics import FailureCause, HubMetrics
-from raysync.ordering import InOrder
+from raysync.ordering import STREAMS_KEPT, InOrder
 from raysync.receiver_delivery import refuse_learner_deliveries
 from raysync.routing import HandedOver, hand_off_of, hand_offs_for
 from raysync.spec import WeightSpec
@@ -149,6 +149,9 @@ class _Delivery:
     gone: dict[str, str] = dataclasses.field(default_factory=dict)
     #: of ``first_calls``, those the learner reached through its channel
     channel: tuple[str, ...] = ()
+    #: ``time.perf_counter()`` its timeout counts from (a version sent in parts: its first
+    #: part's arrival); None: from the start of its delivery
+    counted_from: float | None = None
 
     @classmethod
     def of(
@@ -161,6 +164,7 @@ class _Delivery:
         started: float,
         first_calls: dict[str, Any] | None = None,
         gone: dict[str, str] | None = None,
+        counted_from: float | None = None,
     ) -> _Delivery:
         """The delivery of ``request``, versioned as ``handed``."""
         return cls(
@@ -173,6 +177,7 @@ class _Delivery:
             request.sent_at,
             first_calls or {},
             gone or {},
+            counted_from=counted_from,
         )
 
 
@@ -230,6 +235,9 @@ class WeightHubActor:
         self._lease_keeper: asyncio.Task[None] | None = None
         #: Registrations whose actor Ray is being asked about (``_ask_if_alive``).
         self._asking_if_alive: set[str] = set()
+        #: (learner, model) -> the highest number of that learner's calls that versioned
+        #: the model (see :meth:`_superseded`), for the learners used last
+        self._versioned_calls: OrderedDict[tuple[str, str], int] = OrderedDict()
         #: worker -> its planner's ``receiver_left`` still running (see :meth:`_drop`)
         self._leaving: dict[str, asyncio.Task[Any]] = {}
         self._closed = False
@@ -240,7 +248,7 @@ class WeightHubActor:
         self._metrics = HubMetrics(config.hub_id)
         #: Versions sent in parts, until whole (then started as one) or failed.
         self._assemblies: Assemblies[_Started] = Assemblies(
-            self._version_and_start, self._end_streams_left_out
+            self._start_assembled, self._end_streams_left_out
         )
         settle_heap()
 
@@ -257,7 +265,7 @@ class WeightHubActor:
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
         late = await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
         self._check_open()  # close() may have begun while it waited its turn
-        if late:
+        if late and self._superseded(request):
             self._refuse_late(request)
         begun = None
         if request.direct_calls is not None:
@@ -269,6 +277,7 @@ class WeightHubActor:
             # were touched, so a named one gone since fails alone, as when booked.
             taken = request.direct_calls is not None
             begun = await self._version_and_start(request, timeout_s, started, gone_ok=taken)
+        self._note_versioned(request, begun.model)
         if not request.wait:
             return BroadcastTicket(
                 begun.model, begun.version, route=self._route(request.model, request.known)
@@ -281,10 +290,33 @@ class WeightHubActor:
         # The learner's next broadcast reads its route here instead of asking for it.
         return dataclasses.replace(report, route=self._route(request.model, request.known))
 
+    def _superseded(self, request: BroadcastRequest) -> bool:
+        """Whether a later broadcast of ``request``'s learner already versioned its model
+        (``request`` came late: see :meth:`_refuse_late`). Not asked of an explicit
+        version or a part: a version not above the model's is refused anyway."""
+        if request.version is not None or request.parts > 1:
+            return False
+        try:
+            model = self._state.resolve_model(request.model)
+        except (UnknownModelError, ValueError):
+            return False
+        return self._versioned_calls.get((request.submitter, model), 0) > request.sequence
+
+    def _note_versioned(self, request: BroadcastRequest, model: str) -> None:
+        """``request`` was versioned: a call of its learner numbered below it that
+        reaches the hub later carries older weights of ``model``."""
+        key = (request.submitter, model)
+        if request.sequence > self._versioned_calls.get(key, 0):
+            self._versioned_calls[key] = request.sequence
+        self._versioned_calls.move_to_end(key)
+        while len(self._versioned_calls) > STREAMS_KEPT:
+            del self._versioned_calls[next(iter(self._versioned_calls))]
+
     def _refuse_late(self, request: BroadcastRequest) -> NoReturn:
-        """A broadcast that reached the hub after its learner's later ones were versioned
-        without it (:data:`_ORDER_WAIT_S` after): its weights are older than what went
-        on, so published now they would replace the newer ones everywhere."""
+        """A broadcast that reached the hub after a later one of its learner's, of the
+        same model, was versioned without it (:data:`_ORDER_WAIT_S` after): its weights
+        are older than what went on, so published now they would replace the newer
+        ones everywhere."""
         if request.direct_calls is not None:
             self._background.spawn(_settled(request.direct_calls), "direct calls of a late one")
         raise StaleVersionError(
@@ -433,8 +465,22 @@ class WeightHubActor:
         next_version = self._state.models[resolved].version + 1
         return Route(hand_offs, resolved, next_version, spec, targets)
 
+    async def _start_assembled(
+        self, request: BroadcastRequest, timeout_s: float, first_arrived: float
+    ) -> _Started:
+        """Version and start a version sent in parts, whole now: delivered within
+        ``timeout_s`` of its first part's arrival (``first_arrived``)."""
+        return await self._version_and_start(
+            request, timeout_s, first_arrived, counted_from=first_arrived
+        )
+
     async def _version_and_start(
-        self, request: BroadcastRequest, timeout_s: float, started: float, gone_ok: bool = False
+        self,
+        request: BroadcastRequest,
+        timeout_s: float,
+        started: float,
+        gone_ok: bool = False,
+        counted_from: float | None = None,
     ) -> _Started:
         """Check ``request``, give it its version and start its delivery (in the order
         its learner submitted it: nothing here awaits once the model is known).
@@ -468,7 +514,16 @@ class WeightHubActor:
             targets = [t for t in targets if handed.readable_by(t.transport)]
         self._save_snapshot()
         return self._start(
-            _Delivery.of(request, handed, spec, targets, timeout_s, started, gone=gone)
+            _Delivery.of(
+                request,
+                handed,
+                spec,
+                targets,
+                timeout_s,
+                started,
+                gone=gone,
+                counted_from=counted_from,
+            )
         )
 
     async def _assemble(
@@ -558,18 +613,31 @@ class WeightHubActor:
         self._refused.pop(registration.worker, None)
         return welcome
 
-    async def _register(self, registration: Registration) -> Welcome:
-        if self._closed:  # its planners and background tasks are closed: none opens again
+    def _check_registering(self, registration: Registration) -> None:
+        """HubClosedError once :meth:`close` has begun: its planners and background
+        tasks are closed, and none opens again for a registration."""
+        if self._closed:
             raise HubClosedError(
                 f"the hub is shutting down: {registration.worker} ({registration.actor}) "
                 "cannot register with it"
             )
+
+    async def _register(self, registration: Registration) -> Welcome:
+        self._check_registering(registration)
         transport = registration.transport or self._transport
         planner = self._planner(transport, asked_by=registration.actor)
         registration = dataclasses.replace(registration, transport=transport)
         former = self._state.receivers.get(registration.worker)
         if former is not None:
             await self._check_not_taken(former.registration, registration)
+        leaving = self._leaving.get(registration.worker)
+        if leaving is not None:
+            # Its planner forgets the registration that left first: a receiver that
+            # closes and attaches again at once was otherwise joined, then dropped by
+            # its own earlier departure (a shared-memory owner then held no slot for it,
+            # and a zero-copy model's segment could be rewritten under it).
+            await asyncio.wait({leaving}, timeout=self._default_timeout_s)
+            self._check_registering(registration)
         latest = self._state.register(registration)
         if former is not None and former.transport != transport:  # its planner forgets it
             self._background.spawn(
@@ -579,13 +647,6 @@ class WeightHubActor:
         self._model_known.set()
         entry = self._state.receivers[registration.worker]
         try:
-            leaving = self._leaving.get(registration.worker)
-            if leaving is not None:
-                # Its planner forgets the registration that left first: a receiver that
-                # closes and attaches again at once was otherwise joined, then dropped
-                # by its own earlier departure (a shared-memory owner then held no slot
-                # for it, and a zero-copy model's segment could be rewritten under it).
-                await asyncio.wait({leaving}, timeout=self._default_timeout_s)
             try:  # bounded: a resource actor that hangs fails this registration alone
                 info = await asyncio.wait_for(
                     planner.receiver_joined(entry.info), self._default_timeout_s
@@ -614,6 +675,7 @@ class WeightHubActor:
                         transport,
                         err,
                     )
+            self._check_registering(registration)  # close() may have begun meanwhile
         except BaseException:
             self._drop(registration.worker, registration.token)
             raise
@@ -856,9 +918,9 @@ class WeightHubActor:
         """Deliver a version to its targets and collect their acks (see :class:`_Delivery`)."""
         handed, spec, targets = delivery.handed, delivery.spec, delivery.targets
         timeout_s, started, first_calls = delivery.timeout_s, delivery.started, delivery.first_calls
-        # Counted from the request's arrival (a version sent in parts: its first part's),
-        # not from the last part's, nor from the end of a wait for the first receiver.
-        deadline = time.monotonic() + max(0.0, timeout_s - (time.perf_counter() - started))
+        deadline = time.monotonic() + timeout_s
+        if delivery.counted_from is not None:  # parts: from the first one, not the last
+            deadline -= time.perf_counter() - delivery.counted_from
         plan_started = time.perf_counter()
         travels = handed.wire_spec or spec  # what the transports carry
         groups: dict[str, list[ReceiverEntry]] = {}

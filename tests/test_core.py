@@ -504,44 +504,69 @@ def test_a_broadcast_to_a_hub_that_does_not_answer_fails_within_its_timeout(acto
     assert_same(ray.get(collector.state.remote()), state_of(learner))
 
 
-def test_a_broadcast_reaching_the_hub_after_the_learners_next_one_is_refused_as_stale(actors):
-    """A learner's broadcast whose call reaches the hub after its next one was versioned
-    without it (the hub waits a second for a missing number): published then, its older
-    weights replaced the newer ones on every receiver and for every late joiner, and
-    both reports said OK. It is refused, naming it; the newer weights stay."""
-    hub = start_hub(actors, DEFAULT_TRANSPORT)
-    holder = start(actors, Holder, hub, special_weights(0.0), "w")
-    ready([holder])
-    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
-    older, newer = special_weights(2.0), special_weights(3.0)
-    side, gate = hub._side, start(actors, Gate)
+def _sent_late(hub, gate, weights: dict, model: str):
+    """Broadcast ``weights`` from this learner with its call held back until the call
+    returned is made (its number taken now and in flight meanwhile, as a call still on
+    its way): the learner's next broadcasts reach the hub first."""
+    side = hub._side
     submit, held_back = side.submit, []
 
     def submit_later(send):
-        """Take this broadcast's number now and leave its call for later (in flight
-        meanwhile, as a call still on its way)."""
         with side.submitting:
             sequence = side.next_sequence
             side.next_sequence += 1
-            placeholder = gate.wait.remote()
+            placeholder = gate.wait.remote()  # what the learner's handle waits on meanwhile
             side.in_flight.add(sequence, placeholder)
         held_back.append(lambda: send(sequence, side.in_flight.floor(sequence)))
         return sequence, placeholder
 
     side.submit = submit_later
     try:
-        hub.broadcast.remote(older, model="m")
+        hub.broadcast.remote(weights, model=model)
     finally:
         side.submit = submit
+    return held_back[0]
+
+
+def test_a_broadcast_reaching_the_hub_after_the_learners_next_one_is_refused_as_stale(actors):
+    """A learner's broadcast whose call reaches the hub after its next one (same model)
+    was versioned without it (the hub waits a second for a missing number): published
+    then, its older weights replaced the newer ones on every receiver and for every late
+    joiner, and both reports said OK. It is refused, naming it; the newer weights stay."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    holder = start(actors, Holder, hub, special_weights(0.0), "w")
+    gate = start(actors, Gate)
+    ready([holder])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    older, newer = special_weights(2.0), special_weights(3.0)
+    send_late = _sent_late(hub, gate, older, "m")
     report = ray.get(hub.broadcast.remote(newer, model="m"), timeout=60)
     assert report.acked == ("w",)
-    late = held_back[0]()
+    late = send_late()
     ray.get(gate.open.remote())
     with pytest.raises(StaleVersionError, match=r"broadcast \d+ of learner .* not published"):
         ray.get(late, timeout=60)
     assert ray.get(hub.status.remote()).versions == {"m": report.version}
     assert ray.get(holder.version.remote()) == report.version
     assert_bitwise(ray.get(holder.state.remote()), newer)
+
+
+def test_a_late_broadcast_of_a_model_no_later_one_replaced_is_published(actors):
+    """The learner's numbers run across its models: a late call of model a, after a
+    call of model b went on without it, holds no older weights than any published."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    a = start(actors, Holder, hub, special_weights(0.0), "a", "a")
+    b = start(actors, Holder, hub, special_weights(0.0), "b", "b")
+    gate = start(actors, Gate)
+    ready([a, b])
+    send_late = _sent_late(hub, gate, special_weights(1.0), "a")
+    ray.get(hub.broadcast.remote(special_weights(2.0), model="b"), timeout=60)
+    late = send_late()
+    ray.get(gate.open.remote())
+    report = ray.get(late, timeout=60)
+    assert report.acked == ("a",)
+    assert ray.get(hub.status.remote()).versions["a"] == report.version
+    assert_bitwise(ray.get(a.state.remote()), special_weights(1.0))
 
 
 def test_a_receiver_that_leaves_and_attaches_again_at_once_joins_after_it_left(actors):

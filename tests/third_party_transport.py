@@ -177,7 +177,7 @@ class SlowLeavePlanner(TransportPlanner):
         return None
 
     async def receiver_left(self, worker: str) -> None:
-        await asyncio.sleep(0.5)  # the owners' calls, not a synchronization
+        await asyncio.sleep(3.0)  # the owners' calls (the test re-attaches well within)
         self.events.append(("left", worker))
 
 
