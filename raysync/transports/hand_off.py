@@ -45,21 +45,26 @@ class HandOff:
     take_wait_s: float  #: ``take(k)`` arrives -> answered (a reader waiting for the learner)
 
 
+#: How many buckets below the highest one a reader asked for its stamps are kept: Ray
+#: may handle a reader's calls out of order, never this far apart (it asks two ahead).
+STAMPS_KEPT = 8
+
+
 @dataclass
 class HandOffClock:
     """Broker process: when each hand-off call of one stream arrived or was answered
-    (``time.monotonic()``). Per bucket it keeps a few stamps; per reader, only its takes
-    not answered yet and its last answer (a stream of 2,000 buckets to 1,000 readers kept
-    two million stamps per reader-bucket pair in dicts); each reader-bucket wait is one
-    float in an array."""
+    (``time.monotonic()``). Per bucket it keeps a few stamps; per reader, those of its
+    last :data:`STAMPS_KEPT` buckets (a stream of 2,000 buckets to 1,000 readers kept a
+    stamp per reader and bucket); each reader-bucket wait is one float in an array."""
 
     offered: dict[int, float] = field(default_factory=dict)
     room_asked: dict[int, float] = field(default_factory=dict)
     room_granted: dict[int, float] = field(default_factory=dict)
-    #: reader -> bucket -> when its ``take`` arrived, until answered
-    _waiting: dict[str, dict[int, float]] = field(default_factory=dict)
-    #: reader -> (bucket, when) of the last answer it got with a bucket
-    _last_answer: dict[str, tuple[int, float]] = field(default_factory=dict)
+    #: reader -> bucket -> when its ``take`` arrived / was answered with the bucket
+    _taken: dict[str, dict[int, float]] = field(default_factory=dict)
+    _answered: dict[str, dict[int, float]] = field(default_factory=dict)
+    #: reader -> the highest bucket it asked for
+    _highest: dict[str, int] = field(default_factory=dict)
     #: bucket -> the slowest reader's turn before its take (see the module doc)
     _readers_turn: dict[int, float] = field(default_factory=dict)
     #: each answered take's wait, in seconds
@@ -75,27 +80,39 @@ class HandOffClock:
         self.room_granted.setdefault(index, time.monotonic())
 
     def take(self, worker: str, index: int) -> None:
-        waiting = self._waiting.setdefault(worker, {})
-        last = self._last_answer.get(worker)
-        if index in waiting or (last is not None and index <= last[0]):
+        taken = self._taken.setdefault(worker, {})
+        if index in taken or self._forgotten(worker, index):
             return  # asked again: its first take counts
-        now = waiting[index] = time.monotonic()
-        if last is not None and last[0] == index - 1:
-            self._turn(index, now - last[1])
+        now = taken[index] = time.monotonic()
+        answered = self._answered.get(worker, {}).get(index - 1)
+        if answered is not None:
+            self._turn(index, now - answered)
+        self._keep_last(worker, index)
 
     def answer(self, worker: str, index: int) -> None:
-        waiting = self._waiting.get(worker, {})
-        asked = waiting.pop(index, None)
-        if asked is None:
-            return  # answered before (its first answer counts)
-        now = time.monotonic()
-        self._take_waits.append(now - asked)
-        self._last_answer[worker] = (index, now)
-        for earlier in [i for i in waiting if i < index]:
-            del waiting[earlier]
-        following = waiting.get(index + 1)
+        answered = self._answered.setdefault(worker, {})
+        if index in answered or self._forgotten(worker, index):
+            return  # its first answer counts
+        now = answered[index] = time.monotonic()
+        taken = self._taken.get(worker, {})
+        asked = taken.get(index)
+        if asked is not None:
+            self._take_waits.append(now - asked)
+        following = taken.get(index + 1)
         if following is not None:  # asked ahead, before this answer left: a negative turn
             self._turn(index + 1, following - now)
+
+    def _forgotten(self, worker: str, index: int) -> bool:
+        return index < self._highest.get(worker, index) - STAMPS_KEPT
+
+    def _keep_last(self, worker: str, index: int) -> None:
+        """Forget ``worker``'s stamps more than :data:`STAMPS_KEPT` below its highest."""
+        if index <= self._highest.get(worker, -1):
+            return
+        self._highest[worker] = index
+        for stamps in (self._taken.get(worker, {}), self._answered.get(worker, {})):
+            for old in [i for i in stamps if i < index - STAMPS_KEPT]:
+                del stamps[old]
 
     def _turn(self, index: int, turn: float) -> None:
         slowest = self._readers_turn.get(index)

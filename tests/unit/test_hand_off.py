@@ -75,3 +75,29 @@ def test_the_first_stamp_of_a_call_made_twice_counts():
     first = clock.offered[0]
     clock.offer(0)
     assert clock.offered[0] == first
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [
+        # Ray ran the offer of bucket 1 (and its answer) before bucket 0's.
+        [(0.0, "take", 0), (0.001, "take", 1), (0.01, "answer", 1), (0.02, "answer", 0)],
+        # The reader's take of bucket 1 was answered before its take of bucket 0 arrived.
+        [(0.001, "take", 1), (0.01, "answer", 1), (0.015, "take", 0), (0.02, "answer", 0)],
+    ],
+    ids=["answers-reordered", "takes-reordered"],
+)
+def test_calls_handled_out_of_order_still_count(at, calls):
+    """Ray may run a reader's calls, and the learner's offers, out of order: every take
+    and answer still counts once (their stamps are kept for the last few buckets)."""
+    clock = HandOffClock()
+    at(0.0, clock.offer, 0)
+    at(0.0, clock.offer, 1)
+    for when, call, index in calls:
+        at(when, getattr(clock, call), "a", index)
+    took = {index: when for when, call, index in calls if call == "take"}
+    answered = {index: when for when, call, index in calls if call == "answer"}
+    summary = clock.summary()
+    waits = sorted(answered[k] - took[k] for k in (0, 1))
+    assert summary.take_wait_s == pytest.approx(sum(waits) / 2)
+    assert summary.readers_turn_s == pytest.approx(took[1] - answered[0])

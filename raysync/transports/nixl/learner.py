@@ -129,10 +129,11 @@ class NixlSender(TransportSender):
                     buffer.pending = None
                     self._written.notify_all()
                 raise
-            with self._lock:  # the metadata that holds this buffer's registration
+            # Both locks (close() takes them in this order): the metadata that holds this
+            # buffer's registration, and no close between the look and the hand-out.
+            with self._lock, self._state:
                 closed = self._pairs.get(key) is not pair
                 metadata, registration = self._metadata, self._registration
-            with self._state:
                 buffer.pending = None if closed else (stamp, sources)
                 self._written.notify_all()
             if closed:
