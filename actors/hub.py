@@ -836,9 +836,8 @@ class WeightHubActor:
         one of the hub's calls for ever)."""
         travels = update.wire_spec or self._state.spec(update.model)
         limit_s = self._default_timeout_s
-        planning = PLAN_DEADLINE.set(time.monotonic() + limit_s)
         try:
-            payload = await asyncio.wait_for(
+            payload = await _planned_within(
                 plan_pull_parts(
                     self._planners[entry.transport],
                     update,
@@ -853,8 +852,6 @@ class WeightHubActor:
                 f"transport {entry.transport!r} could not plan {entry.worker}'s read of "
                 f"version {update.version} of model {update.model!r} within {limit_s:g} s"
             ) from None
-        finally:
-            PLAN_DEADLINE.reset(planning)
         return dataclasses.replace(update, payload=payload)
 
     # -- anyone ----------------------------------------------------------------------------
@@ -1137,9 +1134,8 @@ class WeightHubActor:
             )
             return dict.fromkeys((e.worker for e in group), _Plan(reason=reason))
         limit_s = timeout_s * share
-        planning = PLAN_DEADLINE.set(time.monotonic() + limit_s)
         try:
-            payload_of = await asyncio.wait_for(
+            payload_of = await _planned_within(
                 plan_parts(
                     self._planners[transport],
                     update,
@@ -1161,8 +1157,6 @@ class WeightHubActor:
         except Exception as err:
             reason = f"transport {transport!r} could not plan the delivery: {err!r}"
             return dict.fromkeys((e.worker for e in group), _Plan(reason=reason))
-        finally:
-            PLAN_DEADLINE.reset(planning)
         planned: dict[str, _Plan] = {}
         for entry in group:
             if entry.worker not in payload_of:
@@ -1238,6 +1232,16 @@ async def _name_no_readers(streams: list[BucketStream]) -> None:
     for outcome in told:
         if isinstance(outcome, BaseException):  # the broker is gone: the streams with it
             logger.info("could not end a stream nobody reads: %r", outcome)
+
+
+async def _planned_within(planning: Awaitable[Any], limit_s: float) -> Any:
+    """``planning`` (a planner's coroutine) within ``limit_s``, its planner's waits told
+    the deadline (``PLAN_DEADLINE``); ``asyncio.TimeoutError`` after."""
+    deadline = PLAN_DEADLINE.set(time.monotonic() + limit_s)
+    try:
+        return await asyncio.wait_for(planning, limit_s)
+    finally:
+        PLAN_DEADLINE.reset(deadline)
 
 
 async def _settled(calls: dict[str, tuple[str, Any]]) -> None:

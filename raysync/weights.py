@@ -54,11 +54,7 @@ def flatten(
         raise InvalidWeightsError(f"{what} hold no tensors: nothing to broadcast")
     tensors = {name: tensors[name] for name in sorted(tensors)}
     for name, tensor in tensors.items():
-        if tensor.is_meta:
-            raise InvalidWeightsError(
-                f"{what}: key {name!r} is on the meta device and holds no data "
-                f"(shape {tuple(tensor.shape)}); materialize the model first"
-            )
+        _check_has_data(name, tensor, what, "; materialize the model first")
         if reject_nonfinite and (tensor.is_floating_point() or tensor.is_complex()):
             bad = int(tensor.numel() - torch.isfinite(tensor).sum())
             if bad:
@@ -116,13 +112,24 @@ def destinations(model: Any, *, what: str) -> Destination:
 
 def _with_data(tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
     for name, tensor in tensors.items():
-        if tensor.is_meta:
-            raise InvalidWeightsError(
-                f"{what}: key {name!r} is on the meta device and holds no data "
-                f"(shape {tuple(tensor.shape)}): a version copied into it would be lost; "
-                "materialize the model first (module.to_empty(device=...))"
-            )
+        _check_has_data(
+            name,
+            tensor,
+            what,
+            ": a version copied into it would be lost; materialize the model first "
+            "(module.to_empty(device=...))",
+        )
     return tensors
+
+
+def _check_has_data(name: str, tensor: torch.Tensor, what: str, then: str) -> None:
+    """InvalidWeightsError naming ``name`` if ``tensor`` is on the meta device (no data),
+    the message ending with ``then``: what to do (learner and receiver alike)."""
+    if tensor.is_meta:
+        raise InvalidWeightsError(
+            f"{what}: key {name!r} is on the meta device and holds no data "
+            f"(shape {tuple(tensor.shape)}){then}"
+        )
 
 
 def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
