@@ -88,6 +88,46 @@ def test_a_receiver_that_left_while_a_plan_waited_gets_no_place_in_a_generation(
     assert generation.number == 2 and generation.members == ("c0", "c1")
 
 
+def test_a_receiver_that_left_while_rank_0_answered_gets_no_place_in_a_generation():
+    """c2 left while the plan asked rank 0 where its store listens (a round trip, or
+    the whole of Ray restarting rank 0): the generation is formed without it. With it,
+    no one called that generation off and c0 and c1 waited the group's whole timeout
+    for c2 at its rendezvous."""
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+    targets = [_info(w) for w in ("c0", "c1", "c2")]
+    answered = _Call(rank0.calls, "store_address", StoreAddress("127.0.0.1", 1))
+
+    class _AnswersWhenLet:
+        def __init__(self) -> None:
+            self.asked, self.let = asyncio.Event(), asyncio.Event()
+
+        def remote(self) -> Any:
+            self.asked.set()
+
+            async def reply() -> Any:
+                await self.let.wait()
+                return await answered.remote()
+
+            return asyncio.ensure_future(reply())
+
+    async def run() -> tuple[dict, Any]:
+        rank0.store_address = _AnswersWhenLet()
+        for target in targets:
+            await planner.receiver_joined(target)
+        planning = asyncio.ensure_future(planner.plan(_Update(1), SPEC, targets))
+        await rank0.store_address.asked.wait()  # the plan waits for rank 0's answer
+        await planner.receiver_left("c2")
+        rank0.store_address.let.set()
+        return await planning, planner._generation
+
+    planned, generation = asyncio.run(run())
+    assert sorted(planned) == ["c0", "c1"]
+    assert generation.members == ("c0", "c1")
+    jobs = [args[0] for name, args in rank0.calls if name == "broadcast"]
+    assert [job.generation.members for job in jobs] == [("c0", "c1")]
+
+
 def test_a_plan_whose_every_target_left_plans_nothing():
     rank0 = _Rank0()
     planner = _planner(rank0)

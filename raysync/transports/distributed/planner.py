@@ -99,19 +99,15 @@ class DistributedPlanner(TransportPlanner):
                 self._last_job = None
                 if failed:
                     self._generation = None  # form a new one
-            # A target that left while this plan waited (its targets were chosen before
-            # the hub heard) has no place in a generation: the hub fails it alone (it
-            # gets no payload), and the others do not wait for it at the rendezvous.
-            here = [t for t in targets if t.worker in self._receivers]
-            # One behind (busy in a long method, its last delivery timed out) reads the
-            # learner's copy alone until it acks again: in the collective it held every
-            # other member up for the group's timeout at each version. A bucketed
-            # version has no copy to read: it stays a member (and fails alone).
-            alone = {} if is_bucketed(update.payload) else _alone(here, update.payload)
-            members = tuple(sorted(t.worker for t in here if t.worker not in alone))
+            alone, members = self._members(update, targets)
             if not members:
                 return alone
             store = await self._rank0_store()
+            # Asked again after the wait: one that left meanwhile (while Ray restarted
+            # rank 0, say) would be a member of a generation no one calls off.
+            alone, members = self._members(update, targets)
+            if not members:
+                return alone
             if store != self._store:  # first plan, or Ray restarted rank 0: new rendezvous
                 self._store, self._generation = store, None
             generation = self._generation
@@ -141,6 +137,22 @@ class DistributedPlanner(TransportPlanner):
                 )
                 for worker in members
             }
+
+    def _members(
+        self, update: Any, targets: Sequence[ReceiverInfo]
+    ) -> tuple[dict[str, Any], tuple[str, ...]]:
+        """``targets`` that read the learner's copy alone, and the (sorted) members of
+        the collective: those still registered now. A target that left while this plan
+        waited (its targets were chosen before the hub heard) has no place in a
+        generation: the hub fails it alone (it gets no payload), and the others do not
+        wait for it at the rendezvous. One behind (busy in a long method, its last
+        delivery timed out) reads the learner's copy alone until it acks again: in the
+        collective it held every other member up for the group's timeout at each
+        version. A bucketed version has no copy to read: it stays a member (and fails
+        alone)."""
+        here = [t for t in targets if t.worker in self._receivers]
+        alone = {} if is_bucketed(update.payload) else _alone(here, update.payload)
+        return alone, tuple(sorted(t.worker for t in here if t.worker not in alone))
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """The learner's put, read directly; a bucketed version is served again by a
