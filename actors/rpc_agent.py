@@ -49,6 +49,7 @@ from raysync.transports.process_groups import node_ip
 from raysync.transports.rpc import (
     JOIN_TOKEN_KEY,
     LEFT_KEPT,
+    MEMBER_LIST_KEY,
     RpcJob,
     RpcMember,
     abandon_bucketed,
@@ -63,9 +64,6 @@ from raysync.transports.rpc import (
 
 from .heap import settle_heap
 
-#: The key of the member list torch's dynamic RPC membership keeps in the store
-#: (torch/csrc/distributed/rpc/agent_utils.cpp and torch/distributed/rpc/_utils.py).
-_MEMBER_LIST_KEY = "names/_ALL_WORKER_INFOS"  #: "name-rank,name-rank,"
 _PING_TIMEOUT_S = 2.0
 #: A receiver a send could not reach within its whole timeout (not joined: busy since
 #: the agent was replaced, say) is tried this long by the next sends, until one reaches
@@ -389,9 +387,9 @@ class RpcAgentActor:
     def _listed(self) -> list[str]:
         """The group's member list as the store has it: "name-rank" entries."""
         store = self._group_store()
-        if not store.check([_MEMBER_LIST_KEY]):
+        if not store.check([MEMBER_LIST_KEY]):
             return []
-        return [e for e in store.get(_MEMBER_LIST_KEY).decode().split(",") if e]
+        return [e for e in store.get(MEMBER_LIST_KEY).decode().split(",") if e]
 
     def _prune(self) -> None:
         """Unlist members that do not answer (died without leaving the group)."""
@@ -445,7 +443,7 @@ class RpcAgentActor:
                 raise TimeoutError(f"the RPC group's join token stayed with {holder}")
             time.sleep(0.01)
         try:
-            store.set(_MEMBER_LIST_KEY, "".join(f"{e}," for e in edit(self._listed())))
+            store.set(MEMBER_LIST_KEY, "".join(f"{e}," for e in edit(self._listed())))
         finally:
             store.set(JOIN_TOKEN_KEY, "")
             store.set(mine, "Done")

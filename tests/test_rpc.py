@@ -23,7 +23,7 @@ from raysync import BroadcastError, RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.testing import special_weights
-from raysync.transports.rpc import open_master_store
+from raysync.transports.rpc import MEMBER_LIST_KEY, open_master_store
 from tests.helpers import (
     Gate,
     actor_pid,
@@ -318,20 +318,25 @@ def test_a_receiver_whose_move_to_a_new_agent_failed_moves_at_the_next_version(a
 
 #: A process joining the RPC group at ``sys.argv[1]`` as "joiner", rank 2, twice if the
 #: first join fails: then it prints the group's join token and, standing for the
-#: agent's repair, clears the member list before it tries again.
+#: agent's repair when the hub forgets a dead member, takes "ghost" off the member list
+#: before it tries again.
 _JOINER = """
 import sys
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from raysync.transports.options import RpcOptions
-from raysync.transports.rpc.rendezvous import JOIN_TOKEN_KEY, _group_store, init_rpc
+from raysync.transports.rpc.rendezvous import (
+    JOIN_TOKEN_KEY, MEMBER_LIST_KEY, _group_store, init_rpc
+)
 for attempt in (1, 2):
     try:
         init_rpc("joiner", 2, sys.argv[1], RpcOptions(timeout_s=2.0))
     except Exception as err:
         group = dist.PrefixStore(f"rpc_prefix_{rpc._init_counter - 1}", _group_store(sys.argv[1]))
-        print(f"join {attempt} failed:", err, "; token:", group.get(JOIN_TOKEN_KEY))
-        group.set("names/_ALL_WORKER_INFOS", "")
+        listed = group.get(MEMBER_LIST_KEY).decode()
+        token = group.get(JOIN_TOKEN_KEY)
+        print(f"join {attempt} failed:", err, "; listed:", listed, "; token:", token)
+        group.set(MEMBER_LIST_KEY, listed.replace("ghost-1,", ""))
         with rpc._init_counter_lock:  # as the receiver does before each join
             rpc._init_counter = 0
     else:
@@ -347,17 +352,20 @@ def test_a_process_whose_join_failed_can_join_again_and_holds_no_token():
     meanwhile (here one that never was: its address never comes) kept it, and every
     later join, and the agent's edits of the member list, waited on it and failed. And
     torch RPC stayed initialized in that process: its every later join raised "RPC is
-    already initialized". Real torch RPC, in a process of its own (once per process)."""
+    already initialized". And torch left the joiner on the member list (its leave after
+    the failure waits on a key of its own join): the next join under its name failed,
+    "not unique", once the dead member was unlisted. Real torch RPC, in a process of its
+    own (once per process)."""
     import torch.distributed as dist
 
     url, master = open_master_store("127.0.0.1", 2.0)
     # init_rpc's keys: the group's prefix, then its per-process count of init_rpc calls
     group = dist.PrefixStore("rpc_prefix_0", dist.PrefixStore(urlparse(url).path[1:] + "/", master))
-    group.set("names/_ALL_WORKER_INFOS", "ghost-1,")
+    group.set(MEMBER_LIST_KEY, "ghost-1,")
     joiner = subprocess.run(
         [sys.executable, "-c", _JOINER, url], capture_output=True, text=True, timeout=120
     )
     first, second = joiner.stdout.splitlines()[:2]
     assert first.startswith("join 1 failed:") and "ghost" in first, joiner
-    assert first.endswith("token: b''"), joiner
     assert second == "join 2: joined", joiner
+    assert first.endswith("; listed: ghost-1, ; token: b''"), joiner

@@ -99,6 +99,7 @@ from raysync.transports.rpc.receiver import (
 )
 from raysync.transports.rpc.rendezvous import (
     JOIN_TOKEN_KEY,
+    MEMBER_LIST_KEY,
     SCHEME,
     init_rpc,
     interface_of,
@@ -116,6 +117,7 @@ from raysync.transports.rpc.wire import (
 __all__ = [
     "JOIN_TOKEN_KEY",
     "LEFT_KEPT",
+    "MEMBER_LIST_KEY",
     "SCHEME",
     "RpcJob",
     "RpcMember",

@@ -22,6 +22,9 @@ SCHEME = "raysync-rpc"
 #: The store key of torch's dynamic RPC membership token (torch/distributed/rpc/
 #: _utils.py): the name of the process joining or leaving the group, or "".
 JOIN_TOKEN_KEY = "RpcGroupManagementToken"
+#: The key of the member list torch's dynamic RPC membership keeps in the store
+#: (torch/csrc/distributed/rpc/agent_utils.cpp): "name-rank,name-rank,".
+MEMBER_LIST_KEY = "names/_ALL_WORKER_INFOS"
 #: Master stores made by agents in this process, by URL (the handler hands them out).
 _MASTER_STORES: dict[str, Any] = {}
 
@@ -116,18 +119,27 @@ def init_rpc(name: str, rank: int, url: str, settings: RpcOptions) -> None:
     try:
         rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
     except BaseException:
-        _give_join_token_back(store, mine)
+        _give_join_token_back(store, mine, f"{name}-{rank}")
         _drop_failed_agent()
         raise
 
 
-def _give_join_token_back(store: Any, mine: str) -> None:
+def _give_join_token_back(store: Any, mine: str, entry: str) -> None:
     """After a join that failed: torch takes the group's membership token (as ``mine``)
     when a join starts and gives it back only once it succeeded (a listed member that
     died meanwhile fails it): held, it kept every later join, and the agent's repairs
-    of the member list, waiting on it until they failed. Give it back if still held."""
+    of the member list, waiting on it until they failed. Give it back if still held.
+
+    Before that, take this process's ``entry`` ("name-rank") off the member list: torch
+    lists a joiner before it calls the members, and its leave after the failure, which
+    would unlist it, waits for a key deleted above. Left listed, the process's every
+    later join under the same name failed ("RPC worker name ... is not unique"), and
+    any other joiner failed calling it: it never caught up, and the failure spread."""
     try:
         if store.check([JOIN_TOKEN_KEY]) and store.get(JOIN_TOKEN_KEY).decode() == mine:
+            if store.check([MEMBER_LIST_KEY]):  # the token is ours: no one else edits it
+                listed = store.get(MEMBER_LIST_KEY).decode().split(",")
+                store.set(MEMBER_LIST_KEY, "".join(f"{e}," for e in listed if e and e != entry))
             # Atomic: the agent may take over the token meanwhile (then it is not ours).
             if store.compare_set(JOIN_TOKEN_KEY, mine, "").decode() == "":
                 store.set(mine, "Done")  # wakes the joins waiting for it
