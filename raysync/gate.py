@@ -58,12 +58,14 @@ WRITER_FIRST_S = 60.0
 class _Read:
     """The reads a user method holds: ``depth`` counted in the gate's readers (nested
     async reads count each; 0 once the outermost ended) and who opened it, the task on
-    an event loop or the thread. ``lent``: how many of them a write from a thread that
-    runs for it took out of the count while it waits (see :meth:`ApplyGate._lend`)."""
+    an event loop or the thread. ``lent``: how many of them the writes (or safe points)
+    of threads that run for it took out of the count while they wait, ``lenders``: how
+    many such threads do (see :meth:`ApplyGate._lend`)."""
 
     depth: int
     opener: object
     lent: int = 0
+    lenders: int = 0
 
 
 #: The read the current thread or task holds (re-entrant user methods). Tasks and
@@ -263,25 +265,28 @@ class ApplyGate:
             self._readers -= 1
         self._cond.notify_all()
 
-    def _lend(self, read: _Read | None) -> int:
+    def _lend(self, read: _Read | None) -> None:
         """A write (or safe point) in a thread that runs for ``read`` (its own, or that
         of the coroutine that started it through ``to_thread``) takes what ``read``
-        holds out of the count while it waits: how many (called holding the lock)."""
-        if read is None:
-            return 0
-        lent = read.depth - read.lent
-        read.lent += lent
-        self._readers -= lent
-        return lent
-
-    def _take_back(self, read: _Read | None, lent: int) -> None:
-        """Count again what :meth:`_lend` took out of ``read`` and that has not ended
-        meanwhile (a coroutine that did not wait for the thread may have left)."""
+        holds out of the count while it waits; the first of several such threads (two
+        pulls gathered) takes it all (called holding the lock)."""
         if read is None:
             return
-        back = min(lent, read.lent)
-        read.lent -= back
-        self._readers += back
+        read.lenders += 1
+        if read.lenders == 1:
+            read.lent = read.depth
+            self._readers -= read.depth
+
+    def _take_back(self, read: _Read | None) -> None:
+        """Count again what :meth:`_lend` took out of ``read`` and that has not ended
+        meanwhile (a coroutine that did not wait for the thread may have left), once
+        the last thread that runs for it is done."""
+        if read is None:
+            return
+        read.lenders -= 1
+        if not read.lenders:
+            self._readers += read.lent
+            read.lent = 0
 
     def _enter_async(self, held: int) -> bool:
         """Count an async reader in, unless a write goes first (a nested read never
@@ -345,19 +350,23 @@ class ApplyGate:
             return
         read = _own_read()
         with self._cond:
-            if not (self._writers_waiting or self._writing or self._writers_blocked):
+            deferred = bool(self._deferred)  # by the loop of an async host, held by read
+            if not (self._writers_waiting or self._writing or self._writers_blocked or deferred):
                 return
-            lent = self._lend(read)
+            self._lend(read)
             self._cond.notify_all()
-            # A write past its first turn waits for a moment with no reader: this one
-            # waits for it only if it made that moment (others may wait for this one).
+            if deferred:  # run on their loop, if no other reader holds them back
+                _call_soon(self.loop, self._run_deferred_if_idle)
+            # A write past its first turn (or deferred ones) waits for a moment with no
+            # reader: this one waits for it only if it made that moment (others may
+            # wait for this one, and the last of them to leave runs deferred writes).
             while (
                 self._writers_waiting
                 or self._writing
-                or (self._writers_blocked and not self._readers)
+                or ((self._writers_blocked or self._deferred) and not self._readers)
             ):
                 self._cond.wait()
-            self._take_back(read, lent)
+            self._take_back(read)
 
     # -- the writer: applying an update -------------------------------------------------
     def write(
@@ -415,7 +424,7 @@ class ApplyGate:
             return DEFERRED
         read = _own_read()
         with self._cond:
-            lent = self._lend(read)
+            self._lend(read)
             self._writers_waiting += 1
             self._writers_blocked += 1
             self._cond.notify_all()
@@ -446,7 +455,7 @@ class ApplyGate:
         finally:
             with self._cond:
                 self._writing, self._writer = False, None
-                self._take_back(read, lent)
+                self._take_back(read)
                 self._cond.notify_all()
                 deferred_waiting = bool(self._deferred)
                 self._wake_coroutines_waiting()

@@ -1209,3 +1209,71 @@ def test_a_thread_write_for_a_task_started_inside_a_read_waits_for_the_other_rea
     finally:
         pulls.shutdown()
         waits.shutdown()
+
+
+def test_two_threads_writing_for_one_read_both_apply():
+    """A user coroutine pulls two models at once (``asyncio.gather`` of two
+    ``to_thread`` pulls): both threads write for its read. The first to finish must
+    not count that read again while the second still writes for it (the second would
+    then wait for the coroutine, which waits for it)."""
+    gate, cond = _watched_gate([])
+    model = {"m": 0, "n": 0}
+    pulls = ThreadPoolExecutor(2, thread_name_prefix="pull")
+    first = threading.Lock()
+
+    def setter(key: str) -> Callable[[], str]:
+        def apply() -> str:
+            if first.acquire(blocking=False):  # the first in lets the other wait for it
+                me = threading.current_thread().name
+                other = "pull_1" if me == "pull_0" else "pull_0"
+                _wait(cond.blocked(other), "the other pull waits for this write")
+            model[key] = 1
+            return f"ack-{key}"
+
+        return apply
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_default_executor(pulls)
+        async with gate.reading_async():
+            acks = await asyncio.gather(
+                asyncio.to_thread(gate.write, setter("m"), "m"),
+                asyncio.to_thread(gate.write, setter("n"), "n"),
+            )
+            assert gate._readers == 1  # its read counted again once both wrote
+        assert acks == ["ack-m", "ack-n"] and model == {"m": 1, "n": 1}
+        assert gate._readers == 0
+
+    try:
+        _run(main())
+    finally:
+        pulls.shutdown(wait=False)
+
+
+def test_a_thread_safe_point_on_an_async_host_applies_the_deferred_writes():
+    """An async user method runs its collection loop in a thread (``to_thread``) and
+    opens safe points there: a delivery deferred on the loop meanwhile (the coroutine
+    holds the model) is applied at the thread's next safe point, not when the loop ends."""
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+    started, delivered = threading.Event(), threading.Event()
+
+    def collect() -> int:
+        started.set()
+        _wait(delivered, "the delivery is deferred")
+        gate.safe_point()
+        return model["v"]
+
+    async def user_method() -> int:
+        async with gate.reading_async():
+            return await asyncio.to_thread(collect)
+
+    async def main() -> None:
+        collecting = asyncio.create_task(user_method())
+        await asyncio.to_thread(_wait, started, "the collection loop runs")
+        assert gate.write(_setter(model, 1), key="m") is DEFERRED  # a delivery
+        delivered.set()
+        assert await collecting == 1  # the safe point let the deferred write in
+        assert finished == ["ack-1"] and gate._readers == 0
+
+    _run(main())
