@@ -42,7 +42,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import NamedTuple, overload
 
 import numpy
@@ -165,7 +165,8 @@ def copy_all(
     ]
     try:
         _copy(destinations, sources, shares[0])
-    finally:
+    finally:  # every thread stopped writing before the first failure is raised
+        wait(pending)
         for future in pending:
             future.result()
     # A model whose first tensor (by name) is on the CPU may hold others on a GPU.

@@ -7,6 +7,7 @@ range per thread."""
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 import torch
@@ -125,6 +126,34 @@ def test_a_failing_copy_raises(bad):
     destinations[bad] = torch.zeros(3)  # a copy that cannot broadcast into it
     with pytest.raises(RuntimeError):
         copy_all(destinations, sources, spec, threads=2)
+
+
+def test_a_failing_copy_raises_once_every_other_thread_stopped_writing(monkeypatch):
+    """A receiver that sees the copy fail opens its safe point again: no helper thread
+    may still be writing into the model then."""
+    import raysync.copies as copies
+
+    model = {f"l{i}": torch.zeros(_LARGE_NUMEL * 8) for i in range(3)}
+    spec = WeightSpec.of(model)
+    sources = [model[name] for name in spec.names]
+    destinations = [torch.ones_like(t) for t in sources]
+    shares = copy_shares(spec, 3)
+    raised, ends = threading.Event(), []
+    real_copy = copies._copy
+
+    def copy(destinations, sources, share):
+        if share is shares[1]:
+            raised.set()
+            raise RuntimeError("this share failed")
+        assert raised.wait(10), "the failing share never ran"
+        if share is not shares[0]:  # the caller's returns at once: the helper still copies
+            real_copy(destinations, sources, share)
+        ends.append(share)
+
+    monkeypatch.setattr(copies, "_copy", copy)
+    with pytest.raises(RuntimeError, match="this share failed"):
+        copy_all(destinations, sources, spec, threads=3)
+    assert shares[2] in ends  # the other helper's share ended before copy_all raised
 
 
 @pytest.mark.parametrize("sides", ["tensors", "viewed"])
