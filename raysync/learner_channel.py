@@ -186,9 +186,11 @@ class ReceiverChannel:
                 return None
             # A build asked for another set before this broadcast is not wanted now.
             self._wanted = members
-            self._out = Written(update.model, update.version, timeout_s, tokens, self._graph, refs)
-        self._jobs.put(self._out)
-        return self._out
+            written = self._out = Written(
+                update.model, update.version, timeout_s, tokens, self._graph, refs
+            )
+        self._jobs.put(written)
+        return written
 
     def collect(
         self, written: Written, wait_s: float
