@@ -808,8 +808,11 @@ class WeightHubActor:
             self._channel_replies.arrive((submitter, model, version, worker), reply)
 
     async def ack(self, ack: Ack) -> None:
-        """An acknowledgement sent after the delivery call returned (deferred applies)."""
-        if ack.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED):
+        """An acknowledgement sent after the delivery call returned (deferred applies):
+        booked for the registration that sent it only (its worker id may have gone to
+        a new actor since, which does not hold that version)."""
+        applied = ack.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED)
+        if applied and self._state.knows(ack.worker, ack.token):
             self._state.record(ack.worker, ack.model, ack.version, ack.timings)
         self._acks.arrive(ack)
 

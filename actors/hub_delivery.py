@@ -229,10 +229,17 @@ class ReceiverDelivery:
             return None
         return entry
 
-    def _record(self, registration: Registration, model: str, version: int) -> None:
-        """``registration`` holds ``version`` of ``model`` (unless it registered again)."""
+    def _record(
+        self,
+        registration: Registration,
+        model: str,
+        version: int,
+        timings: ReceiverTimings | None = None,
+    ) -> None:
+        """``registration`` holds ``version`` of ``model`` (unless its worker id went to
+        another registration meanwhile, whose versions these are not)."""
         if self._still_registered(registration) is not None:
-            self._state.record(registration.worker, model, version)
+            self._state.record(registration.worker, model, version, timings)
 
     def _gave_up(self, registration: Registration, model: str) -> None:
         """A delivery to ``registration`` of ``model`` timed out while a call to it still
@@ -356,7 +363,7 @@ class ReceiverDelivery:
                 f"{registration.actor} failed to apply: {ack.error}",
                 cause=FailureCause.APPLY_FAILED,
             )
-        self._state.record(registration.worker, update.model, update.version, ack.timings)
+        self._record(registration, update.model, update.version, ack.timings)
         delivered_s = time.perf_counter() - delivery_started
         if ack.timings is not None:  # two clocks on the direct path: never below its parts
             t = ack.timings

@@ -141,3 +141,35 @@ def test_a_call_the_hub_cannot_make_fails_that_receiver_only(monkeypatch):
 
     outcome = asyncio.run(run())
     assert "A(1)" in outcome.error and "TypeError: cannot pickle" in outcome.error
+
+
+def test_an_ack_of_a_registration_replaced_meanwhile_is_not_booked_for_its_successor(
+    monkeypatch,
+):
+    """The worker id went to a new actor (registered again, token t2) while the old
+    one's delivery call ran: the old actor's ack must not count as the new one's
+    version, or the new one would never be brought up to it."""
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import DeliveryMode, Entry, Registration, Update
+
+    def registration(token: str) -> Registration:
+        return Registration(
+            "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, token
+        )
+
+    old, new = registration("t1"), registration("t2")
+    update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
+    state = HubState()
+
+    async def applied() -> Ack:
+        state.receivers["w"] = ReceiverEntry(new)  # registered again while the call ran
+        return ack(3)
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", lambda *_: applied())
+
+    async def run():
+        delivery = hub_delivery.ReceiverDelivery(state, AckBook(), lambda *_: None, lambda *_: None)
+        return await delivery.deliver(ReceiverEntry(old), update, time.monotonic() + 10, 10)
+
+    asyncio.run(run())
+    assert state.receivers["w"].versions.get("m", 0) == 0
