@@ -96,6 +96,10 @@ class DeliveryLanes(Generic[OutcomeT]):
     def __init__(self, holds: Callable[[Any], bool] = lambda reply: False) -> None:
         self._lanes: dict[tuple[str, str], Lane[OutcomeT]] = {}
         self._holds = holds
+        #: a ``then`` whose call returned as an older version went next (its leader):
+        #: the leader's call says it when it returns (the receiver still lacks the
+        #: version that gave up)
+        self._handed_on: dict[tuple[str, str], Callable[[asyncio.Future[Any], int], None]] = {}
 
     def calling(self, token: str, model: str, version: int, call: asyncio.Future[Any]) -> None:
         """A call was made to registration ``token`` with ``version`` of ``model``: the
@@ -103,7 +107,7 @@ class DeliveryLanes(Generic[OutcomeT]):
         process other than the hub) takes over the deliveries waiting: they wait for
         the newest call."""
         key = (token, model)
-        lane: Lane[OutcomeT] = Lane(call, version)
+        lane: Lane[OutcomeT] = Lane(call, version, then=self._handed_on.pop(key, None))
         former = self._lanes.get(key)
         if former is not None:
             lane.waiting, former.waiting = former.waiting, []
@@ -114,7 +118,12 @@ class DeliveryLanes(Generic[OutcomeT]):
                 return  # a newer call was made: the receiver's word is that one's
             del self._lanes[key]
             held = not call.cancelled() and call.exception() is None and self._holds(call.result())
-            if not _take_turns(lane, held) and lane.then is not None:
+            leads = _take_turns(lane, held)
+            if lane.then is None:
+                return
+            if leads:
+                self._handed_on[key] = lane.then
+            else:
                 lane.then(call, lane.version)
 
         call.add_done_callback(returned)
@@ -129,8 +138,9 @@ class DeliveryLanes(Generic[OutcomeT]):
     ) -> None:
         """A delivery to ``token`` of ``model`` ended (its deadline passed) while a call
         to it still ran, its own or the one it waited for: once that call returns,
-        ``then(call, its version)`` runs, unless deliveries wait for it (they go then)
-        or a newer call was made (its own return says)."""
+        ``then(call, its version)`` runs, unless a newer call was made (its own return
+        says) or a delivery waiting for it goes next (once that one's call returns: an
+        older version than the one that gave up may go)."""
         lane = self._lanes.get((token, model))
         if lane is not None and not lane.call.done():
             lane.then = then
@@ -160,8 +170,9 @@ class DeliveryLanes(Generic[OutcomeT]):
 
 def _take_turns(lane: Lane[Any], held: bool) -> bool:
     """``lane``'s call returned: the deliveries waiting of versions no newer than it end
-    held if it ``held``, the newest of the others goes, the rest follow it. False if no
-    delivery waits (one cancelled since it began to wait is none)."""
+    held if it ``held``, the newest of the others goes, the rest follow it. Whether one
+    goes (False if none waits, one cancelled since it began to wait being none, or
+    every one waiting ended held)."""
     waiting = [w for w in lane.waiting if not w.turn.done()]
     lane.waiting = []
     if not waiting:
@@ -172,7 +183,7 @@ def _take_turns(lane: Lane[Any], held: bool) -> bool:
                 each.turn.set_result(Turn(held=lane.version))
         waiting = [w for w in waiting if w.version > lane.version]
         if not waiting:
-            return True
+            return False
     lane.leader = max(w.version for w in waiting)
     lane.led = asyncio.get_running_loop().create_future()
     leading = False

@@ -232,3 +232,48 @@ def test_an_older_version_waiting_behind_a_call_that_applied_a_newer_one_makes_n
     )
     assert calls == []  # versions 1 and 2 are held once version 3 applied
     assert (one.error, two.error) == (None, None)
+
+
+def test_a_call_given_up_on_says_when_it_returned_if_the_deliveries_waiting_were_held():
+    """Version 6's delivery gave up on the running call of version 5; version 4's
+    waits for it. The call returns applied: 4 ends held, no call goes, and the
+    receiver still lacks 6, so the call's return must say so (the hub catches it up)."""
+
+    async def run():
+        lanes: DeliveryLanes[str] = DeliveryLanes(holds=lambda reply: reply == "applied")
+        call = asyncio.get_running_loop().create_future()
+        heard: list[int] = []
+        lanes.calling("t", "m", 5, call)
+        turn = asyncio.ensure_future(lanes.turn("t", "m", 4, _later(5)))
+        await asyncio.sleep(0)
+        lanes.gave_up("t", "m", lambda call, version: heard.append(version))
+        call.set_result("applied")
+        return heard, await turn
+
+    heard, turn = asyncio.run(run())
+    assert turn.held == 5 and heard == [5]
+
+
+def test_a_call_given_up_on_hands_its_word_to_the_older_version_that_goes_after_it():
+    """Version 6's delivery gave up on the running call of version 3; version 4's
+    waits for it and goes when it returns. The receiver then still lacks 6: once 4's
+    call returns, the hub must hear it (and catch the receiver up)."""
+
+    async def run():
+        lanes: DeliveryLanes[str] = DeliveryLanes()
+        loop = asyncio.get_running_loop()
+        first, second = loop.create_future(), loop.create_future()
+        heard: list[int] = []
+        lanes.calling("t", "m", 3, first)
+        turn = asyncio.ensure_future(lanes.turn("t", "m", 4, _later(5)))
+        await asyncio.sleep(0)
+        lanes.gave_up("t", "m", lambda call, version: heard.append(version))
+        first.set_result("acked")
+        lead = await turn
+        assert lead.lead is not None and heard == []  # 4 goes now: not yet
+        lanes.calling("t", "m", 4, second)
+        second.set_result("acked")
+        await asyncio.sleep(0)
+        return heard
+
+    assert asyncio.run(run()) == [4]
