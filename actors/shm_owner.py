@@ -49,6 +49,8 @@ from raysync.transports.shared_memory.wire import (
     TOKEN_BYTES,
     Board,
     Slot,
+    holds_model,
+    read_seq,
     write_seq,
 )
 
@@ -216,12 +218,15 @@ class ShmOwner:
         newest here, as the latest of ``model`` (late joiners and pulls are planned to
         read it, so it must not be written again).
 
-        The hub plans versions in the order the learner submitted them and numbers its
-        calls here (``order``, run in that order: Ray may start them out of order), so a
-        ``PENDING`` slot of the same learner older than ``seq`` holds a version the hub
-        refused: it is freed (another learner's are not: they may still be planned).
-        ``pid`` names the owner the slot came from: a restarted owner knows none of its
-        slots.
+        The hub plans each model's versions in the order the learner submitted them
+        and numbers its calls here (``order``, run in that order: Ray may start them out
+        of order), so a ``PENDING`` slot of the same learner older than ``seq`` that
+        holds a version of ``model`` holds one the hub refused, and one never written
+        whole (asked for ahead and not used, or its write failed: a learner writes one
+        at a time) holds nothing: both are freed. One that holds another model's
+        version is not: the hub may plan it yet, after this one (nor are another
+        learner's). ``pid`` names the owner the slot came from: a restarted owner knows
+        none of its slots.
         """
         with self._in_order.turn("hub", order):
             return self._deliver(pid, seq, model, workers, version)
@@ -237,7 +242,7 @@ class ShmOwner:
                 f"on node {self._node_id}: a newer version superseded it and its slot was reused"
             )
         for other in self._by_seq.values():
-            if other.seq < seq and other.stream == segment.stream:
+            if other.seq < seq and other.stream == segment.stream and _dead(other, model):
                 other.holds.discard(PENDING)
         segment.holds.discard(PENDING)
         for worker in workers:
@@ -519,6 +524,13 @@ class ShmOwner:
             segment.seq,
             segment.column,
         )
+
+
+def _dead(segment: _Segment, model: str) -> bool:
+    """Whether an older ``PENDING`` slot of a learner holds nothing the hub may plan
+    now that it planned a newer version of ``model`` (see :meth:`ShmOwner.deliver`)."""
+    header = segment.buffer[:HEADER_BYTES]
+    return read_seq(header) != segment.seq or holds_model(header, model)
 
 
 def _started_at(pid: int) -> int | None:

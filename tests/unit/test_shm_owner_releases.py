@@ -326,3 +326,44 @@ def test_a_version_handed_to_a_receiver_twice_is_held_until_both_are_released(ow
         assert owner.stats().holds == ("latest/m",)
     finally:
         receiver.close()
+
+
+def _written(owner: ShmOwner, seq: int, model: str) -> None:
+    """Write version ``seq`` of ``model`` into its slot's header, as the learner does."""
+    from raysync.transports.shared_memory.wire import write_model, write_seq
+
+    header = owner._by_seq[seq].buffer
+    write_model(header, model)
+    write_seq(header, seq)
+
+
+def test_a_newer_version_of_one_model_keeps_an_older_one_of_another_model_pending(owner):
+    """One learner writes a version of model a, then one of model b; the hub plans b's
+    first (each model's deliveries run on their own). a's slot must stay held until
+    the hub plans it, or the learner's next version would be written into the slot a's
+    receivers are about to read."""
+    from raysync.actors.shm_owner import PENDING
+
+    a = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    _written(owner, a.seq, "a")
+    b = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    _written(owner, b.seq, "b")
+    owner.deliver(PID, b.seq, "b", ("w0",), order=1, version=1)
+    assert PENDING in owner._by_seq[a.seq].holds
+    owner.deliver(PID, a.seq, "a", ("w0",), order=2, version=1)
+    assert owner._by_seq[a.seq].holds == {Hold.latest("a"), Hold.of_worker("w0")}
+
+
+def test_a_newer_version_frees_older_pending_slots_of_its_model_and_those_never_written(owner):
+    """What the hub refused (an older version of the model it planned) and a slot asked
+    for ahead but never written hold nothing: both are freed for the learner."""
+    from raysync.actors.shm_owner import PENDING
+
+    refused = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    _written(owner, refused.seq, "a")
+    unused = owner.acquire(8192, timeout_s=5.0, learner="learner")  # another size came
+    newer = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    _written(owner, newer.seq, "a")
+    owner.deliver(PID, newer.seq, "a", (), order=1, version=2)
+    assert PENDING not in owner._by_seq[refused.seq].holds
+    assert PENDING not in owner._by_seq[unused.seq].holds

@@ -27,6 +27,7 @@ from raysync.transports.shared_memory.wire import (
     SharedMemoryPayload,
     Slot,
     owner_name,
+    write_model,
     write_seq,
 )
 
@@ -125,6 +126,7 @@ class SharedMemorySender(TransportSender):
             slot, buffer = self._slot(layout.nbytes)
             header = buffer.numpy()
             write_seq(header, 0)
+            write_model(header, model)
             layout.pack(tensors, buffer, self._mappings.views(slot, layout))
             write_seq(header, slot.seq)
             return SharedMemoryPayload(slot)
@@ -159,7 +161,7 @@ class SharedMemorySender(TransportSender):
 
     def abandoned(self, payload: Any, why: str) -> None:
         """A slot written for nothing stays held until the hub plans a newer version of
-        this sender's, which frees it; a bucket stream ends now."""
+        its model from this sender, which frees it; a bucket stream ends now."""
         if self._streams is not None and isinstance(payload, BucketStream):
             self._streams.abandoned(payload, why)
 

@@ -6,6 +6,7 @@ MB on each node's owner); it and these helpers see a segment as a NumPy uint8 ar
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,11 +35,13 @@ BOARD_COLUMNS = 64
 BOARD_POLL_S = 0.005
 
 #: Header: [0:16] segment token, [16:24] sequence number of the version in the slot
-#: (0 while it is being written), little-endian int64; the packed tensors start after
-#: it (:class:`raysync.layout.PackedLayout`, at this offset), on a cache line.
+#: (0 while it is being written), little-endian int64, [24:32] a tag of the model it
+#: is of (for the owner: see ``ShmOwner.deliver``); the packed tensors start after it
+#: (:class:`raysync.layout.PackedLayout`, at this offset), on a cache line.
 HEADER_BYTES = 64
 TOKEN_BYTES = 16
 _SEQ = slice(16, 24)
+_MODEL = slice(24, 32)
 
 
 def owner_name(hub_id: str, node_id: str) -> str:
@@ -113,3 +116,18 @@ def write_seq(buffer: np.ndarray, seq: int) -> None:
 def read_seq(buffer: np.ndarray) -> int:
     """The sequence number in the header of a segment (its uint8 ``buffer``)."""
     return int(buffer[_SEQ].view(np.int64)[0])
+
+
+def write_model(buffer: np.ndarray, model: str) -> None:
+    """Write which model the version in a segment (its uint8 ``buffer``) is of into its
+    header (the learner, before the sequence that says the version is whole)."""
+    buffer[_MODEL] = np.frombuffer(_model_tag(model), np.uint8)
+
+
+def holds_model(buffer: np.ndarray, model: str) -> bool:
+    """Whether the header of a segment (its uint8 ``buffer``) names ``model``."""
+    return bytes(buffer[_MODEL]) == _model_tag(model)
+
+
+def _model_tag(model: str) -> bytes:
+    return hashlib.blake2b(model.encode(), digest_size=_MODEL.stop - _MODEL.start).digest()
