@@ -450,7 +450,7 @@ class ShmOwner:
                 if not segment.holds:
                     return segment
             if len(pool) < self._max_slots:
-                segment = self._create(nbytes, stream, self._new_column())
+                segment = self._new_segment(nbytes, stream)
                 pool.append(segment)
                 return segment
             remaining = deadline - time.monotonic()
@@ -494,14 +494,32 @@ class ShmOwner:
         self._next_column += 1
         return self._next_column - 1
 
+    def _new_segment(self, nbytes: int, stream: str) -> _Segment:
+        """A segment for ``stream``'s pool, with a column of the board if one is free;
+        a clear error, and nothing kept, if the node has no memory for it."""
+        column = self._new_column()
+        try:
+            return self._create(nbytes, stream, column)
+        except OSError as err:
+            if column >= 0:
+                self._free_columns.append(column)
+            raise TransportError(
+                f"could not create a shared-memory segment of {nbytes} bytes on node "
+                f"{self._node_id} for {stream}: {err} (is the node out of memory?)"
+            ) from err
+
     def _create(self, nbytes: int, stream: str, column: int) -> _Segment:
         token = secrets.token_bytes(TOKEN_BYTES)
         fd = os.memfd_create("raysync-segment", os.MFD_CLOEXEC)
-        os.ftruncate(fd, nbytes)
-        # Allocate (and zero) every page now, in the owner, ahead of the first write:
-        # the learner asks for its next slot ahead, so this is off the broadcast's path.
-        os.posix_fallocate(fd, 0, nbytes)
-        buffer = np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
+        try:
+            os.ftruncate(fd, nbytes)
+            # Allocate (and zero) every page now, in the owner, ahead of the first
+            # write: the learner asks for its next slot ahead, off the broadcast's path.
+            os.posix_fallocate(fd, 0, nbytes)
+            buffer = np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
+        except BaseException:
+            os.close(fd)
+            raise
         buffer[:TOKEN_BYTES] = np.frombuffer(token, dtype=np.uint8)
         return _Segment(fd, buffer, token, column, stream=stream)
 

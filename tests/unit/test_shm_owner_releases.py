@@ -367,3 +367,23 @@ def test_a_newer_version_frees_older_pending_slots_of_its_model_and_those_never_
     owner.deliver(PID, newer.seq, "a", (), order=1, version=2)
     assert PENDING not in owner._by_seq[refused.seq].holds
     assert PENDING not in owner._by_seq[unused.seq].holds
+
+
+def test_a_segment_the_node_has_no_memory_for_is_a_clear_error_that_keeps_nothing(
+    owner, monkeypatch
+):
+    import errno
+
+    from raysync.actors import shm_owner
+    from raysync.transports import TransportError
+
+    def full(fd: int, offset: int, nbytes: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with monkeypatch.context() as patched:
+        patched.setattr(shm_owner.os, "posix_fallocate", full)
+        with pytest.raises(TransportError, match="segment of 4096 bytes .* learner"):
+            owner.acquire(4096, timeout_s=5.0, learner="learner")
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # its memfd closed
+    assert owner.acquire(4096, timeout_s=5.0, learner="learner").column == 0  # column kept
