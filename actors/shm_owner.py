@@ -172,6 +172,8 @@ class ShmOwner:
         #: freed as their holds go)
         self._learner_pids: dict[str, tuple[int, int | None]] = {}  #: (pid, its start)
         self._left: set[str] = set()
+        #: senders that called :meth:`leave` (kept: a call of theirs may come after it)
+        self._closed_senders: set[str] = set()
         self._board_releases = 0
         self._release_calls = 0
         settle_heap()
@@ -182,27 +184,38 @@ class ShmOwner:
         held ``PENDING``. ``pid``: the learner's process (on this node): once it is
         gone, its slots are freed as their holds go (see :meth:`leave`)."""
         with self._lock:
+            self._check_not_closed(learner)
             if pid and self._learner_pids.get(learner, (0, None))[0] != pid:
                 self._learner_pids[learner] = (pid, _started_at(pid))
             segment = self._free_segment(learner, nbytes, timeout_s)
+            self._check_not_closed(learner)  # it may have while this call waited
             segment.holds.add(PENDING)
             segment.pending_since = time.monotonic()
             return self._assign(segment)
 
-    def leave(self, learner: str, unused: tuple[int, ...] = ()) -> None:
+    def leave(self, learner: str) -> None:
         """``learner``'s sender closed (``HubHandle.release``): its slots are freed, each
         once nothing holds it (a version receivers still read, or the latest of its
         model, stays until a newer one replaces it; one the hub has not planned yet,
-        ``pending_kept_s`` at most). ``unused``: its slots asked for ahead, never
-        written: freed now."""
+        ``pending_kept_s`` at most); those never written whole (the one it asked for
+        ahead, answered or not yet) at once, and it is given no slot after."""
         with self._lock:
             self._left.add(learner)
+            self._closed_senders.add(learner)
             for pool_key, pool in self._pools.items():
                 if pool_key[0] == learner:
                     for segment in pool:
-                        if segment.seq in unused:
+                        if read_seq(segment.buffer) != segment.seq:
                             segment.holds.discard(PENDING)
             self._free_left()
+
+    def _check_not_closed(self, learner: str) -> None:
+        """(Lock held.) Refuse a slot to a sender that closed: asked for ahead, its
+        call ran after (or waited through) its ``leave``."""
+        if learner in self._closed_senders:
+            raise TransportError(
+                f"the shared-memory sender {learner} closed; it is given no slot"
+            )
 
     # -- hub's planner -------------------------------------------------------------------
     def deliver(

@@ -189,9 +189,9 @@ def test_a_learner_that_left_has_its_slots_freed_once_nothing_holds_them():
     try:
         read = owner.acquire(4096, timeout_s=5.0, learner="gone", pid=PID)
         owner.deliver(PID, read.seq, "m", ("w0",))
-        ahead = owner.acquire(4096, timeout_s=5.0, learner="gone", pid=PID)
+        owner.acquire(4096, timeout_s=5.0, learner="gone", pid=PID)  # ahead, never written
         assert owner.stats().segments == 2
-        owner.leave("gone", unused=(ahead.seq,))
+        owner.leave("gone")
         assert owner.stats().segments == 1
         assert owner.stats().holds == ("latest/m", "worker/w0")
         owner.release(PID, read.seq, "w0")
@@ -387,3 +387,15 @@ def test_a_segment_the_node_has_no_memory_for_is_a_clear_error_that_keeps_nothin
             owner.acquire(4096, timeout_s=5.0, learner="learner")
     assert len(os.listdir("/proc/self/fd")) == fds_before  # its memfd closed
     assert owner.acquire(4096, timeout_s=5.0, learner="learner").column == 0  # column kept
+
+
+def test_a_slot_asked_for_ahead_after_its_sender_left_is_refused(owner):
+    """The learner closed while its call for the next slot was on its way (Ray may run
+    that call after the leave): the owner gives it none, rather than hold one for a
+    sender that will never write it nor say it is unused."""
+    from raysync.transports import TransportError
+
+    owner.leave("gone")
+    with pytest.raises(TransportError, match="sender gone closed"):
+        owner.acquire(4096, timeout_s=5.0, learner="gone", pid=PID)
+    assert owner.stats().segments == 0

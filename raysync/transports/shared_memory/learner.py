@@ -167,15 +167,8 @@ class SharedMemorySender(TransportSender):
 
     def close(self) -> None:
         """Let this sender's slots go (the owner frees each once nothing holds it; the
-        one asked for ahead, never written, at once)."""
-        unused: tuple[int, ...] = ()
-        if self._next is not None:
-            asked, _ = ray.wait([self._next[1]], timeout=0)
-            try:
-                unused = tuple(ray.get(ref).seq for ref in asked)
-            except (RayActorError, TransportError):
-                pass  # not given: nothing to free
-        self._owner.leave.remote(self._learner, unused)
+        one asked for ahead, never written, at once, even if not given yet)."""
+        self._owner.leave.remote(self._learner)
         self._mappings.clear()
         if self._streams is not None:
             self._streams.close()
