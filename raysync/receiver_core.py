@@ -682,6 +682,8 @@ class ReceiverCore:
                 model_id=held.model_id,
             )
             if not adopted:
+                if self.identity.zero_copy:  # refused: it may have left the version's
+                    destination, spec, targets = held.targets(self.owner)  # memory
                 copy_all(targets, staged.tensors, spec)
                 if destination.commit is not None:
                     destination.commit()

@@ -75,16 +75,17 @@ class Adoption:
         model_id: str,
     ) -> bool:
         """Make ``version`` the memory of ``model``'s tensors and release the version
-        they leave. False, with nothing changed, when a tensor cannot be rebound: the
-        model is then copied into as usual (a warning naming ``actor`` and ``model_id``
-        says why, once per model)."""
+        they leave. False when a tensor cannot be rebound: the model is then copied into
+        as usual (a warning naming ``actor`` and ``model_id`` says why, once per model),
+        so its tensors still in the version it was living in get memory of their own
+        first (the same values) and that version is handed back: a transport's memory
+        is read-only, shared with other receivers or written again with later versions.
+        (The host may have moved the model, all of it or a part, or built it anew.)"""
         refusal = rebind(model, names, version.staged)
         if refusal is not None:
-            current = self.current
-            if current is not None and not _still_in(model, names, current.staged):
-                # The host moved the model (another device) or built it anew: it lives
-                # in memory of its own now, and the version it left is handed back.
-                self.current = None
+            current, self.current = self.current, None
+            if current is not None:
+                _move_out(model, self.names, current.staged)
                 current.release()
             if not self.copies_instead:
                 self.copies_instead = True
@@ -123,6 +124,19 @@ class Adoption:
     def lives_in(self, staged: Sequence[torch.Tensor]) -> bool:
         """Whether the model's tensors are ``staged`` (so it must not be released)."""
         return self.current is not None and self.current.staged is staged
+
+
+def _move_out(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -> None:
+    """Give each of ``model``'s tensors named ``names`` that is still one of the
+    ``staged`` views it was rebound to a copy of its own (the same values)."""
+    own = weights.own_tensors(model, names)
+    if own is None:
+        return
+    views = {view.data_ptr() for view in staged if view.numel()}
+    with torch.no_grad():
+        for tensor in own.values():
+            if tensor.numel() and tensor.data_ptr() in views:
+                tensor.data = tensor.data.clone()
 
 
 def _still_in(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -> bool:

@@ -84,7 +84,9 @@ def test_taking_a_version_releases_the_one_the_model_leaves():
     assert torch.equal(model.bias, torch.full((2,), 2.0))
 
 
-def test_a_refused_take_keeps_the_current_version_and_warns_once(caplog):
+def test_a_refused_take_moves_the_model_out_of_its_version_and_warns_once(caplog):
+    """The model is copied into from now on: not into the version it lives in (a
+    transport's memory: read-only, or shared with other receivers), which goes back."""
     transport, model, adoption = _Transport(), torch.nn.Linear(3, 2), Adoption()
     first = AdoptedVersion(transport, "v1", _staged(1.0))
     assert adoption.take(model, NAMES, first, actor="Collector(a)", model_id="policy")
@@ -94,12 +96,29 @@ def test_a_refused_take_keeps_the_current_version_and_warns_once(caplog):
             assert not adoption.take(
                 model, NAMES, elsewhere, actor="Collector(a)", model_id="policy"
             )
-    assert adoption.current is first and adoption.copies_instead
-    assert transport.released == []
+    assert adoption.current is None and adoption.copies_instead
+    assert transport.released == ["v1"]
+    assert model.bias.data_ptr() != first.staged[0].data_ptr()
+    assert model.weight.data_ptr() != first.staged[1].data_ptr()
+    assert torch.equal(model.weight, torch.full((2, 3), 1.0))
     assert [r.getMessage() for r in caplog.records] == [
         "Collector(a): zero_copy is off for model 'policy' ('bias' is on cpu, the staged "
         "data on meta); its updates are copied"
     ]
+
+
+def test_a_model_partly_moved_is_copied_into_memory_of_its_own_only():
+    """The host moved one tensor (here to meta): the next take is refused, and the
+    tensor still in the version's memory must get its own before the copy writes it."""
+    transport, model, adoption = _Transport(), torch.nn.Linear(3, 2), Adoption()
+    first = AdoptedVersion(transport, "v1", _staged(1.0))
+    assert adoption.take(model, NAMES, first, actor="Collector(a)", model_id="policy")
+    model.bias = torch.nn.Parameter(model.bias.detach().to("meta"))
+    second = AdoptedVersion(transport, "v2", _staged(2.0))
+    assert not adoption.take(model, NAMES, second, actor="Collector(a)", model_id="policy")
+    assert adoption.current is None and transport.released == ["v1"]
+    assert model.weight.data_ptr() != first.staged[1].data_ptr()
+    assert torch.equal(model.weight, torch.full((2, 3), 1.0))
 
 
 def test_a_model_the_host_moved_hands_back_the_version_it_left():
