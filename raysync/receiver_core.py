@@ -23,6 +23,7 @@ Everything here runs in the host process. Who calls what:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -553,12 +554,15 @@ class ReceiverCore:
             raise
         staged = self._staged(transport, update, spec, tensors)  # released once, if it raises
         fetched = _Fetched(fetch_started, time.perf_counter())
+        # Acked to the registration it was delivered to, also if applied after this
+        # core registered again (the hub awaits it under that registration's token).
+        token = self.token
         result = self.gate.write(
-            functools.partial(self._apply_and_release, update, staged, fetched),
+            functools.partial(self._apply_and_release, update, staged, fetched, token),
             # Per hub: another hub's versions (a retired registration's, in its own
             # numbers) neither supersede this one's nor follow them.
             key=(self.hub.config.hub_id, update.model),
-            supersede=functools.partial(self._superseded, update, staged),
+            supersede=functools.partial(self._superseded, update, staged, token),
             # The hub's update of a number outranks a learner's own delivery of it.
             rank=(update.version, not update.from_learner),
         )
@@ -613,12 +617,16 @@ class ReceiverCore:
         if staged.transport is not None:
             staged.transport.release(update.payload, staged.tensors)
 
-    def _superseded(self, update: Update, staged: _Staged) -> Callable[[Ack], Ack]:
+    def _superseded(self, update: Update, staged: _Staged, token: str) -> Callable[[Ack], Ack]:
         """A newer version of the same model now waits for the same safe point: free
-        this one's staged data; its ack follows the newer one's outcome."""
+        this one's staged data; its ack (to registration ``token``) follows the newer
+        one's outcome."""
         self._release(update, staged)
 
         def outcome(newer: Ack) -> Ack:
+            return dataclasses.replace(follow(newer), token=token)
+
+        def follow(newer: Ack) -> Ack:
             if newer.status in (AckStatus.FAILED, AckStatus.NOT_ATTACHED):
                 # The model holds neither: this one is not applied either, and why.
                 return self._ack(
@@ -638,12 +646,14 @@ class ReceiverCore:
 
         return outcome
 
-    def _apply_and_release(self, update: Update, staged: _Staged, fetched: _Fetched) -> Ack:
+    def _apply_and_release(
+        self, update: Update, staged: _Staged, fetched: _Fetched, token: str
+    ) -> Ack:
         """Apply, then hand ``staged`` back to the transport unless the model took it
-        over (zero copy). Runs at the safe point."""
+        over (zero copy); the ack is registration ``token``'s. Runs at the safe point."""
         held = self.models[update.model]
         try:
-            return self._apply(update, staged, fetched)
+            return dataclasses.replace(self._apply(update, staged, fetched), token=token)
         finally:
             if not held.adoption.lives_in(staged.tensors):
                 try:

@@ -395,6 +395,22 @@ def test_a_version_staged_before_the_core_registered_again_goes_back_where_it_wa
     assert fetched_by.released == [(1, True)] and reopened.released == []
 
 
+def test_a_version_staged_before_the_core_registered_again_is_acked_to_its_registration():
+    """The hub awaits the ack of a delivery under the token it delivered to: one
+    applied after the core registered again (a new token) still carries the old one,
+    for the old delivery, superseded or applied."""
+    receiver = _Receiver()
+
+    def deliver() -> Any:
+        receipts = [receiver.core.receive(receiver.update(v)) for v in (1, 2)]
+        receiver.core.token = "registered again"
+        return receipts
+
+    assert _while_a_method_runs(receiver, deliver) == [ACK_LATER, ACK_LATER]
+    assert receiver.hub.acks == [_ack(2, AckStatus.APPLIED), _ack(1, AckStatus.SUPERSEDED)]
+    assert [ack.token for ack in receiver.hub.acks] == ["token", "token"]
+
+
 def test_a_learners_own_delivery_replaced_by_another_learners_of_its_number_conflicts():
     """Two learners delivering themselves guessed the same next version; both wait for
     a busy async actor's safe point and the later one replaces the first. The first is
