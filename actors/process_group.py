@@ -22,6 +22,7 @@ their timeout; the planner then starts a new generation.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 import warnings
@@ -83,6 +84,11 @@ class ProcessGroupActor:
         port, self._store = bound_master_store(host, settings.timeout_s)
         self._address = StoreAddress(host, port)
         self._caller: Any = None  #: a second client of the store, to call generations off
+        #: the generations (the last ones) rank 0 joined and whose rendezvous keys it
+        #: deleted: one called off after that goes on (its members joined), and writing
+        #: its "go" key again would leave it in the store for the hub's life
+        self._rendezvous_over: collections.deque[int] = collections.deque(maxlen=256)
+        self._rendezvous_lock = threading.Lock()  #: the keys' deletion vs a call-off
         self._lock = threading.Lock()  #: the group and its buffer, in worker threads
         self._jobs = asyncio.Lock()  #: one version's collectives at a time
         self._generation: Generation | None = None
@@ -229,7 +235,9 @@ class ProcessGroupActor:
                         # delivery queued) fails at once, not after its own timeout.
                         call_off(self._store, generation, f"rank 0 gave it up ({err})")
                         raise
-                    forget_rendezvous(self._store, generation)
+                    with self._rendezvous_lock:
+                        forget_rendezvous(self._store, generation)
+                        self._rendezvous_over.append(generation.number)
                 if self._group is None:
                     raise RuntimeError("the group broke in an earlier collective")
                 if fill is None:
@@ -261,7 +269,9 @@ class ProcessGroupActor:
                 is_master=False,
                 timeout=self._settings.timeout,
             )
-        call_off(self._caller, generation, why)
+        with self._rendezvous_lock:
+            if generation.number not in self._rendezvous_over:
+                call_off(self._caller, generation, why)
 
     def _send_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """The send buffer, reused while its size and device stay the same."""

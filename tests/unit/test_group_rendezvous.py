@@ -52,3 +52,39 @@ def test_rank_zero_forgets_each_generations_rendezvous_keys():
         assert master.list_keys() == [], master.list_keys()
         for group in groups.values():
             group.shutdown()
+
+
+def test_a_generation_called_off_after_rank_zero_joined_it_leaves_no_key():
+    """A member of a joined generation leaves (or dies): the hub calls the generation
+    off, which changes nothing once everyone joined; it wrote the "go" key again, after
+    rank 0 had deleted its keys, and that key stayed in rank 0's store for good."""
+    import asyncio
+
+    from raysync.actors.process_group import ProcessGroupActor
+    from raysync.spec import WeightSpec
+    from raysync.transports.distributed import BroadcastJob
+
+    settings = DistributedOptions(backend="gloo", timeout_s=TIMEOUT_S)
+    actor = ProcessGroupActor(settings)
+    address = asyncio.run(actor.store_address())
+    generation = Generation(1, ("a",), "raysync/g1/", address, settings)
+    errors: list[BaseException] = []
+    groups: list[Any] = []
+
+    def member() -> None:
+        try:
+            groups.append(join_group(generation, 1, None))
+        except BaseException as err:  # reported below, in the test's thread
+            errors.append(err)
+
+    thread = threading.Thread(target=member, daemon=True)
+    thread.start()
+    job = BroadcastJob(generation, 1, "m", 1, WeightSpec.of({}), source=None)  # type: ignore[arg-type]
+    assert actor._collective(job, "join", None) is None
+    thread.join(TIMEOUT_S)
+    assert not errors, errors
+    asyncio.run(actor.call_off(generation, "member a left"))
+    assert [k for k in actor._store.list_keys() if k.startswith(generation.prefix)] == []
+    for group in groups:
+        group.shutdown()
+    asyncio.run(actor.close())
