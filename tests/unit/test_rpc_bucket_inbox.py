@@ -134,3 +134,22 @@ def test_a_buffer_a_late_bucket_still_lands_in_is_not_given_to_the_next_version(
     go.set()
     late.join(10)
     assert torch.equal(buffer, torch.zeros(64, dtype=torch.uint8))
+
+
+def test_versions_of_a_group_this_process_left_are_dropped_and_no_more_land():
+    """The agent was replaced before the deliveries of what it sent here ran: the new
+    group's keys never take them, so they went only when the process exited."""
+    whole, buckets = _Inbox(), _BucketInbox()
+    data = torch.zeros(64, dtype=torch.uint8)
+    whole.put("old", 1, [data], "m")
+    buckets.put("old", 1, 64, [(0, 16)], [data[:16]], "m")
+    whole.forget("old")
+    buckets.forget("old")
+    whole.put("old", 2, [data], "m")  # came late
+    whole.fail("old", 3, "given up")
+    buckets.put("old", 2, 64, [(0, 16)], [data[:16]], "m")
+    buckets.fail("old", 3, "given up")
+    assert whole._landed == {} and whole._failed == {}
+    assert buckets._landing == {}
+    buckets.put("new", 1, 64, [(0, 64)], [data], "m")  # the left one's buffer, reused
+    assert buckets.take("new", 1, count=1, timeout_s=10).numel() == 64

@@ -61,10 +61,12 @@ class _Inbox:
         #: key -> seq -> why the agent gave that version up here
         self._failed: dict[str, dict[int, str]] = {}
         self._turned_down = _TurnedDown()
+        #: keys of groups this process left: what lands under one now is never taken
+        self._gone: set[str] = set()
 
     def put(self, key: str, seq: int, tensors: list[torch.Tensor], model: str = "") -> None:
         with self._cond:
-            if (key, seq) not in self._turned_down:
+            if (key, seq) not in self._turned_down and key not in self._gone:
                 self._landed.setdefault(key, {})[seq] = (model, tensors)
                 self._cond.notify_all()
 
@@ -76,8 +78,17 @@ class _Inbox:
 
     def fail(self, key: str, seq: int, why: str) -> None:
         with self._cond:
-            self._failed.setdefault(key, {})[seq] = why
-            self._cond.notify_all()
+            if key not in self._gone:
+                self._failed.setdefault(key, {})[seq] = why
+                self._cond.notify_all()
+
+    def forget(self, key: str) -> None:
+        """This process left the group of ``key`` (its agent was replaced): drop what
+        landed under it, and what still lands (no delivery of it takes anything now)."""
+        with self._cond:
+            self._gone.add(key)
+            self._landed.pop(key, None)
+            self._failed.pop(key, None)
 
     def take(self, key: str, seq: int, timeout_s: float) -> list[torch.Tensor]:
         """Version #``seq`` once it landed; TransportError if the agent gave it up, or
@@ -131,6 +142,8 @@ class _BucketInbox:
         self._landing: dict[tuple[str, int], _Landing] = {}
         self._free: dict[int, torch.Tensor] = {}
         self._turned_down = _TurnedDown()
+        #: keys of groups this process left (see :meth:`_Inbox.forget`)
+        self._gone: set[str] = set()
 
     def put(
         self,
@@ -142,8 +155,8 @@ class _BucketInbox:
         model: str = "",
     ) -> None:
         with self._cond:
-            if (key, seq) in self._turned_down:
-                return  # its delivery came first and turned it down
+            if (key, seq) in self._turned_down or key in self._gone:
+                return  # its delivery came first and turned it down, or it never will
             landing = self._landing.get((key, seq))
             if landing is None:
                 buffer = self._free.pop(nbytes, None)
@@ -163,6 +176,8 @@ class _BucketInbox:
 
     def fail(self, key: str, seq: int, why: str) -> None:
         with self._cond:
+            if key in self._gone:
+                return
             landing = self._landing.get((key, seq))
             if landing is None:
                 landing = self._landing[(key, seq)] = _Landing(torch.empty(0, dtype=torch.uint8))
@@ -217,6 +232,14 @@ class _BucketInbox:
         that lands makes its own)."""
         with self._cond:
             self._free.clear()
+
+    def forget(self, key: str) -> None:
+        """This process left the group of ``key``: drop its landings (their buffers
+        are reused) and what still lands under it."""
+        with self._cond:
+            self._gone.add(key)
+            for landing in [k for k in self._landing if k[0] == key]:
+                self._drop(landing)
 
     def _drop(self, key: tuple[str, int]) -> None:
         """Forget a landing and reuse its buffer (holds the lock), unless a bucket is
@@ -348,6 +371,8 @@ class _Membership:
         rpc.shutdown(graceful=False)
         if cls.member is not None:
             cls.left.add(cls.member.key)
+            _INBOX.forget(cls.member.key)  # landed there, never to be taken
+            _BUCKETS.forget(cls.member.key)
         cls.member = None
         cls._init(member)
 
