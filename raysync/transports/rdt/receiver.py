@@ -13,6 +13,7 @@ from typing import Any
 import ray
 import torch
 
+from raysync.copies import wait_for_devices
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
@@ -98,6 +99,9 @@ class RdtReceiver(TransportReceiver):
         from ray.experimental import register_nixl_memory
 
         staging = torch.zeros(PackedLayout.of(spec).nbytes, dtype=torch.uint8, device=self._device)
+        # Zeroed before a READ lands: the zeroing is only queued on a GPU's current
+        # stream, and Ray's NIXL READ waits for no stream.
+        wait_for_devices([staging])
         register_nixl_memory(staging)
         return staging
 
