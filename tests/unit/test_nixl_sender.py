@@ -111,3 +111,14 @@ def test_a_send_that_waited_while_the_sender_closed_fails_naming_its_model(sende
     assert not waiting.is_alive()
     assert isinstance(outcome.get("error"), TransportError)
     assert "'slow'" in str(outcome["error"]) and "closed" in str(outcome["error"])
+
+
+def test_a_send_after_the_sender_closed_fails_and_registers_nothing():
+    """Another thread's broadcast took the sender before the learner's handle closed
+    it: its send registered a fresh pair of buffers that nothing deregistered."""
+    sender = NixlSender()
+    sender.close()
+    weights = _weights(1)
+    with pytest.raises(TransportError, match="closed before model 'late'"):
+        sender.send(weights, WeightSpec.of(weights), "late")
+    assert sender._pairs == {}

@@ -72,6 +72,7 @@ class NixlSender(TransportSender):
         #: latest version readable for late joiners: one model's buffer is not another's
         #: to write, even of the same spec).
         self._pairs: dict[tuple[str, WeightSpec, torch.device], _SourcePair] = {}
+        self._closed = False  #: set by close(): no buffer is registered after it
         self._by_address: dict[int, _SourceBuffer] = {}
         #: Bucketed versions: the rings (one per version streaming at once, see
         #: :mod:`raysync.transports.ring_pool`), their registrations, and each version
@@ -107,6 +108,7 @@ class NixlSender(TransportSender):
         device = tensors[spec.names[0]].device
         key = (model, spec, device)
         with self._lock:
+            self._check_open(f"model {model!r}'s version")
             pair = self._pairs.get(key) or self._register(model, spec, device)
         with pair.lock:
             buffer = pair.buffers[pair.next]
@@ -162,6 +164,7 @@ class NixlSender(TransportSender):
         if self._hub is None:
             raise TransportError("this sender was opened without a hub: whole versions only")
         with self._lock:
+            self._check_open("a bucketed version")
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
             ring, stream, outgoing = self._rings.start(broker, tensors, spec, bucket_bytes, stall_s)
@@ -324,8 +327,18 @@ class NixlSender(TransportSender):
                 REUSE_WAIT_S,
             )
 
+    def _check_open(self, what: str) -> None:
+        """(Holds ``_lock``.) A send after ``close`` (another thread's broadcast took
+        this sender before the learner's handle closed it) registered a pair nobody
+        deregisters: it fails instead."""
+        if self._closed:
+            raise TransportError(
+                f"nixl: the sender closed before {what} was sent"
+            )
+
     def close(self) -> None:
         with self._lock, self._state:
+            self._closed = True
             for pair in self._pairs.values():
                 self._agent.deregister_memory(pair.registered)
             for registered in self._ring_registrations:
