@@ -107,3 +107,31 @@ def test_a_learner_that_fails_putting_a_bucket_ends_its_stream_saying_why(monkey
         ("offer", payload.key, 0, ["ref0"], None),
         ("end", payload.key, f"the learner failed putting bucket 1: {MemoryError(full)!r}"),
     ]
+
+
+def test_a_learner_interrupted_waiting_for_room_ends_its_stream_saying_why(monkeypatch):
+    """Ctrl-C (or a cancelled learner task) while it waits for its readers to make
+    room: they were left waiting the stream's whole timeout, then told the learner
+    stalled."""
+    calls: list = []
+    broker = _Broker()
+    broker.offer, broker.end = _Calls("offer", calls), _Calls("end", calls)
+    weights = {"w": torch.zeros(64)}  # 256 bytes: four buckets of 64
+    plan = BucketPlan.of(WeightSpec.of(weights), 64)
+    payload = BucketStream(broker, StreamId("s", plan.count, 5.0), 64)
+
+    def room_or_end(broker, key, index, done):
+        if index == 2:
+            raise KeyboardInterrupt
+        return True
+
+    monkeypatch.setattr(buckets, "room_or_end", room_or_end)
+    monkeypatch.setattr(buckets, "put_arrays", lambda arrays: "ref")
+    monkeypatch.setattr(buckets, "this_actor", lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        stream_out(payload, Outgoing([weights["w"]], plan), done=None)
+    assert calls[-1] == (
+        "end",
+        payload.key,
+        f"the learner failed waiting for room for bucket 2: {KeyboardInterrupt()!r}",
+    )

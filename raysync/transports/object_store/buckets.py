@@ -89,13 +89,20 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
     broker, key = payload.broker, payload.key
     sender = this_actor()
     for index in range(key.count):
-        if not room_or_end(broker, key, index, done):
-            return
+        # Either failing (interrupted or cancelled while it waits for room, too): its
+        # readers stop waiting now, told why, instead of timing out on a bucket that
+        # never comes.
+        try:
+            if not room_or_end(broker, key, index, done):
+                return
+        except BaseException as err:
+            broker.end.remote(
+                key, f"the learner failed waiting for room for bucket {index}: {err!r}"
+            )
+            raise
         try:
             ref = put_arrays(bucket_arrays(outgoing, index))
         except BaseException as err:
-            # Its readers stop waiting now, told why, instead of timing out on a
-            # bucket that never comes.
             broker.end.remote(key, f"the learner failed putting bucket {index}: {err!r}")
             raise
         broker.offer.remote(key, index, [ref], sender)
