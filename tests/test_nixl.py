@@ -593,8 +593,9 @@ def test_a_receiver_busy_past_its_timeouts_is_sent_the_latest_version_once_free(
     busy = start(actors, Holder, hub, state_of(make_policy()), "busy")
     ready([busy])
     ray.get(hub.broadcast.remote(state_of(make_policy()), model="m"))
-    gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)
+    gate, entered = start(actors, Gate), start(actors, Gate)
+    blocked = busy.hold.remote(gate, entered)
+    ray.get(entered.wait.remote())  # busy from now on (else version 2 may go first)
     for version in (2, 3, 4):
         weights = state_of(make_policy())
         sent = hub.broadcast.remote(weights, model="m", timeout_s=1.0, raise_on_failure=False)
