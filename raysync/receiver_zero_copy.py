@@ -129,21 +129,18 @@ class Adoption:
 def _move_out(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -> None:
     """Give each of ``model``'s tensors named ``names`` that is still one of the
     ``staged`` views it was rebound to a copy of its own (the same values)."""
-    own = weights.own_tensors(model, names)
-    if own is None:
-        return
-    views = {view.data_ptr() for view in staged if view.numel()}
     with torch.no_grad():
-        for tensor in own.values():
-            if tensor.numel() and tensor.data_ptr() in views:
-                tensor.data = tensor.data.clone()
+        for tensor in _still_in(model, names, staged):
+            tensor.data = tensor.data.clone()
 
 
-def _still_in(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -> bool:
-    """Whether any of ``model``'s tensors named ``names`` is still one of the ``staged``
-    views it was rebound to (the host may have moved it, or built it anew)."""
+def _still_in(
+    model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Those of ``model``'s tensors named ``names`` that are still one of the ``staged``
+    views they were rebound to (the host may have moved them, or built it anew)."""
     own = weights.own_tensors(model, names)
     if own is None:
-        return False
+        return []
     views = {view.data_ptr() for view in staged if view.numel()}
-    return any(t.numel() and t.data_ptr() in views for t in own.values())
+    return [t for t in own.values() if t.numel() and t.data_ptr() in views]
