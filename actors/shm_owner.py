@@ -205,7 +205,7 @@ class ShmOwner:
             for pool_key, pool in self._pools.items():
                 if pool_key[0] == learner:
                     for segment in pool:
-                        if read_seq(segment.buffer) != segment.seq:
+                        if not _written_whole(segment):
                             segment.holds.discard(PENDING)
             self._free_left()
 
@@ -560,8 +560,13 @@ class ShmOwner:
 def _dead(segment: _Segment, model: str) -> bool:
     """Whether an older ``PENDING`` slot of a learner holds nothing the hub may plan
     now that it planned a newer version of ``model`` (see :meth:`ShmOwner.deliver`)."""
-    header = segment.buffer[:HEADER_BYTES]
-    return read_seq(header) != segment.seq or holds_model(header, model)
+    return not _written_whole(segment) or holds_model(segment.buffer, model)
+
+
+def _written_whole(segment: _Segment) -> bool:
+    """Whether the learner finished writing the version ``segment`` was given out for
+    (it writes the sequence into the header last)."""
+    return read_seq(segment.buffer) == segment.seq
 
 
 def _started_at(pid: int) -> int | None:
