@@ -81,15 +81,22 @@ class _Calls:
         self.calls.append((self.name, *args))
 
 
-def test_a_learner_that_fails_putting_a_bucket_ends_its_stream_saying_why(monkeypatch):
-    """Its readers are told at once, instead of waiting the version's timeout for a
-    bucket that never comes."""
+def _recorded_stream() -> tuple[BucketStream, Outgoing, list]:
+    """A stream of four 64-byte buckets to a broker whose ``offer`` and ``end`` calls
+    are recorded (the list)."""
     calls: list = []
     broker = _Broker()
     broker.offer, broker.end = _Calls("offer", calls), _Calls("end", calls)
     weights = {"w": torch.zeros(64)}  # 256 bytes: four buckets of 64
     plan = BucketPlan.of(WeightSpec.of(weights), 64)
     payload = BucketStream(broker, StreamId("s", plan.count, 5.0), 64)
+    return payload, Outgoing([weights["w"]], plan), calls
+
+
+def test_a_learner_that_fails_putting_a_bucket_ends_its_stream_saying_why(monkeypatch):
+    """Its readers are told at once, instead of waiting the version's timeout for a
+    bucket that never comes."""
+    payload, outgoing, calls = _recorded_stream()
     puts = iter(["ref0"])
     full = "the object store is full"
 
@@ -102,7 +109,7 @@ def test_a_learner_that_fails_putting_a_bucket_ends_its_stream_saying_why(monkey
     monkeypatch.setattr(buckets, "put_arrays", put_arrays)
     monkeypatch.setattr(buckets, "this_actor", lambda: None)
     with pytest.raises(MemoryError):
-        stream_out(payload, Outgoing([weights["w"]], plan), done=None)
+        stream_out(payload, outgoing, done=None)
     assert calls == [
         ("offer", payload.key, 0, ["ref0"], None),
         ("end", payload.key, f"the learner failed putting bucket 1: {MemoryError(full)!r}"),
@@ -113,12 +120,7 @@ def test_a_learner_interrupted_waiting_for_room_ends_its_stream_saying_why(monke
     """Ctrl-C (or a cancelled learner task) while it waits for its readers to make
     room: they were left waiting the stream's whole timeout, then told the learner
     stalled."""
-    calls: list = []
-    broker = _Broker()
-    broker.offer, broker.end = _Calls("offer", calls), _Calls("end", calls)
-    weights = {"w": torch.zeros(64)}  # 256 bytes: four buckets of 64
-    plan = BucketPlan.of(WeightSpec.of(weights), 64)
-    payload = BucketStream(broker, StreamId("s", plan.count, 5.0), 64)
+    payload, outgoing, calls = _recorded_stream()
 
     def room_or_end(broker, key, index, done):
         if index == 2:
@@ -129,7 +131,7 @@ def test_a_learner_interrupted_waiting_for_room_ends_its_stream_saying_why(monke
     monkeypatch.setattr(buckets, "put_arrays", lambda arrays: "ref")
     monkeypatch.setattr(buckets, "this_actor", lambda: None)
     with pytest.raises(KeyboardInterrupt):
-        stream_out(payload, Outgoing([weights["w"]], plan), done=None)
+        stream_out(payload, outgoing, done=None)
     assert calls[-1] == (
         "end",
         payload.key,

@@ -89,21 +89,16 @@ def stream_out(payload: BucketStream, outgoing: Outgoing, done: VersionDone) -> 
     broker, key = payload.broker, payload.key
     sender = this_actor()
     for index in range(key.count):
-        # Either failing (interrupted or cancelled while it waits for room, too): its
-        # readers stop waiting now, told why, instead of timing out on a bucket that
-        # never comes.
+        doing = "waiting for room for"
         try:
             if not room_or_end(broker, key, index, done):
                 return
-        except BaseException as err:
-            broker.end.remote(
-                key, f"the learner failed waiting for room for bucket {index}: {err!r}"
-            )
-            raise
-        try:
+            doing = "putting"
             ref = put_arrays(bucket_arrays(outgoing, index))
-        except BaseException as err:
-            broker.end.remote(key, f"the learner failed putting bucket {index}: {err!r}")
+        except BaseException as err:  # interrupted or cancelled while it waits, too
+            # Its readers stop waiting now, told why, instead of timing out on a
+            # bucket that never comes.
+            broker.end.remote(key, f"the learner failed {doing} bucket {index}: {err!r}")
             raise
         broker.offer.remote(key, index, [ref], sender)
         del ref  # the broker's reference keeps it until every reader took it
