@@ -88,3 +88,33 @@ def test_a_generation_called_off_after_rank_zero_joined_it_leaves_no_key():
     for group in groups:
         group.shutdown()
     asyncio.run(actor.close())
+
+
+def test_a_rendezvous_that_times_out_names_the_members_that_never_came():
+    """Every member's error said only that not every rank joined: with one member busy,
+    the hub's failures named none of them, and the user had to guess which one."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    settings = DistributedOptions(backend="gloo", timeout_s=1.0)
+    generation = Generation(
+        7, ("here", "busy"), "raysync/g7/", StoreAddress("127.0.0.1", master.port), settings
+    )
+    errors: list[BaseException] = []
+
+    def member() -> None:
+        try:
+            join_group(generation, 1, None)
+        except BaseException as err:  # reported below, in the test's thread
+            errors.append(err)
+
+    thread = threading.Thread(target=member, daemon=True)
+    thread.start()
+    try:
+        join_group(generation, 0, master)
+    except RuntimeError as err:
+        errors.append(err)
+    thread.join(TIMEOUT_S)
+    assert len(errors) == 2, errors
+    for err in errors:
+        message = str(err)
+        assert "busy did not join process-group generation 7 within 1 s" in message, message
+        assert "here" not in message and "rank 0 (" not in message, message

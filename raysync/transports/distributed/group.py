@@ -16,7 +16,9 @@ from raysync.transports.process_groups import node_ip
 #: Keys under a generation's prefix: how many members arrived at its rendezvous, and
 #: what ended the wait: ``_EVERYONE`` (the last member to arrive), or why the hub called
 #: it off. Whichever comes first is the word every member reads (a compare-and-set).
-_ARRIVED, _GO = "raysync/arrived", "raysync/go"
+#: Each rank also leaves ``_HERE`` + its rank, so that a wait that times out names the
+#: members that never came.
+_ARRIVED, _GO, _HERE = "raysync/arrived", "raysync/go", "raysync/here/"
 _EVERYONE = b"everyone"
 
 
@@ -79,18 +81,31 @@ def _everyone_here(store: Any, generation: Generation, rank: int) -> None:
     """
     import torch.distributed as dist
 
+    store.set(f"{_HERE}{rank}", b"")  # before counting: the last to count is here
     if store.add(_ARRIVED, 1) == generation.world_size:
         store.compare_set(_GO, "", _EVERYONE)
     try:
         store.wait([_GO], generation.settings.timeout)
     except dist.DistStoreError as err:
         raise RuntimeError(
-            f"rank {rank}: not every one of the {generation.world_size} ranks of process-group "
-            f"generation {generation.number} joined within {generation.settings.timeout_s:g} s"
+            f"rank {rank}: {_absent(store, generation)} did not join process-group "
+            f"generation {generation.number} within {generation.settings.timeout_s:g} s"
         ) from err
     word = store.get(_GO)
     if word != _EVERYONE:
         raise RuntimeError(f"process-group generation {generation.number}: {word.decode()}")
+
+
+def _absent(store: Any, generation: Generation) -> str:
+    """The ranks of ``generation`` that have not arrived at its rendezvous, by name
+    (a member by its worker id, rank 0 as the hub's process-group actor)."""
+    names = ["rank 0 (the hub's process-group actor)", *generation.members]
+    absent = [
+        names[rank]
+        for rank in range(generation.world_size)
+        if not store.check([f"{_HERE}{rank}"])
+    ]
+    return " and ".join(absent) if absent else "the last rank (it came as the wait ended)"
 
 
 def call_off(store: Any, generation: Generation, why: str) -> None:
