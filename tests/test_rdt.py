@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import ray
@@ -218,3 +219,39 @@ def test_two_models_of_one_spec_broadcast_in_turn_never_wait_for_each_other(acto
     assert [r.getMessage() for r in caplog.records if r.name == rdt_learner.__name__] == []
     late = start(actors, RdtHolder, hub, template, "late", "a")
     assert_same(ray.get(late.state.remote()), ray.get(holders["a"].state.remote()))
+
+
+def test_a_model_waiting_for_its_buffer_does_not_hold_up_another_models_sends(actors):
+    """The learner's third version of model a reuses the buffer of its first, and waits
+    for that broadcast to end: its receiver is busy past it. The wait held the sender's
+    one lock, so model b's broadcast from another thread of the learner waited for a's
+    slow receiver too (up to a's timeout, or REUSE_WAIT_S). It waits under a's own
+    buffers' lock now: b goes, a waits."""
+    hub = start_hub(actors, "rdt")
+    template = state_of(make_policy())
+    slow = start(actors, RdtHolder, hub, template, "slow", "a")
+    other = start(actors, RdtHolder, hub, template, "other", "b")
+    ready([slow, other])
+    gate = start(actors, Gate)
+    blocked = slow.hold.remote(gate)
+
+    def broadcast_a():
+        weights = state_of(make_policy())
+        return hub.broadcast.remote(weights, model="a", timeout_s=30.0, raise_on_failure=False)
+
+    first, _ = broadcast_a(), broadcast_a()  # a's two buffers, each in a broadcast
+    sender = hub._side.senders["rdt"]
+    wait_until(lambda: len(sender._broadcasts) == 2, what="a's two versions handed off")
+    third: list = []
+    waiting = threading.Thread(target=lambda: third.append(broadcast_a()), name="a's third")
+    waiting.start()
+    wait_until(lambda: len(sender._broadcasts) == 1, what="a's third version waiting")
+    weights = state_of(make_policy())
+    report = ray.get(hub.broadcast.remote(weights, model="b"), timeout=60)
+    assert report.acked == ("other",)
+    assert_same(ray.get(other.state.remote()), weights)
+    assert ray.wait([first], timeout=0)[0] == [], "b's broadcast waited for a's slow receiver"
+    ray.get(gate.open.remote())
+    ray.get(blocked)
+    waiting.join()
+    assert ray.get(third[0], timeout=60).acked == ("slow",)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import ray
 import torch
@@ -37,6 +38,16 @@ FREED_AFTER_END_S = 2.0
 SET_ASIDE_MAX = 2
 
 
+@dataclass(eq=False)  # compared by identity: is it still the sender's?
+class _Pair:
+    """A model's two registered whole-version buffers, written in turn."""
+
+    buffers: list[torch.Tensor]  #: ``buffers[0]`` is written next
+    #: One ``send`` of this model at a time: the wait for the broadcast that last used
+    #: the next buffer (other models' sends do not wait for that).
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class RdtSender(TransportSender):
     def __init__(self, hub: HubContext | None = None) -> None:
         """``hub``: the hub it broadcasts through, whose bucket broker hands bucketed
@@ -52,7 +63,7 @@ class RdtSender(TransportSender):
         #: Whole versions: two registered buffers per model (the hub keeps each model's
         #: latest version readable for late joiners: one model's buffer is not another's
         #: to reuse), spec and device, written in turn.
-        self._pairs: dict[tuple[str, WeightSpec, torch.device], list[torch.Tensor]] = {}
+        self._pairs: dict[tuple[str, WeightSpec, torch.device], _Pair] = {}
         #: Bucketed versions: the rings of two registered slots (one per version
         #: streaming at once, see :mod:`raysync.transports.ring_pool`), and each version
         #: ``send_buckets`` started until ``submitted``.
@@ -64,8 +75,9 @@ class RdtSender(TransportSender):
         self._broadcasts: dict[int, VersionDone] = {}
         #: Buffers a straggler still holds a version in (see ``_reusable``)
         self._set_aside: list[torch.Tensor] = []
-        #: One hand-off at a time (``send``, ``send_buckets``): buffers, rings,
-        #: registrations. Held while ``send`` waits for a buffer's last broadcast.
+        #: Buffers, rings, registrations, and each write into a buffer (``send``,
+        #: ``send_buckets``); never held while a ``send`` waits for a buffer's last
+        #: broadcast (its pair's ``lock`` is).
         self._lock = threading.Lock()
         #: ``_in``, ``_broadcasts`` and ``_outgoing``: never held while waiting, so that
         #: the versions already handed to the hub go on (a bucketed one streams from
@@ -73,44 +85,60 @@ class RdtSender(TransportSender):
         self._state = threading.Lock()
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str) -> RdtPayload:
+        """Pack this version into the model's next buffer, once free (see
+        ``_reusable``), and publish it. Only this model's sends wait with it: one slow
+        receiver of model a does not hold up model b's broadcasts."""
         from ray.experimental import register_nixl_memory
 
         device = tensors[spec.names[0]].device
         layout = PackedLayout.of(spec)
+        key = (model, spec, device)
         with self._lock:
-            pair = self._pairs.get((model, spec, device))
+            pair = self._pairs.get(key)
             if pair is None:
-                pair = [
+                buffers = [
                     torch.zeros(layout.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
                 ]
-                for buffer in pair:
+                for buffer in buffers:
                     register_nixl_memory(buffer)
-                self._pairs[(model, spec, device)] = pair
+                pair = self._pairs[key] = _Pair(buffers)
             self._deregister_freed()
-            buffer = self._reusable(pair)
-            pair.reverse()  # next time, the other buffer
-            layout.pack(tensors, buffer)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            payload = RdtPayload(ray.put([buffer], _tensor_transport="nixl"))
+        with pair.lock:
+            buffer = self._reusable(pair, model)
+            with self._lock:  # close() deregisters the buffers under it
+                self._check_open(pair, model)
+                pair.buffers.reverse()  # next time, the other buffer
+                layout.pack(tensors, buffer)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                payload = RdtPayload(ray.put([buffer], _tensor_transport="nixl"))
             with self._state:
                 self._in[payload.ref.hex()] = buffer
             return payload
 
-    def _reusable(self, pair: list[torch.Tensor]) -> torch.Tensor:
-        """(``_lock`` held.) ``pair[0]``, the one to write next, once the version in
-        it is freed: after its broadcast ended, and Ray dropped its last ref. A receiver
-        that timed out while busy keeps its queued delivery call, and that version's
-        ref, for as long as it stays busy: its buffer is set aside for it (freed once it
-        lets go) and a new one takes its place, so the learner does not wait on it.
+    def _check_open(self, pair: _Pair, model: str) -> None:
+        """(``_lock`` held.) Raise if the sender closed since ``pair`` was looked up."""
+        if pair not in self._pairs.values():
+            raise TransportError(
+                f"rdt: the sender closed while model {model!r}'s version waited for its buffer"
+            )
 
-        The wait holds the hand-off lock only: another thread's version of another model
+    def _reusable(self, pair: _Pair, model: str) -> torch.Tensor:
+        """(The pair's ``lock`` held.) ``pair.buffers[0]``, the one to write next, once
+        the version in it is freed: after its broadcast ended, and Ray dropped its last
+        ref. A receiver that timed out while busy keeps its queued delivery call, and
+        that version's ref, for as long as it stays busy: its buffer is set aside for it
+        (freed once it lets go) and a new one takes its place, so the learner does not
+        wait on it.
+
+        The wait holds the pair's lock only: another thread's version of another model
         may be one a receiver must read before it can end the broadcast waited for
         (under the lock ``submitted`` takes, a bucketed one never streamed until that
-        broadcast timed out)."""
+        broadcast timed out), and one slow receiver of this model would otherwise hold
+        every other model's sends."""
         from ray.experimental import register_nixl_memory, wait_tensor_freed
 
-        buffer = pair[0]
+        buffer = pair.buffers[0]
         with self._state:
             done = self._broadcasts.pop(id(buffer), None)
         if done is not None:
@@ -123,17 +151,19 @@ class RdtSender(TransportSender):
             return buffer
         except TimeoutError:
             pass
-        if len(self._set_aside) < SET_ASIDE_MAX:
-            self._set_aside.append(buffer)
-            pair[0] = fresh = torch.zeros_like(buffer)
-            register_nixl_memory(fresh)
-            logger.warning(
-                "an rdt version's ObjectRef is still held %g s after its broadcast ended (a "
-                "receiver that timed out has its delivery queued): its buffer is set aside "
-                "until freed, and the learner writes a new one",
-                FREED_AFTER_END_S,
-            )
-            return fresh
+        with self._lock:  # the set-aside list and registrations
+            self._check_open(pair, model)
+            if len(self._set_aside) < SET_ASIDE_MAX:
+                self._set_aside.append(buffer)
+                pair.buffers[0] = fresh = torch.zeros_like(buffer)
+                register_nixl_memory(fresh)
+                logger.warning(
+                    "an rdt version's ObjectRef is still held %g s after its broadcast ended "
+                    "(a receiver that timed out has its delivery queued): its buffer is set "
+                    "aside until freed, and the learner writes a new one",
+                    FREED_AFTER_END_S,
+                )
+                return fresh
         try:
             wait_tensor_freed(buffer, timeout=REUSE_WAIT_S)
         except TimeoutError as err:
@@ -214,7 +244,7 @@ class RdtSender(TransportSender):
 
         with self._lock, self._state:
             for pair in self._pairs.values():
-                for buffer in pair:
+                for buffer in pair.buffers:
                     deregister_nixl_memory(buffer)
             for ring in self._rings:
                 for slot in ring.tensors:
