@@ -203,6 +203,10 @@ class ReceiverCore:
             gate.finish_deferred_with(self.send_ack)
         self.gate = gate
         self.behind: set[str] = set()
+        #: Per model, the hub watch's delivery call through the host that did not answer
+        #: within its timeout (the host busy in a long method): still in the host's
+        #: method queue (:meth:`deliver_through_host`). Only the watch thread uses it.
+        self._queued_in_host: dict[str, ray.ObjectRef] = {}
         self.closed = threading.Event()
         #: Held by a re-registration from start to end, and to end them: a core that
         #: leaves or is replaced waits for one in flight, then never registers again.
@@ -515,17 +519,46 @@ class ReceiverCore:
             )
         self.send_ack(receipt.ack)
 
-    def deliver_through_host(self, update: Update, timeout_s: float) -> Receipt:
+    def deliver_through_host(self, update: Update, timeout_s: float) -> Receipt | None:
         """Deliver ``update`` as the hub does, so it is applied at a safe point like a
         broadcast: through the host actor's own method queue, or straight to the gate in
         a process that is no actor (its readers hold the gate). Not from an actor method:
-        the hub watch thread calls it."""
+        the hub watch thread calls it.
+
+        None if the host did not answer within ``timeout_s`` (busy in a long method):
+        the call stays in its queue, and until it answers no other is made for that
+        model (a host busy for many of the watch's beats got one more call per beat,
+        each pinning its version's payload); :meth:`settle_host_calls` acks it then."""
         handle = _host_actor()
         if handle is None:
             return self.receive(update)
+        if update.model in self._queued_in_host:
+            return None
         call = delivery_call(handle, self.identity.entry, self.identity.attachment, update)
-        reply = ray.get(call, timeout=timeout_s)
-        return receipt_of_reply(reply)
+        try:
+            return receipt_of_reply(ray.get(call, timeout=timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            self._queued_in_host[update.model] = call
+            return None
+
+    def settle_host_calls(self) -> None:
+        """The hub watch, at each beat: ack what each delivery that
+        :meth:`deliver_through_host` left queued behind a busy host applied, once it
+        answered (its reply came after the watch stopped waiting: nobody else acks it).
+        A model whose call failed stays in :attr:`behind`, pulled again."""
+        for model, call in list(self._queued_in_host.items()):
+            if not ray.wait([call], timeout=0)[0]:
+                continue
+            del self._queued_in_host[model]
+            try:
+                receipt = receipt_of_reply(ray.get(call))
+            except ray.exceptions.RayError as err:
+                logger.debug(
+                    "%s: delivering %r through the host failed: %s", self.actor_name, model, err
+                )
+                continue
+            if isinstance(receipt, AckNow) and receipt.ack.status is not AckStatus.FAILED:
+                self.send_ack(receipt.ack)
 
     def _stage_and_apply(self, update: Update) -> Receipt:
         """Fetch ``update`` and apply it at the safe point. The transport's hold on the

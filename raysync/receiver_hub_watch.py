@@ -123,6 +123,7 @@ class HubWatch(threading.Thread):
                 )
             elif not self._register_again():
                 return retry_delay(self._interval_s, self._failures)
+            core.settle_host_calls()
             if core.behind and self._pushed:
                 self._catch_up()
         except (RayError, GetTimeoutError) as err:
@@ -169,7 +170,7 @@ class HubWatch(threading.Thread):
         core = self._core
         try:
             receipt = core.deliver_through_host(update, self._call_timeout_s)
-        except (RayError, GetTimeoutError) as err:
+        except RayError as err:
             core.behind.add(update.model)
             logger.debug(
                 "%s did not apply version %d of %r on registering again (pulled again at "
@@ -180,7 +181,9 @@ class HubWatch(threading.Thread):
                 err,
             )
             return
-        if isinstance(receipt, AckNow):
+        if receipt is None:  # queued behind the host's method: pulled at the next beats
+            core.behind.add(update.model)
+        elif isinstance(receipt, AckNow):
             if receipt.ack.status is AckStatus.FAILED:
                 core.behind.add(update.model)
             core.send_ack(receipt.ack)
@@ -193,6 +196,8 @@ class HubWatch(threading.Thread):
             update = core.latest(model, self._call_timeout_s)
             if update is not None:
                 receipt = core.deliver_through_host(update, self._call_timeout_s)
+                if receipt is None:  # still queued behind the host's method
+                    continue
                 if isinstance(receipt, AckNow):
                     if receipt.ack.status is AckStatus.FAILED:
                         logger.debug(

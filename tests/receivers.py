@@ -456,10 +456,17 @@ def start_victim(hub, name: str, stall_dir: str, *, restarts: bool):
 class Holder(WeightReceiver):
     """A receiver of an arbitrary state_dict, with a method that blocks deliveries."""
 
-    def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str, model: str = "m"):
+    def __init__(
+        self,
+        hub,
+        template: dict[str, torch.Tensor],
+        worker_id: str,
+        model: str = "m",
+        heartbeat_s: float = HEARTBEAT_S,
+    ):
         self.sd = {k: torch.zeros_like(v) for k, v in template.items()}
         self.applied: list[int] = []
-        self.connect_hub(hub, models={model: "sd"}, worker_id=worker_id)
+        self.connect_hub(hub, models={model: "sd"}, worker_id=worker_id, heartbeat_s=heartbeat_s)
 
     def on_weights_applied(self, model: str, version: int) -> None:
         self.applied.append(version)
@@ -486,6 +493,41 @@ class Holder(WeightReceiver):
         """Versions sent in parts that the ``distributed`` receiver read from the
         learners' copies and still keeps the parts of (each pins every part's bytes)."""
         return len(self._raysync_receiver.core.transport.inner._pull._parts_of)
+
+
+@ray.remote(num_cpus=0, concurrency_groups={"probe": 1})
+class BeatCountingHolder(Holder.__ray_actor_class__):  # type: ignore[name-defined]
+    """A Holder that counts its hub watch's beats and the delivery calls it runs. The
+    beats are read in a concurrency group of their own, answered while ``hold`` keeps
+    the default group's one thread (where deliveries queue)."""
+
+    def __init__(self, hub, template, worker_id: str, heartbeat_s: float):
+        self.beats = 0
+        self.deliveries = 0
+        super().__init__(hub, template, worker_id, heartbeat_s=heartbeat_s)
+        core = self._raysync_receiver.core
+        knows = core.hub_knows_me
+
+        def counted(timeout_s: float) -> bool:
+            self.beats += 1
+            return knows(timeout_s)
+
+        core.hub_knows_me = counted
+
+    def _raysync_deliver(self, key, update):
+        self.deliveries += 1
+        return super()._raysync_deliver(key, update)
+
+    @ray.method(concurrency_group="probe")
+    def beats_so_far(self) -> int:
+        return self.beats
+
+    def deliveries_so_far(self) -> int:
+        """Answered in the default group: after every delivery queued before it."""
+        return self.deliveries
+
+    def token(self) -> str:
+        return self._raysync_receiver.core.token
 
 
 # -- hosts written without raysync: receivers attach to them (raysync.attach) -------------

@@ -44,6 +44,7 @@ from tests.helpers import (
     wait_until,
 )
 from tests.receivers import (
+    BeatCountingHolder,
     Collector,
     Decorated,
     FailingHook,
@@ -442,6 +443,44 @@ def test_a_receiver_busy_past_its_timeouts_gets_no_call_per_version_and_then_the
         lambda: ray.get(hub.status.remote()).receivers[0].versions == {"m": 4},
         what="the hub's books say it holds version 4",
     )
+
+
+def test_a_host_busy_for_many_hub_watch_beats_gets_one_catch_up_call(actors):
+    """The hub forgot a receiver (as after a restart) while its host is busy in a long
+    method: its hub watch registers again and delivers the version the hub offers
+    through the host, which does not answer within the call's timeout. Each later beat
+    made one more call behind the method, each pinning its version's payload until the
+    method ended (a rollout of minutes: a call every heartbeat). The call queued first
+    is waited for instead; once it answered, the receiver is up to date."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    holder = start(actors, BeatCountingHolder, hub, special_weights(0.0), "busy", 0.2)
+    other = start(actors, Holder, hub, special_weights(0.0), "other")
+    ready([holder, other])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    offered = special_weights(2.0)  # the latest, which "busy" lacks
+    assert ray.get(hub.broadcast.remote(offered, model="m", workers=["other"])).version == 2
+    token, before = ray.get([holder.token.remote(), holder.deliveries_so_far.remote()])
+    gate = start(actors, Gate)
+    busy = holder.hold.remote(gate)
+    ray.get(hub.actor.leave.remote("busy", token))  # the hub forgets it; its watch registers again
+    beats = ray.get(holder.beats_so_far.remote())
+    wait_until(  # each made a call behind the method (the first waits its 5 s timeout)
+        lambda: ray.get(holder.beats_so_far.remote()) >= beats + 6,
+        timeout_s=60,
+        what="six hub-watch beats while the host is busy",
+    )
+    ray.get(gate.open.remote())
+    ray.get(busy)
+    assert ray.get(holder.deliveries_so_far.remote()) - before == 1
+    assert_bitwise(ray.get(holder.state.remote()), offered)
+    wait_until(
+        lambda: {r.worker: r.versions for r in ray.get(hub.status.remote()).receivers}
+        == {"busy": {"m": 2}, "other": {"m": 2}},
+        what="the hub's books say it holds version 2",
+    )
+    weights = special_weights(3.0)
+    assert ray.get(hub.broadcast.remote(weights, model="m")).acked == ("busy", "other")
+    assert_bitwise(ray.get(holder.state.remote()), weights)
 
 
 class TestFailures:
