@@ -417,22 +417,38 @@ class ReceiverCore:
         """Register with the same hub again, as this core is now (the hub restarted or
         dropped it): a new token and transport receiver. The Welcome's updates are for
         the caller to deliver through :meth:`deliver_through_host`. If the new transport
-        receiver cannot be opened, this core keeps its token and transport (so the hub
-        watch's next beat finds it unknown and tries again) and the error is raised.
-        None, and no call to the hub, once this core left the hub, closed or was
-        replaced."""
+        receiver cannot be opened, the new registration is taken back from the hub (no
+        broadcast targets one nobody here holds), this core keeps its token and
+        transport (so the hub watch's next beat finds it unknown and tries again) and
+        the error is raised. None, and no call to the hub, once this core left the hub,
+        closed or was replaced."""
         with self._registering:
             if self._registering_ended:
                 return None
             registration = _registration(self.owner, self.models, self.identity)
             welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
-            transport = _open_transport(welcome)
+            try:
+                transport = _open_transport(welcome)
+            except BaseException:
+                self._take_back(registration.token, timeout_s)
+                raise
             previous, self.transport = self.transport, transport
             self.transport_name = welcome.transport
             self.token = registration.token
             previous.close()
         logger.info("%s re-registered with its hub", self.actor_name)
         return welcome
+
+    def _take_back(self, token: str, timeout_s: float) -> None:
+        """Unregister the registration ``token`` (one this core will not hold), waiting
+        for the hub so that the next beat's check sees it gone; a hub that does not
+        answer is left to forget it (the next beat registers again over it)."""
+        try:
+            ray.get(self.hub.actor.leave.remote(self.worker, token), timeout=timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+            logger.warning(
+                "%s could not take its failed registration back: %s", self.actor_name, err
+            )
 
     def decline(self, update: Update) -> None:
         """Hand back an update the hub planned for this receiver and that it will not

@@ -57,6 +57,7 @@ from tests.receivers import (
 from tests.third_party_transport import (
     HangingJoinTransport,
     LostCopyTransport,
+    NoReopenTransport,
     SlowLeaveTransport,
     planner_events,
 )
@@ -481,6 +482,31 @@ def test_a_host_busy_for_many_hub_watch_beats_gets_one_catch_up_call(actors):
     weights = special_weights(3.0)
     assert ray.get(hub.broadcast.remote(weights, model="m")).acked == ("busy", "other")
     assert_bitwise(ray.get(holder.state.remote()), weights)
+
+
+def test_a_re_registration_whose_transport_cannot_open_takes_itself_back(actors):
+    """The hub forgot a receiver; its hub watch registers again, and the new transport
+    receiver cannot open: the receiver keeps its old token and tries again at the next
+    beats. The hub kept each new registration all the same, one nobody here holds
+    (broadcasts targeted it, ``hub.status`` listed it) until a later one replaced it.
+    The receiver now takes each one back: its transport's planner is told it left."""
+    register_transport("no_reopen", NoReopenTransport)
+    hub = start_hub(actors, "no_reopen")
+    holder = start(actors, Holder, hub, special_weights(0.0), "w", heartbeat_s=0.2)
+    ready([holder])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    token = ray.get(holder.__ray_call__.remote(lambda self: self._raysync_receiver.core.token))
+    ray.get(hub.actor.leave.remote("w", token))  # the hub forgets it; its watch registers again
+    wait_until(
+        lambda: "cannot open again"
+        in str(ray.get(holder.__ray_call__.remote(lambda s: s.weights_connection().last_error))),
+        what="a re-registration that failed to open its transport",
+    )
+    events = lambda: ray.get(hub.actor.__ray_call__.remote(planner_events, "no_reopen"))  # noqa: E731
+    wait_until(
+        lambda: events()[:4] == [("joined", "w"), ("left", "w"), ("joined", "w"), ("left", "w")],
+        what="the failed re-registration taken back",
+    )
 
 
 class TestFailures:

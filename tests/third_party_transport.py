@@ -10,7 +10,8 @@ place. No planner of its own: every receiver reads the learner's object.
 ``stuck_plan``: one whose planner never finishes planning a broadcast.
 
 ``slow_leave``: ``packed_object`` whose planner is slow to forget a receiver that left;
-``hanging_join``: one whose planner never takes a receiver in.
+``hanging_join``: one whose planner never takes a receiver in; ``no_reopen``: one whose
+receiver half opens once per worker, and cannot open again when it registers again.
 
 ``put_reader``: a receiver half only, reading the ``object_store`` transport's whole put
 (its ``hand_off``); it moves no buckets, so the hub refuses a bucketed version for its
@@ -207,6 +208,39 @@ class HangingJoinTransport(PackedObjectTransport):
     @classmethod
     def open_hub(cls, hub: HubContext) -> HangingJoinPlanner:
         return HangingJoinPlanner()
+
+
+class OncePerWorkerPlanner(TransportPlanner):
+    """Tells each worker, as connection details, whether it joined before; notes joins
+    and departures in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    async def receiver_joined(self, receiver: ReceiverInfo) -> Any:
+        again = ("joined", receiver.worker) in self.events
+        self.events.append(("joined", receiver.worker))
+        return again
+
+    async def receiver_left(self, worker: str) -> None:
+        self.events.append(("left", worker))
+
+
+class NoReopenTransport(PackedObjectTransport):
+    """``packed_object`` whose receiver half cannot open for a worker that joined
+    before (a resource it needs is gone after a restart, say): ``no_reopen``."""
+
+    name = "no_reopen"
+
+    @classmethod
+    def open_hub(cls, hub: HubContext) -> OncePerWorkerPlanner:
+        return OncePerWorkerPlanner()
+
+    @classmethod
+    def open_receiver(cls, info: Any) -> PackedReceiver:
+        if info:
+            raise TransportError("no_reopen: this worker's receiver half cannot open again")
+        return PackedReceiver()
 
 
 def planner_events(hub: Any, transport: str) -> list[tuple[str, str]]:

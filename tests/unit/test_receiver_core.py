@@ -512,11 +512,14 @@ def test_registering_again_keeps_the_old_token_and_transport_if_the_new_one_fail
 ):
     """The hub knows the new registration, but its transport receiver could not be
     opened here: the core keeps what it had (the hub watch's next beat, finding the old
-    token unknown, registers again) rather than a closed transport under a new token."""
+    token unknown, registers again) rather than a closed transport under a new token,
+    and takes the new registration back from the hub (nobody here holds it)."""
     from raysync import receiver_core
 
     receiver = _Receiver()
     receiver.hub.actor.register = SimpleNamespace(remote=lambda registration: "welcome ref")
+    left: list[tuple[str, str]] = []
+    receiver.hub.actor.leave = SimpleNamespace(remote=lambda *sent: left.append(sent))
     new_token = SimpleNamespace(token="new token")  # what the hub now knows
     monkeypatch.setattr(receiver_core, "_registration", lambda owner, models, identity: new_token)
     monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: Welcome("x", None, {}))
@@ -530,7 +533,7 @@ def test_registering_again_keeps_the_old_token_and_transport_if_the_new_one_fail
     with pytest.raises(TransportError, match="no shared memory"):
         receiver.core.register_again(5.0)
     assert receiver.core.token == "token" and receiver.core.transport is receiver.transport
-    assert closed == []
+    assert closed == [] and left == [(receiver.core.worker, "new token")]
 
 
 class _RegisteringHub(_Hub):
