@@ -9,6 +9,7 @@ import pytest
 import ray
 import torch
 
+from raysync.transports.base import VersionDone
 from raysync.transports.rdt import RdtTransport
 from raysync.transports.rdt import learner as rdt_learner
 from tests.helpers import (
@@ -255,3 +256,40 @@ def test_a_model_waiting_for_its_buffer_does_not_hold_up_another_models_sends(ac
     ray.get(blocked)
     waiting.join()
     assert ray.get(third[0], timeout=60).acked == ("slow",)
+
+
+class _Over(VersionDone):
+    """A broadcast that has ended."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+class _Running(VersionDone):
+    """A broadcast that goes on."""
+
+    def wait(self, timeout_s: float) -> None:
+        raise TimeoutError
+
+
+def test_a_ring_slot_still_held_when_its_broadcast_ends_is_left_and_its_stream_ends(actors):
+    """A bucket slot whose last object a reader still holds (its get timed out while
+    queued) is not written again; the learner waited for Ray to free it for
+    REUSE_WAIT_S (600 s) inside the broadcast, whether or not the broadcast had ended
+    meanwhile. It stops waiting once the broadcast is over (the stream then ends)."""
+    from ray.experimental import deregister_nixl_memory
+
+    ring = rdt_learner._new_ring(1024, torch.device("cpu"))  # this process is the learner
+    slot = ring._slots[0]
+    view = slot.tensor[:512]
+    held = ray.put([view], _tensor_transport="nixl")  # what a straggling reader holds
+    slot.published = view
+    try:
+        assert ring._wait_until_freed(slot, _Over()) is False
+        assert slot.published is view  # still held: not written, not forgotten
+        del held
+        assert ring._wait_until_freed(slot, _Running()) is True
+        assert slot.published is None
+    finally:
+        for tensor in ring.tensors:
+            deregister_nixl_memory(tensor)

@@ -17,6 +17,7 @@ learner holds two buckets beyond its model, the object store none, and no read i
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -27,6 +28,10 @@ from raysync.transports.base import TransportError, VersionDone
 from raysync.transports.buckets import pack_bucket
 from raysync.transports.object_store.buckets import Outgoing, room_or_end, this_actor
 from raysync.transports.rdt.wire import RdtBucketStream
+
+#: How often a wait for a slot's last object to be freed looks whether the broadcast
+#: ended meanwhile (then the slot is left as it is, and the stream ends).
+_FREED_LOOK_S = 1.0
 
 
 @dataclass
@@ -64,7 +69,14 @@ class RdtRing:
             if not room_or_end(broker, key, index, done):
                 return
             slot = self._slots[self._next]
-            self._wait_until_freed(slot)
+            try:
+                freed = self._wait_until_freed(slot, done)
+            except TransportError as err:
+                broker.end.remote(key, f"the learner could not reuse a bucket slot: {err}")
+                raise
+            if not freed:
+                broker.end.remote(key, f"the broadcast ended before bucket {index} was packed")
+                return
             start = index * plan.bucket_bytes
             length = min(plan.bucket_bytes, plan.layout.nbytes - start)
             bucket = slot.tensor[:length]
@@ -79,16 +91,30 @@ class RdtRing:
             broker.offer.remote(key, index, [ref], sender)
             del ref  # the broker's reference keeps it until every reader took it
 
-    def _wait_until_freed(self, slot: _Slot) -> None:
+    def _wait_until_freed(self, slot: _Slot, done: VersionDone) -> bool:
+        """Wait until Ray freed the object last published from ``slot`` (nothing reads
+        it any more); True then. False if the broadcast ended first: the slot is not
+        written (a reader that timed out may still read it), and the version's stream
+        ends rather than waiting out ``reuse_wait_s`` for a broadcast already over.
+        TransportError after ``reuse_wait_s``."""
         from ray.experimental import wait_tensor_freed
 
         if slot.published is None:
-            return
-        try:
-            wait_tensor_freed(slot.published, timeout=self._reuse_wait_s)
-        except TimeoutError as err:
-            raise TransportError(
-                f"a bucket in this learner's rdt ring is still referenced after "
-                f"{self._reuse_wait_s:g} s (a receiver or the broker still holds its ObjectRef)"
-            ) from err
+            return True
+        deadline = time.monotonic() + self._reuse_wait_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                wait_tensor_freed(slot.published, timeout=max(0.0, min(_FREED_LOOK_S, left)))
+                break
+            except TimeoutError as err:
+                if done.ended():
+                    return False
+                if left <= _FREED_LOOK_S:
+                    raise TransportError(
+                        f"a bucket in this learner's rdt ring is still referenced after "
+                        f"{self._reuse_wait_s:g} s (a receiver or the broker still holds its "
+                        "ObjectRef)"
+                    ) from err
         slot.published = None
+        return True
