@@ -38,6 +38,7 @@ from raysync.channel_replies import ChannelReplies
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
+    RaySyncError,
     StaleVersionError,
     TransportUnavailableError,
     UnknownModelError,
@@ -539,12 +540,14 @@ class WeightHubActor:
             raise ValueError("a version sent in parts needs an explicit version")
         try:
             _check_above_direct(model, request)
-        except StaleVersionError as err:  # this part's learner alone: the others hear it
+            if (model, request.version) not in self._assemblies:  # its first part
+                self._state.check_known(model)
+                self._state.check_version(model, request.version)
+        except RaySyncError as err:  # this part's learner alone: the others hear it
+            # (else a part after it took itself for the first, to be told after the
+            # whole timeout that this one never came)
             self._assemblies.refuse(request, model, err)
             raise
-        if (model, request.version) not in self._assemblies:  # its first part
-            self._state.check_known(model)
-            self._state.check_version(model, request.version)
         known = self._state.models[model].spec
         return await self._assemblies.take(request, model, known, timeout_s, started)
 

@@ -11,7 +11,13 @@ import time
 import pytest
 import ray
 
-from raysync import BroadcastError, IncompleteVersionError, SpecMismatchError, WeightHub
+from raysync import (
+    BroadcastError,
+    IncompleteVersionError,
+    SpecMismatchError,
+    UnknownModelError,
+    WeightHub,
+)
 from raysync.testing import (
     MODEL,
     ConformanceReceiver,
@@ -114,6 +120,25 @@ def test_parts_that_do_not_make_the_model_are_refused_naming_the_key(
     with pytest.raises(IncompleteVersionError, match=reason):
         ray.get(told, timeout=30)
     assert_untouched(receiver, v)
+
+
+def test_a_first_part_refused_for_its_model_fails_the_parts_after_it_at_once(actors):
+    """Part 0 names a model the hub does not know yet (its receivers are still
+    starting): refused to its learner. A receiver of that model registers, then part 1
+    arrives: it opened the version as if it were the first, and was told after the
+    whole timeout that part 0 "did not arrive". The refusal fails the version for the
+    parts after it, at once, saying why."""
+    hub = start_hub(actors, "object_store", models=[MODEL])
+    first, second = split_in_parts(special_weights(2.0), 2)
+    refused = hub.broadcast.remote(first, model="late", version=1, part=0, parts=2)
+    with pytest.raises(UnknownModelError, match="'late'"):
+        ray.get(refused, timeout=30)
+    receiver = start(actors, Holder, hub, special_weights(0.0), "r-late", "late")
+    ready([receiver])
+    told = hub.broadcast.remote(second, model="late", version=1, part=1, parts=2, timeout_s=120)
+    with pytest.raises(IncompleteVersionError, match=r"part 0 was refused \(UnknownModelError"):
+        ray.get(told, timeout=60)
+    assert ray.get(receiver.version.remote()) == 0
 
 
 def test_a_part_with_a_key_the_model_lacks_or_a_wrong_shape_is_refused(hub_and_receiver):
