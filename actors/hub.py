@@ -922,8 +922,10 @@ class WeightHubActor:
         handed, spec, targets = delivery.handed, delivery.spec, delivery.targets
         timeout_s, started, first_calls = delivery.timeout_s, delivery.started, delivery.first_calls
         deadline = time.monotonic() + timeout_s
+        waited_s = 0.0  # of its timeout, before it could go
         if delivery.counted_from is not None:  # parts: from the first one, not the last
-            deadline -= time.perf_counter() - delivery.counted_from
+            waited_s = time.perf_counter() - delivery.counted_from
+            deadline -= waited_s
         plan_started = time.perf_counter()
         travels = handed.wire_spec or spec  # what the transports carry
         groups: dict[str, list[ReceiverEntry]] = {}
@@ -971,6 +973,7 @@ class WeightHubActor:
                 travels,
                 timeout_s,
                 share=BUCKETED_PLAN_SHARE if streams and len(groups) > 1 else 1.0,
+                waited_s=waited_s,
             )
             plan_s = max(plan_s, time.perf_counter() - plan_started)
             own = [e for e in group if e.worker not in first_calls]
@@ -1129,9 +1132,12 @@ class WeightHubActor:
         spec: WeightSpec,
         timeout_s: float,
         share: float = 1.0,
+        waited_s: float = 0.0,
     ) -> dict[str, _Plan]:
         """Per target reading by ``transport``: the update it reads, planned by its
-        transport within ``share`` of ``timeout_s``, or why there is none."""
+        transport within ``share`` of ``timeout_s`` and what is left of it after
+        ``waited_s`` (a version sent in parts, counted from its first part), or why
+        there is none."""
         update = handed.update_for(transport)
         if update is None:
             reason = (
@@ -1139,7 +1145,7 @@ class WeightHubActor:
                 "this version over without it; the next version reaches it"
             )
             return dict.fromkeys((e.worker for e in group), _Plan(reason=reason))
-        limit_s = timeout_s * share
+        limit_s = min(timeout_s * share, max(0.0, timeout_s - waited_s))
         try:
             payload_of = await _planned_within(
                 plan_parts(
@@ -1153,7 +1159,9 @@ class WeightHubActor:
             )
         except asyncio.TimeoutError:
             within = f"the {timeout_s:g} s timeout"
-            if share < 1.0:  # a bucketed version: the others wait for every plan
+            if limit_s < timeout_s * share:  # its parts' wait took the rest
+                within = f"{limit_s:.3g} s (what waiting for its parts left of {within})"
+            elif share < 1.0:  # a bucketed version: the others wait for every plan
                 within = f"{limit_s:g} s ({share:g} of {within}, a bucketed version's share)"
             reason = (
                 f"transport {transport!r} could not plan the delivery within {within} "
