@@ -62,6 +62,15 @@ def special_weights(seed: float = 0.0) -> dict[str, torch.Tensor]:
     }
 
 
+def through_bfloat16(tensor: torch.Tensor) -> torch.Tensor:
+    """What a receiver holds of ``tensor`` sent with ``wire_dtype=torch.bfloat16``: a
+    floating tensor wider than it cast there and back; any other as it is (float16 too:
+    as wide, it travels in its own dtype)."""
+    if tensor.is_floating_point() and tensor.element_size() > 2:
+        return tensor.to(torch.bfloat16).to(tensor.dtype)
+    return tensor
+
+
 def uniform_weights(value: float) -> dict[str, torch.Tensor]:
     """The spec of :func:`special_weights` with every element derived from ``value``, so
     a version mixing two broadcasts is visible (see :meth:`ConformanceReceiver.torn`)."""
@@ -293,15 +302,12 @@ class TransportConformance:
         assert (report.acked, report.failed) == (("crew0",), {})
 
     def test_a_wire_dtype_travels_narrow_and_lands_cast(self, started, hub, crew):
-        """``wire_dtype=bfloat16``: floating tensors travel cast (the report counts those
-        bytes) and every receiver, a late joiner's first version and a zero-copy one
-        included, holds ``w.to(bfloat16).to(its dtype)`` bit for bit; other tensors
-        travel as they are."""
+        """``wire_dtype=bfloat16``: floating tensors wider than it travel cast (the report
+        counts those bytes) and every receiver, a late joiner's first version and a
+        zero-copy one included, holds ``w.to(bfloat16).to(its dtype)`` bit for bit; other
+        tensors (float16 among them) travel as they are."""
         weights = special_weights(4.0)
-        expected = {
-            k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
-            for k, v in weights.items()
-        }
+        expected = {k: through_bfloat16(v) for k, v in weights.items()}
         report = self.broadcast(hub, weights, ("crew0",), wire_dtype=torch.bfloat16)
         assert report.bytes == sum(
             t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in weights.values()
@@ -355,10 +361,7 @@ class TransportConformance:
 
         weights = special_weights(5.0)
         cast_part = split_in_parts(weights, 2)[1]
-        expected = {
-            k: v.to(torch.bfloat16).to(v.dtype) if k in cast_part and v.is_floating_point() else v
-            for k, v in weights.items()
-        }
+        expected = {k: through_bfloat16(v) if k in cast_part else v for k, v in weights.items()}
         send(weights, workers, second_on_the_wire=torch.bfloat16)
         for receiver in (crew[w] for w in workers):
             assert_bitwise(ray.get(receiver.state.remote()), expected)

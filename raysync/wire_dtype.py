@@ -6,8 +6,9 @@ one is cast piece by piece as it is packed). The model's spec (its own dtypes) i
 the hub checks against the receivers'; the *wire spec* is what the transport carries.
 A receiver fetches by the wire spec (``Update.wire_spec``) and copies into its own
 tensors, which casts: the model ends equal to ``w.to(wire_dtype).to(its_dtype)``, bit
-for bit. Integer and bool tensors, and floating tensors already at the wire dtype,
-travel as they are.
+for bit. Integer and bool tensors, and floating tensors as wide as the wire dtype,
+travel as they are: float16 weights on a bfloat16 wire (or the reverse) would save no
+byte and change values (float16's 65504 travels as bfloat16's 65536, and arrives as Inf).
 """
 
 from __future__ import annotations
@@ -120,4 +121,5 @@ def check_finite_on_wire(
 
 
 def _wire_dtype_of(dtype: torch.dtype, wire_dtype: torch.dtype) -> torch.dtype:
-    return wire_dtype if dtype.is_floating_point else dtype
+    """What a tensor of ``dtype`` travels in: ``wire_dtype`` if it is floating and wider."""
+    return wire_dtype if dtype.is_floating_point and dtype.itemsize > wire_dtype.itemsize else dtype

@@ -23,6 +23,7 @@ from raysync.testing import (
     assert_bitwise,
     special_weights,
     split_in_parts,
+    through_bfloat16,
     uniform_weights,
 )
 from raysync.transports import register_transport
@@ -180,10 +181,7 @@ def test_bucketed_with_a_wire_dtype_casts_each_piece(crew):
     hub, receivers = crew
     weights = special_weights(1.5)
     report = to_crew(hub, weights, wire_dtype=torch.bfloat16)
-    expected = {
-        k: v.to(torch.bfloat16).to(v.dtype) if v.dtype.is_floating_point else v
-        for k, v in weights.items()
-    }
+    expected = {k: through_bfloat16(v) for k, v in weights.items()}
     for receiver in receivers:
         assert_bitwise(ray.get(receiver.state.remote()), expected)
     wire_bytes = sum(
@@ -608,10 +606,7 @@ def test_sharded_learners_each_stream_their_own_part(crew, actors):
     )
     assert {r.version for r in reports} == {version}
     assert reports[0].acked == CREW
-    expected = {
-        k: v.to(torch.bfloat16).to(v.dtype) if v.dtype.is_floating_point else v
-        for k, v in weights.items()
-    }
+    expected = {k: through_bfloat16(v) for k, v in weights.items()}
     late = start(actors, Receiver, hub, "late")
     for receiver in [*receivers, late]:
         assert ray.get(receiver.version.remote()) == version
@@ -712,10 +707,7 @@ def test_a_cuda_learner_streams_buckets_to_a_cuda_receiver(actors, transport):
     assert report.acked == ("gpu0",)
     # Cast where raysync casts, on the learner's device: CUDA writes a NaN as bfloat16
     # 0x7FFF where the CPU writes 0x7FC0 (seen on an H100: f32's NaN differed).
-    expected = {
-        k: v.to(torch.bfloat16).to(v.dtype).cpu() if v.dtype.is_floating_point else v.cpu()
-        for k, v in on_device.items()
-    }
+    expected = {k: through_bfloat16(v).cpu() for k, v in on_device.items()}
     assert_bitwise(ray.get(receiver.state.remote()), expected)
 
 

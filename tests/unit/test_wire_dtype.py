@@ -35,9 +35,10 @@ def test_floating_tensors_travel_cast_and_others_as_they_are():
         "b": torch.bfloat16,
         "steps": torch.int64,
         "mask": torch.bool,
-        "half": torch.bfloat16,
+        "half": torch.float16,  # as wide as the wire: it would save nothing (test below)
     }
     assert wire["steps"] is weights["steps"] and wire["mask"] is weights["mask"]
+    assert wire["half"] is weights["half"]
     assert torch.equal(wire["w"], weights["w"].to(torch.bfloat16))
     assert wire_spec == WeightSpec.of(wire)
     assert wire_spec.nbytes < WeightSpec.of(weights).nbytes
@@ -55,6 +56,26 @@ def test_a_wire_dtype_wider_than_the_weights_is_refused_naming_them():
     weights = {"w": torch.randn(3, dtype=torch.bfloat16), "x": torch.randn(2)}
     with pytest.raises(InvalidWeightsError, match=r"float32 is wider .*w \(torch.bfloat16\)"):
         wire_spec_of(WeightSpec.of(weights), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "weights_dtype, wire", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)]
+)
+def test_a_tensor_as_wide_as_the_wire_dtype_in_another_format_travels_as_it_is(
+    weights_dtype, wire
+):
+    """float16 weights on a bfloat16 wire were cast, saving no byte: 65504 travelled as
+    65536 and every receiver's float16 tensor held Inf (past a hub that rejects
+    non-finite weights: it looked at the wire's values only), and every value lost
+    three bits. They travel as they are; a wider tensor beside them is still cast."""
+    weights = {"layer": torch.tensor([1.0, 65504.0], dtype=weights_dtype), "x": torch.ones(2)}
+    wire_spec = wire_spec_of(WeightSpec.of(weights), wire)
+    assert wire_spec is not None
+    assert {e.name: e.dtype for e in wire_spec.tensors} == {"layer": weights_dtype, "x": wire}
+    sent = cast_to_wire(weights, wire_spec)
+    assert sent["layer"] is weights["layer"]
+    only_it = {"layer": weights["layer"]}
+    assert wire_spec_of(WeightSpec.of(only_it), wire) is None  # nothing to cast at all
 
 
 @pytest.mark.parametrize("bad", [torch.int8, torch.bool, "bfloat16", None])
