@@ -106,19 +106,14 @@ class Adoption:
         """Move ``model`` out of the transport's memory it lives in into a copy of its
         own (the same values), and hand that memory back: once its receiver leaves the
         hub, nothing holds it for the model (a shared-memory slot would be written with
-        later versions under it). Nothing to do for a model in memory of its own."""
+        later versions under it). Nothing to do for a model in memory of its own. Only
+        the tensors still in that memory are copied: the host may have moved or cast
+        others since, and they stay as it left them."""
         current = self.current
         if current is None or current.transport is None:
             return
-        if not _still_in(model, self.names, current.staged):  # moved since: nothing to copy
-            self.current = None
-            current.release()
-            return
-        copies = [tensor.clone() for tensor in current.staged]
-        refusal = rebind(model, self.names, copies)
-        if refusal is not None:  # it was rebound to these very views: it cannot refuse
-            raise RuntimeError(f"a zero-copy model could not take its own copy: {refusal}")
-        self.current = AdoptedVersion(None, None, copies)
+        _move_out(model, self.names, current.staged)
+        self.current = None
         current.release()
 
     def lives_in(self, staged: Sequence[torch.Tensor]) -> bool:

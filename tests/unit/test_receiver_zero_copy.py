@@ -144,3 +144,35 @@ def test_leaving_the_hub_after_the_host_moved_the_model_hands_its_version_back()
     model.to("meta")
     adoption.keep_privately(model)
     assert adoption.current is None and transport.released == ["v1"]
+
+
+
+def test_leaving_the_hub_after_the_host_changed_part_of_the_model_keeps_its_changes():
+    """The host moved one tensor out of the version's memory (cast it, here): leaving
+    the hub rebound every tensor to a copy of the version, which undid the cast and the
+    values written since. Only the tensors still in the version's memory get a copy of
+    their own."""
+    transport, model, adoption = _Transport(), torch.nn.Linear(3, 2), Adoption()
+    first = AdoptedVersion(transport, "v1", _staged(1.0))
+    assert adoption.take(model, NAMES, first, actor="Collector(a)", model_id="policy")
+    with torch.no_grad():
+        model.weight.data = model.weight.data.double()
+        model.weight.fill_(42.0)
+    adoption.keep_privately(model)
+    assert transport.released == ["v1"]
+    assert torch.equal(model.weight, torch.full((2, 3), 42.0, dtype=torch.float64))
+    assert model.bias.data_ptr() != first.staged[0].data_ptr()
+    assert torch.equal(model.bias, torch.full((2,), 1.0))
+
+
+def test_leaving_the_hub_after_the_host_moved_part_of_the_model_to_a_device():
+    """It raised (a tensor on another device cannot be rebound to the copy), and the
+    receiver's leave with it."""
+    transport, model, adoption = _Transport(), torch.nn.Linear(3, 2), Adoption()
+    first = AdoptedVersion(transport, "v1", _staged(1.0))
+    assert adoption.take(model, NAMES, first, actor="Collector(a)", model_id="policy")
+    model.weight = torch.nn.Parameter(model.weight.detach().to("meta"))
+    adoption.keep_privately(model)
+    assert transport.released == ["v1"] and model.weight.device.type == "meta"
+    assert model.bias.data_ptr() != first.staged[0].data_ptr()
+    assert torch.equal(model.bias, torch.full((2,), 1.0))
