@@ -44,10 +44,11 @@ def flatten(
 ) -> dict[str, torch.Tensor]:
     """Flat, name-sorted ``name -> tensor`` view of ``weights`` (no copy).
 
-    Raises :class:`InvalidWeightsError` naming the key for a non-tensor leaf, a
-    non-contiguous tensor, a lazily conjugated or negated view (``t.conj()`` of a
-    complex tensor), a tensor without data (``meta`` device), NaN/Inf when
-    ``reject_nonfinite``, or an empty model. Called in the learner process.
+    Raises :class:`InvalidWeightsError` naming the key for a non-tensor leaf, a sparse
+    or quantized tensor, a non-contiguous tensor, a lazily conjugated or negated view
+    (``t.conj()`` of a complex tensor), a tensor without data (``meta`` device), NaN/Inf
+    when ``reject_nonfinite`` (looked at a bounded chunk at a time: no model-sized mask
+    in the learner), or an empty model. Called in the learner process.
     """
     tensors = _flat_tensors(weights, what)
     if not tensors:
@@ -55,8 +56,18 @@ def flatten(
     tensors = {name: tensors[name] for name in sorted(tensors)}
     for name, tensor in tensors.items():
         _check_has_data(name, tensor, what, "; materialize the model first")
+        if tensor.layout is not torch.strided or tensor.is_quantized:
+            kind, instead = (
+                ("quantized", "tensor.dequantize()")
+                if tensor.is_quantized
+                else (f"sparse ({tensor.layout})", "tensor.to_dense()")
+            )
+            raise InvalidWeightsError(
+                f"{what}: key {name!r} is a {kind} tensor (shape {tuple(tensor.shape)}): "
+                f"weights travel as dense tensors; pass {instead} instead"
+            )
         if reject_nonfinite and (tensor.is_floating_point() or tensor.is_complex()):
-            bad = int(tensor.numel() - torch.isfinite(tensor).sum())
+            bad = _nonfinite_count(tensor)
             if bad:
                 raise InvalidWeightsError(
                     f"{what}: key {name!r} holds {bad} NaN/Inf value(s) of "
@@ -75,6 +86,23 @@ def flatten(
             )
     # Parameters that require grad cannot be viewed as NumPy arrays; detach only those.
     return {name: t.detach() if t.requires_grad else t for name, t in tensors.items()}
+
+
+#: Elements :func:`_nonfinite_count` looks at a time: its memory, whatever the tensor.
+NONFINITE_CHUNK_ELEMENTS = 1 << 22
+
+
+def _nonfinite_count(tensor: torch.Tensor) -> int:
+    """How many of ``tensor``'s values are NaN or Inf, a bounded chunk at a time
+    (``torch.isfinite`` of a whole tensor made masks and a copy several times its size).
+    float8 chunks are looked at in float32: torch has no ``isfinite`` for them."""
+    flat = tensor.detach().reshape(-1)
+    bad = 0
+    for chunk in flat.split(NONFINITE_CHUNK_ELEMENTS):
+        if chunk.is_floating_point() and chunk.element_size() == 1:
+            chunk = chunk.float()
+        bad += chunk.numel() - int(torch.isfinite(chunk).sum())
+    return bad
 
 
 @dataclass(frozen=True)

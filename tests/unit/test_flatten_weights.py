@@ -207,6 +207,46 @@ def test_non_finite_values_are_refused_only_when_asked():
     flatten({"w": torch.ones(2, dtype=torch.bfloat16)}, reject_nonfinite=True)
 
 
+def test_non_finite_values_are_counted_a_chunk_at_a_time_float8_included(monkeypatch):
+    """float8 weights on a hub that rejects non-finite ones raised torch's own
+    NotImplementedError ("isfinite" not implemented for 'Float8_e4m3fn'), naming no key;
+    and the count over a whole tensor made masks and a copy several times its size in
+    the learner. A bad value in a later chunk is still counted."""
+    from raysync import weights as weights_module
+
+    monkeypatch.setattr(weights_module, "NONFINITE_CHUNK_ELEMENTS", 4)
+    fp8 = {"a.fp8": torch.zeros(9, dtype=torch.float8_e4m3fn), "b": torch.ones(3)}
+    assert list(flatten(fp8, reject_nonfinite=True)) == ["a.fp8", "b"]
+    e5m2 = torch.zeros(9, dtype=torch.float8_e5m2)
+    e5m2[8] = float("inf")
+    with pytest.raises(InvalidWeightsError, match="key 'late' holds 1 NaN/Inf value.* of 9"):
+        flatten({"late": e5m2}, reject_nonfinite=True)
+    wide = torch.ones(10)
+    wide[[1, 9]] = float("nan")
+    with pytest.raises(InvalidWeightsError, match="key 'w' holds 2 NaN/Inf value.* of 10"):
+        flatten({"w": wide}, reject_nonfinite=True)
+
+
+@pytest.mark.parametrize(
+    "tensor, kind, instead",
+    [
+        (torch.eye(3).to_sparse(), r"sparse \(torch.sparse_coo\)", "to_dense"),
+        (torch.eye(3).to_sparse_csr(), r"sparse \(torch.sparse_csr\)", "to_dense"),
+        (
+            torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+            "quantized",
+            "dequantize",
+        ),
+    ],
+    ids=["coo", "csr", "quantized"],
+)
+def test_sparse_and_quantized_tensors_are_refused_naming_the_key(tensor, kind, instead):
+    """A sparse tensor was told to pass tensor.contiguous(), which fails too (CSR raised
+    torch's own error, naming no key); a quantized one was taken, to fail when packed."""
+    with pytest.raises(InvalidWeightsError, match=rf"key 'q.w' is a {kind} tensor .*{instead}"):
+        flatten({"q.w": tensor, "b": torch.ones(2)})
+
+
 @pytest.mark.parametrize(
     "weights, expected",
     [
