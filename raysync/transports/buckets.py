@@ -15,6 +15,7 @@ tensor can be cast to the wire dtype on its own.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +31,11 @@ MIB = 1 << 20
 def bucket_bytes_of(bucket_mb: float) -> int:
     """``bucket_mb`` (mebibytes, fractions allowed) as bytes, rounded up to the layout's
     alignment; ValueError unless positive."""
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+    if (
+        isinstance(bucket_mb, bool)
+        or not isinstance(bucket_mb, (int, float))
+        or not 0 < bucket_mb < math.inf
+    ):
         raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
     size = int(-(-bucket_mb * MIB // 1))
     return max(ALIGNMENT, -(-size // ALIGNMENT) * ALIGNMENT)
@@ -108,7 +113,10 @@ def pack_bucket(
     """Learner: bucket ``index`` of ``plan`` from ``sources`` (the learner's tensors, in
     spec order) into ``data`` (uint8, at least the bucket's bytes), each piece at its
     place in the bucket, cast to the wire dtype while copied where its source has
-    another dtype (no piece-sized copy); ``copy`` copies bytes of one dtype."""
+    another dtype (no piece-sized copy, but from another device: the cast is made
+    where the source lives, as a version sent whole is, and the copy moves its bytes;
+    across devices torch's ``copy_`` casts on the CPU, and CUDA and the CPU write a NaN
+    in bfloat16 differently); ``copy`` copies bytes of one dtype."""
     base = index * plan.bucket_bytes
     for piece in plan.pieces(index):
         wire = plan.spec.tensors[piece.tensor].dtype
@@ -117,5 +125,7 @@ def pack_bucket(
         target = data[piece.at - base : piece.at - base + piece.nbytes]
         if chunk.dtype == wire:
             copy(target, chunk.view(torch.uint8))
+        elif chunk.device != target.device:
+            target.view(wire).copy_(chunk.to(wire))
         else:
             target.view(wire).copy_(chunk)

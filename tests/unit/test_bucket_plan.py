@@ -102,7 +102,7 @@ def test_bucket_sizes_round_up_to_the_alignment_and_refuse_nonsense():
     assert bucket_bytes_of(1 / 1024) == 1024
     assert bucket_bytes_of(1e-9) == ALIGNMENT
     assert bucket_bytes_of(100 / (1 << 20)) == 128
-    for bad in (0, -1, float("nan"), "8", True):
+    for bad in (0, -1, float("nan"), float("inf"), "8", True):
         with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB"):
             bucket_bytes_of(bad)
     with pytest.raises(ValueError, match="positive multiple of 64"):
