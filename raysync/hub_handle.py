@@ -147,6 +147,8 @@ class _Broadcast:
         bucket_bytes = _bucket_bytes(config.bucket_mb if bucket_mb is None else bucket_mb, travels)
         handle = self._handle
         side = handle._side
+        # The last submit the route follows (read before it: the route is as new or newer).
+        basis = side.last_results.get(handle._route_key(model), (0, None))[0]
         route = handle._route(model, config.default_timeout_s if timeout_s is None else timeout_s)
         route_key = handle._route_key(model)  # after _route: it may name the model
         direct = (
@@ -174,9 +176,12 @@ class _Broadcast:
             side.sending_in_order if in_send_order else contextlib.nullcontext(),
             side.submitting if channel is not None else contextlib.nullcontext(),
         ):
-            written, direct_version = None, 0
+            written, direct_version, above = None, 0, None
+            if channel is not None and _stale(side, route_key, basis):
+                channel = None
             if channel is not None:
                 assert wire is not None  # direct: a whole version, not buckets
+                above = side.last_direct.get(route.model, 0)
                 direct_version = handle._next_direct_version(route)
                 written = write_channel(
                     channel,
@@ -215,11 +220,14 @@ class _Broadcast:
                     part=part,
                     parts=parts,
                     bucket_bytes=bucket_bytes,
-                    above=side.last_direct.get(route.model, 0),
                 )
                 with side.submitting:  # numbers in the order the calls leave this process
                     sent_at = time.time()
                     calls: dict[str, tuple[str, Any]] | None = None
+                    if above is None:  # read under the lock: another thread's direct one
+                        above = side.last_direct.get(route.model, 0)
+                    if direct and written is None and _stale(side, route_key, basis):
+                        direct = False  # the hub numbers it: its route's number may be taken
                     if direct:
                         calls = {}
                         if written is not None:
@@ -243,6 +251,7 @@ class _Broadcast:
                         calls |= called
                     request = dataclasses.replace(
                         request,
+                        above=above,
                         direct_version=direct_version,
                         direct_calls=calls,
                         sent_at=sent_at,
@@ -315,6 +324,15 @@ class _Broadcast:
                     "the hub is shutting down and accepts no more broadcasts"
                 ) from err
             raise
+
+
+def _stale(side: LearnerSide, key: str | None, basis: int) -> bool:
+    """(``side.submitting`` held.) Whether a broadcast of route key ``key`` left this
+    process since the route of the one calling was read (after submit ``basis``): that
+    route's next version may be the very number the hub gave it (one sent through the
+    hub from another thread), and a direct delivery of it would be taken as held by
+    every receiver it reached first."""
+    return side.last_results.get(key, (0, None))[0] != basis
 
 
 def _abandon(senders: dict[str, TransportSender], payloads: dict[str, Any], why: str) -> None:

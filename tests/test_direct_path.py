@@ -273,3 +273,51 @@ def test_a_model_named_or_left_out_is_one_model_to_the_learner(actors):
     report = ray.get(hub.broadcast.remote(unnamed))
     assert (report.version, report.acked, report.direct) == (6, ("c0", "c1"), ("c0", "c1"))
     _hold(collectors, unnamed, 6)
+
+
+@ray.remote(num_cpus=0)
+class ValueLog(Collector.__ray_actor_class__):  # type: ignore[name-defined]
+    """A Collector that notes, per version applied, its policy's first weight."""
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        super().on_weights_applied(model, version)
+        self.values = [*getattr(self, "values", []), (version, self.policy[0].weight[0, 0].item())]
+
+    def applied_values(self) -> list[tuple[int, float]]:
+        return list(getattr(self, "values", []))
+
+
+def test_a_route_another_broadcast_of_this_learner_made_stale_goes_through_the_hub(
+    actors, monkeypatch
+):
+    """Two threads of one learner: one reads its route (next version V), the other
+    broadcasts through the hub meanwhile (here: naming V), and the hub gives that one
+    V. The first then delivered V itself, with its own weights: every receiver held its
+    weights as V and took the hub's V (the other's weights, from the same learner) as
+    already held, so the other's report said they applied what they never held. A
+    route a later submit of the same model made stale is not delivered directly: the
+    hub numbers that version."""
+    hub = start_hub(actors, "object_store")
+    collectors = [start(actors, ValueLog, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    v = ray.get(hub.broadcast.remote(make_policy())).version + 1
+    first, second = make_policy(), make_policy()
+    meanwhile: list = []
+    hand_off = hub_handle._Broadcast._hand_off
+
+    def another_broadcast_leaves_first(self, *args, **kwargs):
+        if not meanwhile:  # between this broadcast's route and its submit
+            meanwhile.append(None)  # the other broadcast's own hand-off comes here too
+            meanwhile[0] = hub.broadcast.remote(first, version=v)
+        return hand_off(self, *args, **kwargs)
+
+    monkeypatch.setattr(hub_handle._Broadcast, "_hand_off", another_broadcast_leaves_first)
+    late = ray.get(hub.broadcast.remote(second))
+    early = ray.get(meanwhile[0])
+    assert (early.version, early.acked) == (v, ("c0", "c1"))
+    assert (late.version, late.acked) == (v + 1, ("c0", "c1"))
+    for collector in collectors:
+        values = dict(ray.get(collector.applied_values.remote()))
+        assert values[v] == first[0].weight[0, 0].item(), values
+        assert values[v + 1] == second[0].weight[0, 0].item(), values
+    _hold(collectors, second, v + 1)
