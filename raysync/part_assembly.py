@@ -91,12 +91,16 @@ class PartAssembly:
         SpecMismatchError naming the keys the parts leave out of ``hub_spec``."""
         ordered = [self._arrived[i] for i in range(self.parts)]
         spec = _union(r.spec for r in ordered)
-        if hub_spec is not None and spec.names != hub_spec.names:
-            missing = sorted(set(hub_spec.names) - set(spec.names))
-            raise SpecMismatchError(
-                f"the {self.parts} parts of {self.what} do not add up to the model: "
-                f"missing key(s) {keys_listed(missing)}; nothing was applied"
-            )
+        if hub_spec is not None:
+            # Parts that came before the hub knew the model's spec were not checked then.
+            for index, part in enumerate(ordered):
+                _check_in_spec(part.spec, hub_spec, f"part {index} of {self.what}")
+            if spec.names != hub_spec.names:
+                missing = sorted(set(hub_spec.names) - set(spec.names))
+                raise SpecMismatchError(
+                    f"the {self.parts} parts of {self.what} do not add up to the model: "
+                    f"missing key(s) {keys_listed(missing)}; nothing was applied"
+                )
         hand_offs = self._common_hand_offs()
         payloads = {
             hand_off: Parts(

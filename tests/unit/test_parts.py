@@ -133,6 +133,22 @@ def test_a_part_with_a_key_the_model_lacks_or_shapes_otherwise_is_refused():
         assembly.add(reshaped, HUB_SPEC)
 
 
+def test_a_part_that_came_before_the_model_was_known_is_checked_when_the_version_is_whole():
+    """The first part came while the hub knew no spec of the model (declared, no
+    receiver yet): nothing checked it. The version, whole, said the parts 'do not add
+    up: missing key(s)' naming none, for a key the model does not have."""
+    assembly = PartAssembly("m", 7, 2, None)
+    stranger = dataclasses.replace(
+        part(0, "a"), spec=WeightSpec.of({"a": WHOLE["a"], "zz": torch.zeros(1)})
+    )
+    assembly.add(stranger, None)
+    assembly.add(part(1, "b", "c", "d"), HUB_SPEC)
+    with pytest.raises(
+        SpecMismatchError, match=r"part 0 .* key\(s\) the model does not have: 'zz'"
+    ):
+        assembly.request(HUB_SPEC)
+
+
 @pytest.mark.parametrize(
     "second, message",
     [
