@@ -283,8 +283,14 @@ class RaySyncScheme(WeightSyncScheme):
     def _targets(self, worker_ids: int | list[int] | None) -> list[str]:
         if worker_ids is None:
             return list(self._workers)
-        indices = [worker_ids] if isinstance(worker_ids, int) else list(worker_ids)
+        indices = [worker_ids] if isinstance(worker_ids, int | torch.device) else list(worker_ids)
         for index in indices:
+            if isinstance(index, torch.device):
+                raise ValueError(
+                    f"worker_ids: {index} is a device; RaySyncScheme updates the remote "
+                    f"collectors of model {self.model_id!r} by index (0 to "
+                    f"{len(self._workers) - 1}), not local ones by device"
+                )
             if not isinstance(index, int) or not 0 <= index < len(self._workers):
                 raise ValueError(
                     f"worker_ids: {index!r} is not a remote collector index of model "

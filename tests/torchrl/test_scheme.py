@@ -139,9 +139,12 @@ def test_a_model_id_the_hub_does_not_know_is_refused_quickly(synced):
 
 
 def test_worker_ids_outside_the_collectors_are_refused(synced):
-    collector, _, policy, _ = synced
+    collector, scheme, policy, _ = synced
     with pytest.raises(ValueError, match="2 is not a remote collector index"):
         collector.update_policy_weights_(policy, worker_ids=[0, 2])
+    # TorchRL's API takes devices too (local collectors): said so, not "not an index".
+    with pytest.raises(ValueError, match="worker_ids: cpu is a device; RaySyncScheme updates"):
+        scheme.send(policy, worker_ids=torch.device("cpu"))
 
 
 def test_a_scheme_used_before_init_on_sender_says_so():
