@@ -33,8 +33,11 @@ from raysync.transports.nixl import NixlSender
 from raysync.transports.object_store.bucket_stream import (
     BROKER_NAMESPACE,
     BUCKETS_IN_FLIGHT,
+    BucketStream,
+    StreamId,
     broker_name,
 )
+from raysync.transports.object_store.buckets import buckets_of
 from raysync.transports.object_store.learner import ObjectStoreSender
 from raysync.transports.rdt import RdtTransport
 from raysync.transports.rdt.learner import RdtSender
@@ -764,3 +767,25 @@ def _wait_for_broker(hub, timeout_s: float = 30.0):
 
 def _copier_waits_for_bucket(broker, worker: str, index: int) -> bool:
     return ray.get(broker.taken.remote(worker)) >= index
+
+
+@ray.remote(num_cpus=0)
+class _BrokerWhoseTakeRaises:
+    """Stands for the hub's bucket broker with a bug in ``take``."""
+
+    def take(self, key, index, worker, passed_on=(), copied=None):
+        raise ValueError(f"no bucket {index} here")
+
+
+def test_a_broker_take_that_raises_names_the_bucket(actors):
+    """A Ray error other than the broker's death (its ``take`` raised) reached the
+    receiver raw, a remote traceback naming no bucket or stream; it is the stream's end
+    now, named like one."""
+    broker = _BrokerWhoseTakeRaises.remote()
+    actors.append(broker)
+    payload = BucketStream(broker, StreamId("s", 2, 5.0), 64)
+    with pytest.raises(
+        TransportError,
+        match=r"bucket 0 of 2: the hub's bucket broker could not answer \(ValueError: no bucket 0",
+    ):
+        next(buckets_of(payload, 2, "w"))

@@ -217,11 +217,15 @@ def give_up(payload: BucketStream, worker: str) -> None:
 
 
 def _answer(asked: ray.ObjectRef) -> tuple[Any, str | None]:
-    """The broker's answer to a ``take``; its death is the stream's end."""
+    """The broker's answer to a ``take``; its death, or a ``take`` that raised, is the
+    stream's end (the caller names the bucket)."""
     try:
         return ray.get(asked)
     except ray.exceptions.RayActorError as err:
         return None, f"the hub's bucket broker is gone ({type(err).__name__})"
+    except ray.exceptions.RayError as err:
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        return None, f"the hub's bucket broker could not answer ({lines[-1].strip()})"
 
 
 def staging_buffer(spec: WeightSpec) -> torch.Tensor:
