@@ -67,7 +67,7 @@ def flatten(
                 f"weights travel as dense tensors; pass {instead} instead"
             )
         if reject_nonfinite and (tensor.is_floating_point() or tensor.is_complex()):
-            bad = _nonfinite_count(tensor)
+            bad = nonfinite_count(tensor)
             if bad:
                 raise InvalidWeightsError(
                     f"{what}: key {name!r} holds {bad} NaN/Inf value(s) of "
@@ -88,17 +88,20 @@ def flatten(
     return {name: t.detach() if t.requires_grad else t for name, t in tensors.items()}
 
 
-#: Elements :func:`_nonfinite_count` looks at a time: its memory, whatever the tensor.
+#: Elements :func:`nonfinite_count` looks at a time: its memory, whatever the tensor.
 NONFINITE_CHUNK_ELEMENTS = 1 << 22
 
 
-def _nonfinite_count(tensor: torch.Tensor) -> int:
-    """How many of ``tensor``'s values are NaN or Inf, a bounded chunk at a time
-    (``torch.isfinite`` of a whole tensor made masks and a copy several times its size).
-    float8 chunks are looked at in float32: torch has no ``isfinite`` for them."""
+def nonfinite_count(tensor: torch.Tensor, as_dtype: torch.dtype | None = None) -> int:
+    """How many of ``tensor``'s values are NaN or Inf, cast to ``as_dtype`` first if
+    given (what that cast would make), a bounded chunk at a time (``torch.isfinite`` of
+    a whole tensor made masks and a copy several times its size). float8 chunks are
+    looked at in float32: torch has no ``isfinite`` for them."""
     flat = tensor.detach().reshape(-1)
     bad = 0
     for chunk in flat.split(NONFINITE_CHUNK_ELEMENTS):
+        if as_dtype is not None:
+            chunk = chunk.to(as_dtype)
         if chunk.is_floating_point() and chunk.element_size() == 1:
             chunk = chunk.float()
         bad += chunk.numel() - int(torch.isfinite(chunk).sum())

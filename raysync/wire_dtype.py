@@ -19,6 +19,7 @@ import torch
 
 from raysync.errors import InvalidWeightsError
 from raysync.spec import WeightSpec
+from raysync.weights import nonfinite_count
 
 #: The dtypes weights may travel in. Not the float8 ones: torch has no ``isfinite`` for
 #: them (the non-finite check could not run), and float8_e4m3fn saturates without Inf
@@ -83,10 +84,6 @@ def cast_to_wire(
     }
 
 
-#: Elements cast at a time by :func:`check_finite_on_wire`: its memory, whatever the model.
-FINITE_CHECK_ELEMENTS = 1 << 22
-
-
 def check_finite_on_wire(
     tensors: Mapping[str, torch.Tensor],
     wire_spec: WeightSpec,
@@ -99,19 +96,17 @@ def check_finite_on_wire(
     overflows to inf from 65520): a hub that rejects non-finite weights must not let the
     cast make them. ``cast``: the tensors already cast (:func:`cast_to_wire`, a whole
     version), looked at as they are; else each is cast a bounded chunk at a time (a
-    bucketed version: no model-sized copy)."""
+    bucketed version: no model-sized copy). Either is looked at a chunk at a time
+    (:func:`~raysync.weights.nonfinite_count`)."""
     for entry in wire_spec.tensors:
         tensor = tensors[entry.name]
         if tensor.dtype == entry.dtype:
             continue
-        chunks = (
-            [cast[entry.name]]
+        overflows = (
+            nonfinite_count(cast[entry.name])
             if cast is not None
-            else (
-                chunk.to(entry.dtype) for chunk in tensor.reshape(-1).split(FINITE_CHECK_ELEMENTS)
-            )
+            else nonfinite_count(tensor, as_dtype=entry.dtype)
         )
-        overflows = sum(int((~torch.isfinite(chunk)).sum()) for chunk in chunks)
         if overflows:
             raise InvalidWeightsError(
                 f"{what}: key {entry.name!r} ({tensor.dtype}, {entry.dtype} on the wire) holds "

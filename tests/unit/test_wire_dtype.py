@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raysync import wire_dtype
+from raysync import weights as weights_module
 from raysync.errors import InvalidWeightsError
 from raysync.spec import WeightSpec
 from raysync.wire_dtype import (
@@ -95,7 +95,7 @@ def test_a_float8_wire_dtype_is_refused_saying_why(fp8):
 def test_values_the_wire_dtype_cannot_hold_are_refused_naming_the_key(monkeypatch):
     """float16 overflows to Inf from 65520: with reject_nonfinite the cast must not make
     the Inf the hub refuses. Checked a chunk at a time; bfloat16 holds float32's range."""
-    monkeypatch.setattr(wire_dtype, "FINITE_CHECK_ELEMENTS", 5)
+    monkeypatch.setattr(weights_module, "NONFINITE_CHUNK_ELEMENTS", 5)
     weights = {"w": torch.zeros(12), "steps": torch.arange(3)}
     weights["w"][[3, 11]] = torch.tensor([7e4, -65520.0])
     spec = WeightSpec.of(weights)
