@@ -27,7 +27,7 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, NoReturn
 
 import ray
@@ -264,20 +264,12 @@ class WeightHubActor:
         self._check_open()
         started = time.perf_counter()
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
-        late = await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
-        self._check_open()  # close() may have begun while it waited its turn
-        if late and self._superseded(request):
-            self._refuse_late(request)
-        begun = None
-        if request.direct_calls is not None:
-            begun = self._book_direct(request, request.direct_calls, timeout_s, started)
-        if begun is None and request.parts > 1:
-            begun = await self._assemble(request, timeout_s, started)
-        elif begun is None:
-            # Delivered by its learner under a number another broadcast took: receivers
-            # were touched, so a named one gone since fails alone, as when booked.
-            taken = request.direct_calls is not None
-            begun = await self._version_and_start(request, timeout_s, started, gone_ok=taken)
+        try:
+            begun = await self._begin(request, timeout_s, started)
+        except Exception:
+            if request.direct_calls is None and not self._state.holds_any(request.payloads):
+                self._abandon(request.payloads.values())
+            raise
         self._note_versioned(request, begun.model)
         if not request.wait:
             return BroadcastTicket(
@@ -290,6 +282,36 @@ class WeightHubActor:
             raise BroadcastError(report)
         # The learner's next broadcast reads its route here instead of asking for it.
         return dataclasses.replace(report, route=self._route(request.model, request.known))
+
+    async def _begin(
+        self, request: BroadcastRequest, timeout_s: float, started: float
+    ) -> _Started:
+        """Wait for ``request``'s turn among its learner's, then book, assemble or
+        version it and start its delivery; raise if it is refused."""
+        late = await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
+        self._check_open()  # close() may have begun while it waited its turn
+        if late and self._superseded(request):
+            self._refuse_late(request)
+        if request.direct_calls is not None:
+            begun = self._book_direct(request, request.direct_calls, timeout_s, started)
+            if begun is not None:
+                return begun
+        if request.parts > 1:
+            return await self._assemble(request, timeout_s, started)
+        # Delivered by its learner under a number another broadcast took: receivers
+        # were touched, so a named one gone since fails alone, as when booked.
+        taken = request.direct_calls is not None
+        return await self._version_and_start(request, timeout_s, started, gone_ok=taken)
+
+    def _abandon(self, payloads: Iterable[object]) -> None:
+        """Payloads of a version the hub refused, or left out of a version in parts:
+        never planned, so each transport may let go of what it holds for them."""
+        for payload in payloads:
+            for name, planner in self._planners.items():
+                try:
+                    planner.abandoned(payload)
+                except Exception:  # the refusal is what the learner hears
+                    logger.exception("transport %r could not let go of a refused payload", name)
 
     def _superseded(self, request: BroadcastRequest) -> bool:
         """Whether a later broadcast of ``request``'s learner already versioned its model
@@ -1069,6 +1091,7 @@ class WeightHubActor:
         """A version in parts left these payloads out (not every part carried their
         hand-off): their bucket streams get no readers, so that their learner goes on
         to the hand-offs the version uses instead of waiting for a reader of these."""
+        self._abandon(payloads)
         streams = [stream for payload in payloads for stream in streams_of(payload)]
         if streams:
             self._background.spawn(_name_no_readers(streams), "streams left out of a version")

@@ -6,7 +6,8 @@ the one on its node. It creates segments (anonymous memfds, see the transport's 
 docstring), hands out slots, and keeps the *holds* that decide when a slot may be
 rewritten:
 
-* ``PENDING``: the learner is writing it, or wrote it and the hub has not planned it yet;
+* ``PENDING``: the learner is writing it, or wrote it and the hub has not planned it yet
+  (nor refused it: :meth:`ShmOwner.abandon`);
 * ``Hold.of_worker(id)``: a receiver the version was planned for has not released it
   yet (on the owner's *release board*, :class:`~raysync.transports.shared_memory.Board`,
   or by calling :meth:`ShmOwner.release`);
@@ -274,6 +275,15 @@ class ShmOwner:
             segment.holds.add(Hold.latest(model))
         self._lock.notify_all()
         return self._slot(segment)
+
+    def abandon(self, pid: int, seq: int) -> None:
+        """The hub refused version ``seq`` (a stale or unknown version, a version in
+        parts that failed): it is never planned, so its ``PENDING`` hold goes."""
+        with self._lock:
+            segment = self._by_seq.get(seq) if pid == self._pid else None
+            if segment is not None and PENDING in segment.holds:
+                segment.holds.discard(PENDING)
+                self._lock.notify_all()
 
     def export(self, pid: int, seq: int, order: int = 0) -> list[ray.ObjectRef]:
         """Put version ``seq`` into the object store once, for other nodes' owners.

@@ -193,6 +193,15 @@ class HubState:
         state.published.append((state.version, time.time() if at is None else at))
         return state.latest
 
+    def holds_any(self, payloads: Mapping[str, object]) -> bool:
+        """Whether one of ``payloads`` is in a model's latest version (published: late
+        joiners may read it)."""
+        return any(
+            state.latest is not None
+            and any(state.latest.payloads.get(name) is p for name, p in payloads.items())
+            for state in self.models.values()
+        )
+
     def spec(self, model: str) -> WeightSpec:
         """The spec of ``model``, known once a receiver registered it or it was broadcast."""
         spec = self.models[model].spec

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from raysync import WeightReceiver
+from raysync import StaleVersionError, WeightReceiver
 from raysync.hub_state import LEASE_BEATS
 from raysync.transports import TransportError
 from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_name
@@ -670,3 +670,21 @@ def test_a_learner_whose_slots_stay_held_fails_after_one_slot_wait(actors, monke
     finally:
         ray.get(gate.open.remote())
         ray.get(blocked)
+
+
+def test_versions_the_hub_refuses_let_their_slots_go(actors, monkeypatch):
+    """A version the hub refuses (here a stale explicit version) is never planned: its
+    slot stayed pending, so a few refusals in a row held every slot of the learner and
+    its next valid broadcast waited out the slot wait and failed."""
+    monkeypatch.setattr(shm_learner, "SLOT_WAIT_S", 5.0)  # the learner is this process
+    hub = start_hub(actors, TRANSPORT)
+    receiver = start(actors, Collector, hub, worker_id="r")
+    ready([receiver])
+    ray.get(hub.broadcast.remote(make_policy(), version=10))
+    for _ in range(2 * MAX_SLOTS):
+        with pytest.raises(StaleVersionError, match="10"):
+            ray.get(hub.broadcast.remote(make_policy(), version=5))
+    fresh = make_policy()
+    assert ray.get(hub.broadcast.remote(fresh, version=11), timeout=60).acked == ("r",)
+    assert_same(ray.get(receiver.state.remote()), state_of(fresh))
+    assert ray.get(receiver.version.remote("policy")) == 11

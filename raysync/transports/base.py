@@ -243,6 +243,13 @@ class TransportPlanner:
         A transport whose learner-side memory waits for the hub's word on each version
         (shared memory's slots) hears it here."""
 
+    def abandoned(self, payload: Any) -> None:
+        """A payload of this transport's hand-off that the hub will never plan or keep:
+        its version was refused (a stale or unknown version, a failed version in parts)
+        or a version in parts left it out. Memory held for it until its plan may go.
+        Called for every refused payload, whatever its hand-off: a planner ignores
+        those not its own. Default: nothing."""
+
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """The payload ``receiver`` reads when it pulls ``update`` outside a broadcast.
         Default: the learner's payload, read directly (transports whose sender leaves a

@@ -32,6 +32,7 @@ from raysync.transports.shared_memory.wire import (
     SLOT_WAIT_S,
     SharedMemoryPayload,
     SharedMemoryReceiverInfo,
+    Slot,
     owner_name,
 )
 
@@ -142,6 +143,19 @@ class SharedMemoryPlanner(TransportPlanner):
         if owner is None:
             return  # lost with its owner; the restarted one holds none of its slots
         self._hold(owner, update, ())
+
+    def abandoned(self, payload: Any) -> None:
+        """A version the hub refused: its slot is never planned, so the learner's node's
+        owner lets it go now (else it stayed pending until a newer version of its model
+        from that learner was planned, and a few refusals in a row held every slot)."""
+        if not isinstance(payload, SharedMemoryPayload):
+            return
+        slot = payload.slot
+        owner = self._owners.get(slot.node_id)
+        if owner is not None:  # else lost with its owner
+            self._background.spawn(
+                _let_go_of_refused(owner, slot), f"slot {slot.seq} of a refused version"
+            )
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """A puller reads its own node's copy, held for it like a broadcast's target (a
@@ -324,6 +338,14 @@ async def _drop_worker(owner: Any, worker: str) -> None:
         await owner.drop_worker.remote(worker)
     except RayError:
         pass  # its watch restarts it (a new owner holds nothing), or its node died
+
+
+async def _let_go_of_refused(owner: Any, slot: Slot) -> None:
+    """``owner`` frees ``slot``, written for a version the hub refused."""
+    try:
+        await owner.abandon.remote(slot.pid, slot.seq)
+    except RayError:
+        pass  # its watch restarts it (a new owner holds none of the old slots)
 
 
 def _half_of_plan_left() -> float | None:
