@@ -544,11 +544,13 @@ class ReceiverCore:
         None if the host did not answer within ``timeout_s`` (busy in a long method):
         the call stays in its queue, and until it answers no other is made for that
         model (a host busy for many of the watch's beats got one more call per beat,
-        each pinning its version's payload); :meth:`settle_host_calls` acks it then."""
+        each pinning its version's payload); :meth:`settle_host_calls` acks it then.
+        An update for a model with a call still queued is handed back unread (None)."""
         handle = _host_actor()
         if handle is None:
             return self.receive(update)
-        if update.model in self._queued_in_host:
+        if self.host_call_queued(update.model):
+            self.decline(update)  # planned for this receiver: its transport lets go
             return None
         call = delivery_call(handle, self.identity.entry, self.identity.attachment, update)
         try:
@@ -556,6 +558,11 @@ class ReceiverCore:
         except ray.exceptions.GetTimeoutError:
             self._queued_in_host[update.model] = call
             return None
+
+    def host_call_queued(self, model: str) -> bool:
+        """Whether a delivery of ``model`` through the host is queued behind a long
+        method (see :meth:`deliver_through_host`)."""
+        return model in self._queued_in_host
 
     def settle_host_calls(self) -> None:
         """The hub watch, at each beat: ack what each delivery that

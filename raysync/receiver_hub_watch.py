@@ -193,6 +193,10 @@ class HubWatch(threading.Thread):
         method queue, so it is applied at a safe point."""
         core = self._core
         for model in sorted(core.behind):
+            if core.host_call_queued(model):
+                # Asked for now, the latest would be planned for this receiver (a
+                # shared-memory slot held for it) and then handed back unread.
+                continue
             update = core.latest(model, self._call_timeout_s)
             if update is not None:
                 receipt = core.deliver_through_host(update, self._call_timeout_s)

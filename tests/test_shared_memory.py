@@ -13,6 +13,7 @@ import torch
 
 from raysync import StaleVersionError, WeightReceiver
 from raysync.hub_state import LEASE_BEATS
+from raysync.testing import assert_bitwise, special_weights
 from raysync.transports import TransportError
 from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_name
 from raysync.transports.shared_memory import learner as shm_learner
@@ -28,6 +29,7 @@ from tests.helpers import (
     wait_until,
 )
 from tests.receivers import (
+    BeatCountingHolder,
     Collector,
     Holder,
     SlotCrossingLearner,
@@ -688,3 +690,42 @@ def test_versions_the_hub_refuses_let_their_slots_go(actors, monkeypatch):
     assert ray.get(hub.broadcast.remote(fresh, version=11), timeout=60).acked == ("r",)
     assert_same(ray.get(receiver.state.remote()), state_of(fresh))
     assert ray.get(receiver.version.remote("policy")) == 11
+
+
+def test_a_host_busy_past_its_catch_up_call_pins_no_slot_per_beat(actors):
+    """The hub forgot a receiver while its host is busy in a long method: its hub watch
+    registers again and the version the hub offers waits behind the method. Each later
+    beat asked the hub for the latest version again, which held that version's slot for
+    the receiver, and handed it back unread: every version broadcast meanwhile stayed
+    held for good (the learner's slots ran out). Once the host is free, the receiver
+    holds nothing but what it has not read yet."""
+    hub = start_hub(actors, TRANSPORT)
+    holder = start(actors, BeatCountingHolder, hub, special_weights(0.0), "busy", 0.2)
+    other = start(actors, Holder, hub, special_weights(0.0), "other")
+    ready([holder, other])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    ray.get(hub.broadcast.remote(special_weights(2.0), model="m", workers=["other"]))
+    token = ray.get(holder.token.remote())
+    gate = start(actors, Gate)
+    busy = holder.hold.remote(gate)
+    ray.get(hub.actor.leave.remote("busy", token))  # its watch registers again
+    for value in (3.0, 4.0, 5.0):
+        beats = ray.get(holder.beats_so_far.remote())
+        wait_until(  # the first waits the offered version's 5 s call timeout
+            lambda beats=beats: ray.get(holder.beats_so_far.remote()) >= beats + 3,
+            timeout_s=60,
+            what="three hub-watch beats while the host is busy",
+        )
+        ray.get(hub.broadcast.remote(special_weights(value), model="m", workers=["other"]))
+    ray.get(gate.open.remote())
+    ray.get(busy)
+    wait_until(
+        lambda: {r.worker: r.versions for r in ray.get(hub.status.remote()).receivers}
+        == {"busy": {"m": 5}, "other": {"m": 5}},
+        what="the hub's books say both hold version 5",
+    )
+    assert_bitwise(ray.get(holder.state.remote()), special_weights(5.0))
+    wait_until(
+        lambda: "worker/busy" not in _holds(hub), what="no slot held for the caught-up receiver"
+    )
+    assert sorted(_holds(hub)) == ["latest/m", "pending"]  # and the slot asked for ahead

@@ -54,6 +54,7 @@ class _Core:
         self.receipts: dict[Update, Receipt | None] = {}  #: None: queued behind the host
         self.latest_updates: dict[str, Update] = {}
         self.delivered: list[Update] = []
+        self.queued: set[str] = set()  #: models whose delivery waits behind the host
         self.declined: list[Update] = []
         self.acks: list[Ack] = []
 
@@ -68,7 +69,13 @@ class _Core:
 
     def deliver_through_host(self, update: Update, timeout_s: float) -> Receipt | None:
         self.delivered.append(update)
-        return _answer(self.receipts.get(update, AckNow(_ack(update))))
+        receipt = _answer(self.receipts.get(update, AckNow(_ack(update))))
+        if receipt is None:
+            self.queued.add(update.model)
+        return receipt
+
+    def host_call_queued(self, model: str) -> bool:
+        return model in self.queued
 
     def send_ack(self, ack: Ack) -> None:
         self.acks.append(ack)
@@ -136,8 +143,9 @@ def test_a_pull_receiver_is_registered_again_and_left_to_pull_what_the_hub_offer
 
 def test_a_version_the_busy_host_does_not_apply_on_registering_again_is_pulled_later():
     """The host is busy past the delivery call's timeout for the first model the hub
-    offers: the others are still delivered, and that one is pulled at the next beats
-    until it is applied."""
+    offers: the others are still delivered, and that one is pulled again once the call
+    queued behind the host answered (not before: each pull has the hub plan the
+    version for this receiver, a shared-memory slot held for it, never read)."""
     busy, other = _update("policy", 3), _update("critic", 2)
     core = _Core(heartbeats=[False, True, True], registrations=[_welcome(busy, other)])
     core.receipts[busy] = None  # the host is busy: the call stays queued
@@ -146,10 +154,12 @@ def test_a_version_the_busy_host_does_not_apply_on_registering_again_is_pulled_l
     assert watch.beat() == BEAT
     assert core.acks == [_ack(other)] and core.behind == {"policy"}
     assert watch.connection().connected
-    assert watch.beat() == BEAT  # still busy: still behind, nothing acked
+    assert watch.beat() == BEAT  # still busy: still behind, nothing acked or asked
     assert core.acks == [_ack(other)] and core.behind == {"policy"}
+    assert core.delivered == [busy, other]
     assert watch.connection().last_error is None
-    del core.receipts[busy]  # the host is free again
+    del core.receipts[busy]  # the host is free again: its queued call answered
+    core.queued.clear()
     assert watch.beat() == BEAT
     assert core.acks == [_ack(other), _ack(busy)] and core.behind == set()
 
