@@ -570,7 +570,9 @@ class WeightHubActor:
             # whole timeout that this one never came)
             self._assemblies.refuse(request, model, err)
             raise
-        known = self._state.models[model].spec
+        # Unknown to the hub still: its first part was refused, which this one hears.
+        state = self._state.models.get(model)
+        known = None if state is None else state.spec
         return await self._assemblies.take(request, model, known, timeout_s, started)
 
     async def wait_for(

@@ -141,6 +141,20 @@ def test_a_first_part_refused_for_its_model_fails_the_parts_after_it_at_once(act
     assert ray.get(receiver.version.remote()) == 0
 
 
+def test_the_parts_after_a_first_refused_as_unknown_hear_why_while_it_is_unknown(actors):
+    """Part 0 names a model nobody registered: refused. Part 1 comes while the model is
+    still unknown: it raised a bare ``KeyError`` (the hub looked the model's spec up)
+    instead of the version's failure."""
+    hub = start_hub(actors, "object_store", models=[MODEL])
+    first, second = split_in_parts(special_weights(2.0), 2)
+    refused = hub.broadcast.remote(first, model="nobody", version=1, part=0, parts=2)
+    with pytest.raises(UnknownModelError, match="'nobody'"):
+        ray.get(refused, timeout=30)
+    told = hub.broadcast.remote(second, model="nobody", version=1, part=1, parts=2)
+    with pytest.raises(IncompleteVersionError, match=r"part 0 was refused \(UnknownModelError"):
+        ray.get(told, timeout=30)
+
+
 def test_a_part_with_a_key_the_model_lacks_or_a_wrong_shape_is_refused(hub_and_receiver):
     hub, receiver, v = hub_and_receiver
     first, second = split_in_parts(special_weights(2.0), 2)
