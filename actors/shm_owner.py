@@ -322,11 +322,12 @@ class ShmOwner:
         with self._lock:
             segment = self._free_segment(f"relays of {model}", nbytes, timeout_s)
             segment.holds.add(RELAYING)
+            # Numbered now, not once the bytes are here: a late hold of the version it
+            # held before (a plan reusing that relay) is refused from here on.
+            slot = self._assign(segment)
+            write_seq(segment.buffer, 0)
         try:
             data = ray.get(refs[0])
-            with self._lock:
-                slot = self._assign(segment)
-            write_seq(segment.buffer, 0)
             np.copyto(segment.buffer[HEADER_BYTES:], data)
             write_seq(segment.buffer, slot.seq)
         except BaseException:

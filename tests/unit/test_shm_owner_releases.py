@@ -399,3 +399,55 @@ def test_a_slot_asked_for_ahead_after_its_sender_left_is_refused(owner):
     with pytest.raises(TransportError, match="sender gone closed"):
         owner.acquire(4096, timeout_s=5.0, learner="gone", pid=PID)
     assert owner.stats().segments == 0
+
+
+def test_a_late_hold_of_a_relayed_version_is_refused_while_its_slot_takes_a_newer_one(
+    monkeypatch,
+):
+    """A relay takes a free slot and waits for the exported bytes outside the lock. A
+    hold of the version that slot held before (a plan reusing its relay of an older
+    version) was taken meanwhile, on the old sequence: the receiver then read the newer
+    version's bytes being copied over the one it was planned. The slot's sequence
+    changes when the relay takes it, so such a hold is refused."""
+    import threading
+
+    import numpy as np
+
+    from raysync.actors import shm_owner
+    from raysync.transports import TransportError
+    from raysync.transports.shared_memory.wire import HEADER_BYTES
+
+    nbytes = HEADER_BYTES + 64
+    waiting, arrived = threading.Event(), threading.Event()
+
+    def get(ref: np.ndarray) -> np.ndarray:  # the export's bytes: the third's come late
+        if ref[0] == 3:
+            waiting.set()
+            arrived.wait(10)
+        return ref
+
+    monkeypatch.setattr(shm_owner, "ray", SimpleNamespace(get=get))
+    owner = ShmOwner("node", max_slots=2)
+    try:
+
+        def relayed(value: int) -> np.ndarray:
+            return np.full(nbytes - HEADER_BYTES, value, dtype=np.uint8)
+
+        first = owner.relay([relayed(1)], nbytes, "m", ("w0",), 5.0, version=1)
+        owner.release(PID, first.seq, "w0")
+        owner.relay([relayed(2)], nbytes, "m", ("w1",), 5.0, version=2)  # the latest now
+        third: list[object] = []
+        relaying = threading.Thread(
+            target=lambda: third.append(owner.relay([relayed(3)], nbytes, "m", (), 5.0, version=3))
+        )
+        relaying.start()  # takes the first version's slot, and waits for its bytes
+        try:
+            assert waiting.wait(10)
+            with pytest.raises(TransportError, match="no longer in shared memory"):
+                owner.deliver(PID, first.seq, "m", ("w2",), version=1)
+        finally:
+            arrived.set()
+            relaying.join(10)
+        assert "worker/w2" not in owner.stats().holds
+    finally:
+        owner.close()
