@@ -67,7 +67,8 @@ class AckBook:
     here for it (the newest :data:`EARLY_ACKS_KEPT`)."""
 
     def __init__(self) -> None:
-        self._pending: dict[AckKey, asyncio.Future[Ack]] = {}
+        #: every delivery awaiting the key's ack (two catch-ups of one version may)
+        self._pending: dict[AckKey, list[asyncio.Future[Ack]]] = {}
         self._early: OrderedDict[AckKey, Ack] = OrderedDict()
 
     def expect(self, key: AckKey) -> asyncio.Future[Ack]:
@@ -76,29 +77,38 @@ class AckBook:
         early = self._early.pop(key, None)
         if early is not None:
             future.set_result(early)
-        self._pending[key] = future
+        self._pending.setdefault(key, []).append(future)
         return future
 
-    def expect_again(self, key: AckKey) -> asyncio.Future[Ack]:
-        """A fresh future for the same delivery (it delivers once more)."""
+    def expect_again(self, key: AckKey, spent: asyncio.Future[Ack]) -> asyncio.Future[Ack]:
+        """A fresh future for the same delivery (it delivers once more), in place of
+        its ``spent`` one."""
+        self.forget(key, spent)
         future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
-        self._pending[key] = future
+        self._pending.setdefault(key, []).append(future)
         return future
 
-    def forget(self, key: AckKey) -> None:
-        """The delivery ended: an ack for it from now on is kept as early."""
-        self._pending.pop(key, None)
+    def forget(self, key: AckKey, future: asyncio.Future[Ack]) -> None:
+        """The delivery awaiting ``future`` ended: an ack for ``key`` from now on goes
+        to the other deliveries awaiting it, or is kept as early."""
+        waiting = self._pending.get(key, [])
+        if future in waiting:
+            waiting.remove(future)
+        if not waiting:
+            self._pending.pop(key, None)
 
     def arrive(self, ack: Ack) -> None:
-        """An ack from a receiver (``hub.ack``): to its delivery, or kept for it."""
+        """An ack from a receiver (``hub.ack``): to its deliveries, or kept for them."""
         key = (ack.token, ack.model, ack.version, ack.origin)
-        future = self._pending.get(key)
-        if future is None:  # its delivery has not started here yet (the direct path)
+        waiting = self._pending.get(key)
+        if not waiting:  # its delivery has not started here yet (the direct path)
             self._early[key] = ack
             while len(self._early) > EARLY_ACKS_KEPT:
                 self._early.popitem(last=False)
-        elif not future.done():
-            future.set_result(ack)
+            return
+        for future in waiting:
+            if not future.done():
+                future.set_result(ack)
 
 
 class ReceiverDelivery:
@@ -313,7 +323,7 @@ class ReceiverDelivery:
                             deferred_ack, max(0.0, deadline - time.monotonic())
                         )
                     if ack.status is AckStatus.CONFLICT:  # holds that number from another
-                        deferred_ack = self._acks.expect_again(key)
+                        deferred_ack = self._acks.expect_again(key, deferred_ack)
                         continue  # learner's own delivery: the hub's update replaces it
                     break
                 except ActorUnavailableError as err:
@@ -354,7 +364,7 @@ class ReceiverDelivery:
                 cause=FailureCause.RAISED,
             )
         finally:
-            self._acks.forget(key)
+            self._acks.forget(key, deferred_ack)
         if ack.status is AckStatus.NOT_ATTACHED:
             return await self._not_attached(registration, update, ack, deadline)
         if ack.status is AckStatus.FAILED:

@@ -48,15 +48,32 @@ def test_a_delivery_that_ended_or_starts_over_takes_only_new_acks():
     async def run():
         book = AckBook()
         first = book.expect(key(6))
-        again = book.expect_again(key(6))  # a conflict: the hub delivers once more
+        again = book.expect_again(key(6), first)  # a conflict: the hub delivers once more
         book.arrive(ack(6))
-        book.forget(key(6))
+        book.forget(key(6), again)
         book.arrive(ack(6, origin="other learner"))
         return first, again, book.expect(key(6, origin="other learner"))
 
     first, again, kept = asyncio.run(run())
     assert not first.done() and again.result() == ack(6)
     assert kept.result() == ack(6, origin="other learner")
+
+
+def test_two_deliveries_of_one_version_each_get_its_ack_whichever_ends_first():
+    """Two catch-ups of the same latest version to one receiver overlap: the second's
+    future replaced the first's, and the first, timing out, took the second's out of the
+    book, so the receiver's ack reached neither (a false "did not catch up")."""
+
+    async def run():
+        book = AckBook()
+        first = book.expect(key(7))
+        second = book.expect(key(7))
+        book.forget(key(7), first)  # the first timed out
+        book.arrive(ack(7))
+        return first, second
+
+    first, second = asyncio.run(run())
+    assert not first.done() and second.result() == ack(7)
 
 
 def test_only_the_newest_early_acks_are_kept(monkeypatch):
