@@ -13,6 +13,8 @@ import torch
 
 from raysync import StaleVersionError, WeightReceiver
 from raysync.hub_state import LEASE_BEATS
+from raysync.messages import Entry
+from raysync.receiver_delivery import delivery_call
 from raysync.testing import assert_bitwise, special_weights
 from raysync.transports import TransportError
 from raysync.transports.shared_memory import MAX_SLOTS, OWNER_NAMESPACE, owner_name
@@ -729,3 +731,27 @@ def test_a_host_busy_past_its_catch_up_call_pins_no_slot_per_beat(actors):
         lambda: "worker/busy" not in _holds(hub), what="no slot held for the caught-up receiver"
     )
     assert sorted(_holds(hub)) == ["latest/m", "pending"]  # and the slot asked for ahead
+
+
+def test_a_duplicate_delivery_leaves_the_slot_a_zero_copy_model_lives_in_held(actors):
+    """The hub delivers a version again after a call it lost (a version applied already
+    acks as superseded). The receiver turned it down unread and released its slot: the
+    one its zero-copy model lives in, whose hold then went, so the learner could write a
+    later version into the running model."""
+    hub = start_hub(actors, TRANSPORT)
+    receiver = start(actors, Collector, hub, worker_id="zc", zero_copy=True)
+    other = start(actors, Collector, hub, worker_id="other")
+    ready([receiver, other])
+    weights = make_policy()
+    ray.get(hub.broadcast.remote(weights))
+    assert "worker/zc" in _holds(hub)  # its model lives in the slot
+    attachment = ray.get(
+        receiver.__ray_call__.remote(lambda r: r._raysync_receiver.core.identity.attachment)
+    )
+    latest = ray.get(hub.latest.remote("policy"))
+    duplicate = ray.get(delivery_call(receiver, Entry.MIXIN_METHOD, attachment, latest))
+    assert duplicate.status.value == "superseded"
+    assert "worker/zc" in _holds(hub)
+    for _ in range(2 * MAX_SLOTS):  # the learner's slots go round
+        ray.get(hub.broadcast.remote(make_policy(), workers=["other"]))
+    assert_same(ray.get(receiver.state.remote()), state_of(weights))

@@ -87,10 +87,17 @@ class SharedMemoryReceiver(TransportReceiver):
         slot = payload.slot
         with self._leases_lock:  # one of its fetches ends (or one that failed)
             key = (slot.pid, slot.seq)
-            left = self._leases.pop(key, 0) - 1
-            if left > 0:
-                self._leases[key] = left
-                return
+            if staged is None:  # never fetched (turned down unread, or the fetch failed)
+                if self._leases.get(key, 0) > 0:
+                    # A fetch of the same version still reads it (a zero-copy model
+                    # lives there, delivered again): the owner's one hold for this
+                    # receiver goes with that fetch's release, not now.
+                    return
+            else:
+                left = self._leases.pop(key, 0) - 1
+                if left > 0:
+                    self._leases[key] = left
+                    return
         if self._released_on_board(slot):
             return
         if self._owner is None or self._owner[0] != slot.pid:
