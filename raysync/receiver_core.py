@@ -30,6 +30,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,9 +96,9 @@ class HeldModel:
     version: int = 0
     origin: str = ""  #: the learner handle whose broadcast ``version`` is (Update.origin)
     adoption: Adoption = field(default_factory=Adoption)  #: zero-copy state
-    #: ``id()`` of the object at ``path`` when registered: a registration again carries
-    #: the version over only to that same object.
-    object_id: int = 0
+    #: The object at ``path`` when registered: a registration again carries the
+    #: version over only to that same object (None: never resolved).
+    registered: SameObject | None = None
     _cached: _Walked | None = None
 
     def spec_for(self, owner: Any, digest: str) -> WeightSpec:
@@ -928,18 +929,52 @@ def _carried_over(previous: ReceiverCore | None, model_id: str, path: str, owner
     this actor left it at, and the staged version it lives in (zero copy), if the model
     id still names the same object at the same path; else a model at version 0, which
     the hub's welcome brings up to date."""
-    object_id = id(model_path.resolve(owner, path))
+    model = model_path.resolve(owner, path)
     old = previous.models.get(model_id) if previous is not None else None
-    if old is None or old.path != path or old.object_id != object_id:
-        return HeldModel(model_id, path, object_id=object_id)
+    if old is None or old.path != path or old.registered is None or not old.registered(model):
+        return HeldModel(model_id, path, registered=SameObject(model))
     return HeldModel(
         model_id,
         path,
         version=old.version,
         origin=old.origin,
         adoption=Adoption(old.adoption.current, names=old.adoption.names),
-        object_id=object_id,
+        registered=old.registered,
     )
+
+
+class SameObject:
+    """Whether an object is the one seen before, without keeping it alive: by a weak
+    reference where it takes one (a module, a TensorDict); a plain dict, which takes
+    none, by its ``id()`` and a weak reference to its first tensor. (An ``id()`` alone
+    is reused: a model dropped and built again at the same path mostly gets the same
+    one, and took the version the dropped one held.)"""
+
+    def __init__(self, obj: object) -> None:
+        self._id = id(obj)
+        self._ref: weakref.ref[Any] | None = None
+        try:
+            self._ref = weakref.ref(obj)
+        except TypeError:
+            first = _first_tensor(obj)
+            if first is not None:
+                self._ref = weakref.ref(first)
+        self._whole = self._ref is not None and self._ref() is obj
+
+    def __call__(self, obj: object) -> bool:
+        if self._whole:
+            assert self._ref is not None
+            return self._ref() is obj
+        if id(obj) != self._id:
+            return False
+        return self._ref is None or self._ref() is _first_tensor(obj)
+
+
+def _first_tensor(obj: object) -> torch.Tensor | None:
+    """The first tensor value of a mapping (a state dict), None for anything else."""
+    if isinstance(obj, Mapping):
+        return next((v for v in obj.values() if isinstance(v, torch.Tensor)), None)
+    return None
 
 
 def _host_actor() -> Any:

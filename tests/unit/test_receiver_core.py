@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -26,7 +27,13 @@ from raysync import weights
 from raysync.copies import Viewed, numpy_view
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.messages import Ack, AckStatus, Update, Welcome
-from raysync.receiver_core import HeldModel, ReceiverCore, ReceiverIdentity
+from raysync.receiver_core import (
+    HeldModel,
+    ReceiverCore,
+    ReceiverIdentity,
+    SameObject,
+    _carried_over,
+)
 from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, receipt_of_reply, reply_to_hub
 from raysync.spec import WeightSpec
 from raysync.transports import TransportError, TransportReceiver
@@ -689,3 +696,28 @@ def test_a_deferred_ack_of_an_earlier_registration_goes_to_that_registrations_hu
     receiver.core.send_ack(late)
     receiver.core.send_ack(own)
     assert earlier.acks == [late] and receiver.hub.acks == [own]
+
+
+def test_a_version_is_carried_over_to_the_same_model_only_not_one_rebuilt_in_its_place():
+    """Registering again keeps the version a model held if the path still names that
+    object. A model dropped and built again at the same path mostly gets the freed one's
+    ``id()``, and took its version (the hub then offered the new, untrained one
+    nothing)."""
+    receiver = _Receiver()
+    owner = receiver.owner
+    held = HeldModel("policy", "policy", version=3, registered=SameObject(owner.policy))
+    receiver.core.models["policy"] = held
+    assert _carried_over(receiver.core, "policy", "policy", owner).version == 3
+    owner.policy = None
+    gc.collect()
+    owner.policy = torch.nn.Linear(3, 2)
+    assert _carried_over(receiver.core, "policy", "policy", owner).version == 0
+
+
+def test_a_plain_dict_model_is_the_same_while_it_holds_the_same_tensors():
+    state = {"w": torch.zeros(2), "b": torch.zeros(1)}
+    same = SameObject(state)
+    assert same(state)
+    state["w"] = torch.ones(2)  # a new first tensor: another model in the same dict
+    assert not same(state)
+    assert not same({"w": torch.zeros(2), "b": torch.zeros(1)})
