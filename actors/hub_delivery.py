@@ -23,7 +23,13 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayError
+from ray.exceptions import (
+    ActorUnavailableError,
+    ObjectLostError,
+    RayActorError,
+    RayError,
+    RayTaskError,
+)
 
 from raysync.hub_state import HubState, ReceiverEntry
 from raysync.messages import Ack, AckStatus, ChannelLost, ReceiverTimings, Registration, Update
@@ -297,7 +303,14 @@ class ReceiverDelivery:
                 try:
                     if first_call is not None:  # awaited once: a retry is the hub's call
                         call, first_call = asyncio.ensure_future(first_call), None
-                        reply = await _reply_or_ack(call, deferred_ack, deadline)
+                        try:
+                            reply = await _reply_or_ack(call, deferred_ack, deadline)
+                        except RayError as err:
+                            if not _reply_lost(err):
+                                raise
+                            # Its learner died: the reply died with it. Asked here, the
+                            # receiver acks a version it applied as held.
+                            continue
                         if isinstance(reply, ChannelLost):  # never reached it: deliver here
                             continue
                         ack = reply
@@ -463,6 +476,13 @@ def retrieve_outcome(future: asyncio.Future[Any]) -> None:
 def _process_of(actor: Any) -> str:
     """Runs inside a receiver actor (``__ray_call__``): its process's Ray worker id."""
     return ray.get_runtime_context().get_worker_id()
+
+
+def _reply_lost(err: RayError) -> bool:
+    """Whether a learner's delivery call failed because its reply was lost with the
+    learner (it owns the call; the hub only borrows it), not because the receiver
+    raised or died."""
+    return isinstance(err, ObjectLostError) and not isinstance(err, RayTaskError)
 
 
 async def _reply_or_ack(

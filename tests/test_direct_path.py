@@ -9,9 +9,11 @@ import pytest
 import ray
 
 from raysync import StaleVersionError, hub_handle
-from tests.helpers import assert_same, ready, start, start_hub, wait_dead
+from raysync.testing import assert_bitwise, special_weights
+from tests.helpers import Gate, assert_same, ready, start, start_hub, wait_dead
 from tests.receivers import (
     Collector,
+    Holder,
     OtherLearner,
     connect_policy_again,
     make_policy,
@@ -321,3 +323,30 @@ def test_a_route_another_broadcast_of_this_learner_made_stale_goes_through_the_h
         assert values[v] == first[0].weight[0, 0].item(), values
         assert values[v + 1] == second[0].weight[0, 0].item(), values
     _hold(collectors, second, v + 1)
+
+
+def test_a_receiver_that_applied_a_version_whose_learner_died_is_not_blamed(actors):
+    """The learner delivers a version itself and dies before its receiver's reply came
+    back: the reply, which reaches the hub through the learner that owns the call, is
+    lost with it. The hub reported the receiver as having raised while receiving (it
+    applied the version) and its books kept it a version behind; it now asks the
+    receiver itself, which says it holds the version."""
+    hub = start_hub(actors, "shared_memory")
+    holder = start(actors, Holder, hub, special_weights(0.0), "r")
+    ready([holder])
+    learner = start(actors, OtherLearner, hub)
+    ray.get(learner.broadcast.remote(special_weights(1.0), model="m"))  # its route, now
+    gate = start(actors, Gate)
+    busy = holder.hold.remote(gate)  # the learner's call to it waits behind this
+    weights = special_weights(2.0)
+    ticket = ray.get(learner.broadcast.remote(weights, model="m", wait=False))
+    ray.kill(learner, no_restart=True)
+    wait_dead(learner)
+    ray.get(gate.open.remote())
+    ray.get(busy)
+    report = ray.get(hub.wait_for.remote(ticket, raise_on_failure=False), timeout=60)
+    assert (report.version, report.acked, report.failed) == (2, ("r",), {})
+    assert report.direct == ("r",)
+    assert_bitwise(ray.get(holder.state.remote()), weights)
+    status = ray.get(hub.status.remote())
+    assert {r.worker: r.versions for r in status.receivers} == {"r": {"m": 2}}
