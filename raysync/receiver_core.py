@@ -779,8 +779,8 @@ class ReceiverCore:
         back to the transport when the model moves on), or the receiver's own copy of a
         version cast on the wire (nothing to hand back)."""
         if staged.transport is not None:
-            return AdoptedVersion(staged.transport, update.payload, staged.tensors)
-        return AdoptedVersion(None, None, staged.tensors)
+            return AdoptedVersion(staged.transport, update.payload, staged.tensors, update.version)
+        return AdoptedVersion(None, None, staged.tensors, update.version)
 
     def _ack(
         self,

@@ -33,10 +33,17 @@ class AdoptedVersion:
     transport: TransportReceiver | None
     payload: Any
     staged: Sequence[torch.Tensor]
+    version: int = 0  #: the model's version it holds (for the log)
 
     def release(self) -> None:
-        if self.transport is not None:
+        """Hand the version back; a transport that fails to is logged (the model
+        moved on all the same: an ack, and the core's books, say where it is now)."""
+        if self.transport is None:
+            return
+        try:
             self.transport.release(self.payload, self.staged)
+        except Exception:
+            logger.exception("could not hand version %d back to its transport", self.version)
 
 
 def rebind(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -> str | None:

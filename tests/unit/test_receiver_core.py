@@ -347,6 +347,23 @@ def test_a_zero_copy_model_lives_in_its_staged_version_until_the_next_one():
     assert receiver.transport.released == [(1, True)]
 
 
+def test_a_zero_copy_model_that_moved_on_acks_applied_whatever_handing_back_raised(caplog):
+    """The model lives in version 2 once rebound: its ack says so, and the core's books
+    too, whatever handing version 1 back raised (it said FAILED and kept version 1)."""
+    receiver = _Receiver(zero_copy=True)
+    model = receiver.owner.policy
+    receiver.core.receive(receiver.update(1))
+
+    def release(payload, staged):
+        raise TransportError("the transport's owner is gone (injected)")
+
+    receiver.transport.release = release
+    assert receiver.core.receive(receiver.update(2)) == AckNow(_ack(2, AckStatus.APPLIED))
+    assert model.weight.data_ptr() == receiver.transport.staged[2][1].data_ptr()
+    assert receiver.core.models["policy"].version == 2
+    assert "could not hand version 1 back" in caplog.text
+
+
 def _while_a_method_runs(receiver: _Receiver, deliver: Callable[[], Any]) -> Any:
     """``deliver()``'s result, called on an async actor's loop while a user method is
     parked holding the model; the method returns after it."""
