@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -125,8 +125,30 @@ def destinations(model: Any, *, what: str) -> Destination:
     """The in-place write targets of a receiver's model. Called in the receiver process.
     Raises :class:`InvalidWeightsError` naming the key of a tensor on the meta device
     (a copy into it does nothing: every version would be acked, none held)."""
-    if isinstance(model, (torch.nn.Module, Mapping)) or is_tensordict(model):
+    if isinstance(model, torch.nn.Module):
         return Destination(_with_data(_flat_tensors(model, what), what))
+    if isinstance(model, Mapping) or is_tensordict(model):
+        tensors = _with_data(_flat_tensors(model, what), what)
+        again = _flat_tensors(model, what)
+        rebuilt = [name for name, tensor in tensors.items() if again[name] is not tensor]
+        if not rebuilt:
+            return Destination(tensors)
+        # A lazily stacked TensorDict builds its leaves anew on each access: a copy
+        # into them reaches nothing the model keeps. It is written back through it.
+        if not is_tensordict(model):
+            raise InvalidWeightsError(
+                f"{what}: key {rebuilt[0]!r} is built anew on each access (a lazily "
+                "stacked TensorDict inside a mapping): a version copied into it would be "
+                "lost; register the TensorDict itself, or a dense one (.contiguous())"
+            )
+        keys = {_leaf_name(key): key for key, _ in _tensordict_leaves(model)}
+
+        def write_back() -> None:
+            with torch.no_grad():  # in place, into leaves that may require grad
+                for name in rebuilt:
+                    model.set_(keys[name], tensors[name])
+
+        return Destination(tensors, commit=write_back)
     if callable(getattr(model, "state_dict", None)) and callable(
         getattr(model, "load_state_dict", None)
     ):
@@ -245,19 +267,9 @@ def _flat_tensors(weights: Any, what: str, prefix: str = "") -> dict[str, torch.
         # through the module's state_dict hooks.
         weights = weights.state_dict(keep_vars=True)
     if is_tensordict(weights):
-        from tensordict import NonTensorData, NonTensorStack, TensorDictBase
-
-        def leaf_or_non_tensor(cls: type) -> bool:
-            """A leaf for TensorDict.items, also NonTensorData, so it can be refused."""
-            return not issubclass(cls, TensorDictBase) or issubclass(
-                cls, (NonTensorData, NonTensorStack)
-            )
-
         out: dict[str, torch.Tensor] = {}
-        for key, value in weights.items(
-            include_nested=True, leaves_only=True, is_leaf=leaf_or_non_tensor
-        ):
-            name = prefix + (key if isinstance(key, str) else ".".join(key))
+        for key, value in _tensordict_leaves(weights):
+            name = prefix + _leaf_name(key)
             if not isinstance(value, torch.Tensor):
                 raise InvalidWeightsError(
                     f"{what}: key {name!r} is a {type(value).__name__}, not a tensor"
@@ -272,6 +284,24 @@ def _flat_tensors(weights: Any, what: str, prefix: str = "") -> dict[str, torch.
         f"{what} is a {type(weights).__name__}: expected an nn.Module, a TensorDict or a "
         "mapping of tensors (state_dict)"
     )
+
+
+def _tensordict_leaves(weights: Any) -> Iterator[tuple[str | tuple[str, ...], Any]]:
+    """A TensorDict's leaves, nested ones too, as ``(key, value)``; NonTensorData
+    counts as a leaf, so it can be refused."""
+    from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
+    def leaf_or_non_tensor(cls: type) -> bool:
+        return not issubclass(cls, TensorDictBase) or issubclass(
+            cls, (NonTensorData, NonTensorStack)
+        )
+
+    yield from weights.items(include_nested=True, leaves_only=True, is_leaf=leaf_or_non_tensor)
+
+
+def _leaf_name(key: str | tuple[str, ...]) -> str:
+    """A TensorDict key as a flat ``"a.b.c"`` name."""
+    return key if isinstance(key, str) else ".".join(key)
 
 
 def _flatten_mapping(

@@ -362,6 +362,18 @@ def test_own_tensors_is_none_where_replacing_storage_would_not_reach_the_model()
     assert own_tensors(_StateOnly(), ("weight",)) is None
 
 
+def test_a_lazily_stacked_tensordict_is_written_back_through_and_refused_inside_a_mapping():
+    parts = [TensorDict({"w": torch.ones(2)}) for _ in range(2)]
+    lazy = LazyStackedTensorDict.lazy_stack(parts)
+    destination = destinations(lazy, what="model")
+    destination.tensors["w"].fill_(3.0)  # what a receiver copies a version into
+    assert destination.commit is not None
+    destination.commit()
+    assert all(torch.equal(part["w"], torch.full((2,), 3.0)) for part in parts)
+    with pytest.raises(InvalidWeightsError, match=r"key 'nets.w' is built anew"):
+        destinations({"nets": lazy}, what="model")
+
+
 def test_storage_fingerprint_changes_when_the_modules_tensors_move():
     module = torch.nn.Linear(3, 2)
     fingerprint = storage_fingerprint(module)

@@ -738,3 +738,17 @@ def test_a_plain_dict_model_is_the_same_while_it_holds_the_same_tensors():
     state["w"] = torch.ones(2)  # a new first tensor: another model in the same dict
     assert not same(state)
     assert not same({"w": torch.zeros(2), "b": torch.zeros(1)})
+
+
+def test_a_lazily_stacked_tensordict_model_gets_each_version_in_its_modules():
+    """Its leaves are stacked anew on each access: versions were copied into those
+    copies and acked APPLIED, and the modules kept their weights."""
+    from tensordict import TensorDict
+
+    modules = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]
+    receiver = _Receiver(model=TensorDict.from_modules(*modules, lazy_stack=True))
+    assert receiver.core.receive(receiver.update(1)) == AckNow(_ack(1, AckStatus.APPLIED))
+    assert receiver.core.receive(receiver.update(2)) == AckNow(_ack(2, AckStatus.APPLIED))
+    for module in modules:
+        assert torch.equal(module.weight, torch.full((2, 3), 2.0))
+        assert torch.equal(module.bias, torch.full((2,), 2.0))
