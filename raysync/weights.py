@@ -44,11 +44,12 @@ def flatten(
 ) -> dict[str, torch.Tensor]:
     """Flat, name-sorted ``name -> tensor`` view of ``weights`` (no copy).
 
-    Raises :class:`InvalidWeightsError` naming the key for a non-tensor leaf, a sparse
-    or quantized tensor, a non-contiguous tensor, a lazily conjugated or negated view
-    (``t.conj()`` of a complex tensor), a tensor without data (``meta`` device), NaN/Inf
-    when ``reject_nonfinite`` (looked at a bounded chunk at a time: no model-sized mask
-    in the learner), or an empty model. Called in the learner process.
+    Raises :class:`InvalidWeightsError` naming the key for a non-tensor leaf, a tensor
+    subclass that dispatches itself (a DTensor), a sparse or quantized tensor, a
+    non-contiguous tensor, a lazily conjugated or negated view (``t.conj()`` of a
+    complex tensor), a tensor without data (``meta`` device), NaN/Inf when
+    ``reject_nonfinite`` (looked at a bounded chunk at a time: no model-sized mask in
+    the learner), or an empty model. Called in the learner process.
     """
     tensors = _flat_tensors(weights, what)
     if not tensors:
@@ -56,6 +57,7 @@ def flatten(
     tensors = {name: tensors[name] for name in sorted(tensors)}
     for name, tensor in tensors.items():
         _check_has_data(name, tensor, what, "; materialize the model first")
+        _check_plain(name, tensor, what)
         if tensor.layout is not torch.strided or tensor.is_quantized:
             kind, instead = (
                 ("quantized", "tensor.dequantize()")
@@ -86,6 +88,27 @@ def flatten(
             )
     # Parameters that require grad cannot be viewed as NumPy arrays; detach only those.
     return {name: t.detach() if t.requires_grad else t for name, t in tensors.items()}
+
+
+def _check_plain(name: str, tensor: torch.Tensor, what: str) -> None:
+    """InvalidWeightsError naming ``name`` for a tensor subclass that dispatches its
+    operations itself (a DTensor of an FSDP2 or tensor-parallel learner, a torchao
+    tensor): its bytes are not the tensor its shape says, and a copy of it may be a
+    collective of every rank."""
+    if type(tensor).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        return
+    kind = type(tensor).__name__
+    instead = (
+        "tensor.full_tensor(), or each rank's tensor.to_local() as its part "
+        "(part=rank, parts=world)"
+        if kind == "DTensor"
+        else "a plain torch.Tensor"
+    )
+    raise InvalidWeightsError(
+        f"{what}: key {name!r} is a {kind} (a tensor subclass, shape "
+        f"{tuple(tensor.shape)}, dtype {tensor.dtype}): weights travel as plain tensors; "
+        f"pass {instead}"
+    )
 
 
 #: Elements :func:`nonfinite_count` looks at a time: its memory, whatever the tensor.

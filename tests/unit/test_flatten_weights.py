@@ -227,6 +227,46 @@ def test_non_finite_values_are_counted_a_chunk_at_a_time_float8_included(monkeyp
         flatten({"w": wide}, reject_nonfinite=True)
 
 
+def test_a_dtensor_is_refused_naming_the_key_and_what_to_send():
+    """An FSDP2 or tensor-parallel learner's parameters: flatten let them through, and
+    the send failed in NumPy or in a copy with an error naming no key."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = DTensor.from_local(torch.ones(4, 2), mesh)
+        with pytest.raises(InvalidWeightsError, match=r"key 'layer.w' is a DTensor.*to_local"):
+            flatten({"layer.w": sharded, "layer.b": torch.zeros(2)})
+    finally:
+        dist.destroy_process_group()
+
+
+class _Logged(torch.Tensor):
+    """A tensor subclass that dispatches its operations itself (as torchao's do)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Logged:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.inner if isinstance(t, _Logged) else t  # noqa: E731
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+def test_a_tensor_subclass_that_dispatches_itself_is_refused_naming_the_key():
+    with pytest.raises(InvalidWeightsError, match=r"key 'w' is a _Logged .*plain torch.Tensor"):
+        flatten({"w": _Logged(torch.ones(3))})
+    plain = flatten({"w": torch.nn.Parameter(torch.ones(3))})  # a Parameter is plain
+    assert torch.equal(plain["w"], torch.ones(3))
+
+
 @pytest.mark.parametrize(
     "tensor, kind, instead",
     [
