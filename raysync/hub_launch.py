@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import ActorAlreadyExistsError
 
 from raysync.actor_classes import HUB, actor_class
 from raysync.errors import HubNotFoundError, TransportUnavailableError
@@ -108,14 +109,22 @@ class HubLauncher:
             channels=channels,
             restartable=self._actor_options.get("max_restarts", 0) != 0,
         )
-        if self._actor_options.get("get_if_exists"):
-            running = self._running()
-            if running is not None:
-                _warn_if_other(running.config, config)
-                return running
         hub_class = ray.remote(actor_class(HUB))
-        actor = hub_class.options(**self._actor_options).remote(config)
-        return HubHandle(actor, config)
+        if not self._actor_options.get("get_if_exists"):
+            return HubHandle(hub_class.options(**self._actor_options).remote(config), config)
+        running = self._running()
+        if running is None:
+            # Created here unless another process's start of the same hub wins the race
+            # (Ray's get_if_exists would then hand that one back with this config).
+            creating = {**self._actor_options, "get_if_exists": False}
+            try:
+                return HubHandle(hub_class.options(**creating).remote(config), config)
+            except ActorAlreadyExistsError:
+                running = self._running()
+                if running is None:  # gone again already
+                    raise
+        _warn_if_other(running.config, config)
+        return running
 
     def _running(self) -> HubHandle | None:
         """With ``get_if_exists``: the hub of this name if it runs already (Ray would

@@ -321,6 +321,32 @@ class TestReceivers:
         actors.append(fresh)
         assert ray.get(fresh.actor.config.remote()) == fresh.config
 
+    @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # hub logic
+    def test_get_if_exists_that_loses_the_race_to_start_the_hub_takes_the_winners_settings(
+        self, actors, transport, monkeypatch
+    ):
+        """Two processes start the same named hub at once: both find none running, the
+        other creates it first. Ray's get_if_exists then handed this one the other's
+        actor, and the handle carried this call's settings (its own hub_id, which names
+        the hub's resource actors: a shared-memory learner looked for an owner that
+        never existed)."""
+        from raysync import hub_launch
+
+        hub = start_hub(actors, transport, {"name": "raysync-raced-hub"})
+        found = hub_launch.HubLauncher._running
+        looks: list[object] = []
+
+        def running(self):  # the first look came before the other process created it
+            looks.append(self)
+            return None if len(looks) == 1 else found(self)
+
+        monkeypatch.setattr(hub_launch.HubLauncher, "_running", running)
+        again = WeightHub.options(name="raysync-raced-hub", get_if_exists=True).remote(
+            transport="shared_memory"
+        )
+        assert again.config == hub.config
+        assert again.actor._actor_id == hub.actor._actor_id
+
     def test_stale_and_duplicate_updates_are_skipped(self, shared_hubs, transport):
         hub, collector = shared_hubs.pair(transport)
         first = ray.get(hub.broadcast.remote(make_policy())).version
@@ -475,8 +501,10 @@ def test_a_host_busy_for_many_hub_watch_beats_gets_one_catch_up_call(actors):
     assert ray.get(holder.deliveries_so_far.remote()) - before == 1
     assert_bitwise(ray.get(holder.state.remote()), offered)
     wait_until(
-        lambda: {r.worker: r.versions for r in ray.get(hub.status.remote()).receivers}
-        == {"busy": {"m": 2}, "other": {"m": 2}},
+        lambda: (
+            {r.worker: r.versions for r in ray.get(hub.status.remote()).receivers}
+            == {"busy": {"m": 2}, "other": {"m": 2}}
+        ),
         what="the hub's books say it holds version 2",
     )
     weights = special_weights(3.0)
@@ -498,8 +526,10 @@ def test_a_re_registration_whose_transport_cannot_open_takes_itself_back(actors)
     token = ray.get(holder.__ray_call__.remote(lambda self: self._raysync_receiver.core.token))
     ray.get(hub.actor.leave.remote("w", token))  # the hub forgets it; its watch registers again
     wait_until(
-        lambda: "cannot open again"
-        in str(ray.get(holder.__ray_call__.remote(lambda s: s.weights_connection().last_error))),
+        lambda: (
+            "cannot open again"
+            in str(ray.get(holder.__ray_call__.remote(lambda s: s.weights_connection().last_error)))
+        ),
         what="a re-registration that failed to open its transport",
     )
     events = lambda: ray.get(hub.actor.__ray_call__.remote(planner_events, "no_reopen"))  # noqa: E731
