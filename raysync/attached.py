@@ -140,12 +140,16 @@ class AttachedReceiver:
         hub that cannot be reached is only logged."""
         if self.closed:
             return
-        self.core.retire(keep_privately=True)
         try:
-            self.core.leave_hub(timeout_s)
-        except Exception as err:  # the hub is gone or restarting: it forgets us anyway
-            logger.warning("%s could not tell its hub it leaves: %s", self.core.actor_name, err)
-        self.core.close()
+            self.core.retire(keep_privately=True)
+        finally:  # whatever moving a model out raised, the hub stops targeting this one
+            try:
+                self.core.leave_hub(timeout_s)
+            except Exception as err:  # the hub is gone or restarting: it forgets us anyway
+                logger.warning(
+                    "%s could not tell its hub it leaves: %s", self.core.actor_name, err
+                )
+            self.core.close()
 
 
 def attach(

@@ -368,7 +368,21 @@ class ReceiverCore:
             self._retired = True
             if keep_privately:
                 for held in self.models.values():
-                    held.adoption.keep_privately(model_path.resolve(self.owner, held.path))
+                    if held.adoption.current is None:  # not living in a transport's memory
+                        continue
+                    try:
+                        model = model_path.resolve(self.owner, held.path)
+                    except RaySyncError as err:  # the host let it go: nothing to keep
+                        logger.warning(
+                            "%s: model %r is no longer at %r (%s); its memory goes back",
+                            self.actor_name,
+                            held.model_id,
+                            held.path,
+                            err,
+                        )
+                        held.adoption.let_go()
+                        continue
+                    held.adoption.keep_privately(model)
 
         if on_event_loop():
             retire()

@@ -123,6 +123,13 @@ class Adoption:
         self.current = None
         current.release()
 
+    def let_go(self) -> None:
+        """Hand the memory the model lived in back without moving anything out: the
+        host no longer holds the model there."""
+        current, self.current = self.current, None
+        if current is not None:
+            current.release()
+
     def lives_in(self, staged: Sequence[torch.Tensor]) -> bool:
         """Whether the model's tensors are ``staged`` (so it must not be released)."""
         return self.current is not None and self.current.staged is staged

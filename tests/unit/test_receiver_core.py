@@ -752,3 +752,18 @@ def test_a_lazily_stacked_tensordict_model_gets_each_version_in_its_modules():
     for module in modules:
         assert torch.equal(module.weight, torch.full((2, 3), 2.0))
         assert torch.equal(module.bias, torch.full((2,), 2.0))
+
+
+def test_retiring_a_zero_copy_model_the_host_let_go_of_hands_its_memory_back():
+    """The host deleted the attribute its model was attached at, then closed: retiring
+    raised ModelPathError, and a receiver's close never left the hub (every broadcast
+    then failed it, and its watch registered it again)."""
+    receiver = _Receiver(zero_copy=True)
+    receiver.core.receive(receiver.update(1))
+    copying = _Receiver()  # a copied model is not looked up at all
+    copying.core.receive(copying.update(1))
+    del receiver.owner.policy, copying.owner.policy
+    receiver.core.retire(keep_privately=True)
+    copying.core.retire(keep_privately=True)
+    assert receiver.transport.released == [(1, True)]
+    assert receiver.core.models["policy"].adoption.current is None
