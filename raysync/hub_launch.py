@@ -137,7 +137,8 @@ class HubLauncher:
             actor: Any = ray.get_actor(name, namespace=self._actor_options.get("namespace"))
         except ValueError:
             return None
-        return HubHandle(actor, ray.get(actor.config.remote(), timeout=RUNNING_HUB_WAIT_S))
+        namespace = self._actor_options.get("namespace")
+        return HubHandle(actor, _config_of(actor, name, namespace, RUNNING_HUB_WAIT_S))
 
 
 class WeightHub:
@@ -223,5 +224,22 @@ def get_hub(
                     f"{timeout_s:g} s"
                 ) from None
             time.sleep(0.2)
-    config = ray.get(actor.config.remote(), timeout=max(1.0, deadline - time.monotonic()))
-    return HubHandle(actor, config)
+    return HubHandle(actor, _config_of(actor, name, namespace, deadline - time.monotonic()))
+
+
+def _config_of(actor: Any, name: str, namespace: str | None, timeout_s: float) -> HubConfig:
+    """The config of the hub actor found under ``name``: TimeoutError if it does not
+    answer within ``timeout_s`` (at least 1 s), HubNotFoundError if it died; each
+    naming the hub."""
+    timeout_s = max(1.0, timeout_s)
+    where = f"hub {name!r} (namespace {namespace!r})"
+    try:
+        config: HubConfig = ray.get(actor.config.remote(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as err:
+        raise TimeoutError(
+            f"{where} was found but did not answer within {timeout_s:g} s (busy, or "
+            "restarting)"
+        ) from err
+    except ray.exceptions.RayActorError as err:
+        raise HubNotFoundError(f"{where} was found but died: {err}") from err
+    return config

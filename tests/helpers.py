@@ -52,10 +52,12 @@ class Gate:
         self._opened.set()
 
 
-def hold_the_actor(actor, gate) -> None:
+def hold_the_actor(actor, gate, entered=None) -> None:
     """Runs in an async actor through ``__ray_call__``: until ``gate`` opens, none of
     the actor's other calls runs (seen: a hub's ``status`` is not answered), as in a
-    hung actor."""
+    hung actor. ``entered`` (a Gate too) is opened once it holds the actor."""
+    if entered is not None:
+        ray.get(entered.open.remote())
     ray.get(gate.wait.remote())
 
 

@@ -599,6 +599,21 @@ def test_a_broadcast_to_a_hub_that_does_not_answer_fails_within_its_timeout(acto
     assert_same(ray.get(collector.state.remote()), state_of(learner))
 
 
+def test_get_hub_of_a_hub_that_does_not_answer_names_it(actors):
+    """Found by name, the hub is busy (hung here): Ray's bare GetTimeoutError named no hub."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, {"name": "raysync-busy-hub"})
+    gate, entered = start(actors, Gate), start(actors, Gate)
+    held = hub.actor.__ray_call__.remote(hold_the_actor, gate, entered)
+    ray.get(entered.wait.remote())
+    try:
+        with pytest.raises(TimeoutError, match="hub 'raysync-busy-hub' .* did not answer"):
+            get_hub("raysync-busy-hub", timeout_s=1)
+    finally:
+        ray.get(gate.open.remote())
+        ray.get(held)
+    assert get_hub("raysync-busy-hub").config == hub.config
+
+
 def _sent_late(hub, gate, weights: dict, model: str):
     """Broadcast ``weights`` from this learner with its call held back until the call
     returned is made (its number taken now and in flight meanwhile, as a call still on
