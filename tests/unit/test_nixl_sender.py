@@ -122,3 +122,14 @@ def test_a_send_after_the_sender_closed_fails_and_registers_nothing():
     with pytest.raises(TransportError, match="closed before model 'late'"):
         sender.send(weights, WeightSpec.of(weights), "late")
     assert sender._pairs == {}
+
+
+def test_a_version_submitted_after_the_sender_closed_fails_saying_so():
+    """Another thread released the handle (or the hub went) between this version's send
+    and its submit: the submit raised a bare KeyError of a buffer's address."""
+    sender = NixlSender()
+    weights = _weights(0)
+    payload = sender.send(weights, WeightSpec.of(weights), "m")
+    sender.close()
+    with pytest.raises(TransportError, match="sender closed before version stamp"):
+        sender.submitted(payload, None)

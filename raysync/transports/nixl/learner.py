@@ -189,14 +189,23 @@ class NixlSender(TransportSender):
         if isinstance(payload, NixlBucketStream):
             assert done is not None  # the learner's handle passes its broadcast's end
             with self._state:
-                ring, outgoing = self._outgoing.pop(payload.key.id)
+                started = self._outgoing.pop(payload.key.id, None)
+            if started is None:  # the sender closed since (its handle released, the hub gone)
+                why = f"the nixl sender closed before bucketed version {payload.key} was sent"
+                payload.broker.end.remote(payload.key, why)
+                raise TransportError(why)
+            ring, outgoing = started
             try:
                 ring.stream_out(payload, outgoing, done, copy_on_this_thread, self._next_stamp)
             finally:
                 self._rings.give_back(ring)
             return
         with self._state:
-            buffer = self._by_address[payload.region.address]
+            buffer = self._by_address.get(payload.region.address)
+            if buffer is None:  # the sender closed since (its handle released, the hub gone)
+                raise TransportError(
+                    f"nixl: the sender closed before version stamp {payload.stamp} was written"
+                )
             pending = buffer.pending
             if pending is None or pending[0] != payload.stamp:
                 raise TransportError(f"nixl: version stamp {payload.stamp} was not sent here")

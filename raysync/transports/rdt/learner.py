@@ -216,7 +216,12 @@ class RdtSender(TransportSender):
             self._progress.serving(done)
         if isinstance(payload, RdtBucketStream):
             with self._state:
-                ring, outgoing = self._outgoing.pop(payload.key.id)
+                started = self._outgoing.pop(payload.key.id, None)
+            if started is None:  # the sender closed since (its handle released, the hub gone)
+                why = f"the rdt sender closed before bucketed version {payload.key} was sent"
+                payload.broker.end.remote(payload.key, why)
+                raise TransportError(why)
+            ring, outgoing = started
             try:
                 ring.stream_out(payload, outgoing, done)
             finally:
