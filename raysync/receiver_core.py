@@ -646,7 +646,13 @@ class ReceiverCore:
         transport whose other receivers wait for each one to read (``reads_refused``).
         A failure is only logged: the version is turned down all the same."""
         try:
-            spec = held.spec_for(self.owner, update.spec_digest)
+            # The model as it is now (not the spec last found: rare, and cheap when the
+            # model did not change): one replaced since by one of another shape would
+            # read it in a layout that is not the one sent (a collective's buffer of
+            # another size breaks the others' too), so it is handed back unread instead
+            # (the transport sits it out).
+            spec = held.destination(self.owner)[1]
+            _check_digest(spec, update, self.actor_name)
             tensors = transport.fetch(update.payload, update.wire_spec or spec)
         except Exception as err:
             logger.info(

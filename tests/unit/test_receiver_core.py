@@ -767,3 +767,24 @@ def test_retiring_a_zero_copy_model_the_host_let_go_of_hands_its_memory_back():
     copying.core.retire(keep_privately=True)
     assert receiver.transport.released == [(1, True)]
     assert receiver.core.models["policy"].adoption.current is None
+
+
+def test_a_version_turned_down_by_a_reshaped_model_is_handed_back_unread(monkeypatch):
+    """A transport whose receivers each take part in moving a version (a collective)
+    has a turned-down version read all the same. By a model replaced since by one of
+    another shape, it was read in that shape's layout (a collective's buffer of another
+    size, which broke the others' collective too); it is handed back unread now, which
+    such a transport sits out."""
+    from raysync import receiver_core
+
+    receiver = _Receiver()
+    update = receiver.update(1)
+    assert receiver.core.receive(update) == AckNow(_ack(1, AckStatus.APPLIED))
+    receiver.owner.policy = torch.nn.Linear(4, 2)  # another shape, after connect_hub
+    reads_refused = SimpleNamespace(reads_refused=True)
+    monkeypatch.setattr(receiver_core, "get_transport", lambda name: reads_refused)
+    fetched: list[int] = []
+    fetch = receiver.transport.fetch
+    receiver.transport.fetch = lambda payload, spec: fetched.append(payload) or fetch(payload, spec)
+    assert receiver.core.receive(update) == AckNow(_ack(1, AckStatus.SUPERSEDED))
+    assert fetched == [] and receiver.transport.released[-1] == (1, False)
