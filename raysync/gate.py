@@ -157,7 +157,8 @@ class ApplyGate:
         self._writer: int | None = None
         self._deferred: list[_Pending] = []
         self._finish_deferred = finish_deferred
-        self._drained: asyncio.Event | None = None
+        #: Coroutines waiting for the deferred writes to run, each a future of its loop
+        self._drained_waiters: list[asyncio.Future[None]] = []
         #: When the oldest deferred write was deferred (``time.monotonic()``), while any is.
         self._deferred_since: float | None = None
         self._said_overdue = False  #: whether the deferred writes' wait was logged
@@ -224,7 +225,7 @@ class ApplyGate:
             yield
         finally:
             read.depth = 0
-            _held.reset(token)
+            _unset_held(token)
             with self._cond:
                 self._leave(read)
 
@@ -238,12 +239,15 @@ class ApplyGate:
         while not self._enter_async(held):
             if self._deferred:
                 self._run_deferred_if_idle()  # no reader left to run them: this one does
-                if self._deferred:
-                    await self._deferred_drained_or_overdue()
-            else:  # a write from another thread: it wakes this loop when it ends
-                ended = self._thread_write_ended()
-                if ended is not None:
-                    await ended
+            if self._deferred and self._deferred_go_first():
+                await self._deferred_drained_or_overdue()
+                continue
+            # A write of another thread, or of another loop (an actor's concurrency
+            # group): it wakes this loop when it ends. (Deferred writes overdue no longer
+            # keep this one waiting: it does not wait for them again.)
+            ended = self._thread_write_ended()
+            if ended is not None:
+                await ended
         read = own or _Read(0, asyncio.current_task())
         read.depth += 1
         token = _held.set(read)
@@ -251,7 +255,7 @@ class ApplyGate:
             yield
         finally:
             read.depth -= 1
-            _held.reset(token)
+            _unset_held(token)
             with self._cond:
                 self._leave(read)  # a write waiting in another thread goes on
             self._run_deferred_if_idle()
@@ -319,8 +323,13 @@ class ApplyGate:
         if since is None:
             return
         left = self._writer_first_s - (time.monotonic() - since)
+        drained = asyncio.get_running_loop().create_future()
+        with self._cond:
+            if not self._deferred:
+                return
+            self._drained_waiters.append(drained)
         try:
-            await asyncio.wait_for(self._drained_event().wait(), max(0.0, left))
+            await asyncio.wait_for(drained, max(0.0, left))
         except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
             if self._deferred_since == since and not self._said_overdue:
                 self._said_overdue = True
@@ -403,6 +412,7 @@ class ApplyGate:
                     with self._cond:
                         self._writing, self._writer = False, None
                         self._cond.notify_all()
+                        self._wake_coroutines_waiting()  # of other loops
             pending = _Pending(apply, key, supersede, rank)
             if key is not None:
                 waiting = [p for p in self._deferred if p.key == key and p.supersede]
@@ -498,16 +508,12 @@ class ApplyGate:
             with self._cond:
                 self._writing, self._writer = False, None
                 self._cond.notify_all()
-            if self._drained is not None:
-                self._drained.set()
-                self._drained = None
+                self._wake_coroutines_waiting()
+                drained, self._drained_waiters = self._drained_waiters, []
+            for waiter in drained:  # each on its own loop (an actor's concurrency groups)
+                _call_soon(waiter.get_loop(), _set_done, waiter)
         if failure is not None:
             raise failure
-
-    def _drained_event(self) -> asyncio.Event:
-        if self._drained is None:
-            self._drained = asyncio.Event()
-        return self._drained
 
 
 def _call_soon(
@@ -516,6 +522,16 @@ def _call_soon(
     """Run ``callback(*args)`` on ``loop`` from another thread, unless it is gone."""
     if loop is not None and not loop.is_closed():
         loop.call_soon_threadsafe(callback, *args)
+
+
+def _unset_held(token: contextvars.Token[_Read | None]) -> None:
+    """End the read ``token`` began in this context. A read that ends in another
+    context (an async generator method left unclosed, closed by asyncio's finalizer in
+    a task of its own) has nothing to reset there: it still leaves the gate."""
+    try:
+        _held.reset(token)
+    except ValueError:
+        pass
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

@@ -697,8 +697,17 @@ class ReceiverCore:
     def _superseded(self, update: Update, staged: _Staged, token: str) -> Callable[[Ack], Ack]:
         """A newer version of the same model now waits for the same safe point: free
         this one's staged data; its ack (to registration ``token``) follows the newer
-        one's outcome."""
-        self._release(update, staged)
+        one's outcome. A transport that fails to take the data back is logged: raised
+        here, the gate would lose this version's ack."""
+        try:
+            self._release(update, staged)
+        except Exception:
+            logger.exception(
+                "%s could not hand version %d of model %r back",
+                self.actor_name,
+                update.version,
+                update.model,
+            )
 
         def outcome(newer: Ack) -> Ack:
             return dataclasses.replace(follow(newer), token=token)

@@ -13,6 +13,7 @@ thread blocks in it); no sleep is used to order anything.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -1277,3 +1278,180 @@ def test_a_thread_safe_point_on_an_async_host_applies_the_deferred_writes():
         assert finished == ["ack-1"] and gate._readers == 0
 
     _run(main())
+
+
+# -- async generators and several event loops (an async actor's concurrency groups) -------
+
+
+def test_a_streaming_method_left_unclosed_still_leaves_the_gate():
+    """A guarded async generator its caller stops iterating (``break``, or Ray's
+    streaming executor on a cancel) is closed by asyncio's finalizer, in a task of its
+    own: its read's end raised there (a context variable reset in another context), the
+    read stayed counted, and every later write was deferred for good."""
+    gate = ApplyGate(finish_deferred=lambda _: None)
+
+    async def stream():
+        async with gate.reading_async():
+            for item in range(10):
+                yield item
+
+    async def user_method() -> None:
+        async for item in stream():
+            if item == 1:
+                break  # left to the finalizer
+
+    async def main() -> Any:
+        await asyncio.create_task(user_method())
+        gc.collect()
+        for _ in range(100):  # the finalizer's task runs within a few turns of the loop
+            if not gate._readers:
+                break
+            await asyncio.sleep(0)
+        return gate.write(lambda: "ack-2", key="m")
+
+    assert asyncio.run(main()) == "ack-2"
+
+
+class _Loops:
+    """Two event loops in threads of their own, as Ray runs an async actor's groups."""
+
+    def __init__(self) -> None:
+        self.loops = [asyncio.new_event_loop(), asyncio.new_event_loop()]
+        self._threads = [
+            threading.Thread(target=loop.run_forever, daemon=True) for loop in self.loops
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def run(self, index: int, coroutine: Any) -> Any:
+        """A concurrent future of ``coroutine`` run on loop ``index``."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loops[index])
+
+    def close(self) -> None:
+        for loop in self.loops:
+            loop.call_soon_threadsafe(loop.stop)
+        for thread in self._threads:
+            thread.join(TIMEOUT)
+
+
+@pytest.fixture
+def loops():
+    loops = _Loops()
+    yield loops
+    loops.close()
+
+
+def test_a_reader_on_one_loop_goes_on_once_a_write_on_another_ends(loops):
+    """The write found the gate idle on its loop and ran there; a coroutine of the other
+    loop that came meanwhile waited for a thread write's end, which never came."""
+    gate = ApplyGate(finish_deferred=lambda _: None)
+    applying, go_on = threading.Event(), threading.Event()
+
+    def apply() -> str:
+        applying.set()
+        _wait(go_on, "the reader waits")
+        return "ack-1"
+
+    async def write() -> Any:
+        return gate.write(apply, key="m")
+
+    async def read() -> str:
+        async with gate.reading_async():
+            return "read"
+
+    written = loops.run(0, write())
+    _wait(applying, "the write runs")
+    reader = loops.run(1, read())
+    for _ in range(1000):  # until the reader waits for the write (it polls nothing)
+        with gate._cond:
+            if gate._thread_write_waiters:
+                break
+        threading.Event().wait(0.001)
+    go_on.set()
+    assert written.result(TIMEOUT) == "ack-1"
+    assert reader.result(TIMEOUT) == "read"
+
+
+def test_readers_of_two_loops_waiting_for_a_deferred_write_both_go_on(loops):
+    """Both waited on one asyncio.Event, bound to the loop that waited first: the other
+    loop's reader raised, or was never woken (set from another thread) and waited out
+    the deferred writes' whole first turn."""
+    gate = ApplyGate(finish_deferred=lambda _: None, writer_first_s=60.0)
+    parked, release = threading.Event(), threading.Event()
+
+    async def long_read() -> None:
+        async with gate.reading_async():
+            parked.set()
+            while not release.is_set():
+                await asyncio.sleep(0.001)
+
+    async def write() -> Any:
+        return gate.write(lambda: "ack-2", key="m")
+
+    async def read() -> str:
+        async with gate.reading_async():
+            return "read"
+
+    long_reader = loops.run(1, long_read())
+    _wait(parked, "a method holds the model")
+    assert loops.run(1, write()).result(TIMEOUT) is DEFERRED
+    readers = [loops.run(0, read()), loops.run(1, read())]
+    for _ in range(1000):  # until both wait for the deferred write
+        with gate._cond:
+            if len(gate._drained_waiters) == 2:
+                break
+        threading.Event().wait(0.001)
+    release.set()
+    long_reader.result(TIMEOUT)
+    assert [r.result(TIMEOUT) for r in readers] == ["read", "read"]
+
+
+def test_a_coroutine_behind_an_overdue_deferred_write_and_a_thread_write_waits_without_spinning(
+    monkeypatch,
+):
+    """A deferred write past its first turn no longer keeps new readers waiting; a thread
+    write in its first turn does. A reader coming then went round its wait for the
+    deferred writes (zero time left) without ever awaiting the thread write: the loop
+    spun at full CPU until the thread write's turn ended."""
+    gate, cond = _watched_gate([])
+    gate._writer_first_s = 60.0
+    drained_waits = 0
+    wait_for_deferred = gate._deferred_drained_or_overdue
+
+    async def counted() -> None:
+        nonlocal drained_waits
+        drained_waits += 1
+        await wait_for_deferred()
+
+    monkeypatch.setattr(gate, "_deferred_drained_or_overdue", counted)
+
+    async def main() -> list[Any]:
+        release = asyncio.Event()
+
+        async def parked() -> None:
+            async with gate.reading_async():
+                await release.wait()
+
+        holder = asyncio.create_task(parked())
+        await asyncio.sleep(0)
+        assert gate.write(lambda: "deferred", key="m") is DEFERRED
+        gate._deferred_since -= gate._writer_first_s  # its first turn is over
+        writer = _started("writer", lambda: gate.write(lambda: "thread"))
+        await asyncio.get_running_loop().run_in_executor(
+            None, _wait, cond.blocked("writer"), "the thread write waits"
+        )
+
+        async def newcomer() -> str:
+            async with gate.reading_async():
+                return "read"
+
+        reader = asyncio.create_task(newcomer())
+        for _ in range(50):  # turns of the loop while the reader waits
+            await asyncio.sleep(0)
+        waits = drained_waits
+        release.set()
+        await holder
+        return [waits, writer.finish(), await reader]
+
+    waits, written, read = asyncio.run(main())
+    assert waits == 0 and written == "thread" and read == "read"

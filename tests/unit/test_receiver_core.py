@@ -788,3 +788,24 @@ def test_a_version_turned_down_by_a_reshaped_model_is_handed_back_unread(monkeyp
     receiver.transport.fetch = lambda payload, spec: fetched.append(payload) or fetch(payload, spec)
     assert receiver.core.receive(update) == AckNow(_ack(1, AckStatus.SUPERSEDED))
     assert fetched == [] and receiver.transport.released[-1] == (1, False)
+
+
+def test_a_deferred_version_superseded_while_its_transport_fails_to_take_it_back_is_acked(
+    caplog,
+):
+    """Two versions wait for an async host's safe point; handing the older one's data
+    back raised, and the gate lost that version's ack (the hub timed it out)."""
+    receiver = _Receiver()
+
+    def deliver_two() -> list[Any]:
+        first = receiver.core.receive(receiver.update(1))
+
+        def release(payload, staged):
+            raise TransportError("the transport's owner is gone (injected)")
+
+        receiver.transport.release = release
+        return [first, receiver.core.receive(receiver.update(2))]
+
+    assert _while_a_method_runs(receiver, deliver_two) == [ACK_LATER, ACK_LATER]
+    assert receiver.hub.acks == [_ack(2, AckStatus.APPLIED), _ack(1, AckStatus.SUPERSEDED)]
+    assert "could not hand version 1 of model 'policy' back" in caplog.text
