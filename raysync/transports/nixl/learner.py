@@ -27,7 +27,7 @@ from raysync.transports.nixl.wire import (
     NixlRegion,
 )
 from raysync.transports.object_store.bucket_stream import open_broker
-from raysync.transports.object_store.buckets import Outgoing
+from raysync.transports.object_store.buckets import Outgoing, closed_before_sent
 from raysync.transports.ring_pool import RingPool
 
 logger = logging.getLogger(__name__)
@@ -191,9 +191,7 @@ class NixlSender(TransportSender):
             with self._state:
                 started = self._outgoing.pop(payload.key.id, None)
             if started is None:  # the sender closed since (its handle released, the hub gone)
-                why = f"the nixl sender closed before bucketed version {payload.key} was sent"
-                payload.broker.end.remote(payload.key, why)
-                raise TransportError(why)
+                raise closed_before_sent(payload, "nixl")
             ring, outgoing = started
             try:
                 ring.stream_out(payload, outgoing, done, copy_on_this_thread, self._next_stamp)

@@ -216,6 +216,15 @@ def give_up(payload: BucketStream, worker: str) -> None:
     payload.broker.leave.remote(payload.key, worker)
 
 
+def closed_before_sent(payload: BucketStream, sender: str) -> TransportError:
+    """Learner: ``payload`` was handed to the hub, and then its sender (``sender``: the
+    transport's name) closed before streaming it (another thread released the handle,
+    or the hub went). Its readers hear so from the broker now; the error to raise."""
+    why = f"the {sender} sender closed before bucketed version {payload.key} was sent"
+    payload.broker.end.remote(payload.key, why)
+    return TransportError(why)
+
+
 def _answer(asked: ray.ObjectRef) -> tuple[Any, str | None]:
     """The broker's answer to a ``take``; its death, or a ``take`` that raised, is the
     stream's end (the caller names the bucket)."""

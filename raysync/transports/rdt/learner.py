@@ -15,7 +15,7 @@ from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, TransportError, TransportSender, VersionDone
 from raysync.transports.nixl.agent import apply_ucx_cuda_defaults
 from raysync.transports.object_store.bucket_stream import open_broker
-from raysync.transports.object_store.buckets import Outgoing
+from raysync.transports.object_store.buckets import Outgoing, closed_before_sent
 from raysync.transports.rdt.agent import ray_agent_progress
 from raysync.transports.rdt.ring import RdtRing
 from raysync.transports.rdt.wire import (
@@ -218,9 +218,7 @@ class RdtSender(TransportSender):
             with self._state:
                 started = self._outgoing.pop(payload.key.id, None)
             if started is None:  # the sender closed since (its handle released, the hub gone)
-                why = f"the rdt sender closed before bucketed version {payload.key} was sent"
-                payload.broker.end.remote(payload.key, why)
-                raise TransportError(why)
+                raise closed_before_sent(payload, "rdt")
             ring, outgoing = started
             try:
                 ring.stream_out(payload, outgoing, done)
