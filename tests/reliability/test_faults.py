@@ -207,12 +207,11 @@ def test_connect_to_missing_hub_fails_within_its_timeout(ray_cluster, actors):
         def ping(self) -> str:
             return "pong"
 
-    started = time.monotonic()
     lonely = start(actors, Lonely)
     with pytest.raises(ray.exceptions.RayActorError) as info:
         ray.get(lonely.ping.remote(), timeout=60)
     assert HubNotFoundError.__name__ in str(info.value) and "no-such-hub" in str(info.value)
-    assert time.monotonic() - started < 60
+    assert "appeared within 1 s" in str(info.value)  # its own timeout, not a default
 
 
 def test_dead_hub_makes_broadcast_fail_not_hang(actors, transport):

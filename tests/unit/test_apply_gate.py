@@ -1362,11 +1362,13 @@ def test_a_reader_on_one_loop_goes_on_once_a_write_on_another_ends(loops):
     written = loops.run(0, write())
     _wait(applying, "the write runs")
     reader = loops.run(1, read())
-    for _ in range(1000):  # until the reader waits for the write (it polls nothing)
+    for _ in range(10_000):  # until the reader waits for the write (it polls nothing)
         with gate._cond:
             if gate._thread_write_waiters:
                 break
         threading.Event().wait(0.001)
+    else:
+        pytest.fail("the reader never waited for the write")
     go_on.set()
     assert written.result(TIMEOUT) == "ack-1"
     assert reader.result(TIMEOUT) == "read"
@@ -1396,11 +1398,13 @@ def test_readers_of_two_loops_waiting_for_a_deferred_write_both_go_on(loops):
     _wait(parked, "a method holds the model")
     assert loops.run(1, write()).result(TIMEOUT) is DEFERRED
     readers = [loops.run(0, read()), loops.run(1, read())]
-    for _ in range(1000):  # until both wait for the deferred write
+    for _ in range(10_000):  # until both wait for the deferred write
         with gate._cond:
             if len(gate._drained_waiters) == 2:
                 break
         threading.Event().wait(0.001)
+    else:
+        pytest.fail("the readers never both waited for the deferred write")
     release.set()
     long_reader.result(TIMEOUT)
     assert [r.result(TIMEOUT) for r in readers] == ["read", "read"]

@@ -124,7 +124,7 @@ def test_a_failing_copy_raises(bad):
     sources = [model[name] for name in spec.names]
     destinations = [torch.zeros_like(t) for t in sources]
     destinations[bad] = torch.zeros(3)  # a copy that cannot broadcast into it
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"size of tensor a \(3\) must match"):
         copy_all(destinations, sources, spec, threads=2)
 
 

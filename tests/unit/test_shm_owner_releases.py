@@ -63,8 +63,8 @@ def test_the_latest_hold_follows_the_hubs_version_not_the_slots_order():
         assert owner._by_seq[first.seq].holds == {Hold.latest("m")}
         assert owner._by_seq[second.seq].holds == set()
         owner.acquire(4096, timeout_s=5.0, learner="b")  # version 1's slot: free again
-        with pytest.raises(TransportError):  # version 2's slot: the latest, held
-            owner.acquire(4096, timeout_s=0.2, learner="a")
+        with pytest.raises(TransportError, match=r"stayed held for 0.2 s by: latest/m;"):
+            owner.acquire(4096, timeout_s=0.2, learner="a")  # version 2's slot: the latest
     finally:
         owner.close()
 
