@@ -135,6 +135,10 @@ class ConformanceReceiver(WeightReceiver):
     def pull(self) -> dict[str, int]:
         return self.pull_weights()
 
+    def data_ptrs(self) -> dict[str, int]:
+        """Where each tensor's data lives now (tensors with elements)."""
+        return {k: v.data_ptr() for k, v in self.sd.items() if v.numel()}
+
 
 class PartLearner:
     """One learner of a sharded model (a Ray actor): it sends its own slice of each
@@ -250,7 +254,11 @@ class TransportConformance:
         assert_bitwise(ray.get(late.state.remote()), latest)
         (puller,) = self.receivers(started, hub, "puller", mode="pull")
         newest = special_weights(3.0)
-        report = self.broadcast(hub, newest, ("crew0", "late"))
+        # To every receiver of the model: a pull receiver is not one of its targets.
+        ref = hub.broadcast.remote(newest, model=MODEL, raise_on_failure=False)
+        report = ray.get(ref, timeout=120)
+        assert "puller" not in report.acked and "puller" not in report.failed
+        assert {"crew0", "late"} <= set(report.acked)
         assert ray.get(puller.version.remote()) == version  # a pull receiver waits to pull
         assert ray.get(puller.pull.remote()) == {MODEL: report.version}
         assert_bitwise(ray.get(puller.state.remote()), newest)
@@ -412,10 +420,16 @@ class TransportConformance:
                 self.receivers(started, hub, "zc", zero_copy=True)
             return
         (receiver,) = self.receivers(started, hub, "zc", zero_copy=True)
+        lived_in = ray.get(receiver.data_ptrs.remote())  # its own memory, at first
         for seed in (1.0, 2.0, 3.0):
             weights = special_weights(seed)
             assert self.broadcast(hub, weights, ("zc",)).acked == ("zc",)
             assert_bitwise(ray.get(receiver.state.remote()), weights)
+            # Honoured: the model lives in each version's memory, not copied into.
+            now = ray.get(receiver.data_ptrs.remote())
+            moved = {k for k in now if now[k] != lived_in[k]}
+            assert moved == set(now), f"copied into, not rebound: {set(now) - moved}"
+            lived_in = now
 
     def test_the_learner_releases_its_side_and_broadcasts_again(self, hub, crew):
         receiver = crew["crew0"]
