@@ -45,18 +45,38 @@ class ModelState:
     published: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=_PUBLISHED_KEPT)
     )
+    #: The version this hub's record of publications starts after: the one it restored
+    #: after a restart, or one a receiver brought that it never published
+    record_from: int = 0
 
-    def behind_since(self, held: int) -> float | None:
-        """When the first version newer than ``held`` was published, as far as the
-        versions kept tell (the oldest kept if it is newer); None if none kept is.
+    def versions_behind(self, held: int) -> int:
+        """How many versions newer than ``held`` were published: counted in the record
+        (versions may be numbered with gaps: training steps), and by number before it.
         Walks back from the newest (versions are kept in the order they went up): a
         receiver ``k`` versions behind costs ``k`` steps, not the whole history."""
+        behind = 0
+        for version, _ in reversed(self.published):
+            if version <= held:
+                return behind
+            behind += 1
+        return behind + max(0, self._unrecorded_below() - held)
+
+    def behind_since(self, held: int) -> float | None:
+        """When the first version newer than ``held`` was published; None if that one
+        is not in the record (published before a restart, or before the oldest kept),
+        or if ``held`` is the newest."""
         since = None
         for version, at in reversed(self.published):
             if version <= held:
-                break
+                return since
             since = at
-        return since
+        return since if held >= self._unrecorded_below() else None
+
+    def _unrecorded_below(self) -> int:
+        """The newest version published that the record does not hold (0: none)."""
+        if len(self.published) == self.published.maxlen:
+            return self.published[0][0] - 1  # older ones dropped out of the record
+        return self.record_from
 
 
 @dataclass
@@ -241,7 +261,9 @@ class HubState:
                 state.spec = spec
             # A receiver may hold a version this hub never saw (the hub restarted and
             # lost its counters): the next broadcast must still go above it.
-            state.version = max(state.version, registration.versions.get(model, 0))
+            brought = registration.versions.get(model, 0)
+            if brought > state.version:
+                state.version = state.record_from = brought
         self.receivers[registration.worker] = ReceiverEntry(
             registration, dict(registration.versions)
         )
@@ -294,7 +316,9 @@ class HubState:
 
     def restore(self, versions: dict[str, int], specs: dict[str, WeightSpec]) -> None:
         for model, version in versions.items():
-            self.models[model] = ModelState(spec=specs.get(model), version=version)
+            self.models[model] = ModelState(
+                spec=specs.get(model), version=version, record_from=version
+            )
 
     def drop(self, worker: str, token: str) -> bool:
         """Forget ``worker`` if its current registration is ``token``; True if dropped."""
@@ -371,7 +395,7 @@ class HubState:
         for worker in sorted(self.receivers):
             entry = self.receivers[worker]
             versions = {m: entry.versions.get(m, 0) for m in sorted(entry.registration.specs)}
-            lag = {m: self.models[m].version - v for m, v in versions.items()}
+            lag = {m: self.models[m].versions_behind(v) for m, v in versions.items()}
             lag_s: dict[str, float] = {}
             for m, v in versions.items():
                 if lag[m] == 0:

@@ -505,14 +505,47 @@ def test_record_only_moves_a_receivers_version_up_and_statuses_show_the_lag():
 
 
 def test_the_lag_in_seconds_is_left_out_for_versions_published_before_a_hub_restart():
+    """The first version it lacks came before the restart: when is not known (it was
+    given as the time of the first version published after, as if it lacked only that
+    one, beside a receiver that did)."""
     state = HubState()
     state.restore({"policy": 4}, {"policy": POLICY})
     state.register(_registration("w1", {"policy": POLICY}, versions={"policy": 2}))
-    (status,) = state.statuses(now=5.0)
-    assert (status.lag, status.lag_s) == ({"policy": 2}, {})
+    state.register(_registration("w2", {"policy": POLICY}, versions={"policy": 4}))
+    first, second = state.statuses(now=5.0)
+    assert (first.lag, first.lag_s) == ({"policy": 2}, {})
     _publish(state, at=3.0)
+    first, second = state.statuses(now=5.0)
+    assert (first.lag, first.lag_s) == ({"policy": 3}, {})
+    assert (second.lag, second.lag_s) == ({"policy": 1}, {"policy": 2.0})
+
+
+def test_the_lag_counts_versions_not_the_difference_of_their_numbers():
+    """Versions numbered by training step (explicit versions): one version behind is a
+    lag of 1, not the steps between them."""
+    state = HubState()
+    state.register(_registration("w1", {"policy": POLICY}))
+    for step, at in ((100, 1.0), (200, 2.0), (300, 3.0)):
+        _publish(state, version=step, at=at)
     (status,) = state.statuses(now=5.0)
-    assert (status.lag, status.lag_s) == ({"policy": 3}, {"policy": 2.0})  # the oldest known
+    assert (status.lag, status.lag_s) == ({"policy": 3}, {"policy": 4.0})
+    state.record("w1", "policy", 300)
+    _publish(state, version=400, at=4.0)
+    (status,) = state.statuses(now=5.0)
+    assert (status.lag, status.lag_s) == ({"policy": 1}, {"policy": 1.0})
+
+
+def test_a_version_a_receiver_brought_is_where_the_record_starts():
+    """A receiver registered holding a version this hub never published (it restarted
+    and lost its counters): the hub goes on above it, and a receiver behind it has no
+    known lag in seconds."""
+    state = HubState()
+    state.register(_registration("w1", {"policy": POLICY}, versions={"policy": 7}))
+    state.register(_registration("w2", {"policy": POLICY}, versions={"policy": 5}))
+    _publish(state, at=3.0)
+    first, second = state.statuses(now=5.0)
+    assert (first.lag, first.lag_s) == ({"policy": 1}, {"policy": 2.0})
+    assert (second.lag, second.lag_s) == ({"policy": 3}, {})
 
 
 def test_a_receiver_that_registered_with_a_version_reports_it_until_it_acks_more():
