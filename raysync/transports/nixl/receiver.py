@@ -274,7 +274,7 @@ class NixlReceiver(TransportReceiver):
         layout = PackedLayout.of(spec, SLOT_HEADER)
         tensor = torch.zeros(layout.nbytes, dtype=torch.uint8, device=self._device)
         wait_for_devices([tensor])  # zeroed before a READ lands in it (no stream waits)
-        registered = self._agent.register_memory(tensor)
+        registered = self._register(tensor, spec)
         return _RingStaging(tensor, viewed(layout.views(tensor)), registered)
 
     def _await_buckets(
@@ -321,13 +321,32 @@ class NixlReceiver(TransportReceiver):
         frame = Frame.of(spec)
         tensor = torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=self._device)
         wait_for_devices([tensor])  # zeroed before a READ lands in it (no stream waits)
-        registered = self._agent.register_memory(tensor)
-        local = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT",
-            descs(tensor.data_ptr(), device_index(tensor.device), frame),
-            memory_type(self._device),
-        )
+        registered = self._register(tensor, spec)
+        try:
+            local = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT",
+                descs(tensor.data_ptr(), device_index(tensor.device), frame),
+                memory_type(self._device),
+            )
+        except Exception as err:  # nothing keeps the buffer: its registration goes too
+            self._agent.deregister_memory(registered)
+            raise TransportError(
+                f"NIXL could not prepare the staging buffer of {spec.summary()} on "
+                f"{self._device}: {type(err).__name__}: {err}"
+            ) from err
         return _Staging(tensor, viewed(frame.layout.views(tensor)), registered, local)
+
+    def _register(self, tensor: torch.Tensor, spec: WeightSpec) -> Any:
+        """``tensor``, a staging buffer of ``spec``, registered with this receiver's
+        agent; TransportError saying which if NIXL refuses (pinned memory run out, a
+        device UCX cannot register)."""
+        try:
+            return self._agent.register_memory(tensor)
+        except Exception as err:
+            raise TransportError(
+                f"NIXL could not register a staging buffer of {tensor.nbytes} bytes for "
+                f"{spec.summary()} on {self._device}: {type(err).__name__}: {err}"
+            ) from err
 
     def _load(self, agent: str, metadata: bytes, registration: int) -> None:
         """Load learner ``agent``'s metadata unless this registration of it, or a later
