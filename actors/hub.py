@@ -1037,6 +1037,7 @@ class WeightHubActor:
         acked = tuple(sorted(o.worker for o in outcomes if o.error is None))
         failed = {o.worker: o.error for o in outcomes if o.error is not None}
         causes = [o.cause or FailureCause.RAISED for o in outcomes if o.error is not None]
+        by_hub = {o.worker for o in outcomes if o.by_hub}  # the learner's call fell through
         if first_calls:  # the version left the learner before this hub heard of it
             started = min(started, time.perf_counter() - max(0.0, time.time() - delivery.sent_at))
         report = BroadcastReport(
@@ -1048,8 +1049,8 @@ class WeightHubActor:
             seconds=delivery.learner_seconds + time.perf_counter() - started,
             transports=tuple(sorted({entry.transport for entry in targets})),
             phases=_phases(delivery.learner_seconds, plan_s, outcomes),
-            direct=tuple(sorted(first_calls)),
-            channel=delivery.channel,
+            direct=tuple(sorted(set(first_calls) - by_hub)),
+            channel=tuple(w for w in delivery.channel if w not in by_hub),
         )
         # Off the critical path: queued behind the wake-up of whoever awaits the report.
         loop = asyncio.get_running_loop()

@@ -65,6 +65,9 @@ class Outcome:
     delivered_s: float = 0.0
     timings: ReceiverTimings | None = None
     cause: FailureCause | None = None  #: why it failed, in one word (metrics' tag)
+    #: The learner called it (direct path, channel), and the hub called it again: that
+    #: call never reached it, or its reply was lost with the learner
+    by_hub: bool = False
 
 
 class AckBook:
@@ -210,10 +213,13 @@ class ReceiverDelivery:
             if led.error is None:  # it holds a newer version: acked, as superseded
                 return Outcome(registration.worker, None, led.delivered_s)
             turn = Turn()  # that one failed: this version tries on its own
+        called_again: list[bool] = []  # set by _deliver if the hub called it itself
         try:
             outcome = await self._deliver(
-                entry, update, deadline, timeout_s, first_call, update_sent_at, turns
+                entry, update, deadline, timeout_s, first_call, update_sent_at, turns, called_again
             )
+            if called_again:
+                outcome = dataclasses.replace(outcome, by_hub=True)
         except BaseException as err:
             turn.led(
                 Outcome(
@@ -289,8 +295,10 @@ class ReceiverDelivery:
         first_call: Any,
         update_sent_at: float,
         turns: bool,
+        called_again: list[bool],
     ) -> Outcome:
-        """:meth:`deliver`, its turn come (``turns``: its calls take turns)."""
+        """:meth:`deliver`, its turn come (``turns``: its calls take turns); notes in
+        ``called_again`` when the hub calls a receiver the learner called."""
         registration = entry.registration
         call: asyncio.Future[Any] | None = None  # the last call made, until it returns
         key = (registration.token, update.model, update.version, update.origin)
@@ -310,8 +318,10 @@ class ReceiverDelivery:
                                 raise
                             # Its learner died: the reply died with it. Asked here, the
                             # receiver acks a version it applied as held.
+                            called_again.append(True)
                             continue
                         if isinstance(reply, ChannelLost):  # never reached it: deliver here
+                            called_again.append(True)
                             continue
                         ack = reply
                     else:

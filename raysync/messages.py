@@ -379,7 +379,8 @@ class BroadcastReport:
     #: Where the time went (None in reports built without timing, e.g. a refused send).
     phases: BroadcastPhases | None = None
     #: The receivers the learner delivered to itself (the direct path); the hub
-    #: delivered to the others.
+    #: delivered to the others (also to one the learner's call did not reach, or whose
+    #: reply was lost with the learner).
     direct: tuple[str, ...] = ()
     #: Of ``direct``, those it reached through its compiled-graph channel
     #: (``WeightHub.remote(channels=True)``, :mod:`raysync.learner_channel`).
