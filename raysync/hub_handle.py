@@ -69,8 +69,9 @@ class _Broadcast:
         """Broadcast a new version of ``model``; return the ack future.
 
         Called in the learner process. ``weights`` is an nn.Module, a TensorDict or a
-        (nested) state_dict. ``model`` defaults to the only model the hub knows
-        (``"default"`` if it knows none). ``version`` sets the version explicitly (for
+        (nested) state_dict. ``model`` defaults to the only model the hub knows (a
+        hub that knows none waits, within the timeout, for the first receiver to
+        register one). ``version`` sets the version explicitly (for
         example the training step); it must be above the current one. ``workers``
         restricts the broadcast to those worker ids. ``timeout_s`` bounds the wait for
         acks (default: the hub's). ``wire_dtype`` (default: the hub's, if it has one)
