@@ -306,7 +306,11 @@ class AsyncProbe(WeightReceiver):
     async def first_value(self) -> float:
         return float(next(self.model.parameters()).view(-1)[0])
 
-    async def probe(self, seconds: float, safe_points: bool) -> dict:
+    async def probe(self, seconds: float, safe_points: bool, entered=None) -> dict:
+        """Read the model for ``seconds``; ``entered`` (a ``Gate``) is opened once this
+        method holds the model (an async actor may start calls out of order)."""
+        if entered is not None:
+            await entered.open.remote()
         torn, seen, reads = 0, set(), 0
         end = time.monotonic() + seconds
         params = list(self.model.parameters())

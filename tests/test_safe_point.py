@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from raysync.transports import DEFAULT_TRANSPORT
-from tests.helpers import ready, start, start_hub
+from tests.helpers import Gate, ready, start, start_hub
 from tests.receivers import (
     AsyncProbe,
     Collector,
@@ -85,7 +85,9 @@ def test_busy_async_actor_skips_to_the_newest_version(actors, transport):
     probe = start(actors, AsyncProbe, hub)
     ready([probe])
     ray.get(hub.broadcast.remote(filled(_TEMPLATE, 1.0)))
-    busy = probe.probe.remote(4.0, False)
+    entered = start(actors, Gate)
+    busy = probe.probe.remote(4.0, False, entered)
+    ray.get(entered.wait.remote())  # it holds the model before any version is sent
     tickets = ray.get(
         [hub.broadcast.remote(filled(_TEMPLATE, float(v)), wait=False) for v in range(2, 8)]
     )
