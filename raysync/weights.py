@@ -152,8 +152,7 @@ def destinations(model: Any, *, what: str) -> Destination:
         return Destination(_with_data(_flat_tensors(model, what), what))
     if isinstance(model, Mapping) or is_tensordict(model):
         tensors = _with_data(_flat_tensors(model, what), what)
-        again = _flat_tensors(model, what)
-        rebuilt = [name for name, tensor in tensors.items() if again[name] is not tensor]
+        rebuilt = _built_on_access(model, tensors, what)
         if not rebuilt:
             return Destination(tensors)
         # A lazily stacked TensorDict builds its leaves anew on each access: a copy
@@ -224,8 +223,7 @@ def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
         found = _flat_tensors(model, "model")
         # A lazily stacked TensorDict (also inside a mapping) builds new leaves on each
         # access: replacing their storage would reach nothing the model keeps.
-        again = _flat_tensors(model, "model")
-        if any(found[name] is not again.get(name) for name in names if name in found):
+        if _built_on_access(model, {n: found[n] for n in names if n in found}, "model"):
             return None
     else:
         return None
@@ -307,6 +305,14 @@ def _flat_tensors(weights: Any, what: str, prefix: str = "") -> dict[str, torch.
         f"{what} is a {type(weights).__name__}: expected an nn.Module, a TensorDict or a "
         "mapping of tensors (state_dict)"
     )
+
+
+def _built_on_access(model: Any, found: Mapping[str, torch.Tensor], what: str) -> list[str]:
+    """The names of ``found`` (leaves of ``model``, a mapping or a TensorDict, walked
+    once) that a second walk finds as other tensors: built anew on each access (a
+    lazily stacked TensorDict's), so nothing written into them reaches the model."""
+    again = _flat_tensors(model, what)
+    return [name for name, tensor in found.items() if again.get(name) is not tensor]
 
 
 def _tensordict_leaves(weights: Any) -> Iterator[tuple[str | tuple[str, ...], Any]]:
