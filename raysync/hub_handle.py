@@ -609,10 +609,12 @@ class HubHandle:
     def wait_channel(self, model: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[str, ...]:
         """With ``channels=True``: wait until this learner's channel to ``model``'s
         receivers is built (a broadcast that finds a new set of receivers asks for it;
-        the broadcasts after it use it); the workers it reaches, none if it has no
-        channel (another learner's holds one of them, or none is eligible)."""
+        the broadcasts after it use it) and idle (the replies of the last version
+        written into it are in: until then a broadcast takes the plain path); the
+        workers it reaches, none if it has no channel (another learner's holds one of
+        them, or none is eligible)."""
         channel = self._side.channels.get(model)
-        return () if channel is None else channel.wait_built(timeout_s)
+        return () if channel is None else channel.wait_ready(timeout_s)
 
     def _learner_node(self) -> str:
         """The node this learner process runs on (asked of Ray once)."""

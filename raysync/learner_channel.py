@@ -205,12 +205,13 @@ class ReceiverChannel:
                 return {w: (token, ChannelCall()) for w, token in written.tokens.items()}
         return {w: (token, ChannelReply(written.replies[w])) for w, token in written.tokens.items()}
 
-    def wait_built(self, timeout_s: float) -> tuple[str, ...]:
-        """Wait up to ``timeout_s`` for the builds asked for to end; the workers the
-        channel reaches now (none: no graph, or another learner's channel holds one of
-        them)."""
+    def wait_ready(self, timeout_s: float) -> tuple[str, ...]:
+        """Wait up to ``timeout_s`` for the builds asked for to end and for the replies
+        of the last version written to be in (until then a broadcast takes the plain
+        path); the workers the channel reaches now (none: no graph, or another
+        learner's channel holds one of them)."""
         with self._changed:
-            self._changed.wait_for(lambda: self._builds == 0, timeout_s)
+            self._changed.wait_for(lambda: self._builds == 0 and self._out is None, timeout_s)
             return tuple(t.worker for t in self._targets) if self._graph is not None else ()
 
     def close(self) -> None:

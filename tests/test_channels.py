@@ -175,6 +175,8 @@ def test_a_receiver_in_another_learners_channel_is_called_the_plain_way(actors, 
         (first, 5, ("c0", "c1")),
         (second, 6, ()),
     ):
+        if by_channel:  # the replies to the first's stale write (version 4's) are in
+            assert sorted(first.wait_channel("policy")) == list(by_channel)
         learner = make_policy()
         report = ray.get(learner_of.broadcast.remote(learner))
         assert (report.version, report.acked) == (expected, ("c0", "c1"))
