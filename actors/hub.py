@@ -108,6 +108,10 @@ _REFUSALS_KEPT = 256
 #: start an async actor's calls out of order; after a hub restart the learner's
 #: numbering goes on from where it was, so its first broadcast waits this long once).
 _ORDER_WAIT_S = 1.0
+#: How long a report waits, once every target's outcome is in, for the reply of the
+#: learner's call to a receiver that left before the hub booked the version (acked if
+#: it applied it).
+_LEFT_REPLY_GRACE_S = 1.0
 #: How long ``close`` waits for receivers to hear that learners' own deliveries end.
 _CLOSE_NOTICE_S = 10.0
 #: How long the hub waits for a receiver it could not plan for to answer "alive?".
@@ -150,6 +154,9 @@ class _Delivery:
     gone: dict[str, str] = dataclasses.field(default_factory=dict)
     #: of ``first_calls``, those the learner reached through its channel
     channel: tuple[str, ...] = ()
+    #: receivers the learner delivered to that left the hub before it booked the
+    #: version (one whose hook closes it once applied), with the learner's call
+    left_after_call: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: ``time.perf_counter()`` its timeout counts from (a version sent in parts: its first
     #: part's arrival); None: from the start of its delivery
     counted_from: float | None = None
@@ -283,9 +290,7 @@ class WeightHubActor:
         # The learner's next broadcast reads its route here instead of asking for it.
         return dataclasses.replace(report, route=self._route(request.model, request.known))
 
-    async def _begin(
-        self, request: BroadcastRequest, timeout_s: float, started: float
-    ) -> _Started:
+    async def _begin(self, request: BroadcastRequest, timeout_s: float, started: float) -> _Started:
         """Wait for ``request``'s turn among its learner's, then book, assemble or
         version it and start its delivery; raise if it is refused."""
         late = await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
@@ -396,6 +401,12 @@ class WeightHubActor:
             if call is not None and token == t.registration.token
         }
         unused = {w: c for w, c in calls.items() if w not in first_calls}
+        # Left since the call: acked if its reply says it applied the version.
+        left_after_call = {
+            w: call
+            for w, (_, call) in unused.items()
+            if w not in self._state.receivers and not isinstance(call, ChannelCall)
+        }
         if unused:  # left or registered again since the route: the hub delivers them
             self._background.spawn(_settled(unused), "direct calls to departed receivers")
         by_channel = sorted(w for w, call in first_calls.items() if _by_channel(call))
@@ -417,7 +428,11 @@ class WeightHubActor:
         delivery = _Delivery.of(
             request, handed, spec, targets, timeout_s, started, first_calls, gone
         )
-        begun = self._start(dataclasses.replace(delivery, channel=tuple(by_channel)))
+        begun = self._start(
+            dataclasses.replace(
+                delivery, channel=tuple(by_channel), left_after_call=left_after_call
+            )
+        )
         if replies:
             begun.report.add_done_callback(lambda _: self._channel_replies.forget(replies))
         return begun
@@ -771,9 +786,9 @@ class WeightHubActor:
             task = self._background.spawn(planner.receiver_left(worker), f"{worker} left")
             self._leaving[worker] = task
             task.add_done_callback(
-                lambda done: self._leaving.pop(worker)
-                if self._leaving.get(worker) is done
-                else None
+                lambda done: (
+                    self._leaving.pop(worker) if self._leaving.get(worker) is done else None
+                )
             )
 
     def _catch_up(self, entry: ReceiverEntry, model: str) -> None:
@@ -1022,6 +1037,20 @@ class WeightHubActor:
                 for worker, reason in delivery.gone.items()
             ]
 
+        async def applied_then_left() -> list[Outcome]:
+            held = await asyncio.gather(
+                *(
+                    _applied_before_leaving(call, deadline)
+                    for call in delivery.left_after_call.values()
+                )
+            )
+            return [
+                Outcome(worker, None)
+                for worker, applied in zip(delivery.left_after_call, held, strict=True)
+                if applied
+            ]
+
+        left = asyncio.ensure_future(applied_then_left())
         outcomes = [
             outcome
             for some in await asyncio.gather(
@@ -1031,6 +1060,14 @@ class WeightHubActor:
             )
             for outcome in some
         ]
+        # One that left holds the report back a moment at most (a call queued behind a
+        # long method of its host: it left, the version is not its).
+        await asyncio.wait({left}, timeout=_LEFT_REPLY_GRACE_S)
+        left_acked = left.result() if left.done() else []
+        left.cancel()
+        if left_acked:  # not failed as gone, if the broadcast named it: it applied it
+            named = {o.worker for o in left_acked}
+            outcomes = [o for o in outcomes if o.worker not in named] + left_acked
         for entry in targets:
             if planned[entry.worker].update is None:
                 self._ask_if_alive(entry)
@@ -1049,7 +1086,7 @@ class WeightHubActor:
             seconds=delivery.learner_seconds + time.perf_counter() - started,
             transports=tuple(sorted({entry.transport for entry in targets})),
             phases=_phases(delivery.learner_seconds, plan_s, outcomes),
-            direct=tuple(sorted(set(first_calls) - by_hub)),
+            direct=tuple(sorted((set(first_calls) - by_hub) | {o.worker for o in left_acked})),
             channel=tuple(w for w in delivery.channel if w not in by_hub),
         )
         # Off the critical path: queued behind the wake-up of whoever awaits the report.
@@ -1289,6 +1326,23 @@ async def _settled(calls: dict[str, tuple[str, Any]]) -> None:
     receiver gone since), so that their errors are retrieved, not reported as unhandled."""
     refs = (call for _, call in calls.values() if not _by_channel(call))
     await asyncio.gather(*refs, return_exceptions=True)
+
+
+async def _applied_before_leaving(call: Any, deadline: float) -> bool:
+    """Whether a learner's delivery call (its ObjectRef, or its channel's reply) to a
+    receiver that left the hub since says the receiver holds the version: it applied it
+    (or a newer one) before it left. Anything else (it raised, died, deferred the apply,
+    or did not answer by ``deadline``): it left without it, and is left out as such."""
+    if isinstance(call, ChannelReply):
+        reply = call.reply
+    else:
+        try:
+            reply = await asyncio.wait_for(
+                asyncio.ensure_future(call), max(0.0, deadline - time.monotonic())
+            )
+        except (RayError, asyncio.TimeoutError):
+            return False
+    return isinstance(reply, Ack) and reply.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED)
 
 
 def _books_direct(entry: ReceiverEntry) -> bool:

@@ -10,10 +10,11 @@ import ray
 
 from raysync import StaleVersionError, hub_handle
 from raysync.testing import assert_bitwise, special_weights
-from tests.helpers import Gate, assert_same, ready, start, start_hub, wait_dead
+from tests.helpers import Gate, assert_same, ready, start, start_hub, wait_dead, wait_until
 from tests.receivers import (
     Collector,
     Holder,
+    HookCaller,
     OtherLearner,
     connect_policy_again,
     make_policy,
@@ -350,3 +351,36 @@ def test_a_receiver_that_applied_a_version_whose_learner_died_is_not_blamed(acto
     assert_bitwise(ray.get(holder.state.remote()), weights)
     status = ray.get(hub.status.remote())
     assert {r.worker: r.versions for r in status.receivers} == {"r": {"m": 2}}
+
+
+@pytest.mark.parametrize("workers", [None, ["caller", "other"]])
+def test_a_receiver_that_left_once_it_applied_the_learners_delivery_is_acked(
+    actors, monkeypatch, workers
+):
+    """A receiver whose hook closes it on applying version 2 (delivered by the learner)
+    left the hub before the learner's booking of that version reached it: the hub
+    counted neither an ack nor a failure for it (named: failed, "left the hub"), as if
+    it had never held the version. It reads the learner's call: the receiver applied
+    it, so it is acked."""
+    hub = start_hub(actors, "object_store")
+    caller = start(actors, HookCaller, hub, "caller", close_at=2)
+    other = start(actors, Collector, hub, worker_id="other")
+    ready([caller, other])
+    assert ray.get(hub.broadcast.remote(make_policy())).acked == ("caller", "other")
+    side = hub._side
+    submit = side.submit
+
+    def book_once_it_left(send):
+        wait_until(
+            lambda: "caller" not in {r.worker for r in ray.get(hub.status.remote()).receivers},
+            what="the caller's leaving reaching the hub",
+        )
+        return submit(send)
+
+    monkeypatch.setattr(side, "submit", book_once_it_left)
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, workers=workers), timeout=60)
+    assert (report.version, report.acked, report.failed) == (2, ("caller", "other"), {})
+    assert report.direct == ("caller", "other")
+    sums = ray.get(caller.seen_sums.remote())
+    assert sums[-1] == pytest.approx(float(sum(t.sum() for t in state_of(learner).values())))
