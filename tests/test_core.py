@@ -586,8 +586,9 @@ def test_a_broadcast_to_a_hub_that_does_not_answer_fails_within_its_timeout(acto
     hub = start_hub(actors, DEFAULT_TRANSPORT)
     collector = start(actors, Collector, hub, worker_id="c")
     ready([collector])
-    gate = start(actors, Gate)
-    held = hub.actor.__ray_call__.remote(hold_the_actor, gate)
+    gate, entered = start(actors, Gate), start(actors, Gate)
+    held = hub.actor.__ray_call__.remote(hold_the_actor, gate, entered)
+    ray.get(entered.wait.remote())  # hung before the broadcast asks it anything
     try:
         with pytest.raises(TimeoutError, match="did not answer within 2 s"):
             hub.broadcast.remote(make_policy(), timeout_s=2)
