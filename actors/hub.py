@@ -754,8 +754,13 @@ class WeightHubActor:
         )
 
     async def heartbeat(self, worker: str, token: str) -> bool:
-        """A receiver's check that this hub still knows it; False means register again."""
-        return self._state.heartbeat(worker, token)
+        """A receiver's check that this hub still knows it; False means register again.
+        Sets its lag gauges: between broadcasts a receiver's lag in seconds grows, and
+        Ray's metrics agent drops a gauge no export refreshed for two intervals."""
+        known = self._state.heartbeat(worker, token)
+        if known:
+            self._metrics.lags((self._state.status_of(worker),))
+        return known
 
     async def _forget_lapsed(self) -> None:
         """Forget the pull receivers whose heartbeats stopped and whose actors died:

@@ -391,32 +391,32 @@ class HubState:
         ``time.time()`` by default, where known: not for versions published before the
         hub restarted) and the timings of the last version it applied."""
         now = time.time() if now is None else now
-        out = []
-        for worker in sorted(self.receivers):
-            entry = self.receivers[worker]
-            versions = {m: entry.versions.get(m, 0) for m in sorted(entry.registration.specs)}
-            lag = {m: self.models[m].versions_behind(v) for m, v in versions.items()}
-            lag_s: dict[str, float] = {}
-            for m, v in versions.items():
-                if lag[m] == 0:
-                    lag_s[m] = 0.0
-                elif (since := self.models[m].behind_since(v)) is not None:
-                    lag_s[m] = max(0.0, now - since)  # None: published before a restart
-            out.append(
-                ReceiverStatus(
-                    worker=worker,
-                    actor=entry.registration.actor,
-                    mode=entry.registration.mode,
-                    versions=versions,
-                    lag=lag,
-                    transport=entry.transport,
-                    lag_s=lag_s,
-                    last_timings=dict(entry.timings),
-                    heard_s=(
-                        None
-                        if entry.registration.heartbeat_s is None
-                        else max(0.0, time.monotonic() - entry.heard)
-                    ),
-                )
-            )
-        return tuple(out)
+        return tuple(self.status_of(worker, now) for worker in sorted(self.receivers))
+
+    def status_of(self, worker: str, now: float | None = None) -> ReceiverStatus:
+        """One registered receiver's status (see :meth:`statuses`)."""
+        now = time.time() if now is None else now
+        entry = self.receivers[worker]
+        versions = {m: entry.versions.get(m, 0) for m in sorted(entry.registration.specs)}
+        lag = {m: self.models[m].versions_behind(v) for m, v in versions.items()}
+        lag_s: dict[str, float] = {}
+        for m, v in versions.items():
+            if lag[m] == 0:
+                lag_s[m] = 0.0
+            elif (since := self.models[m].behind_since(v)) is not None:
+                lag_s[m] = max(0.0, now - since)  # None: published before a restart
+        return ReceiverStatus(
+            worker=worker,
+            actor=entry.registration.actor,
+            mode=entry.registration.mode,
+            versions=versions,
+            lag=lag,
+            transport=entry.transport,
+            lag_s=lag_s,
+            last_timings=dict(entry.timings),
+            heard_s=(
+                None
+                if entry.registration.heartbeat_s is None
+                else max(0.0, time.monotonic() - entry.heard)
+            ),
+        )

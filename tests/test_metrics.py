@@ -82,3 +82,22 @@ def test_the_hubs_metrics_appear_on_rays_endpoint_and_move(actors, metrics_url):
     assert _get(samples, "ray_raysync_broadcast_seconds_count", model="policy") == 4
     assert _get(samples, "ray_raysync_receiver_lag_versions", model="policy", worker="steady") == 0
     assert _get(samples, "ray_raysync_receiver_lag_seconds", model="policy", worker="steady") == 0
+
+
+def test_a_receiver_behind_shows_its_lag_growing_between_broadcasts(actors, metrics_url):
+    """Lag gauges were set only when a broadcast ended: a receiver left behind showed
+    the lag of that moment until the next broadcast (and Ray's agent drops a gauge that
+    no export refreshed). Its heartbeats set them now."""
+    hub = start_hub(actors, "object_store")
+    behind = start(actors, Collector, hub, worker_id="behind", mode="pull", heartbeat_s=0.5)
+    ready([behind])
+    ray.get(hub.broadcast.remote(make_policy()))  # it never pulls: one version behind
+    hub_id = hub.config.hub_id
+
+    def lag_s(samples: dict) -> float | None:
+        return _get(samples, "ray_raysync_receiver_lag_seconds", model="policy", worker="behind")
+
+    first = _scrape_until(metrics_url, hub_id, lambda s: lag_s(s) is not None)
+    assert _get(first, "ray_raysync_receiver_lag_versions", model="policy", worker="behind") == 1
+    later = _scrape_until(metrics_url, hub_id, lambda s: (lag_s(s) or 0.0) > lag_s(first))
+    assert (lag_s(later) or 0.0) > lag_s(first), (lag_s(first), lag_s(later))  # None: dropped
