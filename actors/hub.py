@@ -42,6 +42,7 @@ from raysync.errors import (
     StaleVersionError,
     TransportUnavailableError,
     UnknownModelError,
+    UnknownWorkerError,
 )
 from raysync.hub_snapshot import HubSnapshot
 from raysync.hub_state import HubState, ReceiverEntry
@@ -867,13 +868,22 @@ class WeightHubActor:
         self, model: str, have_version: int = 0, worker: str | None = None
     ) -> Update | None:
         """Pull mode: the latest update of ``model`` if newer than ``have_version``,
-        planned for ``worker`` (a registered receiver) if given, else the learner's payload."""
+        planned for ``worker`` (a registered receiver) if given, else the learner's payload.
+        Raises UnknownWorkerError for a ``worker`` the hub does not know (closed, or
+        dropped when its heartbeats stopped): the learner's payload is not planned for
+        it, nor in the form of its transport."""
         handed = self._state.latest(model)
         if handed is None or handed.version <= have_version:
             return None
-        entry = self._state.receivers.get(worker) if worker is not None else None
-        if entry is None:
+        if worker is None:
             return handed.update_for(self._transport)
+        entry = self._state.receivers.get(worker)
+        if entry is None:
+            raise UnknownWorkerError(
+                f"worker {worker!r} is not registered with this hub (it closed, or was "
+                "dropped when its heartbeats stopped): its hub watch registers it again, "
+                "then it pulls"
+            )
         update = handed.update_for(entry.transport)
         if update is None:
             return None  # sent before anyone read by this transport: the next one will be

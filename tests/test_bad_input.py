@@ -378,3 +378,17 @@ def test_nonfinite_allowed_unless_configured(actors):
     ray.get(hub.broadcast.remote(weights))
     got = ray.get(collector.state.remote())
     assert torch.isnan(got["2.weight"][0, 5]) and torch.equal(got["0.weight"], weights["0.weight"])
+
+
+def test_a_pull_by_a_worker_the_hub_does_not_know_is_refused_naming_it(actors):
+    """``latest`` for a worker the hub no longer knows (it closed, or was dropped when its
+    heartbeats stopped) handed back the version as the hub's own transport carries it,
+    planned for nobody: a receiver reading by another transport fetched a payload not
+    in its form, one by the same transport read with no hold booked for it."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    collector = start(actors, Collector, hub, worker_id="c")
+    ready([collector])
+    ray.get(hub.broadcast.remote(make_policy()))
+    with pytest.raises(UnknownWorkerError, match="worker 'ghost' is not registered"):
+        ray.get(hub.actor.latest.remote("policy", 0, worker="ghost"))
+    assert ray.get(hub.actor.latest.remote("policy", 0, worker="c")).version == 1
