@@ -232,9 +232,12 @@ class WeightHubActor:
         with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
             warnings.simplefilter("ignore")
             restarted = context.was_current_actor_reconstructed
+        #: Versions restored from the snapshot: their reports died with the incarnation
+        self._restored: dict[str, int] = {}
         if restarted and self._snapshot is not None:
             self._state.restore(*self._snapshot.load())
-            logger.warning("hub restarted; model versions restored: %s", self._state.versions())
+            self._restored = self._state.versions()
+            logger.warning("hub restarted; model versions restored: %s", self._restored)
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
         self._acks = AckBook()  #: acks sent apart from their delivery call (``ack``)
         self._deliveries = ReceiverDelivery(self._state, self._acks, self._drop, self._catch_up)
@@ -600,6 +603,12 @@ class WeightHubActor:
         reports = self._reports.get(ticket.model)
         task = None if reports is None else reports.get(ticket.version)
         if task is None:
+            if ticket.version <= self._restored.get(ticket.model, 0):
+                raise KeyError(
+                    f"no report for version {ticket.version} of model {ticket.model!r}: "
+                    "the hub restarted since, and reports are not kept across restarts "
+                    "(hub.status() shows which version each receiver holds)"
+                )
             raise KeyError(
                 f"no report for version {ticket.version} of model {ticket.model!r}: "
                 f"it is unknown or older than the last {_REPORTS_KEPT} broadcasts"
