@@ -263,7 +263,11 @@ class HubState:
             # lost its counters): the next broadcast must still go above it.
             brought = registration.versions.get(model, 0)
             if brought > state.version:
+                # The record starts after it: the versions between the newest published
+                # and it went by unseen, so a receiver below it lags by number, with no
+                # known time (the times published before are no receiver's lag since).
                 state.version = state.record_from = brought
+                state.published.clear()
         self.receivers[registration.worker] = ReceiverEntry(
             registration, dict(registration.versions)
         )

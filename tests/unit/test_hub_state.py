@@ -562,3 +562,23 @@ def test_a_receiver_that_registered_with_a_version_reports_it_until_it_acks_more
 def test_a_worker_named_twice_is_targeted_once():
     state = _four_receivers()
     assert _workers(state.targets("policy", ("push-a", "pull", "push-a"))) == ["push-a", "pull"]
+
+
+def test_a_version_brought_above_published_ones_counts_in_the_lag_of_those_behind():
+    """A receiver that applied version 2 here, then another registering with version 5
+    (brought from before a restart): the first showed lag 0 (the record of 1 and 2 hid
+    the versions up to 5), and after version 6 a lag of 1 with a time, though it lacks
+    3 to 6 and the first of them was never published here."""
+    state = HubState()
+    state.register(_registration("w1", {"policy": POLICY}))
+    _publish(state, at=1.0)
+    _publish(state, at=2.0)
+    state.record("w1", "policy", 2)
+    state.register(_registration("w2", {"policy": POLICY}, versions={"policy": 5}))
+    behind, brought = state.statuses(now=3.0)
+    assert (behind.lag, behind.lag_s) == ({"policy": 3}, {})
+    assert (brought.lag, brought.lag_s) == ({"policy": 0}, {"policy": 0.0})
+    _publish(state, at=4.0)
+    behind, brought = state.statuses(now=5.0)
+    assert (behind.lag, behind.lag_s) == ({"policy": 4}, {})
+    assert (brought.lag, brought.lag_s) == ({"policy": 1}, {"policy": 1.0})
