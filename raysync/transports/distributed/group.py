@@ -4,6 +4,7 @@ the hub, through rank 0's actor, calling a generation off."""
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any, cast
 
 import torch
@@ -53,6 +54,12 @@ def join_group(
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
         group = dist.ProcessGroupGloo(prefixed, rank, generation.world_size, options)
     else:
+        # NCCL's watchdog, on a member's death or a timed-out collective, by default
+        # tears this whole process down (mode 3), receiver actor and all: one death
+        # would end every member. Mode 2 aborts the communicator only; the collective
+        # then raises here and the member falls back as over gloo. Read when the group
+        # is made; a setting of the user's own stands.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = settings.timeout
         group = dist.ProcessGroupNCCL(prefixed, rank, generation.world_size, options)
