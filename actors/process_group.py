@@ -25,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import threading
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ class ProcessGroupActor:
         self._settings = settings
         host = node_ip()
         port, self._store = bound_master_store(host, settings.timeout_s)
-        self._address = StoreAddress(host, port)
+        self._address = StoreAddress(host, port, uuid.uuid4().hex)
         self._caller: Any = None  #: a second client of the store, to call generations off
         #: the generations (the last ones) rank 0 joined and whose rendezvous keys it
         #: deleted: one called off after that goes on (its members joined), and writing

@@ -189,3 +189,24 @@ def test_a_receiver_behind_reads_the_learners_copy_alone_until_it_acks_again():
     assert second["c0"].generation.members == ("c0", "c1")
     assert third["busy"].generation.members == ("busy", "c0", "c1")
     assert third["busy"].generation.number == 3
+
+
+def test_a_rank_0_restarted_on_the_same_port_gets_a_new_generation():
+    """Ray restarted rank 0 and its store bound the port the old one had: the planner,
+    comparing host and port, kept the old generation, whose members broadcast on a
+    group whose rank 0 was gone while the new rank 0 waited at that generation's
+    rendezvous on an empty store: everyone waited the group's timeout."""
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+    targets = [_info(w) for w in ("c0", "c1")]
+
+    async def run() -> tuple[int, int]:
+        for target in targets:
+            await planner.receiver_joined(target)
+        rank0.store_address.answer = StoreAddress("127.0.0.1", 1, "first")
+        first = await planner.plan(_Update(1), SPEC, targets)
+        rank0.store_address.answer = StoreAddress("127.0.0.1", 1, "restarted")
+        second = await planner.plan(_Update(2), SPEC, targets)
+        return first["c0"].generation.number, second["c0"].generation.number
+
+    assert asyncio.run(run()) == (1, 2)

@@ -21,10 +21,13 @@ MAGIC = 0x7261_7973_796E_6364
 
 @dataclass(frozen=True)
 class StoreAddress:
-    """Where the rendezvous store of a hub's process group listens."""
+    """Where the rendezvous store of a hub's process group listens, and which incarnation
+    of rank 0's actor made it: one that Ray restarted may bind the same port again, and
+    its store holds none of the old generation's keys."""
 
     host: str
     port: int
+    incarnation: str = ""
 
 
 @dataclass(frozen=True)
