@@ -1074,7 +1074,8 @@ class WeightHubActor:
                 if applied
             ]
 
-        left = asyncio.ensure_future(applied_then_left())
+        # Almost every broadcast has none: no task on its path for them.
+        left = asyncio.ensure_future(applied_then_left()) if delivery.left_after_call else None
         outcomes = [
             outcome
             for some in await asyncio.gather(
@@ -1086,9 +1087,11 @@ class WeightHubActor:
         ]
         # One that left holds the report back a moment at most (a call queued behind a
         # long method of its host: it left, the version is not its).
-        await asyncio.wait({left}, timeout=_LEFT_REPLY_GRACE_S)
-        left_acked = left.result() if left.done() else []
-        left.cancel()
+        left_acked: list[Outcome] = []
+        if left is not None:
+            await asyncio.wait({left}, timeout=_LEFT_REPLY_GRACE_S)
+            left_acked = left.result() if left.done() else []
+            left.cancel()
         if left_acked:  # not failed as gone, if the broadcast named it: it applied it
             named = {o.worker for o in left_acked}
             outcomes = [o for o in outcomes if o.worker not in named] + left_acked
