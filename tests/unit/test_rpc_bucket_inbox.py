@@ -153,3 +153,18 @@ def test_versions_of_a_group_this_process_left_are_dropped_and_no_more_land():
     assert buckets._landing == {}
     buckets.put("new", 1, 64, [(0, 64)], [data], "m")  # the left one's buffer, reused
     assert buckets.take("new", 1, count=1, timeout_s=10).numel() == 64
+
+
+def test_a_give_up_no_delivery_takes_is_forgotten_once_far_behind(monkeypatch):
+    """The agent's word that it gave a version up came after its delivery stopped waiting
+    (or for a version turned down): a record no ``take`` pops, of no model, which the
+    per-model window never dropped. Each stayed for the process's life."""
+    monkeypatch.setattr("raysync.transports.rpc.receiver._FAILED_KEPT", 8)
+    inbox = _BucketInbox()
+    inbox.discard("hub", 1)
+    inbox.fail("hub", 1, "turned down first")
+    inbox.fail("hub", 2, "its delivery had timed out")
+    assert list(inbox._landing) == [("hub", 2)]
+    inbox.put("hub", 20, 64, [(0, 64)], [torch.zeros(64, dtype=torch.uint8)], "a")
+    inbox.take("hub", 20, count=1, timeout_s=10)
+    assert inbox._landing == {}

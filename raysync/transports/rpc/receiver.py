@@ -25,8 +25,8 @@ from raysync.transports.rpc.wire import RpcMember, RpcPayload
 #: threaded receiver may run out of order, hence a window, not "< n"; the numbers are
 #: the hub's across models, hence per model (another model's may come much later).
 _INBOX_WINDOW = 4
-#: Reasons the agent gave versions up, kept per group until a version this much newer
-#: is taken (a few bytes each).
+#: Reasons the agent gave versions up (and bucketed versions of any model that landed),
+#: kept per group until a version this much newer is taken (a few bytes each).
 _FAILED_KEPT = 1024
 
 
@@ -176,8 +176,8 @@ class _BucketInbox:
 
     def fail(self, key: str, seq: int, why: str) -> None:
         with self._cond:
-            if key in self._gone:
-                return
+            if (key, seq) in self._turned_down or key in self._gone:
+                return  # no delivery takes it
             landing = self._landing.get((key, seq))
             if landing is None:
                 landing = self._landing[(key, seq)] = _Landing(torch.empty(0, dtype=torch.uint8))
@@ -188,6 +188,10 @@ class _BucketInbox:
         """The buffer of version #``seq`` once its ``count`` buckets landed; TransportError
         if the agent gave it up, or no bucket landed for ``timeout_s``."""
         with self._cond:
+            # What the agent gave up (or landed) long ago and no delivery took: its
+            # delivery timed out first, or another model's receiver left.
+            for stale in [k for k in self._landing if k[0] == key and k[1] < seq - _FAILED_KEPT]:
+                self._drop(stale)
             progress, deadline = -1, 0.0
             while True:
                 landing = self._landing.get((key, seq))
