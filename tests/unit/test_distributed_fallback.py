@@ -160,3 +160,21 @@ def test_a_closed_receiver_sits_in_no_bucketed_version_and_leaves_its_stream():
     )
     receiver.release(payload, None)
     assert broker.calls == [("leave", (key, "w"))]
+
+
+def test_a_receiver_keeps_no_word_of_generations_older_than_its_own(monkeypatch):
+    """Why each generation broke here was kept for the receiver's life: one entry per
+    membership change that followed a failure. A collective of an older generation is
+    turned away as older all the same."""
+    monkeypatch.setattr(receiver_mod, "join_group", lambda generation, rank: None)
+    settings = DistributedOptions(timeout_s=0.05)
+    receiver = DistributedReceiver("w")
+    generations = [Generation(n, ("w",), "p", StoreAddress("h", 1), settings) for n in (1, 2, 3)]
+    for generation in generations[:2]:
+        receiver._switch_to(generation, 1)
+        receiver._break(generation, "collective 0 failed: a member died")
+    receiver._switch_to(generations[2], 1)
+    assert receiver._broken == {}
+    stream = BucketStream(_Broker(), StreamId("s", 1, 60.0), 64)
+    with pytest.raises(TransportError, match="after this receiver moved on to generation 3"):
+        receiver._receive(GroupPayload(generations[0], 1, 1, stream, BUCKET_BUFFER), SPEC)

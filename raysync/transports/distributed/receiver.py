@@ -43,7 +43,8 @@ class DistributedReceiver(TransportReceiver):
         self._generation: Generation | None = None
         self._group: Any = None
         self._next_seq = 0
-        self._broken: dict[int, str] = {}  #: generation number -> why it broke here
+        #: generation number -> why it broke here, for the current generation and later
+        self._broken: dict[int, str] = {}
         self._closed = False
         #: the learner's put(s), or a bucket stream served to this receiver
         self._pull = PartedReceiver(ObjectStoreReceiver(worker))
@@ -292,6 +293,8 @@ class DistributedReceiver(TransportReceiver):
         self._leave()
         self._generation = generation
         self._next_seq = 0
+        # An older generation's collective is turned away as older from now on.
+        self._broken = {n: why for n, why in self._broken.items() if n >= generation.number}
         self._group = join_group(generation, rank)
 
     def _break(self, generation: Generation, reason: str) -> None:
