@@ -65,6 +65,10 @@ from raysync.transports.process_groups import bound_master_store, node_ip
 from .heap import settle_heap
 
 
+#: Failed rendezvous whose keys rank 0 keeps (see ``_rendezvous_failed``).
+_FAILED_RENDEZVOUS_KEPT = 8
+
+
 @dataclass(frozen=True)
 class GroupStatus:
     """What ``describe`` reports: the current generation and how collectives went."""
@@ -90,6 +94,9 @@ class ProcessGroupActor:
         #: its "go" key again would leave it in the store for the hub's life
         self._rendezvous_over: collections.deque[int] = collections.deque(maxlen=256)
         self._rendezvous_lock = threading.Lock()  #: the keys' deletion vs a call-off
+        #: the last generations whose rendezvous failed, keys kept: a member that comes
+        #: late reads there why and fails at once (an older one's keys are deleted)
+        self._failed_rendezvous: collections.deque[Generation] = collections.deque()
         self._lock = threading.Lock()  #: the group and its buffer, in worker threads
         self._jobs = asyncio.Lock()  #: one version's collectives at a time
         self._generation: Generation | None = None
@@ -235,6 +242,7 @@ class ProcessGroupActor:
                         # A member that arrives after the others gave up (busy, its
                         # delivery queued) fails at once, not after its own timeout.
                         call_off(self._store, generation, f"rank 0 gave it up ({err})")
+                        self._rendezvous_failed(generation)
                         raise
                     with self._rendezvous_lock:
                         forget_rendezvous(self._store, generation)
@@ -257,6 +265,19 @@ class ProcessGroupActor:
                 return reason
             self._collectives += 1
             return None
+
+    def _rendezvous_failed(self, generation: Generation) -> None:
+        """Keep the keys of the last :data:`_FAILED_RENDEZVOUS_KEPT` failed rendezvous;
+        delete an older one's (each membership change that failed left a few keys in
+        the store for the hub's life). A member that arrives there now waits its
+        timeout instead of reading why at once: many generations late, it is long
+        behind."""
+        self._failed_rendezvous.append(generation)
+        if len(self._failed_rendezvous) > _FAILED_RENDEZVOUS_KEPT:
+            oldest = self._failed_rendezvous.popleft()
+            with self._rendezvous_lock:
+                forget_rendezvous(self._store, oldest)
+                self._rendezvous_over.append(oldest.number)
 
     def _call_off(self, generation: Generation, why: str) -> None:
         """On a client connection of its own: the store's own connection is held by a

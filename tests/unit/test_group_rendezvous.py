@@ -118,3 +118,30 @@ def test_a_rendezvous_that_times_out_names_the_members_that_never_came():
         message = str(err)
         assert "busy did not join process-group generation 7 within 1 s" in message, message
         assert "here" not in message and "rank 0 (" not in message, message
+
+
+def test_rank_zero_keeps_the_keys_of_only_the_last_failed_rendezvous():
+    """A generation whose rendezvous failed (a member died before it joined, and the
+    hub called it off) kept its keys in rank 0's store for the hub's life."""
+    import asyncio
+
+    from raysync.actors import process_group
+    from raysync.spec import WeightSpec
+    from raysync.transports.distributed import BroadcastJob
+
+    settings = DistributedOptions(backend="gloo", timeout_s=TIMEOUT_S)
+    actor = process_group.ProcessGroupActor(settings)
+    address = asyncio.run(actor.store_address())
+    kept = process_group._FAILED_RENDEZVOUS_KEPT
+    generations = [
+        Generation(n, ("a",), f"raysync/g{n}/", address, settings) for n in range(1, kept + 3)
+    ]
+    for generation in generations:
+        asyncio.run(actor.call_off(generation, "member a died"))
+        job = BroadcastJob(generation, 0, "m", 1, WeightSpec.of({}), source=None)  # type: ignore[arg-type]
+        assert "member a died" in (actor._collective(job, "join", None) or "")
+    prefixes = {key.split("/")[1] for key in actor._store.list_keys()}
+    assert prefixes == {f"g{g.number}" for g in generations[-kept:]}, prefixes
+    asyncio.run(actor.call_off(generations[0], "called off again"))  # writes no key back
+    assert not [k for k in actor._store.list_keys() if k.startswith(generations[0].prefix)]
+    asyncio.run(actor.close())
