@@ -64,7 +64,6 @@ from raysync.transports.process_groups import bound_master_store, node_ip
 
 from .heap import settle_heap
 
-
 #: Failed rendezvous whose keys rank 0 keeps (see ``_rendezvous_failed``).
 _FAILED_RENDEZVOUS_KEPT = 8
 
