@@ -209,7 +209,7 @@ class ApplyGate:
             with self._cond:
                 last_out = not self._readers and bool(self._deferred)
             if last_out:  # deferred by a coroutine while this thread read (an async host)
-                _call_soon(self.loop, self._run_deferred_if_idle)
+                self._run_deferred_soon()
 
     @contextmanager
     def _counted(self, opener: object, wait_while: Callable[[], bool]) -> Iterator[None]:
@@ -365,7 +365,7 @@ class ApplyGate:
             self._lend(read)
             self._cond.notify_all()
             if deferred:  # run on their loop, if no other reader holds them back
-                _call_soon(self.loop, self._run_deferred_if_idle)
+                self._run_deferred_soon()
             # A write past its first turn (or deferred ones) waits for a moment with no
             # reader: this one waits for it only if it made that moment (others may
             # wait for this one, and the last of them to leave runs deferred writes).
@@ -470,7 +470,7 @@ class ApplyGate:
                 deferred_waiting = bool(self._deferred)
                 self._wake_coroutines_waiting()
             if deferred_waiting:  # held back by this write: run them on their loop
-                _call_soon(self.loop, self._run_deferred_if_idle)
+                self._run_deferred_soon()
 
     def _wake_coroutines_waiting(self) -> None:
         """Let the coroutines waiting for a thread's write try to read again (called
@@ -483,10 +483,25 @@ class ApplyGate:
         """Whether the calling thread is the one applying a write now."""
         return self._writer == threading.get_ident()
 
+    def _run_deferred_soon(self) -> None:
+        """From a thread: run the deferred writes on the loop that deferred them, or
+        here if that loop runs no more (a user method's own ``asyncio.run`` read the
+        model and ended: nothing else would run them, their acks would never go, and a
+        thread's ``safe_point`` would wait for them for good)."""
+        loop = self.loop
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(self._run_deferred_if_idle)
+            return
+        try:
+            self._run_deferred_if_idle()
+        except Exception:  # each write's outcome went to its ack; as the loop would
+            logger.exception("a deferred weight update raised")
+
     def _run_deferred_if_idle(self, own: int = 0) -> None:
-        """Run the deferred writes, on the loop, if no reader but the caller's ``own``
-        reads holds the model and no write from another thread runs. Every one runs
-        and readers waiting for them go on, even if one raises (raised here after)."""
+        """Run the deferred writes (on the loop; on a thread once it ended), if no
+        reader but the caller's ``own`` reads holds the model and no write from another
+        thread runs. Every one runs and readers waiting for them go on, even if one
+        raises (raised here after)."""
         with self._cond:
             if self._readers - own or not self._deferred or self._writing:
                 return

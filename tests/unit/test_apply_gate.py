@@ -1459,3 +1459,32 @@ def test_a_coroutine_behind_an_overdue_deferred_write_and_a_thread_write_waits_w
 
     waits, written, read = asyncio.run(main())
     assert waits == 0 and written == "thread" and read == "read"
+
+
+def test_a_write_deferred_on_a_loop_that_ended_runs_when_the_thread_holding_it_leaves():
+    """A sync method reads the model (a thread-side read) and, inside it, reads it again
+    in its own ``asyncio.run``: the gate took that loop for the host's, and a write
+    handed to it there was deferred behind the thread's read. The loop ended before
+    the thread's read did; the write was left to that loop, which never ran again: no
+    ack, its payload held, and a thread's ``safe_point`` then waited for it for good."""
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+
+    async def read_again_and_get_a_write() -> Any:
+        async with gate.reading_async():
+            return gate.write(lambda: "v1", key="m")
+
+    outcome: list[Any] = []
+
+    def user_method() -> None:
+        with gate.reading():
+            outcome.append(asyncio.run(read_again_and_get_a_write()))
+
+    thread = threading.Thread(target=user_method)
+    thread.start()
+    thread.join(TIMEOUT)
+    assert outcome == [DEFERRED] and finished == ["v1"]
+    waiting = threading.Thread(target=gate.safe_point, daemon=True)
+    waiting.start()
+    waiting.join(TIMEOUT)
+    assert not waiting.is_alive(), "safe_point waited for a write no loop runs"
