@@ -21,6 +21,7 @@ registering with the hub, :meth:`Attachments.fill` once the receiver exists,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import traceback
 from typing import Any, Protocol
@@ -31,6 +32,8 @@ from raysync.receiver_receipt import Receipt, reply_to_hub
 #: How long a delivery waits for a receiver that is still connecting (its key reserved,
 #: the hub already answered, the receiver not yet stored: a threaded host).
 CONNECTING_WAIT_S = 30.0
+#: How often a delivery handed to a host's loop looks whether that loop still runs.
+_LOOP_LOOK_S = 0.1
 
 
 class _Gate(Protocol):
@@ -111,7 +114,17 @@ def deliver(host: Any, key: str, update: Update) -> Ack | None:
         return Ack("?", update.model, update.version, AckStatus.NOT_ATTACHED, error)
     loop = receiver.gate.loop
     if loop is not None and loop.is_running() and not _running_on(loop):
-        return asyncio.run_coroutine_threadsafe(_receive(receiver, update), loop).result()
+        receiving = _receive(receiver, update)
+        handed = asyncio.run_coroutine_threadsafe(receiving, loop)
+        while True:
+            try:
+                return handed.result(timeout=_LOOP_LOOK_S)
+            except concurrent.futures.TimeoutError:
+                # The loop ended before the update's turn came (a user method's own
+                # asyncio.run): it never runs there now, so it is applied here.
+                if not loop.is_running() and (handed.cancel() or loop.is_closed()):
+                    receiving.close()
+                    break
     return reply_to_hub(receiver.receive(update))
 
 

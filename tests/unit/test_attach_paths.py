@@ -111,3 +111,50 @@ def test_a_delivery_is_applied_here_when_the_loop_that_read_the_model_has_ended(
         assert ack.status is AckStatus.APPLIED and receiver.received == [update]
     finally:
         attached.remove("unit-test-ended-loop")
+
+
+def test_a_delivery_handed_to_a_loop_that_ends_before_its_turn_is_applied_here(monkeypatch):
+    """The host's loop was running when the update was handed to it and ended before
+    running it (a user method's own ``asyncio.run`` returned): the delivery waited for
+    it for good, its ack never sent, its payload never released."""
+    loop = asyncio.new_event_loop()
+    blocking, handed = threading.Event(), threading.Event()
+
+    def busy_then_stop() -> None:  # the loop's last turn: what is handed now never runs
+        blocking.set()
+        handed.wait(30)
+        loop.stop()
+
+    def run_loop() -> None:
+        loop.call_soon(busy_then_stop)
+        loop.run_forever()
+        loop.close()
+
+    real_hand_over = asyncio.run_coroutine_threadsafe
+
+    def hand_over(coroutine, to):  # type: ignore[no-untyped-def]
+        future = real_hand_over(coroutine, to)
+        handed.set()
+        return future
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over)
+    receiver = _Receiver()
+    receiver.gate = SimpleNamespace(loop=loop)
+    attached.fill("unit-test-loop-ends", receiver)
+    looping = threading.Thread(target=run_loop, daemon=True)
+    looping.start()
+    acks: list[object] = []
+    try:
+        assert blocking.wait(30)
+        update = _update(4)
+        delivering = threading.Thread(
+            target=lambda: acks.append(deliver(SimpleNamespace(), "unit-test-loop-ends", update)),
+            daemon=True,
+        )
+        delivering.start()
+        delivering.join(30)
+        assert not delivering.is_alive(), "the delivery waited for a loop that had ended"
+        assert acks[0].status is AckStatus.APPLIED and receiver.received == [update]
+    finally:
+        attached.remove("unit-test-loop-ends")
+        looping.join(30)
