@@ -90,9 +90,10 @@ class Adoption:
         (The host may have moved the model, all of it or a part, or built it anew.)"""
         refusal = rebind(model, names, version.staged)
         if refusal is not None:
-            current, self.current = self.current, None
-            if current is not None:
+            current = self.current
+            if current is not None:  # kept until the model is out of it (a clone may fail)
                 _move_out(model, self.names, current.staged)
+                self.current = None
                 current.release()
             if not self.copies_instead:
                 self.copies_instead = True

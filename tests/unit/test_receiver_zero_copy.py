@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import torch
 
 from raysync.receiver_zero_copy import AdoptedVersion, Adoption, rebind
@@ -176,3 +177,32 @@ def test_leaving_the_hub_after_the_host_moved_part_of_the_model_to_a_device():
     assert transport.released == ["v1"] and model.weight.device.type == "meta"
     assert model.bias.data_ptr() != first.staged[0].data_ptr()
     assert torch.equal(model.bias, torch.full((2,), 1.0))
+
+
+def test_a_refused_take_whose_move_out_fails_still_knows_the_version_the_model_lives_in(
+    monkeypatch,
+):
+    """The copy out of the version the model lived in failed halfway (out of memory):
+    the version was forgotten first, so it was never handed back, and leaving the hub
+    later left the tensors still in it there (a slot written again under them)."""
+    import raysync.receiver_zero_copy as zero_copy
+
+    transport, model, adoption = _Transport(), torch.nn.Linear(3, 2), Adoption()
+    first = AdoptedVersion(transport, "v1", _staged(1.0))
+    assert adoption.take(model, NAMES, first, actor="Collector(a)", model_id="policy")
+    move_out = zero_copy._move_out
+
+    def out_of_memory_after_one(model: Any, names: tuple[str, ...], staged: Any) -> None:
+        move_out(model, names[:1], staged)
+        raise torch.OutOfMemoryError("no memory for 'weight'")
+
+    monkeypatch.setattr(zero_copy, "_move_out", out_of_memory_after_one)
+    elsewhere = AdoptedVersion(transport, "v2", _staged(2.0, device="meta"))
+    with pytest.raises(torch.OutOfMemoryError, match="no memory for 'weight'"):
+        adoption.take(model, NAMES, elsewhere, actor="Collector(a)", model_id="policy")
+    assert adoption.current is first and transport.released == []
+    monkeypatch.setattr(zero_copy, "_move_out", move_out)
+    adoption.keep_privately(model)  # leaving the hub: the rest moves out, v1 goes back
+    assert transport.released == ["v1"]
+    assert model.weight.data_ptr() != first.staged[1].data_ptr()
+    assert torch.equal(model.weight, torch.full((2, 3), 1.0))
