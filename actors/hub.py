@@ -890,8 +890,7 @@ class WeightHubActor:
         if entry is None:
             raise UnknownWorkerError(
                 f"worker {worker!r} is not registered with this hub (it closed, or was "
-                "dropped when its heartbeats stopped): its hub watch registers it again, "
-                "then it pulls"
+                "dropped when its heartbeats stopped): it registers again before it pulls"
             )
         update = handed.update_for(entry.transport)
         if update is None:

@@ -40,7 +40,7 @@ import torch
 
 from raysync import model_path, weights
 from raysync.copies import Viewed, copy_all, viewed, wait_for_devices
-from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
+from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError, UnknownWorkerError
 from raysync.gate import DEFERRED, ApplyGate, on_event_loop
 from raysync.hub_handle import HubHandle
 from raysync.messages import (
@@ -481,7 +481,26 @@ class ReceiverCore:
             )
 
     def latest(self, model: str, timeout_s: float) -> Update | None:
-        """The hub's latest update of ``model`` if newer than the version held here."""
+        """The hub's latest update of ``model`` if newer than the version held here.
+
+        A hub that knows this receiver no longer (it restarted, or dropped it when its
+        heartbeats stopped) is registered with again, once, and asked again: a pull
+        receiver without a hub watch would otherwise never be known again. What the
+        hub's welcome offers is declined (read by this pull, or, for a push receiver,
+        caught up by its hub watch)."""
+        try:
+            return self._latest(model, timeout_s)
+        except UnknownWorkerError:
+            welcome = self.register_again(timeout_s)
+            if welcome is None:  # left the hub, closed or replaced meanwhile
+                raise
+        for offered in welcome.latest.values():
+            self.decline(offered)
+            if self.identity.mode is DeliveryMode.PUSH:
+                self.behind.add(offered.model)
+        return self._latest(model, timeout_s)
+
+    def _latest(self, model: str, timeout_s: float) -> Update | None:
         have = self.models[model].version
         return ray.get(
             self.hub.actor.latest.remote(model, have, worker=self.worker), timeout=timeout_s

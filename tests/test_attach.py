@@ -217,6 +217,27 @@ def test_a_pull_receiver_registered_again_takes_versions_only_when_it_pulls(acto
         receiver.close()
 
 
+def test_a_pull_receiver_without_a_hub_watch_pulls_from_a_restarted_hub(actors):
+    """A restarted hub knows no receiver until it registers again, and a pull receiver
+    with no hub watch (``heartbeat_s=None``) has nothing that does: each pull was
+    refused for good ("not registered"). A pull registers it again and reads."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, actor_options={"max_restarts": 1}, models=["policy"])
+    ray.get(hub.broadcast.remote(make_policy(), model="policy", timeout_s=30))
+    mine = make_policy()
+    receiver = raysync.attach(hub, {"policy": mine}, mode="pull", heartbeat_s=None)
+    try:
+        boot = ray.get(hub.status.remote()).boot_id
+        ray.kill(hub.actor, no_restart=False)
+        wait_until(lambda: _booted_since(hub, boot), what="the hub restarted")
+        second = make_policy()
+        ray.get(hub.broadcast.remote(second, model="policy", timeout_s=30))
+        assert receiver.pull() == {"policy": 2}
+        assert_same(state_of(mine), state_of(second))
+        assert [r.worker for r in ray.get(hub.status.remote()).receivers] == [receiver.worker]
+    finally:
+        receiver.close()
+
+
 def test_a_driver_pull_receiver_that_stops_beating_is_forgotten(actors):
     """No actor to ask Ray about: once its heartbeats lapse the hub drops it (it asked
     a handle it does not have, failed on every beat and kept it for good)."""
