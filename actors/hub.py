@@ -156,8 +156,9 @@ class _Delivery:
     #: of ``first_calls``, those the learner reached through its channel
     channel: tuple[str, ...] = ()
     #: receivers the learner delivered to that left the hub before it booked the
-    #: version (one whose hook closes it once applied), with the learner's call
-    left_after_call: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: version (one whose hook closes it once applied), with the token the learner
+    #: called and its call
+    left_after_call: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
     #: ``time.perf_counter()`` its timeout counts from (a version sent in parts: its first
     #: part's arrival); None: from the start of its delivery
     counted_from: float | None = None
@@ -405,12 +406,8 @@ class WeightHubActor:
             if call is not None and token == t.registration.token
         }
         unused = {w: c for w, c in calls.items() if w not in first_calls}
-        # Left since the call: acked if its reply says it applied the version.
-        left_after_call = {
-            w: call
-            for w, (_, call) in unused.items()
-            if w not in self._state.receivers and not isinstance(call, ChannelCall)
-        }
+        # Left since the call: acked if its reply, or its ack, says it applied the version.
+        left_after_call = {w: c for w, c in unused.items() if w not in self._state.receivers}
         if unused:  # left or registered again since the route: the hub delivers them
             self._background.spawn(_settled(unused), "direct calls to departed receivers")
         by_channel = sorted(w for w, call in first_calls.items() if _by_channel(call))
@@ -1063,8 +1060,8 @@ class WeightHubActor:
         async def applied_then_left() -> list[Outcome]:
             held = await asyncio.gather(
                 *(
-                    _applied_before_leaving(call, deadline)
-                    for call in delivery.left_after_call.values()
+                    self._applied_before_leaving(handed, worker, token, call, deadline)
+                    for worker, (token, call) in delivery.left_after_call.items()
                 )
             )
             return [
@@ -1137,6 +1134,37 @@ class WeightHubActor:
         ]
         if unread:
             self._background.spawn(_name_no_readers(unread), "streams nobody reads")
+
+    async def _applied_before_leaving(
+        self, handed: HandedOver, worker: str, token: str, call: Any, deadline: float
+    ) -> bool:
+        """Whether the learner's delivery to ``worker`` (registered as ``token``), which
+        left the hub since, says it holds ``handed``'s version: it applied it (or a newer
+        one) before it left. Its ``call`` is an ObjectRef, its channel's reply or word
+        that the reply comes apart; a reply of None (the apply was deferred) is followed
+        by its ack. Anything else (it raised, died, or did not answer by ``deadline``):
+        it left without it, and is left out as such."""
+        reply_key = (handed.origin, handed.model, handed.version, worker)
+        ack_key = (token, handed.model, handed.version, handed.origin)
+        try:
+            if isinstance(call, ChannelReply):
+                reply = call.reply
+            elif isinstance(call, ChannelCall):  # its reply comes apart, from the learner
+                try:
+                    reply = await _by(self._channel_replies.expect(reply_key), deadline)
+                finally:
+                    self._channel_replies.forget([reply_key])
+            else:
+                reply = await _by(asyncio.ensure_future(call), deadline)
+            if reply is None:  # the apply was deferred: its ack comes apart
+                ack = self._acks.expect(ack_key)
+                try:
+                    reply = await _by(ack, deadline)
+                finally:
+                    self._acks.forget(ack_key, ack)
+        except (RayError, asyncio.TimeoutError):
+            return False
+        return isinstance(reply, Ack) and reply.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED)
 
     def _gone_since(
         self, workers: Sequence[str], booked: str
@@ -1354,21 +1382,11 @@ async def _settled(calls: dict[str, tuple[str, Any]]) -> None:
     await asyncio.gather(*refs, return_exceptions=True)
 
 
-async def _applied_before_leaving(call: Any, deadline: float) -> bool:
-    """Whether a learner's delivery call (its ObjectRef, or its channel's reply) to a
-    receiver that left the hub since says the receiver holds the version: it applied it
-    (or a newer one) before it left. Anything else (it raised, died, deferred the apply,
-    or did not answer by ``deadline``): it left without it, and is left out as such."""
-    if isinstance(call, ChannelReply):
-        reply = call.reply
-    else:
-        try:
-            reply = await asyncio.wait_for(
-                asyncio.ensure_future(call), max(0.0, deadline - time.monotonic())
-            )
-        except (RayError, asyncio.TimeoutError):
-            return False
-    return isinstance(reply, Ack) and reply.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED)
+
+
+async def _by(awaitable: Awaitable[Any], deadline: float) -> Any:
+    """``awaitable``'s result; ``asyncio.TimeoutError`` at ``deadline`` (monotonic)."""
+    return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))
 
 
 def _books_direct(entry: ReceiverEntry) -> bool:

@@ -150,6 +150,28 @@ class HookCaller(WeightReceiver, _Inspect):
 
 
 @ray.remote(num_cpus=0)
+class AsyncLeaver(WeightReceiver):
+    """An async actor whose hook closes its receiver at ``close_at``; ``hold`` keeps its
+    policy held while versions arrive (they are deferred until it returns)."""
+
+    def __init__(self, hub, worker_id: str, close_at: int):
+        self.policy = make_policy()
+        self.close_at = close_at
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=worker_id)
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        if version == self.close_at:
+            self._raysync_receiver.close()
+
+    async def hold(self, entered, leave) -> None:
+        await entered.open.remote()
+        await leave.wait.remote()
+
+    async def state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)
+
+
+@ray.remote(num_cpus=0)
 class Collector(WeightReceiver, _Inspect):
     """The README's collector: one policy."""
 

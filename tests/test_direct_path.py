@@ -12,6 +12,7 @@ from raysync import StaleVersionError, hub_handle
 from raysync.testing import assert_bitwise, special_weights
 from tests.helpers import Gate, assert_same, ready, start, start_hub, wait_dead, wait_until
 from tests.receivers import (
+    AsyncLeaver,
     Collector,
     Holder,
     HookCaller,
@@ -384,3 +385,37 @@ def test_a_receiver_that_left_once_it_applied_the_learners_delivery_is_acked(
     assert report.direct == ("caller", "other")
     sums = ray.get(caller.seen_sums.remote())
     assert sums[-1] == pytest.approx(float(sum(t.sum() for t in state_of(learner).values())))
+
+
+def test_a_receiver_that_left_once_it_applied_a_deferred_learners_delivery_is_acked(
+    actors, monkeypatch
+):
+    """As above, with the version deferred: the learner's call reached the receiver while
+    a coroutine held its policy (its reply: None), the version was applied once that
+    returned, and its ack came apart, before the booking. The hub read only the call's
+    reply: the receiver, named, was failed as having left without the version."""
+    hub = start_hub(actors, "object_store")
+    leaver = start(actors, AsyncLeaver, hub, "leaver", close_at=2)
+    other = start(actors, Collector, hub, worker_id="other")
+    ready([leaver, other])
+    assert ray.get(hub.broadcast.remote(make_policy())).acked == ("leaver", "other")
+    entered, leave = start(actors, Gate), start(actors, Gate)
+    holding = leaver.hold.remote(entered, leave)
+    ray.get(entered.wait.remote())
+    side = hub._side
+    submit = side.submit
+
+    def book_once_it_applied_and_left(send):
+        ray.get(leave.open.remote())
+        ray.get(holding)
+        wait_until(
+            lambda: "leaver" not in {r.worker for r in ray.get(hub.status.remote()).receivers},
+            what="the leaver's leaving reaching the hub",
+        )
+        return submit(send)
+
+    monkeypatch.setattr(side, "submit", book_once_it_applied_and_left)
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, workers=["leaver", "other"]), timeout=60)
+    assert (report.version, report.acked, report.failed) == (2, ("leaver", "other"), {})
+    assert_same(ray.get(leaver.state.remote()), state_of(learner))
