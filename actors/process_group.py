@@ -280,8 +280,13 @@ class ProcessGroupActor:
 
     def _call_off(self, generation: Generation, why: str) -> None:
         """On a client connection of its own: the store's own connection is held by a
-        rendezvous wait in the collective thread for as long as it waits."""
+        rendezvous wait in the collective thread for as long as it waits. A generation
+        of an earlier incarnation of this actor (the hub had not heard of the restart)
+        has no rendezvous here: its "go" key would stay for good."""
         import torch.distributed as dist
+
+        if generation.store != self._address:
+            return
 
         if self._caller is None:
             self._caller = dist.TCPStore(

@@ -145,3 +145,21 @@ def test_rank_zero_keeps_the_keys_of_only_the_last_failed_rendezvous():
     asyncio.run(actor.call_off(generations[0], "called off again"))  # writes no key back
     assert not [k for k in actor._store.list_keys() if k.startswith(generations[0].prefix)]
     asyncio.run(actor.close())
+
+
+def test_a_generation_of_an_earlier_rank_zero_called_off_leaves_no_key():
+    """Ray restarted rank 0; before the hub's next plan heard of it, a member of the old
+    incarnation's generation left and the hub called that generation off: the new
+    store got its "go" key, which nothing ever deleted."""
+    import asyncio
+
+    from raysync.actors.process_group import ProcessGroupActor
+
+    settings = DistributedOptions(backend="gloo", timeout_s=TIMEOUT_S)
+    actor = ProcessGroupActor(settings)
+    address = asyncio.run(actor.store_address())
+    earlier = StoreAddress(address.host, address.port, "an earlier incarnation")
+    generation = Generation(3, ("a",), "raysync/g3/", earlier, settings)
+    asyncio.run(actor.call_off(generation, "member a left"))
+    assert actor._store.list_keys() == []
+    asyncio.run(actor.close())
