@@ -152,6 +152,9 @@ class _Broadcast:
         basis = side.last_results.get(handle._route_key(model), (0, None))[0]
         route = handle._route(model, config.default_timeout_s if timeout_s is None else timeout_s)
         route_key = handle._route_key(model)  # after _route: it may name the model
+        # This learner's direct versions, by the model's name (a route that lists no
+        # receiver names none).
+        direct_key = route.model or route_key or ""
         direct = (
             route.next_version > 0
             and version is None
@@ -182,7 +185,7 @@ class _Broadcast:
                 channel = None
             if channel is not None:
                 assert wire is not None  # direct: a whole version, not buckets
-                above = side.last_direct.get(route.model, 0)
+                above = side.last_direct.get(direct_key, 0)
                 direct_version = handle._next_direct_version(route)
                 written = write_channel(
                     channel,
@@ -226,7 +229,7 @@ class _Broadcast:
                     sent_at = time.time()
                     calls: dict[str, tuple[str, Any]] | None = None
                     if above is None:  # read under the lock: another thread's direct one
-                        above = side.last_direct.get(route.model, 0)
+                        above = side.last_direct.get(direct_key, 0)
                     if direct and written is None and _stale(side, route_key, basis):
                         direct = False  # the hub numbers it: its route's number may be taken
                     if direct:
@@ -437,10 +440,14 @@ class _BroadcastDone(VersionDone):
         self._lock = threading.Lock()
 
     def _report_ref(self, timeout_s: float) -> ray.ObjectRef:
-        """The ref that resolves with the report; GetTimeoutError while there is no ticket."""
+        """The ref that resolves with the report; GetTimeoutError while there is no ticket
+        (waited for outside the lock: ``ended`` asks without waiting meanwhile)."""
+        report = self._report
+        if report is not None:
+            return report
+        ticket = ray.get(self._result, timeout=timeout_s)
         with self._lock:
             if self._report is None:
-                ticket = ray.get(self._result, timeout=timeout_s)
                 self._report = self._actor.wait_for.remote(ticket, raise_on_failure=False)
             return self._report
 
@@ -462,6 +469,8 @@ class _BroadcastDone(VersionDone):
                 if not ready:
                     return False
             report = self._report_ref(0)
+        except ray.exceptions.GetTimeoutError:
+            return False  # the ticket is on the hub's node, not yet here
         except ray.exceptions.RayError:
             return True  # the submit failed: nothing is read any more
         ready, _ = ray.wait([report], timeout=0, fetch_local=False)

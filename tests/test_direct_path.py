@@ -5,6 +5,8 @@ named, and two learners guessing the same next version end in the hub's order.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import ray
 
@@ -419,3 +421,41 @@ def test_a_receiver_that_left_once_it_applied_a_deferred_learners_delivery_is_ac
     report = ray.get(hub.broadcast.remote(learner, workers=["leaver", "other"]), timeout=60)
     assert (report.version, report.acked, report.failed) == (2, ("leaver", "other"), {})
     assert_same(ray.get(leaver.state.remote()), state_of(learner))
+
+
+def test_a_version_delivered_but_never_booked_is_not_numbered_again_by_the_hub(
+    actors, monkeypatch
+):
+    """The learner delivered version 2 itself and its booking never reached the hub (as
+    when the hub dies first). Its next route listed no receiver (a restarted hub that
+    knows none yet), so it named no model, and the learner looked its last direct
+    version up under that empty name: the hub numbered the next version 2 again, and
+    every receiver, holding 2 from this learner, took it as held, with 2's weights."""
+    hub = start_hub(actors, "object_store")
+    collectors = [start(actors, ValueLog, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    assert ray.get(hub.broadcast.remote(make_policy())).version == 1
+    side = hub._side
+    submit = side.submit
+
+    def lost_before_booked(send):
+        raise RuntimeError("the hub went away before it booked the version")
+
+    monkeypatch.setattr(side, "submit", lost_before_booked)
+    unbooked = make_policy()
+    with pytest.raises(RuntimeError, match="before it booked"):
+        hub.broadcast.remote(unbooked)
+    _hold(collectors, unbooked, 2)
+    monkeypatch.setattr(side, "submit", submit)
+    route = hub._route
+
+    def knows_no_receiver_yet(model, timeout_s):
+        return dataclasses.replace(
+            route(model, timeout_s), model="", next_version=0, spec=None, targets=()
+        )
+
+    monkeypatch.setattr(hub, "_route", knows_no_receiver_yet)
+    third = make_policy()
+    report = ray.get(hub.broadcast.remote(third), timeout=60)
+    assert (report.version, report.acked) == (3, ("c0", "c1"))
+    _hold(collectors, third, 3)
