@@ -29,6 +29,7 @@ from raysync.learner_side import LearnerSide, end_learner_side, learner_side
 from raysync.messages import BroadcastRequest, HubConfig, Route
 from raysync.spec import WeightSpec
 from raysync.transports import (
+    HubContext,
     TransportError,
     TransportSender,
     VersionDone,
@@ -322,10 +323,10 @@ class _Broadcast:
         except TransportError as err:
             # A closed hub has stopped its transport: say that, not what broke below it,
             # and let go of what this process holds for it.
-            if _closed(handle):
+            if HubContext(handle.actor, handle.config.hub_id).stopped():
                 handle.release()
                 raise HubClosedError(
-                    "the hub is shutting down and accepts no more broadcasts"
+                    "the hub is shutting down or dead and accepts no more broadcasts"
                 ) from err
             raise
 
@@ -681,16 +682,3 @@ class HubHandle:
 
     def __repr__(self) -> str:
         return f"HubHandle({self.config.hub_id}, transport={self.transport!r})"
-
-
-#: Seconds a learner whose transport failed waits for the hub to say whether it closed.
-_CLOSED_LOOK_S = 10.0
-
-
-def _closed(handle: HubHandle) -> bool:
-    """Whether the hub says it has closed (False if it does not answer in time: the
-    transport's own error then goes on)."""
-    try:
-        return bool(ray.get(handle.actor.closed.remote(), timeout=_CLOSED_LOOK_S))
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-        return False
