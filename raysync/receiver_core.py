@@ -450,6 +450,8 @@ class ReceiverCore:
             previous, self.transport = self.transport, transport
             self.transport_name = welcome.transport
             self.token = registration.token
+            # A hub that closed registers no one: this one is open (a new incarnation).
+            self._learner_deliveries_refused = False
             previous.close()
         logger.info("%s re-registered with its hub", self.actor_name)
         return welcome

@@ -809,3 +809,18 @@ def test_a_deferred_version_superseded_while_its_transport_fails_to_take_it_back
     assert _while_a_method_runs(receiver, deliver_two) == [ACK_LATER, ACK_LATER]
     assert receiver.hub.acks == [_ack(2, AckStatus.APPLIED), _ack(1, AckStatus.SUPERSEDED)]
     assert "could not hand version 1 of model 'policy' back" in caplog.text
+
+
+def test_a_core_registered_again_applies_learners_deliveries_again(registering):
+    """The hub told its receivers it was shutting down (no learner's own delivery
+    applied) and then came back (Ray restarted it before it ended): registered with the
+    new incarnation, the core still failed every version a learner delivered itself."""
+    core, hub = registering.core, registering.core.hub
+    core.refuse_learner_deliveries()
+    refused = core.receive(dataclasses.replace(registering.update(2), from_learner=True))
+    assert isinstance(refused, AckNow) and "shutting down" in (refused.ack.error or "")
+    hub.answer.set()
+    assert core.register_again(5.0) is not None
+    core.transport = registering.transport  # the new registration's, serving the same
+    receipt = core.receive(dataclasses.replace(registering.update(3), from_learner=True))
+    assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.APPLIED
