@@ -63,6 +63,10 @@ from raysync.transports.parts import PartedReceiver
 
 logger = logging.getLogger(__name__)
 
+#: Earlier registrations whose late acks a core still sends to their hub (a version
+#: deferred under one is acked there): this many back, a host reconnecting in a loop.
+_EARLIER_HUBS_KEPT = 8
+
 #: Default seconds a receiver waits for its hub when it registers or pulls.
 HUB_CALL_TIMEOUT_S = 60.0
 
@@ -316,9 +320,7 @@ class ReceiverCore:
             registration.token,
             on_applied,
             gate=None if previous is None else previous.gate,
-            earlier_hubs=None
-            if previous is None
-            else {**previous._earlier_hubs, previous.token: previous.hub},
+            earlier_hubs=None if previous is None else previous.hubs_to_ack_later(),
             transport=transport,
         )
         attached.fill(identity.attachment, core)
@@ -507,6 +509,14 @@ class ReceiverCore:
         return ray.get(
             self.hub.actor.latest.remote(model, have, worker=self.worker), timeout=timeout_s
         )
+
+    def hubs_to_ack_later(self) -> dict[str, HubHandle]:
+        """For the core that replaces this one (and takes over its gate): where acks
+        of versions deferred under this registration or an earlier one go, by token;
+        the last :data:`_EARLIER_HUBS_KEPT` (a host that connects again and again held
+        one more on every connect)."""
+        hubs = {**self._earlier_hubs, self.token: self.hub}
+        return dict(list(hubs.items())[-_EARLIER_HUBS_KEPT:])
 
     def send_ack(self, ack: Ack) -> None:
         """Tell the hub an outcome its delivery call did not return (deferred applies,

@@ -824,3 +824,17 @@ def test_a_core_registered_again_applies_learners_deliveries_again(registering):
     core.transport = registering.transport  # the new registration's, serving the same
     receipt = core.receive(dataclasses.replace(registering.update(3), from_learner=True))
     assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.APPLIED
+
+
+def test_a_core_keeps_the_hubs_of_its_last_registrations_only():
+    """Each connect of a host that connects again and again handed the new core every
+    earlier registration's hub, for acks of versions deferred under them: one more
+    entry per connect, for the actor's life."""
+    from raysync import receiver_core
+
+    receiver = _Receiver()
+    kept = receiver_core._EARLIER_HUBS_KEPT
+    receiver.core._earlier_hubs = {f"earlier {n}": _Hub() for n in range(3 * kept)}
+    handed = receiver.core.hubs_to_ack_later()
+    assert list(handed) == [*(f"earlier {n}" for n in range(2 * kept + 1, 3 * kept)), "token"]
+    assert handed["token"] is receiver.hub
