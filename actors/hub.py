@@ -689,10 +689,7 @@ class WeightHubActor:
             self._check_registering(registration)
         latest = self._state.register(registration)
         if former is not None and former.transport != transport:  # its planner forgets it
-            self._background.spawn(
-                self._planners[former.transport].receiver_left(registration.worker),
-                f"{registration.worker} moved to {transport}",
-            )
+            self._forget_in(former.transport, registration.worker, f"moved to {transport}")
         self._model_known.set()
         entry = self._state.receivers[registration.worker]
         try:
@@ -794,14 +791,18 @@ class WeightHubActor:
     def _drop(self, worker: str, token: str) -> None:
         entry = self._state.receivers.get(worker)
         if entry is not None and self._state.drop(worker, token):
-            planner = self._planners[entry.transport]
-            task = self._background.spawn(planner.receiver_left(worker), f"{worker} left")
-            self._leaving[worker] = task
-            task.add_done_callback(
-                lambda done: (
-                    self._leaving.pop(worker) if self._leaving.get(worker) is done else None
-                )
-            )
+            self._forget_in(entry.transport, worker, "left")
+
+    def _forget_in(self, transport: str, worker: str, why: str) -> None:
+        """``transport``'s planner forgets ``worker``, in the background; a registration
+        of ``worker`` waits for it first (``_leaving``)."""
+        task = self._background.spawn(
+            self._planners[transport].receiver_left(worker), f"{worker} {why}"
+        )
+        self._leaving[worker] = task
+        task.add_done_callback(
+            lambda done: self._leaving.pop(worker) if self._leaving.get(worker) is done else None
+        )
 
     def _catch_up(self, entry: ReceiverEntry, model: str) -> None:
         """``entry`` answered at last a call its delivery had timed out on (busy in a long

@@ -702,6 +702,40 @@ def test_a_receiver_that_leaves_and_attaches_again_at_once_joins_after_it_left(a
         again.close()
 
 
+def test_a_receiver_that_moves_to_another_transport_and_back_joins_after_it_left(actors):
+    """As above, through two moves (``replaces=``, another transport, then the first
+    again): the first move's departure from the first transport's planner was not
+    waited for, and it forgot the registration that came back to it."""
+    register_transport("slow_leave", SlowLeaveTransport)
+    hub = start_hub(actors, "slow_leave", models=["m"])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    first = raysync.attach(hub, {"m": special_weights(0.0)}, mode="pull", heartbeat_s=None)
+    worker = first.worker
+    moved = raysync.attach(
+        hub,
+        {"m": special_weights(0.0)},
+        worker_id=worker,
+        mode="pull",
+        heartbeat_s=None,
+        transport="object_store",
+        replaces=first,
+    )
+    back = raysync.attach(
+        hub,
+        {"m": special_weights(0.0)},
+        worker_id=worker,
+        mode="pull",
+        heartbeat_s=None,
+        transport="slow_leave",
+        replaces=moved,
+    )
+    try:
+        events = ray.get(hub.actor.__ray_call__.remote(planner_events, "slow_leave"))
+        assert events == [("joined", worker), ("left", worker), ("joined", worker)]
+    finally:
+        back.close()
+
+
 def test_a_receiver_registering_with_a_closed_hub_is_refused(actors):
     """A closed hub's planners and background tasks are closed: a registration after
     close opened them again (a node's shared-memory owner, the lease keeper), for as
