@@ -722,8 +722,19 @@ class WeightHubActor:
                         err,
                     )
             self._check_registering(registration)  # close() may have begun meanwhile
+            if not self._state.knows(registration.worker, registration.token):
+                raise RaySyncError(
+                    f"{registration.worker} was dropped while it registered (it died, or "
+                    "left): register again"
+                )
         except BaseException:
-            self._drop(registration.worker, registration.token)
+            here = self._state.receivers.get(registration.worker)
+            if self._state.knows(registration.worker, registration.token):
+                self._drop(registration.worker, registration.token)
+            elif here is None or here.transport != transport:
+                # Dropped while its planner took it in, which took it in after it forgot
+                # it: it would hold what it planned for it (a slot) for good.
+                self._forget_in(transport, registration.worker, "dropped while registering")
             raise
         logger.info("registered %s (%s, %s)", registration.worker, registration.actor, transport)
         if self._lease_keeper is None and self._state.shortest_heartbeat() is not None:

@@ -11,6 +11,7 @@ run on every transport."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -56,10 +57,14 @@ from tests.receivers import (
 )
 from tests.third_party_transport import (
     HangingJoinTransport,
+    HeldJoinTransport,
     LostCopyTransport,
     NoReopenTransport,
     SlowLeaveTransport,
+    joins_waiting,
+    let_joins_go,
     planner_events,
+    token_of,
 )
 
 
@@ -734,6 +739,42 @@ def test_a_receiver_that_moves_to_another_transport_and_back_joins_after_it_left
         assert events == [("joined", worker), ("left", worker), ("joined", worker)]
     finally:
         back.close()
+
+
+def test_a_receiver_dropped_while_its_transport_takes_it_in_is_forgotten_there(actors):
+    """A registration dropped while its transport's planner was taking it in (the
+    receiver died, and a broadcast's call found it dead): the planner forgot it and then
+    took it in, and the hub went on registering it, for a dead caller. The planner held
+    it (a shared-memory slot planned for its catch-up) for good."""
+    register_transport("held_join", HeldJoinTransport)
+    hub = start_hub(actors, "held_join", models=["m"])
+    outcome: list[BaseException] = []
+
+    def attach() -> None:
+        try:
+            raysync.attach(
+                hub, {"m": special_weights(0.0)}, worker_id="w", mode="pull", heartbeat_s=None
+            )
+        except BaseException as err:  # reported in the test's thread
+            outcome.append(err)
+
+    attaching = threading.Thread(target=attach)
+    attaching.start()
+    wait_until(
+        lambda: ray.get(hub.actor.__ray_call__.remote(joins_waiting, "held_join")) == 1,
+        what="the planner taking w in",
+    )
+    token = ray.get(hub.actor.__ray_call__.remote(token_of, "w"))
+    ray.get(hub.actor.leave.remote("w", token))  # what the hub does for a dead receiver
+    ray.get(hub.actor.__ray_call__.remote(let_joins_go, "held_join"))
+    attaching.join(60)
+    assert len(outcome) == 1 and "w was dropped while it registered" in str(outcome[0])
+    wait_until(
+        lambda: ray.get(hub.actor.__ray_call__.remote(planner_events, "held_join"))
+        == [("left", "w"), ("joined", "w"), ("left", "w")],
+        what="the planner forgetting w once it took it in",
+    )
+    assert ray.get(hub.status.remote()).receivers == ()
 
 
 def test_a_receiver_registering_with_a_closed_hub_is_refused(actors):

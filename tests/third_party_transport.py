@@ -246,3 +246,55 @@ class NoReopenTransport(PackedObjectTransport):
 def planner_events(hub: Any, transport: str) -> list[tuple[str, str]]:
     """Runs in the hub (``__ray_call__``): what ``transport``'s SlowLeavePlanner noted."""
     return list(hub._planners[transport].events)
+
+
+class HeldJoinPlanner(TransportPlanner):
+    """Takes a receiver in once the test lets it (``let_joins_go``); notes joins (once
+    taken in) and departures in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.waiting = 0
+        self._go: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def receiver_joined(self, receiver: ReceiverInfo) -> Any:
+        self._loop = asyncio.get_running_loop()
+        self._go = self._go or asyncio.Event()
+        self.waiting += 1
+        await self._go.wait()
+        self.events.append(("joined", receiver.worker))
+        return None
+
+    async def receiver_left(self, worker: str) -> None:
+        self.events.append(("left", worker))
+
+    def let_joins_go(self) -> None:
+        """From any thread: the joins waiting, and those to come, go on."""
+        assert self._loop is not None and self._go is not None
+        self._loop.call_soon_threadsafe(self._go.set)
+
+
+class HeldJoinTransport(PackedObjectTransport):
+    """``packed_object`` whose planner takes receivers in when the test says (``held_join``)."""
+
+    name = "held_join"
+
+    @classmethod
+    def open_hub(cls, hub: HubContext) -> HeldJoinPlanner:
+        return HeldJoinPlanner()
+
+
+def joins_waiting(hub: Any, transport: str) -> int:
+    """Runs in the hub (``__ray_call__``): how many joins ``transport``'s HeldJoinPlanner holds."""
+    return hub._planners[transport].waiting
+
+
+def let_joins_go(hub: Any, transport: str) -> None:
+    """Runs in the hub (``__ray_call__``): ``transport``'s HeldJoinPlanner takes them in."""
+    hub._planners[transport].let_joins_go()
+
+
+def token_of(hub: Any, worker: str) -> str:
+    """Runs in the hub (``__ray_call__``): the token ``worker`` is registered under."""
+    return hub._state.receivers[worker].registration.token
