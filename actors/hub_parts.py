@@ -96,8 +96,10 @@ class Assemblies(Generic[Started]):
                 None if request.workers is None else tuple(request.workers),
             )
             assembling = _Assembling(assembly, arrived, timeout_s, _quiet_future())
+            # From its arrival: it may have waited for the hub's first model, or its turn.
+            left_s = max(0.0, timeout_s - (time.perf_counter() - arrived))
             assembling.timer = asyncio.get_running_loop().call_later(
-                timeout_s, self._timed_out, key, timeout_s
+                left_s, self._timed_out, key, timeout_s
             )
             self._open[key] = assembling
         elif assembling.started.done() and assembling.started.exception() is not None:

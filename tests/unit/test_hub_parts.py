@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import time
 import weakref
 
 import pytest
@@ -20,6 +21,8 @@ from raysync.spec import WeightSpec
 
 WHOLE = {"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(4, dtype=torch.int64)}
 KNOWN = WeightSpec.of(WHOLE)
+now = time.perf_counter  #: a part's arrival, on the hub's clock
+FIRST = now()  #: the first part's arrival in a test that checks it is passed on
 
 
 def part(index: int, *names: str, version: int = 7, parts: int = 2) -> BroadcastRequest:
@@ -53,10 +56,10 @@ def test_every_part_gets_the_one_start_once_the_last_arrives():
     async def run():
         starts = Starts()
         assemblies = Assemblies(starts)
-        first = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 1.5))
+        first = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, FIRST))
         await asyncio.sleep(0)  # the first part is in, waiting for the second
         assert not first.done() and assemblies.arrived() == {("m", 7): (0,)}
-        second = await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, 2.5)
+        second = await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, FIRST + 1)
         return starts, second, await first, assemblies
 
     starts, second, first, assemblies = asyncio.run(run())
@@ -65,7 +68,7 @@ def test_every_part_gets_the_one_start_once_the_last_arrives():
     assert whole.spec == KNOWN and (whole.part, whole.parts) == (0, 1)  # one version now
     [parts] = whole.payloads.values()
     assert [p.payload for p in parts.parts] == ["put0", "put1"]
-    assert (timeout_s, first_arrived) == (30, 1.5)  # the deadline runs from the first part
+    assert (timeout_s, first_arrived) == (30, FIRST)  # the deadline runs from the first part
     assert ("m", 7) not in assemblies and assemblies.arrived() == {}
 
 
@@ -76,10 +79,10 @@ def test_a_part_with_another_timeout_is_refused_naming_both():
 
     async def run():
         assemblies = Assemblies(Starts())
-        waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 0))
+        waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, now()))
         await asyncio.sleep(0)
         with pytest.raises(ValueError) as refused:
-            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 5, 0)
+            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 5, now())
         with pytest.raises(IncompleteVersionError, match="part 1 was refused"):
             await waiting
         return str(refused.value)
@@ -94,14 +97,14 @@ def test_a_part_with_another_timeout_is_refused_naming_both():
 def test_a_refused_part_fails_the_version_for_the_parts_waiting_and_to_come():
     async def run():
         assemblies = Assemblies(Starts())
-        waiting = asyncio.ensure_future(assemblies.take(part(0, "a", "b"), "m", KNOWN, 30, 0))
+        waiting = asyncio.ensure_future(assemblies.take(part(0, "a", "b"), "m", KNOWN, 30, now()))
         await asyncio.sleep(0)
         with pytest.raises(SpecMismatchError, match="'b'"):  # b is part 0's already
-            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, 0)
+            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, now())
         with pytest.raises(IncompleteVersionError, match="part 1 was refused"):
             await waiting
         with pytest.raises(IncompleteVersionError, match="arrived after the version failed"):
-            await assemblies.take(part(1, "c"), "m", KNOWN, 30, 0)
+            await assemblies.take(part(1, "c"), "m", KNOWN, 30, now())
         assert ("m", 7) in assemblies and assemblies.arrived() == {}
 
     asyncio.run(run())
@@ -118,11 +121,11 @@ def test_a_part_refused_before_it_is_taken_fails_the_version_at_once(first_to_co
         assemblies = Assemblies(Starts())
         waiting = None
         if first_to_come == "taken":
-            waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 0))
+            waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, now()))
             await asyncio.sleep(0)
         assemblies.refuse(part(1, "b", "c"), "m", refusal)
         if waiting is None:
-            waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 0))
+            waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, now()))
         with pytest.raises(IncompleteVersionError) as failed:
             await asyncio.wait_for(waiting, 5)
         return str(failed.value)
@@ -138,10 +141,10 @@ def test_payloads_the_whole_leaves_out_are_named_unread_as_it_starts():
         carrying_two = dataclasses.replace(
             part(0, "a"), payloads={"object_store": "put0", "nixl": "ring0"}
         )
-        first = asyncio.ensure_future(assemblies.take(carrying_two, "m", KNOWN, 30, 0))
+        first = asyncio.ensure_future(assemblies.take(carrying_two, "m", KNOWN, 30, now()))
         await asyncio.sleep(0)
         assert unread == []
-        await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, 0)
+        await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, now())
         await first
         return unread
 
@@ -158,10 +161,10 @@ class RefusingStarts(Starts):
 def test_a_whole_refused_as_it_starts_blames_no_part():
     async def run():
         assemblies = Assemblies(RefusingStarts())
-        waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, 0))
+        waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, now()))
         await asyncio.sleep(0)
         with pytest.raises(ValueError, match="not above the current version"):
-            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, 0)
+            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, now())
         with pytest.raises(
             IncompleteVersionError,
             match=r"failed: the whole was refused \(ValueError: version 7 is not above",
@@ -175,7 +178,7 @@ def test_a_part_missing_at_the_deadline_is_named_and_fails_the_version():
     async def run():
         assemblies = Assemblies(Starts())
         with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive within"):
-            await assemblies.take(part(0, "a"), "m", KNOWN, 0.01, 0)
+            await assemblies.take(part(0, "a"), "m", KNOWN, 0.01, now())
 
     asyncio.run(run())
 
@@ -185,7 +188,7 @@ def test_closing_fails_every_version_still_assembling():
         starts = Starts()
         assemblies = Assemblies(starts)
         waiting = [
-            asyncio.ensure_future(assemblies.take(part(0, "a", version=v), "m", KNOWN, 30, 0))
+            asyncio.ensure_future(assemblies.take(part(0, "a", version=v), "m", KNOWN, 30, now()))
             for v in (7, 8)
         ]
         await asyncio.sleep(0)
@@ -206,7 +209,7 @@ def test_only_the_newest_failed_versions_are_kept(monkeypatch):
         assemblies = Assemblies(Starts())
         for version in (1, 2, 3):
             task = asyncio.ensure_future(
-                assemblies.take(part(0, "a", version=version), "m", KNOWN, 30, 0)
+                assemblies.take(part(0, "a", version=version), "m", KNOWN, 30, now())
             )
             await asyncio.sleep(0)
             assemblies.fail(("m", version), "refused")
@@ -229,7 +232,7 @@ def test_a_failed_version_lets_go_of_the_parts_that_arrived():
         request = part(0, "a")
         payload = Payload()
         request = dataclasses.replace(request, payloads={"object_store": payload})
-        waiting = asyncio.ensure_future(assemblies.take(request, "m", KNOWN, 0.01, 0))
+        waiting = asyncio.ensure_future(assemblies.take(request, "m", KNOWN, 0.01, now()))
         with pytest.raises(IncompleteVersionError, match="did not arrive"):
             await waiting
         return assemblies, weakref.ref(payload)
@@ -238,3 +241,18 @@ def test_a_failed_version_lets_go_of_the_parts_that_arrived():
     gc.collect()
     assert ("m", 7) in assemblies  # kept, to tell late parts why
     assert gone() is None
+
+
+def test_a_first_part_that_waited_before_it_was_taken_keeps_the_deadline_of_its_arrival():
+    """A first part waits before the assemblies take it (for the hub's first model, for
+    its turn): its deadline ran from when it was taken, so a missing part was named
+    up to twice the timeout after the first arrived."""
+
+    async def run():
+        assemblies = Assemblies(Starts())
+        taken = now()
+        with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive within"):
+            await assemblies.take(part(0, "a"), "m", KNOWN, 30, now() - 29.9)
+        return now() - taken
+
+    assert asyncio.run(run()) < 15  # failed at its arrival's deadline, not 30 s after
