@@ -1394,8 +1394,6 @@ async def _settled(calls: dict[str, tuple[str, Any]]) -> None:
     await asyncio.gather(*refs, return_exceptions=True)
 
 
-
-
 async def _by(awaitable: Awaitable[Any], deadline: float) -> Any:
     """``awaitable``'s result; ``asyncio.TimeoutError`` at ``deadline`` (monotonic)."""
     return await asyncio.wait_for(awaitable, max(0.0, deadline - time.monotonic()))

@@ -70,9 +70,6 @@ class Parts:
             by_name.update(zip(part.spec.names, items, strict=True))
         return [by_name[name] for name in sorted(by_name)]
 
-    def names(self) -> list[str]:
-        return [name for part in self.parts for name in part.spec.names]
-
 
 def part_stream(model: str, index: int, parts: int) -> str:
     """The model name a planner sees for one part: each part is a stream of its own in
