@@ -306,9 +306,11 @@ class ReceiverDelivery:
         delivery_started = time.perf_counter()
         if first_call is not None:  # from the learner's call, on the wall clock it sent
             delivery_started -= max(0.0, time.time() - update_sent_at)
+        learners_call = False  # whether the call awaited last is the learner's
         try:
             while True:
                 try:
+                    learners_call = first_call is not None
                     if first_call is not None:  # awaited once: a retry is the hub's call
                         call, first_call = asyncio.ensure_future(first_call), None
                         try:
@@ -351,8 +353,10 @@ class ReceiverDelivery:
                     break
                 except ActorUnavailableError as err:
                     restarted = await self._restarted(registration, deadline)
-                    if restarted is None:
-                        continue  # the same process answers again: deliver again
+                    if restarted is None:  # the same process answers again: deliver again
+                        if learners_call:
+                            called_again.append(True)
+                        continue
                     return Outcome(
                         registration.worker,
                         f"{registration.actor} died before applying version {update.version} "

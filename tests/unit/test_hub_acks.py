@@ -93,7 +93,8 @@ def test_a_learners_call_that_found_the_actor_unavailable_is_delivered_again_by_
 ):
     """The direct path: the learner's own call raised ActorUnavailableError and the
     same process answers again: the hub delivers once more itself, rather than await
-    the learner's failed call again and again."""
+    the learner's failed call again and again; the outcome says the hub delivered it
+    (the report listed it among the receivers the learner delivered to)."""
     from ray.exceptions import ActorUnavailableError
 
     from raysync.hub_state import HubState, ReceiverEntry
@@ -131,7 +132,7 @@ def test_a_learners_call_that_found_the_actor_unavailable_is_delivered_again_by_
         )
 
     outcome = asyncio.run(run())
-    assert outcome.error is None and calls == [update]
+    assert outcome.error is None and calls == [update] and outcome.by_hub
 
 
 def test_a_call_the_hub_cannot_make_fails_that_receiver_only(monkeypatch):
