@@ -716,24 +716,19 @@ def test_a_receiver_that_moves_to_another_transport_and_back_joins_after_it_left
     ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
     first = raysync.attach(hub, {"m": special_weights(0.0)}, mode="pull", heartbeat_s=None)
     worker = first.worker
-    moved = raysync.attach(
-        hub,
-        {"m": special_weights(0.0)},
-        worker_id=worker,
-        mode="pull",
-        heartbeat_s=None,
-        transport="object_store",
-        replaces=first,
-    )
-    back = raysync.attach(
-        hub,
-        {"m": special_weights(0.0)},
-        worker_id=worker,
-        mode="pull",
-        heartbeat_s=None,
-        transport="slow_leave",
-        replaces=moved,
-    )
+
+    def move(transport: str, replaces: raysync.AttachedReceiver) -> raysync.AttachedReceiver:
+        return raysync.attach(
+            hub,
+            {"m": special_weights(0.0)},
+            worker_id=worker,
+            mode="pull",
+            heartbeat_s=None,
+            transport=transport,
+            replaces=replaces,
+        )
+
+    back = move("slow_leave", move("object_store", first))
     try:
         events = ray.get(hub.actor.__ray_call__.remote(planner_events, "slow_leave"))
         assert events == [("joined", worker), ("left", worker), ("joined", worker)]

@@ -356,6 +356,23 @@ def test_a_receiver_that_applied_a_version_whose_learner_died_is_not_blamed(acto
     assert {r.worker: r.versions for r in status.receivers} == {"r": {"m": 2}}
 
 
+def _book_once_it_left(hub, monkeypatch, worker: str, first=lambda: None) -> None:
+    """The learner's next booking of a version (its submit, after its own delivery
+    calls) waits for ``first()``, then until ``worker``'s leaving reached the hub."""
+    side = hub._side
+    submit = side.submit
+
+    def book_once_it_left(send):
+        first()
+        wait_until(
+            lambda: worker not in {r.worker for r in ray.get(hub.status.remote()).receivers},
+            what=f"{worker}'s leaving reaching the hub",
+        )
+        return submit(send)
+
+    monkeypatch.setattr(side, "submit", book_once_it_left)
+
+
 @pytest.mark.parametrize("workers", [None, ["caller", "other"]])
 def test_a_receiver_that_left_once_it_applied_the_learners_delivery_is_acked(
     actors, monkeypatch, workers
@@ -370,17 +387,7 @@ def test_a_receiver_that_left_once_it_applied_the_learners_delivery_is_acked(
     other = start(actors, Collector, hub, worker_id="other")
     ready([caller, other])
     assert ray.get(hub.broadcast.remote(make_policy())).acked == ("caller", "other")
-    side = hub._side
-    submit = side.submit
-
-    def book_once_it_left(send):
-        wait_until(
-            lambda: "caller" not in {r.worker for r in ray.get(hub.status.remote()).receivers},
-            what="the caller's leaving reaching the hub",
-        )
-        return submit(send)
-
-    monkeypatch.setattr(side, "submit", book_once_it_left)
+    _book_once_it_left(hub, monkeypatch, "caller")
     learner = make_policy()
     report = ray.get(hub.broadcast.remote(learner, workers=workers), timeout=60)
     assert (report.version, report.acked, report.failed) == (2, ("caller", "other"), {})
@@ -404,19 +411,12 @@ def test_a_receiver_that_left_once_it_applied_a_deferred_learners_delivery_is_ac
     entered, leave = start(actors, Gate), start(actors, Gate)
     holding = leaver.hold.remote(entered, leave)
     ray.get(entered.wait.remote())
-    side = hub._side
-    submit = side.submit
 
-    def book_once_it_applied_and_left(send):
+    def let_it_apply() -> None:
         ray.get(leave.open.remote())
         ray.get(holding)
-        wait_until(
-            lambda: "leaver" not in {r.worker for r in ray.get(hub.status.remote()).receivers},
-            what="the leaver's leaving reaching the hub",
-        )
-        return submit(send)
 
-    monkeypatch.setattr(side, "submit", book_once_it_applied_and_left)
+    _book_once_it_left(hub, monkeypatch, "leaver", first=let_it_apply)
     learner = make_policy()
     report = ray.get(hub.broadcast.remote(learner, workers=["leaver", "other"]), timeout=60)
     assert (report.version, report.acked, report.failed) == (2, ("leaver", "other"), {})
