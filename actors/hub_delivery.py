@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import (
+    ActorDiedError,
     ActorUnavailableError,
     ObjectLostError,
     RayActorError,
@@ -357,12 +358,8 @@ class ReceiverDelivery:
                         if learners_call:
                             called_again.append(True)
                         continue
-                    return Outcome(
-                        registration.worker,
-                        f"{registration.actor} died before applying version {update.version} "
-                        f"of model {update.model!r} ({type(err).__name__}: {err}); "
-                        f"{restarted}",
-                        cause=FailureCause.DIED,
+                    return self._process_died(
+                        registration, update, f"({type(err).__name__}: {err}); {restarted}"
                     )
         except asyncio.TimeoutError:
             if call is not None and not call.done() and turns:
@@ -415,8 +412,15 @@ class ReceiverDelivery:
         ran it on the new one), or the receiver was closed."""
         try:
             restarted = await self._restarted(registration, deadline)
+        except ActorDiedError as err:  # Ray gave up on it since
+            return self._process_died(registration, update, f"(Ray will not restart it: {err})")
         except (asyncio.TimeoutError, RayError) as err:
-            restarted = f"and it did not answer again ({type(err).__name__})"
+            return Outcome(
+                registration.worker,
+                f"{registration.actor} died before applying version {update.version} of "
+                f"model {update.model!r}; and it did not answer again ({type(err).__name__})",
+                cause=FailureCause.DIED,
+            )
         if restarted is None:  # the same process, its receiver closed: it is gone for good
             self._drop(registration.worker, registration.token)
             return Outcome(
@@ -425,10 +429,17 @@ class ReceiverDelivery:
                 f"registers again",
                 cause=FailureCause.LEFT,
             )
+        return self._process_died(registration, update, f"({restarted})")
+
+    def _process_died(self, registration: Registration, update: Update, how: str) -> Outcome:
+        """The process ``registration`` was made in is gone (Ray restarted the actor, or
+        will not): the registration is dropped (a new process registers itself; one
+        that never does was failed at every broadcast, its planner's holds kept)."""
+        self._drop(registration.worker, registration.token)
         return Outcome(
             registration.worker,
             f"{registration.actor} died before applying version {update.version} of model "
-            f"{update.model!r}; {restarted}",
+            f"{update.model!r} {how}; dropped from the registry until it registers again",
             cause=FailureCause.DIED,
         )
 

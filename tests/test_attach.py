@@ -8,6 +8,7 @@ also what every other receiver test checks.
 
 from __future__ import annotations
 
+import os
 import threading
 from types import SimpleNamespace
 
@@ -79,6 +80,33 @@ def test_a_receiver_closed_without_leaving_is_failed_once_then_dropped(actors):
     report = ray.get(hub.broadcast.remote(make_policy(), model="policy", raise_on_failure=False))
     assert report.acked == () and "no raysync receiver is attached" in report.failed["closed-1"]
     assert ray.get(hub.status.remote()).receivers == ()
+
+
+def test_a_restarted_actor_that_does_not_attach_again_is_failed_once_then_dropped(actors):
+    """Ray restarted the host actor and its new process never attached again (the old
+    one attached through ``__ray_call__``): each broadcast reached the new process,
+    failed it ("died before applying") and kept the registration of the old, for good."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    worker = start(actors, PlainWorker.options(max_restarts=1))
+    ray.get(worker.__ray_call__.remote(attach_actor_net, hub, worker_id="restarts"))
+    pid = ray.get(worker.__ray_call__.remote(lambda w: os.getpid()))
+    ray.kill(worker, no_restart=False)
+    wait_until(
+        lambda: _pid_or_none(worker) not in (None, pid), what="Ray restarting the worker"
+    )
+    report = ray.get(hub.broadcast.remote(make_policy(), model="policy", raise_on_failure=False))
+    assert report.acked == () and "Ray restarted it" in report.failed["restarts"], report.failed
+    assert ray.get(hub.status.remote()).receivers == ()
+    report = ray.get(hub.broadcast.remote(make_policy(), model="policy"))
+    assert (report.acked, report.failed) == ((), {})
+
+
+def _pid_or_none(actor) -> int | None:
+    """The actor's process id, or None while it does not answer."""
+    try:
+        return ray.get(actor.__ray_call__.remote(lambda a: os.getpid()), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
 
 
 def test_an_attach_whose_first_version_fails_leaves_nothing_registered(actors):
