@@ -371,7 +371,7 @@ class WeightHubActor:
         version first (the hub then versions it anew and delivers it itself)."""
         version = request.direct_version
         model = self._state.resolve_model(request.model)
-        published = self._state.models[model].version if model in self._state.models else 0
+        published = self._state.version_of(model)
         if version <= published:
             logger.info(
                 "version %d of model %r, delivered by its learner, was taken by another "
