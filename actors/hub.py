@@ -94,6 +94,7 @@ from .hub_delivery import (
     Outcome,
     ReceiverDelivery,
     not_delivered,
+    process_of,
     retrieve_outcome,
 )
 from .hub_parts import Assemblies
@@ -1220,18 +1221,23 @@ class WeightHubActor:
             self._asking_if_alive.discard(registration.token)
             return
         try:
-            await asyncio.wait_for(registration.handle.__ray_ready__.remote(), _ALIVE_CHECK_S)
-        except ActorDiedError:
-            logger.warning(
-                "%s (%s) died; dropped from the registry until it registers again",
-                registration.worker,
-                registration.actor,
+            process = await asyncio.wait_for(
+                registration.handle.__ray_call__.remote(process_of), _ALIVE_CHECK_S
             )
-            self._drop(registration.worker, registration.token)
+        except ActorDiedError:
+            process = None
         except (asyncio.TimeoutError, RayError):
-            pass  # busy, or restarting: its next delivery or heartbeat tells
+            return  # busy, or restarting: its next delivery or heartbeat tells
         finally:
             self._asking_if_alive.discard(registration.token)
+        if process != registration.process:  # dead, or Ray restarted it into a new one
+            logger.warning(
+                "%s (%s) died%s; dropped from the registry until it registers again",
+                registration.worker,
+                registration.actor,
+                "" if process is None else " and Ray restarted it",
+            )
+            self._drop(registration.worker, registration.token)
 
     def _record(self, report: BroadcastReport, causes: list[FailureCause]) -> None:
         """Ray metrics of one broadcast, and every receiver's lag after it."""

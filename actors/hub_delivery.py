@@ -456,7 +456,7 @@ class ReceiverDelivery:
                 return "Ray restarted it and the new process registered again"
             if asked is None:
                 asked = asyncio.wrap_future(
-                    registration.handle.__ray_call__.remote(_process_of).future()
+                    registration.handle.__ray_call__.remote(process_of).future()
                 )
             done, _ = await asyncio.wait({asked}, timeout=UNAVAILABLE_RETRY_S)
             if asked in done:
@@ -498,7 +498,7 @@ def retrieve_outcome(future: asyncio.Future[Any]) -> None:
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-def _process_of(actor: Any) -> str:
+def process_of(actor: Any) -> str:
     """Runs inside a receiver actor (``__ray_call__``): its process's Ray worker id."""
     return ray.get_runtime_context().get_worker_id()
 

@@ -101,6 +101,27 @@ def test_a_restarted_actor_that_does_not_attach_again_is_failed_once_then_droppe
     assert (report.acked, report.failed) == ((), {})
 
 
+def test_a_restarted_pull_receiver_that_does_not_attach_again_is_dropped(actors):
+    """A pull receiver is called by nobody: once its heartbeats stopped the hub asked
+    Ray whether its actor was alive, and a new process Ray restarted it into answered
+    for it: the old registration was kept for good."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    worker = start(actors, PlainWorker.options(max_restarts=1))
+    ray.get(
+        worker.__ray_call__.remote(
+            attach_actor_net, hub, worker_id="pulls", mode="pull", heartbeat_s=0.2
+        )
+    )
+    pid = ray.get(worker.__ray_call__.remote(lambda w: os.getpid()))
+    ray.kill(worker, no_restart=False)
+    wait_until(
+        lambda: _pid_or_none(worker) not in (None, pid), what="Ray restarting the worker"
+    )
+    wait_until(
+        lambda: ray.get(hub.status.remote()).receivers == (), what="the hub dropping it"
+    )
+
+
 def _pid_or_none(actor) -> int | None:
     """The actor's process id, or None while it does not answer."""
     try:
