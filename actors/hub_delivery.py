@@ -415,12 +415,7 @@ class ReceiverDelivery:
         except ActorDiedError as err:  # Ray gave up on it since
             return self._process_died(registration, update, f"(Ray will not restart it: {err})")
         except (asyncio.TimeoutError, RayError) as err:
-            return Outcome(
-                registration.worker,
-                f"{registration.actor} died before applying version {update.version} of "
-                f"model {update.model!r}; and it did not answer again ({type(err).__name__})",
-                cause=FailureCause.DIED,
-            )
+            return _died(registration, update, f"(it did not answer again: {type(err).__name__})")
         if restarted is None:  # the same process, its receiver closed: it is gone for good
             self._drop(registration.worker, registration.token)
             return Outcome(
@@ -436,11 +431,8 @@ class ReceiverDelivery:
         will not): the registration is dropped (a new process registers itself; one
         that never does was failed at every broadcast, its planner's holds kept)."""
         self._drop(registration.worker, registration.token)
-        return Outcome(
-            registration.worker,
-            f"{registration.actor} died before applying version {update.version} of model "
-            f"{update.model!r} {how}; dropped from the registry until it registers again",
-            cause=FailureCause.DIED,
+        return _died(
+            registration, update, f"{how}; dropped from the registry until it registers again"
         )
 
     async def _restarted(self, registration: Registration, deadline: float) -> str | None:
@@ -496,6 +488,17 @@ def retrieve_outcome(future: asyncio.Future[Any]) -> None:
     """Retrieve ``future``'s exception once it is done, so that asyncio does not log it
     as never retrieved: for futures whose outcome nobody else awaits."""
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def _died(registration: Registration, update: Update, how: str) -> Outcome:
+    """The outcome of a delivery whose receiver's process died before it applied
+    ``update`` (``how``: what became of it)."""
+    return Outcome(
+        registration.worker,
+        f"{registration.actor} died before applying version {update.version} of model "
+        f"{update.model!r} {how}",
+        cause=FailureCause.DIED,
+    )
 
 
 def process_of(actor: Any) -> str:
