@@ -131,6 +131,9 @@ class RaySyncScheme(WeightSyncScheme):
             )
         if self._owns_hub:  # run again (a RayCollector built anew with this scheme)
             self._close_own_hub()
+        # A scheme handed to another RayCollector connects again (TorchRL refuses a
+        # second connect of a scheme that synchronized once).
+        self.synchronized_on_sender = False
         self.model_id = model_id
         self.context = context
         self.model = model
@@ -167,10 +170,12 @@ class RaySyncScheme(WeightSyncScheme):
 
         Called in the learner by ``update_policy_weights_()``. ``weights`` is an
         nn.Module, a TensorDict or a state_dict; ``worker_ids`` picks remote collectors
-        by index (default: all). Raises :class:`~raysync.SpecMismatchError` naming the
-        first key whose shape or dtype differs from the collectors' model,
+        by index (default: all of them, and every other receiver of the model at the
+        hub, an evaluator attached to it, say). Raises
+        :class:`~raysync.SpecMismatchError` naming the first key whose shape or dtype
+        differs from the collectors' model,
         :class:`~raysync.UnknownModelError` for a model id the hub does not know, and
-        :class:`~raysync.BroadcastError` if a collector failed to apply it (within
+        :class:`~raysync.BroadcastError` if a receiver failed to apply it (within
         ``timeout_s``). While Ray restarts the hub, and until a restarted hub knows the
         collectors again (each registers again within a heartbeat), the update is
         tried again, within ``timeout_s``. A remote collector Ray restarted comes back
@@ -189,47 +194,64 @@ class RaySyncScheme(WeightSyncScheme):
             strategy=self.strategy,
             context=self.context,
         )
-        workers = self._targets(worker_ids)
+        collectors = self._targets(worker_ids)
+        # All of them: every receiver of the model at the hub (an evaluator attached to
+        # it too), which must list each of this scheme's collectors.
+        workers = None if worker_ids is None else collectors
         deadline = time.monotonic() + self._timeout_s
         looked_for_restarted = False
         while True:
+            error: Exception | None = None
             try:
                 # In the try: the handle asks a hub it has no route from yet (the first
                 # update, or the one after a failed one) for it, and a hub Ray is
                 # restarting answers that with ActorUnavailableError.
                 ack = self._hub.broadcast.remote(
-                    prepared, model=self.hub_model, workers=workers, timeout_s=self._timeout_s
+                    prepared,
+                    model=self.hub_model,
+                    workers=workers,
+                    timeout_s=max(deadline - time.monotonic(), _REGISTERED_AGAIN_LOOK_S),
                 )
                 self.last_report = ray.get(ack)
-                return
+                unknown = [w for w in collectors if w not in self.last_report.acked]
+                if not unknown:
+                    return
             except BroadcastError as err:
                 if time.monotonic() > deadline or not self._attach_restarted(
                     err.report.failed, deadline
                 ):
                     raise
+                continue
             except (UnknownWorkerError, ray.exceptions.ActorUnavailableError) as err:
-                # A hub Ray is restarting (the update may or may not have gone out: the
-                # same weights again are harmless), or restarted and knows each
-                # collector again once its hub watch registered it (a heartbeat): until
-                # then, try again. Unless a collector it does not know is dead: the hub
-                # dropped it, and no wait brings it back. One Ray restarted after the
-                # hub dropped it (its attach, after the delivery that failed, did not
-                # come through) holds no receiver: it is attached again here.
-                if isinstance(err, UnknownWorkerError):
-                    dead = self._dead(workers)
-                    if dead:
-                        raise UnknownWorkerError(
-                            f"remote collector(s) {', '.join(dead)} of model "
-                            f"{self.hub_model!r} died and the hub dropped them: no update "
-                            "reaches them (pass worker_ids= to update the others)"
-                        ) from err
-                    if not looked_for_restarted:
-                        looked_for_restarted = True
-                        if self._attach_restarted(workers, deadline):
-                            continue
-                if time.monotonic() + _REGISTERED_AGAIN_LOOK_S > deadline:
-                    raise
-                time.sleep(_REGISTERED_AGAIN_LOOK_S)
+                error = err
+                unknown = collectors if isinstance(err, UnknownWorkerError) else []
+            # A hub Ray is restarting (the update may or may not have gone out: the same
+            # weights again are harmless), or restarted and knows each collector again
+            # once its hub watch registered it (a heartbeat): until then, try again.
+            # Unless a collector it does not know is dead: the hub dropped it, and no
+            # wait brings it back. One Ray restarted after the hub dropped it (its
+            # attach, after the delivery that failed, did not come through) holds no
+            # receiver: it is attached again here.
+            if unknown:
+                dead = self._dead(unknown)
+                if dead:
+                    raise UnknownWorkerError(
+                        f"remote collector(s) {', '.join(dead)} of model "
+                        f"{self.hub_model!r} died and the hub dropped them: no update "
+                        "reaches them (pass worker_ids= to update the others)"
+                    ) from error
+                if not looked_for_restarted:
+                    looked_for_restarted = True
+                    if self._attach_restarted(unknown, deadline):
+                        continue
+            if time.monotonic() + _REGISTERED_AGAIN_LOOK_S > deadline:
+                if error is not None:
+                    raise error
+                raise UnknownWorkerError(
+                    f"remote collector(s) {', '.join(unknown)} of model {self.hub_model!r} "
+                    f"are not registered at the hub after {self._timeout_s} s"
+                )
+            time.sleep(_REGISTERED_AGAIN_LOOK_S)
 
     def _attach_restarted(self, workers: Iterable[str], deadline: float) -> bool:
         """In the learner, after a broadcast failed on ``workers`` (or the hub knew them

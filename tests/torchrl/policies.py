@@ -39,3 +39,17 @@ def normalized_counting_env():
 
     norm = ObservationNorm(loc=torch.zeros(1), scale=torch.ones(1), in_keys=["observation"])
     return TransformedEnv(CountingEnv(), norm)
+
+
+class Evaluator:
+    """A Ray actor of the user's (no TorchRL collector) that evaluates the policy: it
+    attaches its own ``CountingPolicy`` to a named hub's ``"policy"`` as it starts."""
+
+    def __init__(self, hub: str, worker_id: str) -> None:
+        import raysync
+
+        self.policy = CountingPolicy()
+        self.receiver = raysync.attach(hub, {"policy": self.policy}, worker_id=worker_id)
+
+    def weight(self) -> float:
+        return self.policy.weight.item()

@@ -27,6 +27,7 @@ from raysync import (
 from raysync.torchrl import RaySyncScheme, _collector_model
 from tests.torchrl.policies import (
     CountingPolicy,
+    Evaluator,
     MismatchedCountingPolicy,
     normalized_counting_env,
 )
@@ -269,6 +270,52 @@ def test_two_ray_collectors_on_one_hub_keep_their_policies_apart_by_model(ray_cl
         for collector in collectors:
             collector.shutdown()
         ray.kill(hub.actor)
+
+
+def test_an_evaluator_attached_to_the_policy_at_the_hub_gets_each_update(ray_cluster):
+    """Every receiver of the scheme's model at a given hub shares its versions: an actor
+    of the user's attached to ``"policy"`` there acts with each collector update too (the
+    scheme named its collectors only, and the evaluator stayed on its first weights)."""
+    hub = WeightHub.options(name="torchrl-evaluator-hub").remote()
+    scheme = RaySyncScheme("torchrl-evaluator-hub")
+    policy = CountingPolicy()
+    collector = ray_collector(1, sync=True, scheme=scheme, policy=policy)
+    evaluator = ray.remote(num_cpus=0)(Evaluator).remote("torchrl-evaluator-hub", "evaluator")
+    try:
+        batches = iter(collector)
+        assert ray.get(evaluator.weight.remote()) == 1.0
+        for value in (2.0, 3.0):
+            collector.update_policy_weights_(policy=set_weight(policy, value))
+            assert sorted(scheme.last_report.acked) == sorted([*scheme.workers, "evaluator"])
+            assert actions(next(batches)) == {value}
+            assert ray.get(evaluator.weight.remote()) == value
+    finally:
+        collector.shutdown()
+        ray.kill(evaluator)
+        ray.kill(hub.actor)
+
+
+def test_a_scheme_handed_to_a_second_ray_collector_updates_it(ray_cluster):
+    """A scheme whose first RayCollector was used and shut down, handed to a second one:
+    that one's updates reach its collectors (TorchRL refused them, as a second connect
+    of a scheme that had synchronized once)."""
+    scheme = RaySyncScheme()
+    policy = set_weight(CountingPolicy(), 2.0)
+    first = ray_collector(1, sync=True, scheme=scheme, policy=policy)
+    try:
+        first.update_policy_weights_()
+        assert actions(next(iter(first))) == {2.0}
+    finally:
+        first.shutdown()
+    second = ray_collector(1, sync=True, scheme=scheme, policy=policy)
+    try:
+        batches = iter(second)
+        for value in (3.0, 4.0):
+            second.update_policy_weights_(policy=set_weight(policy, value))
+            assert scheme.last_report.acked == scheme.workers
+            assert actions(next(batches)) == {value}
+    finally:
+        second.shutdown()
 
 
 def test_a_model_id_at_the_hub_must_be_a_non_empty_string():
