@@ -21,7 +21,6 @@ registering with the hub, :meth:`Attachments.fill` once the receiver exists,
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import traceback
 from typing import Any, Protocol
@@ -114,18 +113,55 @@ def deliver(host: Any, key: str, update: Update) -> Ack | None:
         return Ack("?", update.model, update.version, AckStatus.NOT_ATTACHED, error)
     loop = receiver.gate.loop
     if loop is not None and loop.is_running() and not _running_on(loop):
-        receiving = _receive(receiver, update)
-        handed = asyncio.run_coroutine_threadsafe(receiving, loop)
-        while True:
-            try:
-                return handed.result(timeout=_LOOP_LOOK_S)
-            except concurrent.futures.TimeoutError:
-                # The loop ended before the update's turn came (a user method's own
-                # asyncio.run): it never runs there now, so it is applied here.
-                if not loop.is_running() and (handed.cancel() or loop.is_closed()):
-                    receiving.close()
-                    break
+        return _OnHostLoop(receiver, update).run(loop)
     return reply_to_hub(receiver.receive(update))
+
+
+class _OnHostLoop:
+    """One update handed to a host's event loop, and applied on the calling thread
+    instead if that loop stops before its turn (a user method's own ``asyncio.run``
+    returned, which cancels the handed task; or a loop the user runs per call, which
+    may run it much later): once, by whichever of the two takes it first."""
+
+    def __init__(self, receiver: Deliverable, update: Update) -> None:
+        self._receiver = receiver
+        self._update = update
+        self._lock = threading.Lock()
+        self._taken = False
+        self._done = threading.Event()
+        self._ack: Ack | None = None
+        self._error: BaseException | None = None
+
+    def run(self, loop: asyncio.AbstractEventLoop) -> Ack | None:
+        """In the delivering thread: the update's reply, wherever it was applied."""
+        on_loop = self._on_loop()
+        asyncio.run_coroutine_threadsafe(on_loop, loop)
+        while not self._done.wait(_LOOP_LOOK_S):
+            # Applied on the loop in one step (no await): not done and not running
+            # means the loop never started it.
+            if not loop.is_running() and self._take():
+                on_loop.close()  # never run now (a loop that ended would warn of it)
+                self._apply()
+        if self._error is not None:
+            raise self._error
+        return self._ack
+
+    async def _on_loop(self) -> None:
+        if self._take():
+            self._apply()
+
+    def _take(self) -> bool:
+        with self._lock:
+            taken, self._taken = self._taken, True
+            return not taken
+
+    def _apply(self) -> None:
+        try:
+            self._ack = reply_to_hub(self._receiver.receive(self._update))
+        except BaseException as err:  # the delivering thread raises it, as Ray reports it
+            self._error = err
+        finally:
+            self._done.set()
 
 
 def deliver_on_channel(host: Any, key: str, update: Update) -> Ack | None:
@@ -198,10 +234,6 @@ def serve_call(handle: Any, key: str, request: ServeRequest) -> Any:
     """Ask the host actor behind ``handle`` to serve ``request``; the call's ObjectRef.
     Through ``__ray_call__`` (in the host's method queue), never retried."""
     return handle.__ray_call__.options(max_task_retries=0).remote(serve, key, request)
-
-
-async def _receive(receiver: Deliverable, update: Update) -> Ack | None:
-    return reply_to_hub(receiver.receive(update))
 
 
 def _running_on(loop: asyncio.AbstractEventLoop) -> bool:

@@ -158,3 +158,93 @@ def test_a_delivery_handed_to_a_loop_that_ends_before_its_turn_is_applied_here(m
     finally:
         attached.remove("unit-test-loop-ends")
         looping.join(30)
+
+
+def _deliver_in_a_thread(key: str, update: Update) -> list[object]:
+    """What ``deliver`` returned or raised, from a thread of its own (as Ray calls it)."""
+    outcome: list[object] = []
+
+    def delivering() -> None:
+        try:
+            outcome.append(deliver(SimpleNamespace(), key, update))
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=delivering, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the delivery waited for a loop that had ended"
+    return outcome
+
+
+def test_a_delivery_whose_task_asyncio_run_cancelled_is_applied_here(monkeypatch):
+    """The update was handed to a method's own ``asyncio.run`` loop as its main coroutine
+    returned: ``asyncio.run`` cancels the task before its first step. The delivery
+    raised CancelledError for a version never tried."""
+    receiver = _Receiver()
+    looping, handed = threading.Event(), threading.Event()
+    real_hand_over = asyncio.run_coroutine_threadsafe
+
+    def hand_over(coroutine, to):  # type: ignore[no-untyped-def]
+        future = real_hand_over(coroutine, to)
+        handed.set()
+        return future
+
+    async def main() -> None:  # blocks its loop until the update is handed, then returns
+        receiver.gate = SimpleNamespace(loop=asyncio.get_running_loop())
+        looping.set()
+        handed.wait(30)
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over)
+    attached.fill("unit-test-run-cancels", receiver)
+    running = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    running.start()
+    try:
+        assert looping.wait(30)
+        update = _update(5)
+        outcome = _deliver_in_a_thread("unit-test-run-cancels", update)
+        assert [getattr(ack, "status", ack) for ack in outcome] == [AckStatus.APPLIED]
+        assert receiver.received == [update]
+    finally:
+        attached.remove("unit-test-run-cancels")
+        running.join(30)
+
+
+def test_a_delivery_the_loop_ran_in_its_last_turn_is_not_applied_again(monkeypatch):
+    """The loop ran the handed update in the turn it stopped in, before the reply came
+    back to the delivering thread (a loop the user runs and stops, never closed): that
+    thread applied the update a second time."""
+    loop = asyncio.new_event_loop()
+    blocking, handed = threading.Event(), threading.Event()
+
+    def busy_then_stop_after_the_update() -> None:
+        blocking.set()
+        handed.wait(30)
+        # Turns from here: the update's task is made, then runs, and the loop stops
+        # with it; its reply's way to the other thread would come a turn later.
+        loop.call_soon(lambda: loop.call_soon(loop.stop))
+
+    real_hand_over = asyncio.run_coroutine_threadsafe
+
+    def hand_over(coroutine, to):  # type: ignore[no-untyped-def]
+        future = real_hand_over(coroutine, to)
+        handed.set()
+        return future
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over)
+    receiver = _Receiver()
+    receiver.gate = SimpleNamespace(loop=loop)
+    attached.fill("unit-test-last-turn", receiver)
+    loop.call_soon(busy_then_stop_after_the_update)
+    looping = threading.Thread(target=loop.run_forever, daemon=True)
+    looping.start()
+    try:
+        assert blocking.wait(30)
+        update = _update(6)
+        outcome = _deliver_in_a_thread("unit-test-last-turn", update)
+        assert [getattr(ack, "status", ack) for ack in outcome] == [AckStatus.APPLIED]
+        assert receiver.received == [update]
+    finally:
+        attached.remove("unit-test-last-turn")
+        looping.join(30)
+        loop.close()
