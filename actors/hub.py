@@ -976,7 +976,9 @@ class WeightHubActor:
         calls = [
             asyncio.ensure_future(
                 entry.registration.handle.__ray_call__.options(max_task_retries=0).remote(
-                    refuse_learner_deliveries, entry.registration.attachment
+                    refuse_learner_deliveries,
+                    entry.registration.attachment,
+                    entry.registration.token,
                 )
             )
             for entry in self._state.receivers.values()

@@ -196,7 +196,9 @@ class ReceiverCore:
         self.worker = identity.worker
         self.actor_name = identity.actor
         self.token = token
-        self._learner_deliveries_refused = False
+        # The registrations (tokens) whose hub is shutting down: a learner's own
+        # delivery to one of them is refused.
+        self._refused_tokens: set[str] = set()
         #: The hubs of earlier registrations of this process whose deferred versions
         #: may still end at this gate, by registration token: their acks go there.
         self._earlier_hubs = earlier_hubs or {}
@@ -451,9 +453,8 @@ class ReceiverCore:
                 raise
             previous, self.transport = self.transport, transport
             self.transport_name = welcome.transport
+            self._refused_tokens.discard(self.token)
             self.token = registration.token
-            # A hub that closed registers no one: this one is open (a new incarnation).
-            self._learner_deliveries_refused = False
             previous.close()
         logger.info("%s re-registered with its hub", self.actor_name)
         return welcome
@@ -532,7 +533,7 @@ class ReceiverCore:
 
         Never raises: a failure becomes a FAILED ack carrying the traceback.
         """
-        if update.from_learner and self._learner_deliveries_refused:
+        if update.from_learner and self.token in self._refused_tokens:
             self.transport.release(update.payload, None)
             return AckNow(
                 self._ack(
@@ -546,9 +547,12 @@ class ReceiverCore:
         except Exception:
             return AckNow(self._ack(update, AckStatus.FAILED, traceback.format_exc()))
 
-    def refuse_learner_deliveries(self) -> None:
-        """The hub is shutting down: apply no version a learner delivers itself."""
-        self._learner_deliveries_refused = True
+    def refuse_learner_deliveries(self, token: str) -> None:
+        """The hub of registration ``token`` is shutting down: while this core is
+        registered under it, apply no version a learner delivers itself. (A refusal
+        that comes while registering again, for the new token or the old, holds for
+        that token only.)"""
+        self._refused_tokens.add(token)
 
     def serve(self, request: ServeRequest) -> str | None:
         """Send the version of ``request.model`` this receiver holds to the receiver its

@@ -48,7 +48,7 @@ class Deliverable(Protocol):
 
     def receive(self, update: Update) -> Receipt: ...
 
-    def refuse_learner_deliveries(self) -> None: ...
+    def refuse_learner_deliveries(self, token: str) -> None: ...
 
     def serve(self, request: ServeRequest) -> str | None: ...
 
@@ -211,13 +211,14 @@ def release_channel(host: Any, holder: str) -> None:
     _channel_claim.release(holder)
 
 
-def refuse_learner_deliveries(host: Any, key: str) -> None:
+def refuse_learner_deliveries(host: Any, key: str, token: str) -> None:
     """Runs in the host actor, called by a hub that is shutting down: the receiver under
-    ``key`` refuses every learner's own delivery from now on (a learner may still hold
-    a route the hub gave before; see :class:`raysync.messages.Route`)."""
+    ``key`` refuses every learner's own delivery from now on, while registered as
+    ``token`` (a learner may still hold a route the hub gave before; see
+    :class:`raysync.messages.Route`)."""
     receiver = attached.find(key, wait_s=0)
     if receiver is not None:
-        receiver.refuse_learner_deliveries()
+        receiver.refuse_learner_deliveries(token)
 
 
 def serve(host: Any, key: str, request: ServeRequest) -> str | None:

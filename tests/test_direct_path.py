@@ -459,3 +459,18 @@ def test_a_version_delivered_but_never_booked_is_not_numbered_again_by_the_hub(
     report = ray.get(hub.broadcast.remote(third), timeout=60)
     assert (report.version, report.acked) == (3, ("c0", "c1"))
     _hold(collectors, third, 3)
+
+
+def test_a_learner_holding_a_route_delivers_nothing_once_the_hub_closed(actors):
+    """A learner's route from before the hub closed still names the receivers: the
+    closing hub told each (by its registration) to refuse a learner's own delivery, so
+    none applies a version the hub never books."""
+    hub = start_hub(actors, "object_store")
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    first = make_policy()
+    assert ray.get(hub.broadcast.remote(first)).direct == ("c0", "c1")  # route held
+    ray.get(hub.actor.close.remote())
+    with pytest.raises(Exception, match="shut"):
+        ray.get(hub.broadcast.remote(make_policy()))
+    _hold(collectors, first, 1)

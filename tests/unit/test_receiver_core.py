@@ -816,13 +816,43 @@ def test_a_core_registered_again_applies_learners_deliveries_again(registering):
     applied) and then came back (Ray restarted it before it ended): registered with the
     new incarnation, the core still failed every version a learner delivered itself."""
     core, hub = registering.core, registering.core.hub
-    core.refuse_learner_deliveries()
+    core.refuse_learner_deliveries(core.token)
     refused = core.receive(dataclasses.replace(registering.update(2), from_learner=True))
     assert isinstance(refused, AckNow) and "shutting down" in (refused.ack.error or "")
     hub.answer.set()
     assert core.register_again(5.0) is not None
     core.transport = registering.transport  # the new registration's, serving the same
     receipt = core.receive(dataclasses.replace(registering.update(3), from_learner=True))
+    assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.APPLIED
+
+
+def test_a_hub_closing_while_a_core_registers_with_it_again_is_heeded(registering):
+    """The hub (a new incarnation) began to close while the core registered with it
+    again, and told the new registration before the core took it up: the core applied
+    learners' own deliveries anyway (registering again lifted every refusal)."""
+    core, hub = registering.core, registering.core.hub
+    watch = threading.Thread(target=core.register_again, args=(5.0,))
+    watch.start()
+    assert hub.asked.wait(5.0)  # the registration is at the hub
+    core.refuse_learner_deliveries(hub.registered[-1])
+    hub.answer.set()
+    watch.join(5.0)
+    assert core.token == hub.registered[-1]
+    core.transport = registering.transport  # the new registration's, serving the same
+    refused = core.receive(dataclasses.replace(registering.update(2), from_learner=True))
+    assert isinstance(refused, AckNow) and "shutting down" in (refused.ack.error or "")
+
+
+def test_an_earlier_hubs_refusal_that_comes_late_is_not_heeded(registering):
+    """The closing hub's notice to the core's earlier registration came after the core
+    had registered with a new incarnation: learners' deliveries are applied."""
+    core, hub = registering.core, registering.core.hub
+    earlier = core.token
+    hub.answer.set()
+    assert core.register_again(5.0) is not None
+    core.refuse_learner_deliveries(earlier)
+    core.transport = registering.transport
+    receipt = core.receive(dataclasses.replace(registering.update(2), from_learner=True))
     assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.APPLIED
 
 
