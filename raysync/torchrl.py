@@ -19,10 +19,12 @@ TorchRL drives the scheme through its ``WeightSyncScheme`` hooks, in this order:
    up, the receivers registered in step 2 (``connect(weights=w)`` on the learner
    broadcasts ``w``).
 4. ``send`` — in the learner, for each ``update_policy_weights_()``: one
-   ``hub.broadcast`` to this collector's receivers (or the ``worker_ids`` asked for),
-   waited for until every one applied it. Each receiver then passes the update on to
-   its own sub-collectors (``MultiSyncCollector``/``MultiAsyncCollector`` workers) the
-   way TorchRL's schemes do, through the collector's ``update_policy_weights_``.
+   ``hub.broadcast`` to every receiver of the model at the hub (or the ``worker_ids``
+   asked for), waited for until every one applied it. Each receiver then passes the
+   update on to its own sub-collectors (``MultiSyncCollector``/``MultiAsyncCollector``
+   workers) the way TorchRL's schemes do, through the collector's
+   ``update_policy_weights_`` (a ``MultiAsyncCollector``'s workers, collecting
+   meanwhile, may mix two versions in a batch under way, as with TorchRL's schemes).
 5. ``shutdown`` — in the learner, from ``RayCollector.shutdown()``: a hub the scheme
    started is closed.
 """
