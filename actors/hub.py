@@ -796,6 +796,24 @@ class WeightHubActor:
             self._asking_if_alive.add(token)
             self._background.spawn(self._drop_if_dead(entry), f"is {entry.worker} alive")
 
+    async def drop_if_dead(self, workers: list[str]) -> tuple[str, ...]:
+        """Whoever ended actors it knows hold receivers (``RaySyncScheme.shutdown``, after
+        TorchRL killed its collectors): those of ``workers`` whose actor Ray says died,
+        or restarted into a new process, are dropped now, not failed by the next
+        broadcast. The ones dropped; a live one (or one that does not answer within
+        ``_ALIVE_CHECK_S``), and one in no actor, are kept."""
+        entries = [
+            entry
+            for entry in map(self._state.receivers.get, workers)
+            if entry is not None and entry.registration.handle is not None
+        ]
+        await asyncio.gather(*(self._drop_if_dead(entry) for entry in entries))
+        return tuple(
+            entry.worker
+            for entry in entries
+            if self._state.receivers.get(entry.worker) is not entry
+        )
+
     async def leave(self, worker: str, token: str) -> None:
         """A receiver that stops receiving (``AttachedReceiver.close``): forget it."""
         self._drop(worker, token)

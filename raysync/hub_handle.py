@@ -523,6 +523,13 @@ class HubHandle:
         return self.actor.transports
 
     @property
+    def drop_if_dead(self) -> Any:
+        """``hub.drop_if_dead.remote(workers)`` -> the worker ids of ``workers`` dropped
+        because their actor died (ended by the caller: the next broadcast would fail
+        them first)."""
+        return self.actor.drop_if_dead
+
+    @property
     def close(self) -> Any:
         """``hub.close.remote()``: refuse new broadcasts, wait for those in flight, stop
         the transports' resource actors."""

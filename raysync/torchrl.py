@@ -26,11 +26,12 @@ TorchRL drives the scheme through its ``WeightSyncScheme`` hooks, in this order:
    ``update_policy_weights_`` (a ``MultiAsyncCollector``'s workers, collecting
    meanwhile, may mix two versions in a batch under way, as with TorchRL's schemes).
 5. ``shutdown`` — in the learner, from ``RayCollector.shutdown()``: a hub the scheme
-   started is closed.
+   started is closed; a hub it was given drops the collectors TorchRL has just ended.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -51,6 +52,8 @@ from raysync.hub_launch import WeightHub, get_hub
 from raysync.messages import BroadcastReport
 from raysync.model_path import resolve
 from raysync.transports import DEFAULT_TRANSPORT
+
+logger = logging.getLogger(__name__)
 
 #: Seconds between tries of an update while Ray restarts the hub, or until it knows the
 #: collectors again.
@@ -415,13 +418,27 @@ class RaySyncScheme(WeightSyncScheme):
 
     # -- both sides --------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Detach a receiver; in the learner, close a hub the scheme started."""
+        """Detach a receiver; in the learner, close a hub the scheme started, or have a
+        hub it was given drop the collectors TorchRL ended (their receivers could not
+        leave it: the next broadcast of the model there would fail them)."""
         super().shutdown()
         receiver, self._receiver = getattr(self, "_receiver", None), None
         if receiver is not None:
             receiver.close()
         if getattr(self, "_owns_hub", False):
             self._close_own_hub()
+        elif self._hub is not None and self._collectors:
+            self._forget_ended_collectors(self._hub)
+
+    def _forget_ended_collectors(self, hub: HubHandle) -> None:
+        """In the learner: the given hub drops those of this scheme's collectors that died."""
+        try:
+            ray.get(hub.drop_if_dead.remote(list(self._workers)), timeout=self._timeout_s)
+        except ray.exceptions.RayError as err:  # a hub gone or busy: its next broadcast tells
+            logger.warning(
+                "the hub did not drop the ended collectors of model %r: %s", self.hub_model, err
+            )
+        self._collectors = ()
 
     def _close_own_hub(self) -> None:
         """In the learner: close the hub this scheme started, and forget it."""

@@ -782,6 +782,25 @@ def test_a_receiver_registering_with_a_closed_hub_is_refused(actors):
         raysync.attach(hub, {"m": special_weights(0.0)}, mode="pull", heartbeat_s=None)
 
 
+def test_drop_if_dead_drops_the_receivers_whose_actor_died_and_keeps_the_others(actors):
+    """Whoever ended actors with receivers (a RayCollector's scheme at shutdown) has the
+    hub drop them at once: a live one, an unknown name and one in no actor are kept."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    ended, live = (start(actors, Collector, hub, worker_id=w) for w in ("ended", "live"))
+    ready([ended, live])
+    driver = raysync.attach(
+        hub, {"policy": make_policy()}, mode="pull", heartbeat_s=None, worker_id="driver"
+    )
+    try:
+        ray.kill(ended)
+        workers = ["ended", "live", "unknown", "driver"]
+        assert ray.get(hub.drop_if_dead.remote(workers)) == ("ended",)
+        status = ray.get(hub.status.remote())
+        assert sorted(r.worker for r in status.receivers) == sorted(workers[1::2])
+    finally:
+        driver.close()
+
+
 def test_a_registration_whose_transport_never_takes_it_in_fails_within_the_hubs_timeout(
     actors,
 ):

@@ -318,6 +318,33 @@ def test_a_scheme_handed_to_a_second_ray_collector_updates_it(ray_cluster):
         second.shutdown()
 
 
+def test_collectors_ended_by_shutdown_leave_a_given_hub(ray_cluster):
+    """RayCollector.shutdown kills its collectors before it shuts the scheme: on a hub
+    the user gave, their receivers stayed registered, and the next RayCollector's first
+    update of the same model failed naming them."""
+    hub = WeightHub.options(name="torchrl-shutdown-hub").remote()
+    policy = CountingPolicy()
+    first_scheme = RaySyncScheme("torchrl-shutdown-hub")
+    first = ray_collector(2, sync=True, scheme=first_scheme, policy=policy)
+    try:
+        first.update_policy_weights_()
+    finally:
+        first.shutdown()
+    try:
+        assert ray.get(hub.status.remote()).receivers == ()
+        scheme = RaySyncScheme("torchrl-shutdown-hub")
+        second = ray_collector(1, sync=True, scheme=scheme, policy=policy)
+        try:
+            batches = iter(second)
+            second.update_policy_weights_(policy=set_weight(policy, 5.0))
+            assert scheme.last_report.acked == scheme.workers
+            assert actions(next(batches)) == {5.0}
+        finally:
+            second.shutdown()
+    finally:
+        ray.kill(hub.actor)
+
+
 def test_a_model_id_at_the_hub_must_be_a_non_empty_string():
     with pytest.raises(ValueError, match="model must be a non-empty model id"):
         RaySyncScheme(model="")
