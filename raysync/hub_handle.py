@@ -38,6 +38,7 @@ from raysync.transports import (
     register_transport,
 )
 from raysync.transports.buckets import bucket_bytes_of
+from raysync.transports.parts import part_stream
 from raysync.wire_dtype import cast_to_wire, check_finite_on_wire, wire_spec_of
 
 #: Default seconds a broadcast waits for every receiver's ack.
@@ -200,9 +201,10 @@ class _Broadcast:
                     side.submitter,
                     config.default_timeout_s if timeout_s is None else timeout_s,
                 )
+            named = route.model if model is None else model
             senders, payloads = self._hand_off(
                 route,
-                route.model if model is None else model,
+                named if parts == 1 else part_stream(named, part, parts),
                 tensors,
                 wire,
                 travels,
@@ -296,8 +298,11 @@ class _Broadcast:
     ) -> tuple[dict[str, TransportSender], dict[str, Any]]:
         """Hand the version to the hub's transport and those its receivers chose, in
         this process: the senders and their payloads, one per hand-off. ``model``: the
-        model id (the hub's only one if none was named). ``wire``: a whole version's
-        tensors as they travel; buckets are cast as they are packed."""
+        model id (the hub's only one if none was named), or the stream of this
+        learner's part of it (:func:`~raysync.transports.parts.part_stream`), as the
+        hub's planners know it (a shared-memory slot names it for its owner).
+        ``wire``: a whole version's tensors as they travel; buckets are cast as they
+        are packed."""
         handle = self._handle
         try:
             senders = {name: handle._sender(name) for name in route.hand_offs}

@@ -703,6 +703,33 @@ def test_versions_the_hub_refuses_let_their_slots_go(actors, monkeypatch):
     assert ray.get(receiver.version.remote("policy")) == 11
 
 
+def test_parts_the_hub_refuses_let_their_slots_go(actors, monkeypatch):
+    """The same for a learner's part of a sharded model, which the hub plans as a
+    stream of its own."""
+    monkeypatch.setattr(shm_learner, "SLOT_WAIT_S", 5.0)  # the learner is this process
+    hub = start_hub(actors, TRANSPORT, models=["m"])
+    receiver = start(actors, EqualParts, hub)
+    ready([receiver])
+
+    def send(version: int, value: float, parts: range = range(2)) -> list[ray.ObjectRef]:
+        halves = [{k: weights(value)[k] for k in sorted(weights(value))[i::2]} for i in parts]
+        return [
+            hub.broadcast.remote(half, model="m", version=version, part=i, parts=2)
+            for i, half in zip(parts, halves, strict=True)
+        ]
+
+    def weights(value: float) -> dict[str, torch.Tensor]:
+        return {f"t{i}": torch.full((64,), value) for i in range(8)}
+
+    ray.get(send(10, 1.0), timeout=60)
+    for stale in range(1, 1 + 2 * MAX_SLOTS):  # each version once: a failed one is over
+        (refused,) = send(stale, 2.0, parts=range(1))
+        with pytest.raises(StaleVersionError, match="10"):
+            ray.get(refused, timeout=60)
+    assert {r.version for r in ray.get(send(11, 3.0), timeout=60)} == {11}
+    assert_same(ray.get(receiver.state.remote()), weights(3.0))
+
+
 def test_a_host_busy_past_its_catch_up_call_pins_no_slot_per_beat(actors):
     """The hub forgot a receiver while its host is busy in a long method: its hub watch
     registers again and the version the hub offers waits behind the method. Each later
