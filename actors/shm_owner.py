@@ -99,6 +99,10 @@ RELAYING = Hold(HoldKind.RELAYING)
 #: version the learner submitted that the hub plans yet (within that broadcast's
 #: timeout); after this it holds one that never will be.
 PENDING_KEPT_S = 2 * SLOT_WAIT_S
+#: How many closed senders the owner remembers (a call of one may come after its
+#: ``leave``, within a slot wait; a learner that releases its hub every step closes a
+#: sender per step).
+CLOSED_SENDERS_KEPT = 1024
 
 
 @dataclass
@@ -173,8 +177,9 @@ class ShmOwner:
         #: freed as their holds go)
         self._learner_pids: dict[str, tuple[int, int | None]] = {}  #: (pid, its start)
         self._left: set[str] = set()
-        #: senders that called :meth:`leave` (kept: a call of theirs may come after it)
-        self._closed_senders: set[str] = set()
+        #: the last senders that called :meth:`leave`, oldest first (a call of theirs
+        #: may come after it)
+        self._closed_senders: dict[str, None] = {}
         self._board_releases = 0
         self._release_calls = 0
         settle_heap()
@@ -202,7 +207,9 @@ class ShmOwner:
         ahead, answered or not yet) at once, and it is given no slot after."""
         with self._lock:
             self._left.add(learner)
-            self._closed_senders.add(learner)
+            self._closed_senders[learner] = None
+            if len(self._closed_senders) > CLOSED_SENDERS_KEPT:
+                del self._closed_senders[next(iter(self._closed_senders))]
             for pool_key, pool in self._pools.items():
                 if pool_key[0] == learner:
                     for segment in pool:

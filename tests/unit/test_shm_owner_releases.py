@@ -451,3 +451,18 @@ def test_a_late_hold_of_a_relayed_version_is_refused_while_its_slot_takes_a_newe
         assert "worker/w2" not in owner.stats().holds
     finally:
         owner.close()
+
+
+def test_the_owner_remembers_the_last_closed_senders_only(owner):
+    """A learner that releases its hub every step closes a sender per step: the owner
+    kept each one's id for its life."""
+    from raysync.actors import shm_owner
+    from raysync.transports import TransportError
+
+    for step in range(shm_owner.CLOSED_SENDERS_KEPT + 10):
+        owner.leave(f"sender {step}")
+    assert len(owner._closed_senders) == shm_owner.CLOSED_SENDERS_KEPT
+    last = f"sender {shm_owner.CLOSED_SENDERS_KEPT + 9}"
+    with pytest.raises(TransportError, match=f"{last} closed"):
+        owner.acquire(4096, timeout_s=5.0, learner=last)
+    owner.acquire(4096, timeout_s=5.0, learner="sender 0")  # long gone: a sender again
