@@ -70,6 +70,8 @@ _CLOCKS_KEPT = 16
 _HUB_LOOK_S = 5.0
 #: Seconds between looks at a stream's sender that answers at once (an async actor).
 _SENDER_LOOK_S = 1.0
+#: Why a reader the hub dropped (:meth:`BucketBroker.drop_reader`) is out of a stream.
+_DROPPED_BY_HUB = "the hub dropped it (it died or left)"
 
 
 @dataclass
@@ -248,8 +250,16 @@ class BucketBroker:
         members the rest, and may not have heard of the death)."""
         for state in list(self._streams.values()):
             if worker not in state.dropped:
-                self._drop(state, worker, "the hub dropped it (it died or left)")
+                self._drop(state, worker, _DROPPED_BY_HUB)
                 await state.changed_now()
+
+    async def readmit(self, worker: str) -> None:
+        """``worker`` registered again (a new process under the same worker id): the
+        streams its earlier process was dropped from by :meth:`drop_reader` before it
+        took any bucket (opened ahead, not planned yet) may name it a reader again."""
+        for state in self._streams.values():
+            if state.dropped.get(worker) == _DROPPED_BY_HUB and worker not in state.taken:
+                del state.dropped[worker]
 
     # -- receivers -------------------------------------------------------------------------
     async def leave(self, key: StreamId, worker: str) -> None:

@@ -568,3 +568,38 @@ def test_a_stream_clock_holds_a_few_stamps_per_reader_not_one_per_bucket_read():
     assert summary.buckets == buckets
     # Every reader asked for bucket k before bucket k - 1 was answered: negative turns.
     assert summary.readers_turn_s < 0 <= summary.take_wait_s
+
+
+def test_a_reader_registered_again_reads_a_stream_opened_before_it_was_dropped():
+    """A version's stream opened ahead (pipelined broadcasts) while its reader died and
+    Ray restarted it under the same worker id: the hub plans the version for the new
+    process, which was refused every bucket as dropped. One whose earlier process began
+    reading a stream stays out of that one (its buckets may be gone)."""
+
+    async def main():
+        broker, ahead, begun = BucketBroker(_NO_HUB), key(count=3), StreamId("b", 3, 5.0)
+        await broker.readers(begun, ["r"])
+        await broker.offer(begun, 0, ["b0"])
+        assert (await broker.take(begun, 0, "r"))[1] is None
+        await broker.offer(ahead, 0, ["ref0"])  # opened by the learner, not planned yet
+        await broker.drop_reader("r")
+        await broker.readmit("r")  # the new process registered
+        await broker.readers(ahead, ["r"])
+        log: list = []
+        got = await asyncio.gather(
+            learner_from(broker, ahead, 1, log), reader(broker, ahead, "r", log)
+        )
+        return got[1], await broker.take(begun, 1, "r")
+
+    got, (boxed, why) = run(main())
+    assert got == [f"ref{i}" for i in range(3)]
+    assert boxed is None and "dropped from the stream: the hub dropped it" in why
+
+
+async def learner_from(broker: BucketBroker, k: StreamId, first: int, log: list) -> None:
+    """:func:`learner` from bucket ``first`` on (those before it offered already)."""
+    for index in range(first, k.count):
+        if index >= BUCKETS_IN_FLIGHT:
+            why = await broker.room(k, index)
+            assert why is None, why
+        await broker.offer(k, index, [f"ref{index}"])

@@ -25,7 +25,7 @@ from raysync.transports.distributed.wire import (
     rank0_reader,
 )
 from raysync.transports.object_store.bucket_stream import is_bucketed, streams_of
-from raysync.transports.object_store.planner import BucketServing
+from raysync.transports.object_store.planner import BucketServing, readmit_reader
 from raysync.transports.options import DistributedOptions
 from raysync.transports.parts import plan_pull_parts
 
@@ -60,6 +60,8 @@ class DistributedPlanner(TransportPlanner):
         """The receiver's worker id: how it names itself to the bucket broker."""
         await self._forget(receiver.worker, "registered again (a new process)")
         self._receivers[receiver.worker] = receiver
+        if self._broker is not None and not await readmit_reader(self._broker, receiver.worker):
+            self._broker = None
         return receiver.worker
 
     async def receiver_left(self, worker: str) -> None:

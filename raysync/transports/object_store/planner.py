@@ -35,6 +35,8 @@ class ObjectStorePlanner(TransportPlanner):
     async def receiver_joined(self, receiver: ReceiverInfo) -> str:
         """The receiver's worker id: how it names itself to the bucket broker."""
         self._receivers[receiver.worker] = receiver
+        if self._broker is not None and not await readmit_reader(self._broker, receiver.worker):
+            self._broker = None
         return receiver.worker
 
     async def receiver_left(self, worker: str) -> None:
@@ -117,3 +119,14 @@ class BucketServing:
     def close(self) -> None:
         for task in self._serving:
             task.cancel()
+
+
+async def readmit_reader(broker: Any, worker: str) -> bool:
+    """``worker`` (re)joined a planner: a stream of the hub's bucket ``broker`` opened
+    before, from which its earlier process was dropped, may take it in
+    (:meth:`BucketBroker.readmit`). False if the broker is gone (with its streams)."""
+    try:
+        await broker.readmit.remote(worker)
+    except ray.exceptions.RayActorError:
+        return False
+    return True
