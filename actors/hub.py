@@ -843,10 +843,15 @@ class WeightHubActor:
         handed = self._state.latest(model)
         if self._closed or handed is None or handed.version <= entry.versions.get(model, 0):
             return
+        if self._state.receivers.get(entry.worker) is not entry:
+            return  # it left, or registered again (welcomed with the latest)
         reports = self._reports.get(model)
         running = None if reports is None else reports.get(handed.version)
         if running is not None and not running.done():
-            return  # that version's broadcast delivers it, or fails it
+            # That version's broadcast delivers it if it targets this receiver (or fails
+            # it): look again once it ended.
+            running.add_done_callback(lambda _: self._catch_up(entry, model))
+            return
         update = handed.update_for(entry.transport)
         if update is None or is_bucketed(update.payload):
             # Sent before anyone read by its transport; or in buckets, gone once read: a

@@ -477,6 +477,42 @@ def test_a_receiver_busy_past_its_timeouts_gets_no_call_per_version_and_then_the
     )
 
 
+def test_a_receiver_free_again_during_a_broadcast_to_others_catches_up_after_it(actors):
+    """A receiver busy past its timeout is free again while the latest version's
+    broadcast, to another receiver only, still runs: the hub left its catch-up to that
+    broadcast, which does not target it, and it stayed behind until the next one."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    template = state_of(make_policy())
+    late, other = (start(actors, Holder, hub, template, w) for w in ("late", "other"))
+    ready([late, other])
+    ray.get(hub.broadcast.remote(template, model="m"))
+    late_gate, late_in, other_gate, other_in = (start(actors, Gate) for _ in range(4))
+    late_busy = late.hold.remote(late_gate, late_in)
+    ray.get(late_in.wait.remote())
+    sent = hub.broadcast.remote(template, model="m", timeout_s=1.0, raise_on_failure=False)
+    assert set(ray.get(sent, timeout=60).failed) == {"late"}  # version 2: timed out
+    other_busy = other.hold.remote(other_gate, other_in)
+    ray.get(other_in.wait.remote())
+    latest = state_of(make_policy())
+    running = hub.broadcast.remote(latest, model="m", workers=["other"], timeout_s=120)
+    wait_until(
+        lambda: ray.get(hub.status.remote()).versions == {"m": 3},
+        what="version 3 is the hub's latest",
+    )
+    ray.get(late_gate.open.remote())  # version 2 applied: free while version 3 runs
+    ray.get(late_busy)
+    wait_until(
+        lambda: {r.worker: r.versions for r in ray.get(hub.status.remote()).receivers}["late"]
+        == {"m": 2},
+        what="late holds version 2",
+    )
+    ray.get(other_gate.open.remote())
+    ray.get(other_busy)
+    assert ray.get(running, timeout=60).acked == ("other",)
+    wait_until(lambda: ray.get(late.version.remote()) == 3, what="late catches up with 3")
+    assert_same(ray.get(late.state.remote()), latest)
+
+
 def test_a_host_busy_for_many_hub_watch_beats_gets_one_catch_up_call(actors):
     """The hub forgot a receiver (as after a restart) while its host is busy in a long
     method: its hub watch registers again and delivers the version the hub offers
