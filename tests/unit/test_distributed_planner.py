@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from raysync.spec import WeightSpec
-from raysync.transports.base import HubContext, ReceiverInfo
+from raysync.transports.base import HubContext, ReceiverInfo, Unplanned
 from raysync.transports.distributed.planner import DistributedPlanner
 from raysync.transports.distributed.wire import StoreAddress
+from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
 from raysync.transports.object_store.wire import ObjectStorePayload
 
 SPEC = WeightSpec.of({"w": torch.zeros(4)})
@@ -210,3 +212,36 @@ def test_a_rank_0_restarted_on_the_same_port_gets_a_new_generation():
         return first["c0"].generation.number, second["c0"].generation.number
 
     assert asyncio.run(run()) == (1, 2)
+
+
+def test_a_process_with_two_receivers_takes_part_in_the_group_once():
+    """One actor attached two receivers of the hub under two worker ids: as two ranks
+    of one actor, called one at a time, each waited at the rendezvous for the other,
+    and the whole group for its timeout, at every version. The second reads the
+    learner's copy, or, with none (a bucketed version), fails alone, saying why."""
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+    twin = dataclasses.replace(_info("c1b"), process="process-c1")
+    targets = [_info("c0"), _info("c1"), twin]
+
+    async def run() -> dict:
+        for target in targets:
+            await planner.receiver_joined(target)
+        return await planner.plan(_Update(1), SPEC, targets)
+
+    planned = asyncio.run(run())
+    assert planned["c1b"] == ObjectStorePayload(())  # the learner's copy
+    assert planner._generation.members == ("c0", "c1")
+
+    bucketed = _planner(_Rank0())
+    update = _Update(1)
+    broker = SimpleNamespace(readers=_Call([], "readers", None))
+    update.payload = BucketStream(broker, StreamId("s", 3, 5.0), 1024)
+
+    async def plan_bucketed() -> dict:
+        for target in targets:
+            await bucketed.receiver_joined(target)
+        return await bucketed.plan(update, SPEC, targets)
+
+    unplanned = asyncio.run(plan_bucketed())["c1b"]
+    assert isinstance(unplanned, Unplanned) and "takes part in it once" in unplanned.reason

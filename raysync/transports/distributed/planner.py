@@ -13,7 +13,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysync.actor_classes import PROCESS_GROUP, actor_class
 from raysync.spec import WeightSpec
-from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
+from raysync.transports.base import (
+    HubContext,
+    ReceiverInfo,
+    TransportError,
+    TransportPlanner,
+    Unplanned,
+)
 from raysync.transports.bucket_relay import bucket_count
 from raysync.transports.distributed.wire import (
     BroadcastJob,
@@ -151,9 +157,28 @@ class DistributedPlanner(TransportPlanner):
         delivery timed out) reads the learner's copy alone until it acks again: in the
         collective it held every other member up for the group's timeout at each
         version. A bucketed version has no copy to read: it stays a member (and fails
-        alone)."""
+        alone). A process takes part once: its other receivers (attached under other
+        worker ids) read the learner's copy too, or fail alone if there is none; as two
+        ranks of one actor, called one at a time, they waited for each other at every
+        version, and the whole group for its timeout."""
         here = [t for t in targets if t.worker in self._receivers]
-        alone = {} if is_bucketed(update.payload) else _alone(here, update.payload)
+        bucketed = is_bucketed(update.payload)
+        alone: dict[str, Any] = {} if bucketed else _alone(here, update.payload)
+        in_group: set[str] = set()
+        for target in sorted(here, key=lambda t: t.worker):
+            if target.worker in alone:
+                continue
+            if target.process not in in_group:
+                in_group.add(target.process)
+            elif bucketed:
+                alone[target.worker] = Unplanned(
+                    f"{target.actor} holds another receiver of this hub's distributed "
+                    "group, and a process takes part in it once; a bucketed version has "
+                    "no copy of the learner's to read: attach every model of the "
+                    "process in one receiver, or give this one another transport"
+                )
+            else:
+                alone[target.worker] = update.payload
         return alone, tuple(sorted(t.worker for t in here if t.worker not in alone))
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
