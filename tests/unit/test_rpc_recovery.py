@@ -6,6 +6,7 @@ receiver whose first join failed joins again where the agent looks for it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -110,3 +111,20 @@ def test_a_late_delivery_of_a_group_left_does_not_move_the_receiver_back(monkeyp
     with pytest.raises(TransportError, match="RPC group this process has left"):
         receiver._Membership.follow(old)
     assert joined == [old.url, new.url] and receiver._Membership.member == new
+
+
+def test_a_second_receiver_of_the_hub_in_a_process_is_refused_saying_why(monkeypatch):
+    """A process in the hub's RPC group attached a second receiver under another worker
+    id: the hub admitted it under a new name, which torch RPC cannot give one process.
+    The refusal said only that the names differed."""
+    from raysync.transports.options import RpcOptions
+    from raysync.transports.rpc import receiver
+    from raysync.transports.rpc.wire import RpcMember
+
+    first = RpcMember("raysync-rpc://h:1/p", "k1", "hub", "raysync_k1_1", 1, RpcOptions(), "a")
+    second = dataclasses.replace(first, name="raysync_k1_2", rank=2, worker="b")
+    monkeypatch.setattr(receiver._Membership, "member", first)
+    monkeypatch.setattr(receiver._Membership, "rank", 1)
+    with pytest.raises(TransportError, match=r"receiver 'a'.*receiver 'b'.*in one receiver"):
+        receiver._Membership.join(second)
+    assert receiver._Membership.member == first

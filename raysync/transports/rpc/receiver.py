@@ -332,8 +332,11 @@ class _Membership:
                 cls._move(member)
             elif cls.member.name != member.name:
                 raise TransportError(
-                    f"this process is {cls.member.name} in the hub's RPC group, the hub "
-                    f"admitted it as {member.name}"
+                    f"this process is {cls.member.name} in the hub's RPC group (receiver "
+                    f"{cls.member.worker!r}), and torch RPC gives a process one place in "
+                    f"it: the hub admitted receiver {member.worker!r} as {member.name}. "
+                    "Attach every model of this process in one receiver, or give this "
+                    "one another transport"
                 )
             assert cls.member is not None  # joined, or raised
             return cls.member
