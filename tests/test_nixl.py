@@ -122,6 +122,25 @@ def test_overwritten_buffer_is_detected_never_returned():
         sender.close()
 
 
+def test_a_sender_opened_again_never_repeats_a_stamp_of_the_one_before():
+    """A learner that releases its hub closes its sender; the next broadcast opens a new
+    one, whose buffers may sit at the old ones' addresses. Its stamps began at 1 again,
+    so a reader of the old sender's version (a late joiner's, a pull's) could take a
+    new version's bytes, stamped alike, for it."""
+    spec = WeightSpec.of(_weights(0.0))
+    first = NixlSender()
+    try:
+        before = [_publish(first, _weights(1.0), spec).stamp for _ in range(2)]
+    finally:
+        first.close()
+    again = NixlSender()
+    try:
+        after = _publish(again, _weights(2.0), spec).stamp
+    finally:
+        again.close()
+    assert after > max(before)
+
+
 def test_a_models_latest_version_is_not_written_over_by_another_model_of_its_spec():
     """Two models of one spec (a policy and its reference copy), broadcast a, b, a, a:
     b's latest stays readable (for late joiners) in a buffer of b's own."""

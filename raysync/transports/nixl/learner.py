@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -32,6 +33,11 @@ from raysync.transports.ring_pool import RingPool
 
 logger = logging.getLogger(__name__)
 
+#: Stamps of every sender of this process: a sender opened again after ``release()``
+#: may get buffers at the addresses of the one before, and a reader of one of its
+#: versions (a late joiner's, a pull's) must not take the new sender's stamp for it.
+_stamps = itertools.count(1)
+_stamps_lock = threading.Lock()
 #: Upper bound on how long ``send`` waits for the broadcast that last filled a buffer.
 #: Broadcasts end within their own timeout; past this bound the stamps still protect
 #: readers, so the learner goes on.
@@ -82,8 +88,6 @@ class NixlSender(TransportSender):
         self._outgoing: dict[str, tuple[BucketRing, Outgoing]] = {}
         self._registration = 0
         self._metadata = self._agent.get_agent_metadata()
-        self._stamp = 0
-        self._stamp_lock = threading.Lock()
         #: Registrations and the choice of ring (``send_buckets``); never held while a
         #: ``send`` waits for a buffer's last broadcast (its pair's ``lock`` is).
         self._lock = threading.Lock()
@@ -121,7 +125,7 @@ class NixlSender(TransportSender):
                 buffer.pending = (0, [])
             try:
                 self._wait_until_read(last)
-                stamp = self._next_stamp()
+                stamp = _next_stamp()
                 buffer.frame.stamps(buffer.tensor).zero_()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -144,12 +148,6 @@ class NixlSender(TransportSender):
                     "its buffer"
                 )
             return NixlPayload(self._agent.name, metadata, registration, buffer.region, stamp)
-
-    def _next_stamp(self) -> int:
-        """A fresh stamp, larger than every one before (whole buffers and ring slots)."""
-        with self._stamp_lock:
-            self._stamp += 1
-            return self._stamp
 
     def send_buckets(
         self,
@@ -194,7 +192,7 @@ class NixlSender(TransportSender):
                 raise closed_before_sent(payload, "nixl")
             ring, outgoing = started
             try:
-                ring.stream_out(payload, outgoing, done, copy_on_this_thread, self._next_stamp)
+                ring.stream_out(payload, outgoing, done, copy_on_this_thread, _next_stamp)
             finally:
                 self._rings.give_back(ring)
             return
@@ -355,3 +353,10 @@ class NixlSender(TransportSender):
             self._ring_registrations.clear()
             self._outgoing.clear()
             self._by_address.clear()
+
+
+def _next_stamp() -> int:
+    """A fresh stamp, larger than every one before in this process (whole buffers and
+    ring slots), whichever sender wrote it."""
+    with _stamps_lock:
+        return next(_stamps)
