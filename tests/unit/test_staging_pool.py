@@ -187,3 +187,24 @@ def test_each_fill_of_kept_views_is_leased_as_a_sequence_of_its_own_with_numpy_v
     pool.release(first)
     third = pool.fill(spec, write)
     assert len(pool.created()) == 2 and third.arrays[0].ctypes.data == first.arrays[0].ctypes.data
+
+
+def test_the_staging_device_is_the_one_current_where_the_process_first_asked(monkeypatch):
+    """A receiver attached in a thread that set CUDA device 3 (a rollout worker's); after
+    a hub restart its hub watch's thread, where the current device is 0, opened the
+    transport again and staged every later version on device 0."""
+    import threading
+
+    from raysync.transports import staging
+
+    current = threading.local()
+    monkeypatch.setattr(staging, "_staging_device", None)
+    monkeypatch.setattr(staging.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(staging.torch.cuda, "current_device", lambda: getattr(current, "d", 0))
+    current.d = 3  # this thread set its device
+    assert staging.staging_device() == torch.device("cuda", 3)
+    in_watch: list[torch.device] = []
+    watch = threading.Thread(target=lambda: in_watch.append(staging.staging_device()))
+    watch.start()
+    watch.join(30)
+    assert in_watch == [torch.device("cuda", 3)]
