@@ -113,12 +113,27 @@ def test_a_delivery_is_applied_here_when_the_loop_that_read_the_model_has_ended(
         attached.remove("unit-test-ended-loop")
 
 
-def test_a_delivery_handed_to_a_loop_that_ends_before_its_turn_is_applied_here(monkeypatch):
+@pytest.fixture
+def handed(monkeypatch) -> threading.Event:
+    """Set once ``deliver`` has handed its update to a loop."""
+    event = threading.Event()
+    real_hand_over = asyncio.run_coroutine_threadsafe
+
+    def hand_over(coroutine, to):  # type: ignore[no-untyped-def]
+        future = real_hand_over(coroutine, to)
+        event.set()
+        return future
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over)
+    return event
+
+
+def test_a_delivery_handed_to_a_loop_that_ends_before_its_turn_is_applied_here(handed):
     """The host's loop was running when the update was handed to it and ended before
     running it (a user method's own ``asyncio.run`` returned): the delivery waited for
     it for good, its ack never sent, its payload never released."""
     loop = asyncio.new_event_loop()
-    blocking, handed = threading.Event(), threading.Event()
+    blocking = threading.Event()
 
     def busy_then_stop() -> None:  # the loop's last turn: what is handed now never runs
         blocking.set()
@@ -130,33 +145,27 @@ def test_a_delivery_handed_to_a_loop_that_ends_before_its_turn_is_applied_here(m
         loop.run_forever()
         loop.close()
 
-    real_hand_over = asyncio.run_coroutine_threadsafe
-
-    def hand_over(coroutine, to):  # type: ignore[no-untyped-def]
-        future = real_hand_over(coroutine, to)
-        handed.set()
-        return future
-
-    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over)
     receiver = _Receiver()
     receiver.gate = SimpleNamespace(loop=loop)
-    attached.fill("unit-test-loop-ends", receiver)
     looping = threading.Thread(target=run_loop, daemon=True)
+    _assert_applied_once(receiver, "unit-test-loop-ends", looping, blocking)
+
+
+def _assert_applied_once(
+    receiver: _Receiver, key: str, looping: threading.Thread, busy: threading.Event
+) -> None:
+    """Start ``looping`` (the host's loop, ``busy`` once it is): an update ``deliver``
+    hands over from another thread is applied once, and acked."""
+    attached.fill(key, receiver)
     looping.start()
-    acks: list[object] = []
     try:
-        assert blocking.wait(30)
-        update = _update(4)
-        delivering = threading.Thread(
-            target=lambda: acks.append(deliver(SimpleNamespace(), "unit-test-loop-ends", update)),
-            daemon=True,
-        )
-        delivering.start()
-        delivering.join(30)
-        assert not delivering.is_alive(), "the delivery waited for a loop that had ended"
-        assert acks[0].status is AckStatus.APPLIED and receiver.received == [update]
+        assert busy.wait(30)
+        update = _update(len(receiver.received) + 1)
+        outcome = _deliver_in_a_thread(key, update)
+        assert [getattr(ack, "status", ack) for ack in outcome] == [AckStatus.APPLIED]
+        assert receiver.received == [update]
     finally:
-        attached.remove("unit-test-loop-ends")
+        attached.remove(key)
         looping.join(30)
 
 
@@ -177,45 +186,28 @@ def _deliver_in_a_thread(key: str, update: Update) -> list[object]:
     return outcome
 
 
-def test_a_delivery_whose_task_asyncio_run_cancelled_is_applied_here(monkeypatch):
+def test_a_delivery_whose_task_asyncio_run_cancelled_is_applied_here(handed):
     """The update was handed to a method's own ``asyncio.run`` loop as its main coroutine
     returned: ``asyncio.run`` cancels the task before its first step. The delivery
     raised CancelledError for a version never tried."""
     receiver = _Receiver()
-    looping, handed = threading.Event(), threading.Event()
-    real_hand_over = asyncio.run_coroutine_threadsafe
-
-    def hand_over(coroutine, to):  # type: ignore[no-untyped-def]
-        future = real_hand_over(coroutine, to)
-        handed.set()
-        return future
+    looping = threading.Event()
 
     async def main() -> None:  # blocks its loop until the update is handed, then returns
         receiver.gate = SimpleNamespace(loop=asyncio.get_running_loop())
         looping.set()
         handed.wait(30)
 
-    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over)
-    attached.fill("unit-test-run-cancels", receiver)
     running = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    running.start()
-    try:
-        assert looping.wait(30)
-        update = _update(5)
-        outcome = _deliver_in_a_thread("unit-test-run-cancels", update)
-        assert [getattr(ack, "status", ack) for ack in outcome] == [AckStatus.APPLIED]
-        assert receiver.received == [update]
-    finally:
-        attached.remove("unit-test-run-cancels")
-        running.join(30)
+    _assert_applied_once(receiver, "unit-test-run-cancels", running, looping)
 
 
-def test_a_delivery_the_loop_ran_in_its_last_turn_is_not_applied_again(monkeypatch):
+def test_a_delivery_the_loop_ran_in_its_last_turn_is_not_applied_again(handed):
     """The loop ran the handed update in the turn it stopped in, before the reply came
     back to the delivering thread (a loop the user runs and stops, never closed): that
     thread applied the update a second time."""
     loop = asyncio.new_event_loop()
-    blocking, handed = threading.Event(), threading.Event()
+    blocking = threading.Event()
 
     def busy_then_stop_after_the_update() -> None:
         blocking.set()
@@ -224,27 +216,11 @@ def test_a_delivery_the_loop_ran_in_its_last_turn_is_not_applied_again(monkeypat
         # with it; its reply's way to the other thread would come a turn later.
         loop.call_soon(lambda: loop.call_soon(loop.stop))
 
-    real_hand_over = asyncio.run_coroutine_threadsafe
-
-    def hand_over(coroutine, to):  # type: ignore[no-untyped-def]
-        future = real_hand_over(coroutine, to)
-        handed.set()
-        return future
-
-    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over)
     receiver = _Receiver()
     receiver.gate = SimpleNamespace(loop=loop)
-    attached.fill("unit-test-last-turn", receiver)
     loop.call_soon(busy_then_stop_after_the_update)
     looping = threading.Thread(target=loop.run_forever, daemon=True)
-    looping.start()
     try:
-        assert blocking.wait(30)
-        update = _update(6)
-        outcome = _deliver_in_a_thread("unit-test-last-turn", update)
-        assert [getattr(ack, "status", ack) for ack in outcome] == [AckStatus.APPLIED]
-        assert receiver.received == [update]
+        _assert_applied_once(receiver, "unit-test-last-turn", looping, blocking)
     finally:
-        attached.remove("unit-test-last-turn")
-        looping.join(30)
         loop.close()
