@@ -305,6 +305,8 @@ class RaySyncScheme(WeightSyncScheme):
                 ray.get(ref)
             except ray.exceptions.ActorDiedError:  # not one Ray is restarting
                 dead.append(asked[ref])
+            except ray.exceptions.RayError:  # restarting, or unreachable: not dead for good
+                pass
         return [f"{i} ({self._workers[i]})" for i in sorted(dead)]
 
     def _targets(self, worker_ids: int | list[int] | None) -> list[str]:
