@@ -31,7 +31,7 @@ from raysync.transports.distributed.wire import (
     rank0_reader,
 )
 from raysync.transports.object_store.bucket_stream import is_bucketed, streams_of
-from raysync.transports.object_store.planner import BucketServing, readmit_reader
+from raysync.transports.object_store.planner import BucketServing, tell_broker
 from raysync.transports.options import DistributedOptions
 from raysync.transports.parts import plan_pull_parts
 
@@ -66,18 +66,14 @@ class DistributedPlanner(TransportPlanner):
         """The receiver's worker id: how it names itself to the bucket broker."""
         await self._forget(receiver.worker, "registered again (a new process)")
         self._receivers[receiver.worker] = receiver
-        if self._broker is not None and not await readmit_reader(self._broker, receiver.worker):
-            self._broker = None
+        self._broker = await tell_broker(self._broker, "readmit", receiver.worker)
         return receiver.worker
 
     async def receiver_left(self, worker: str) -> None:
         self._receivers.pop(worker, None)  # no plan from now on takes it in
         await self._forget(worker, "died or left")
-        if self._broker is not None:  # it may read a version itself, its group broken
-            try:
-                await self._broker.drop_reader.remote(worker)
-            except ray.exceptions.RayActorError:
-                self._broker = None
+        # It may read a version itself from the broker, its group broken.
+        self._broker = await tell_broker(self._broker, "drop_reader", worker)
 
     async def _forget(self, worker: str, why: str) -> None:
         """``worker`` will not join the current generation: the next plan forms a new

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import ray
 
@@ -35,17 +35,12 @@ class ObjectStorePlanner(TransportPlanner):
     async def receiver_joined(self, receiver: ReceiverInfo) -> str:
         """The receiver's worker id: how it names itself to the bucket broker."""
         self._receivers[receiver.worker] = receiver
-        if self._broker is not None and not await readmit_reader(self._broker, receiver.worker):
-            self._broker = None
+        self._broker = await tell_broker(self._broker, "readmit", receiver.worker)
         return receiver.worker
 
     async def receiver_left(self, worker: str) -> None:
         self._receivers.pop(worker, None)
-        if self._broker is not None:
-            try:
-                await self._broker.drop_reader.remote(worker)
-            except ray.exceptions.RayActorError:
-                self._broker = None  # gone with its streams: nothing waits for the worker
+        self._broker = await tell_broker(self._broker, "drop_reader", worker)
 
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
@@ -121,12 +116,15 @@ class BucketServing:
             task.cancel()
 
 
-async def readmit_reader(broker: Any, worker: str) -> bool:
-    """``worker`` (re)joined a planner: a stream of the hub's bucket ``broker`` opened
-    before, from which its earlier process was dropped, may take it in
-    (:meth:`BucketBroker.readmit`). False if the broker is gone (with its streams)."""
+async def tell_broker(broker: Any, news: Literal["readmit", "drop_reader"], worker: str) -> Any:
+    """Tell the hub's bucket ``broker`` (None: no bucketed version came yet) that
+    ``worker`` joined (``"readmit"``: a stream opened before, from which its earlier
+    process was dropped, may take it in) or left (``"drop_reader"``). The broker to keep:
+    None once it is gone, with its streams (nothing there waits for anyone)."""
+    if broker is None:
+        return None
     try:
-        await broker.readmit.remote(worker)
+        await getattr(broker, news).remote(worker)
     except ray.exceptions.RayActorError:
-        return False
-    return True
+        return None
+    return broker
