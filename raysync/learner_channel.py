@@ -240,8 +240,14 @@ class ReceiverChannel:
     def _build(self, job: _Build) -> None:
         with self._lock:
             if job.members != self._wanted:
-                return  # a newer set was asked for since
-        self._teardown()
+                return  # a newer set was asked for since, or a broadcast wrote the graph
+            # Taken from the channel under the same hold as the check: a broadcast after
+            # it finds no graph (and asks for its own set), none writes into the graph
+            # being torn down, leaving its set wanted and never built.
+            old, old_targets = self._graph, self._targets
+            self._graph, self._members = None, ()
+        if old is not None:
+            self._teardown(old, old_targets)
         claims = [
             t.handle.__ray_call__.options(max_task_retries=0).remote(claim_channel, self._holder)
             for t in job.targets

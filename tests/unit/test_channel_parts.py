@@ -1,17 +1,21 @@
 """The pure parts of learners' channels (raysync/learner_channel.py), without Ray: the
 hub's matching of channel replies to deliveries (a reply may come before its booking),
 a receiver process's claim on its compiled-graph thread, the object store receiver's
-copy of an inline version, and which route targets a channel may reach."""
+copy of an inline version, which route targets a channel may reach, and the channel's
+build racing a broadcast (its thread driven by the test, Ray's calls stood in for)."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
+import ray
 import torch
 
+import raysync.learner_channel
 from raysync.channel_replies import EARLY_REPLIES_KEPT, ChannelReplies
-from raysync.learner_channel import channel_targets
+from raysync.learner_channel import ReceiverChannel, channel_targets
 from raysync.messages import DirectTarget, Entry, Route
 from raysync.receiver_delivery import _ChannelClaim
 from raysync.spec import WeightSpec
@@ -77,8 +81,80 @@ def test_an_inline_version_is_copied_out_of_the_channels_buffer():
         assert not np.shares_memory(tensor.view(torch.uint8).numpy(), array)
 
 
-def _target(worker: str, *, entry=Entry.MIXIN_METHOD, node="n1", transport="object_store"):
-    return DirectTarget(worker, f"token-{worker}", transport, None, entry, f"key-{worker}", node)
+def test_a_broadcast_as_a_build_begins_goes_the_plain_way_and_asks_for_its_set(monkeypatch):
+    """The channel's thread begins building a graph for receivers {c0, c1} while the
+    next broadcast goes to the graph's {c0} again. It wrote into the graph being torn
+    down, and left {c0} wanted and never built: every later broadcast to {c0} took
+    the plain path. Now it finds no graph, takes the plain path and asks for {c0}."""
+    channel = ReceiverChannel(hub=None, submitter="learner", model="policy")
+    channel.close()  # its thread ends: the test runs the thread's jobs itself
+    graph = _Graph()
+    one = (_target("c0", handle=_Unanswered()),)
+    two = (*one, _target("c1", handle=_Unanswered()))
+    channel._graph, channel._targets = graph, one
+    channel._members = channel._wanted = tuple((t.worker, t.token) for t in one)
+    assert channel.write(two, None, _update(2), timeout_s=5.0) is None  # asks for {c0, c1}
+    build = channel._jobs.get_nowait()
+
+    teardown = channel._teardown
+
+    def broadcast_to_one_then_teardown(*args):
+        assert channel.write(one, None, _update(3), timeout_s=5.0) is None
+        teardown(*args)
+
+    monkeypatch.setattr(channel, "_teardown", broadcast_to_one_then_teardown)
+    monkeypatch.setattr(
+        raysync.learner_channel,
+        "ray",
+        SimpleNamespace(get=_claims_unanswered, exceptions=ray.exceptions),
+    )
+    channel._build(build)  # {c0, c1} not claimed in time: refused for a while
+
+    assert graph.executed == [] and graph.torn
+    asked = channel._jobs.get_nowait()
+    assert asked.members == (("c0", "token-c0"),)
+
+
+class _Graph:
+    """A compiled graph that records what was written into it."""
+
+    def __init__(self) -> None:
+        self.executed: list = []
+        self.torn = False
+
+    def execute(self, update):
+        self.executed.append(update.version)
+        return [None]
+
+    def teardown(self) -> None:
+        self.torn = True
+
+
+class _Unanswered:
+    """A receiver's actor handle whose calls are sent and never answered."""
+
+    def __init__(self) -> None:
+        self.__ray_call__ = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *_):
+        return None
+
+
+def _claims_unanswered(refs, timeout=None):
+    raise ray.exceptions.GetTimeoutError("no receiver answered (the test's)")
+
+
+def _update(version: int):
+    return SimpleNamespace(model="policy", version=version, payload=SimpleNamespace(arrays=()))
+
+
+def _target(
+    worker: str, *, entry=Entry.MIXIN_METHOD, node="n1", transport="object_store", handle=None
+):
+    return DirectTarget(worker, f"token-{worker}", transport, handle, entry, f"key-{worker}", node)
 
 
 def test_a_channel_reaches_mixin_receivers_on_the_learners_node_that_read_the_object_store():
