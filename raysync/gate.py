@@ -414,20 +414,23 @@ class ApplyGate:
                         self._cond.notify_all()
                         self._wake_coroutines_waiting()  # of other loops
             pending = _Pending(apply, key, supersede, rank)
-            if key is not None:
-                waiting = [p for p in self._deferred if p.key == key and p.supersede]
-                newer = [p for p in waiting if p.rank > rank]
-                if newer and supersede is not None:
-                    newer[-1].followers.append(supersede())
-                    return DEFERRED
-                for older in waiting:
-                    assert older.supersede is not None  # waiting: writes that have one
-                    self._deferred.remove(older)
-                    pending.followers += [older.supersede(), *older.followers]
-            self._deferred.append(pending)
-            if self._deferred_since is None:
-                self._deferred_since = time.monotonic()
-            with self._cond:  # what made it wait may have ended before it was listed
+            # Under the lock: another loop of the actor (a concurrency group's) may take
+            # the deferred writes to run them meanwhile.
+            with self._cond:
+                if key is not None:
+                    waiting = [p for p in self._deferred if p.key == key and p.supersede]
+                    newer = [p for p in waiting if p.rank > rank]
+                    if newer and supersede is not None:
+                        newer[-1].followers.append(supersede())
+                        return DEFERRED
+                    for older in waiting:
+                        assert older.supersede is not None  # waiting: writes that have one
+                        self._deferred.remove(older)
+                        pending.followers += [older.supersede(), *older.followers]
+                self._deferred.append(pending)
+                if self._deferred_since is None:
+                    self._deferred_since = time.monotonic()
+                # What made it wait may have ended before it was listed.
                 idle = not (self._readers - held or self._writing or self._writers_waiting)
             if idle:
                 asyncio.get_running_loop().call_soon(self._run_deferred_if_idle)
@@ -525,8 +528,13 @@ class ApplyGate:
                 self._cond.notify_all()
                 self._wake_coroutines_waiting()
                 drained, self._drained_waiters = self._drained_waiters, []
+                # Deferred meanwhile by another loop, which found these writes running
+                # and left the new ones to them.
+                deferred_meanwhile = bool(self._deferred)
             for waiter in drained:  # each on its own loop (an actor's concurrency groups)
                 _call_soon(waiter.get_loop(), _set_done, waiter)
+            if deferred_meanwhile:
+                self._run_deferred_soon()
         if failure is not None:
             raise failure
 

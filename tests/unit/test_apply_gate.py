@@ -1488,3 +1488,40 @@ def test_a_write_deferred_on_a_loop_that_ended_runs_when_the_thread_holding_it_l
     waiting.start()
     waiting.join(TIMEOUT)
     assert not waiting.is_alive(), "safe_point waited for a write no loop runs"
+
+
+def test_a_write_deferred_on_one_loop_while_another_runs_the_deferred_ones_runs_too(loops):
+    """Loop 0 ran the deferred writes; a write that came on loop 1 meanwhile was deferred
+    behind them and left to them, which had taken theirs already: it waited, its ack
+    unsent, until some user method began or ended."""
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    parked, leave, applying, go_on = (threading.Event() for _ in range(4))
+
+    def first_apply() -> str:
+        applying.set()
+        _wait(go_on, "the second write is deferred")
+        return "ack-1"
+
+    async def read() -> None:
+        async with gate.reading_async():
+            parked.set()
+            await asyncio.get_running_loop().run_in_executor(None, leave.wait, TIMEOUT)
+
+    async def write(apply: Callable[[], str]) -> Any:
+        return gate.write(apply, key=None)
+
+    reader = loops.run(0, read())
+    _wait(parked, "a method holds the model")
+    assert loops.run(0, write(first_apply)).result(TIMEOUT) is DEFERRED
+    leave.set()  # the reader leaves, and runs the deferred write on loop 0
+    _wait(applying, "the deferred write runs")
+    assert loops.run(1, write(lambda: "ack-2")).result(TIMEOUT) is DEFERRED
+    go_on.set()
+    reader.result(TIMEOUT)
+    for _ in range(10_000):  # until the second write ran (a loop's callback: no handle)
+        with gate._cond:
+            if len(finished) == 2:
+                break
+        threading.Event().wait(0.001)
+    assert finished == ["ack-1", "ack-2"]
