@@ -48,9 +48,10 @@ logger = logging.getLogger(__name__)
 
 #: How long a write keeps user methods that start meanwhile waiting for it. After that
 #: they start again, and the write goes once none runs (or at a safe point of the only
-#: one running): a user method that waits for another call of the actor (a pool's
-#: thread, a coroutine that feeds its queue), which waits for the write, no longer
-#: deadlocks the actor for good.
+#: one running, or at those of the methods running, when each has come to a safe point
+#: since the write began to wait: see :meth:`ApplyGate.safe_point`): a user method that
+#: waits for another call of the actor (a pool's thread, a coroutine that feeds its
+#: queue), which waits for the write, no longer deadlocks the actor for good.
 WRITER_FIRST_S = 60.0
 
 
@@ -151,6 +152,9 @@ class ApplyGate:
         self._writers_waiting = 0  #: thread writes new readers wait for (their first turn)
         #: every thread write waiting, past its first turn too (a safe point lends to it)
         self._writers_blocked = 0
+        #: The reads of threads that came to a safe point while a thread write was
+        #: blocked (by ``id``), until none is: they come to one again (see safe_point).
+        self._at_safe_points: dict[int, _Read] = {}
         self._writing = False
         #: the thread running the write, while ``_writing``: what it calls while it
         #: applies (``on_weights_applied``: a user method, a pull) is inside that write
@@ -267,6 +271,8 @@ class ApplyGate:
             read.lent -= 1
         else:
             self._readers -= 1
+        if not read.depth:
+            self._at_safe_points.pop(id(read), None)
         self._cond.notify_all()
 
     def _lend(self, read: _Read | None) -> None:
@@ -353,7 +359,15 @@ class ApplyGate:
             return ended
 
     def safe_point(self) -> None:
-        """Let waiting writes through from inside a long-running user method."""
+        """Let waiting writes through from inside a long-running user method.
+
+        A thread write past its first turn (:data:`WRITER_FIRST_S`) goes at a moment with
+        no reader. Where every method running has come to a safe point since the write
+        began to wait (two threads, each in ``while True: collect(); safe_point()``),
+        each safe point waits for the others' (:data:`WRITER_FIRST_S` at most): returning
+        at once, each would find the other running, at every turn, and the write would
+        wait for as long as they run.
+        """
         if on_event_loop():
             self._run_deferred_if_idle(own=_own_reads())
             return
@@ -363,19 +377,36 @@ class ApplyGate:
             if not (self._writers_waiting or self._writing or self._writers_blocked or deferred):
                 return
             self._lend(read)
+            if self._writers_blocked and read is not None:
+                self._at_safe_points[id(read)] = read
             self._cond.notify_all()
             if deferred:  # run on their loop, if no other reader holds them back
                 self._run_deferred_soon()
             # A write past its first turn (or deferred ones) waits for a moment with no
-            # reader: this one waits for it only if it made that moment (others may
-            # wait for this one, and the last of them to leave runs deferred writes).
-            while (
-                self._writers_waiting
-                or self._writing
-                or ((self._writers_blocked or self._deferred) and not self._readers)
-            ):
-                self._cond.wait()
+            # reader: this one waits for it if it made that moment (others may wait for
+            # this one, and the last of them to leave runs deferred writes), or if the
+            # readers left are methods that come to safe points: until one comes.
+            until = time.monotonic() + self._writer_first_s
+            while True:
+                if (
+                    self._writers_waiting
+                    or self._writing
+                    or ((self._writers_blocked or self._deferred) and not self._readers)
+                ):
+                    self._cond.wait()
+                elif self._writers_blocked and self._others_come_to_safe_points(read, until):
+                    self._cond.wait(max(0.0, until - time.monotonic()))
+                else:
+                    break
             self._take_back(read)
+
+    def _others_come_to_safe_points(self, read: _Read | None, until: float) -> bool:
+        """Whether every reader but ``read`` (the caller's, lent) came to a safe point
+        while a thread write was blocked, and ``until`` has not passed (holding the lock)."""
+        if read is None or time.monotonic() >= until:
+            return False
+        others = [r for r in self._at_safe_points.values() if r is not read and not r.lenders]
+        return sum(r.depth for r in others) == self._readers
 
     # -- the writer: applying an update -------------------------------------------------
     def write(
@@ -462,6 +493,8 @@ class ApplyGate:
             if first:
                 self._writers_waiting -= 1
             self._writers_blocked -= 1
+            if not self._writers_blocked:
+                self._at_safe_points.clear()
             self._writing, self._writer = True, threading.get_ident()
         try:
             return apply()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -249,6 +250,48 @@ def test_a_safe_point_lets_in_a_write_past_its_first_turn():
     assert _started("probe", probe).finish() == 0
     turn_over.set()
     assert reader.finish() == 1  # applied at the safe point
+    assert writer.finish() == "ack-1"
+
+
+def test_two_looping_methods_let_in_a_write_past_its_first_turn():
+    """Two threads each in ``while ...: safe_point()``, one of them in a step longer
+    than the write's first turn as it began. Past that turn each safe point found the
+    other method running and returned at once, at every turn: the version waited for
+    as long as they ran. Now each waits for the other's safe point."""
+    gate, cond = _watched_gate([])
+    gate._writer_first_s = 0.2
+    model = {"v": 0}
+    inside = {name: threading.Event() for name in ("a", "b")}
+    go = {name: threading.Event() for name in ("a", "b")}
+
+    def loop(name: str) -> Callable[[], int]:
+        def run() -> int:
+            with gate.reading():
+                inside[name].set()
+                _wait(go[name], f"{name} may loop")
+                deadline = time.monotonic() + TIMEOUT
+                while model["v"] == 0 and time.monotonic() < deadline:
+                    gate.safe_point()
+                return model["v"]
+
+        return run
+
+    loops = [_started(name, loop(name)) for name in ("a", "b")]
+    for event in inside.values():
+        _wait(event, "both methods read")
+    writer = _started("writer", lambda: gate.write(_setter(model, 1)))
+    _wait(cond.blocked("writer"), "the write waits")
+    go["a"].set()  # a loops; b is in a long step
+    _wait(cond.blocked("a"), "a's safe point waits for the write's first turn")
+    for _ in range(10_000):  # until that turn is over (the write's own timed wait)
+        with gate._cond:
+            if not gate._writers_waiting:
+                break
+        threading.Event().wait(0.001)
+    else:
+        pytest.fail("the write's first turn never ended")
+    go["b"].set()  # b's long step ends: both loop
+    assert [method.finish() for method in loops] == [1, 1]
     assert writer.finish() == "ack-1"
 
 
