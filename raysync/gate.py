@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 #: How long a write keeps user methods that start meanwhile waiting for it. After that
 #: they start again, and the write goes once none runs (or at a safe point of the only
 #: one running, or at those of the methods running, when each has come to a safe point
-#: since the write began to wait: see :meth:`ApplyGate.safe_point`): a user method that
+#: lately: see :meth:`ApplyGate.safe_point`): a user method that
 #: waits for another call of the actor (a pool's thread, a coroutine that feeds its
 #: queue), which waits for the write, no longer deadlocks the actor for good.
 WRITER_FIRST_S = 60.0
@@ -153,8 +153,9 @@ class ApplyGate:
         #: every thread write waiting, past its first turn too (a safe point lends to it)
         self._writers_blocked = 0
         #: The reads of threads that came to a safe point while a thread write was
-        #: blocked (by ``id``), until none is: they come to one again (see safe_point).
-        self._at_safe_points: dict[int, _Read] = {}
+        #: blocked, by ``id``, and when they last came (``time.monotonic()``), until no
+        #: write is blocked: they come to one again (see :meth:`safe_point`).
+        self._at_safe_points: dict[int, tuple[_Read, float]] = {}
         self._writing = False
         #: the thread running the write, while ``_writing``: what it calls while it
         #: applies (``on_weights_applied``: a user method, a pull) is inside that write
@@ -362,11 +363,13 @@ class ApplyGate:
         """Let waiting writes through from inside a long-running user method.
 
         A thread write past its first turn (:data:`WRITER_FIRST_S`) goes at a moment with
-        no reader. Where every method running has come to a safe point since the write
-        began to wait (two threads, each in ``while True: collect(); safe_point()``),
-        each safe point waits for the others' (:data:`WRITER_FIRST_S` at most): returning
-        at once, each would find the other running, at every turn, and the write would
-        wait for as long as they run.
+        no reader. Where every other method running has come to a safe point while the
+        write waited, the last time less than :data:`WRITER_FIRST_S` ago (two threads,
+        each in ``while True: collect(); safe_point()``), a safe point waits for theirs
+        until then: returning at once, each would find the other running, at every
+        turn, and the write would wait for as long as they loop. One in a long step
+        since its last safe point holds the others that long at most, as a write's
+        first turn does.
         """
         if on_event_loop():
             self._run_deferred_if_idle(own=_own_reads())
@@ -378,7 +381,7 @@ class ApplyGate:
                 return
             self._lend(read)
             if self._writers_blocked and read is not None:
-                self._at_safe_points[id(read)] = read
+                self._at_safe_points[id(read)] = (read, time.monotonic())
             self._cond.notify_all()
             if deferred:  # run on their loop, if no other reader holds them back
                 self._run_deferred_soon()
@@ -386,7 +389,6 @@ class ApplyGate:
             # reader: this one waits for it if it made that moment (others may wait for
             # this one, and the last of them to leave runs deferred writes), or if the
             # readers left are methods that come to safe points: until one comes.
-            until = time.monotonic() + self._writer_first_s
             while True:
                 if (
                     self._writers_waiting
@@ -394,19 +396,26 @@ class ApplyGate:
                     or ((self._writers_blocked or self._deferred) and not self._readers)
                 ):
                     self._cond.wait()
-                elif self._writers_blocked and self._others_come_to_safe_points(read, until):
+                elif self._writers_blocked and (until := self._others_looping(read)) is not None:
                     self._cond.wait(max(0.0, until - time.monotonic()))
                 else:
                     break
             self._take_back(read)
 
-    def _others_come_to_safe_points(self, read: _Read | None, until: float) -> bool:
-        """Whether every reader but ``read`` (the caller's, lent) came to a safe point
-        while a thread write was blocked, and ``until`` has not passed (holding the lock)."""
-        if read is None or time.monotonic() >= until:
-            return False
-        others = [r for r in self._at_safe_points.values() if r is not read and not r.lenders]
-        return sum(r.depth for r in others) == self._readers
+    def _others_looping(self, read: _Read | None) -> float | None:
+        """If every reader but ``read`` (the caller's, lent) came to a safe point while a
+        thread write was blocked, the last time less than :data:`WRITER_FIRST_S` ago:
+        when the first of them will have been away that long; else None (holding the
+        lock)."""
+        if read is None:
+            return None
+        others = [
+            (r, at) for r, at in self._at_safe_points.values() if r is not read and not r.lenders
+        ]
+        if not others or sum(r.depth for r, _ in others) != self._readers:
+            return None
+        until = min(at for _, at in others) + self._writer_first_s
+        return until if time.monotonic() < until else None
 
     # -- the writer: applying an update -------------------------------------------------
     def write(

@@ -295,6 +295,63 @@ def test_two_looping_methods_let_in_a_write_past_its_first_turn():
     assert writer.finish() == "ack-1"
 
 
+def test_a_method_in_a_long_step_since_its_safe_point_holds_the_others_a_while_only():
+    """Past a write's first turn, b came to a safe point once, then went into a long
+    step: a's safe points wait for b's next one ``writer_first_s`` after b's last at
+    most, then a loops on (each of them waited that long, turn after turn); once b
+    loops again the write goes."""
+    gate, cond = _watched_gate([])
+    gate._writer_first_s = 0.2
+    model = {"v": 0}
+    inside = {name: threading.Event() for name in ("a", "b")}
+    a_go, b_came, b_back = threading.Event(), threading.Event(), threading.Event()
+    turns_while_b_away = []
+
+    def a() -> int:
+        with gate.reading():
+            inside["a"].set()
+            _wait(a_go, "b came to its safe point")
+            deadline = time.monotonic() + TIMEOUT
+            turns = 0
+            while turns < 100 and time.monotonic() < deadline:
+                gate.safe_point()
+                turns += 1
+            turns_while_b_away.append(turns)
+            b_back.set()
+            while model["v"] == 0 and time.monotonic() < deadline:
+                gate.safe_point()
+            return model["v"]
+
+    def b() -> int:
+        with gate.reading():
+            inside["b"].set()
+            _wait(b_came, "the write's first turn is over")
+            gate.safe_point()  # a runs: returns at once
+            a_go.set()
+            _wait(b_back, "a looped")  # the long step
+            deadline = time.monotonic() + TIMEOUT
+            while model["v"] == 0 and time.monotonic() < deadline:
+                gate.safe_point()
+            return model["v"]
+
+    methods = [_started("a", a), _started("b", b)]
+    for event in inside.values():
+        _wait(event, "both methods read")
+    writer = _started("writer", lambda: gate.write(_setter(model, 1)))
+    _wait(cond.blocked("writer"), "the write waits")
+    for _ in range(10_000):  # until its first turn is over (the write's own timed wait)
+        with gate._cond:
+            if not gate._writers_waiting:
+                break
+        threading.Event().wait(0.001)
+    else:
+        pytest.fail("the write's first turn never ended")
+    b_came.set()
+    assert [method.finish() for method in methods] == [1, 1]
+    assert turns_while_b_away == [100]
+    assert writer.finish() == "ack-1"
+
+
 def test_safe_point_with_no_waiting_write_returns_at_once():
     gate = ApplyGate(finish_deferred=lambda result: None)
     model = {"v": 0}
