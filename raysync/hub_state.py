@@ -274,8 +274,7 @@ class HubState:
         return {
             model: latest
             for model in registration.specs
-            if (latest := self.models[model].latest) is not None
-            and latest.version > registration.versions.get(model, 0)
+            if (latest := self.models[model].latest) is not None and _lacks(registration, latest)
         }
 
     def knows(self, worker: str, token: str) -> bool:
@@ -424,3 +423,14 @@ class HubState:
                 else max(0.0, time.monotonic() - entry.heard)
             ),
         )
+
+
+def _lacks(registration: Registration, latest: HandedOver) -> bool:
+    """Whether the receiver registering lacks ``latest``: it holds an older version, or
+    the same number from another learner (two learners delivering themselves guessed
+    it, and the hub, restarted between, booked the other's: see :attr:`Update.origin`)."""
+    held = registration.versions.get(latest.model, 0)
+    origin = registration.origins.get(latest.model, "")
+    return latest.version > held or (
+        latest.version == held and bool(origin and latest.origin) and origin != latest.origin
+    )

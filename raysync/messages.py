@@ -337,6 +337,10 @@ class Registration:
     #: called by nobody, so its death shows only as heartbeats that stop: the hub
     #: forgets one not heard from for ``LEASE_BEATS`` of them (see ``HubState.lapsed``).
     heartbeat_s: float | None = None
+    #: Per model in ``versions``, the learner whose broadcast that version is
+    #: (:attr:`Update.origin`; absent: not known): two learners may have given one
+    #: number two versions, and the hub's is the one that counts.
+    origins: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

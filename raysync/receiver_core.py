@@ -943,6 +943,7 @@ def _registration(
         process=context.get_worker_id(),
         specs={m: h.destination(owner)[1] for m, h in held.items()},
         versions={m: h.version for m, h in held.items()},
+        origins={m: h.origin for m, h in held.items() if h.origin},
         mode=identity.mode,
         token=uuid.uuid4().hex,
         transport=identity.transport,

@@ -53,6 +53,7 @@ def _registration(
     kept: tuple[object, ...] = (),
     handle: object = "an actor handle",
     heartbeat_s: float | None = None,
+    origins: dict[str, str] | None = None,
 ) -> Registration:
     return Registration(
         worker=worker,
@@ -69,6 +70,7 @@ def _registration(
         transport=transport,
         kept=kept,
         heartbeat_s=heartbeat_s,
+        origins=dict(origins or {}),
     )
 
 
@@ -113,6 +115,24 @@ def test_registering_returns_the_latest_update_of_each_model_it_lacks():
     # A model never broadcast has no update to hand out.
     both = _registration("both", {"policy": POLICY, "critic": CRITIC})
     assert state.register(both) == {"policy": expected}
+
+
+def test_registering_with_the_same_number_from_another_learner_returns_the_hubs():
+    """Learner A delivered version 5 itself and the hub restarted before booking it;
+    learner B's broadcast was booked as 5 meanwhile. A receiver registering again with
+    A's 5 was handed nothing: it kept A's weights under B's number until version 6."""
+    state = HubState()
+    booked = state.publish("policy", POLICY, {"object_store": "b's"}, 5, origin="learner-b")
+    with_a = _registration(
+        "w1", {"policy": POLICY}, versions={"policy": 5}, origins={"policy": "learner-a"}
+    )
+    assert state.register(with_a) == {"policy": booked}
+    with_b = _registration(
+        "w2", {"policy": POLICY}, versions={"policy": 5}, origins={"policy": "learner-b"}
+    )
+    assert state.register(with_b) == {}
+    # Held with no known origin (a receiver of a hub from before): the number decides.
+    assert state.register(_registration("w3", {"policy": POLICY}, versions={"policy": 5})) == {}
 
 
 def test_registering_again_replaces_the_entry_and_only_the_current_token_drops_it():
