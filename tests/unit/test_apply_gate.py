@@ -89,6 +89,17 @@ def _wait(event: threading.Event, what: str) -> None:
     assert event.wait(TIMEOUT), f"timed out waiting until {what}"
 
 
+def _poll(gate: ApplyGate, holds: Callable[[], bool], what: str) -> None:
+    """Until ``holds()`` (asked holding the gate's lock) for state that changes with no
+    event to wait on: a timed wait's end, a loop's callback."""
+    for _ in range(10_000):
+        with gate._cond:
+            if holds():
+                return
+        threading.Event().wait(0.001)
+    pytest.fail(f"timed out waiting until {what}")
+
+
 def _setter(model: dict[str, int], version: int) -> Callable[[], str]:
     def apply() -> str:
         model["v"] = version
@@ -283,13 +294,7 @@ def test_two_looping_methods_let_in_a_write_past_its_first_turn():
     _wait(cond.blocked("writer"), "the write waits")
     go["a"].set()  # a loops; b is in a long step
     _wait(cond.blocked("a"), "a's safe point waits for the write's first turn")
-    for _ in range(10_000):  # until that turn is over (the write's own timed wait)
-        with gate._cond:
-            if not gate._writers_waiting:
-                break
-        threading.Event().wait(0.001)
-    else:
-        pytest.fail("the write's first turn never ended")
+    _poll(gate, lambda: not gate._writers_waiting, "the write's first turn is over")
     go["b"].set()  # b's long step ends: both loop
     assert [method.finish() for method in loops] == [1, 1]
     assert writer.finish() == "ack-1"
@@ -339,13 +344,7 @@ def test_a_method_in_a_long_step_since_its_safe_point_holds_the_others_a_while_o
         _wait(event, "both methods read")
     writer = _started("writer", lambda: gate.write(_setter(model, 1)))
     _wait(cond.blocked("writer"), "the write waits")
-    for _ in range(10_000):  # until its first turn is over (the write's own timed wait)
-        with gate._cond:
-            if not gate._writers_waiting:
-                break
-        threading.Event().wait(0.001)
-    else:
-        pytest.fail("the write's first turn never ended")
+    _poll(gate, lambda: not gate._writers_waiting, "the write's first turn is over")
     b_came.set()
     assert [method.finish() for method in methods] == [1, 1]
     assert turns_while_b_away == [100]
@@ -1462,13 +1461,7 @@ def test_a_reader_on_one_loop_goes_on_once_a_write_on_another_ends(loops):
     written = loops.run(0, write())
     _wait(applying, "the write runs")
     reader = loops.run(1, read())
-    for _ in range(10_000):  # until the reader waits for the write (it polls nothing)
-        with gate._cond:
-            if gate._thread_write_waiters:
-                break
-        threading.Event().wait(0.001)
-    else:
-        pytest.fail("the reader never waited for the write")
+    _poll(gate, lambda: bool(gate._thread_write_waiters), "the reader waits for the write")
     go_on.set()
     assert written.result(TIMEOUT) == "ack-1"
     assert reader.result(TIMEOUT) == "read"
@@ -1498,13 +1491,7 @@ def test_readers_of_two_loops_waiting_for_a_deferred_write_both_go_on(loops):
     _wait(parked, "a method holds the model")
     assert loops.run(1, write()).result(TIMEOUT) is DEFERRED
     readers = [loops.run(0, read()), loops.run(1, read())]
-    for _ in range(10_000):  # until both wait for the deferred write
-        with gate._cond:
-            if len(gate._drained_waiters) == 2:
-                break
-        threading.Event().wait(0.001)
-    else:
-        pytest.fail("the readers never both waited for the deferred write")
+    _poll(gate, lambda: len(gate._drained_waiters) == 2, "both wait for the deferred write")
     release.set()
     long_reader.result(TIMEOUT)
     assert [r.result(TIMEOUT) for r in readers] == ["read", "read"]
@@ -1619,9 +1606,5 @@ def test_a_write_deferred_on_one_loop_while_another_runs_the_deferred_ones_runs_
     assert loops.run(1, write(lambda: "ack-2")).result(TIMEOUT) is DEFERRED
     go_on.set()
     reader.result(TIMEOUT)
-    for _ in range(10_000):  # until the second write ran (a loop's callback: no handle)
-        with gate._cond:
-            if len(finished) == 2:
-                break
-        threading.Event().wait(0.001)
+    _poll(gate, lambda: len(finished) == 2, "the second write ran (a loop's callback)")
     assert finished == ["ack-1", "ack-2"]
