@@ -19,6 +19,7 @@ hands every buffer the pool created back to the transport to deregister.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -46,22 +47,15 @@ class StillWriting(TransportError):
     buffer aside for good instead of freeing it."""
 
 
+@functools.cache
 def staging_device() -> torch.device:
     """Where this process stages versions: CUDA when it sees one, else CPU. The CUDA
     device is the one current in the thread that asked first (a receiver's ``attach``,
     in the caller's thread, which set it): a receiver opened again later in the hub
     watch's thread, where the current device is 0, stages there too."""
-    global _staging_device
-    if _staging_device is None:
-        _staging_device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
-    return _staging_device
-
-
-_staging_device: torch.device | None = None
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class StagingPool(Generic[Buffer]):

@@ -198,13 +198,16 @@ def test_the_staging_device_is_the_one_current_where_the_process_first_asked(mon
     from raysync.transports import staging
 
     current = threading.local()
-    monkeypatch.setattr(staging, "_staging_device", None)
     monkeypatch.setattr(staging.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(staging.torch.cuda, "current_device", lambda: getattr(current, "d", 0))
-    current.d = 3  # this thread set its device
-    assert staging.staging_device() == torch.device("cuda", 3)
-    in_watch: list[torch.device] = []
-    watch = threading.Thread(target=lambda: in_watch.append(staging.staging_device()))
-    watch.start()
-    watch.join(30)
-    assert in_watch == [torch.device("cuda", 3)]
+    staging.staging_device.cache_clear()  # as in a process that has not asked yet
+    try:
+        current.d = 3  # this thread set its device
+        assert staging.staging_device() == torch.device("cuda", 3)
+        in_watch: list[torch.device] = []
+        watch = threading.Thread(target=lambda: in_watch.append(staging.staging_device()))
+        watch.start()
+        watch.join(30)
+        assert in_watch == [torch.device("cuda", 3)]
+    finally:
+        staging.staging_device.cache_clear()  # the stand-in CUDA device is not kept
