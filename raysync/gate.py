@@ -559,11 +559,16 @@ class ApplyGate:
             for write in pending:
                 try:
                     result = write.apply()
-                    self._finish_deferred(result)
-                    for follower in write.followers:
-                        self._finish_deferred(follower(result))
                 except Exception as err:
                     failure = failure or err
+                    continue
+                # Each version's outcome on its own: one that cannot be sent (its ack)
+                # leaves the versions it superseded theirs.
+                for follower in [None, *write.followers]:
+                    try:
+                        self._finish_deferred(result if follower is None else follower(result))
+                    except Exception as err:
+                        failure = failure or err
         finally:
             with self._cond:
                 self._writing, self._writer = False, None

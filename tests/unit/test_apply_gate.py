@@ -641,6 +641,31 @@ def test_a_deferred_write_is_superseded_by_a_newer_one_of_the_same_key():
     ]
 
 
+def test_an_ack_that_cannot_be_sent_leaves_the_superseded_versions_acks_theirs():
+    finished: list[Any] = []
+
+    def send(ack: Any) -> None:
+        if ack == "ack v2":
+            raise ConnectionError("hub unreachable")
+        finished.append(ack)
+
+    gate = ApplyGate(finish_deferred=send)
+    applied: list[str] = []
+    superseded: list[str] = []
+
+    async def main() -> None:
+        reader = await _Parked(gate, {"v": 0}).started()
+        for version in (1, 2):
+            apply, supersede = _supersedable(f"v{version}", applied, superseded)
+            assert gate.write(apply, key="policy", supersede=supersede) is DEFERRED
+        with pytest.raises(ConnectionError, match="hub unreachable"):
+            await reader.finish()  # the last reader out ran them: the error is its
+
+    _run(main())
+    assert applied == ["v2"]
+    assert finished == ["v1 superseded, after ack v2"]
+
+
 def test_deferred_writes_of_other_keys_or_without_supersede_are_all_applied_in_order():
     finished: list[Any] = []
     gate = ApplyGate(finish_deferred=finished.append)
