@@ -333,7 +333,7 @@ class ReceiverDelivery:
                                 registration.handle,
                                 registration.entry,
                                 registration.attachment,
-                                update,
+                                dataclasses.replace(update, token=registration.token),
                             )
                         )
                         retrieve_outcome(call)

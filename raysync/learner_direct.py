@@ -101,6 +101,7 @@ def deliver_directly(
             wire_spec,
             origin=origin,
             from_learner=True,
+            token=target.token,
         )
         call = delivery_call(target.handle, target.entry, target.attachment, update)
         calls[target.worker] = (target.token, call)

@@ -211,6 +211,11 @@ class Update:
     origin: str = ""
     #: The learner delivered it itself (the direct path; the hub awaits that call's reply).
     from_learner: bool = False
+    #: The registration it is delivered to (the hub's call, or the learner's from its
+    #: route), whose ack, sent now or later, the hub awaits: the receiver's own may lag
+    #: the hub's (a registration whose reply it has not taken in yet, or gave up
+    #: waiting for). "": the receiver's current one (its own hub watch's deliveries).
+    token: str = ""
 
 
 @dataclass(frozen=True)

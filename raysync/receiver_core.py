@@ -662,7 +662,7 @@ class ReceiverCore:
         fetched = _Fetched(fetch_started, time.perf_counter())
         # Acked to the registration it was delivered to, also if applied after this
         # core registered again (the hub awaits it under that registration's token).
-        token = self.token
+        token = update.token or self.token
         result = self.gate.write(
             functools.partial(self._apply_and_release, update, staged, fetched, token),
             # Per hub: another hub's versions (a retired registration's, in its own
@@ -862,7 +862,7 @@ class ReceiverCore:
             error,
             timings,
             origin=update.origin,
-            token=self.token,
+            token=update.token or self.token,
         )
 
 

@@ -5,6 +5,7 @@ waits for it, and nothing else answers a delivery."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from raysync.actors import hub_delivery
@@ -132,7 +133,8 @@ def test_a_learners_call_that_found_the_actor_unavailable_is_delivered_again_by_
         )
 
     outcome = asyncio.run(run())
-    assert outcome.error is None and calls == [update] and outcome.by_hub
+    assert outcome.error is None and outcome.by_hub
+    assert calls == [dataclasses.replace(update, token="t1")]  # to the registration it knows
 
 
 def test_a_call_the_hub_cannot_make_fails_that_receiver_only(monkeypatch):
@@ -191,3 +193,33 @@ def test_an_ack_of_a_registration_replaced_meanwhile_is_not_booked_for_its_succe
 
     asyncio.run(run())
     assert state.receivers["w"].versions.get("m", 0) == 0
+
+
+def test_a_deferred_ack_answers_the_registration_the_hub_delivered_to(monkeypatch):
+    """The receiver applies later (a busy actor) and acks apart from the call, under the
+    token its update names: the hub's registration, which the receiver may not have
+    taken in yet (its registering call gave up waiting), so the delivery gets its ack."""
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import DeliveryMode, Entry, Registration, Update
+
+    registration = Registration(
+        "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, "t2"
+    )
+    update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
+    book = AckBook()
+
+    async def acked_apart(delivered: Update) -> None:
+        book.arrive(ack(3, token=delivered.token))  # sent from the receiver's safe point
+        return None  # the call's reply: the ack comes apart
+
+    def delivery_call(handle, entry, attachment, delivered):
+        return acked_apart(delivered)
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", delivery_call)
+
+    async def run():
+        delivery = hub_delivery.ReceiverDelivery(HubState(), book, lambda *_: None, lambda *_: None)
+        return await delivery.deliver(ReceiverEntry(registration), update, time.monotonic() + 2, 2)
+
+    outcome = asyncio.run(run())
+    assert outcome.error is None

@@ -435,6 +435,24 @@ def test_a_version_staged_before_the_core_registered_again_is_acked_to_its_regis
     assert [ack.token for ack in receiver.hub.acks] == ["token", "token"]
 
 
+def test_a_version_delivered_to_a_registration_the_core_has_not_taken_in_is_acked_to_it():
+    """The hub registered the core again (the core's call gave up waiting for its reply,
+    or has not taken the new token in yet) and delivers under the new registration: the
+    ack, now or deferred, answers that delivery, not the token the core still holds."""
+    receiver = _Receiver()
+    now = receiver.core.receive(dataclasses.replace(receiver.update(1), token="the hub's"))
+    assert reply_to_hub(now) == _ack(1, AckStatus.APPLIED)
+    assert reply_to_hub(now).token == "the hub's"
+
+    def deliver() -> Any:
+        return receiver.core.receive(dataclasses.replace(receiver.update(2), token="the hub's"))
+
+    assert _while_a_method_runs(receiver, deliver) == ACK_LATER
+    assert receiver.hub.acks == [_ack(2, AckStatus.APPLIED)]
+    assert [ack.token for ack in receiver.hub.acks] == ["the hub's"]
+    assert receiver.core.token == "token"
+
+
 def test_a_learners_own_delivery_replaced_by_another_learners_of_its_number_conflicts():
     """Two learners delivering themselves guessed the same next version; both wait for
     a busy async actor's safe point and the later one replaces the first. The first is
