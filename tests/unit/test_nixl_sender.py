@@ -133,3 +133,34 @@ def test_a_version_submitted_after_the_sender_closed_fails_saying_so():
     sender.close()
     with pytest.raises(TransportError, match="sender closed before version stamp"):
         sender.submitted(payload, None)
+
+
+class _RefusingAgent:
+    """The sender's own agent, refusing to register memory (as when pinned memory ran
+    out, or UCX cannot register the device); every other call goes to the agent."""
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+
+    def register_memory(self, tensors):
+        raise RuntimeError("NIXL_ERR_BACKEND (injected)")
+
+    def __getattr__(self, name: str):
+        return getattr(self._agent, name)
+
+
+def test_buffers_nixl_cannot_register_fail_the_send_naming_the_model_and_size():
+    sender = NixlSender()
+    agent = sender._agent
+    sender._agent = _RefusingAgent(agent)
+    weights = _weights(1)
+    try:
+        with pytest.raises(TransportError) as raised:
+            sender.send(weights, WeightSpec.of(weights), "policy")
+        message = str(raised.value)
+        assert "two send buffers of model 'policy'" in message
+        assert "bytes on cpu" in message and "NIXL_ERR_BACKEND (injected)" in message
+        assert sender._pairs == {}  # nothing kept: the next send registers again
+    finally:
+        sender._agent = agent
+        sender.close()

@@ -280,7 +280,7 @@ class NixlSender(TransportSender):
         tensors = [
             torch.zeros(frame.layout.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
         ]
-        registered = self._registered(tensors)
+        registered = self._registered(tensors, f"the two send buffers of model {model!r}")
         first, second = (
             _SourceBuffer(
                 t,
@@ -303,7 +303,7 @@ class NixlSender(TransportSender):
             torch.zeros(SLOT_HEADER + bucket_bytes, dtype=torch.uint8, device=device)
             for _ in range(RING_SLOTS)
         ]
-        registered = self._registered(tensors)
+        registered = self._registered(tensors, f"a ring of {bucket_bytes}-byte buckets")
         regions = tuple(
             NixlRegion(t.data_ptr(), t.numel(), device_index(device), memory_type(device))
             for t in tensors
@@ -311,9 +311,18 @@ class NixlSender(TransportSender):
         self._ring_registrations.append(registered)
         return BucketRing(tensors, regions)
 
-    def _registered(self, tensors: list[torch.Tensor]) -> Any:
-        """Register ``tensors`` with the agent; receivers load its new metadata."""
-        registered = self._agent.register_memory(tensors)
+    def _registered(self, tensors: list[torch.Tensor], what: str) -> Any:
+        """Register ``tensors`` (``what`` they are) with the agent; receivers load its
+        new metadata. TransportError saying which if NIXL refuses (pinned memory run
+        out, a device UCX cannot register), before any receiver is asked to read."""
+        try:
+            registered = self._agent.register_memory(tensors)
+        except Exception as err:
+            nbytes = sum(t.nbytes for t in tensors)
+            raise TransportError(
+                f"NIXL could not register {what} ({nbytes} bytes on {tensors[0].device}): "
+                f"{type(err).__name__}: {err}"
+            ) from err
         self._registration += 1
         self._metadata = self._agent.get_agent_metadata()
         return registered
