@@ -38,6 +38,7 @@ from raysync.channel_replies import ChannelReplies
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
+    HubSnapshotError,
     RaySyncError,
     StaleVersionError,
     TransportUnavailableError,
@@ -389,6 +390,11 @@ class WeightHubActor:
         else:  # every one was registered when the route was made: some may be gone since
             here, gone = self._gone_since(request.workers, f"version {version} of model {model!r}")
             targets = [self._state.receivers[w] for w in here]
+        try:
+            self._save_snapshot(model, spec, version)
+        except HubSnapshotError:
+            self._background.spawn(_settled(calls), "direct calls of an unsaved version")
+            raise
         handed = self._state.publish(
             model,
             spec,
@@ -397,7 +403,6 @@ class WeightHubActor:
             wire_spec=request.wire_spec,
             origin=request.submitter,
         )
-        self._save_snapshot()
         if request.workers is None:  # left out: joined by a transport the learner had not seen
             targets = [t for t in targets if handed.readable_by(t.transport)]
         first_calls = {
@@ -451,11 +456,25 @@ class WeightHubActor:
                 del reports[version]
         return _Started(handed.model, handed.version, task)
 
-    def _save_snapshot(self) -> None:
-        """What a restarted hub reads back: versions and specs (a GCS write per version,
-        on the event loop: skipped by a hub Ray never restarts)."""
-        if self._snapshot is not None:
-            self._snapshot.save(self._state.versions(), self._state.specs())
+    def _save_snapshot(self, model: str, spec: WeightSpec, version: int | None) -> None:
+        """Before ``version`` of ``model`` (None: its next) is published: what a restarted
+        hub reads back, versions and specs (a GCS write per version, on the event loop:
+        skipped by a hub Ray never restarts). A write that fails refuses the broadcast
+        with nothing published: published unsaved, a version could be numbered again by
+        a restarted hub, and receivers holding it would turn the new one down."""
+        if self._snapshot is None:
+            return
+        number = self._state.version_of(model) + 1 if version is None else version
+        try:
+            self._snapshot.save(
+                {**self._state.versions(), model: number}, {**self._state.specs(), model: spec}
+            )
+        except Exception as err:
+            raise HubSnapshotError(
+                f"the hub could not save version {number} of model {model!r} to Ray's GCS, "
+                f"where a restarted hub reads its versions back ({type(err).__name__}: "
+                f"{err}); nothing was published: broadcast it again"
+            ) from err
 
     async def route(
         self,
@@ -542,6 +561,7 @@ class WeightHubActor:
         targets = [] if gone and not workers else self._state.targets(model, workers)
         if request.bucket_bytes is not None:
             _check_bucket_readers(targets)
+        self._save_snapshot(model, spec, version)
         handed = self._state.publish(
             model,
             spec,
@@ -552,7 +572,6 @@ class WeightHubActor:
         )
         if request.workers is None:  # left out: joined by a transport the learner had not seen
             targets = [t for t in targets if handed.readable_by(t.transport)]
-        self._save_snapshot()
         return self._start(
             _Delivery.of(
                 request,

@@ -66,6 +66,11 @@ class HubClosedError(RaySyncError, RuntimeError):
     """The hub is shutting down and accepts no more broadcasts."""
 
 
+class HubSnapshotError(RaySyncError, RuntimeError):
+    """The hub could not save a version to Ray's GCS (where a restarted hub reads its
+    versions back): the broadcast was refused, nothing published."""
+
+
 class IncompleteVersionError(RaySyncError, RuntimeError):
     """A version sent in parts (sharded learners) failed before it was whole: a part did
     not arrive within the timeout, or one was refused (the message says which and why).

@@ -134,6 +134,20 @@ def keep_two_reports(hub_actor) -> None:
     sys.modules[type(hub_actor).__module__]._REPORTS_KEPT = 2
 
 
+def fail_snapshot_writes(hub_actor, failing: bool) -> None:
+    """Runs in the hub actor (``__ray_call__``): while ``failing``, its writes to Ray's
+    GCS (the restart snapshot) raise, as when the GCS cannot be reached."""
+    snapshot = hub_actor._snapshot
+    if not failing:
+        del snapshot._put
+        return
+
+    def unreachable(key: str, value: bytes) -> None:
+        raise ConnectionError(f"the GCS is unreachable (the test), writing {key!r}")
+
+    snapshot._put = unreachable
+
+
 def ask_refused_channels_again(learner) -> None:
     """Runs in a learner actor (``__ray_call__``): its channels ask at once again for
     a graph to receivers they could not reach (``REFUSED_FOR_S``, 30 s, set to 0)."""

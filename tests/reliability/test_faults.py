@@ -13,11 +13,12 @@ import ray
 import torch
 from ray.experimental import internal_kv
 
-from raysync import BroadcastError, HubNotFoundError, WeightReceiver
+from raysync import BroadcastError, HubNotFoundError, HubSnapshotError, WeightReceiver
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.transports import DEFAULT_TRANSPORT
 from tests.helpers import (
     assert_same,
+    fail_snapshot_writes,
     ready,
     start,
     start_hub,
@@ -161,6 +162,28 @@ def test_only_a_hub_ray_may_restart_keeps_a_snapshot(actors):
     assert sorted(saved(restartable)) == [
         f"hub/{restartable.actor._actor_id.hex()}/{key}".encode() for key in ("spec/m", "versions")
     ]
+
+
+def test_a_version_the_hub_cannot_save_is_refused_and_published_nowhere(actors):
+    """A restartable hub saves each version to the GCS, where its next incarnation
+    reads them back, before publishing it: a version it could not save is refused and
+    not published (a pull does not get it; published, a restart would number another
+    one the same); the next broadcast reaches every receiver."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, {"max_restarts": 1})
+    collector = start(actors, Collector, hub, worker_id="c0")
+    ready([collector])
+    assert ray.get(hub.broadcast.remote(make_policy())).version == 1
+    ray.get(hub.actor.__ray_call__.remote(fail_snapshot_writes, True))
+    with pytest.raises(HubSnapshotError, match=r"version 2 of model 'policy'.*GCS is unreachable"):
+        ray.get(hub.broadcast.remote(make_policy()))
+    assert ray.get(hub.latest.remote("policy")).version == 1
+    ray.get(hub.actor.__ray_call__.remote(fail_snapshot_writes, False))
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert report.acked == ("c0",)
+    assert ray.get(hub.latest.remote("policy")).version == report.version
+    assert ray.get(collector.version.remote()) == report.version
+    assert_same(ray.get(collector.state.remote()), state_of(learner))
 
 
 def test_learner_dies_receivers_keep_last_good_version(actors, transport):
