@@ -28,7 +28,8 @@ host's methods may not, and its safe point is its method queue), reading by
 ``object_store``, on the learner's node, for versions of at most
 :data:`CHANNEL_MAX_BYTES`. Ray runs one compiled graph at a time on an actor, so a
 receiver serves one learner's channel (:func:`raysync.receiver_delivery.claim_channel`);
-other learners call it the plain way.
+other learners call it the plain way, until that learner releases it or is found dead
+(killed without ``release()``: the next learner's claim takes the receiver over).
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ from raysync.messages import (
     Route,
     Update,
 )
-from raysync.receiver_delivery import claim_channel, deliver_on_channel, release_channel
+from raysync.receiver_delivery import (
+    claim_channel,
+    deliver_on_channel,
+    hold_channel,
+    release_channel,
+)
 from raysync.routing import hand_off_of
 from raysync.transports.object_store import ObjectStoreTransport
 
@@ -274,6 +280,22 @@ class ReceiverChannel:
             self._refuse(job)
             return
         _spare_from_ray_shutdown(graph)
+        holds = [  # were this learner killed, the next one takes its receivers over
+            t.handle.__ray_call__.options(max_task_retries=0).remote(
+                hold_channel,
+                self._holder,
+                [graph.worker_task_refs[t.handle]],
+                graph.actor_to_executable_tasks[t.handle],
+            )
+            for t in job.targets
+        ]
+        try:
+            ray.get(holds, timeout=CLAIM_WAIT_S)
+        except ray.exceptions.RayError as err:  # a receiver died, or did not answer
+            logger.info("no channel to %d receivers: %s", len(job.targets), err)
+            self._teardown(graph, job.targets)
+            self._refuse(job)
+            return
         with self._lock:
             self._graph, self._targets, self._members = graph, job.targets, job.members
 

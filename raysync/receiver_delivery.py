@@ -25,6 +25,9 @@ import threading
 import traceback
 from typing import Any, Protocol
 
+import ray
+from ray.dag.compiled_dag_node import do_cancel_executable_tasks
+
 from raysync.messages import Ack, AckStatus, Entry, ServeRequest, Update
 from raysync.receiver_receipt import Receipt, reply_to_hub
 
@@ -178,23 +181,53 @@ def deliver_on_channel(host: Any, key: str, update: Update) -> Ack | None:
 
 class _ChannelClaim:
     """Which learner's compiled graph this process serves: Ray runs one graph at a
-    time on an actor's compiled-graph thread, and a second would wait for ever."""
+    time on an actor's compiled-graph thread, and a second would wait for ever.
+
+    Once the holder's graph is built it names that graph's loop on this actor
+    (:meth:`hold`): the ref of Ray's ``do_exec_tasks`` task, which the learner owns,
+    and the loop's executable tasks. A learner killed without ``release()`` (SIGKILL,
+    out of memory) leaves its loop waiting on this thread for a version that never
+    comes; Ray fails that ref with ``OwnerDiedError`` then (within seconds), and the
+    next learner to claim takes the thread over: the dead graph's loop is cancelled
+    here, as its teardown would have done."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holder: str | None = None
+        self._loop: ray.ObjectRef | None = None  #: the holder's graph's, once built
+        self._tasks: list[Any] = []  #: that loop's ExecutableTasks
 
-    def claim(self, holder: str) -> bool:
+    def claim(self, host: Any, holder: str) -> bool:
         with self._lock:
-            if self._holder not in (None, holder):
+            if self._holder not in (None, holder) and not self._holder_died(host):
                 return False
-            self._holder = holder
+            self._holder, self._loop, self._tasks = holder, None, []
             return True
+
+    def hold(self, holder: str, loop: ray.ObjectRef, tasks: list[Any]) -> None:
+        with self._lock:
+            if self._holder == holder:
+                self._loop, self._tasks = loop, tasks
 
     def release(self, holder: str) -> None:
         with self._lock:
             if self._holder == holder:
-                self._holder = None
+                self._holder, self._loop, self._tasks = None, None, []
+
+    def _holder_died(self, host: Any) -> bool:
+        """Whether the holder's learner died with its graph's loop running here; if
+        so, that loop is cancelled (caller holds the lock). A holder still building
+        its graph has named no loop yet: it keeps its claim."""
+        if self._loop is None:
+            return False
+        try:
+            ray.get(self._loop, timeout=0)
+        except ray.exceptions.OwnerDiedError:
+            do_cancel_executable_tasks(host, self._tasks)
+            return True
+        except ray.exceptions.RayError:  # running (GetTimeoutError), or it ended
+            pass  # a live learner's: it releases its claim once it tore the graph down
+        return False
 
 
 _channel_claim = _ChannelClaim()
@@ -202,8 +235,16 @@ _channel_claim = _ChannelClaim()
 
 def claim_channel(host: Any, holder: str) -> bool:
     """Runs in the host actor, asked by a learner before it builds a channel: whether
-    ``holder``'s graph may use this process's compiled-graph thread (False: another's does)."""
-    return _channel_claim.claim(holder)
+    ``holder``'s graph may use this process's compiled-graph thread (False: another
+    live learner's does)."""
+    return _channel_claim.claim(host, holder)
+
+
+def hold_channel(host: Any, holder: str, loop: list[ray.ObjectRef], tasks: list[Any]) -> None:
+    """Runs in the host actor, called by the learner ``holder`` once its graph is built:
+    the graph's loop on this actor (``loop``: its task's ref, in a list so that Ray
+    passes the ref on unresolved; ``tasks``: Ray's ExecutableTasks for this actor)."""
+    _channel_claim.hold(holder, loop[0], tasks)
 
 
 def release_channel(host: Any, holder: str) -> None:

@@ -16,6 +16,7 @@ import pytest
 import ray
 import torch
 
+import raysync.learner_channel
 from raysync import BroadcastError
 from tests.helpers import (
     Gate,
@@ -24,6 +25,7 @@ from tests.helpers import (
     ready,
     start,
     start_hub,
+    wait_until,
 )
 from tests.receivers import Collector, OtherLearner, Reader, make_policy, state_of
 
@@ -242,3 +244,33 @@ def test_a_learner_that_exits_without_release_kills_no_receiver(actors):
     assert (report.acked, report.channel) == (("c",), ("c",))
     _hold([collector], weights, report.version)
     hub.release()
+
+
+def test_a_killed_learners_receivers_serve_the_next_learners_channel(
+    actors, channel_hub, monkeypatch
+):
+    """A learner killed without ``release()`` (SIGKILL, out of memory) kept its claim on
+    its receivers' compiled-graph thread, and its graph's loop waited there for ever:
+    every later learner reached them the plain way. The next learner's claim now finds
+    the holder dead, cancels its loop and builds its own channel."""
+    hub = channel_hub
+    killed = start(actors, OtherLearner, hub)
+    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
+    ready(collectors)
+    ray.get(killed.broadcast.remote(make_policy()))
+    assert sorted(ray.get(killed.wait_channel.remote("policy"))) == ["c0", "c1"]
+    assert ray.get(killed.broadcast.remote(make_policy())).channel == ("c0", "c1")
+    ray.kill(killed)
+    # Refused sets are asked again at once (Ray finds the owner of the killed
+    # learner's graph dead within seconds: claims before that are refused).
+    monkeypatch.setattr(raysync.learner_channel, "REFUSED_FOR_S", 0.0)
+
+    def channel_built() -> bool:
+        ray.get(hub.broadcast.remote(make_policy()))
+        return sorted(hub.wait_channel("policy")) == ["c0", "c1"]
+
+    wait_until(channel_built, timeout_s=60, what="the next learner's channel")
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner))
+    assert (report.acked, report.channel, report.failed) == (("c0", "c1"), ("c0", "c1"), {})
+    _hold(collectors, learner, report.version)

@@ -61,12 +61,13 @@ def test_replies_never_booked_are_kept_up_to_a_bound_and_forgotten_deliveries_dr
 
 def test_a_process_serves_one_learners_channel_at_a_time():
     claim = _ChannelClaim()
-    assert claim.claim("a/policy") and claim.claim("a/policy")  # its own again: a rebuild
-    assert not claim.claim("b/policy")
+    assert claim.claim(None, "a/policy")
+    assert claim.claim(None, "a/policy")  # its own again: a rebuild
+    assert not claim.claim(None, "b/policy")
     claim.release("b/policy")  # not the holder: no effect
-    assert not claim.claim("b/policy")
+    assert not claim.claim(None, "b/policy")
     claim.release("a/policy")
-    assert claim.claim("b/policy")
+    assert claim.claim(None, "b/policy")
 
 
 def test_an_inline_version_is_copied_out_of_the_channels_buffer():
