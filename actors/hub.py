@@ -34,7 +34,7 @@ import ray
 from ray.exceptions import ActorDiedError, RayError
 
 from raysync.background import BackgroundTasks
-from raysync.channel_replies import ChannelReplies
+from raysync.channel_replies import ChannelReplies, reply_unless_learner_died
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
@@ -424,7 +424,11 @@ class WeightHubActor:
                 first_calls[worker] = _done(call.reply)
             else:
                 replies.append((request.submitter, model, version, worker))
-                first_calls[worker] = self._channel_replies.expect(replies[-1])
+                reply = self._channel_replies.expect(replies[-1])
+                first_calls[worker] = asyncio.ensure_future(
+                    reply_unless_learner_died(reply, call.loop)
+                )
+                retrieve_outcome(first_calls[worker])
         # Each learner's call its receiver's running call, where deliveries take turns
         # (a channel's runs on the compiled-graph thread: it queues behind no method).
         for worker in first_calls.keys() - set(by_channel):
@@ -1208,7 +1212,8 @@ class WeightHubActor:
                 reply = call.reply
             elif isinstance(call, ChannelCall):  # its reply comes apart, from the learner
                 try:
-                    reply = await _by(self._channel_replies.expect(reply_key), deadline)
+                    expected = self._channel_replies.expect(reply_key)
+                    reply = await _by(reply_unless_learner_died(expected, call.loop), deadline)
                 finally:
                     self._channel_replies.forget([reply_key])
             else:

@@ -4,7 +4,9 @@ await them.
 
 The learner's ``submit`` (which books the version) and its ``channel_replies`` call
 are two calls that Ray may start in either order, so a reply may come first: it is
-kept until its delivery asks for it. Used on the hub's event loop only.
+kept until its delivery asks for it. A learner that dies before it passed a reply on
+fails the delivery's wait for it (:func:`reply_unless_learner_died`), as its death
+fails a delivery call it made. Used on the hub's event loop only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
+
+from ray.exceptions import OwnerDiedError
 
 #: (learner handle, model, version, worker)
 ReplyKey = tuple[str, str, int, str]
@@ -47,9 +51,30 @@ class ChannelReplies:
             future.set_result(reply)
 
     def forget(self, keys: Iterable[ReplyKey]) -> None:
-        """The deliveries of ``keys`` ended (a reply that never came: the learner died)."""
+        """The deliveries of ``keys`` ended: a reply not come by then is not awaited
+        (its future is cancelled)."""
         for key in keys:
-            self._waiting.pop(key, None)
+            future = self._waiting.pop(key, None)
+            if future is not None:
+                future.cancel()
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._early)
+
+
+async def reply_unless_learner_died(reply: asyncio.Future[Any], loop: Any) -> Any:
+    """``reply`` (from :meth:`ChannelReplies.expect`) once it comes; ``OwnerDiedError``
+    (an ``ObjectLostError``, as a delivery call of a dead learner fails) if the learner
+    dies first: ``loop``, the ref of its channel's loop on the receiver, is a task the
+    learner owns. A loop that ends otherwise (the learner tore its graph down) leaves
+    the wait to ``reply``: the learner passes on what its receivers answered."""
+    learner = asyncio.ensure_future(loop)
+    try:
+        await asyncio.wait({reply, learner}, return_when=asyncio.FIRST_COMPLETED)
+        if not reply.done():  # the loop ended first
+            error = learner.exception()
+            if isinstance(error, OwnerDiedError):
+                raise error
+        return await reply
+    finally:
+        learner.cancel()

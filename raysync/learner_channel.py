@@ -21,7 +21,9 @@ Who runs what:
   methods; the mixin's gate holds the write until none of them reads the model.
 * Hub: books the version as for any direct delivery and awaits each receiver's reply
   from ``channel_replies`` (a :class:`~raysync.messages.ChannelLost` reply: the hub
-  delivers that receiver itself, so a death is found and reported as before).
+  delivers that receiver itself, so a death is found and reported as before; so too if
+  the learner dies before it passed the reply on, which Ray tells the hub by failing
+  the graph's loop on that receiver: the learner owns it).
 
 Eligible receivers: the mixin's (every method of theirs holds the gate; an ``attach``
 host's methods may not, and its safe point is its method queue), reading by
@@ -132,6 +134,7 @@ class Written:
     tokens: dict[str, str]  #: worker -> its registration, in the graph's output order
     graph: Any  #: the compiled graph it was written into
     refs: Any  #: its CompiledDAGRefs, one per worker
+    loops: dict[str, Any]  #: worker -> the ref of the graph's loop on it (ChannelCall.loop)
     replies: dict[str, Ack | ChannelLost | None] = field(default_factory=dict)
     done: bool = False  #: every reply is in
     forward: bool = False  #: the broadcast went on without them: the thread tells the hub
@@ -192,8 +195,9 @@ class ReceiverChannel:
                 return None
             # A build asked for another set before this broadcast is not wanted now.
             self._wanted = members
+            loops = {t.worker: self._graph.worker_task_refs[t.handle] for t in self._targets}
             written = self._out = Written(
-                update.model, update.version, timeout_s, tokens, self._graph, refs
+                update.model, update.version, timeout_s, tokens, self._graph, refs, loops
             )
         self._jobs.put(written)
         return written
@@ -208,7 +212,7 @@ class ReceiverChannel:
             self._changed.wait_for(lambda: written.done, wait_s)
             if not written.done:
                 written.forward = True
-                return {w: (token, ChannelCall()) for w, token in written.tokens.items()}
+                return {w: (t, ChannelCall(written.loops[w])) for w, t in written.tokens.items()}
         return {w: (token, ChannelReply(written.replies[w])) for w, token in written.tokens.items()}
 
     def wait_ready(self, timeout_s: float) -> tuple[str, ...]:

@@ -146,6 +146,11 @@ class ChannelCall:
     the version into its compiled-graph channel to this receiver; the receiver's reply
     reaches the hub in a ``channel_replies`` call (see :mod:`raysync.learner_channel`)."""
 
+    #: The ref of the channel's loop on this receiver (Ray's ``do_exec_tasks`` task),
+    #: which the learner owns: it fails with ``OwnerDiedError`` if the learner dies
+    #: before it passed the reply on.
+    loop: Any
+
 
 @dataclass(frozen=True)
 class ChannelReply:

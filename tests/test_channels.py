@@ -20,11 +20,13 @@ import raysync.learner_channel
 from raysync import BroadcastError
 from tests.helpers import (
     Gate,
+    actor_pid,
     ask_refused_channels_again,
     assert_same,
     ready,
     start,
     start_hub,
+    wait_process_exit,
     wait_until,
 )
 from tests.receivers import Collector, OtherLearner, Reader, make_policy, state_of
@@ -274,3 +276,31 @@ def test_a_killed_learners_receivers_serve_the_next_learners_channel(
     report = ray.get(hub.broadcast.remote(learner))
     assert (report.acked, report.channel, report.failed) == (("c0", "c1"), ("c0", "c1"), {})
     _hold(collectors, learner, report.version)
+
+
+def test_a_learner_killed_before_passing_on_its_channels_replies_fails_nobody(actors, channel_hub):
+    """A learner whose receivers' replies were not in when its broadcast went on passes
+    them to the hub later (``channel_replies``). Killed before that, it left the hub
+    waiting for them until the broadcast's timeout, and a receiver that applied the
+    version failed it. The hub now finds the learner dead (it owns the channel's loop
+    on the receiver) and calls the receiver itself, which acks the version it holds."""
+    hub = channel_hub
+    killed = start(actors, OtherLearner, hub)
+    reader = start(actors, Reader, hub, worker_id="r")
+    ready([reader])
+    ray.get(killed.broadcast.remote(make_policy()))
+    assert ray.get(killed.wait_channel.remote("policy")) == ("r",)
+    entered, leave = Gate.remote(), Gate.remote()
+    actors.extend([entered, leave])
+    read = reader.read_across.remote(entered, leave)
+    ray.get(entered.wait.remote())  # the version's reply waits for the method to leave
+    learner = make_policy()
+    ticket = ray.get(killed.broadcast.remote(learner, wait=False, timeout_s=20.0))
+    pid = actor_pid(killed)
+    ray.kill(killed)
+    wait_process_exit(pid)
+    ray.get(leave.open.remote())
+    ray.get(read)
+    report = ray.get(hub.wait_for.remote(ticket, raise_on_failure=False))
+    assert (report.version, report.acked, report.failed) == (2, ("r",), {})
+    _hold([reader], learner, 2)

@@ -12,9 +12,14 @@ from types import SimpleNamespace
 import numpy as np
 import ray
 import torch
+from ray.exceptions import OwnerDiedError
 
 import raysync.learner_channel
-from raysync.channel_replies import EARLY_REPLIES_KEPT, ChannelReplies
+from raysync.channel_replies import (
+    EARLY_REPLIES_KEPT,
+    ChannelReplies,
+    reply_unless_learner_died,
+)
 from raysync.learner_channel import ReceiverChannel, channel_targets
 from raysync.messages import DirectTarget, Entry, Route
 from raysync.receiver_delivery import _ChannelClaim
@@ -53,10 +58,37 @@ def test_replies_never_booked_are_kept_up_to_a_bound_and_forgotten_deliveries_dr
             replies.arrive(("learner", "policy", version, "c0"), None)
         kept = len(replies)
         oldest = replies.expect(("learner", "policy", 0, "c0"))  # pushed out: waits
-        replies.forget([("learner", "policy", 0, "c0")])
-        return kept, oldest.done(), len(replies)
+        waits = not oldest.done()
+        replies.forget([("learner", "policy", 0, "c0")])  # its wait is called off
+        return kept, waits, oldest.cancelled(), len(replies)
 
-    assert asyncio.run(scenario()) == (EARLY_REPLIES_KEPT, False, EARLY_REPLIES_KEPT)
+    assert asyncio.run(scenario()) == (EARLY_REPLIES_KEPT, True, True, EARLY_REPLIES_KEPT)
+
+
+def test_the_wait_for_a_reply_fails_when_its_learner_dies_and_only_then():
+    """The learner owns its channel's loop on the receiver (a Ray task's ref, stood in
+    for by a future): its death fails the loop with OwnerDiedError and the wait with it;
+    a loop that ends otherwise (the graph torn down) leaves the wait to the reply."""
+
+    async def scenario():
+        replies = ChannelReplies()
+        died = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(
+            reply_unless_learner_died(replies.expect(("l", "policy", 2, "c0")), died)
+        )
+        died.set_exception(OwnerDiedError("ff" * 28, None, "the test's"))
+        dead = False
+        try:
+            await waiting
+        except OwnerDiedError:
+            dead = True
+        torn = asyncio.get_running_loop().create_future()
+        torn.set_result(None)
+        reply = replies.expect(("l", "policy", 3, "c0"))
+        asyncio.get_running_loop().call_soon(replies.arrive, ("l", "policy", 3, "c0"), "ack")
+        return dead, await reply_unless_learner_died(reply, torn)
+
+    assert asyncio.run(scenario()) == (True, "ack")
 
 
 def test_a_process_serves_one_learners_channel_at_a_time():
