@@ -273,7 +273,9 @@ class ReceiverChannel:
         with InputNode() as version:
             dag = MultiOutputNode(
                 [
-                    t.handle.__ray_call__.bind(deliver_on_channel, t.attachment, version)
+                    t.handle.__ray_call__.bind(
+                        deliver_on_channel, t.attachment, version, t.token
+                    )
                     for t in job.targets
                 ]
             )

@@ -21,6 +21,7 @@ registering with the hub, :meth:`Attachments.fill` once the receiver exists,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import traceback
 from typing import Any, Protocol
@@ -167,14 +168,16 @@ class _OnHostLoop:
             self._done.set()
 
 
-def deliver_on_channel(host: Any, key: str, update: Update) -> Ack | None:
+def deliver_on_channel(host: Any, key: str, update: Update, token: str) -> Ack | None:
     """Runs in the host actor on Ray's compiled-graph thread, for each version a
     learner writes into its channel (:mod:`raysync.learner_channel`): as
     :func:`deliver`, concurrently with the host's methods (the mixin's gate holds the
-    write until they leave it). Never raises: an error is a FAILED ack, so that the
-    graph, shared by every receiver of the channel, keeps running."""
+    write until they leave it), to the registration ``token`` the channel was built
+    for (one version goes to every receiver of the graph: each names its own here).
+    Never raises: an error is a FAILED ack, so that the graph, shared by every
+    receiver of the channel, keeps running."""
     try:
-        return deliver(host, key, update)
+        return deliver(host, key, dataclasses.replace(update, token=token))
     except Exception:
         return Ack("?", update.model, update.version, AckStatus.FAILED, traceback.format_exc())
 

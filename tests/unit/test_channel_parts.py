@@ -15,13 +15,14 @@ import torch
 from ray.exceptions import OwnerDiedError
 
 import raysync.learner_channel
+import raysync.receiver_delivery
 from raysync.channel_replies import (
     EARLY_REPLIES_KEPT,
     ChannelReplies,
     reply_unless_learner_died,
 )
 from raysync.learner_channel import ReceiverChannel, channel_targets
-from raysync.messages import DirectTarget, Entry, Route
+from raysync.messages import DirectTarget, Entry, Route, Update
 from raysync.receiver_delivery import _ChannelClaim
 from raysync.spec import WeightSpec
 from raysync.transports.object_store.arrays import as_array
@@ -204,3 +205,20 @@ def test_a_channel_reaches_mixin_receivers_on_the_learners_node_that_read_the_ob
         ),
     )
     assert [t.worker for t in channel_targets(route, "n1")] == ["mixin"]
+
+
+def test_a_version_from_the_channel_is_delivered_to_the_registration_it_was_built_for(
+    monkeypatch,
+):
+    """One version goes to every receiver of the graph; each names the registration the
+    graph was built for, so a deferred ack answers the one the hub awaits."""
+    delivered = []
+
+    def deliver(host, key, update):
+        delivered.append((key, update.token))
+
+    monkeypatch.setattr(raysync.receiver_delivery, "deliver", deliver)
+    update = Update("policy", 3, "digest", "object_store", None, from_learner=True)
+    for key, token in [("c0 key", "t0"), ("c1 key", "t1")]:
+        raysync.receiver_delivery.deliver_on_channel(None, key, update, token)
+    assert delivered == [("c0 key", "t0"), ("c1 key", "t1")]
