@@ -791,3 +791,66 @@ def test_a_duplicate_delivery_leaves_the_slot_a_zero_copy_model_lives_in_held(ac
     for _ in range(2 * MAX_SLOTS):  # the learner's slots go round
         ray.get(hub.broadcast.remote(make_policy(), workers=["other"]))
     assert_same(ray.get(receiver.state.remote()), state_of(weights))
+
+
+@ray.remote(num_cpus=0)
+class AsyncHolder(WeightReceiver):
+    """An async receiver of a state_dict: versions that arrive while ``hold`` runs wait
+    for it to return (deferred at the gate), their data staged in the slot."""
+
+    def __init__(self, hub, template: dict[str, torch.Tensor], worker_id: str, heartbeat_s):
+        self.sd = {k: torch.zeros_like(v) for k, v in template.items()}
+        self.connect_hub(hub, models={"m": "sd"}, worker_id=worker_id, heartbeat_s=heartbeat_s)
+
+    async def hold(self, entered, leave) -> None:
+        await entered.open.remote()
+        await leave.wait.remote()
+
+    async def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.sd.items()}
+
+
+def test_a_version_staged_before_registering_again_stays_held_until_it_is_copied(actors):
+    """The hub forgets a receiver whose async method runs while version 2 waits at its
+    gate: its hub watch registers again, and the welcome's catch-up fetches version 2
+    anew (held for it again), taking the staged one's place at the gate. Releasing the
+    staged one (the transport receiver of the registration replaced) let go of the
+    owner's one hold for the receiver, the catch-up's: once a newer version took the
+    latest hold, the learner wrote later versions into the slot, and the receiver
+    copied those bytes in as version 2 when its method returned."""
+
+    def registration_and_deferred(receiver) -> tuple[str, list[tuple[int, str]]]:
+        """(Run in ``busy``; defined here, so that Ray ships it by value.) Its
+        registration's token and, for each version waiting at its gate, the version and
+        the token that version is acked to."""
+        core = receiver._raysync_receiver.core
+        waiting = [p.apply.args for p in core.gate._deferred]
+        return core.token, [(update.version, token) for update, _, _, token in waiting]
+
+    def seen() -> tuple[str, list[tuple[int, str]]]:
+        return ray.get(busy.__ray_call__.remote(registration_and_deferred))
+
+    hub = start_hub(actors, TRANSPORT)
+    template = special_weights(0.0)
+    busy = start(actors, AsyncHolder, hub, template, "busy", 0.2)
+    other = start(actors, Holder, hub, template, "other")
+    ready([busy, other])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    entered, leave = start(actors, Gate), start(actors, Gate)
+    holding = busy.hold.remote(entered, leave)
+    ray.get(entered.wait.remote())
+    hub.broadcast.remote(special_weights(2.0), model="m", wait=False)
+    token, _ = wait_until(
+        lambda: (found := seen())[1] and found, what="version 2 waiting at busy's gate"
+    )
+    ray.get(hub.actor.leave.remote("busy", token))  # its watch registers again
+    wait_until(
+        lambda: (found := seen())[0] != token and found[1] == [(2, found[0])],
+        what="the catch-up's version 2 waiting in the staged one's place",
+    )
+    for value in range(3, MAX_SLOTS + 5):  # the learner's slots go round
+        sent = hub.broadcast.remote(special_weights(float(value)), model="m", workers=["other"])
+        assert ray.get(sent, timeout=60).acked == ("other",)
+    ray.get(leave.open.remote())
+    ray.get(holding)
+    assert_bitwise(ray.get(busy.state.remote()), special_weights(2.0))

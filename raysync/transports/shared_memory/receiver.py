@@ -25,6 +25,18 @@ from raysync.transports.shared_memory.wire import (
     read_seq,
 )
 
+#: (worker, owner pid, seq) -> how many fetches of that version by this process's
+#: receivers of that worker are not released yet. Its owner holds a slot once per
+#: worker: a version handed to this process twice (a delivery tried again, a catch-up
+#: beside a broadcast of it) is released when the last of them is, not when the first
+#: one (superseded by the second) is. Per process, not per receiver: a worker that
+#: registers again opens a new receiver, and the one it replaced may still have the
+#: version staged (waiting for a safe point) that the new one fetched again for the
+#: welcome's catch-up; each counted apart, the first release (the staged one,
+#: superseded) let go of the owner's one hold while the other fetch was still unread.
+_LEASES: dict[tuple[str, int, int], int] = {}
+_LEASES_LOCK = threading.Lock()
+
 
 class SharedMemoryReceiver(TransportReceiver):
     """Receiver side: views of this node's slot; release it after the copy."""
@@ -40,12 +52,6 @@ class SharedMemoryReceiver(TransportReceiver):
         self._mappings = Mappings(writable=False)
         #: Bucketed versions: read from the bucket broker into a private staging buffer.
         self._streams = ObjectStoreReceiver(info.worker)
-        #: (owner pid, seq) -> how many fetches of that version are not released yet. Its
-        #: owner holds a slot once per worker: a version handed here twice (a delivery
-        #: tried again, a catch-up beside a broadcast of it) is released when the last
-        #: of them is, not when the first one (superseded by the second) is.
-        self._leases: dict[tuple[int, int], int] = {}
-        self._leases_lock = threading.Lock()
 
     def fetch(
         self, payload: SharedMemoryPayload | BucketStream, spec: WeightSpec
@@ -73,9 +79,9 @@ class SharedMemoryReceiver(TransportReceiver):
                 "receiver read it (its hold was lost: did it re-register meanwhile?)"
             )
         views = self._mappings.views(slot, layout)
-        with self._leases_lock:
-            key = (slot.pid, slot.seq)
-            self._leases[key] = self._leases.get(key, 0) + 1
+        with _LEASES_LOCK:
+            key = (self._worker, slot.pid, slot.seq)
+            _LEASES[key] = _LEASES.get(key, 0) + 1
         return views
 
     def release(
@@ -85,18 +91,18 @@ class SharedMemoryReceiver(TransportReceiver):
             self._streams.release(payload, staged)
             return
         slot = payload.slot
-        with self._leases_lock:  # one of its fetches ends (or one that failed)
-            key = (slot.pid, slot.seq)
+        with _LEASES_LOCK:  # one of its fetches ends (or one that failed)
+            key = (self._worker, slot.pid, slot.seq)
             if staged is None:  # never fetched (turned down unread, or the fetch failed)
-                if self._leases.get(key, 0) > 0:
+                if _LEASES.get(key, 0) > 0:
                     # A fetch of the same version still reads it (a zero-copy model
                     # lives there, delivered again): the owner's one hold for this
-                    # receiver goes with that fetch's release, not now.
+                    # worker goes with that fetch's release, not now.
                     return
             else:
-                left = self._leases.pop(key, 0) - 1
+                left = _LEASES.pop(key, 0) - 1
                 if left > 0:
-                    self._leases[key] = left
+                    _LEASES[key] = left
                     return
         if self._released_on_board(slot):
             return

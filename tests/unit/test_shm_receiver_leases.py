@@ -1,0 +1,81 @@
+"""The shared-memory receiver's leases (raysync/transports/shared_memory/receiver.py),
+against a real ShmOwner (actors/shm_owner.py) in this process: the owner holds a slot
+once per worker, so a version fetched by two transport receivers of one worker in one
+process (the one a re-registration replaced, which staged it, and the new one, which
+fetched it again for the welcome's catch-up) is released when both are done with it."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from raysync.actors.shm_owner import ShmOwner
+from raysync.layout import PackedLayout
+from raysync.spec import WeightSpec
+from raysync.transports.shared_memory import receiver as shm_receiver
+from raysync.transports.shared_memory.segments import Mappings
+from raysync.transports.shared_memory.wire import (
+    HEADER_BYTES,
+    SharedMemoryPayload,
+    SharedMemoryReceiverInfo,
+    write_seq,
+)
+
+PID = os.getpid()  # the owner runs in this process: its slots name this pid
+NODE = "node"
+SPEC = WeightSpec.of({"w": torch.zeros(256)})
+
+
+@pytest.fixture
+def owner(monkeypatch):
+    # The receivers ask Ray which node they run on: this one, the owner's.
+    context = SimpleNamespace(get_node_id=lambda: NODE)
+    monkeypatch.setattr(shm_receiver.ray, "get_runtime_context", lambda: context)
+    owner = ShmOwner(NODE, max_slots=2)
+    yield owner
+    owner.close()
+
+
+def _written(owner: ShmOwner, workers: tuple[str, ...]) -> SharedMemoryPayload:
+    """A version as the learner writes it and the hub plans it for ``workers``."""
+    nbytes = PackedLayout.of(SPEC, HEADER_BYTES).nbytes
+    slot = owner.acquire(nbytes, timeout_s=5.0, learner="learner", pid=PID)
+    learner = Mappings(writable=True)
+    write_seq(learner.buffer(slot).numpy(), slot.seq)
+    learner.clear()
+    owner.deliver(PID, slot.seq, "m", workers, version=1)
+    return SharedMemoryPayload(slot)
+
+
+def _receiver(owner: ShmOwner, worker: str) -> shm_receiver.SharedMemoryReceiver:
+    """A transport receiver of ``worker`` as its registration opens one: the hub's
+    ``receiver_joined`` makes the owner ``join`` it first."""
+    board = owner.join(worker)
+    return shm_receiver.SharedMemoryReceiver(SharedMemoryReceiverInfo(worker, "owner", board))
+
+
+def test_a_version_staged_by_a_replaced_receiver_stays_held_for_its_successors_fetch(owner):
+    """The worker re-registers while version S waits at its safe point (fetched by the
+    old transport receiver); the welcome's catch-up plans S again (a hold for the
+    worker) and the new receiver fetches it. The old one's release (superseded by the
+    new fetch at the gate) released the owner's one hold for the worker on the board:
+    S was then held by nothing but ``latest``, and the learner could rewrite it before
+    the new fetch was copied. (Counted per worker: another worker of this process
+    releases its own hold.)"""
+    old, another = _receiver(owner, "w"), _receiver(owner, "x")
+    payload = _written(owner, ("w", "x"))
+    staged = old.fetch(payload, SPEC)
+    another.release(payload, another.fetch(payload, SPEC))
+    assert "worker/x" not in owner.stats().holds
+    new = _receiver(owner, "w")  # registered again: the owner forgot its holds
+    owner.deliver(PID, payload.slot.seq, "m", ("w",), version=1)  # the catch-up's plan
+    fetched = new.fetch(payload, SPEC)
+    old.close()
+
+    old.release(payload, staged)  # superseded at the gate by the catch-up
+    assert "worker/w" in owner.stats().holds, "released while the new fetch waits to be read"
+    new.release(payload, fetched)  # copied at the safe point
+    assert "worker/w" not in owner.stats().holds
