@@ -7,6 +7,7 @@ fetched it again for the welcome's catch-up) is released when both are done with
 from __future__ import annotations
 
 import os
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -79,3 +80,36 @@ def test_a_version_staged_by_a_replaced_receiver_stays_held_for_its_successors_f
     assert "worker/w" in owner.stats().holds, "released while the new fetch waits to be read"
     new.release(payload, fetched)  # copied at the safe point
     assert "worker/w" not in owner.stats().holds
+
+
+def test_releases_from_two_threads_open_the_board_once(owner, monkeypatch):
+    """Two threads release at once (a superseded version on the loop, another on the
+    hub watch): each found no board descriptor open and opened one, and one leaked."""
+    receiver = _receiver(owner, "w")
+    payloads = [_written(owner, ("w",)) for _ in range(2)]
+    views = [receiver.fetch(p, SPEC) for p in payloads]
+    opened: list[int] = []
+    both_in = threading.Barrier(2, timeout=2.0)
+    open_fd = shm_receiver.open_segment_fd
+
+    def opening(slot, writable):
+        try:
+            both_in.wait()  # both threads are past the check before either opens
+        except threading.BrokenBarrierError:
+            pass  # the other one waits for this one's open (the lock): it opens alone
+        fd = open_fd(slot, writable)
+        opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(shm_receiver, "open_segment_fd", opening)
+    threads = [
+        threading.Thread(target=receiver.release, args=(p, v))
+        for p, v in zip(payloads, views, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    receiver.close()
+    assert len(opened) == 1, opened
+    assert not any(h.startswith("worker/") for h in owner.stats().holds)

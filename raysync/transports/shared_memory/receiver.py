@@ -47,6 +47,9 @@ class SharedMemoryReceiver(TransportReceiver):
         self._owner: tuple[int, Any] | None = None  #: (pid, handle) of the owner last used
         self._board = info.board
         self._board_fd: int | None = None  #: the board, opened on the first release
+        #: Guards ``_board_fd``: two threads releasing at once (a version superseded on
+        #: the host's loop, another at the hub watch's safe point) each opened it.
+        self._board_lock = threading.Lock()
         self._closed = False
         self._node_id = ray.get_runtime_context().get_node_id()
         self._mappings = Mappings(writable=False)
@@ -118,26 +121,27 @@ class SharedMemoryReceiver(TransportReceiver):
     def _released_on_board(self, slot: Slot) -> bool:
         """Release ``slot`` on this receiver's row of its owner's board; False if it
         has none there (no row or column, or the slot is a restarted owner's)."""
-        board = self._board
-        if board is None or slot.column < 0 or board.segment.pid != slot.pid:
-            return False
-        fd = self._board_fd
-        if fd is None:
-            try:
-                fd = open_segment_fd(board.segment, writable=True)
-            except TransportError:
-                self._board = None  # its owner died: release by call (to its successor)
+        with self._board_lock:
+            board = self._board
+            if board is None or slot.column < 0 or board.segment.pid != slot.pid:
                 return False
-        try:
-            # A system call: what this process read from the slot is read before the
-            # owner can see the release.
-            os.pwrite(fd, slot.seq.to_bytes(8, "little"), board.offset(slot.column))
-        finally:
-            if self._closed:  # a version its zero-copy model moved on from, released late
-                os.close(fd)
-            else:
-                self._board_fd = fd
-        return True
+            fd = self._board_fd
+            if fd is None:
+                try:
+                    fd = open_segment_fd(board.segment, writable=True)
+                except TransportError:
+                    self._board = None  # its owner died: release by call (to its successor)
+                    return False
+            try:
+                # A system call: what this process read from the slot is read before the
+                # owner can see the release.
+                os.pwrite(fd, slot.seq.to_bytes(8, "little"), board.offset(slot.column))
+            finally:
+                if self._closed:  # a version its zero-copy model moved on from, released late
+                    os.close(fd)
+                else:
+                    self._board_fd = fd
+            return True
 
     def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
         self._streams.serve(payload, tensors, spec)
@@ -145,9 +149,10 @@ class SharedMemoryReceiver(TransportReceiver):
     def close(self) -> None:
         """Close the board and the mappings; a release after (of the version a zero-copy
         model lives in, when it moves on) opens the board for that write alone."""
-        self._closed = True
-        if self._board_fd is not None:
-            os.close(self._board_fd)
-            self._board_fd = None
+        with self._board_lock:
+            self._closed = True
+            if self._board_fd is not None:
+                os.close(self._board_fd)
+                self._board_fd = None
         self._mappings.clear()
         self._streams.close()
