@@ -33,7 +33,7 @@ SPEC = WeightSpec.of({"w": torch.zeros(256)})
 @pytest.fixture
 def owner(monkeypatch):
     # The receivers ask Ray which node they run on: this one, the owner's.
-    context = SimpleNamespace(get_node_id=lambda: NODE)
+    context = SimpleNamespace(get_node_id=lambda: NODE, get_actor_id=lambda: None)
     monkeypatch.setattr(shm_receiver.ray, "get_runtime_context", lambda: context)
     owner = ShmOwner(NODE, max_slots=2)
     yield owner
