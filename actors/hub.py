@@ -602,7 +602,7 @@ class WeightHubActor:
             raise ValueError("a version sent in parts needs an explicit version")
         try:
             _check_above_direct(model, request)
-            if (model, request.version) not in self._assemblies:  # its first part
+            if self._assemblies.begins_attempt(model, request):  # its first part
                 self._state.check_known(model)
                 self._state.check_version(model, request.version)
         except RaySyncError as err:  # this part's learner alone: the others hear it

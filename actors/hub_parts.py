@@ -7,6 +7,11 @@ runs its deadline and hands every part the same outcome: the version started onc
 last part arrived (the hub versions and delivers the whole, like any broadcast), or
 why it failed — a part refused, a part missing at the deadline, the hub closing —
 which every part waiting raises, and every part still to come.
+
+A failed version's number is not used up: its learners may send it again. Each part is
+sent once per attempt, so a part whose index the failed attempt already heard begins
+the next attempt; a part it has not heard is that attempt's, late, and hears why it
+failed. Once every part of a failed attempt was heard, the next part begins a new one.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ class _Assembling(Generic[Started]):
     timeout_s: float  #: the first part's: the deadline for the others, then the delivery's
     started: asyncio.Future[Started]
     timer: asyncio.TimerHandle | None = None
+    #: the indices of the parts of this attempt that reached the hub, taken or refused
+    heard: set[int] = dataclasses.field(default_factory=set)
+
+    @property
+    def failed(self) -> bool:
+        return self.started.done() and self.started.exception() is not None
 
 
 class Assemblies(Generic[Started]):
@@ -69,6 +80,14 @@ class Assemblies(Generic[Started]):
         failed and kept)."""
         return key in self._open
 
+    def begins_attempt(self, model: str, request: BroadcastRequest) -> bool:
+        """Whether ``request`` (a part of ``model``) would begin an attempt at its
+        version: none is open, or the one that failed heard this part already (the hub
+        checks the version's number against the model's for a part that does)."""
+        assert request.version is not None  # the hub refused a part without one
+        assembling = self._open.get((model, request.version))
+        return assembling is None or (assembling.failed and request.part in assembling.heard)
+
     async def take(
         self,
         request: BroadcastRequest,
@@ -87,6 +106,8 @@ class Assemblies(Generic[Started]):
         refusal, or :class:`IncompleteVersionError` saying why the version failed."""
         assert request.version is not None  # the hub refused a part without one
         key = (model, request.version)
+        if self.begins_attempt(model, request):
+            self._open.pop(key, None)  # a failed attempt's number, sent again
         assembling = self._open.get(key)
         if assembling is None:
             assembly = PartAssembly(
@@ -102,11 +123,14 @@ class Assemblies(Generic[Started]):
                 left_s, self._timed_out, key, timeout_s
             )
             self._open[key] = assembling
-        elif assembling.started.done() and assembling.started.exception() is not None:
+        elif assembling.failed:
+            self._heard_late(key, assembling, request.part)
             raise IncompleteVersionError(
                 f"part {request.part} of {assembling.assembly.what} arrived after the "
-                f"version failed: {assembling.started.exception()}"
+                f"version failed: {assembling.started.exception()}; to send the version "
+                "again, send every part again"
             )
+        assembling.heard.add(request.part)
         try:
             if timeout_s != assembling.timeout_s:
                 raise ValueError(
@@ -140,11 +164,17 @@ class Assemblies(Generic[Started]):
         waited out the deadline, told that this part never came)."""
         assert request.version is not None  # the hub refused a part without one
         key = (model, request.version)
-        if key not in self._open:
+        if self.begins_attempt(model, request):
+            self._open.pop(key, None)  # a failed attempt's number, sent again
             workers = None if request.workers is None else tuple(request.workers)
             assembly = PartAssembly(model, request.version, request.parts, workers)
             # Failed at once below: its timeout is never waited on.
             self._open[key] = _Assembling(assembly, time.perf_counter(), 0.0, _quiet_future())
+        assembling = self._open[key]
+        if assembling.failed:  # a late part of a failed attempt: its refusal says enough
+            self._heard_late(key, assembling, request.part)
+            return
+        assembling.heard.add(request.part)
         self.fail(key, f"part {request.part} was refused ({type(err).__name__}: {err})")
 
     def fail(self, key: Key, reason: str) -> None:
@@ -173,6 +203,13 @@ class Assemblies(Generic[Started]):
     def arrived(self) -> dict[Key, tuple[int, ...]]:
         """The parts that arrived of each version still assembling (``hub.status``)."""
         return {key: a.assembly.arrived() for key, a in self._open.items() if not a.started.done()}
+
+    def _heard_late(self, key: Key, assembling: _Assembling[Started], index: int) -> None:
+        """Part ``index`` of failed attempt ``key`` arrived late; once every part was
+        heard, the attempt is forgotten: the next part begins a new one."""
+        assembling.heard.add(index)
+        if assembling.heard >= set(range(assembling.assembly.parts)):
+            del self._open[key]
 
     def _assembled(self, key: Key, begun: Started) -> None:
         assembling = self._open.pop(key)

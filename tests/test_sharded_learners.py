@@ -78,10 +78,25 @@ def test_a_part_that_never_arrives_fails_the_version_for_every_part(hub_and_rece
         ray.get(late, timeout=30)
     assert_untouched(receiver, v)
     assert ray.get(hub.status.remote()).assembling == {}
-    # The learners go on: the next version, whole, lands.
+    # Its number is not used up: the learners send the version again, and it lands.
     weights = special_weights(3.0)
-    reports = ray.get(send_parts(hub, split_in_parts(weights, 2), version=v + 2), timeout=60)
+    reports = ray.get(send_parts(hub, split_in_parts(weights, 2), version=v + 1), timeout=60)
     assert reports[0] == reports[1] and reports[0].acked == ("r0",)
+    assert reports[0].version == v + 1
+    assert_bitwise(ray.get(receiver.state.remote()), weights)
+
+
+def test_a_failed_version_is_sent_again_by_the_learner_whose_part_arrived(hub_and_receiver):
+    """The rank whose part arrived sends it again before the late rank's part comes:
+    its part begins a new attempt, the late part joins it, the version lands whole."""
+    hub, receiver, v = hub_and_receiver
+    first, _ = split_in_parts(special_weights(2.0), 2)
+    alone = hub.broadcast.remote(first, model=MODEL, version=v + 1, part=0, parts=2, timeout_s=1)
+    with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive within 1 s"):
+        ray.get(alone, timeout=30)
+    weights = special_weights(3.0)
+    reports = ray.get(send_parts(hub, split_in_parts(weights, 2), version=v + 1), timeout=60)
+    assert {r.version for r in reports} == {v + 1} and reports[0].acked == ("r0",)
     assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 

@@ -97,17 +97,67 @@ def test_a_part_with_another_timeout_is_refused_naming_both():
 def test_a_refused_part_fails_the_version_for_the_parts_waiting_and_to_come():
     async def run():
         assemblies = Assemblies(Starts())
-        waiting = asyncio.ensure_future(assemblies.take(part(0, "a", "b"), "m", KNOWN, 30, now()))
+        waiting = asyncio.ensure_future(
+            assemblies.take(part(0, "a", parts=3), "m", KNOWN, 30, now())
+        )
         await asyncio.sleep(0)
-        with pytest.raises(SpecMismatchError, match="'b'"):  # b is part 0's already
-            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, now())
+        with pytest.raises(SpecMismatchError, match="'a'"):  # a is part 0's already
+            await assemblies.take(part(1, "a", parts=3), "m", KNOWN, 30, now())
         with pytest.raises(IncompleteVersionError, match="part 1 was refused"):
             await waiting
-        with pytest.raises(IncompleteVersionError, match="arrived after the version failed"):
-            await assemblies.take(part(1, "c"), "m", KNOWN, 30, now())
         assert ("m", 7) in assemblies and assemblies.arrived() == {}
+        with pytest.raises(IncompleteVersionError, match="arrived after the version failed"):
+            await assemblies.take(part(2, "c", parts=3), "m", KNOWN, 30, now())
 
     asyncio.run(run())
+
+
+def test_a_failed_version_sent_again_assembles_anew():
+    """A version number whose attempt failed is not used up: every part is sent once
+    per attempt, so a part the failed attempt heard already begins the next one (its
+    learner retries), and the version is started from the new attempt's parts alone."""
+
+    async def run():
+        starts = Starts()
+        assemblies = Assemblies(starts)
+        with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive"):
+            await assemblies.take(part(0, "a"), "m", KNOWN, 0.01, now())
+        assert not assemblies.begins_attempt("m", part(1, "b", "c"))  # the late one
+        assert assemblies.begins_attempt("m", part(0, "a"))  # its learner sending again
+        again = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, now()))
+        await asyncio.sleep(0)
+        assert assemblies.arrived() == {("m", 7): (0,)}
+        second = await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, now())
+        return starts, await again, second
+
+    starts, first, second = asyncio.run(run())
+    assert first == second == "started v7"
+    [(whole, timeout_s, _)] = starts.calls
+    assert whole.spec == KNOWN and timeout_s == 30  # the new attempt's, not the failed one's
+
+
+def test_a_late_part_hears_why_and_then_the_version_can_be_sent_again():
+    """The part a failed attempt missed, arriving late, is that attempt's: it hears why
+    the version failed and how to send it again. Every part heard, the next part of
+    that number begins a new attempt, whichever it is."""
+
+    async def run():
+        assemblies = Assemblies(Starts())
+        with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive"):
+            await assemblies.take(part(0, "a"), "m", KNOWN, 0.01, now())
+        with pytest.raises(IncompleteVersionError) as late:
+            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, now())
+        assert ("m", 7) not in assemblies
+        again = asyncio.ensure_future(assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, now()))
+        await asyncio.sleep(0)
+        assert assemblies.arrived() == {("m", 7): (1,)}
+        started = await assemblies.take(part(0, "a"), "m", KNOWN, 30, now())
+        return str(late.value), started, await again
+
+    late, started, again = asyncio.run(run())
+    assert "part 1 of version 7 of model 'm' (2 parts) arrived after the version failed" in late
+    assert "did not arrive within 0.01 s" in late and "send every part again" in late
+    assert started == again == "started v7"
 
 
 @pytest.mark.parametrize("first_to_come", ["refused", "taken"])
