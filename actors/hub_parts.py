@@ -82,11 +82,16 @@ class Assemblies(Generic[Started]):
 
     def begins_attempt(self, model: str, request: BroadcastRequest) -> bool:
         """Whether ``request`` (a part of ``model``) would begin an attempt at its
-        version: none is open, or the one that failed heard this part already (the hub
-        checks the version's number against the model's for a part that does)."""
+        version: none is open, or the one that failed heard this part already or was
+        in another number of parts (the hub checks the version's number against the
+        model's for a part that does)."""
         assert request.version is not None  # the hub refused a part without one
         assembling = self._open.get((model, request.version))
-        return assembling is None or (assembling.failed and request.part in assembling.heard)
+        if assembling is None:
+            return True
+        return assembling.failed and (
+            request.part in assembling.heard or request.parts != assembling.assembly.parts
+        )
 
     async def take(
         self,

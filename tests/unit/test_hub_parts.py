@@ -124,6 +124,7 @@ def test_a_failed_version_sent_again_assembles_anew():
             await assemblies.take(part(0, "a"), "m", KNOWN, 0.01, now())
         assert not assemblies.begins_attempt("m", part(1, "b", "c"))  # the late one
         assert assemblies.begins_attempt("m", part(0, "a"))  # its learner sending again
+        assert assemblies.begins_attempt("m", part(1, "b", parts=3))  # in three parts now
         again = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, now()))
         await asyncio.sleep(0)
         assert assemblies.arrived() == {("m", 7): (0,)}
