@@ -805,6 +805,7 @@ class ReceiverCore:
         try:
             destination, spec, targets = held.targets(self.owner)
             _check_digest(spec, update, self.actor_name)
+            _check_intact(staged, update)
             adopted = self.identity.zero_copy and held.adoption.take(
                 model_path.resolve(self.owner, held.path),
                 spec.names,
@@ -816,6 +817,13 @@ class ReceiverCore:
                 if self.identity.zero_copy:  # refused: it may have left the version's
                     destination, spec, targets = held.targets(self.owner)  # memory
                 copy_all(targets, staged.tensors, spec)
+                try:
+                    _check_intact(staged, update)
+                except TransportError as err:  # rewritten while it was copied
+                    raise TransportError(
+                        f"{err}; {self.actor_name}'s model {update.model!r} may now hold "
+                        "bytes of another version until the next one is applied"
+                    ) from err
                 if destination.commit is not None:
                     destination.commit()
         except Exception:
@@ -898,6 +906,14 @@ class _Fetched:
 
     started: float
     ended: float
+
+
+def _check_intact(staged: _Staged, update: Update) -> None:
+    """Raise TransportError if the memory a transport lent for ``staged`` was given to
+    another version (see :meth:`TransportReceiver.check_intact`); a receiver's own copy
+    cannot have been."""
+    if staged.transport is not None:
+        staged.transport.check_intact(update.payload)
 
 
 def _open_transport(welcome: Welcome) -> TransportReceiver:

@@ -854,3 +854,41 @@ def test_a_version_staged_before_registering_again_stays_held_until_it_is_copied
     ray.get(leave.open.remote())
     ray.get(holding)
     assert_bitwise(ray.get(busy.state.remote()), special_weights(2.0))
+
+
+def test_a_version_whose_hold_was_lost_while_staged_is_not_applied(actors):
+    """The hub forgets a receiver (its heartbeats stopped) while version 2 waits at its
+    gate, staged in the learner's slot: the owner lets go of its holds, the learner's
+    slots go round and another version is written into that slot. The receiver's method
+    returns before it could register again: the slot's bytes were copied in as version 2
+    (another version's, silently). The slot's header now says it was rewritten: version 2
+    fails there and the model keeps version 1."""
+
+    def deferred(receiver) -> tuple[str, list[int]]:
+        """(Run in ``busy``.) Its registration's token and the versions at its gate."""
+        core = receiver._raysync_receiver.core
+        return core.token, [p.apply.args[0].version for p in core.gate._deferred]
+
+    hub = start_hub(actors, TRANSPORT)
+    template = special_weights(0.0)
+    busy = start(actors, AsyncHolder, hub, template, "busy", 0.2)
+    other = start(actors, Holder, hub, template, "other")
+    ready([busy, other])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    ray.get(busy.__ray_call__.remote(cut_off_heartbeats))  # it cannot register again
+    entered, leave = start(actors, Gate), start(actors, Gate)
+    holding = busy.hold.remote(entered, leave)
+    ray.get(entered.wait.remote())
+    hub.broadcast.remote(special_weights(2.0), model="m", wait=False)
+    token, _ = wait_until(
+        lambda: (found := ray.get(busy.__ray_call__.remote(deferred)))[1] == [2] and found,
+        what="version 2 waiting at busy's gate",
+    )
+    ray.get(hub.actor.leave.remote("busy", token))  # as when its heartbeats stopped
+    wait_until(lambda: not any("busy" in h for h in _holds(hub)), what="busy's holds let go")
+    for value in range(3, MAX_SLOTS + 5):  # the learner's slots go round
+        sent = hub.broadcast.remote(special_weights(float(value)), model="m", workers=["other"])
+        assert ray.get(sent, timeout=60).acked == ("other",)
+    ray.get(leave.open.remote())
+    ray.get(holding)
+    assert_bitwise(ray.get(busy.state.remote()), special_weights(1.0))

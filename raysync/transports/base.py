@@ -271,6 +271,13 @@ class TransportReceiver(ABC):
         """Nothing reads ``staged`` (of ``payload``; None if never fetched) any more.
         Default: nothing to free."""
 
+    def check_intact(self, payload: Any) -> None:
+        """Raise :class:`TransportError` if the tensors fetched for ``payload`` no longer
+        hold its version: memory the transport lent (a shared-memory slot) was given to
+        another version while they were staged. Called at the safe point, right before
+        and right after they are copied into the model. Default: fetched data is the
+        receiver's own, nothing can rewrite it."""
+
     def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
         """Send the version this receiver's model holds (``tensors``, its own) as
         ``spec`` through ``payload``, which the planner made for another receiver to

@@ -278,6 +278,13 @@ class PartedReceiver(TransportReceiver):
             self._parts_of[id(whole)] = fetched
         return whole
 
+    def check_intact(self, payload: Any) -> None:
+        if not isinstance(payload, Parts):
+            self.inner.check_intact(payload)
+            return
+        for part in payload.parts:
+            self.inner.check_intact(part.payload)
+
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         if not isinstance(payload, Parts):
             self.inner.release(payload, staged)

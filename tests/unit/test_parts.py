@@ -247,6 +247,18 @@ def test_a_whole_payload_passes_through():
     assert inner.released == [("put3", None)]
 
 
+def test_a_version_in_parts_is_intact_only_while_every_part_is():
+    class Rewriting(_Staging):
+        def check_intact(self, payload):
+            if payload == "put2":
+                raise TransportError(f"{payload}'s slot was rewritten")
+
+    receiver = PartedReceiver(Rewriting())
+    receiver.check_intact("put1")  # a whole payload: its own
+    with pytest.raises(TransportError, match="put2's slot was rewritten"):
+        receiver.check_intact(PARTED)
+
+
 # -- the hub's planning ---------------------------------------------------------------
 class _Planner(TransportPlanner):
     def __init__(self) -> None:

@@ -137,6 +137,41 @@ def test_a_transport_that_fails_to_take_a_version_back_leaves_the_ack_applied(ca
     assert "could not hand version 1 of model 'policy' back" in caplog.text
 
 
+def test_a_version_whose_lent_memory_was_rewritten_before_the_safe_point_fails_untouched():
+    """A transport that lends its memory (a shared-memory slot) says at the safe point
+    that another version was written there since the fetch: the version fails, the
+    model keeps what it held, the staged data goes back."""
+    receiver = _Receiver()
+    model = receiver.owner.policy
+    before = model.weight.clone()
+
+    def rewritten(payload):
+        raise TransportError(f"slot of version {payload} was rewritten (injected)")
+
+    receiver.transport.check_intact = rewritten
+    receipt = receiver.core.receive(receiver.update(1))
+    assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
+    assert "slot of version 1 was rewritten" in receipt.ack.error
+    assert torch.equal(model.weight, before) and receiver.core.models["policy"].version == 0
+    assert receiver.transport.released == [(1, True)]
+
+
+def test_a_version_whose_lent_memory_is_rewritten_during_the_copy_fails_saying_so():
+    receiver = _Receiver()
+    checks: list[int] = []
+
+    def rewritten_after_the_first_look(payload):
+        checks.append(payload)
+        if len(checks) > 1:
+            raise TransportError("slot rewritten (injected)")
+
+    receiver.transport.check_intact = rewritten_after_the_first_look
+    receipt = receiver.core.receive(receiver.update(1))
+    assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
+    assert "may now hold bytes of another version" in receipt.ack.error
+    assert checks == [1, 1] and receiver.core.models["policy"].version == 0
+
+
 def test_a_dict_model_whose_entry_was_replaced_gets_the_next_version_in_the_new_tensor():
     """A dict model's write targets are cached between updates (1000 entries cost ~2 ms
     to rebuild); an entry replaced meanwhile is where the next version lands."""

@@ -74,18 +74,31 @@ class SharedMemoryReceiver(TransportReceiver):
                 f"slot of {slot.nbytes} bytes does not fit the spec's layout of "
                 f"{layout.nbytes} bytes ({spec.summary()})"
             )
-        seq = read_seq(self._mappings.buffer(slot).numpy())
-        if seq != slot.seq:
-            raise TransportError(
-                f"shared-memory slot of receiver {self._worker} holds sequence "
-                f"{seq}, expected {slot.seq}: it was rewritten before this "
-                "receiver read it (its hold was lost: did it re-register meanwhile?)"
-            )
+        self._check_seq(slot, "read it")
         views = self._mappings.views(slot, layout)
         with _LEASES_LOCK:
             key = (self._worker, slot.pid, slot.seq)
             _LEASES[key] = _LEASES.get(key, 0) + 1
         return views
+
+    def check_intact(self, payload: SharedMemoryPayload | BucketStream) -> None:
+        """The slot's views are what a copy-mode receiver stages: its owner keeps the
+        slot while this worker holds it, but a hold can be lost while a version waits
+        for its safe point (the hub forgot this worker, or it registered again: its
+        holds went with the old registration). The slot's header says whether the
+        learner wrote another version into it since."""
+        if isinstance(payload, SharedMemoryPayload):
+            self._check_seq(payload.slot, "applied it")
+
+    def _check_seq(self, slot: Slot, before: str) -> None:
+        seq = read_seq(self._mappings.buffer(slot).numpy())
+        if seq != slot.seq:
+            raise TransportError(
+                f"shared-memory slot of receiver {self._worker} holds sequence "
+                f"{seq}, expected {slot.seq}: it was rewritten before this "
+                f"receiver {before} (its hold was lost: did the hub forget it, or did it "
+                "register again, meanwhile?)"
+            )
 
     def release(
         self, payload: SharedMemoryPayload | BucketStream, staged: Sequence[torch.Tensor] | None
