@@ -27,7 +27,7 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Collection, Iterable, Sequence
 from typing import Any, NoReturn
 
 import ray
@@ -1094,6 +1094,7 @@ class WeightHubActor:
                 timeout_s,
                 share=BUCKETED_PLAN_SHARE if streams and len(groups) > 1 else 1.0,
                 waited_s=waited_s,
+                called=first_calls.keys(),
             )
             plan_s = max(plan_s, time.perf_counter() - plan_started)
             own = [e for e in group if e.worker not in first_calls]
@@ -1317,11 +1318,12 @@ class WeightHubActor:
         timeout_s: float,
         share: float = 1.0,
         waited_s: float = 0.0,
+        called: Collection[str] = (),
     ) -> dict[str, _Plan]:
         """Per target reading by ``transport``: the update it reads, planned by its
         transport within ``share`` of ``timeout_s`` and what is left of it after
         ``waited_s`` (a version sent in parts, counted from its first part), or why
-        there is none."""
+        there is none. ``called``: the targets its learner delivered it to itself."""
         update = handed.update_for(transport)
         if update is None:
             reason = (
@@ -1336,7 +1338,12 @@ class WeightHubActor:
                     self._planners[transport],
                     update,
                     spec,
-                    [e.info for e in group],
+                    [
+                        dataclasses.replace(e.info, called_by_learner=True)
+                        if e.worker in called
+                        else e.info
+                        for e in group
+                    ],
                     in_one_plan=get_transport(transport).parts_in_one_plan,
                 ),
                 limit_s,

@@ -196,6 +196,10 @@ class ReceiverInfo:
     #: move each version together may have it read the learner's copy alone instead of
     #: holding up the others (``distributed``).
     behind: bool = False
+    #: Its learner delivered this version to it itself (the direct path): the plan only
+    #: books what it reads (a slot's hold); it reads and lets go of that version
+    #: whatever becomes of the plan, so a plan cut short must not let go for it.
+    called_by_learner: bool = False
 
 
 #: While the hub awaits a planner's ``plan``: the ``time.monotonic()`` by which it needs

@@ -190,13 +190,19 @@ class SharedMemoryPlanner(TransportPlanner):
         # hub's planning order (which frees slots of versions the hub refused).
         local = tuple(by_node.pop(slot.node_id, ()))
         held = self._hold(owner, update, local)
+        # The learner called these itself: they read the slot whatever becomes of this
+        # plan, and each lets go of its own hold once it copied the version.
+        called = {r.worker for r in targets if r.called_by_learner}
+        uncalled = tuple(w for w in local if w not in called)
         #: (owner, its answer, workers) of each call that holds a slot for workers
-        placed: list[tuple[Any, ray.ObjectRef, tuple[str, ...]]] = [(owner, held, local)]
+        #: the hub would deliver to
+        placed: list[tuple[Any, ray.ObjectRef, tuple[str, ...]]] = [(owner, held, uncalled)]
         try:
-            return await self._relay(update, source, owner, by_node, placed)
+            return await self._relay(update, source, owner, local, by_node, placed)
         except BaseException:
-            # Cut short (by its timeout, or an error): the holds it placed are for
-            # workers that will never read those slots; left, they would fill the pools.
+            # Cut short (by its timeout, or an error): the holds it placed for workers
+            # the hub was to deliver to will never be read; left, they would fill the
+            # pools.
             for holder, answer, workers in placed:
                 if workers:
                     self._background.spawn(
@@ -209,18 +215,20 @@ class SharedMemoryPlanner(TransportPlanner):
         update: Any,
         source: SharedMemoryPayload,
         owner: Any,
+        local: tuple[str, ...],
         by_node: dict[str, list[str]],
         placed: list[tuple[Any, ray.ObjectRef, tuple[str, ...]]],
     ) -> dict[str, SharedMemoryPayload | Unplanned]:
-        """The payloads of a version held on the learner's node: its receivers read the
-        learner's slot, those of ``by_node`` (the other nodes) their node's relay of it,
+        """The payloads of a version held on the learner's node: its receivers
+        (``local``) read the learner's slot, those of ``by_node`` (the other nodes) their
+        node's relay of it,
         exported once by ``owner`` (the learner's node's). Each call that holds a slot is
         added to ``placed`` as it is made (and taken out when given up: its holds are
         let go then). A node whose owner does not answer within half of what is left of
         the plan's time fails alone, as does every node the export was for if it did not
         come in that time."""
         slot = source.slot
-        payloads: dict[str, SharedMemoryPayload | Unplanned] = dict.fromkeys(placed[0][2], source)
+        payloads: dict[str, SharedMemoryPayload | Unplanned] = dict.fromkeys(local, source)
         if not by_node:
             return payloads
         version, relayed = self._latest.get(update.model, (0, {}))
