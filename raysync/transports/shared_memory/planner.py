@@ -221,12 +221,11 @@ class SharedMemoryPlanner(TransportPlanner):
     ) -> dict[str, SharedMemoryPayload | Unplanned]:
         """The payloads of a version held on the learner's node: its receivers
         (``local``) read the learner's slot, those of ``by_node`` (the other nodes) their
-        node's relay of it,
-        exported once by ``owner`` (the learner's node's). Each call that holds a slot is
-        added to ``placed`` as it is made (and taken out when given up: its holds are
-        let go then). A node whose owner does not answer within half of what is left of
-        the plan's time fails alone, as does every node the export was for if it did not
-        come in that time."""
+        node's relay of it, exported once by ``owner`` (the learner's node's). Each call
+        that holds a slot is added to ``placed`` as it is made (and taken out when given
+        up: its holds are let go then). A node whose owner does not answer within half
+        of what is left of the plan's time fails alone, as does every node the export
+        was for if it did not come in that time."""
         slot = source.slot
         payloads: dict[str, SharedMemoryPayload | Unplanned] = dict.fromkeys(local, source)
         if not by_node:
