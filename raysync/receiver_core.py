@@ -454,6 +454,10 @@ class ReceiverCore:
             previous, self.transport = self.transport, transport
             self.transport_name = welcome.transport
             self._refused_tokens.discard(self.token)
+            # A version deferred under the old token acks to this hub also once a
+            # registration with another hub replaced this core (see hubs_to_ack_later).
+            self._earlier_hubs[self.token] = self.hub
+            self._earlier_hubs = dict(list(self._earlier_hubs.items())[-_EARLIER_HUBS_KEPT:])
             self.token = registration.token
             previous.close()
         logger.info("%s re-registered with its hub", self.actor_name)

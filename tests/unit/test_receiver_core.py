@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from raysync import weights
+from raysync import receiver_core, weights
 from raysync.copies import Viewed, numpy_view
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.messages import Ack, AckStatus, Update, Welcome
@@ -921,3 +921,41 @@ def test_a_core_keeps_the_hubs_of_its_last_registrations_only():
     handed = receiver.core.hubs_to_ack_later()
     assert list(handed) == [*(f"earlier {n}" for n in range(2 * kept + 1, 3 * kept)), "token"]
     assert handed["token"] is receiver.hub
+
+
+def test_a_version_deferred_before_the_hub_watch_registered_again_acks_to_that_hub(monkeypatch):
+    """Deferred under the first token, then the hub watch registered again (a second
+    token) and the host moved to another hub: the ack of the first token went to the
+    new hub, and the old one waited out its deadline for it (TIMEOUT)."""
+    receiver = _Receiver()
+    core, first_hub, next_hub = receiver.core, receiver.core.hub, _Hub()
+    monkeypatch.setattr(
+        receiver_core, "_registration", lambda owner, models, identity: SimpleNamespace(token="T2")
+    )
+    first_hub.actor.register = SimpleNamespace(remote=lambda registration: "its welcome")
+    welcome = Welcome("object_store", None, {})
+    monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: welcome)
+    monkeypatch.setattr(receiver_core, "_open_transport", lambda welcome: _Transport())
+
+    def deliver() -> Any:
+        receipt = core.receive(receiver.update(1))  # deferred under "token"
+        core.register_again(5.0)  # the hub watch, with the same hub: token T2
+        hubs = core.hubs_to_ack_later()
+        core.retire(keep_privately=False)  # connect_hub to another hub replaces the core
+        ReceiverCore(
+            receiver.owner,
+            next_hub,
+            {"policy": HeldModel("policy", "policy")},
+            core.identity,
+            welcome,
+            "T3",
+            None,
+            gate=core.gate,
+            earlier_hubs=hubs,
+            transport=_Transport(),
+        )
+        return receipt
+
+    assert _while_a_method_runs(receiver, deliver) == ACK_LATER
+    assert [(a.token, a.status) for a in first_hub.acks] == [("token", AckStatus.NOT_ATTACHED)]
+    assert next_hub.acks == []
