@@ -10,7 +10,8 @@ rewritten:
   (nor refused it: :meth:`ShmOwner.abandon`);
 * ``Hold.of_worker(id)``: a receiver the version was planned for has not released it
   yet (on the owner's *release board*, :class:`~raysync.transports.shared_memory.Board`,
-  or by calling :meth:`ShmOwner.release`);
+  or by calling :meth:`ShmOwner.release`), nor has the hub withdrawn every delivery of
+  it to that receiver (:meth:`ShmOwner.withdraw`: a plan cut short);
 * ``Hold.latest(model)``: the newest version of ``model`` here, for late joiners;
 * ``RELAYING``: the owner itself is copying a relayed version in;
 * ``Hold.exporting(n)``: the owner is putting the version into the object store for
@@ -117,6 +118,11 @@ class _Segment:
     holds: set[Hold] = field(default_factory=set)
     #: workers whose release of ``seq`` came before the hub's hold for them
     released: set[str] = field(default_factory=set)
+    #: worker -> the hub's deliveries (their ``placement`` numbers) its hold is for: the
+    #: hub may hand one worker the same version twice (a pull or a welcome's catch-up
+    #: beside a broadcast of it), and a delivery that never reaches the worker takes
+    #: back its own part (:meth:`ShmOwner.withdraw`), not the others'
+    placements: dict[str, set[int]] = field(default_factory=dict)
     pending_since: float = 0.0  #: ``time.monotonic()`` when last held ``PENDING``
 
 
@@ -234,10 +240,12 @@ class ShmOwner:
         workers: tuple[str, ...],
         order: int = 0,
         version: int = 0,
+        placement: int = 0,
     ) -> Slot:
         """Hold version ``seq`` of ``model`` for ``workers`` and, if ``version`` is the
         newest here, as the latest of ``model`` (late joiners and pulls are planned to
-        read it, so it must not be written again).
+        read it, so it must not be written again). ``placement``: the hub's number of
+        this delivery, which :meth:`withdraw` names if it never reaches ``workers``.
 
         The hub plans each model's versions in the order the learner submitted them
         and numbers its calls here (``order``, run in that order: Ray may start them out
@@ -250,10 +258,16 @@ class ShmOwner:
         none of its slots.
         """
         with self._in_order.turn("hub", order):
-            return self._deliver(pid, seq, model, workers, version)
+            return self._deliver(pid, seq, model, workers, version, placement)
 
     def _deliver(
-        self, pid: int, seq: int, model: str, workers: tuple[str, ...], version: int
+        self,
+        pid: int,
+        seq: int,
+        model: str,
+        workers: tuple[str, ...],
+        version: int,
+        placement: int,
     ) -> Slot:
         """(Lock held.)"""
         segment = self._by_seq.get(seq) if pid == self._pid else None
@@ -272,7 +286,7 @@ class ShmOwner:
             if self._on_board(segment, worker):  # done with it before its hold came
                 self._board_releases += 1
             elif worker not in segment.released:
-                segment.holds.add(Hold.of_worker(worker))
+                _hold_for(segment, worker, placement)
         latest = self._latest.get(model, (0, 0))
         if (version, seq) > latest:
             previous = self._by_seq.get(latest[1])
@@ -324,6 +338,7 @@ class ShmOwner:
         workers: tuple[str, ...],
         timeout_s: float,
         version: int = 0,
+        placement: int = 0,
     ) -> Slot:
         """Copy an exported version into a slot here; hold it like :meth:`deliver`."""
         with self._lock:
@@ -345,7 +360,7 @@ class ShmOwner:
         with self._lock:  # its receivers' holds are taken before its own goes
             try:
                 self._relays += 1
-                return self._deliver(self._pid, slot.seq, model, workers, version)
+                return self._deliver(self._pid, slot.seq, model, workers, version, placement)
             finally:
                 segment.holds.discard(RELAYING)
                 self._lock.notify_all()
@@ -364,6 +379,27 @@ class ShmOwner:
                 self._lock.notify_all()
             else:
                 segment.released.add(worker)
+
+    def withdraw(self, pid: int, seq: int, workers: tuple[str, ...], placement: int) -> None:
+        """The hub's delivery ``placement`` of version ``seq`` never reaches ``workers``
+        (its plan was cut short, or its relay given up): the holds it took for them go,
+        but a worker's hold that another delivery of the same version took too stays
+        (that one reached it, and it reads the slot yet, or a zero-copy model lives
+        there). Unlike :meth:`release`, nothing is remembered for a hold not found: the
+        worker has not read the version, and a later delivery of it must hold it."""
+        with self._lock:
+            segment = self._by_seq.get(seq) if pid == self._pid else None
+            if segment is None:
+                return
+            for worker in workers:
+                placements = segment.placements.get(worker)
+                if placements is None or placement not in placements:
+                    continue  # never taken (gone, or done with it), or released since
+                placements.discard(placement)
+                if not placements:
+                    del segment.placements[worker]
+                    segment.holds.discard(Hold.of_worker(worker))
+            self._lock.notify_all()
 
     def join(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> Board | None:
         """``worker`` (re)joined on this node: it holds nothing but ``keep`` (see
@@ -558,6 +594,7 @@ class ShmOwner:
         """Give ``segment`` the next sequence number (its previous version is gone)."""
         self._by_seq.pop(segment.seq, None)
         segment.released.clear()
+        segment.placements.clear()
         segment.seq = self._next_seq
         self._next_seq += 1
         self._by_seq[segment.seq] = segment
@@ -573,6 +610,18 @@ class ShmOwner:
             segment.seq,
             segment.column,
         )
+
+
+def _hold_for(segment: _Segment, worker: str, placement: int) -> None:
+    """(Lock held.) Hold ``segment`` for ``worker`` on behalf of the hub's delivery
+    ``placement`` too. A hold taken anew starts its deliveries afresh: those of a hold
+    that went (the worker released it, or was forgotten) are done with."""
+    hold = Hold.of_worker(worker)
+    if hold in segment.holds:
+        segment.placements.setdefault(worker, set()).add(placement)
+    else:
+        segment.holds.add(hold)
+        segment.placements[worker] = {placement}
 
 
 def _dead(segment: _Segment, model: str) -> bool:

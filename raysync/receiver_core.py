@@ -715,7 +715,10 @@ class ReceiverCore:
         """What ``update``'s fetched ``tensors`` are staged as: themselves, or, for a
         zero-copy model of a version cast on the wire (it cannot live in bytes of another
         dtype), a copy in the model's own dtypes made here, outside the safe point, the
-        transport's data handed back at once (also if the copy fails: once)."""
+        transport's data handed back at once (also if the copy fails: once). A copy read
+        from memory the transport lent to another version meanwhile raises
+        TransportError: no check at the safe point looks at the transport's memory for
+        it (see :meth:`TransportReceiver.check_intact`)."""
         if not (self.identity.zero_copy and update.wire_spec is not None):
             return _Staged(tensors, transport)
         try:
@@ -724,6 +727,9 @@ class ReceiverCore:
                 for view, entry in zip(tensors, spec.tensors, strict=True)
             ]
             wait_for_devices(own)  # read out before the transport gets its data back
+            # Its hold may have gone since the fetch looked (the hub forgot this worker,
+            # or it registered again): the copy may hold another version's bytes.
+            transport.check_intact(update.payload)
         finally:
             transport.release(update.payload, tensors)
         return _Staged(own, None)

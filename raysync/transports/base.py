@@ -279,8 +279,9 @@ class TransportReceiver(ABC):
         """Raise :class:`TransportError` if the tensors fetched for ``payload`` no longer
         hold its version: memory the transport lent (a shared-memory slot) was given to
         another version while they were staged. Called at the safe point, right before
-        and right after they are copied into the model. Default: fetched data is the
-        receiver's own, nothing can rewrite it."""
+        and right after they are copied into the model (and right after a zero-copy
+        model's copy of a version cast on the wire, made as it is fetched). Default:
+        fetched data is the receiver's own, nothing can rewrite it."""
 
     def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
         """Send the version this receiver's model holds (``tensors``, its own) as

@@ -331,6 +331,27 @@ def test_a_zero_copy_cast_that_fails_hands_the_staged_version_back_once(monkeypa
     assert receiver.core.models["policy"].version == 0
 
 
+def test_a_zero_copy_cast_read_from_lent_memory_rewritten_meanwhile_fails_untouched():
+    """A version cast on the wire is copied for a zero-copy model as it is fetched, and
+    the transport's memory goes back at once: the safe point's checks look at the copy,
+    not at that memory. A slot rewritten before the copy ended (the worker's hold went:
+    the hub forgot it) fails the version there, instead of applying another version's
+    bytes as this one; the model keeps what it held."""
+    receiver = _Receiver(zero_copy=True)
+    before = receiver.owner.policy.weight.clone()
+
+    def rewritten(payload):
+        raise TransportError(f"slot of version {payload} was rewritten (injected)")
+
+    receiver.transport.check_intact = rewritten
+    receipt = receiver.core.receive(receiver.cast_on_the_wire(1))
+    assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
+    assert "slot of version 1 was rewritten" in receipt.ack.error
+    assert torch.equal(receiver.owner.policy.weight, before)
+    assert receiver.core.models["policy"].version == 0
+    assert receiver.transport.released == [(1, True)]
+
+
 def test_a_zero_copy_model_owns_every_tensor_of_a_cast_version_uncast_ones_too():
     """Tensors that travel as they are (integers) are copied as well: the model never
     lives in data handed back to the transport."""

@@ -328,6 +328,29 @@ def test_a_version_handed_to_a_receiver_twice_is_held_until_both_are_released(ow
         receiver.close()
 
 
+def test_a_withdrawn_delivery_takes_back_only_the_holds_it_alone_took(owner):
+    """The hub withdraws a delivery that never reached its workers (its plan was cut
+    short). The owner holds a slot once per worker: a worker another delivery of the
+    version reached keeps its hold until it releases it, one the withdrawn delivery
+    alone held lets go, and a withdrawal of a delivery made before the worker's
+    release leaves the hold a later delivery took."""
+    slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    owner.deliver(PID, slot.seq, "m", ("w0",), placement=1)  # a pull: w0 reads it
+    owner.deliver(PID, slot.seq, "m", ("w0", "w1"), placement=2)  # a broadcast of it
+    owner.withdraw(PID, slot.seq, ("w0", "w1"), 2)  # cut short: reached neither
+    assert owner.stats().holds == ("latest/m", "worker/w0")
+
+    owner.deliver(PID, slot.seq, "m", ("w1",), placement=3)  # not taken for a release
+    owner.deliver(PID, slot.seq, "m", ("w0",), placement=4)
+    owner.release(PID, slot.seq, "w0")  # done with every delivery it read
+    owner.deliver(PID, slot.seq, "m", ("w0",), placement=5)  # a catch-up, read yet
+    owner.withdraw(PID, slot.seq, ("w0",), 4)  # held before the release: nothing left
+    assert owner.stats().holds == ("latest/m", "worker/w0", "worker/w1")
+    owner.withdraw(PID, slot.seq, ("w0", "w1"), 5)  # w1 never had it
+    assert owner.stats().holds == ("latest/m", "worker/w1")
+    assert owner.stats().release_calls == 1  # a withdrawal is no receiver's release
+
+
 def _written(owner: ShmOwner, seq: int, model: str) -> None:
     """Write version ``seq`` of ``model`` into its slot's header, as the learner does."""
     from raysync.transports.shared_memory.wire import write_model, write_seq

@@ -1,7 +1,8 @@
 """The shared-memory planner's holds when a plan is cut short, on an event loop without
 Ray: the holds it took for receivers the hub was to call go, those of receivers the
 learner called itself (the direct path: they read the slot whatever becomes of the
-plan) stay for them to let go."""
+plan) stay for them to let go, and so do those another delivery of the same version
+took for the same receiver (the owner holds a slot once per worker)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from raysync.actors.shm_owner import ShmOwner
 from raysync.background import BackgroundTasks
 from raysync.transports.base import ReceiverInfo
 from raysync.transports.shared_memory.planner import SharedMemoryPlanner
@@ -22,30 +24,57 @@ SLOT = Slot(HERE, pid=11, fd=3, token=b"t", nbytes=64, seq=5)
 
 
 class _Owner:
-    """Stands for a node's owner actor: records each hold and release; its export (for
-    other nodes) never answers, so a plan that relays is cut short by its timeout."""
+    """Stands for a node's owner actor: records each hold and each hold withdrawn; its
+    export (for other nodes) never answers, so a plan that relays is cut short by its
+    timeout."""
 
     def __init__(self) -> None:
         self.held: list[tuple[str, ...]] = []
         self.released: list[str] = []
         self.deliver = SimpleNamespace(remote=self._deliver)
-        self.release = SimpleNamespace(remote=self._release)
+        self.withdraw = SimpleNamespace(remote=self._withdraw)
         self.export = SimpleNamespace(remote=lambda *args: asyncio.Future())
 
-    def _deliver(self, pid, seq, model, workers, order, version) -> asyncio.Future[Slot]:
+    def _deliver(
+        self, pid, seq, model, workers, order, version, placement=0
+    ) -> asyncio.Future[Slot]:
         self.held.append(workers)
         answer: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         answer.set_result(SLOT)
         return answer
 
-    async def _release(self, pid: int, seq: int, worker: str) -> None:
-        self.released.append(worker)
+    async def _withdraw(self, pid: int, seq: int, workers: tuple[str, ...], placement) -> None:
+        self.released.extend(workers)
 
 
-def _planner(owners: dict[str, _Owner]) -> SharedMemoryPlanner:
+class _Actor:
+    """A real ShmOwner in this process, called as the planner calls its actor: each
+    method's ``remote`` runs it and answers with a done future; its export (for other
+    nodes) never answers, so a plan that relays is cut short by its timeout."""
+
+    def __init__(self, owner: ShmOwner) -> None:
+        self.owner = owner
+        self.export = SimpleNamespace(remote=lambda *args: asyncio.Future())
+
+    def __getattr__(self, name: str) -> SimpleNamespace:
+        method = getattr(self.owner, name)
+
+        def remote(*args: Any) -> asyncio.Future[Any]:
+            answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            try:
+                answer.set_result(method(*args))
+            except Exception as err:
+                answer.set_exception(err)
+            return answer
+
+        return SimpleNamespace(remote=remote)
+
+
+def _planner(owners: dict[str, Any]) -> SharedMemoryPlanner:
     planner = SharedMemoryPlanner.__new__(SharedMemoryPlanner)  # no Ray: no owners started
     planner._owners = dict[str, Any](owners)
     planner._orders = {node: itertools.count(1) for node in owners}
+    planner._placements = itertools.count(1)
     planner._latest = {}
     planner._background = BackgroundTasks("test planner")
     return planner
@@ -74,3 +103,32 @@ def test_a_plan_cut_short_lets_go_only_of_the_holds_of_receivers_the_hub_was_to_
     here = asyncio.run(run())
     assert here.held == [("called", "uncalled")]  # held for both as the plan began
     assert here.released == ["uncalled"]  # the learner's receiver keeps its hold
+
+
+def test_a_plan_cut_short_leaves_the_hold_another_delivery_of_the_version_took():
+    """The hub hands one worker the same slot twice: it pulled the version (or its
+    welcome's catch-up read it as it registered again) and a broadcast of that version
+    targets it too. The owner holds the slot once for that worker; the broadcast's
+    plan, cut short, released that one hold on the worker's behalf, and the learner
+    could rewrite the slot while the worker still read it from its pull (or a
+    zero-copy model lived there). It withdraws only what its own calls held."""
+    owner = ShmOwner(HERE, max_slots=2)
+    try:
+        slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+        planner = _planner({HERE: _Actor(owner), THERE: _Owner()})
+        update = SimpleNamespace(model="m", version=3, payload=SharedMemoryPayload(slot))
+
+        async def run() -> Any:
+            pulled = await planner.plan_pull(update, None, _receiver("w", HERE))
+            targets = [_receiver("w", HERE), _receiver("far", THERE)]
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(planner.plan(update, None, targets), 0.05)
+            await asyncio.gather(*planner._background._tasks)
+            return pulled
+
+        assert asyncio.run(run()) == SharedMemoryPayload(slot)
+        assert owner.stats().holds == ("latest/m", "worker/w")  # for the pull, unread yet
+        owner.release(slot.pid, slot.seq, "w")  # the pull's copy is done
+        assert owner.stats().holds == ("latest/m",)
+    finally:
+        owner.close()

@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -49,6 +50,10 @@ class SharedMemoryPlanner(TransportPlanner):
         self._node_of: dict[str, str] = {}
         #: Per node, the number of the next hold sent to its owner (see ShmOwner.deliver).
         self._orders: dict[str, itertools.count] = {}
+        #: The number of the next call that holds a slot for workers (a hold or a relay,
+        #: on any node): a plan cut short withdraws the holds of its own calls by it,
+        #: and leaves those another delivery of the version took (ShmOwner.withdraw).
+        self._placements = itertools.count(1)
         self._closed = False
         self._background = BackgroundTasks("shared-memory planner")
         #: per model: (version, node -> payload) of the latest version planned.
@@ -189,25 +194,21 @@ class SharedMemoryPlanner(TransportPlanner):
         # arrives first is remembered. Numbered, so the owner takes the holds in the
         # hub's planning order (which frees slots of versions the hub refused).
         local = tuple(by_node.pop(slot.node_id, ()))
-        held = self._hold(owner, update, local)
+        held, placement = self._hold(owner, update, local)
         # The learner called these itself: they read the slot whatever becomes of this
         # plan, and each lets go of its own hold once it copied the version.
         called = {r.worker for r in targets if r.called_by_learner}
         uncalled = tuple(w for w in local if w not in called)
-        #: (owner, its answer, workers) of each call that holds a slot for workers
-        #: the hub would deliver to
-        placed: list[tuple[Any, ray.ObjectRef, tuple[str, ...]]] = [(owner, held, uncalled)]
+        placed: list[_Placed] = [_Placed(owner, held, uncalled, placement)]
         try:
             return await self._relay(update, source, owner, local, by_node, placed)
         except BaseException:
             # Cut short (by its timeout, or an error): the holds it placed for workers
             # the hub was to deliver to will never be read; left, they would fill the
             # pools.
-            for holder, answer, workers in placed:
-                if workers:
-                    self._background.spawn(
-                        self._let_go(holder, answer, workers), "holds of a plan cut short"
-                    )
+            for call in placed:
+                if call.workers:
+                    self._background.spawn(self._let_go(call), "holds of a plan cut short")
             raise
 
     async def _relay(
@@ -217,7 +218,7 @@ class SharedMemoryPlanner(TransportPlanner):
         owner: Any,
         local: tuple[str, ...],
         by_node: dict[str, list[str]],
-        placed: list[tuple[Any, ray.ObjectRef, tuple[str, ...]]],
+        placed: list[_Placed],
     ) -> dict[str, SharedMemoryPayload | Unplanned]:
         """The payloads of a version held on the learner's node: its receivers
         (``local``) read the learner's slot, those of ``by_node`` (the other nodes) their
@@ -252,6 +253,7 @@ class SharedMemoryPlanner(TransportPlanner):
         async def to_node(node_id: str, workers: tuple[str, ...]) -> None:
             node_owner = self._owner(node_id)
             known = relayed.get(node_id)
+            placement = next(self._placements)
             if known is not None:
                 answer = node_owner.deliver.remote(
                     known.slot.pid,
@@ -260,19 +262,24 @@ class SharedMemoryPlanner(TransportPlanner):
                     workers,
                     next(self._orders[node_id]),
                     update.version,
+                    placement,
                 )
             else:
                 answer = node_owner.relay.remote(
-                    export, slot.nbytes, update.model, workers, _slot_wait_s(), update.version
+                    export,
+                    slot.nbytes,
+                    update.model,
+                    workers,
+                    _slot_wait_s(),
+                    update.version,
+                    placement,
                 )
-            placed.append(call := (node_owner, answer, workers))
+            placed.append(call := _Placed(node_owner, answer, workers, placement))
             try:
                 held = await _within_plan(answer, f"the shared-memory owner on node {node_id}")
             except TransportError:  # given up: the holds it may take yet are let go
                 placed.remove(call)
-                self._background.spawn(
-                    self._let_go(node_owner, answer, workers), "holds of a relay given up"
-                )
+                self._background.spawn(self._let_go(call), "holds of a relay given up")
                 raise
             relayed[node_id] = SharedMemoryPayload(held)
             payloads.update({w: relayed[node_id] for w in workers})
@@ -288,21 +295,30 @@ class SharedMemoryPlanner(TransportPlanner):
                 payloads.update(dict.fromkeys(workers, why))
         return payloads
 
-    async def _let_go(self, holder: Any, answer: ray.ObjectRef, workers: tuple[str, ...]) -> None:
-        """Release the holds one call of a plan cut short took for ``workers`` on
-        ``holder``'s slot (``answer``: the slot, once the owner answers)."""
+    async def _let_go(self, call: _Placed) -> None:
+        """Withdraw the holds one call of a plan cut short took for its workers, once
+        the owner answers it (with the slot). Withdrawn, not released on the workers'
+        behalf: the owner holds a slot once per worker, and a worker this version
+        reached through another delivery (a pull, its welcome's catch-up) keeps the
+        hold that one took."""
         try:
-            slot = await answer
+            slot = await call.answer
         except (RayError, TransportError):
             return  # it took none
-        releases = [holder.release.remote(slot.pid, slot.seq, w) for w in workers]
-        await asyncio.gather(*releases, return_exceptions=True)
+        try:
+            await call.holder.withdraw.remote(slot.pid, slot.seq, call.workers, call.placement)
+        except RayError:
+            pass  # its watch restarts it (a new owner holds nothing), or its node died
 
-    def _hold(self, owner: Any, update: Any, workers: tuple[str, ...]) -> ray.ObjectRef:
+    def _hold(
+        self, owner: Any, update: Any, workers: tuple[str, ...]
+    ) -> tuple[ray.ObjectRef, int]:
         """Have ``owner`` (the learner's node's) hold ``update``'s slot for ``workers`` and
         as the latest of its model, numbered in the hub's planning order; not awaited
-        (a refusal is logged). The owner's answer: the slot."""
+        (a refusal is logged). The owner's answer (the slot), and the call's placement
+        number (see :meth:`_let_go`)."""
         slot = update.payload.slot
+        placement = next(self._placements)
         held = owner.deliver.remote(
             slot.pid,
             slot.seq,
@@ -310,9 +326,10 @@ class SharedMemoryPlanner(TransportPlanner):
             workers,
             next(self._orders[slot.node_id]),
             update.version,
+            placement,
         )
         self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
-        return held
+        return held, placement
 
     async def _confirm(self, held: ray.ObjectRef, update: Any) -> None:
         """Log a hold the owner refused; its receivers fail on the slot's sequence check."""
@@ -337,6 +354,16 @@ class SharedMemoryPlanner(TransportPlanner):
                 pass  # died already (or its node did): its segments died with its process
             ray.kill(owner)
         self._owners.clear()
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """One call of a plan that holds a slot for workers the hub would deliver to."""
+
+    holder: Any  #: the owner called
+    answer: ray.ObjectRef  #: its answer: the slot, once held
+    workers: tuple[str, ...]
+    placement: int  #: the call's number (see ``ShmOwner.withdraw``)
 
 
 async def _drop_worker(owner: Any, worker: str) -> None:
