@@ -456,8 +456,7 @@ class ReceiverCore:
             self._refused_tokens.discard(self.token)
             # A version deferred under the old token acks to this hub also once a
             # registration with another hub replaced this core (see hubs_to_ack_later).
-            self._earlier_hubs[self.token] = self.hub
-            self._earlier_hubs = dict(list(self._earlier_hubs.items())[-_EARLIER_HUBS_KEPT:])
+            self._earlier_hubs = _newest_hubs({**self._earlier_hubs, self.token: self.hub})
             self.token = registration.token
             previous.close()
         logger.info("%s re-registered with its hub", self.actor_name)
@@ -520,8 +519,7 @@ class ReceiverCore:
         of versions deferred under this registration or an earlier one go, by token;
         the last :data:`_EARLIER_HUBS_KEPT` (a host that connects again and again held
         one more on every connect)."""
-        hubs = {**self._earlier_hubs, self.token: self.hub}
-        return dict(list(hubs.items())[-_EARLIER_HUBS_KEPT:])
+        return _newest_hubs({**self._earlier_hubs, self.token: self.hub})
 
     def send_ack(self, ack: Ack) -> None:
         """Tell the hub an outcome its delivery call did not return (deferred applies,
@@ -916,6 +914,11 @@ class _Fetched:
 
     started: float
     ended: float
+
+
+def _newest_hubs(hubs: dict[str, HubHandle]) -> dict[str, HubHandle]:
+    """The last :data:`_EARLIER_HUBS_KEPT` of ``hubs`` (by token, oldest first)."""
+    return dict(list(hubs.items())[-_EARLIER_HUBS_KEPT:])
 
 
 def _check_intact(staged: _Staged, update: Update) -> None:

@@ -810,6 +810,18 @@ class AsyncHolder(WeightReceiver):
         return {k: v.clone() for k, v in self.sd.items()}
 
 
+def _busy_beside_other(actors):
+    """A hub, an async receiver ``busy`` (returned) and a receiver ``other``, both
+    holding version 1 of model ``m``, ``special_weights(1.0)``."""
+    hub = start_hub(actors, TRANSPORT)
+    template = special_weights(0.0)
+    busy = start(actors, AsyncHolder, hub, template, "busy", 0.2)
+    other = start(actors, Holder, hub, template, "other")
+    ready([busy, other])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    return hub, busy
+
+
 def test_a_version_staged_before_registering_again_stays_held_until_it_is_copied(actors):
     """The hub forgets a receiver whose async method runs while version 2 waits at its
     gate: its hub watch registers again, and the welcome's catch-up fetches version 2
@@ -830,12 +842,7 @@ def test_a_version_staged_before_registering_again_stays_held_until_it_is_copied
     def seen() -> tuple[str, list[tuple[int, str]]]:
         return ray.get(busy.__ray_call__.remote(registration_and_deferred))
 
-    hub = start_hub(actors, TRANSPORT)
-    template = special_weights(0.0)
-    busy = start(actors, AsyncHolder, hub, template, "busy", 0.2)
-    other = start(actors, Holder, hub, template, "other")
-    ready([busy, other])
-    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    hub, busy = _busy_beside_other(actors)
     entered, leave = start(actors, Gate), start(actors, Gate)
     holding = busy.hold.remote(entered, leave)
     ray.get(entered.wait.remote())
@@ -869,12 +876,7 @@ def test_a_version_whose_hold_was_lost_while_staged_is_not_applied(actors):
         core = receiver._raysync_receiver.core
         return core.token, [p.apply.args[0].version for p in core.gate._deferred]
 
-    hub = start_hub(actors, TRANSPORT)
-    template = special_weights(0.0)
-    busy = start(actors, AsyncHolder, hub, template, "busy", 0.2)
-    other = start(actors, Holder, hub, template, "other")
-    ready([busy, other])
-    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
+    hub, busy = _busy_beside_other(actors)
     ray.get(busy.__ray_call__.remote(cut_off_heartbeats))  # it cannot register again
     entered, leave = start(actors, Gate), start(actors, Gate)
     holding = busy.hold.remote(entered, leave)

@@ -137,6 +137,11 @@ def test_a_transport_that_fails_to_take_a_version_back_leaves_the_ack_applied(ca
     assert "could not hand version 1 of model 'policy' back" in caplog.text
 
 
+def _slot_rewritten(payload: int) -> None:
+    """A transport's ``check_intact``: the memory it lent for ``payload`` was rewritten."""
+    raise TransportError(f"slot of version {payload} was rewritten (injected)")
+
+
 def test_a_version_whose_lent_memory_was_rewritten_before_the_safe_point_fails_untouched():
     """A transport that lends its memory (a shared-memory slot) says at the safe point
     that another version was written there since the fetch: the version fails, the
@@ -145,10 +150,7 @@ def test_a_version_whose_lent_memory_was_rewritten_before_the_safe_point_fails_u
     model = receiver.owner.policy
     before = model.weight.clone()
 
-    def rewritten(payload):
-        raise TransportError(f"slot of version {payload} was rewritten (injected)")
-
-    receiver.transport.check_intact = rewritten
+    receiver.transport.check_intact = _slot_rewritten
     receipt = receiver.core.receive(receiver.update(1))
     assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
     assert "slot of version 1 was rewritten" in receipt.ack.error
@@ -340,10 +342,7 @@ def test_a_zero_copy_cast_read_from_lent_memory_rewritten_meanwhile_fails_untouc
     receiver = _Receiver(zero_copy=True)
     before = receiver.owner.policy.weight.clone()
 
-    def rewritten(payload):
-        raise TransportError(f"slot of version {payload} was rewritten (injected)")
-
-    receiver.transport.check_intact = rewritten
+    receiver.transport.check_intact = _slot_rewritten
     receipt = receiver.core.receive(receiver.cast_on_the_wire(1))
     assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
     assert "slot of version 1 was rewritten" in receipt.ack.error
