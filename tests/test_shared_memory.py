@@ -822,6 +822,13 @@ def _busy_beside_other(actors):
     return hub, busy
 
 
+def _slots_go_round(hub) -> None:
+    """Versions 3 on, to ``other`` alone, until the learner wrote each of its slots again."""
+    for value in range(3, MAX_SLOTS + 5):
+        sent = hub.broadcast.remote(special_weights(float(value)), model="m", workers=["other"])
+        assert ray.get(sent, timeout=60).acked == ("other",)
+
+
 def test_a_version_staged_before_registering_again_stays_held_until_it_is_copied(actors):
     """The hub forgets a receiver whose async method runs while version 2 waits at its
     gate: its hub watch registers again, and the welcome's catch-up fetches version 2
@@ -855,9 +862,7 @@ def test_a_version_staged_before_registering_again_stays_held_until_it_is_copied
         lambda: (found := seen())[0] != token and found[1] == [(2, found[0])],
         what="the catch-up's version 2 waiting in the staged one's place",
     )
-    for value in range(3, MAX_SLOTS + 5):  # the learner's slots go round
-        sent = hub.broadcast.remote(special_weights(float(value)), model="m", workers=["other"])
-        assert ray.get(sent, timeout=60).acked == ("other",)
+    _slots_go_round(hub)
     ray.get(leave.open.remote())
     ray.get(holding)
     assert_bitwise(ray.get(busy.state.remote()), special_weights(2.0))
@@ -888,9 +893,7 @@ def test_a_version_whose_hold_was_lost_while_staged_is_not_applied(actors):
     )
     ray.get(hub.actor.leave.remote("busy", token))  # as when its heartbeats stopped
     wait_until(lambda: not any("busy" in h for h in _holds(hub)), what="busy's holds let go")
-    for value in range(3, MAX_SLOTS + 5):  # the learner's slots go round
-        sent = hub.broadcast.remote(special_weights(float(value)), model="m", workers=["other"])
-        assert ray.get(sent, timeout=60).acked == ("other",)
+    _slots_go_round(hub)
     ray.get(leave.open.remote())
     ray.get(holding)
     assert_bitwise(ray.get(busy.state.remote()), special_weights(1.0))
