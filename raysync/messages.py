@@ -341,7 +341,8 @@ class Registration:
     token: str
     #: The transport this receiver reads by; None: the hub's.
     transport: str | None = None
-    #: Payloads its zero-copy models live in (a live process registering again).
+    #: Payloads it still reads (a live process registering again): those its zero-copy
+    #: models live in, and versions staged, waiting for a safe point.
     kept: tuple[Any, ...] = ()
     #: Seconds between its hub watch's heartbeats; None: no watch. A pull receiver is
     #: called by nobody, so its death shows only as heartbeats that stop: the hub

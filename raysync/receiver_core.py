@@ -222,6 +222,12 @@ class ReceiverCore:
         #: Set at a safe point by :meth:`retire`: versions this core staged and that
         #: reach the safe point after are not applied (a newer registration rules).
         self._retired = False
+        #: The payloads of versions staged in a transport's memory and not handed back
+        #: yet (waiting for a safe point, or being applied): a registration lists them
+        #: in ``kept`` with those zero-copy models live in, so that registering again
+        #: keeps their holds (a version applied after would be read, or lived in, from
+        #: memory the learner may rewrite).
+        self._staging = _StagingBook()
         self._on_applied = on_applied
 
     @classmethod
@@ -444,7 +450,9 @@ class ReceiverCore:
         with self._registering:
             if self._registering_ended:
                 return None
-            registration = _registration(self.owner, self.models, self.identity)
+            registration = _registration(
+                self.owner, self.models, self.identity, staged=self._staging.payloads()
+            )
             welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
             try:
                 transport = _open_transport(welcome)
@@ -661,6 +669,7 @@ class ReceiverCore:
             transport.release(update.payload, None)
             raise
         staged = self._staged(transport, update, spec, tensors)  # released once, if it raises
+        self._staging.add(staged, update.payload)
         fetched = _Fetched(fetch_started, time.perf_counter())
         # Acked to the registration it was delivered to, also if applied after this
         # core registered again (the hub awaits it under that registration's token).
@@ -734,6 +743,7 @@ class ReceiverCore:
 
     def _release(self, update: Update, staged: _Staged) -> None:
         """Hand ``staged`` back to the transport if it still holds it."""
+        self._staging.discard(staged)
         if staged.transport is not None:
             staged.transport.release(update.payload, staged.tensors)
 
@@ -784,7 +794,9 @@ class ReceiverCore:
         try:
             return dataclasses.replace(self._apply(update, staged, fetched), token=token)
         finally:
-            if not held.adoption.lives_in(staged.tensors):
+            if held.adoption.lives_in(staged.tensors):
+                self._staging.discard(staged)  # listed as the adopted version now
+            else:
                 try:
                     self._release(update, staged)
                 except Exception:  # the ack says what the model holds, not this
@@ -908,6 +920,29 @@ class _Staged:
     transport: TransportReceiver | None
 
 
+class _StagingBook:
+    """The payloads of versions staged in a transport's memory and not handed back yet
+    (see :attr:`ReceiverCore._staging`). Added by a delivery's thread, discarded at the
+    safe point or by a newer version superseding it, read by the hub watch's thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._payloads: dict[int, Any] = {}  #: id of the _Staged -> its payload
+
+    def add(self, staged: _Staged, payload: Any) -> None:
+        if staged.transport is not None:  # a receiver's own copy holds nothing there
+            with self._lock:
+                self._payloads[id(staged)] = payload
+
+    def discard(self, staged: _Staged) -> None:
+        with self._lock:
+            self._payloads.pop(id(staged), None)
+
+    def payloads(self) -> tuple[Any, ...]:
+        with self._lock:
+            return tuple(self._payloads.values())
+
+
 @dataclass(frozen=True)
 class _Fetched:
     """When (``time.perf_counter()``) a version's fetch started and ended."""
@@ -958,8 +993,13 @@ def _check_digest(spec: WeightSpec, update: Update, actor: str) -> None:
 
 
 def _registration(
-    owner: Any, held: dict[str, HeldModel], identity: ReceiverIdentity
+    owner: Any,
+    held: dict[str, HeldModel],
+    identity: ReceiverIdentity,
+    staged: Sequence[Any] = (),
 ) -> Registration:
+    """``identity``'s registration of ``held``; its ``kept``: the payloads its zero-copy
+    models live in, and ``staged`` (versions staged, not handed back yet)."""
     context = ray.get_runtime_context()
     adopted = [h.adoption.current for h in held.values()]
     return Registration(
@@ -977,7 +1017,10 @@ def _registration(
         token=uuid.uuid4().hex,
         transport=identity.transport,
         heartbeat_s=identity.heartbeat_s,
-        kept=tuple(a.payload for a in adopted if a is not None and a.payload is not None),
+        kept=(
+            *(a.payload for a in adopted if a is not None and a.payload is not None),
+            *staged,
+        ),
     )
 
 

@@ -184,8 +184,9 @@ class ReceiverInfo:
     node_id: str
     process: str  #: Ray worker id of the receiver's process: new after an actor restart
     handle: Any  #: the receiver's ActorHandle
-    #: Payloads this receiver's zero-copy models live in, when a live process registers
-    #: again: their memory must not be reused under it.
+    #: Payloads a live process registering again still reads: those its zero-copy
+    #: models live in, and versions staged there waiting for a safe point. Their memory
+    #: must not be reused under it.
     kept: tuple[Any, ...] = ()
     #: Its key in its host process and the host's entry point
     #: (:func:`raysync.receiver_delivery.serve_call` asks it to serve a version it holds).

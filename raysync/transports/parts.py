@@ -88,7 +88,7 @@ _PART_STREAM = re.compile(r"(.*)\[part \d+ of \d+\]", re.DOTALL)
 
 
 def payloads_in(kept: Sequence[Any]) -> tuple[Any, ...]:
-    """The transport payloads in ``kept`` (payloads a zero-copy receiver lives in), each
+    """The transport payloads in ``kept`` (payloads a receiver still reads), each
     part of a :class:`Parts` on its own, as the planner handed them out."""
     out: list[Any] = []
     for payload in kept:

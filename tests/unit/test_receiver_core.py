@@ -618,7 +618,7 @@ def test_registering_again_keeps_the_old_token_and_transport_if_the_new_one_fail
     left: list[tuple[str, str]] = []
     receiver.hub.actor.leave = SimpleNamespace(remote=lambda *sent: left.append(sent))
     new_token = SimpleNamespace(token="new token")  # what the hub now knows
-    monkeypatch.setattr(receiver_core, "_registration", lambda owner, models, identity: new_token)
+    monkeypatch.setattr(receiver_core, "_registration", lambda *args, **kwargs: new_token)
     monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: Welcome("x", None, {}))
 
     def cannot_open(welcome: Welcome) -> TransportReceiver:
@@ -670,7 +670,7 @@ def registering(monkeypatch) -> _Receiver:
     monkeypatch.setattr(
         receiver_core,
         "_registration",
-        lambda owner, models, identity: SimpleNamespace(token=uuid.uuid4().hex),
+        lambda *args, **kwargs: SimpleNamespace(token=uuid.uuid4().hex),
     )
     monkeypatch.setattr(receiver_core, "_open_transport", lambda welcome: _Transport())
     return receiver
@@ -950,7 +950,7 @@ def test_a_version_deferred_before_the_hub_watch_registered_again_acks_to_that_h
     receiver = _Receiver()
     core, first_hub, next_hub = receiver.core, receiver.core.hub, _Hub()
     monkeypatch.setattr(
-        receiver_core, "_registration", lambda owner, models, identity: SimpleNamespace(token="T2")
+        receiver_core, "_registration", lambda *args, **kwargs: SimpleNamespace(token="T2")
     )
     first_hub.actor.register = SimpleNamespace(remote=lambda registration: "its welcome")
     welcome = Welcome("object_store", None, {})
@@ -979,3 +979,35 @@ def test_a_version_deferred_before_the_hub_watch_registered_again_acks_to_that_h
     assert _while_a_method_runs(receiver, deliver) == ACK_LATER
     assert [(a.token, a.status) for a in first_hub.acks] == [("token", AckStatus.NOT_ATTACHED)]
     assert next_hub.acks == []
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_registering_again_keeps_the_versions_staged_and_the_one_lived_in(monkeypatch, zero_copy):
+    """The hub watch registers again while a version waits for its safe point: the
+    registration keeps it (``kept``, beside the version a zero-copy model lives in).
+    The node's owner drops every hold of the worker's but those: one left out was
+    applied after from a slot the learner could rewrite meanwhile (copied: failed for
+    it; adopted: the model lived in memory nobody held)."""
+    receiver = _Receiver(zero_copy=zero_copy)
+    core = receiver.core
+    registrations: list[Any] = []
+    core.hub.actor.register = SimpleNamespace(remote=registrations.append)
+    process = SimpleNamespace(get_node_id=lambda: "node", get_worker_id=lambda: "process")
+    monkeypatch.setattr(receiver_core.ray, "get_runtime_context", lambda: process)
+    monkeypatch.setattr(receiver_core, "_host_actor", lambda: None)
+    welcome = Welcome("object_store", None, {})
+    monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: welcome)
+    monkeypatch.setattr(receiver_core, "_open_transport", lambda welcome: _Transport())
+    lived_in = (1,) if zero_copy else ()
+    core.receive(receiver.update(1))
+
+    def deliver_then_register_again() -> Any:
+        receipt = core.receive(receiver.update(2))
+        core.register_again(5.0)
+        return receipt
+
+    assert _while_a_method_runs(receiver, deliver_then_register_again) == ACK_LATER
+    assert registrations[-1].kept == (*lived_in, 2)
+    assert core.models["policy"].version == 2
+    core.register_again(5.0)
+    assert registrations[-1].kept == ((2,) if zero_copy else ())

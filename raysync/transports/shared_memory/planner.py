@@ -111,7 +111,7 @@ class SharedMemoryPlanner(TransportPlanner):
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> SharedMemoryReceiverInfo:
         # A (re)joining worker holds nothing yet: drop what a former incarnation held,
-        # but the slots its zero-copy models live in (they are its memory).
+        # but the slots it still reads (its zero-copy models' memory, versions staged).
         kept = tuple(
             (p.slot.pid, p.slot.seq)
             for p in receiver.kept
