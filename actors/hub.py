@@ -595,11 +595,13 @@ class WeightHubActor:
         """Take one part of a version sent in parts; once every part is here, version
         and start the whole (see :mod:`raysync.actors.hub_parts`). Every part's call
         returns the same start, or raises: its own refusal, or why the version failed."""
-        if not self._state.models:
-            await self._wait_for_first_model(timeout_s)
-        model = self._state.resolve_model(request.model)
         if request.version is None:  # the learner's handle insists on one
             raise ValueError("a version sent in parts needs an explicit version")
+        if not self._state.models:
+            await self._wait_for_first_model(timeout_s)
+        model = (request.model is None and self._assemblies.model_of_unnamed(request.version)) or (
+            self._state.resolve_model(request.model)
+        )
         try:
             _check_above_direct(model, request)
             if self._assemblies.begins_attempt(model, request):  # its first part

@@ -50,6 +50,8 @@ class _Assembling(Generic[Started]):
     timer: asyncio.TimerHandle | None = None
     #: the indices of the parts of this attempt that reached the hub, taken or refused
     heard: set[int] = dataclasses.field(default_factory=set)
+    #: whether its first part named no model (the hub resolved it to the only one)
+    unnamed: bool = False
 
     @property
     def failed(self) -> bool:
@@ -79,6 +81,16 @@ class Assemblies(Generic[Started]):
         """Whether a part of version ``key`` arrived already (the assembly is open or
         failed and kept)."""
         return key in self._open
+
+    def model_of_unnamed(self, version: int) -> str | None:
+        """The model of the attempt at ``version`` still assembling whose first part
+        named no model, if any: a part that names none is of that one too (a model
+        registered after the first part would make the hub's pick ambiguous, failing
+        that part alone while the others waited out the deadline)."""
+        for (model, at), assembling in reversed(self._open.items()):
+            if at == version and assembling.unnamed and not assembling.started.done():
+                return model
+        return None
 
     def begins_attempt(self, model: str, request: BroadcastRequest) -> bool:
         """Whether ``request`` (a part of ``model``) would begin an attempt at its
@@ -121,7 +133,9 @@ class Assemblies(Generic[Started]):
                 request.parts,
                 None if request.workers is None else tuple(request.workers),
             )
-            assembling = _Assembling(assembly, arrived, timeout_s, _quiet_future())
+            assembling = _Assembling(
+                assembly, arrived, timeout_s, _quiet_future(), unnamed=request.model is None
+            )
             # From its arrival: it may have waited for the hub's first model, or its turn.
             left_s = max(0.0, timeout_s - (time.perf_counter() - arrived))
             assembling.timer = asyncio.get_running_loop().call_later(
@@ -174,7 +188,9 @@ class Assemblies(Generic[Started]):
             workers = None if request.workers is None else tuple(request.workers)
             assembly = PartAssembly(model, request.version, request.parts, workers)
             # Failed at once below: its timeout is never waited on.
-            self._open[key] = _Assembling(assembly, time.perf_counter(), 0.0, _quiet_future())
+            self._open[key] = _Assembling(
+                assembly, time.perf_counter(), 0.0, _quiet_future(), unnamed=request.model is None
+            )
         assembling = self._open[key]
         if assembling.failed:  # a late part of a failed attempt: its refusal says enough
             self._heard_late(key, assembling, request.part)

@@ -288,3 +288,24 @@ def test_a_version_in_parts_is_delivered_within_its_timeout_of_the_first_part(ac
     ray.get(blocked)
     # Failed at its timeout from part 0 (4 s), not from part 1 (7 s): the bound is loose.
     assert timeout_s <= waited < timeout_s + later_s - 0.5, waited
+
+
+def test_parts_that_name_no_model_go_where_the_first_went_after_another_registered(actors):
+    """The parts name no model: the hub took part 0 for its only model. Another model's
+    receiver registers before part 1 arrives: part 1 was refused as ambiguous, and part
+    0 waited out the whole timeout. Part 1 goes where part 0 went."""
+    hub = start_hub(actors, "object_store")
+    receiver = start(actors, Holder, hub, special_weights(0.0), "r-only", MODEL)
+    ready([receiver])
+    first, second = split_in_parts(special_weights(2.0), 2)
+    sent = [hub.broadcast.remote(first, version=1, part=0, parts=2, timeout_s=120)]
+    wait_until(
+        lambda: ray.get(hub.status.remote()).assembling == {(MODEL, 1): (0,)},
+        what="part 0 assembling",
+    )
+    ready([start(actors, Holder, hub, special_weights(0.0), "r-other", "other")])
+    sent.append(hub.broadcast.remote(second, version=1, part=1, parts=2, timeout_s=120))
+    reports = ray.get(sent, timeout=60)
+    assert [r.acked for r in reports] == [("r-only",)] * 2
+    assert ray.get(receiver.version.remote()) == 1
+    assert_bitwise(ray.get(receiver.state.remote()), special_weights(2.0))

@@ -307,3 +307,31 @@ def test_a_first_part_that_waited_before_it_was_taken_keeps_the_deadline_of_its_
         return now() - taken
 
     assert asyncio.run(run()) < 15  # failed at its arrival's deadline, not 30 s after
+
+
+def test_parts_that_name_no_model_are_of_the_one_their_first_part_went_to():
+    """The hub resolves a part that names no model to the only one registered; a model
+    registered before the next part would make that one ambiguous (refused alone, while
+    the first waited out the deadline). The next parts of the version go where the
+    first went, until it starts; a version whose first part named its model, or a
+    version started, gives unnamed parts no model."""
+
+    async def run():
+        assemblies = Assemblies(Starts())
+        unnamed = [
+            dataclasses.replace(part(i, *names), model=None)
+            for i, names in enumerate([("a",), ("b", "c")])
+        ]
+        first = asyncio.ensure_future(assemblies.take(unnamed[0], "m", KNOWN, 30, FIRST))
+        named = asyncio.ensure_future(
+            assemblies.take(part(0, "a", version=8), "n", KNOWN, 30, FIRST)
+        )
+        await asyncio.sleep(0)
+        found = (assemblies.model_of_unnamed(7), assemblies.model_of_unnamed(8))
+        await assemblies.take(unnamed[1], found[0], KNOWN, 30, FIRST + 1)
+        await first
+        named.cancel()
+        return found, assemblies.model_of_unnamed(7)
+
+    (during, named), after = asyncio.run(run())
+    assert (during, named, after) == ("m", None, None)
