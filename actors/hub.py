@@ -843,17 +843,20 @@ class WeightHubActor:
         """A receiver that stops receiving (``AttachedReceiver.close``): forget it."""
         self._drop(worker, token)
 
-    def _drop(self, worker: str, token: str) -> None:
+    def _drop(self, worker: str, token: str, *, lapsed: bool = False) -> None:
+        """Forget registration ``token`` of ``worker``: it left or died, or, ``lapsed``,
+        it stopped beating and may be alive (its transport keeps what its model may
+        live in: see ``TransportPlanner.receiver_lapsed``)."""
         entry = self._state.receivers.get(worker)
         if entry is not None and self._state.drop(worker, token):
-            self._forget_in(entry.transport, worker, "left")
+            self._forget_in(entry.transport, worker, "lapsed" if lapsed else "left", lapsed)
 
-    def _forget_in(self, transport: str, worker: str, why: str) -> None:
-        """``transport``'s planner forgets ``worker``, in the background; a registration
-        of ``worker`` waits for it first (``_leaving``)."""
-        task = self._background.spawn(
-            self._planners[transport].receiver_left(worker), f"{worker} {why}"
-        )
+    def _forget_in(self, transport: str, worker: str, why: str, lapsed: bool = False) -> None:
+        """``transport``'s planner forgets ``worker`` (one that ``lapsed`` as such), in
+        the background; a registration of ``worker`` waits for it first (``_leaving``)."""
+        planner = self._planners[transport]
+        forgetting = planner.receiver_lapsed(worker) if lapsed else planner.receiver_left(worker)
+        task = self._background.spawn(forgetting, f"{worker} {why}")
         self._leaving[worker] = task
         task.add_done_callback(
             lambda done: self._leaving.pop(worker) if self._leaving.get(worker) is done else None
@@ -1269,7 +1272,7 @@ class WeightHubActor:
                 registration.worker,
                 registration.actor,
             )
-            self._drop(registration.worker, registration.token)
+            self._drop(registration.worker, registration.token, lapsed=True)
             self._asking_if_alive.discard(registration.token)
             return
         try:

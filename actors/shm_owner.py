@@ -423,6 +423,16 @@ class ShmOwner:
             self._forget(worker, keep)
             self._gone.add(worker)
 
+    def lapse(self, worker: str) -> None:
+        """``worker`` stopped beating and may be alive (a driver or a task: Ray cannot
+        tell): a hold for it that lands later is not taken, but those it has stay (a
+        zero-copy model may live in one, a staged version wait in another) until it
+        joins again, keeping those it still reads, or leaves. One that died keeps
+        them until the owner closes: a slot or two, where letting go could rewrite a
+        live model under it."""
+        with self._lock:
+            self._gone.add(worker)
+
     def _forget(self, worker: str, keep: tuple[tuple[int, int], ...]) -> None:
         """(Lock held.) ``worker``'s holds and releases go, but those of the slots in
         ``keep``: its early releases, and what its row of the board says it released

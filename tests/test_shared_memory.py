@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
 import torch
 
+import raysync
 from raysync import StaleVersionError, WeightReceiver
 from raysync.hub_state import LEASE_BEATS
 from raysync.messages import Entry
@@ -897,3 +899,26 @@ def test_a_version_whose_hold_was_lost_while_staged_is_not_applied(actors):
     ray.get(leave.open.remote())
     ray.get(holding)
     assert_bitwise(ray.get(busy.state.remote()), special_weights(1.0))
+
+
+def test_a_driver_zero_copy_receiver_that_stops_beating_keeps_the_slot_its_model_lives_in(
+    actors,
+):
+    """A driver's (or task's) receiver has no actor Ray could say is alive: the hub
+    forgets it once its heartbeats lapse, and the owner let go of its holds with it,
+    among them the slot its zero-copy model lives in. The learner's slots went round
+    and wrote later versions into the model under it. The holds stay until it
+    registers again."""
+    hub = start_hub(actors, TRANSPORT, models=["policy"])
+    mine = make_policy()
+    receiver = raysync.attach(hub, {"policy": mine}, mode="pull", heartbeat_s=0.2, zero_copy=True)
+    try:
+        ray.get(hub.broadcast.remote(filled(mine, 1.0), model="policy", timeout_s=30))
+        assert receiver.pull() == {"policy": 1}
+        cut_off_heartbeats(SimpleNamespace(_raysync_receiver=receiver))
+        wait_until(lambda: ray.get(hub.status.remote()).receivers == (), what="the hub forgot it")
+        for value in range(2, MAX_SLOTS + 5):
+            ray.get(hub.broadcast.remote(filled(mine, float(value)), model="policy", timeout_s=30))
+        assert_same(state_of(mine), filled(mine, 1.0))
+    finally:
+        receiver.close()

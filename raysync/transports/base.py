@@ -10,7 +10,9 @@ process that calls each method:
    :func:`raysync.actor_classes.actor_class`); ``planner.close()`` stops them.
 2. hub process, each registration: ``info = await planner.receiver_joined(receiver)``;
    ``info`` (connection details, picklable) reaches the receiver in its Welcome.
-   ``await planner.receiver_left(worker)`` when a receiver dies or leaves.
+   ``await planner.receiver_left(worker)`` when a receiver dies or leaves, and
+   ``await planner.receiver_lapsed(worker)`` when one Ray cannot tell alive or dead (a
+   driver or a task) stopped beating.
 3. learner process, once per hub handle and hand-off in use:
    ``sender = Transport.open_sender(hub)`` of the transport named by ``hand_off``
    (its own name unless it reuses another's learner half, as ``distributed`` and
@@ -229,6 +231,13 @@ class TransportPlanner:
 
     async def receiver_left(self, worker: str) -> None:
         """``worker`` died or unregistered. Default: nothing to tear down."""
+
+    async def receiver_lapsed(self, worker: str) -> None:
+        """``worker`` stopped beating and Ray cannot say whether it died (a driver or a
+        task): the hub forgets it until it registers again. Default: as
+        :meth:`receiver_left`; a transport whose memory a zero-copy model may live in
+        keeps that memory for it."""
+        await self.receiver_left(worker)
 
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]

@@ -489,3 +489,34 @@ def test_the_owner_remembers_the_last_closed_senders_only(owner):
     with pytest.raises(TransportError, match=f"{last} closed"):
         owner.acquire(4096, timeout_s=5.0, learner=last)
     owner.acquire(4096, timeout_s=5.0, learner="sender 0")  # long gone: a sender again
+
+
+@pytest.fixture
+def three_slots():
+    owner = ShmOwner("node", max_slots=3)
+    yield owner
+    owner.close()
+
+
+def test_a_worker_that_lapsed_keeps_its_holds_until_it_joins_again_keeping_what_it_reads(
+    three_slots,
+):
+    """A driver or task receiver stopped beating (Ray cannot say whether it died): its
+    zero-copy model may live in one slot and a version wait for its safe point in
+    another. Dropped, it let go of both, and the learner could rewrite them under a
+    live model. Lapsed, it keeps them (a hold that lands later is not taken) until it
+    joins again, keeping those it says it still reads."""
+    owner = three_slots
+    lived_in, staged, later = (owner.acquire(4096, timeout_s=5.0, learner="l") for _ in range(3))
+    for slot in (lived_in, staged):
+        owner.deliver(PID, slot.seq, "m", ("w",))
+    owner.lapse("w")
+    owner.deliver(PID, later.seq, "m", ("w",))
+    assert owner._by_seq[later.seq].holds == {Hold.latest("m")}
+    assert [Hold.of_worker("w") in owner._by_seq[s.seq].holds for s in (lived_in, staged)] == [
+        True,
+        True,
+    ]
+    owner.join("w", keep=((PID, staged.seq),))  # its zero-copy model took the staged one
+    assert Hold.of_worker("w") not in owner._by_seq[lived_in.seq].holds
+    assert Hold.of_worker("w") in owner._by_seq[staged.seq].holds

@@ -137,6 +137,16 @@ class SharedMemoryPlanner(TransportPlanner):
         for owner in list(self._owners.values()):
             await _drop_worker(owner, worker)
 
+    async def receiver_lapsed(self, worker: str) -> None:
+        """Its holds stay (its zero-copy model may live in a slot; see
+        ``ShmOwner.lapse``), trimmed when it joins again; its bucket streams go."""
+        await self._streams.receiver_left(worker)
+        for owner in list(self._owners.values()):
+            try:
+                await owner.lapse.remote(worker)
+            except RayError:
+                pass  # its watch restarts it (a new owner holds nothing), or its node died
+
     async def published(self, update: Any, spec: WeightSpec) -> None:
         """A version no receiver is sent (they pull): the learner's node's owner holds it
         as the latest and frees the learner's older unplanned slots, as a plan would
