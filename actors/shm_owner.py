@@ -183,6 +183,10 @@ class ShmOwner:
         #: freed as their holds go)
         self._learner_pids: dict[str, tuple[int, int | None]] = {}  #: (pid, its start)
         self._left: set[str] = set()
+        #: receiver (worker) -> its process on this node as it joined (pid, its start),
+        #: and the receivers that lapsed (see :meth:`lapse`)
+        self._receiver_pids: dict[str, tuple[int, int | None]] = {}
+        self._lapsed: set[str] = set()
         #: the last senders that called :meth:`leave`, oldest first (a call of theirs
         #: may come after it)
         self._closed_senders: dict[str, None] = {}
@@ -401,13 +405,21 @@ class ShmOwner:
                     segment.holds.discard(Hold.of_worker(worker))
             self._lock.notify_all()
 
-    def join(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> Board | None:
-        """``worker`` (re)joined on this node: it holds nothing but ``keep`` (see
-        :meth:`drop_worker`), and gets its row of the release board (the same one again
-        if it had one; None once every row is taken: it then releases by call)."""
+    def join(
+        self, worker: str, keep: tuple[tuple[int, int], ...] = (), pid: int = 0
+    ) -> Board | None:
+        """``worker`` (re)joined on this node, from process ``pid`` (0: not known): it
+        holds nothing but ``keep`` (see :meth:`drop_worker`), and gets its row of the
+        release board (the same one again if it had one; None once every row is taken:
+        it then releases by call)."""
         with self._lock:
             self._forget(worker, keep)
             self._gone.discard(worker)
+            self._lapsed.discard(worker)
+            if pid:
+                self._receiver_pids[worker] = (pid, _started_at(pid))
+            else:
+                self._receiver_pids.pop(worker, None)
             row = self._rows.get(worker)
             if row is None and len(self._rows) < BOARD_ROWS:
                 row = self._rows[worker] = len(self._rows)
@@ -422,16 +434,31 @@ class ShmOwner:
         with self._lock:
             self._forget(worker, keep)
             self._gone.add(worker)
+            self._lapsed.discard(worker)
+            self._receiver_pids.pop(worker, None)
 
     def lapse(self, worker: str) -> None:
         """``worker`` stopped beating and may be alive (a driver or a task: Ray cannot
         tell): a hold for it that lands later is not taken, but those it has stay (a
         zero-copy model may live in one, a staged version wait in another) until it
-        joins again, keeping those it still reads, or leaves. One that died keeps
-        them until the owner closes: a slot or two, where letting go could rewrite a
-        live model under it."""
+        joins again, keeping those it still reads, or leaves, or its process is seen
+        gone (checked here and whenever a slot is looked for). One whose process is
+        not known (it joined without a pid, or from another pid namespace) keeps them
+        until the owner closes: a slot or two, where letting go could rewrite a live
+        model under it."""
         with self._lock:
             self._gone.add(worker)
+            self._lapsed.add(worker)
+            self._forget_lapsed_dead()
+
+    def _forget_lapsed_dead(self) -> None:
+        """(Lock held.) The lapsed receivers whose process is gone hold nothing more."""
+        for worker in list(self._lapsed):
+            pid, started = self._receiver_pids.get(worker, (0, None))
+            if started is not None and _started_at(pid) != started:  # its pid may be reused
+                self._forget(worker, ())
+                self._lapsed.discard(worker)
+                self._receiver_pids.pop(worker, None)
 
     def _forget(self, worker: str, keep: tuple[tuple[int, int], ...]) -> None:
         """(Lock held.) ``worker``'s holds and releases go, but those of the slots in
@@ -520,6 +547,7 @@ class ShmOwner:
         deadline = time.monotonic() + timeout_s
         while True:
             self._free_left(asking=stream)
+            self._forget_lapsed_dead()
             # Looked up again after each wait: a pool of a learner gone may be dropped.
             pool = self._pools.setdefault((stream, nbytes), [])
             for segment in pool:

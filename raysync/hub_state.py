@@ -122,6 +122,7 @@ class ReceiverEntry:
             actor=r.actor,
             node_id=r.node_id,
             process=r.process,
+            pid=r.pid,
             handle=r.handle,
             kept=payloads_in(r.kept),
             attachment=r.attachment,

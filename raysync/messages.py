@@ -352,6 +352,8 @@ class Registration:
     #: (:attr:`Update.origin`; absent: not known): two learners may have given one
     #: number two versions, and the hub's is the one that counts.
     origins: dict[str, str] = field(default_factory=dict)
+    #: The OS pid of its process (0: not known), for its node's resource actors.
+    pid: int = 0
 
 
 @dataclass(frozen=True)

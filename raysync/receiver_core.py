@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 import traceback
@@ -1010,6 +1011,7 @@ def _registration(
         actor=identity.actor,
         node_id=context.get_node_id(),
         process=context.get_worker_id(),
+        pid=os.getpid(),
         specs={m: h.destination(owner)[1] for m, h in held.items()},
         versions={m: h.version for m, h in held.items()},
         origins={m: h.origin for m, h in held.items() if h.origin},

@@ -186,6 +186,9 @@ class ReceiverInfo:
     node_id: str
     process: str  #: Ray worker id of the receiver's process: new after an actor restart
     handle: Any  #: the receiver's ActorHandle
+    #: The OS pid of the receiver's process on its node (0: not known): a transport's
+    #: resource actor on that node can tell when it is gone (see ``receiver_lapsed``).
+    pid: int = 0
     #: Payloads a live process registering again still reads: those its zero-copy
     #: models live in, and versions staged there waiting for a safe point. Their memory
     #: must not be reused under it.

@@ -6,6 +6,7 @@ slot for that receiver and counts as a release by call."""
 from __future__ import annotations
 
 import os
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -507,6 +508,7 @@ def test_a_worker_that_lapsed_keeps_its_holds_until_it_joins_again_keeping_what_
     live model. Lapsed, it keeps them (a hold that lands later is not taken) until it
     joins again, keeping those it says it still reads."""
     owner = three_slots
+    owner.join("w", pid=os.getpid())  # alive
     lived_in, staged, later = (owner.acquire(4096, timeout_s=5.0, learner="l") for _ in range(3))
     for slot in (lived_in, staged):
         owner.deliver(PID, slot.seq, "m", ("w",))
@@ -520,3 +522,22 @@ def test_a_worker_that_lapsed_keeps_its_holds_until_it_joins_again_keeping_what_
     owner.join("w", keep=((PID, staged.seq),))  # its zero-copy model took the staged one
     assert Hold.of_worker("w") not in owner._by_seq[lived_in.seq].holds
     assert Hold.of_worker("w") in owner._by_seq[staged.seq].holds
+
+
+def test_a_lapsed_worker_whose_process_is_gone_lets_go_of_its_slots(three_slots):
+    """Its process ended (a driver that exited without closing its receiver): nothing
+    will read its slots again. Kept, each such receiver took one of the learner's few
+    slots for good; seen gone when a slot is looked for, it lets go."""
+    owner = three_slots
+    process = subprocess.Popen(["sleep", "600"])
+    try:
+        owner.join("w", pid=process.pid)
+        slot = owner.acquire(4096, timeout_s=5.0, learner="l")
+        owner.deliver(PID, slot.seq, "m", ("w",))
+        owner.lapse("w")
+        assert Hold.of_worker("w") in owner._by_seq[slot.seq].holds  # alive: kept
+    finally:
+        process.kill()
+        process.wait()
+    owner.acquire(4096, timeout_s=5.0, learner="l")
+    assert Hold.of_worker("w") not in owner._by_seq[slot.seq].holds

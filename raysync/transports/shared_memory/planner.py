@@ -117,7 +117,9 @@ class SharedMemoryPlanner(TransportPlanner):
             for p in receiver.kept
             if isinstance(p, SharedMemoryPayload) and p.slot.node_id == receiver.node_id
         )
-        board = await self._owner(receiver.node_id).join.remote(receiver.worker, kept)
+        board = await self._owner(receiver.node_id).join.remote(
+            receiver.worker, kept, receiver.pid
+        )
         former = self._node_of.get(receiver.worker)
         self._node_of[receiver.worker] = receiver.node_id
         if former not in (None, receiver.node_id) and former in self._owners:
