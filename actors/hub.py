@@ -107,6 +107,8 @@ logger = logging.getLogger(__name__)
 _REPORTS_KEPT = 256
 #: Refused registrations ``status`` lists (the newest, one per worker id).
 _REFUSALS_KEPT = 256
+#: Registrations withdrawn before they reached the hub (see :meth:`leave`), the newest.
+_WITHDRAWALS_KEPT = 256
 #: How long a broadcast waits for its learner's earlier ones to reach the hub (Ray may
 #: start an async actor's calls out of order; after a hub restart the learner's
 #: numbering goes on from where it was, so its first broadcast waits this long once).
@@ -246,6 +248,8 @@ class WeightHubActor:
         self._deliveries = ReceiverDelivery(self._state, self._acks, self._drop, self._catch_up)
         self._channel_replies = ChannelReplies()  #: learners' channels (direct path)
         self._refused: dict[str, RefusedRegistration] = {}  #: worker -> last refusal
+        #: Tokens of registrations left before they registered (see :meth:`leave`).
+        self._withdrawn: OrderedDict[str, None] = OrderedDict()
         #: Forgets pull receivers whose heartbeats stopped, while there are any.
         self._lease_keeper: asyncio.Task[None] | None = None
         #: Registrations whose actor Ray is being asked about (``_ask_if_alive``).
@@ -699,6 +703,13 @@ class WeightHubActor:
 
     async def _register(self, registration: Registration) -> Welcome:
         self._check_registering(registration)
+        if registration.token in self._withdrawn:
+            del self._withdrawn[registration.token]
+            raise RaySyncError(
+                f"{registration.worker} ({registration.actor}) withdrew this registration "
+                "before it reached the hub (its register call was not answered in time): "
+                "register again"
+            )
         transport = registration.transport or self._transport
         planner = self._planner(transport, asked_by=registration.actor)
         registration = dataclasses.replace(registration, transport=transport)
@@ -840,7 +851,14 @@ class WeightHubActor:
         )
 
     async def leave(self, worker: str, token: str) -> None:
-        """A receiver that stops receiving (``AttachedReceiver.close``): forget it."""
+        """A receiver that stops receiving (``AttachedReceiver.close``): forget it. A
+        registration not known yet (its receiver gave up waiting for ``register``,
+        whose call may still come: Ray keeps no order between an async actor's calls)
+        is refused when it does, so that no registration nobody holds stays."""
+        if not self._state.knows(worker, token):
+            self._withdrawn[token] = None
+            while len(self._withdrawn) > _WITHDRAWALS_KEPT:
+                self._withdrawn.popitem(last=False)
         self._drop(worker, token)
 
     def _drop(self, worker: str, token: str, *, lapsed: bool = False) -> None:

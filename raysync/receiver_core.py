@@ -299,8 +299,13 @@ class ReceiverCore:
         with contextlib.nullcontext() if previous is None else previous._registering:
             try:
                 welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
-            except BaseException:
+            except BaseException as err:
                 undo()
+                if not isinstance(err, ray.exceptions.RayTaskError):
+                    # Not answered (timed out, interrupted): the hub may still take it
+                    # in, a registration nobody here holds that every broadcast then
+                    # fails on. Withdrawn; the hub refuses it if it comes later.
+                    hub.actor.leave.remote(identity.worker, registration.token)
                 raise
             try:  # before the previous core closes: if it cannot open, that one stays
                 transport = _open_transport(welcome)

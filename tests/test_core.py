@@ -11,6 +11,7 @@ run on every transport."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -26,6 +27,7 @@ from raysync import (
     BroadcastTicket,
     DeliveryMode,
     HubClosedError,
+    SpecMismatchError,
     StaleVersionError,
     WeightHub,
     get_hub,
@@ -654,6 +656,50 @@ def test_get_hub_of_a_hub_that_does_not_answer_names_it(actors):
         ray.get(gate.open.remote())
         ray.get(held)
     assert get_hub("raysync-busy-hub").config == hub.config
+
+
+def test_a_registration_whose_answer_timed_out_stays_nobodys(actors):
+    """A receiver whose ``register`` call the hub (busy, here held) did not answer in
+    time raises, and holds no registration; the hub took the call in later all the
+    same, and every broadcast then targeted, and failed on, a receiver nobody held
+    (until that worker id registered again). The call is withdrawn, and the next
+    broadcast reaches the others."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    collector = start(actors, Collector, hub, worker_id="c")
+    ready([collector])
+    ray.get(hub.broadcast.remote(make_policy()))
+    # A refusal the hub keeps until this worker id gets in: its registration's trace.
+    with pytest.raises(SpecMismatchError):
+        raysync.attach(hub, {"policy": special_weights(0.0)}, worker_id="gave-up", mode="pull")
+    gate, entered = start(actors, Gate), start(actors, Gate)
+    held = hub.actor.__ray_call__.remote(hold_the_actor, gate, entered)
+    ray.get(entered.wait.remote())
+    try:
+        with pytest.raises(ray.exceptions.GetTimeoutError):
+            raysync.attach(
+                hub, {"policy": make_policy()}, worker_id="gave-up", mode="pull", timeout_s=1
+            )
+    finally:
+        ray.get(gate.open.remote())
+        ray.get(held)
+
+    def settled():
+        """The registration taken in (the spec refusal gone) and withdrawn, or refused."""
+        status = ray.get(hub.status.remote())
+        refusal = status.refused.get("gave-up")
+        registered = [r.worker for r in status.receivers]
+        if "SpecMismatchError" in getattr(refusal, "error", "") or "gave-up" in registered:
+            return None
+        return registered, refusal
+
+    registered, refusal = wait_until(settled, what="the registration given up withdrawn")
+    assert registered == ["c"]
+    if refusal is not None:  # withdrawn before it was taken in, or while it was
+        assert re.search("withdrew this registration|dropped while it registered", refusal.error)
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner, timeout_s=30))
+    assert report.acked == ("c",) and not report.failed
+    assert_same(ray.get(collector.state.remote()), state_of(learner))
 
 
 def _sent_late(hub, gate, weights: dict, model: str):
