@@ -5,7 +5,6 @@ the conformance kit's (``raysync.testing``)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import select
 import subprocess
@@ -23,6 +22,7 @@ from raysync import WeightHub
 from raysync.testing import assert_bitwise
 from raysync.testing import wait_dead as wait_dead  # re-exported for the tests
 from tests.receivers import make_policy, state_of
+from tests.signals import Gate as Gate  # re-exported for the tests
 
 _ROOT = Path(__file__).parents[1]
 
@@ -34,22 +34,6 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
     for key in expected:
         assert actual[key].dtype == expected[key].dtype, key
         assert torch.equal(actual[key].cpu(), expected[key].cpu()), f"{key} differs"
-
-
-@ray.remote(num_cpus=0)
-class Gate:
-    """A signal between a test and its actors: ``wait`` returns once ``open`` was called
-    (an actor blocked in ``ray.get(gate.wait.remote())`` holds its method slot until
-    the test says so, however slow the machine)."""
-
-    def __init__(self) -> None:
-        self._opened = asyncio.Event()
-
-    async def wait(self) -> None:
-        await self._opened.wait()
-
-    async def open(self) -> None:
-        self._opened.set()
 
 
 def hold_the_actor(actor, gate, entered=None) -> None:
