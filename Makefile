@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # machine instead of resolving an open range to the newest CUDA build (several GB).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-all test-torchrl bench lint clean
+.PHONY: demo test test-all test-torchrl bench lint clean bytecode
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,14 +17,20 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q $(TORCH_PIN) -e ".[dev]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+# Every Ray worker process imports raysync (and a test module, for a test's actor) anew:
+# where PYTHONDONTWRITEBYTECODE is set, each compiled them from source (~0.5 s of CPU
+# per process on a 2-core machine; a test run starts over a thousand). Compiled once.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q raysync actors tests examples benchmarks > /dev/null
+
+demo: bytecode
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+test: bytecode
 	$(PY) -m pytest -m "not gpu and not slow" --durations=25 $(PYTEST_ARGS)
 
 # Also the long runs: soak, and the fault runs through every transport.
-test-all: $(STAMP)
+test-all: bytecode
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 # The TorchRL integration in an environment of its own: TorchRL 0.14 pins tensordict<0.15,
@@ -40,10 +46,10 @@ $(TORCHRL_STAMP): pyproject.toml Makefile
 	$(TORCHRL_PY) -m pip install -q $(TORCH_PIN) tensordict==0.14.3 -e ".[torchrl,test]"
 	touch $(TORCHRL_STAMP)
 
-test-torchrl: $(TORCHRL_STAMP)
+test-torchrl: $(TORCHRL_STAMP) bytecode
 	$(TORCHRL_PY) -m pytest tests/torchrl --durations=10 $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: bytecode
 	$(PY) benchmarks/broadcast.py
 
 lint: $(STAMP)
