@@ -1,7 +1,7 @@
 """The tests' signal between a test and its actors, in a module of its own: an actor's
 process imports the module its class lives in, and this one needs neither torch nor
-raysync (a Gate's process starts in about a third of the CPU time of one that imports
-torch, and the tests start dozens)."""
+raysync (a Gate's process starts in under half the CPU time of one that imports torch,
+and the tests start dozens)."""
 
 from __future__ import annotations
 
