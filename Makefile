@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml Makefile
 # Every Ray worker process imports raysync (and a test module, for a test's actor) anew:
 # where PYTHONDONTWRITEBYTECODE is set, each compiled them from source (~0.5 s of CPU
 # per process on a 2-core machine; a test run starts over a thousand). Compiled once.
+COMPILED := raysync actors tests examples benchmarks
+
 bytecode: $(STAMP)
-	$(PY) -m compileall -q raysync actors tests examples benchmarks > /dev/null
+	$(PY) -m compileall -q $(COMPILED) > /dev/null
 
 demo: bytecode
 	$(PY) examples/demo.py
@@ -47,7 +49,7 @@ $(TORCHRL_STAMP): pyproject.toml Makefile
 	touch $(TORCHRL_STAMP)
 
 test-torchrl: $(TORCHRL_STAMP)
-	$(TORCHRL_PY) -m compileall -q raysync actors tests > /dev/null  # as for `bytecode`
+	$(TORCHRL_PY) -m compileall -q $(COMPILED) > /dev/null  # as `bytecode` does
 	$(TORCHRL_PY) -m pytest tests/torchrl --durations=10 $(PYTEST_ARGS)
 
 bench: bytecode
