@@ -238,6 +238,8 @@ def test_connect_to_missing_hub_fails_within_its_timeout(ray_cluster, actors):
     assert "appeared within 1 s" in str(info.value)  # its own timeout, not a default
 
 
+# The learner's first step is a call to the hub: no transport is reached when it is dead.
+@pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])
 def test_dead_hub_makes_broadcast_fail_not_hang(actors, transport):
     hub = start_hub(actors, transport)
     collector = start(actors, Collector, hub)
