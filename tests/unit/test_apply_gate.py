@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from raysync import gate as gate_module
 from raysync.gate import DEFERRED, ApplyGate
 
 #: Seconds any handshake may take before the test fails (never reached when it passes).
@@ -1080,7 +1081,7 @@ def test_a_write_from_a_thread_the_only_reader_awaits_applies_at_once():
     asyncio.run(main())
 
 
-def test_a_write_deferred_just_as_what_held_it_back_ends_still_runs():
+def test_a_write_deferred_just_as_what_held_it_back_ends_still_runs(monkeypatch):
     """A delivery on the loop finds another thread's write running and is deferred;
     that write ends before the delivery is listed as deferred (so it schedules
     nothing): the delivery must still run, with nothing else coming to run it."""
@@ -1095,20 +1096,23 @@ def test_a_write_deferred_just_as_what_held_it_back_ends_still_runs():
         return "thread"
 
     thread = threading.Thread(target=gate.write, args=(slow_apply, "m"))
+    pending_write = gate_module._Pending
 
-    class EndsFirst(list):
-        def append(self, pending: Any) -> None:
-            go.set()  # the thread's write ends now, before this one is listed
-            thread.join(TIMEOUT)
-            super().append(pending)
-
-    gate._deferred = EndsFirst()
+    def ends_first(*pending: Any) -> gate_module._Pending:
+        """Made between the check that found the thread writing and the listing (the
+        gate's lock free): the thread's write ends here."""
+        go.set()
+        thread.join(TIMEOUT)
+        assert not thread.is_alive()
+        return pending_write(*pending)
 
     async def main() -> None:
         gate.note_loop()
         thread.start()
         await asyncio.to_thread(entered.wait, TIMEOUT)
-        assert gate.write(lambda: "loop", key="m") is DEFERRED
+        with monkeypatch.context() as patch:
+            patch.setattr(gate_module, "_Pending", ends_first)
+            assert gate.write(lambda: "loop", key="m") is DEFERRED
         await asyncio.wait_for(asyncio.to_thread(done.wait, TIMEOUT), TIMEOUT)
 
     asyncio.run(main())
