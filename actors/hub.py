@@ -731,6 +731,8 @@ class WeightHubActor:
         entry = self._state.receivers[registration.worker]
         try:
             try:  # bounded: a resource actor that hangs fails this registration alone
+                # Called in the same step as the registration was booked: a planner may
+                # act as it is called, before any plan that targets this registration.
                 info = await asyncio.wait_for(
                     planner.receiver_joined(entry.info), self._default_timeout_s
                 )

@@ -343,8 +343,12 @@ class ShmOwner:
         timeout_s: float,
         version: int = 0,
         placement: int = 0,
+        after: int = 0,
     ) -> Slot:
-        """Copy an exported version into a slot here; hold it like :meth:`deliver`."""
+        """Copy an exported version into a slot here; hold it like :meth:`deliver`, once
+        the hub's calls numbered up to ``after`` (those sent before it: a worker's join
+        among them, which would forget a hold taken before it) have run. Not numbered
+        itself: the holds sent after it do not wait for its copy."""
         with self._lock:
             segment = self._free_segment(f"relays of {model}", nbytes, timeout_s)
             segment.holds.add(RELAYING)
@@ -362,6 +366,7 @@ class ShmOwner:
                 self._lock.notify_all()
             raise
         with self._lock:  # its receivers' holds are taken before its own goes
+            self._in_order.wait_passed("hub", after)
             try:
                 self._relays += 1
                 return self._deliver(self._pid, slot.seq, model, workers, version, placement)
@@ -406,13 +411,15 @@ class ShmOwner:
             self._lock.notify_all()
 
     def join(
-        self, worker: str, keep: tuple[tuple[int, int], ...] = (), pid: int = 0
+        self, worker: str, keep: tuple[tuple[int, int], ...] = (), pid: int = 0, order: int = 0
     ) -> Board | None:
         """``worker`` (re)joined on this node, from process ``pid`` (0: not known): it
         holds nothing but ``keep`` (see :meth:`drop_worker`), and gets its row of the
         release board (the same one again if it had one; None once every row is taken:
-        it then releases by call)."""
-        with self._lock:
+        it then releases by call). ``order``: its number among the hub's calls (see
+        :meth:`deliver`), taken as the hub booked the registration: the holds of plans
+        that target the new registration come after it and are kept."""
+        with self._in_order.turn("hub", order):
             self._forget(worker, keep)
             self._gone.discard(worker)
             self._lapsed.discard(worker)

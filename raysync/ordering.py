@@ -204,3 +204,14 @@ class ThreadsInOrder:
             finally:
                 turns.leave(stream, number, ran)
                 self.lock.notify_all()
+
+    def wait_passed(self, stream: str, number: int) -> None:
+        """With :attr:`lock` held: return once call ``number`` of ``stream`` and those
+        before it have had their turns (at most ``wait_s``: a lost call is not waited
+        for longer). For a call that is not numbered itself (it must not hold up the
+        later ones) but must come after those sent before it. Number 0 returns at once."""
+        turns = self._turns
+        if number > 0 and not self.lock.wait_for(
+            lambda: turns.passed(stream, number), turns.wait_s
+        ):
+            turns.log_read_without(stream, number)

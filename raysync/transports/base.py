@@ -9,7 +9,10 @@ process that calls each method:
    transport's resources (segments, agents, process groups; their classes come from
    :func:`raysync.actor_classes.actor_class`); ``planner.close()`` stops them.
 2. hub process, each registration: ``info = await planner.receiver_joined(receiver)``;
-   ``info`` (connection details, picklable) reaches the receiver in its Welcome.
+   ``info`` (connection details, picklable) reaches the receiver in its Welcome. The
+   hub calls it in the same step as it books the registration: what a planner does
+   when it is called (a plain method that returns the coroutine), not once awaited,
+   comes before any plan that targets this registration.
    ``await planner.receiver_left(worker)`` when a receiver dies or leaves, and
    ``await planner.receiver_lapsed(worker)`` when one Ray cannot tell alive or dead (a
    driver or a task) stopped beating.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -259,6 +260,79 @@ def test_a_restarted_receiver_holds_the_version_it_reads_again(owner):
     newer = owner.acquire(4096, timeout_s=5.0, learner="learner")
     owner.deliver(PID, newer.seq, "m", ())  # the next version: the latest moves on
     assert owner._by_seq[slot.seq].holds == {Hold.of_worker("w")}
+
+
+def test_a_join_numbered_before_a_hold_runs_first_however_the_threads_start_them(
+    owner, monkeypatch
+):
+    """The hub booked a registration of ``w`` and then planned a version for it; Ray's
+    threads started the hold (number 2) before the join (number 1). The join waits for
+    nothing and the hold for the join: run after it, the join forgot the hold, and the
+    slot the worker was to read was held by nothing but ``latest``."""
+    slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    waits = _waits_for_its_turn(owner, monkeypatch, "has_turn")
+    holding = threading.Thread(
+        target=owner.deliver, args=(PID, slot.seq, "m", ("w",)), kwargs={"order": 2}
+    )
+    holding.start()
+    assert waits.wait(timeout=30), "the hold did not wait for the join"
+    owner.join("w", (), 0, 1)
+    holding.join(timeout=30)
+    assert not holding.is_alive()
+    assert owner.stats().holds == ("latest/m", "worker/w")
+
+
+def test_a_relay_sent_after_a_join_holds_for_the_worker_after_the_join_ran(
+    owner, monkeypatch
+):
+    """The same on another node: the hub booked ``w``'s registration there (its join,
+    number 1) and then relayed a version to it. The relay is not numbered (the holds
+    sent after it must not wait for its copy) but names the last call sent before it:
+    its hold waits for the join, which would forget it."""
+    import numpy as np
+
+    from raysync.actors import shm_owner
+    from raysync.layout import HEADER_BYTES
+
+    nbytes = 4096
+    monkeypatch.setattr(
+        shm_owner.ray, "get", lambda ref: np.ones(nbytes - HEADER_BYTES, dtype=np.uint8)
+    )
+    relayed: list[object] = []
+    relaying = threading.Thread(
+        target=lambda: relayed.append(
+            owner.relay(["export"], nbytes, "m", ("w",), 5.0, 1, 0, 1)
+        )
+    )
+    waits = _waits_for_its_turn(owner, monkeypatch, "passed")
+    relaying.start()
+    assert waits.wait(timeout=30), "the relay's hold did not wait for the join"
+    owner.join("w", (), 0, 1)
+    relaying.join(timeout=30)
+    assert relayed, "the relay did not end"
+    assert owner.stats().holds == ("latest/m", "worker/w")
+
+
+def _waits_for_its_turn(owner: ShmOwner, monkeypatch, check: str) -> threading.Event:
+    """Set once a call of the owner asks whether its turn came (``check``: the
+    ordering's question), i.e. it reached the section that waits for the earlier calls;
+    a call that waits out the limit of that wait fails (in its thread)."""
+    asked = threading.Event()
+    turns = owner._in_order._turns
+    ask = getattr(turns, check)
+
+    def asking(*args: object) -> bool:
+        asked.set()
+        return ask(*args)
+
+    def gave_up(*args: object) -> None:
+        raise AssertionError(f"a call waited out its turn: {args}")
+
+    monkeypatch.setattr(turns, check, asking)
+    # What waits for the earlier calls is let go by them, not after the wait's limit.
+    monkeypatch.setattr(turns, "skip_to_lowest_waiting", gave_up)
+    monkeypatch.setattr(turns, "log_read_without", gave_up)
+    return asked
 
 
 def test_a_hold_for_a_worker_gone_that_lands_after_is_not_taken(owner):

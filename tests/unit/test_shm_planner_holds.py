@@ -73,7 +73,7 @@ class _Actor:
 def _planner(owners: dict[str, Any]) -> SharedMemoryPlanner:
     planner = SharedMemoryPlanner.__new__(SharedMemoryPlanner)  # no Ray: no owners started
     planner._owners = dict[str, Any](owners)
-    planner._orders = {node: itertools.count(1) for node in owners}
+    planner._orders = dict.fromkeys(owners, 0)
     planner._placements = itertools.count(1)
     planner._latest = {}
     planner._background = BackgroundTasks("test planner")
@@ -132,3 +132,52 @@ def test_a_plan_cut_short_leaves_the_hold_another_delivery_of_the_version_took()
         assert owner.stats().holds == ("latest/m",)
     finally:
         owner.close()
+
+
+class _Calls:
+    """Stands for a node's owner actor: records every call, in the order sent, with its
+    arguments; answers each at once (the join with no board row)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> SimpleNamespace:
+        def remote(*args: Any) -> asyncio.Future[Any]:
+            self.sent.append((name, args))
+            answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            answer.set_result(None if name == "join" else SLOT)
+            return answer
+
+        return SimpleNamespace(remote=remote)
+
+
+def test_a_receivers_join_is_numbered_before_the_hold_of_any_plan_that_targets_it():
+    """The hub books a registration, then (before the planner's coroutine ran) plans a
+    version that targets it: the owner's join was sent from inside that coroutine, so
+    the hold went out first, unnumbered against it, and Ray's threads may run the two in
+    either order. A join run after the hold forgot it: the worker staged the version
+    (or a zero-copy model adopted it) with nothing holding the slot but ``latest``.
+    The join now leaves as the hub calls ``receiver_joined``, numbered before the
+    hold, and the owner runs the hub's calls in their numbers' order."""
+
+    async def run() -> _Calls:
+        owner = _Calls()
+        planner = _planner({HERE: owner})
+        planner._hub_id, planner._node_of = "hub", {}
+        planner._streams = SimpleNamespace(receiver_joined=_nothing)
+        joining = planner.receiver_joined(_receiver("w", HERE))  # the hub booked it
+        update = SimpleNamespace(model="m", version=3, payload=SharedMemoryPayload(SLOT))
+        await planner.plan(update, None, [_receiver("w", HERE)])
+        await joining
+        await asyncio.gather(*planner._background._tasks)
+        return owner
+
+    sent = asyncio.run(run()).sent
+    assert [name for name, _ in sent] == ["join", "deliver"]
+    (_, join), (_, deliver) = sent
+    assert join[0] == "w" and deliver[3] == ("w",)
+    assert 0 < join[3] < deliver[4], "the join is numbered first in the owner's order"
+
+
+async def _nothing(*args: Any) -> None:
+    return None

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +48,9 @@ class SharedMemoryPlanner(TransportPlanner):
         self._owners: dict[str, Any] = {}
         #: worker -> the node it joined from last (a restarted one may join elsewhere)
         self._node_of: dict[str, str] = {}
-        #: Per node, the number of the next hold sent to its owner (see ShmOwner.deliver).
-        self._orders: dict[str, itertools.count] = {}
+        #: Per node, the number of the last of the hub's calls sent to its owner that
+        #: run in the order sent (joins, holds, exports: see ShmOwner.deliver).
+        self._orders: dict[str, int] = {}
         #: The number of the next call that holds a slot for workers (a hold or a relay,
         #: on any node): a plan cut short withdraws the holds of its own calls by it,
         #: and leaves those another delivery of the version took (ShmOwner.withdraw).
@@ -79,9 +80,14 @@ class SharedMemoryPlanner(TransportPlanner):
             .remote(node_id, MAX_SLOTS)
         )
         self._owners[node_id] = owner
-        self._orders[node_id] = itertools.count(1)
+        self._orders[node_id] = 0
         self._background.spawn(self._watch(node_id, owner), f"watch the owner on {node_id}")
         return owner
+
+    def _next_order(self, node_id: str) -> int:
+        """The number of the next call to ``node_id``'s owner in the hub's order."""
+        self._orders[node_id] += 1
+        return self._orders[node_id]
 
     async def _watch(self, node_id: str, owner: Any) -> None:
         """Restart ``node_id``'s owner if it dies while the hub is open and the node lives
@@ -109,7 +115,17 @@ class SharedMemoryPlanner(TransportPlanner):
             )
         return self._start_owner(node_id)
 
-    async def receiver_joined(self, receiver: ReceiverInfo) -> SharedMemoryReceiverInfo:
+    def receiver_joined(
+        self, receiver: ReceiverInfo
+    ) -> Coroutine[Any, Any, SharedMemoryReceiverInfo]:
+        """The owner on ``receiver``'s node is told it joined *when this is called*, not
+        when the result is awaited: the hub calls it in the same step as it books the
+        registration, so the join is numbered in the owner's order before the hold of
+        any plan that targets the worker. The owner runs it first, however Ray's threads
+        start the two (a hold it ran first was forgotten by the join: the worker then
+        staged that version, or a zero-copy model adopted it, with nothing holding the
+        slot but ``latest``, and the learner could rewrite it once a newer version
+        came)."""
         # A (re)joining worker holds nothing yet: drop what a former incarnation held,
         # but the slots it still reads (its zero-copy models' memory, versions staged).
         kept = tuple(
@@ -117,9 +133,17 @@ class SharedMemoryPlanner(TransportPlanner):
             for p in receiver.kept
             if isinstance(p, SharedMemoryPayload) and p.slot.node_id == receiver.node_id
         )
-        board = await self._owner(receiver.node_id).join.remote(
-            receiver.worker, kept, receiver.pid
+        owner = self._owner(receiver.node_id)
+        joined = owner.join.remote(
+            receiver.worker, kept, receiver.pid, self._next_order(receiver.node_id)
         )
+        return self._joined(receiver, joined)
+
+    async def _joined(
+        self, receiver: ReceiverInfo, joined: ray.ObjectRef
+    ) -> SharedMemoryReceiverInfo:
+        """The rest of :meth:`receiver_joined`, once the owner's join is sent."""
+        board = await joined
         former = self._node_of.get(receiver.worker)
         self._node_of[receiver.worker] = receiver.node_id
         if former not in (None, receiver.node_id) and former in self._owners:
@@ -251,7 +275,7 @@ class SharedMemoryPlanner(TransportPlanner):
         missing = [node_id for node_id in by_node if node_id not in relayed]
         export = None
         if missing:  # numbered next to its hold: the owner exports it before a newer one
-            turn = next(self._orders[slot.node_id])
+            turn = self._next_order(slot.node_id)
             try:
                 export = await _within_plan(
                     owner.export.remote(slot.pid, slot.seq, turn),
@@ -272,7 +296,7 @@ class SharedMemoryPlanner(TransportPlanner):
                     known.slot.seq,
                     update.model,
                     workers,
-                    next(self._orders[node_id]),
+                    self._next_order(node_id),
                     update.version,
                     placement,
                 )
@@ -285,6 +309,7 @@ class SharedMemoryPlanner(TransportPlanner):
                     _slot_wait_s(),
                     update.version,
                     placement,
+                    self._orders[node_id],  # its holds come after the calls sent before
                 )
             placed.append(call := _Placed(node_owner, answer, workers, placement))
             try:
@@ -336,7 +361,7 @@ class SharedMemoryPlanner(TransportPlanner):
             slot.seq,
             update.model,
             workers,
-            next(self._orders[slot.node_id]),
+            self._next_order(slot.node_id),
             update.version,
             placement,
         )
