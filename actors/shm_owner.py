@@ -116,7 +116,8 @@ class _Segment:
     #: whose slots it is among: a learner's sender (``acquire``), or the relays of a model
     stream: str = ""
     holds: set[Hold] = field(default_factory=set)
-    #: workers whose release of ``seq`` came before the hub's hold for them
+    #: workers whose release of ``seq`` came before the hub's hold for them (by call;
+    #: each forestalls one hold)
     released: set[str] = field(default_factory=set)
     #: worker -> the hub's deliveries (their ``placement`` numbers) its hold is for: the
     #: hub may hand one worker the same version twice (a pull or a welcome's catch-up
@@ -287,10 +288,21 @@ class ShmOwner:
         for worker in workers:
             if worker in self._gone:  # nobody would ever release it
                 continue
-            if self._on_board(segment, worker):  # done with it before its hold came
+            # A release noted before this hold counts once (the same version may reach
+            # a worker again: a pull after it declined a catch-up, the hub's retry after
+            # it turned the learner's own call down): it is of the hold the worker has
+            # of this version, if any (an earlier delivery's), else of this delivery
+            # (done with it before its hold came).
+            if self._on_board(segment, worker):
                 self._board_releases += 1
-            elif worker not in segment.released:
-                _hold_for(segment, worker, placement)
+                self._cells[self._rows[worker], segment.column] = 0
+                if Hold.of_worker(worker) not in segment.holds:
+                    continue
+                segment.holds.discard(Hold.of_worker(worker))
+            elif worker in segment.released:
+                segment.released.discard(worker)
+                continue
+            _hold_for(segment, worker, placement)
         latest = self._latest.get(model, (0, 0))
         if (version, seq) > latest:
             previous = self._by_seq.get(latest[1])
@@ -579,14 +591,17 @@ class ShmOwner:
 
     def _on_board(self, segment: _Segment, worker: str) -> bool:
         """Whether ``worker`` wrote on the board that it is done with ``segment``'s
-        version (each cell holds the last sequence its receiver released there)."""
+        version (each cell holds the last sequence its receiver released there, until
+        that release is used)."""
         row = self._rows.get(worker)
         if row is None or segment.column < 0:
             return False
         return int(self._cells[row, segment.column]) == segment.seq
 
     def _read_board(self, segment: _Segment) -> None:
-        """Drop the holds of receivers that released ``segment`` on the board."""
+        """Drop the holds of receivers that released ``segment`` on the board; each
+        release is used up (its cell cleared): a later delivery of the same version to
+        that receiver is held again."""
         if segment.column < 0:
             return
         released = [
@@ -594,6 +609,8 @@ class ShmOwner:
             for hold in segment.holds
             if hold.kind is HoldKind.WORKER and self._on_board(segment, hold.name)
         ]
+        for hold in released:
+            self._cells[self._rows[hold.name], segment.column] = 0
         segment.holds.difference_update(released)
         self._board_releases += len(released)
 

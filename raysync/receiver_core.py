@@ -250,10 +250,10 @@ class ReceiverCore:
         after each applied version; what it raises fails that version's ack.
         ``previous``, this actor's earlier core, lends each model its version if it was
         registered with the same hub (and the staged version a zero-copy model lives in,
-        when this registration is zero copy by the same transport; else the model first
-        moves into memory of its own) and its gate (the user methods it counts as
-        reading, such as one registering again, still hold the models), and is closed
-        once the hub answered.
+        when this registration is zero copy by the same transport as the same worker;
+        else the model first moves into memory of its own) and its gate (the user
+        methods it counts as reading, such as one registering again, still hold the
+        models), and is closed once the hub answered.
         The new core is in this process's registry of attached receivers
         (:data:`raysync.receiver_delivery.attached`) under ``identity.attachment``
         before the hub hears of it: a delivery that arrives while this still runs waits
@@ -1062,10 +1062,16 @@ def _adoptions_carry_over(
 ) -> bool:
     """Whether zero-copy models of ``previous`` may go on living in its transport's
     memory under the registration ``identity`` asks for: zero copy again, by the same
-    transport. Otherwise they must move out first: a model copied into would be written
-    in place (a shared-memory segment is mapped read-only: the process dies), and
-    another transport's planner does not hold the memory for it."""
-    return identity.zero_copy and (identity.transport or hub.transport) == previous.transport_name
+    transport, as the same worker. Otherwise they must move out first: a model copied
+    into would be written in place (a shared-memory segment is mapped read-only: the
+    process dies), another transport's planner does not hold the memory for it, and a
+    shared-memory owner holds a slot per worker id (the old id's holds go when it
+    leaves; the new one never held the slot)."""
+    return (
+        identity.zero_copy
+        and identity.worker == previous.worker
+        and (identity.transport or hub.transport) == previous.transport_name
+    )
 
 
 def _carried_over(previous: ReceiverCore | None, model_id: str, path: str, owner: Any) -> HeldModel:

@@ -1011,3 +1011,23 @@ def test_registering_again_keeps_the_versions_staged_and_the_one_lived_in(monkey
     assert core.models["policy"].version == 2
     core.register_again(5.0)
     assert registrations[-1].kept == ((2,) if zero_copy else ())
+
+
+@pytest.mark.parametrize(
+    ("worker", "transport", "carried"),
+    [("w", None, True), ("w", "shared_memory", True), ("other", None, False), ("w", "nixl", False)],
+)
+def test_a_zero_copy_model_lives_on_in_the_staged_version_only_as_the_same_worker(
+    worker, transport, carried
+):
+    """``attach(replaces=old, worker_id=another, zero_copy=True)``: the model went on
+    living in the old registration's shared-memory slot, which the owner held for the
+    old worker id alone; that hold went when the old registration left, and the learner
+    could rewrite the slot under the model. Under another worker id (or transport) the
+    model moves into memory of its own first."""
+    previous = SimpleNamespace(worker="w", transport_name="shared_memory")
+    hub = SimpleNamespace(transport="shared_memory")
+    identity = ReceiverIdentity(
+        worker, "Actor(1)", "attachment", transport=transport, zero_copy=True
+    )
+    assert receiver_core._adoptions_carry_over(previous, identity, hub) is carried

@@ -335,6 +335,42 @@ def _waits_for_its_turn(owner: ShmOwner, monkeypatch, check: str) -> threading.E
     return asked
 
 
+def test_a_version_handed_to_a_worker_again_after_it_released_it_is_held_again(owner):
+    """A pull receiver registered again: it declined the welcome's catch-up of version
+    s (a release on its row of the board) and then pulled s itself. The release stayed
+    on the board and cancelled the pull's hold too, so the pull read s (a zero-copy
+    model then lived in it) with nothing holding it but ``latest``."""
+    board = owner.join("w")
+    assert board is not None
+    slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    owner.deliver(PID, slot.seq, "m", ("w",), order=1)  # the welcome's catch-up
+    owner._cells[board.row, slot.column] = slot.seq  # declined: what its pwrite writes
+    owner.deliver(PID, slot.seq, "m", ("w",), order=2)  # its pull of the same version
+    assert owner.stats().holds == ("latest/m", "worker/w")
+    owner._cells[board.row, slot.column] = slot.seq  # the pull's copy is done
+    assert owner.stats().holds == ("latest/m",)
+
+
+@pytest.mark.parametrize("by_call", [False, True])
+def test_a_release_that_came_before_its_hold_forestalls_that_hold_alone(owner, by_call):
+    """The worker turned the learner's own call of version s down (another learner's
+    call of that number came first) and let it go before the hub's hold for that call
+    came; the hub then delivered s to it itself (its retry, or s versioned anew). The
+    early release forestalled the first hold and then the second, and the worker read
+    s, or lived in it, unheld."""
+    board = owner.join("w")
+    assert board is not None
+    slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    if by_call:
+        owner.release(PID, slot.seq, "w")
+    else:
+        owner._cells[board.row, slot.column] = slot.seq
+    owner.deliver(PID, slot.seq, "m", ("w",), order=1)  # the hold of the call it let go
+    assert owner.stats().holds == ("latest/m",)
+    owner.deliver(PID, slot.seq, "m", ("w",), order=2)  # the hub's own delivery of s
+    assert owner.stats().holds == ("latest/m", "worker/w")
+
+
 def test_a_hold_for_a_worker_gone_that_lands_after_is_not_taken(owner):
     """The hub's hold for a receiver (not awaited) lands after the owner heard it died:
     nothing would ever release it. Once it joins again, its holds count again."""

@@ -73,10 +73,10 @@ class SharedMemoryPayload:
 @dataclass(frozen=True)
 class Board:
     """Where one receiver releases its slots: its row of its node's owner's *release
-    board*, a segment of int64 cells, one per (receiver, segment), that only that
-    receiver writes (the sequence number it is done with) and the owner reads when it
-    looks for a free slot. A release is one ``pwrite`` there instead of one Ray call
-    per receiver per version."""
+    board*, a segment of int64 cells, one per (receiver, segment), that the receiver
+    writes (the sequence number it is done with) and the owner reads when it looks for
+    a free slot or holds that version for it, and clears once it used the release. A
+    release is one ``pwrite`` there instead of one Ray call per receiver per version."""
 
     segment: Slot  #: the board's segment (its ``nbytes`` and ``pid``: the owner's)
     row: int  #: the receiver's row
