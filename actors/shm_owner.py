@@ -293,9 +293,8 @@ class ShmOwner:
             # it turned the learner's own call down): it is of the hold the worker has
             # of this version, if any (an earlier delivery's), else of this delivery
             # (done with it before its hold came).
-            if self._on_board(segment, worker):
+            if self._use_board_release(segment, worker):
                 self._board_releases += 1
-                self._cells[self._rows[worker], segment.column] = 0
                 if Hold.of_worker(worker) not in segment.holds:
                     continue
                 segment.holds.discard(Hold.of_worker(worker))
@@ -589,14 +588,17 @@ class ShmOwner:
             # Releases on the board notify nobody: read it again soon.
             self._lock.wait(min(remaining, BOARD_POLL_S))
 
-    def _on_board(self, segment: _Segment, worker: str) -> bool:
+    def _use_board_release(self, segment: _Segment, worker: str) -> bool:
         """Whether ``worker`` wrote on the board that it is done with ``segment``'s
-        version (each cell holds the last sequence its receiver released there, until
-        that release is used)."""
+        version (each cell holds the last sequence its receiver released there); if so
+        the release is used up here (its cell cleared): it counts once."""
         row = self._rows.get(worker)
         if row is None or segment.column < 0:
             return False
-        return int(self._cells[row, segment.column]) == segment.seq
+        if int(self._cells[row, segment.column]) != segment.seq:
+            return False
+        self._cells[row, segment.column] = 0
+        return True
 
     def _read_board(self, segment: _Segment) -> None:
         """Drop the holds of receivers that released ``segment`` on the board; each
@@ -607,10 +609,8 @@ class ShmOwner:
         released = [
             hold
             for hold in segment.holds
-            if hold.kind is HoldKind.WORKER and self._on_board(segment, hold.name)
+            if hold.kind is HoldKind.WORKER and self._use_board_release(segment, hold.name)
         ]
-        for hold in released:
-            self._cells[self._rows[hold.name], segment.column] = 0
         segment.holds.difference_update(released)
         self._board_releases += len(released)
 
