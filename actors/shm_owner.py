@@ -104,6 +104,8 @@ PENDING_KEPT_S = 2 * SLOT_WAIT_S
 #: ``leave``, within a slot wait; a learner that releases its hub every step closes a
 #: sender per step).
 CLOSED_SENDERS_KEPT = 1024
+#: How many dropped workers' former holds the owner remembers (see ``_hold_again``).
+DROPPED_KEPT = 1024
 
 
 @dataclass
@@ -188,6 +190,9 @@ class ShmOwner:
         #: and the receivers that lapsed (see :meth:`lapse`)
         self._receiver_pids: dict[str, tuple[int, int | None]] = {}
         self._lapsed: set[str] = set()
+        #: worker -> the sequences whose holds :meth:`drop_worker` took from it, until
+        #: it joins again (see :meth:`_hold_again`), for the last ``DROPPED_KEPT``
+        self._dropped: dict[str, set[int]] = {}
         #: the last senders that called :meth:`leave`, oldest first (a call of theirs
         #: may come after it)
         self._closed_senders: dict[str, None] = {}
@@ -425,13 +430,15 @@ class ShmOwner:
         self, worker: str, keep: tuple[tuple[int, int], ...] = (), pid: int = 0, order: int = 0
     ) -> Board | None:
         """``worker`` (re)joined on this node, from process ``pid`` (0: not known): it
-        holds nothing but ``keep`` (see :meth:`drop_worker`), and gets its row of the
+        holds nothing but ``keep`` (see :meth:`drop_worker`; held again if only a drop
+        let go of them: :meth:`_hold_again`), and gets its row of the
         release board (the same one again if it had one; None once every row is taken:
         it then releases by call). ``order``: its number among the hub's calls (see
         :meth:`deliver`), taken as the hub booked the registration: the holds of plans
         that target the new registration come after it and are kept."""
         with self._in_order.turn("hub", order):
             self._forget(worker, keep)
+            self._hold_again(worker, keep)
             self._gone.discard(worker)
             self._lapsed.discard(worker)
             if pid:
@@ -450,10 +457,35 @@ class ShmOwner:
         to land; a relay takes its receivers' after its copy) is not taken, until it
         joins here again."""
         with self._lock:
+            dropped = {s.seq for s in self._by_seq.values() if Hold.of_worker(worker) in s.holds}
             self._forget(worker, keep)
+            self._dropped.pop(worker, None)
+            if dropped:
+                self._dropped[worker] = dropped
+                if len(self._dropped) > DROPPED_KEPT:
+                    del self._dropped[next(iter(self._dropped))]
             self._gone.add(worker)
             self._lapsed.discard(worker)
             self._receiver_pids.pop(worker, None)
+
+    def _hold_again(self, worker: str, keep: tuple[tuple[int, int], ...]) -> None:
+        """(Lock held.) A join: hold again the slots of ``keep`` that :meth:`drop_worker`
+        took from ``worker`` and that it has not released since. The hub drops a
+        registration whose delivery reached it retired (its process registered again,
+        zero-copy models kept where they live) before it books the new one: that new
+        registration still reads them, and, forgotten, the learner could rewrite the
+        slot a model lives in."""
+        dropped = self._dropped.pop(worker, set())
+        for pid, seq in keep:
+            segment = self._by_seq.get(seq) if pid == self._pid else None
+            if segment is None or seq not in dropped or Hold.of_worker(worker) in segment.holds:
+                continue
+            if self._use_board_release(segment, worker):
+                self._board_releases += 1
+            elif worker in segment.released:
+                segment.released.discard(worker)
+            else:
+                _hold_for(segment, worker, 0)
 
     def lapse(self, worker: str) -> None:
         """``worker`` stopped beating and may be alive (a driver or a task: Ray cannot

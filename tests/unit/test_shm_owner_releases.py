@@ -651,3 +651,49 @@ def test_a_lapsed_worker_whose_process_is_gone_lets_go_of_its_slots(three_slots)
         process.wait()
     owner.acquire(4096, timeout_s=5.0, learner="l")
     assert Hold.of_worker("w") not in owner._by_seq[slot.seq].holds
+
+
+def test_a_registration_dropped_before_its_successor_joined_keeps_the_slot_a_model_lives_in(
+    three_slots,
+):
+    """The process registered ``w`` again, its zero-copy model carried over in slot s;
+    a delivery to the retired registration came back ``NOT_ATTACHED`` and the hub
+    dropped ``w`` before booking the new registration. The drop let go of s and the
+    join, keeping only holds it found, held nothing: once a newer version was the
+    latest, the learner could rewrite s under the model."""
+    owner = three_slots
+    owner.join("w", pid=os.getpid())
+    lived_in, other = (owner.acquire(4096, timeout_s=5.0, learner="l") for _ in range(2))
+    owner.deliver(PID, lived_in.seq, "m", ("w",))
+    owner.deliver(PID, other.seq, "m", ("w",))  # staged by the retired core, not kept
+    owner.drop_worker("w")  # the retired registration's NOT_ATTACHED
+    owner.join("w", keep=((PID, lived_in.seq),), pid=os.getpid())  # the new registration
+    assert owner._by_seq[lived_in.seq].holds == {Hold.of_worker("w")}
+    assert owner._by_seq[other.seq].holds == {Hold.latest("m")}
+
+
+@pytest.mark.parametrize("by_call", [False, True])
+def test_a_join_does_not_hold_again_what_was_released_or_not_dropped(three_slots, by_call):
+    """What the join holds again is what the drop took and the worker has not let go
+    of since (its release, by board or by call, came between the two), never a slot it
+    released before the drop (kept by a stale list, it would stay held for good)."""
+    owner = three_slots
+    board = owner.join("w", pid=os.getpid())
+    assert board is not None
+    released_after, released_before = (
+        owner.acquire(4096, timeout_s=5.0, learner="l") for _ in range(2)
+    )
+    for slot in (released_after, released_before):
+        owner.deliver(PID, slot.seq, "m", ("w",))
+    owner._cells[board.row, released_before.column] = released_before.seq
+    owner.stats()  # the owner reads the board: that hold goes
+    owner.drop_worker("w")
+    if by_call:
+        owner.release(PID, released_after.seq, "w")
+    else:
+        owner._cells[board.row, released_after.column] = released_after.seq
+    keep = ((PID, released_after.seq), (PID, released_before.seq))
+    owner.join("w", keep=keep, pid=os.getpid())
+    assert "worker/w" not in owner.stats().holds
+    owner.deliver(PID, released_after.seq, "m", ("w",))  # its release was used up
+    assert owner._by_seq[released_after.seq].holds == {Hold.of_worker("w")}
