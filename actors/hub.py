@@ -27,7 +27,7 @@ import time
 import uuid
 import warnings
 from collections import OrderedDict
-from collections.abc import Awaitable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Collection, Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import ray
@@ -285,8 +285,8 @@ class WeightHubActor:
         try:
             begun = await self._begin(request, timeout_s, started)
         except Exception:
-            if request.direct_calls is None and not self._state.holds_any(request.payloads):
-                self._abandon(request.payloads.values())
+            if not self._state.holds_any(request.payloads):
+                self._abandon(request.payloads.values(), self._called_by_learner(request))
             raise
         self._note_versioned(request, begun.model)
         if not request.wait:
@@ -319,15 +319,30 @@ class WeightHubActor:
         taken = request.direct_calls is not None
         return await self._version_and_start(request, timeout_s, started, gone_ok=taken)
 
-    def _abandon(self, payloads: Iterable[object]) -> None:
+    def _abandon(
+        self, payloads: Iterable[object], read_by: Mapping[str, tuple[str, ...]] | None = None
+    ) -> None:
         """Payloads of a version the hub refused, or left out of a version in parts:
-        never planned, so each transport may let go of what it holds for them."""
+        never planned, so each transport may let go of what it holds for them, but for
+        ``read_by`` (transport -> its receivers the learner delivered them to itself)."""
+        read_by = read_by or {}
         for payload in payloads:
             for name, planner in self._planners.items():
                 try:
-                    planner.abandoned(payload)
+                    planner.abandoned(payload, read_by.get(name, ()))
                 except Exception:  # the refusal is what the learner hears
                     logger.exception("transport %r could not let go of a refused payload", name)
+
+    def _called_by_learner(self, request: BroadcastRequest) -> dict[str, tuple[str, ...]]:
+        """Per transport, the receivers ``request``'s learner delivered its version to
+        itself (the direct path), registered still as they were called: refused, that
+        version is read by them all the same (or a zero-copy model lives in it)."""
+        called: dict[str, list[str]] = {}
+        for worker, (token, _) in (request.direct_calls or {}).items():
+            entry = self._state.receivers.get(worker)
+            if entry is not None and entry.registration.token == token:
+                called.setdefault(entry.transport, []).append(worker)
+        return {transport: tuple(workers) for transport, workers in called.items()}
 
     def _superseded(self, request: BroadcastRequest) -> bool:
         """Whether a later broadcast of ``request``'s learner already versioned its model

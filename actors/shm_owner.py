@@ -317,14 +317,31 @@ class ShmOwner:
         self._lock.notify_all()
         return self._slot(segment)
 
-    def abandon(self, pid: int, seq: int) -> None:
+    def abandon(
+        self, pid: int, seq: int, read_by: tuple[str, ...] = (), order: int = 0
+    ) -> None:
         """The hub refused version ``seq`` (a stale or unknown version, a version in
-        parts that failed): it is never planned, so its ``PENDING`` hold goes."""
-        with self._lock:
+        parts that failed): it is never planned, so its ``PENDING`` hold goes. Its
+        learner delivered it to ``read_by`` itself (the direct path) before the hub
+        refused it: each reads it (or a zero-copy model lives in it) all the same, so
+        it is held for each until its release (one that came first forestalls it).
+        ``order``: its number among the hub's calls (see :meth:`deliver`): before the
+        plan of a newer version, which frees this learner's older pending slots."""
+        with self._in_order.turn("hub", order):
             segment = self._by_seq.get(seq) if pid == self._pid else None
-            if segment is not None and PENDING in segment.holds:
-                segment.holds.discard(PENDING)
-                self._lock.notify_all()
+            if segment is None:
+                return
+            segment.holds.discard(PENDING)
+            for worker in read_by:
+                if worker in self._gone:  # nobody would ever release it
+                    continue
+                if self._use_board_release(segment, worker):
+                    self._board_releases += 1
+                elif worker in segment.released:
+                    segment.released.discard(worker)
+                else:
+                    _hold_for(segment, worker, 0)
+            self._lock.notify_all()
 
     def export(self, pid: int, seq: int, order: int = 0) -> list[ray.ObjectRef]:
         """Put version ``seq`` into the object store once, for other nodes' owners.

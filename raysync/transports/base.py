@@ -263,12 +263,15 @@ class TransportPlanner:
         A transport whose learner-side memory waits for the hub's word on each version
         (shared memory's slots) hears it here."""
 
-    def abandoned(self, payload: Any) -> None:
+    def abandoned(self, payload: Any, read_by: Sequence[str] = ()) -> None:
         """A payload of this transport's hand-off that the hub will never plan or keep:
         its version was refused (a stale or unknown version, a failed version in parts)
-        or a version in parts left it out. Memory held for it until its plan may go.
-        Called for every refused payload, whatever its hand-off: a planner ignores
-        those not its own. Default: nothing."""
+        or a version in parts left it out. Memory held for it until its plan may go,
+        but for ``read_by``: this transport's receivers its learner delivered it to
+        itself before the hub refused it (the direct path), which read it all the same
+        and let go of it as of any version they read. Called for every refused payload,
+        whatever its hand-off, in the same step as the refusal: a planner ignores those
+        not its own. Default: nothing."""
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """The payload ``receiver`` reads when it pulls ``update`` outside a broadcast.

@@ -697,3 +697,36 @@ def test_a_join_does_not_hold_again_what_was_released_or_not_dropped(three_slots
     assert "worker/w" not in owner.stats().holds
     owner.deliver(PID, released_after.seq, "m", ("w",))  # its release was used up
     assert owner._by_seq[released_after.seq].holds == {Hold.of_worker("w")}
+
+
+@pytest.mark.parametrize("released", ["no", "on the board", "by call"])
+def test_a_refused_version_its_learner_delivered_itself_stays_held_for_its_readers(
+    three_slots, released
+):
+    """The learner delivered version s to ``w`` itself (the direct path) and the hub
+    then refused s (it came late, or its snapshot could not be saved). It was never
+    abandoned: pending until a newer version was planned, which freed it, while ``w``
+    still read it (or its zero-copy model lived there). Now the refusal holds it for
+    ``w`` until ``w`` lets go (a release that came first forestalls the hold), and lets
+    the learner's pending hold go."""
+    owner = three_slots
+    board = owner.join("w", pid=os.getpid())
+    assert board is not None
+    refused = owner.acquire(4096, timeout_s=5.0, learner="l")
+    _written(owner, refused.seq, "m")
+    if released == "on the board":
+        owner._cells[board.row, refused.column] = refused.seq
+    elif released == "by call":
+        owner.release(PID, refused.seq, "w")
+    owner.drop_worker("gone")
+    owner.abandon(PID, refused.seq, ("w", "gone"), order=1)
+    if released != "no":  # free: the learner's next slot
+        assert owner._by_seq[refused.seq].holds == set()
+        assert owner.acquire(4096, timeout_s=5.0, learner="l").fd == refused.fd
+        return
+    newer = owner.acquire(4096, timeout_s=5.0, learner="l")
+    _written(owner, newer.seq, "m")
+    owner.deliver(PID, newer.seq, "m", ("w",), order=2)  # frees l's older pending slots
+    assert owner._by_seq[refused.seq].holds == {Hold.of_worker("w")}
+    owner._cells[board.row, refused.column] = refused.seq  # w moved on
+    assert owner.acquire(4096, timeout_s=5.0, learner="l").fd == refused.fd

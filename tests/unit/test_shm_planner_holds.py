@@ -7,6 +7,7 @@ took for the same receiver (the owner holds a slot once per worker)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from types import SimpleNamespace
 from typing import Any
@@ -181,3 +182,26 @@ def test_a_receivers_join_is_numbered_before_the_hold_of_any_plan_that_targets_i
 
 async def _nothing(*args: Any) -> None:
     return None
+
+
+def test_a_refused_version_is_let_go_of_before_the_holds_of_a_newer_one():
+    """The hub refuses a version its learner delivered itself, then plans the next: the
+    owner is told to keep the refused slot for the receivers the learner called in the
+    hub's order, before the newer version's hold frees that learner's older pending
+    slots (freed first, the slot could be given to the learner again under them)."""
+
+    async def run() -> _Calls:
+        owner = _Calls()
+        planner = _planner({HERE: owner})
+        refused = dataclasses.replace(SLOT, seq=4)
+        planner.abandoned(SharedMemoryPayload(refused), ("called",))
+        update = SimpleNamespace(model="m", version=3, payload=SharedMemoryPayload(SLOT))
+        await planner.plan(update, None, [_receiver("called", HERE, called=True)])
+        await asyncio.gather(*planner._background._tasks)
+        return owner
+
+    sent = asyncio.run(run()).sent
+    assert [name for name, _ in sent] == ["abandon", "deliver"]
+    (_, abandon), (_, deliver) = sent
+    assert abandon[:3] == (SLOT.pid, 4, ("called",))
+    assert 0 < abandon[3] < deliver[4], "the let-go is numbered first in the owner's order"

@@ -61,7 +61,8 @@ The direct path (``learner_delivers``): the learner calls the receivers on its o
 itself with its slot, as ``object_store`` learners do, and the hub books the version in
 parallel; the planner's holds for those receivers land after the call, and a receiver
 that is done with the slot first has its release remembered by the owner (the
-learner's ``PENDING`` hold covers the slot until the hub's holds land). Receivers on
+learner's ``PENDING`` hold covers the slot until the hub's holds land; a version the
+hub refuses after the call is held for them instead, until each lets go). Receivers on
 other nodes are delivered by the hub, through their node's relayed slot.
 
 Each learner's sender has its own pool of slots at the owner, and the hub's planning of

@@ -33,7 +33,6 @@ from raysync.transports.shared_memory.wire import (
     SLOT_WAIT_S,
     SharedMemoryPayload,
     SharedMemoryReceiverInfo,
-    Slot,
     owner_name,
 )
 
@@ -185,17 +184,23 @@ class SharedMemoryPlanner(TransportPlanner):
             return  # lost with its owner; the restarted one holds none of its slots
         self._hold(owner, update, ())
 
-    def abandoned(self, payload: Any) -> None:
+    def abandoned(self, payload: Any, read_by: Sequence[str] = ()) -> None:
         """A version the hub refused: its slot is never planned, so the learner's node's
         owner lets it go now (else it stayed pending until a newer version of its model
-        from that learner was planned, and a few refusals in a row held every slot)."""
+        from that learner was planned, and a few refusals in a row held every slot),
+        but for the receivers its learner delivered it to itself (``read_by``), for
+        whom it holds it until each lets go. Numbered when called: the owner runs it
+        before the hold of any version the hub plans after."""
         if not isinstance(payload, SharedMemoryPayload):
             return
         slot = payload.slot
         owner = self._owners.get(slot.node_id)
         if owner is not None:  # else lost with its owner
+            let_go = owner.abandon.remote(
+                slot.pid, slot.seq, tuple(read_by), self._next_order(slot.node_id)
+            )
             self._background.spawn(
-                _let_go_of_refused(owner, slot), f"slot {slot.seq} of a refused version"
+                _let_go_of_refused(let_go), f"slot {slot.seq} of a refused version"
             )
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
@@ -411,10 +416,11 @@ async def _drop_worker(owner: Any, worker: str) -> None:
         pass  # its watch restarts it (a new owner holds nothing), or its node died
 
 
-async def _let_go_of_refused(owner: Any, slot: Slot) -> None:
-    """``owner`` frees ``slot``, written for a version the hub refused."""
+async def _let_go_of_refused(let_go: ray.ObjectRef) -> None:
+    """The owner's answer to its call freeing a slot written for a version the hub
+    refused."""
     try:
-        await owner.abandon.remote(slot.pid, slot.seq)
+        await let_go
     except RayError:
         pass  # its watch restarts it (a new owner holds none of the old slots)
 
