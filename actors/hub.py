@@ -1405,7 +1405,10 @@ class WeightHubActor:
         planned: dict[str, _Plan] = {}
         for entry in group:
             if entry.worker not in payload_of:
-                reason = f"it left the hub while transport {transport!r} planned the version"
+                reason = (
+                    f"it left the hub, or registered again, while transport {transport!r} "
+                    "planned the version"
+                )
                 planned[entry.worker] = _Plan(reason=reason)
             elif isinstance(unplanned := payload_of[entry.worker], Unplanned):
                 reason = f"transport {transport!r} could not plan its delivery: "

@@ -63,6 +63,22 @@ class _Update:
         self.model, self.version, self.payload = "m", version, ObjectStorePayload(())
 
 
+class _AnswersWhenLet:
+    """A remote method that is asked at once and answers ``call``'s answer once let."""
+
+    def __init__(self, call: _Call) -> None:
+        self.call, self.asked, self.let = call, asyncio.Event(), asyncio.Event()
+
+    def remote(self, *args: Any) -> Any:
+        self.asked.set()
+
+        async def reply() -> Any:
+            await self.let.wait()
+            return await self.call.remote(*args)
+
+        return asyncio.ensure_future(reply())
+
+
 def _planner(rank0: _Rank0) -> DistributedPlanner:
     return DistributedPlanner(HubContext(actor=None, hub_id="hub"), rank0=rank0)
 
@@ -98,23 +114,9 @@ def test_a_receiver_that_left_while_rank_0_answered_gets_no_place_in_a_generatio
     rank0 = _Rank0()
     planner = _planner(rank0)
     targets = [_info(w) for w in ("c0", "c1", "c2")]
-    answered = _Call(rank0.calls, "store_address", StoreAddress("127.0.0.1", 1))
-
-    class _AnswersWhenLet:
-        def __init__(self) -> None:
-            self.asked, self.let = asyncio.Event(), asyncio.Event()
-
-        def remote(self) -> Any:
-            self.asked.set()
-
-            async def reply() -> Any:
-                await self.let.wait()
-                return await answered.remote()
-
-            return asyncio.ensure_future(reply())
 
     async def run() -> tuple[dict, Any]:
-        rank0.store_address = _AnswersWhenLet()
+        rank0.store_address = _AnswersWhenLet(rank0.store_address)
         for target in targets:
             await planner.receiver_joined(target)
         planning = asyncio.ensure_future(planner.plan(_Update(1), SPEC, targets))
@@ -128,6 +130,62 @@ def test_a_receiver_that_left_while_rank_0_answered_gets_no_place_in_a_generatio
     assert generation.members == ("c0", "c1")
     jobs = [args[0] for name, args in rank0.calls if name == "broadcast"]
     assert [job.generation.members for job in jobs] == [("c0", "c1")]
+
+
+def _restarted(worker: str) -> ReceiverInfo:
+    """``worker``'s registration from the process Ray restarted it in."""
+    return dataclasses.replace(_info(worker), process=f"new-process-{worker}", attachment="new")
+
+
+def test_a_former_registration_of_a_worker_that_registered_while_a_plan_waited_is_left_out():
+    """c2 died and its targets were chosen before the hub heard; Ray restarted it and
+    the new process registered while the plan waited for rank 0. The plan took the
+    former registration in (it knew the worker id): that generation, formed after the
+    join called the last one off, waited for a c2 no process would be, and nobody
+    called it off: c0 and c1 waited the group's whole timeout at its rendezvous."""
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+    targets = [_info(w) for w in ("c0", "c1", "c2")]
+
+    async def run() -> dict:
+        rank0.store_address = _AnswersWhenLet(rank0.store_address)
+        for target in targets:
+            await planner.receiver_joined(target)
+        planning = asyncio.ensure_future(planner.plan(_Update(1), SPEC, targets))
+        await rank0.store_address.asked.wait()
+        await planner.receiver_joined(_restarted("c2"))
+        rank0.store_address.let.set()
+        return await planning
+
+    assert sorted(asyncio.run(run())) == ["c0", "c1"]
+    jobs = [args[0] for name, args in rank0.calls if name == "broadcast"]
+    assert [job.generation.members for job in jobs] == [("c0", "c1")]
+
+
+def test_a_worker_registering_again_is_known_before_the_last_generation_is_called_off():
+    """The new process's join calls off the generation its former registration was a
+    member of; a plan that ran while rank 0 was asked to took the former registration
+    into a new generation that nobody then called off."""
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+    targets = [_info(w) for w in ("c0", "c1", "c2")]
+
+    async def run() -> dict:
+        for target in targets:
+            await planner.receiver_joined(target)
+        await planner.plan(_Update(1), SPEC, targets)
+        rank0.call_off = _AnswersWhenLet(rank0.call_off)
+        joining = asyncio.ensure_future(planner.receiver_joined(_restarted("c2")))
+        await rank0.call_off.asked.wait()
+        planned = await planner.plan(_Update(2), SPEC, targets)
+        rank0.call_off.let.set()
+        await joining
+        return planned
+
+    assert sorted(asyncio.run(run())) == ["c0", "c1"]
+    jobs = [args[0] for name, args in rank0.calls if name == "broadcast"]
+    assert [job.generation.members for job in jobs] == [("c0", "c1", "c2"), ("c0", "c1")]
+    assert rank0.called_off() == [(1, "member c2 registered again (a new process)")]
 
 
 def test_a_plan_whose_every_target_left_plans_nothing():

@@ -63,9 +63,12 @@ class DistributedPlanner(TransportPlanner):
         self._broker: Any = None  #: the hub's bucket broker, once a bucketed version came
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> str:
-        """The receiver's worker id: how it names itself to the bucket broker."""
-        await self._forget(receiver.worker, "registered again (a new process)")
+        """The receiver's worker id: how it names itself to the bucket broker. Known
+        before the first wait: a plan that runs meanwhile gives a former registration
+        of the worker (a process Ray restarted, a receiver attached again) no place in
+        a generation, which nobody would call off."""
         self._receivers[receiver.worker] = receiver
+        await self._forget(receiver.worker, "registered again (a new process)")
         self._broker = await tell_broker(self._broker, "readmit", receiver.worker)
         return receiver.worker
 
@@ -153,11 +156,14 @@ class DistributedPlanner(TransportPlanner):
         delivery timed out) reads the learner's copy alone until it acks again: in the
         collective it held every other member up for the group's timeout at each
         version. A bucketed version has no copy to read: it stays a member (and fails
-        alone). A process takes part once: its other receivers (attached under other
+        alone). A target that is not its worker's registration any more (chosen
+        before the worker registered again: a process Ray restarted, a receiver
+        attached anew) is left out as one that left: no process joins in its place.
+        A process takes part once: its other receivers (attached under other
         worker ids) read the learner's copy too, or fail alone if there is none; as two
         ranks of one actor, called one at a time, they waited for each other at every
         version, and the whole group for its timeout."""
-        here = [t for t in targets if t.worker in self._receivers]
+        here = [t for t in targets if self._registered(t)]
         bucketed = is_bucketed(update.payload)
         alone: dict[str, Any] = {} if bucketed else _alone(here, update.payload)
         in_group: set[str] = set()
@@ -176,6 +182,15 @@ class DistributedPlanner(TransportPlanner):
             else:
                 alone[target.worker] = update.payload
         return alone, tuple(sorted(t.worker for t in here if t.worker not in alone))
+
+    def _registered(self, target: ReceiverInfo) -> bool:
+        """Whether ``target`` is its worker's registration now: the same process, and
+        the same receiver in it."""
+        known = self._receivers.get(target.worker)
+        return known is not None and (known.process, known.attachment) == (
+            target.process,
+            target.attachment,
+        )
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """The learner's put, read directly; a bucketed version is served again by a
