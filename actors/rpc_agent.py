@@ -87,6 +87,12 @@ class AgentStatus:
     reader: str  #: how it names itself to the hub's bucket broker
 
 
+def _keep_last(places: dict[str, Any]) -> None:
+    """Drop the oldest of ``places`` (process -> its place) beyond ``LEFT_KEPT``."""
+    while len(places) > LEFT_KEPT:
+        del places[next(iter(places))]
+
+
 def _wait_for_all(futures: Sequence[torch.futures.Future], timeout_s: float) -> None:
     """Until every one of ``futures`` is done, failed ones included, or ``timeout_s``
     passed. (``torch.futures.collect_all`` completes at the first failure: one dead
@@ -193,13 +199,22 @@ class RpcAgentActor:
         )
 
     async def forget(self, worker: str) -> None:
-        """``worker`` left or died: no more sends, and off the group's member list."""
+        """``worker`` left or died: no more sends, and off the group's member list. Its
+        process, if it attaches again, gets its place back (listed again: its torch RPC
+        lives on) if it was in the group, else its rank (its join failed, and torch
+        took its name off the list: listed, its next ``init_rpc`` would be refused as
+        a name not unique)."""
         gone = self._members.pop(worker, None)
-        if gone is not None:
-            self._left[gone.process] = gone.member
-            while len(self._left) > LEFT_KEPT:
-                del self._left[next(iter(self._left))]
-            await asyncio.to_thread(self._unlist, {gone.member.name})
+        if gone is None:
+            return
+        member = gone.member
+        was_listed = await asyncio.to_thread(self._unlist, {member.name})
+        if f"{member.name}-{member.rank}" in was_listed:
+            self._left[gone.process] = member  # its torch RPC lives on: its old place
+            _keep_last(self._left)
+        else:  # never in the group (its join failed): it joins anew, under its rank
+            self._left_before[gone.process] = member.rank
+            _keep_last(self._left_before)
 
     async def send(self, job: RpcJob) -> dict[str, str | None]:
         if is_bucketed(job.source):
@@ -413,11 +428,17 @@ class RpcAgentActor:
         if dead:
             self._unlist(dead)
 
-    def _unlist(self, names: set[str]) -> None:
-        """Remove ``names`` from the member list (:meth:`_edit_list`)."""
-        self._edit_list(
-            names, lambda listed: [e for e in listed if e.rsplit("-", 1)[0] not in names]
-        )
+    def _unlist(self, names: set[str]) -> set[str]:
+        """Remove ``names`` from the member list (:meth:`_edit_list`); the entries of
+        theirs that were on it."""
+        removed: set[str] = set()
+
+        def edit(listed: list[str]) -> list[str]:
+            removed.update(e for e in listed if e.rsplit("-", 1)[0] in names)
+            return [e for e in listed if e not in removed]
+
+        self._edit_list(names, edit)
+        return removed
 
     def _relist(self, member: RpcMember) -> None:
         """Put ``member`` (a live process that left, attaching again) back on the list."""

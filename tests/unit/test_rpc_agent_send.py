@@ -284,3 +284,30 @@ def test_a_receiver_whose_version_failed_to_land_is_told_why_at_once(monkeypatch
     abandon_whole(*told[0][1])
     with pytest.raises(TransportError, match="connection reset by peer"):
         receiver_inbox._INBOX.take(KEY, 22, timeout_s=30)
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_process_that_left_is_listed_again_only_if_it_had_joined(monkeypatch, joined):
+    """w0's process left the hub and registered again. One that had joined the group
+    lives on in it under its name: it is listed again. One whose join failed (torch
+    took its name off the list as it gave up) was listed again all the same, and its
+    next ``init_rpc`` was refused as a name not unique, at every try: the receiver
+    never joined again. It joins anew, under the same rank."""
+    from torch.distributed import HashStore
+
+    from raysync.transports.rpc import MEMBER_LIST_KEY
+
+    agent = _agent(monkeypatch, timeout_s=5.0)
+    store = HashStore()
+    monkeypatch.setattr(agent, "_group_store", lambda: store)
+    entry = f"{rpc_name(KEY, 1)}-1"  # w0, rank 1
+    store.set(MEMBER_LIST_KEY, f"{entry}," if joined else "")
+
+    async def run() -> rpc_agent.RpcMember:
+        await agent.forget("w0")
+        assert agent._listed() == []
+        return await agent.admit("w0", "p0")  # the same process registers again
+
+    member = asyncio.run(run())
+    assert (member.name, member.rank) == (rpc_name(KEY, 1), 1)
+    assert agent._listed() == ([entry] if joined else [])
