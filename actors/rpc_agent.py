@@ -166,6 +166,7 @@ class RpcAgentActor:
             return known.member
         if known is not None:
             await asyncio.to_thread(self._unlist, {known.member.name})
+        self._reachable_again(worker)
         before = self._left.pop(process, None)
         rank_before = self._left_before.pop(process, None)
         if before is not None:
@@ -179,6 +180,12 @@ class RpcAgentActor:
             member = self._member(next(self._ranks), worker)
         self._members[worker] = _Admitted(process, member)
         return member
+
+    def _reachable_again(self, worker: str) -> None:
+        """``worker``'s next process (or next join) has a send's whole time to become
+        reachable: that its former process was unreachable says nothing of it."""
+        with self._unreached_lock:
+            self._unreached.discard(worker)
 
     async def ping(self) -> None:
         """The planner's liveness probe, before every plan."""
@@ -207,6 +214,7 @@ class RpcAgentActor:
         gone = self._members.pop(worker, None)
         if gone is None:
             return
+        self._reachable_again(worker)
         member = gone.member
         was_listed = await asyncio.to_thread(self._unlist, {member.name})
         if f"{member.name}-{member.rank}" in was_listed:

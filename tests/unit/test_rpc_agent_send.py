@@ -126,6 +126,22 @@ def test_a_receiver_no_send_reached_is_tried_briefly_until_one_does(monkeypatch)
     assert "within 0.3 s:" in _send(agent, [np.zeros(2, dtype=np.float32)])[0]["w0"]
 
 
+def test_a_receivers_new_process_gets_a_sends_whole_time_to_become_reachable(monkeypatch):
+    """No send reached w0's process for a whole timeout; Ray restarted it and the new
+    process was admitted. The next send tried it for the short window kept for the
+    unreachable, while it was still joining, and failed it naming a send before that
+    never went to this process."""
+    monkeypatch.setattr(rpc_agent, "_UNREACHED_RETRY_S", 0.0)
+    agent = _agent(monkeypatch, timeout_s=0.3)
+    monkeypatch.setattr(agent, "_unlist", lambda names: set())  # no store here
+    monkeypatch.setattr(agent, "_prune", lambda: None)  # nor an RPC group to ping
+    monkeypatch.setattr(rpc, "rpc_async", _joining(refusals=10**9, calls=[]))
+    assert "within 0.3 s:" in _send(agent, [np.zeros(2, dtype=np.float32)])[0]["w0"]
+    asyncio.run(agent.admit("w0", "p-restarted"))
+    monkeypatch.setattr(rpc, "rpc_async", _joining(refusals=3, calls=[]))  # joining yet
+    assert _send(agent, [np.zeros(2, dtype=np.float32)])[0] == {"w0": None}
+
+
 def _failed_now(why: str) -> torch.futures.Future:
     """A future that failed as torch's own do (an error, not a value raised on wait)."""
     source = torch.futures.Future()
