@@ -155,6 +155,11 @@ class RpcAgentActor:
         #: workers the last send to gave up reaching (worker threads share it)
         self._unreached: set[str] = set()
         self._unreached_lock = threading.Lock()
+        #: One edit of the member list at a time in this process: the join token it
+        #: takes is the same for each of its edits, so it keeps out only the others'.
+        #: (The planner makes one call at a time, but a call it gave up on, cancelled
+        #: by the hub's timeout, still runs here beside the next.)
+        self._editing = threading.Lock()
         settle_heap()
 
     async def admit(self, worker: str, process: str) -> RpcMember:
@@ -456,6 +461,11 @@ class RpcAgentActor:
     def _edit_list(self, names: set[str], edit: Callable[[list[str]], list[str]]) -> None:
         """Rewrite the member list with ``edit``, holding the group's join token (taken
         over if one of ``names`` died holding it)."""
+        with self._editing:
+            self._edit_list_alone(names, edit)
+
+    def _edit_list_alone(self, names: set[str], edit: Callable[[list[str]], list[str]]) -> None:
+        """(``_editing`` held.) See :meth:`_edit_list`."""
         store = self._group_store()
         mine = f"Token_for_{self._name}_leave"
         orphaned = {f"Token_for_{n}_{op}" for n in names for op in ("join", "leave")}

@@ -1,4 +1,5 @@
-"""The RPC agent's send path without Ray or an RPC group: torch's calls are stubbed.
+"""The RPC agent's send path and member list without Ray or an RPC group: torch's calls are
+stubbed, its store is an in-process HashStore.
 
 A receiver that was just admitted, or that is moving to a new agent's group, may still be
 joining when its version is sent; torch then refuses the send for a moment even after it
@@ -327,3 +328,37 @@ def test_a_process_that_left_is_listed_again_only_if_it_had_joined(monkeypatch, 
     member = asyncio.run(run())
     assert (member.name, member.rank) == (rpc_name(KEY, 1), 1)
     assert agent._listed() == ([entry] if joined else [])
+
+
+def test_the_agents_own_edits_of_the_member_list_take_turns(monkeypatch):
+    """The join token an edit takes is the same for each of the agent's edits: a second
+    edit (a call the planner gave up on still ran beside the next) found the token
+    its own and rewrote the list beside the first; the first's end then gave the
+    token back while the second still wrote."""
+    from torch.distributed import HashStore
+
+    agent = _agent(monkeypatch, timeout_s=5.0)
+    store = HashStore()
+    monkeypatch.setattr(agent, "_group_store", lambda: store)
+    first_in, first_go, second_in = threading.Event(), threading.Event(), threading.Event()
+
+    def first(listed: list[str]) -> list[str]:
+        first_in.set()
+        assert first_go.wait(timeout=30)
+        return [*listed, "a-1"]
+
+    def second(listed: list[str]) -> list[str]:
+        second_in.set()
+        return [*listed, "b-2"]
+
+    editing = threading.Thread(target=agent._edit_list, args=(set(), first))
+    editing.start()
+    assert first_in.wait(timeout=30)
+    other = threading.Thread(target=agent._edit_list, args=(set(), second))
+    other.start()
+    overlapped = second_in.wait(timeout=0.5)  # it runs at once when nothing stops it
+    first_go.set()
+    editing.join(timeout=30)
+    other.join(timeout=30)
+    assert not overlapped
+    assert agent._listed() == ["a-1", "b-2"]
