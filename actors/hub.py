@@ -272,6 +272,10 @@ class WeightHubActor:
         settle_heap()
 
     # -- learner -------------------------------------------------------------------------
+    # Never run again on a restarted incarnation, whatever the hub's max_task_retries:
+    # that one knows neither the learner's later broadcasts nor their order, and would
+    # publish these (older) weights as its newest version. The learner hears the death.
+    @ray.method(max_task_retries=0)
     async def submit(self, request: BroadcastRequest) -> BroadcastReport | BroadcastTicket:
         """Validate, version and deliver one broadcast (see ``HubHandle.broadcast``)."""
         if not isinstance(request, BroadcastRequest):

@@ -305,3 +305,44 @@ def test_waiting_for_a_report_lost_with_a_restarted_hub_says_so(actors):
     wait_until(restarted, timeout_s=60, what="the hub's restart")
     with pytest.raises(KeyError, match="the hub restarted since"):
         ray.get(hub.wait_for.remote(ticket))
+
+
+def test_a_broadcast_in_flight_as_the_hub_dies_is_not_run_again_by_its_restart(actors):
+    """A hub started with ``max_task_retries``: Ray ran the learner's submit in flight
+    again on the restarted incarnation, which knows nothing of the learner's later
+    broadcasts and published those weights as its newest version (older than what
+    receivers held, had a later broadcast been versioned before the death). The
+    learner hears that the hub died instead, and the restored version stays."""
+    from tests.receivers import Holder
+    from tests.signals import Gate
+
+    hub = start_hub(actors, DEFAULT_TRANSPORT, {"max_restarts": 1, "max_task_retries": -1})
+    holder = start(actors, Holder, hub, state_of(make_policy()), "busy", "policy")
+    ready([holder])
+    ray.get(hub.broadcast.remote(make_policy()))
+    entered, gate = Gate.remote(), Gate.remote()
+    actors.extend([entered, gate])
+    holding = holder.hold.remote(gate, entered)
+    ray.get(entered.wait.remote())  # its delivery now waits behind the method
+    in_flight = hub.broadcast.remote(make_policy(), timeout_s=30)
+    first = ray.get(hub.status.remote())  # called after the submit: that one has begun
+    ray.kill(hub.actor, no_restart=False)
+    ray.get(gate.open.remote())
+    ray.get(holding)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(in_flight, timeout=60)
+
+    def back_with_the_holder() -> bool:
+        try:
+            status = ray.get(hub.status.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return False  # still restarting
+        return status.boot_id != first.boot_id and [r.worker for r in status.receivers] == [
+            "busy"
+        ]
+
+    wait_until(back_with_the_holder, timeout_s=60, what="the hub's restart and re-registration")
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert report.acked == ("busy",)
+    assert_same(ray.get(holder.state.remote()), state_of(learner))
