@@ -11,8 +11,12 @@ and collects their acks.
 Restarts (``max_restarts``): each model's version counter and spec are kept in
 Ray's GCS key-value store (:mod:`raysync.hub_snapshot`) and read back when Ray
 restarts the actor, so versions never go backwards (a hub started without
-``max_restarts`` writes none: no incarnation would read it). Receivers notice that the
-new incarnation does not know them (their heartbeat) and register again by themselves.
+``max_restarts`` writes none: no incarnation would read it), and so are the transports
+in use: the new incarnation opens them at once (a learner's next hand-off finds their
+resources) and has learners hand versions to them for ``RESTORED_TRANSPORTS_S``.
+Receivers notice that the new incarnation does not know them (their heartbeat) and
+register again by themselves. A learner's broadcast in flight as the hub dies fails
+(``submit`` is never retried: the new incarnation would publish those weights anew).
 The weights themselves are not kept by the hub: receivers keep the version they hold,
 and the learner's next broadcast brings everyone forward (late joiners wait for it).
 """
@@ -117,6 +121,11 @@ _ORDER_WAIT_S = 1.0
 #: learner's call to a receiver that left before the hub booked the version (acked if
 #: it applied it).
 _LEFT_REPLY_GRACE_S = 1.0
+#: How long a restarted hub has its learners hand versions over to the transports its
+#: former incarnation's receivers read by, which register again as their heartbeat
+#: notices the restart (every 5 s by default; a busy host's later): one still away
+#: after this gets the next version it can read.
+RESTORED_TRANSPORTS_S = 60.0
 #: How long ``close`` waits for receivers to hear that learners' own deliveries end.
 _CLOSE_NOTICE_S = 10.0
 #: How long the hub waits for a receiver it could not plan for to answer "alive?".
@@ -239,9 +248,16 @@ class WeightHubActor:
             restarted = context.was_current_actor_reconstructed
         #: Versions restored from the snapshot: their reports died with the incarnation
         self._restored: dict[str, int] = {}
+        #: The transports in use before a restart, handed versions still for the
+        #: receivers of the old incarnation until ``_restored_transports_until``
+        #: (``time.monotonic()``): see :meth:`transports`.
+        self._restored_transports: tuple[str, ...] = ()
+        self._restored_transports_until = 0.0
         if restarted and self._snapshot is not None:
             self._state.restore(*self._snapshot.load())
             self._restored = self._state.versions()
+            self._restored_transports = self._open_restored(self._snapshot.load_transports())
+            self._restored_transports_until = time.monotonic() + RESTORED_TRANSPORTS_S
             logger.warning("hub restarted; model versions restored: %s", self._restored)
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
         self._acks = AckBook()  #: acks sent apart from their delivery call (``ack``)
@@ -494,7 +510,9 @@ class WeightHubActor:
         number = self._state.version_of(model) + 1 if version is None else version
         try:
             self._snapshot.save(
-                {**self._state.versions(), model: number}, {**self._state.specs(), model: spec}
+                {**self._state.versions(), model: number},
+                {**self._state.specs(), model: spec},
+                tuple(self._transports_in_use(restored=True)),
             )
         except Exception as err:
             raise HubSnapshotError(
@@ -1471,8 +1489,35 @@ class WeightHubActor:
 
     def transports(self) -> tuple[str, ...]:
         """The hand-offs a broadcast must carry now: the hub's transport's and those of
-        the transports its receivers read by (called by the learner before each send)."""
-        return hand_offs_for([self._transport, *self._state.transports()])
+        the transports its receivers read by (called by the learner before each send).
+        After a restart, for ``RESTORED_TRANSPORTS_S``, those in use before it too: the
+        old incarnation's receivers register again as their heartbeats notice, and a
+        version handed over without their hand-off is one they cannot read (the welcome
+        offers them none: had it been the learner's last, they never got the latest)."""
+        return hand_offs_for(self._transports_in_use(restored=True))
+
+    def _transports_in_use(self, restored: bool = False) -> list[str]:
+        """The hub's transport and its receivers'; with ``restored``, those in use
+        before a restart too, for ``RESTORED_TRANSPORTS_S`` after it."""
+        transports = {self._transport, *self._state.transports()}
+        if restored and time.monotonic() < self._restored_transports_until:
+            transports.update(self._restored_transports)
+        return sorted(transports)
+
+    def _open_restored(self, transports: Sequence[str]) -> tuple[str, ...]:
+        """Open the planners of ``transports``, in use before a restart, as the hub
+        starts again: a learner's next hand-off (by the route it was given before)
+        finds their resources (a node's segment owner, which died with the former
+        incarnation). Those that open."""
+        opened = []
+        for transport in transports:
+            try:
+                self._planner(transport)
+            except TransportUnavailableError as err:
+                logger.warning("transport %r, in use before the restart: %s", transport, err)
+            else:
+                opened.append(transport)
+        return tuple(opened)
 
 
 async def _name_no_readers(streams: list[BucketStream]) -> None:

@@ -24,13 +24,31 @@ class HubSnapshot:
     def __init__(self, actor_id: str) -> None:
         self._prefix = f"hub/{actor_id}/"
         self._saved_digests: dict[str, str] = {}
+        self._saved_transports: tuple[str, ...] | None = None
 
-    def save(self, versions: dict[str, int], specs: dict[str, WeightSpec]) -> None:
+    def save(
+        self,
+        versions: dict[str, int],
+        specs: dict[str, WeightSpec],
+        transports: tuple[str, ...] = (),
+    ) -> None:
+        """``transports``: the hub's and those its receivers read by now (written when
+        they change): a restarted hub opens them and has its learners hand versions
+        over to them until those receivers are back (see ``WeightHubActor.transports``)."""
         for model, spec in specs.items():
             if self._saved_digests.get(model) != spec.digest:
                 self._put(f"spec/{model}", pickle.dumps(spec))
                 self._saved_digests[model] = spec.digest
+        if transports != self._saved_transports:
+            self._put("transports", pickle.dumps(transports))
+            self._saved_transports = transports
         self._put("versions", pickle.dumps(versions))
+
+    def load_transports(self) -> tuple[str, ...]:
+        """The transports saved last; empty if none were."""
+        raw = internal_kv._internal_kv_get(self._prefix + "transports", namespace=KV_NAMESPACE)
+        self._saved_transports = pickle.loads(raw) if raw is not None else ()
+        return self._saved_transports
 
     def load(self) -> tuple[dict[str, int], dict[str, WeightSpec]]:
         """The saved versions and specs; empty if this hub never saved any."""

@@ -864,3 +864,11 @@ def fail_next_rpc_join(_actor) -> None:
         raise RuntimeError("could not join the RPC group (injected)")
 
     rpc_receiver.init_rpc = failing
+
+
+def beat_now(host) -> None:
+    """Runs in a receiver (``__ray_call__``): its hub watch beats now, on a thread of its
+    own as the watch does (one started with a heartbeat too long to come during a test
+    registers again when told). Returns at once: the versions the beat applies wait
+    for a safe point, behind this call in the host's queue."""
+    threading.Thread(target=host._raysync_receiver._watch.beat, daemon=True).start()

@@ -27,7 +27,7 @@ from tests.helpers import (
     wait_for_file,
     wait_until,
 )
-from tests.receivers import Collector, make_policy, state_of
+from tests.receivers import Collector, beat_now, make_policy, state_of
 
 HEARTBEAT_S = 0.3
 
@@ -160,7 +160,8 @@ def test_only_a_hub_ray_may_restart_keeps_a_snapshot(actors):
 
     assert saved(once) == []
     assert sorted(saved(restartable)) == [
-        f"hub/{restartable.actor._actor_id.hex()}/{key}".encode() for key in ("spec/m", "versions")
+        f"hub/{restartable.actor._actor_id.hex()}/{key}".encode()
+        for key in ("spec/m", "transports", "versions")
     ]
 
 
@@ -346,3 +347,59 @@ def test_a_broadcast_in_flight_as_the_hub_dies_is_not_run_again_by_its_restart(a
     report = ray.get(hub.broadcast.remote(learner), timeout=60)
     assert report.acked == ("busy",)
     assert_same(ray.get(holder.state.remote()), state_of(learner))
+
+
+@ray.remote(num_cpus=0)
+def broadcast_from_a_new_learner(hub_name: str, model: torch.nn.Module):
+    """A learner process of its own: its first broadcast to hub ``hub_name``."""
+    import raysync
+
+    return ray.get(raysync.get_hub(hub_name).broadcast.remote(model))
+
+
+@pytest.mark.parametrize("learner_kind", ["new", "same"])
+def test_a_restarted_hubs_first_versions_carry_what_its_former_receivers_read(
+    actors, learner_kind
+):
+    """A learner broadcast right after the hub restarted, before a receiver on another
+    transport than the hub's (here ``shared_memory``) registered again. One with no
+    route yet (``new``: a learner process of its own, or one whose last broadcast died
+    with the hub) was told by the new incarnation, which knew none of its receivers,
+    to hand the version over to the hub's transport alone: the receiver, back, was
+    offered nothing it could read (had it been the learner's last broadcast, it never
+    got the latest version). One that kept its route (``same``) handed it to
+    ``shared_memory``, whose segment owner had died with the former incarnation and was
+    not started again: it waited 30 s for one and failed. The restarted hub opens the
+    transports in use before it, and has learners hand versions to them a while."""
+    hub = start_hub(
+        actors,
+        DEFAULT_TRANSPORT,
+        {"name": f"restarted-hub-{learner_kind}", "max_restarts": 1, "max_task_retries": 0},
+    )
+    # Its heartbeat is the test's to give (beat_now): it registers again when told.
+    receiver = start(
+        actors, Collector, hub, worker_id="shm", transport="shared_memory", heartbeat_s=3600.0
+    )
+    ready([receiver])
+    ray.get(hub.broadcast.remote(make_policy()))
+    first_boot = ray.get(hub.status.remote()).boot_id
+    ray.kill(hub.actor, no_restart=False)
+
+    def restarted() -> bool:
+        try:
+            return ray.get(hub.status.remote(), timeout=10).boot_id != first_boot
+        except ray.exceptions.RayActorError:
+            return False  # still restarting
+
+    wait_until(restarted, timeout_s=60, what="the hub's restart")
+    learner = make_policy()
+    if learner_kind == "new":  # no route: it asks the new incarnation for one
+        sent = broadcast_from_a_new_learner.remote(f"restarted-hub-{learner_kind}", learner)
+        report = ray.get(sent, timeout=120)
+        assert (report.version, report.acked) == (2, ())  # nobody registered yet
+        ray.get(receiver.__ray_call__.remote(beat_now), timeout=60)  # back: welcomed
+    else:  # its route names the receiver: it delivers the version to it itself
+        report = ray.get(hub.broadcast.remote(learner), timeout=120)
+        assert (report.version, report.acked) == (2, ("shm",))
+    wait_until(lambda: ray.get(receiver.version.remote()) == 2, timeout_s=60, what="version 2")
+    assert_same(ray.get(receiver.state.remote()), state_of(learner))
