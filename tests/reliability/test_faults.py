@@ -350,11 +350,15 @@ def test_a_broadcast_in_flight_as_the_hub_dies_is_not_run_again_by_its_restart(a
 
 
 @ray.remote(num_cpus=0)
-def broadcast_from_a_new_learner(hub_name: str, model: torch.nn.Module):
-    """A learner process of its own: its first broadcast to hub ``hub_name``."""
-    import raysync
+class NewLearner:
+    """A learner process of its own, an actor's (killed after the test: a task's
+    worker would be reused, with the transports the hub's config registered in it)."""
 
-    return ray.get(raysync.get_hub(hub_name).broadcast.remote(model))
+    def broadcast(self, hub_name: str, model: torch.nn.Module):
+        """Its first broadcast to hub ``hub_name``."""
+        import raysync
+
+        return ray.get(raysync.get_hub(hub_name).broadcast.remote(model))
 
 
 @pytest.mark.parametrize("learner_kind", ["new", "same"])
@@ -394,7 +398,8 @@ def test_a_restarted_hubs_first_versions_carry_what_its_former_receivers_read(
     wait_until(restarted, timeout_s=60, what="the hub's restart")
     learner = make_policy()
     if learner_kind == "new":  # no route: it asks the new incarnation for one
-        sent = broadcast_from_a_new_learner.remote(f"restarted-hub-{learner_kind}", learner)
+        new_learner = start(actors, NewLearner)
+        sent = new_learner.broadcast.remote(f"restarted-hub-{learner_kind}", learner)
         report = ray.get(sent, timeout=120)
         assert (report.version, report.acked) == (2, ())  # nobody registered yet
         ray.get(receiver.__ray_call__.remote(beat_now), timeout=60)  # back: welcomed
