@@ -333,14 +333,8 @@ class ShmOwner:
                 return
             segment.holds.discard(PENDING)
             for worker in read_by:
-                if worker in self._gone:  # nobody would ever release it
-                    continue
-                if self._use_board_release(segment, worker):
-                    self._board_releases += 1
-                elif worker in segment.released:
-                    segment.released.discard(worker)
-                else:
-                    _hold_for(segment, worker, 0)
+                if worker not in self._gone:  # else nobody would ever release it
+                    self._hold_unless_released(segment, worker)
             self._lock.notify_all()
 
     def export(self, pid: int, seq: int, order: int = 0) -> list[ray.ObjectRef]:
@@ -497,12 +491,18 @@ class ShmOwner:
             segment = self._by_seq.get(seq) if pid == self._pid else None
             if segment is None or seq not in dropped or Hold.of_worker(worker) in segment.holds:
                 continue
-            if self._use_board_release(segment, worker):
-                self._board_releases += 1
-            elif worker in segment.released:
-                segment.released.discard(worker)
-            else:
-                _hold_for(segment, worker, 0)
+            self._hold_unless_released(segment, worker)
+
+    def _hold_unless_released(self, segment: _Segment, worker: str) -> None:
+        """(Lock held.) Hold ``segment`` for ``worker``, which reads it outside any of
+        the hub's deliveries, unless it released it already (on the board or by call:
+        that release is used up here)."""
+        if self._use_board_release(segment, worker):
+            self._board_releases += 1
+        elif worker in segment.released:
+            segment.released.discard(worker)
+        else:
+            _hold_for(segment, worker, 0)
 
     def lapse(self, worker: str) -> None:
         """``worker`` stopped beating and may be alive (a driver or a task: Ray cannot

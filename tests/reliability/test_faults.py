@@ -285,15 +285,8 @@ def test_failure_report_raises_by_default(actors, transport):
         ray.get(hub.broadcast.remote(make_policy(), timeout_s=10))
 
 
-def test_waiting_for_a_report_lost_with_a_restarted_hub_says_so(actors):
-    """A ``wait=False`` ticket from before the hub restarted: its report died with that
-    incarnation, and ``wait_for`` said the version was "unknown or older than the last
-    256 broadcasts", which sent users looking for the wrong cause."""
-    hub = start_hub(actors, DEFAULT_TRANSPORT, {"max_restarts": 1, "max_task_retries": 0})
-    collector = start(actors, Collector, hub, worker_id="c")
-    ready([collector])
-    ticket = ray.get(hub.broadcast.remote(make_policy(), wait=False))
-    assert ray.get(hub.wait_for.remote(ticket)).acked == ("c",)
+def kill_and_wait_for_its_restart(hub) -> None:
+    """Kill the hub's process and return once Ray's new incarnation answers."""
     first_boot = ray.get(hub.status.remote()).boot_id
     ray.kill(hub.actor, no_restart=False)
 
@@ -304,6 +297,18 @@ def test_waiting_for_a_report_lost_with_a_restarted_hub_says_so(actors):
             return False  # still restarting
 
     wait_until(restarted, timeout_s=60, what="the hub's restart")
+
+
+def test_waiting_for_a_report_lost_with_a_restarted_hub_says_so(actors):
+    """A ``wait=False`` ticket from before the hub restarted: its report died with that
+    incarnation, and ``wait_for`` said the version was "unknown or older than the last
+    256 broadcasts", which sent users looking for the wrong cause."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, {"max_restarts": 1, "max_task_retries": 0})
+    collector = start(actors, Collector, hub, worker_id="c")
+    ready([collector])
+    ticket = ray.get(hub.broadcast.remote(make_policy(), wait=False))
+    assert ray.get(hub.wait_for.remote(ticket)).acked == ("c",)
+    kill_and_wait_for_its_restart(hub)
     with pytest.raises(KeyError, match="the hub restarted since"):
         ray.get(hub.wait_for.remote(ticket))
 
@@ -386,16 +391,7 @@ def test_a_restarted_hubs_first_versions_carry_what_its_former_receivers_read(
     )
     ready([receiver])
     ray.get(hub.broadcast.remote(make_policy()))
-    first_boot = ray.get(hub.status.remote()).boot_id
-    ray.kill(hub.actor, no_restart=False)
-
-    def restarted() -> bool:
-        try:
-            return ray.get(hub.status.remote(), timeout=10).boot_id != first_boot
-        except ray.exceptions.RayActorError:
-            return False  # still restarting
-
-    wait_until(restarted, timeout_s=60, what="the hub's restart")
+    kill_and_wait_for_its_restart(hub)
     learner = make_policy()
     if learner_kind == "new":  # no route: it asks the new incarnation for one
         new_learner = start(actors, NewLearner)
