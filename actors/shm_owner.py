@@ -291,22 +291,8 @@ class ShmOwner:
                 other.holds.discard(PENDING)
         segment.holds.discard(PENDING)
         for worker in workers:
-            if worker in self._gone:  # nobody would ever release it
-                continue
-            # A release noted before this hold counts once (the same version may reach
-            # a worker again: a pull after it declined a catch-up, the hub's retry after
-            # it turned the learner's own call down): it is of the hold the worker has
-            # of this version, if any (an earlier delivery's), else of this delivery
-            # (done with it before its hold came).
-            if self._use_board_release(segment, worker):
-                self._board_releases += 1
-                if Hold.of_worker(worker) not in segment.holds:
-                    continue
-                segment.holds.discard(Hold.of_worker(worker))
-            elif worker in segment.released:
-                segment.released.discard(worker)
-                continue
-            _hold_for(segment, worker, placement)
+            if worker not in self._gone:  # else nobody would ever release it
+                self._hold_unless_released(segment, worker, placement)
         latest = self._latest.get(model, (0, 0))
         if (version, seq) > latest:
             previous = self._by_seq.get(latest[1])
@@ -468,8 +454,7 @@ class ShmOwner:
         to land; a relay takes its receivers' after its copy) is not taken, until it
         joins here again."""
         with self._lock:
-            dropped = {s.seq for s in self._by_seq.values() if Hold.of_worker(worker) in s.holds}
-            self._forget(worker, keep)
+            dropped = self._forget(worker, keep)
             self._dropped.pop(worker, None)
             if dropped:
                 self._dropped[worker] = dropped
@@ -493,16 +478,23 @@ class ShmOwner:
                 continue
             self._hold_unless_released(segment, worker)
 
-    def _hold_unless_released(self, segment: _Segment, worker: str) -> None:
-        """(Lock held.) Hold ``segment`` for ``worker``, which reads it outside any of
-        the hub's deliveries, unless it released it already (on the board or by call:
-        that release is used up here)."""
+    def _hold_unless_released(self, segment: _Segment, worker: str, placement: int = 0) -> None:
+        """(Lock held.) Hold ``segment`` for ``worker`` (on behalf of the hub's delivery
+        ``placement``; 0: outside any), unless a release of it came first. A release
+        counts once (the same version may reach a worker again: a pull after it
+        declined a catch-up, the hub's retry after it turned the learner's own call
+        down): it is of the hold the worker has of this version, if any (an earlier
+        delivery's: that one goes, this one is taken), else of this one (done with it
+        before its hold came)."""
         if self._use_board_release(segment, worker):
             self._board_releases += 1
+            if Hold.of_worker(worker) not in segment.holds:
+                return
+            segment.holds.discard(Hold.of_worker(worker))
         elif worker in segment.released:
             segment.released.discard(worker)
-        else:
-            _hold_for(segment, worker, 0)
+            return
+        _hold_for(segment, worker, placement)
 
     def lapse(self, worker: str) -> None:
         """``worker`` stopped beating and may be alive (a driver or a task: Ray cannot
@@ -527,20 +519,25 @@ class ShmOwner:
                 self._lapsed.discard(worker)
                 self._receiver_pids.pop(worker, None)
 
-    def _forget(self, worker: str, keep: tuple[tuple[int, int], ...]) -> None:
+    def _forget(self, worker: str, keep: tuple[tuple[int, int], ...]) -> set[int]:
         """(Lock held.) ``worker``'s holds and releases go, but those of the slots in
         ``keep``: its early releases, and what its row of the board says it released
-        (a new incarnation gets the same row: its reads of those versions are to come)."""
+        (a new incarnation gets the same row: its reads of those versions are to come).
+        The sequences whose holds went."""
         kept = {seq for pid, seq in keep if pid == self._pid}
         row = self._rows.get(worker)
+        dropped = set()
         for segment in self._by_seq.values():
             if segment.seq in kept:
                 continue
-            segment.holds.discard(Hold.of_worker(worker))
+            if Hold.of_worker(worker) in segment.holds:
+                segment.holds.discard(Hold.of_worker(worker))
+                dropped.add(segment.seq)
             segment.released.discard(worker)
             if row is not None and segment.column >= 0:
                 self._cells[row, segment.column] = 0
         self._lock.notify_all()
+        return dropped
 
     def stats(self) -> OwnerStats:
         with self._lock:
