@@ -56,6 +56,7 @@ from raysync.messages import (
     Welcome,
 )
 from raysync.receiver_delivery import attached, delivery_call
+from raysync.receiver_in_flight import DeliveriesInFlight, delivery_key
 from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, Receipt, receipt_of_reply
 from raysync.receiver_zero_copy import AdoptedVersion, Adoption
 from raysync.spec import WeightSpec
@@ -205,10 +206,12 @@ class ReceiverCore:
         self._earlier_hubs = earlier_hubs or {}
         self.transport = _open_transport(welcome) if transport is None else transport
         self.transport_name = welcome.transport
+        #: Deliveries received and not answered yet, to answer one delivered again.
+        self._in_flight = DeliveriesInFlight()
         if gate is None:
-            gate = ApplyGate(finish_deferred=self.send_ack)
+            gate = ApplyGate(finish_deferred=self._send_deferred_ack)
         else:
-            gate.finish_deferred_with(self.send_ack)
+            gate.finish_deferred_with(self._send_deferred_ack)
         self.gate = gate
         self.behind: set[str] = set()
         #: Per model, the hub watch's delivery call through the host that did not answer
@@ -542,12 +545,22 @@ class ReceiverCore:
         hub = self.hub if ack.token == self.token else self._earlier_hubs.get(ack.token, self.hub)
         hub.actor.ack.remote(ack)
 
+    def _send_deferred_ack(self, ack: Ack) -> None:
+        """The gate's safe point applied (or dropped) a deferred version: its
+        delivery is answered."""
+        self._in_flight.acked(ack)
+        self.send_ack(ack)
+
     # -- updates ---------------------------------------------------------------------------
     def receive(self, update: Update) -> Receipt:
         """Fetch ``update`` and apply it at the safe point (the hub's delivery call, or
         the learner's on the direct path).
 
-        Never raises: a failure becomes a FAILED ack carrying the traceback.
+        Never raises: a failure becomes a FAILED ack carrying the traceback. The same
+        delivery again while it is in flight here (the hub calls again after
+        ``ActorUnavailableError``) is neither read nor released again: it answers
+        "later", and the first one's outcome is acked to the hub apart from its call
+        (see :mod:`raysync.receiver_in_flight`).
         """
         if update.from_learner and self.token in self._refused_tokens:
             self.transport.release(update.payload, None)
@@ -558,10 +571,16 @@ class ReceiverCore:
                     "the hub is shutting down: a learner's own delivery is refused",
                 )
             )
+        key = delivery_key(update, self.token)
+        if not self._in_flight.begin(key):
+            return ACK_LATER
         try:
-            return self._stage_and_apply(update)
+            receipt: Receipt = self._stage_and_apply(update)
         except Exception:
-            return AckNow(self._ack(update, AckStatus.FAILED, traceback.format_exc()))
+            receipt = AckNow(self._ack(update, AckStatus.FAILED, traceback.format_exc()))
+        if isinstance(receipt, AckNow) and self._in_flight.end(key):
+            self.send_ack(receipt.ack)  # the call the hub awaits is the later one
+        return receipt
 
     def refuse_learner_deliveries(self, token: str) -> None:
         """The hub of registration ``token`` is shutting down: while this core is

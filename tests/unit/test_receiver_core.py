@@ -529,6 +529,68 @@ def test_a_learners_own_delivery_replaced_by_another_learners_of_its_number_conf
     ]
 
 
+def _counting_fetches(receiver: _Receiver) -> list[int]:
+    """The payloads ``receiver``'s transport is asked to fetch, from now on."""
+    fetched: list[int] = []
+    fetch = receiver.transport.fetch
+
+    def counted(payload: int, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        fetched.append(payload)
+        return fetch(payload, spec)
+
+    receiver.transport.fetch = counted  # type: ignore[method-assign]
+    return fetched
+
+
+def test_a_delivery_made_again_while_its_version_waits_for_a_safe_point_is_read_once():
+    """The hub calls the same process again after ActorUnavailableError (its first call
+    ran and staged the version): the second call neither reads nor releases it again
+    (an RPC inbox hands a version out once: a second read waited out its timeout);
+    one ack answers both."""
+    receiver = _Receiver()
+    fetched = _counting_fetches(receiver)
+    update = receiver.update(1)
+
+    receipts = _while_a_method_runs(
+        receiver, lambda: [receiver.core.receive(update) for _ in range(2)]
+    )
+    assert receipts == [ACK_LATER, ACK_LATER]
+    assert fetched == [1]
+    assert receiver.hub.acks == [_ack(1, AckStatus.APPLIED)]
+    assert receiver.transport.released == [(1, True)]
+    assert receiver.core.receive(update) == AckNow(_ack(1, AckStatus.SUPERSEDED))
+
+
+def test_a_delivery_made_again_while_the_first_call_still_reads_is_answered_by_that_call():
+    """A threaded host: the first call is still fetching when the hub's second one
+    comes. The second answers at once ("later"), and the first, having applied,
+    sends its ack to the hub as well, since the call the hub awaits is the second."""
+    receiver = _Receiver()
+    update = receiver.update(1)
+    fetch, reading, go_on = receiver.transport.fetch, threading.Event(), threading.Event()
+
+    def slow_fetch(payload: int, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        if not reading.is_set():  # the first call reads until let go on
+            reading.set()
+            go_on.wait()
+        return fetch(payload, spec)
+
+    receiver.transport.fetch = slow_fetch  # type: ignore[method-assign]
+    first: list[Any] = []
+    call = threading.Thread(target=lambda: first.append(receiver.core.receive(update)))
+    call.start()
+    reading.wait()
+    try:
+        again = receiver.core.receive(update)
+    finally:
+        go_on.set()
+        call.join()
+    assert again == ACK_LATER
+    assert first == [AckNow(_ack(1, AckStatus.APPLIED))]
+    assert receiver.hub.acks == [_ack(1, AckStatus.APPLIED)]
+    assert receiver.transport.released == [(1, True)]
+
+
 def test_an_applied_version_acks_with_where_its_time_went():
     receiver = _Receiver()
     applied = receiver.core.receive(receiver.update(1)).ack

@@ -168,3 +168,18 @@ def test_a_give_up_no_delivery_takes_is_forgotten_once_far_behind(monkeypatch):
     inbox.put("hub", 20, 64, [(0, 64)], [torch.zeros(64, dtype=torch.uint8)], "a")
     inbox.take("hub", 20, count=1, timeout_s=10)
     assert inbox._landing == {}
+
+
+def test_a_version_taken_once_is_refused_at_once_to_a_second_delivery_of_it():
+    """The hub delivers to the same process again after ActorUnavailableError; the
+    first call took the version (and failed after, or is superseded): the second take
+    raises at once instead of waiting out its timeout with the host blocked."""
+    whole, buckets = _Inbox(), _BucketInbox()
+    whole.put("hub", 1, [torch.ones(4)], "m")
+    buckets.put("hub", 2, 16, [(0, 16)], [torch.zeros(16, dtype=torch.uint8)], "m")
+    whole.take("hub", 1, timeout_s=10)
+    buckets.take("hub", 2, count=1, timeout_s=10)
+    with pytest.raises(TransportError, match="#1 of RPC hub hub was taken by an earlier delivery"):
+        whole.take("hub", 1, timeout_s=600)
+    with pytest.raises(TransportError, match="#2 of RPC hub hub was taken by an earlier delivery"):
+        buckets.take("hub", 2, count=1, timeout_s=600)

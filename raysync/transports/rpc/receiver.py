@@ -30,9 +30,10 @@ _INBOX_WINDOW = 4
 _FAILED_KEPT = 1024
 
 
-class _TurnedDown:
-    """The last versions (key, seq) whose delivery turned them down, so that what lands
-    of them after is not kept (a bounded set; the caller holds its inbox's lock)."""
+class _RecentVersions:
+    """The last versions (key, seq) of some kind (turned down by their delivery, so
+    that what lands of them after is not kept; taken by theirs, so that one delivered
+    again is refused at once): a bounded set; the caller holds its inbox's lock."""
 
     def __init__(self) -> None:
         self._seen: dict[tuple[str, int], None] = {}
@@ -44,6 +45,17 @@ class _TurnedDown:
 
     def __contains__(self, version: object) -> bool:
         return version in self._seen
+
+
+def _refuse_taken(taken: _RecentVersions, key: str, seq: int) -> None:
+    """Raise TransportError at once if a delivery here already took version #``seq``
+    (the hub delivered it again, not knowing whether its first call ran): it lands
+    once, and waiting for it again would block the host for the whole timeout."""
+    if (key, seq) in taken:
+        raise TransportError(
+            f"version #{seq} of RPC hub {key[:12]} was taken by an earlier delivery of it "
+            "to this process (it was delivered again)"
+        )
 
 
 class _Inbox:
@@ -60,7 +72,8 @@ class _Inbox:
         self._landed: dict[str, dict[int, tuple[str, list[torch.Tensor]]]] = {}
         #: key -> seq -> why the agent gave that version up here
         self._failed: dict[str, dict[int, str]] = {}
-        self._turned_down = _TurnedDown()
+        self._turned_down = _RecentVersions()
+        self._taken = _RecentVersions()
         #: keys of groups this process left: what lands under one now is never taken
         self._gone: set[str] = set()
 
@@ -99,6 +112,7 @@ class _Inbox:
             failed = self._failed.setdefault(key, {})
             for stale in [s for s in failed if s < seq - _FAILED_KEPT]:
                 del failed[stale]
+            _refuse_taken(self._taken, key, seq)
             while seq not in versions:
                 if seq in failed:
                     raise TransportError(f"version #{seq} of RPC hub {key[:12]}: {failed.pop(seq)}")
@@ -111,6 +125,7 @@ class _Inbox:
                     )
                 self._cond.wait(remaining)
             model, tensors = versions.pop(seq)
+            self._taken.add((key, seq))
             for stale in [
                 s for s, (m, _) in versions.items() if m == model and s < seq - _INBOX_WINDOW
             ]:
@@ -141,7 +156,8 @@ class _BucketInbox:
         self._cond = threading.Condition()
         self._landing: dict[tuple[str, int], _Landing] = {}
         self._free: dict[int, torch.Tensor] = {}
-        self._turned_down = _TurnedDown()
+        self._turned_down = _RecentVersions()
+        self._taken = _RecentVersions()
         #: keys of groups this process left (see :meth:`_Inbox.forget`)
         self._gone: set[str] = set()
 
@@ -192,6 +208,7 @@ class _BucketInbox:
             # delivery timed out first, or another model's receiver left.
             for stale in [k for k in self._landing if k[0] == key and k[1] < seq - _FAILED_KEPT]:
                 self._drop(stale)
+            _refuse_taken(self._taken, key, seq)
             progress, deadline = -1, 0.0
             while True:
                 landing = self._landing.get((key, seq))
@@ -201,6 +218,7 @@ class _BucketInbox:
                 landed = 0 if landing is None else landing.landed
                 if landed >= count:
                     taken = self._landing.pop((key, seq))
+                    self._taken.add((key, seq))
                     for stale in [
                         k
                         for k, other in self._landing.items()
