@@ -40,6 +40,7 @@ import ray
 
 from raysync.ordering import ThreadsInOrder
 from raysync.transports.base import TransportError
+from raysync.transports.parts import stream_layout
 from raysync.transports.shared_memory.wire import (
     BOARD_COLUMNS,
     BOARD_POLL_S,
@@ -163,6 +164,9 @@ class ShmOwner:
         #: model -> (version, seq) of its latest version here: the hub's version orders
         #: them (two learners, or a learner's threads, take slots in another order)
         self._latest: dict[str, tuple[int, int]] = {}
+        #: pools (stream, size) of a model's former layout (see ``_retire_other_layouts``):
+        #: their slots are freed as their holds go, unless the stream asks for one again
+        self._retired_pools: set[tuple[str, int]] = set()
         self._next_seq = 1
         self._in_order = ThreadsInOrder(ORDER_WAIT_S)
         #: Guards every field; notified whenever a hold goes.
@@ -300,8 +304,33 @@ class ShmOwner:
                 previous.holds.discard(Hold.latest(model))
             self._latest[model] = (version, seq)
             segment.holds.add(Hold.latest(model))
+            self._retire_other_layouts(model, version, segment)
         self._lock.notify_all()
         return self._slot(segment)
+
+    def _retire_other_layouts(self, stream: str, version: int, latest: _Segment) -> None:
+        """(Lock held.) ``stream`` holds the latest ``version`` of its model, in
+        ``latest``: the latest of that model sent in another layout (whole, or in
+        another number of parts: its learners split it anew), older, is read by no late
+        joiner or pull again (they are planned the newest version). Its latest hold
+        goes, and the pools it lived in (its relays here, or its learner's slots of that
+        size, unless ``latest`` is among them) are freed as their holds go; a stream
+        that asks for a slot again takes its pool back."""
+        model, parts = stream_layout(stream)
+        for other, (other_version, seq) in list(self._latest.items()):
+            other_model, other_parts = stream_layout(other)
+            if other_model != model or other_parts == parts or other_version >= version:
+                continue
+            del self._latest[other]
+            held = self._by_seq.get(seq)
+            if held is not None:
+                held.holds.discard(Hold.latest(other))
+            self._retired_pools.update(
+                key
+                for key, pool in self._pools.items()
+                if not any(s is latest for s in pool)
+                and (key[0] == _relays_of(other) or any(s is held for s in pool))
+            )
 
     def abandon(
         self, pid: int, seq: int, read_by: tuple[str, ...] = (), order: int = 0
@@ -363,7 +392,7 @@ class ShmOwner:
         among them, which would forget a hold taken before it) have run. Not numbered
         itself: the holds sent after it do not wait for its copy."""
         with self._lock:
-            segment = self._free_segment(f"relays of {model}", nbytes, timeout_s)
+            segment = self._free_segment(_relays_of(model), nbytes, timeout_s)
             segment.holds.add(RELAYING)
             # Numbered now, not once the bytes are here: a late hold of the version it
             # held before (a plan reusing that relay) is refused from here on.
@@ -582,10 +611,11 @@ class ShmOwner:
             if started is None or _started_at(pid) != started:  # its pid may be reused
                 self._left.add(learner)
         for key, pool in list(self._pools.items()):
-            if key[0] not in self._left:
+            left = key[0] in self._left
+            if not left and key not in self._retired_pools:
                 continue
             for segment in list(pool):
-                if time.monotonic() - segment.pending_since > self._pending_kept_s:
+                if left and time.monotonic() - segment.pending_since > self._pending_kept_s:
                     segment.holds.discard(PENDING)  # its version was never planned
                 self._read_board(segment)
                 if not segment.holds:
@@ -593,6 +623,7 @@ class ShmOwner:
                     self._free(segment)
             if not pool:
                 del self._pools[key]
+                self._retired_pools.discard(key)
         streams = {stream for stream, _ in self._pools}
         for learner in self._left - streams:
             self._left.discard(learner)
@@ -609,6 +640,7 @@ class ShmOwner:
 
     def _free_segment(self, stream: str, nbytes: int, timeout_s: float) -> _Segment:
         deadline = time.monotonic() + timeout_s
+        self._retired_pools.discard((stream, nbytes))  # in use again
         while True:
             self._free_left(asking=stream)
             self._forget_lapsed_dead()
@@ -718,6 +750,11 @@ class ShmOwner:
             segment.seq,
             segment.column,
         )
+
+
+def _relays_of(stream: str) -> str:
+    """The pool name of the slots a stream's versions are relayed into on this node."""
+    return f"relays of {stream}"
 
 
 def _hold_for(segment: _Segment, worker: str, placement: int) -> None:

@@ -80,11 +80,18 @@ def part_stream(model: str, index: int, parts: int) -> str:
 def model_of_stream(stream: str) -> str:
     """The model a planner's stream name is of: ``stream`` itself, or the model whose
     part :func:`part_stream` named (what a receiver knows its model by)."""
+    return stream_layout(stream)[0]
+
+
+def stream_layout(stream: str) -> tuple[str, int]:
+    """The model a planner's stream name is of, and in how many parts that stream's
+    versions are sent (1: whole). Streams of one model in another number of parts are
+    of another layout: its learners split it anew."""
     found = _PART_STREAM.fullmatch(stream)
-    return stream if found is None else found.group(1)
+    return (stream, 1) if found is None else (found.group(1), int(found.group(2)))
 
 
-_PART_STREAM = re.compile(r"(.*)\[part \d+ of \d+\]", re.DOTALL)
+_PART_STREAM = re.compile(r"(.*)\[part \d+ of (\d+)\]", re.DOTALL)
 
 
 def payloads_in(kept: Sequence[Any]) -> tuple[Any, ...]:

@@ -730,3 +730,52 @@ def test_a_refused_version_its_learner_delivered_itself_stays_held_for_its_reade
     assert owner._by_seq[refused.seq].holds == {Hold.of_worker("w")}
     owner._cells[board.row, refused.column] = refused.seq  # w moved on
     assert owner.acquire(4096, timeout_s=5.0, learner="l").fd == refused.fd
+
+
+def test_a_model_split_anew_lets_go_of_its_former_layouts_latest_and_slots():
+    """The learners re-split a model (two parts, then four): the two-part streams get no
+    newer version, so their latest holds (and the slots of that size) stayed until the
+    hub closed. Late joiners and pulls read the newest version only: the former
+    layout's latest goes once a newer version of the new one is here, its slots once
+    nothing holds them; the new layout's parts, and other models, keep theirs."""
+    owner = ShmOwner("node", max_slots=4)
+    try:
+        for rank in (0, 1):
+            slot = owner.acquire(4096, timeout_s=5.0, learner=f"rank{rank}")
+            owner.deliver(PID, slot.seq, f"m[part {rank} of 2]", ("w",), 0, 1)
+        other = owner.acquire(1024, timeout_s=5.0, learner="other")
+        owner.deliver(PID, other.seq, "n", (), 0, 1)
+        for rank in (0, 1):
+            owner.release(PID, rank + 1, "w")
+            slot = owner.acquire(2048, timeout_s=5.0, learner=f"rank{rank}")
+            owner.deliver(PID, slot.seq, f"m[part {rank} of 4]", (), 0, 2)
+        assert owner.stats().holds == (
+            "latest/m[part 0 of 4]",
+            "latest/m[part 1 of 4]",
+            "latest/n",
+        )
+        owner.acquire(2048, timeout_s=5.0, learner="rank0")  # frees what nothing holds
+        assert owner.stats().segments == 4, "the former layout's slots were kept"
+    finally:
+        owner.close()
+
+
+def test_a_model_relayed_whole_after_parts_frees_the_parts_relays(monkeypatch):
+    import numpy as np
+
+    from raysync.actors import shm_owner
+    from raysync.layout import HEADER_BYTES
+
+    def get(nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes - HEADER_BYTES, dtype=np.uint8)
+
+    monkeypatch.setattr(shm_owner.ray, "get", get)
+    owner = ShmOwner("node", max_slots=4)
+    try:
+        owner.relay([4096], 4096, "m[part 0 of 2]", (), 5.0, 1)
+        owner.relay([8192], 8192, "m", (), 5.0, 2)
+        assert owner.stats().holds == ("latest/m",)
+        owner.relay([8192], 8192, "m", (), 5.0, 3)  # frees what nothing holds
+        assert owner.stats().segments == 2, "the parts' relay slot was kept"
+    finally:
+        owner.close()
