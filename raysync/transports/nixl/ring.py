@@ -94,7 +94,12 @@ class BucketRing:
         for index in range(key.count):
             slot_number = self._next
             slot = self._slots[slot_number]
-            why = self._wait_until_free(broker, slot, key, done)
+            try:  # interrupted or cancelled while it waits, too: its readers are told
+                why = self._wait_until_free(broker, slot, key, done)
+            except BaseException as err:
+                why = f"the learner failed waiting for room for bucket {index}: {err!r}"
+                broker.end.remote(key, why)
+                raise
             if why is not None:
                 broker.end.remote(key, why)
                 return
@@ -121,13 +126,17 @@ class BucketRing:
         the hub's, every stream of this ring's sender has it). None, or why the version
         of ``key`` (``done``) cannot go on."""
         held = slot.held
-        if held is None or (held.key != key and held.done.ended()):
+        if held is None:
             return None
         # Every reader has taken the bucket after the held one: it read the held one.
-        why = wait_for_room(broker, held.key, held.index + BUCKETS_IN_FLIGHT, done)
-        if held.key == key or done.ended():
-            return why
-        return None  # an older version's stream ended: its slot is free all the same
+        room = held.index + BUCKETS_IN_FLIGHT
+        if held.key == key:
+            return wait_for_room(broker, key, room, done)
+        # An older version's: also free once its broadcast ended (its readers acked or
+        # were failed; a broker that lost its stream, restarted, would hold it up for
+        # twice its timeout), and once its stream ended.
+        why = wait_for_room(broker, held.key, room, done, until=held.done)
+        return why if done.ended() else None
 
 
 def _sync(tensor: torch.Tensor) -> None:

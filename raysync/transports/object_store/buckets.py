@@ -147,13 +147,23 @@ def this_actor() -> SenderActor | None:
     return None if actor_id is None else SenderActor(actor_id, context.current_actor)
 
 
-def wait_for_room(broker: Any, key: StreamId, index: int, done: VersionDone) -> str | None:
+def wait_for_room(
+    broker: Any,
+    key: StreamId,
+    index: int,
+    done: VersionDone,
+    until: VersionDone | None = None,
+) -> str | None:
     """Learner: wait until bucket ``index`` of ``key``'s stream may be put (the broker's
-    ``room``). None, or why the stream cannot go on (``done``: its broadcast ended)."""
+    ``room``). None, or why the stream cannot go on (``done``: its broadcast ended).
+    ``until``: stop waiting (None) once that broadcast ended too (the room asked for
+    is in its stream, which then no reader holds up)."""
     room = broker.room.remote(key, index)
     while not ray.wait([room], timeout=_LOOK_S)[0]:
         if done.ended():
             return "the broadcast ended before every bucket was sent"
+        if until is not None and until.ended():
+            return None
     return ray.get(room)
 
 

@@ -1,0 +1,116 @@
+"""The NIXL sender's bucket ring (raysync/transports/nixl/ring.py) without Ray or NIXL:
+which slot each bucket goes to, when a slot an older version holds is free again, and
+that a learner stopped while it waits for room ends its stream saying why. The broker
+is a stand-in recording its calls; its ``room`` answers are read by a stand-in of
+``ray.wait``/``ray.get`` (the broker's side is tested in test_bucket_broker.py)."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from raysync.spec import WeightSpec
+from raysync.transports.base import VersionDone
+from raysync.transports.buckets import BucketPlan
+from raysync.transports.nixl import ring as ring_module
+from raysync.transports.nixl.ring import BucketRing
+from raysync.transports.nixl.wire import SLOT_HEADER
+from raysync.transports.object_store import buckets
+from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
+from raysync.transports.object_store.buckets import Outgoing
+
+BUCKET = 64
+NEVER = "a room call the broker never answers"
+
+
+class _Done(VersionDone):
+    """A broadcast that ends once asked whether it ended ``after`` times (None: never)."""
+
+    def __init__(self, after: int | None) -> None:
+        self._left = after
+
+    def wait(self, timeout_s: float) -> None:
+        if self._left is None or self._left > 0:
+            if self._left is not None:
+                self._left -= 1
+            raise TimeoutError
+
+
+class _Calls:
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def remote(self, *args):
+        self.calls.append((self.name, *args))
+        return NEVER if self.name == "room" else None
+
+
+@pytest.fixture
+def broker(monkeypatch):
+    """A broker whose ``room`` never answers (as a restarted one that lost the stream
+    holds it up); its calls are recorded in ``broker.calls``."""
+    calls: list = []
+    names = ("room", "offer", "end")
+    stand_in = SimpleNamespace(calls=calls, **{name: _Calls(name, calls) for name in names})
+    monkeypatch.setattr(
+        buckets, "ray", SimpleNamespace(wait=lambda refs, timeout: ([], refs), get=None)
+    )
+    monkeypatch.setattr(ring_module, "this_actor", lambda: None)
+    return stand_in
+
+
+def _stream(broker, name: str, count: int) -> tuple[BucketStream, Outgoing]:
+    weights = {"w": torch.arange(count * BUCKET // 4, dtype=torch.float32)}
+    plan = BucketPlan.of(WeightSpec.of(weights), BUCKET)
+    assert plan.count == count
+    return BucketStream(broker, StreamId(name, count, 5.0), BUCKET), Outgoing(
+        [weights["w"]], plan
+    )
+
+
+def _ring() -> BucketRing:
+    return BucketRing([torch.zeros(SLOT_HEADER + BUCKET, dtype=torch.uint8) for _ in range(2)], ())
+
+
+def _send(ring: BucketRing, stream: tuple[BucketStream, Outgoing], done: VersionDone) -> None:
+    payload, outgoing = stream
+    stamps = itertools.count(1)
+    ring.stream_out(payload, outgoing, done, lambda dst, src: dst.copy_(src), stamps.__next__)
+
+
+def test_a_slot_an_older_version_holds_is_free_once_that_broadcast_ends(broker):
+    """The older version's stream is unknown to the broker (it restarted since): asking
+    it for room waited twice the timeout, and then failed the new version for every
+    receiver, though the older broadcast ended (its readers done) meanwhile."""
+    ring = _ring()
+    older, newer = _stream(broker, "v1", 2), _stream(broker, "v2", 1)
+    _send(ring, older, _Done(after=3))  # both slots: the first two need no room
+    _send(ring, newer, _Done(after=50))
+    assert [call[:3] for call in broker.calls if call[0] != "room"] == [
+        ("offer", older[0].key, 0),
+        ("offer", older[0].key, 1),
+        ("offer", newer[0].key, 0),
+    ]
+
+
+def test_a_learner_interrupted_waiting_for_room_ends_its_stream_saying_why(broker, monkeypatch):
+    """Ctrl-C (or a cancelled learner task) while it waits for its readers to make
+    room: they were left waiting the stream's whole timeout for a bucket that never
+    came."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ring_module, "wait_for_room", interrupted)
+    ring = _ring()
+    stream = _stream(broker, "v1", 3)
+    with pytest.raises(KeyboardInterrupt):
+        _send(ring, stream, _Done(after=None))
+    assert broker.calls[-1] == (
+        "end",
+        stream[0].key,
+        f"the learner failed waiting for room for bucket 2: {KeyboardInterrupt()!r}",
+    )
