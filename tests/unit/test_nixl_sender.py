@@ -164,3 +164,45 @@ def test_buffers_nixl_cannot_register_fail_the_send_naming_the_model_and_size():
     finally:
         sender._agent = agent
         sender.close()
+
+
+class _InterruptedOnce(VersionDone):
+    """A running broadcast: the first wait for it is interrupted (Ctrl-C), each later
+    one returns (it ended); ``waits`` counts them."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise TimeoutError("the broadcast is still running")
+        self.waits += 1
+        if self.waits == 1:
+            raise KeyboardInterrupt
+
+
+def test_a_send_interrupted_waiting_for_a_broadcast_leaves_the_next_one_waiting_for_it(sender):
+    """The buffer's broadcast was forgotten as the wait began: after an interrupted
+    send, the next version into that buffer was written under that broadcast's readers
+    (the stamps made them fail it, rather than apply torn data)."""
+    weights = _weights(1)
+    spec = WeightSpec.of(weights)
+    first = _InterruptedOnce()
+    sender.submitted(sender.send(weights, spec, "m"), first)  # buffer A
+    sender.submitted(sender.send(weights, spec, "m"), None)  # buffer B
+    with pytest.raises(KeyboardInterrupt):
+        sender.send(weights, spec, "m")  # buffer A: waits for the first broadcast
+    sender.submitted(sender.send(weights, spec, "m"), None)  # buffer B
+    sender.submitted(sender.send(weights, spec, "m"), None)  # buffer A again
+    assert first.waits == 2, "the next version into its buffer did not wait for it"
+
+
+def test_a_closed_sender_stops_progressing_its_agent():
+    """Its progress thread ended only once the sender was collected (a full collection
+    away: a cycle keeps it), polling the agent meanwhile, one more per closed sender."""
+    sender = NixlSender()
+    name = f"raysync-nixl-progress-{sender._agent.name}"
+    (progress,) = [thread for thread in threading.enumerate() if thread.name == name]
+    sender.close()
+    progress.join(_PROMPT_S)
+    assert not progress.is_alive(), "the closed sender's agent is still progressed"

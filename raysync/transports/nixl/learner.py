@@ -130,9 +130,11 @@ class NixlSender(TransportSender):
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 sources = buffer.frame.layout.byte_views(tensors)
-            except BaseException:
+            except BaseException:  # interrupted or cancelled while it waits, too
                 with self._state:
                     buffer.pending = None
+                    # Its readers may still read it: the next send into it waits for them.
+                    buffer.broadcast = last
                     self._written.notify_all()
                 raise
             # Both locks (close() takes them in this order): the metadata that holds this
@@ -353,6 +355,10 @@ class NixlSender(TransportSender):
     def close(self) -> None:
         with self._lock, self._state:
             self._closed = True
+            # Now, not when the sender is collected (its ring pool's bound method makes
+            # a cycle: a full collection away), so that a learner that releases its hub
+            # per step leaves no thread polling a dead agent per step.
+            self._progress.stop()
             for pair in self._pairs.values():
                 self._agent.deregister_memory(pair.registered)
             for registered in self._ring_registrations:

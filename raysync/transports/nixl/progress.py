@@ -39,7 +39,8 @@ END_CHECK_S = 0.002
 
 
 class SourceProgress:
-    """A daemon thread that progresses a learner's agent for as long as ``owner`` lives.
+    """A daemon thread that progresses a learner's agent for as long as ``owner`` lives,
+    or until :meth:`stop`.
 
     Created by the ``nixl`` learner's sender, and for Ray's agent in each ``rdt`` process
     (:mod:`raysync.transports.rdt.agent`); ``serving`` is called by the sender (any thread
@@ -55,7 +56,7 @@ class SourceProgress:
         threading.Thread(
             target=self._run, name=f"raysync-nixl-progress-{agent.name}", daemon=True
         ).start()
-        weakref.finalize(owner, self._close)
+        weakref.finalize(owner, self.stop)
 
     def serving(self, done: VersionDone) -> None:
         """Receivers may read a version until ``done`` ends: progress fast until then."""
@@ -69,7 +70,8 @@ class SourceProgress:
             self._serving = [done for done in self._serving if not done.ended()]
             return bool(self._serving)
 
-    def _close(self) -> None:
+    def stop(self) -> None:
+        """No more progress: its owner closed (or was collected)."""
         self._closed = True
         self._wake.set()
 
