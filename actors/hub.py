@@ -640,9 +640,18 @@ class WeightHubActor:
             raise ValueError("a version sent in parts needs an explicit version")
         if not self._state.models:
             await self._wait_for_first_model(timeout_s)
-        model = (request.model is None and self._assemblies.model_of_unnamed(request.version)) or (
-            self._state.resolve_model(request.model)
-        )
+        try:
+            model = (
+                request.model is None
+                and self._assemblies.model_of_unnamed(request.version, request.part)
+            ) or self._state.resolve_model(request.model)
+        except RaySyncError as err:  # it names no model, and the hub holds several
+            # The one version of that number assembling hears it (else it waited out
+            # its deadline, to be told this part never came).
+            assembling = self._assemblies.assembling_at(request.version)
+            if len(assembling) == 1:
+                self._assemblies.refuse(request, assembling[0], err)
+            raise
         try:
             _check_above_direct(model, request)
             if self._assemblies.begins_attempt(model, request):  # its first part

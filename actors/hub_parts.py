@@ -12,6 +12,10 @@ A failed version's number is not used up: its learners may send it again. Each p
 sent once per attempt, so a part whose index the failed attempt already heard begins
 the next attempt; a part it has not heard is that attempt's, late, and hears why it
 failed. Once every part of a failed attempt was heard, the next part begins a new one.
+A part the failed attempt had not heard that comes after the next one began is taken
+into the new one if it agrees with it (its learner never heard of the failure: its
+part completes the version sent again), else it is the failed attempt's, late (the
+version was sent again with another timeout, number of parts or workers).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class _Assembling(Generic[Started]):
     heard: set[int] = dataclasses.field(default_factory=set)
     #: whether its first part named no model (the hub resolved it to the only one)
     unnamed: bool = False
+    #: the failed attempt at this version it replaced, whose late parts may come yet
+    replaced: _Assembling[Started] | None = None
 
     @property
     def failed(self) -> bool:
@@ -82,15 +88,28 @@ class Assemblies(Generic[Started]):
         failed and kept)."""
         return key in self._open
 
-    def model_of_unnamed(self, version: int) -> str | None:
-        """The model of the attempt at ``version`` still assembling whose first part
-        named no model, if any: a part that names none is of that one too (a model
-        registered after the first part would make the hub's pick ambiguous, failing
-        that part alone while the others waited out the deadline)."""
+    def model_of_unnamed(self, version: int, part: int) -> str | None:
+        """The model of the attempt at ``version`` whose first part named no model, if
+        one is still assembling, or failed without hearing ``part`` (which is its late
+        part): a part that names none is of that one too (a model registered after the
+        first part would make the hub's pick ambiguous, failing that part alone while
+        the others waited out the deadline, or telling a late part to name its model
+        instead of why its version failed)."""
         for (model, at), assembling in reversed(self._open.items()):
-            if at == version and assembling.unnamed and not assembling.started.done():
+            if at != version or not assembling.unnamed:
+                continue
+            late = assembling.failed and part not in assembling.heard
+            if late or not assembling.started.done():
                 return model
         return None
+
+    def assembling_at(self, version: int) -> list[str]:
+        """The models of which a version ``version`` is still assembling."""
+        return [
+            model
+            for (model, at), assembling in self._open.items()
+            if at == version and not assembling.started.done()
+        ]
 
     def begins_attempt(self, model: str, request: BroadcastRequest) -> bool:
         """Whether ``request`` (a part of ``model``) would begin an attempt at its
@@ -123,8 +142,9 @@ class Assemblies(Generic[Started]):
         refusal, or :class:`IncompleteVersionError` saying why the version failed."""
         assert request.version is not None  # the hub refused a part without one
         key = (model, request.version)
+        replaced = None
         if self.begins_attempt(model, request):
-            self._open.pop(key, None)  # a failed attempt's number, sent again
+            replaced = self._open.pop(key, None)  # a failed attempt's number, sent again
         assembling = self._open.get(key)
         if assembling is None:
             assembly = PartAssembly(
@@ -134,7 +154,12 @@ class Assemblies(Generic[Started]):
                 None if request.workers is None else tuple(request.workers),
             )
             assembling = _Assembling(
-                assembly, arrived, timeout_s, _quiet_future(), unnamed=request.model is None
+                assembly,
+                arrived,
+                timeout_s,
+                _quiet_future(),
+                unnamed=request.model is None,
+                replaced=replaced,
             )
             # From its arrival: it may have waited for the hub's first model, or its turn.
             left_s = max(0.0, timeout_s - (time.perf_counter() - arrived))
@@ -144,11 +169,11 @@ class Assemblies(Generic[Started]):
             self._open[key] = assembling
         elif assembling.failed:
             self._heard_late(key, assembling, request.part)
-            raise IncompleteVersionError(
-                f"part {request.part} of {assembling.assembly.what} arrived after the "
-                f"version failed: {assembling.started.exception()}; to send the version "
-                "again, send every part again"
-            )
+            raise _late(assembling, request.part)
+        elif _late_for_replaced(assembling, request, timeout_s):
+            assert assembling.replaced is not None
+            assembling.replaced.heard.add(request.part)
+            raise _late(assembling.replaced, request.part)
         assembling.heard.add(request.part)
         try:
             if timeout_s != assembling.timeout_s:
@@ -243,6 +268,26 @@ class Assemblies(Generic[Started]):
         if assembling is not None:
             missing = ", ".join(str(i) for i in assembling.assembly.missing())
             self.fail(key, f"part(s) {missing} did not arrive within {timeout_s:g} s of the first")
+
+
+def _late(failed: _Assembling[Started], index: int) -> IncompleteVersionError:
+    """What part ``index`` of the ``failed`` attempt, arriving after it failed, hears."""
+    return IncompleteVersionError(
+        f"part {index} of {failed.assembly.what} arrived after the version failed: "
+        f"{failed.started.exception()}; to send the version again, send every part again"
+    )
+
+
+def _late_for_replaced(
+    assembling: _Assembling[Started], request: BroadcastRequest, timeout_s: float
+) -> bool:
+    """Whether ``request``, a part arriving at the ``assembling`` attempt, is a late
+    part of the failed attempt that attempt replaced: one it had not heard, which
+    disagrees with the new attempt (taken in, it would fail the version sent again)."""
+    replaced = assembling.replaced
+    if replaced is None or request.part in replaced.heard:
+        return False
+    return timeout_s != assembling.timeout_s or not assembling.assembly.agrees(request)
 
 
 def _quiet_future() -> asyncio.Future[Started]:

@@ -52,6 +52,12 @@ class PartAssembly:
         """The parts not arrived yet, in order."""
         return [i for i in range(self.parts) if i not in self._arrived]
 
+    def agrees(self, request: BroadcastRequest) -> bool:
+        """Whether ``request`` (a part) says what the parts here said: the number of
+        parts and the workers (its keys are checked as it is added)."""
+        workers = None if request.workers is None else tuple(request.workers)
+        return request.parts == self.parts and _as_set(workers) == _as_set(self.workers)
+
     def add(self, request: BroadcastRequest, hub_spec: WeightSpec | None) -> None:
         """Take ``request`` (one part) in; raise, naming what is wrong, if it cannot be
         part of this version. ``hub_spec`` is the model's spec if the hub knows it."""

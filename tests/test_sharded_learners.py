@@ -309,3 +309,27 @@ def test_parts_that_name_no_model_go_where_the_first_went_after_another_register
     assert [r.acked for r in reports] == [("r-only",)] * 2
     assert ray.get(receiver.version.remote()) == 1
     assert_bitwise(ray.get(receiver.state.remote()), special_weights(2.0))
+
+
+def test_a_part_that_names_no_model_among_several_fails_the_version_it_came_for(actors):
+    """Part 0 names its model; part 1 names none while the hub holds two models: part
+    1 is refused as ambiguous, and part 0 waited out its whole timeout, then was told
+    part 1 never came. The one version of that number assembling hears the refusal."""
+    hub = start_hub(actors, "object_store")
+    receivers = [
+        start(actors, Holder, hub, special_weights(0.0), f"r-{model}", model)
+        for model in (MODEL, "other")
+    ]
+    ready(receivers)
+    first, second = split_in_parts(special_weights(2.0), 2)
+    named = hub.broadcast.remote(first, model=MODEL, version=1, part=0, parts=2, timeout_s=120)
+    wait_until(
+        lambda: ray.get(hub.status.remote()).assembling == {(MODEL, 1): (0,)},
+        what="part 0 assembling",
+    )
+    unnamed = hub.broadcast.remote(second, version=1, part=1, parts=2, timeout_s=120)
+    with pytest.raises(UnknownModelError, match="several models"):
+        ray.get(unnamed, timeout=60)
+    with pytest.raises(IncompleteVersionError, match=r"part 1 was refused \(UnknownModelError"):
+        ray.get(named, timeout=60)
+    assert ray.get(receivers[0].version.remote()) == 0

@@ -161,6 +161,31 @@ def test_a_late_part_hears_why_and_then_the_version_can_be_sent_again():
     assert started == again == "started v7"
 
 
+def test_a_late_part_of_a_failed_attempt_does_not_fail_the_attempt_sent_again():
+    """Rank 0 sends the version again, with a longer timeout, after the first attempt
+    timed out; rank 1's part of the first attempt arrives only then. It was checked
+    against the new attempt (another timeout) and failed it for everyone; it is the
+    failed attempt's, and hears why that one failed."""
+
+    async def run():
+        starts = Starts()
+        assemblies = Assemblies(starts)
+        with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive"):
+            await assemblies.take(part(0, "a"), "m", KNOWN, 0.01, now())
+        again = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, now()))
+        await asyncio.sleep(0)
+        with pytest.raises(IncompleteVersionError, match="arrived after the version failed"):
+            await assemblies.take(part(1, "b", "c"), "m", KNOWN, 0.01, now())
+        assert not again.done() and assemblies.arrived() == {("m", 7): (0,)}
+        second = await assemblies.take(part(1, "b", "c"), "m", KNOWN, 30, now())
+        return starts, await again, second
+
+    starts, first, second = asyncio.run(run())
+    assert first == second == "started v7"
+    [(_, timeout_s, _)] = starts.calls
+    assert timeout_s == 30
+
+
 @pytest.mark.parametrize("first_to_come", ["refused", "taken"])
 def test_a_part_refused_before_it_is_taken_fails_the_version_at_once(first_to_come):
     """A part the hub refuses before taking it (its learner's own check: a version it
@@ -327,11 +352,29 @@ def test_parts_that_name_no_model_are_of_the_one_their_first_part_went_to():
             assemblies.take(part(0, "a", version=8), "n", KNOWN, 30, FIRST)
         )
         await asyncio.sleep(0)
-        found = (assemblies.model_of_unnamed(7), assemblies.model_of_unnamed(8))
+        found = (assemblies.model_of_unnamed(7, 1), assemblies.model_of_unnamed(8, 1))
         await assemblies.take(unnamed[1], found[0], KNOWN, 30, FIRST + 1)
         await first
         named.cancel()
-        return found, assemblies.model_of_unnamed(7)
+        return found, assemblies.model_of_unnamed(7, 1)
 
     (during, named), after = asyncio.run(run())
     assert (during, named, after) == ("m", None, None)
+
+
+def test_a_late_part_that_names_no_model_is_of_the_failed_attempt_that_named_none():
+    """The first attempt's parts named no model; it failed, and another model registered
+    before its late part came: that part was told to name its model, not why its
+    version failed (and the attempt, never hearing it, was kept)."""
+
+    async def run():
+        assemblies = Assemblies(Starts())
+        unnamed = [
+            dataclasses.replace(part(i, *names), model=None)
+            for i, names in enumerate([("a",), ("b", "c")])
+        ]
+        with pytest.raises(IncompleteVersionError, match=r"part\(s\) 1 did not arrive"):
+            await assemblies.take(unnamed[0], "m", KNOWN, 0.01, now())
+        return assemblies.model_of_unnamed(7, 1), assemblies.model_of_unnamed(7, 0)
+
+    assert asyncio.run(run()) == ("m", None)  # part 0 was heard: it begins an attempt
