@@ -59,6 +59,7 @@ from typing import Any
 import ray
 
 from raysync.background import BackgroundTasks
+from raysync.bounded import keep_newest
 from raysync.transports.hand_off import HandOff, HandOffClock
 from raysync.transports.object_store.bucket_stream import BUCKETS_IN_FLIGHT, SenderActor, StreamId
 
@@ -380,8 +381,7 @@ class BucketBroker:
         if state is None:
             state = self._streams[key.id] = _Stream(key)
             self._clocks[key.id] = state.clock
-            while len(self._clocks) > _CLOCKS_KEPT:
-                del self._clocks[next(iter(self._clocks))]
+            keep_newest(self._clocks, _CLOCKS_KEPT)
             asyncio.get_running_loop().call_later(
                 2 * key.wait_s, self._expire, state, "the hub never planned this version", True
             )
@@ -486,8 +486,7 @@ class BucketBroker:
         self._ended[stream] = (
             (why, {}, []) if state is None else (why, state.dropped, state.finished)
         )
-        while len(self._ended) > _ENDED_KEPT:
-            del self._ended[next(iter(self._ended))]
+        keep_newest(self._ended, _ENDED_KEPT)
 
 
 def _room_deadline(

@@ -38,6 +38,7 @@ import ray
 from ray.exceptions import ActorDiedError, RayError
 
 from raysync.background import BackgroundTasks
+from raysync.bounded import keep_newest
 from raysync.channel_replies import ChannelReplies, reply_unless_learner_died
 from raysync.errors import (
     BroadcastError,
@@ -383,8 +384,7 @@ class WeightHubActor:
         if request.sequence > self._versioned_calls.get(key, 0):
             self._versioned_calls[key] = request.sequence
         self._versioned_calls.move_to_end(key)
-        while len(self._versioned_calls) > STREAMS_KEPT:
-            del self._versioned_calls[next(iter(self._versioned_calls))]
+        keep_newest(self._versioned_calls, STREAMS_KEPT)
 
     def _refuse_late(self, request: BroadcastRequest) -> NoReturn:
         """A broadcast that reached the hub after a later one of its learner's, of the
@@ -732,8 +732,7 @@ class WeightHubActor:
             self._refused[registration.worker] = RefusedRegistration(
                 registration.actor, f"{type(err).__name__}: {err}", time.time()
             )
-            while len(self._refused) > _REFUSALS_KEPT:
-                del self._refused[next(iter(self._refused))]
+            keep_newest(self._refused, _REFUSALS_KEPT)
             raise
         self._refused.pop(registration.worker, None)
         return welcome
@@ -905,8 +904,7 @@ class WeightHubActor:
         is refused when it does, so that no registration nobody holds stays."""
         if not self._state.knows(worker, token):
             self._withdrawn[token] = None
-            while len(self._withdrawn) > _WITHDRAWALS_KEPT:
-                self._withdrawn.popitem(last=False)
+            keep_newest(self._withdrawn, _WITHDRAWALS_KEPT)
         self._drop(worker, token)
 
     def _drop(self, worker: str, token: str, *, lapsed: bool = False) -> None:

@@ -32,6 +32,7 @@ from ray.exceptions import (
     RayTaskError,
 )
 
+from raysync.bounded import keep_newest
 from raysync.hub_state import HubState, ReceiverEntry
 from raysync.messages import Ack, AckStatus, ChannelLost, ReceiverTimings, Registration, Update
 from raysync.metrics import FailureCause
@@ -113,8 +114,7 @@ class AckBook:
         waiting = self._pending.get(key)
         if not waiting:  # its delivery has not started here yet (the direct path)
             self._early[key] = ack
-            while len(self._early) > EARLY_ACKS_KEPT:
-                self._early.popitem(last=False)
+            keep_newest(self._early, EARLY_ACKS_KEPT)
             return
         for future in waiting:
             if not future.done():

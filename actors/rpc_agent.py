@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from raysync.bounded import keep_newest
 from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
 from raysync.transports.bucket_relay import (
@@ -85,12 +86,6 @@ class AgentStatus:
     sent: int  #: versions that landed (whole, or every bucket)
     failures: tuple[str, ...]  #: why RPCs failed, oldest first (last 16)
     reader: str  #: how it names itself to the hub's bucket broker
-
-
-def _keep_last(places: dict[str, Any]) -> None:
-    """Drop the oldest of ``places`` (process -> its place) beyond ``LEFT_KEPT``."""
-    while len(places) > LEFT_KEPT:
-        del places[next(iter(places))]
 
 
 def _wait_for_all(futures: Sequence[torch.futures.Future], timeout_s: float) -> None:
@@ -224,10 +219,10 @@ class RpcAgentActor:
         was_listed = await asyncio.to_thread(self._unlist, {member.name})
         if f"{member.name}-{member.rank}" in was_listed:
             self._left[gone.process] = member  # its torch RPC lives on: its old place
-            _keep_last(self._left)
+            keep_newest(self._left, LEFT_KEPT)
         else:  # never in the group (its join failed): it joins anew, under its rank
             self._left_before[gone.process] = member.rank
-            _keep_last(self._left_before)
+            keep_newest(self._left_before, LEFT_KEPT)
 
     async def send(self, job: RpcJob) -> dict[str, str | None]:
         if is_bucketed(job.source):

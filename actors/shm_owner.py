@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import ray
 
+from raysync.bounded import keep_newest
 from raysync.ordering import ThreadsInOrder
 from raysync.transports.base import TransportError
 from raysync.transports.parts import stream_layout
@@ -228,8 +229,7 @@ class ShmOwner:
         with self._lock:
             self._left.add(learner)
             self._closed_senders[learner] = None
-            if len(self._closed_senders) > CLOSED_SENDERS_KEPT:
-                del self._closed_senders[next(iter(self._closed_senders))]
+            keep_newest(self._closed_senders, CLOSED_SENDERS_KEPT)
             for pool_key, pool in self._pools.items():
                 if pool_key[0] == learner:
                     for segment in pool:
@@ -487,8 +487,7 @@ class ShmOwner:
             self._dropped.pop(worker, None)
             if dropped:
                 self._dropped[worker] = dropped
-                if len(self._dropped) > DROPPED_KEPT:
-                    del self._dropped[next(iter(self._dropped))]
+                keep_newest(self._dropped, DROPPED_KEPT)
             self._gone.add(worker)
             self._lapsed.discard(worker)
             self._receiver_pids.pop(worker, None)

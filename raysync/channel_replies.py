@@ -18,6 +18,8 @@ from typing import Any
 
 from ray.exceptions import OwnerDiedError
 
+from raysync.bounded import keep_newest
+
 #: (learner handle, model, version, worker)
 ReplyKey = tuple[str, str, int, str]
 
@@ -45,8 +47,7 @@ class ChannelReplies:
         future = self._waiting.pop(key, None)
         if future is None:
             self._early[key] = reply
-            while len(self._early) > EARLY_REPLIES_KEPT:
-                self._early.popitem(last=False)
+            keep_newest(self._early, EARLY_REPLIES_KEPT)
         elif not future.done():
             future.set_result(reply)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from typing import TypeAlias
 
+from raysync.bounded import keep_newest
 from raysync.messages import Ack, Update
 
 #: One delivery: the registration (token) it is for, model, version, origin, and
@@ -56,8 +57,7 @@ class DeliveriesInFlight:
                 self._came_again[key] = True
                 return False
             self._came_again[key] = False
-            while len(self._came_again) > IN_FLIGHT_KEPT:
-                del self._came_again[next(iter(self._came_again))]
+            keep_newest(self._came_again, IN_FLIGHT_KEPT)
             return True
 
     def end(self, key: DeliveryKey) -> bool:

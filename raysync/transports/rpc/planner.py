@@ -14,6 +14,7 @@ from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysync.actor_classes import RPC_AGENT, actor_class
+from raysync.bounded import keep_newest
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
@@ -190,8 +191,7 @@ class _RankBook:
         if gone is not None:
             process, rank = gone
             self._left[process] = rank
-            while len(self._left) > LEFT_KEPT:
-                del self._left[next(iter(self._left))]
+            keep_newest(self._left, LEFT_KEPT)
             self._save()
 
     def delete(self) -> None:

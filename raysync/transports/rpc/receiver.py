@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from raysync.bounded import keep_newest
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
@@ -40,8 +41,7 @@ class _RecentVersions:
 
     def add(self, version: tuple[str, int]) -> None:
         self._seen[version] = None
-        while len(self._seen) > _FAILED_KEPT:
-            del self._seen[next(iter(self._seen))]
+        keep_newest(self._seen, _FAILED_KEPT)
 
     def __contains__(self, version: object) -> bool:
         return version in self._seen

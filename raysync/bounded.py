@@ -1,0 +1,16 @@
+"""Bookkeeping that remembers the last few of something: a dict (insertion-ordered)
+trimmed to its newest entries. Any process; the caller guards the dict."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def keep_newest(entries: dict[K, V], count: int) -> None:
+    """Delete the oldest (first inserted) of ``entries`` beyond the newest ``count``."""
+    for key in list(itertools.islice(entries, max(0, len(entries) - count))):
+        del entries[key]
