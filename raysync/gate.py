@@ -369,8 +369,11 @@ class ApplyGate:
         until then: returning at once, each would find the other running, at every
         turn, and the write would wait for as long as they loop. One in a long step
         since its last safe point holds the others that long at most, as a write's
-        first turn does.
+        first turn does. Inside a write on its own thread (``on_weights_applied``
+        calling a method with safe points) it returns at once: it waited for that write.
         """
+        if self._writes_here():
+            return
         if on_event_loop():
             self._run_deferred_if_idle(own=_own_reads())
             return

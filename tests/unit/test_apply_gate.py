@@ -122,13 +122,14 @@ def test_uncontended_write_runs_at_once_and_returns_its_result():
 
 
 def test_what_a_write_calls_on_its_thread_runs_inside_it():
-    """``on_weights_applied`` runs inside the write: a user method it calls (a read) or a
-    pull or ``close`` (a write) runs at once; each waited for the write, which waited
-    for it, and the actor hung for good."""
+    """``on_weights_applied`` runs inside the write: a user method it calls (a read, one
+    that comes to safe points) or a pull or ``close`` (a write) runs at once; each
+    waited for the write, which waited for it, and the actor hung for good."""
     gate = ApplyGate(finish_deferred=lambda _: None)
 
     def calls_a_user_method() -> str:
         with gate.reading():
+            gate.safe_point()
             return "read inside"
 
     outcomes: list[Any] = []
