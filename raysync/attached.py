@@ -141,7 +141,7 @@ class AttachedReceiver:
         if self.closed:
             return
         try:
-            self.core.retire(keep_privately=True)
+            self.core.retire()
         finally:  # whatever moving a model out raised, the hub stops targeting this one
             try:
                 self.core.leave_hub(timeout_s)

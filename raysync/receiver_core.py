@@ -32,7 +32,7 @@ import time
 import traceback
 import uuid
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,10 +276,13 @@ class ReceiverCore:
         carried = previous if _same_hub(previous, hub) else None
         try:  # a model that cannot take its own copy, a path that does not resolve...
             if previous is not None:
+                adoptions_carry = carried is not None and _adoptions_carry_over(
+                    previous, identity, hub
+                )
                 previous.retire(
-                    keep_privately=not (
-                        carried is not None and _adoptions_carry_over(previous, identity, hub)
-                    )
+                    carried_over=_models_carried_over(previous, paths, owner)
+                    if adoptions_carry
+                    else ()
                 )
             held = {m: _carried_over(carried, m, path, owner) for m, path in paths.items()}
             registration = _registration(owner, held, identity)
@@ -371,37 +374,39 @@ class ReceiverCore:
         attached.remove(self.identity.attachment)
         self.transport.close()
 
-    def retire(self, keep_privately: bool) -> None:
+    def retire(self, carried_over: Collection[str] = ()) -> None:
         """Apply no more versions: called before this receiver leaves the hub or a new
         registration of this process replaces it. A version this core staged that
         reaches the safe point after is acked ``NOT_ATTACHED`` instead (applied, a
         zero-copy one would make the model live again in memory the next registration
-        may copy into: a read-only segment). With ``keep_privately``, zero-copy models
-        that live in a transport's memory take a copy of their own (the same version)
-        and hand that memory back (:meth:`Adoption.keep_privately`): the hub then holds
-        nothing for them. Exclusive of applies: at the gate's safe point from a thread;
-        on an async host's loop, where applies run, at once (values do not change, so
-        coroutines parked in a read see the same version)."""
+        may copy into: a read-only segment). Zero-copy models that live in a
+        transport's memory take a copy of their own (the same version) and hand that
+        memory back (:meth:`Adoption.keep_privately`): the hub then holds nothing for
+        them; but for those of ``carried_over`` (model ids), which the next
+        registration takes over living where they are (:func:`_models_carried_over`).
+        Exclusive of applies: at the gate's safe point from a thread; on an async
+        host's loop, where applies run, at once (values do not change, so coroutines
+        parked in a read see the same version)."""
 
         def retire() -> None:
             self._retired = True
-            if keep_privately:
-                for held in self.models.values():
-                    if held.adoption.current is None:  # not living in a transport's memory
-                        continue
-                    try:
-                        model = model_path.resolve(self.owner, held.path)
-                    except RaySyncError as err:  # the host let it go: nothing to keep
-                        logger.warning(
-                            "%s: model %r is no longer at %r (%s); its memory goes back",
-                            self.actor_name,
-                            held.model_id,
-                            held.path,
-                            err,
-                        )
-                        held.adoption.let_go()
-                        continue
-                    held.adoption.keep_privately(model)
+            for held in self.models.values():
+                # Not living in a transport's memory, or taken over there as it is.
+                if held.adoption.current is None or held.model_id in carried_over:
+                    continue
+                try:
+                    model = model_path.resolve(self.owner, held.path)
+                except RaySyncError as err:  # the host let it go: nothing to keep
+                    logger.warning(
+                        "%s: model %r is no longer at %r (%s); its memory goes back",
+                        self.actor_name,
+                        held.model_id,
+                        held.path,
+                        err,
+                    )
+                    held.adoption.let_go()
+                    continue
+                held.adoption.keep_privately(model)
 
         if on_event_loop():
             retire()
@@ -1093,14 +1098,38 @@ def _adoptions_carry_over(
     )
 
 
+def _models_carried_over(
+    previous: ReceiverCore, paths: Mapping[str, str], owner: Any
+) -> frozenset[str]:
+    """The models of ``previous`` a new registration of ``paths`` carries over (see
+    :func:`_carried_over`): the others, left out, moved or replaced, are no longer
+    its, and a zero-copy one must leave the transport's memory before it registers
+    (the new registration does not keep that memory for it)."""
+    return frozenset(
+        model_id
+        for model_id, path in paths.items()
+        if _previous_of(previous, model_id, path, model_path.resolve(owner, path)) is not None
+    )
+
+
+def _previous_of(
+    previous: ReceiverCore | None, model_id: str, path: str, model: Any
+) -> HeldModel | None:
+    """``previous``'s model ``model_id`` if it is ``model``, still at ``path``."""
+    old = previous.models.get(model_id) if previous is not None else None
+    if old is None or old.path != path or old.registered is None or not old.registered(model):
+        return None
+    return old
+
+
 def _carried_over(previous: ReceiverCore | None, model_id: str, path: str, owner: Any) -> HeldModel:
     """A model as a new registration starts it: the version a previous registration of
     this actor left it at, and the staged version it lives in (zero copy), if the model
     id still names the same object at the same path; else a model at version 0, which
     the hub's welcome brings up to date."""
     model = model_path.resolve(owner, path)
-    old = previous.models.get(model_id) if previous is not None else None
-    if old is None or old.path != path or old.registered is None or not old.registered(model):
+    old = _previous_of(previous, model_id, path, model)
+    if old is None:
         return HeldModel(model_id, path, registered=SameObject(model))
     return HeldModel(
         model_id,

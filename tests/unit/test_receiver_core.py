@@ -770,7 +770,7 @@ def test_a_retired_core_applies_no_version_and_hands_the_staged_one_back():
     receiver = _Receiver()
     model = receiver.owner.policy
     assert receiver.core.receive(receiver.update(1)).ack.status is AckStatus.APPLIED
-    receiver.core.retire(keep_privately=False)
+    receiver.core.retire()
     receipt = receiver.core.receive(receiver.update(2))
     assert isinstance(receipt, AckNow)
     assert receipt.ack.status is AckStatus.NOT_ATTACHED
@@ -788,7 +788,7 @@ def test_a_version_superseded_by_one_the_retired_core_did_not_apply_is_not_acked
 
     def deliver_then_register_again() -> list[Any]:
         receipts = [receiver.core.receive(receiver.update(v)) for v in (2, 3)]
-        receiver.core.retire(keep_privately=False)
+        receiver.core.retire()
         return receipts
 
     assert _while_a_method_runs(receiver, deliver_then_register_again) == [ACK_LATER] * 2
@@ -815,7 +815,7 @@ def test_a_new_registrations_version_never_follows_a_retired_cores_waiting_one()
 
     def deliver_then_register_elsewhere() -> list[Any]:
         first = receiver.core.receive(receiver.update(500))
-        receiver.core.retire(keep_privately=False)
+        receiver.core.retire()
         again = ReceiverCore(
             receiver.owner,
             other_hub,
@@ -898,8 +898,8 @@ def test_retiring_a_zero_copy_model_the_host_let_go_of_hands_its_memory_back():
     copying = _Receiver()  # a copied model is not looked up at all
     copying.core.receive(copying.update(1))
     del receiver.owner.policy, copying.owner.policy
-    receiver.core.retire(keep_privately=True)
-    copying.core.retire(keep_privately=True)
+    receiver.core.retire()
+    copying.core.retire()
     assert receiver.transport.released == [(1, True)]
     assert receiver.core.models["policy"].adoption.current is None
 
@@ -1023,7 +1023,7 @@ def test_a_version_deferred_before_the_hub_watch_registered_again_acks_to_that_h
         receipt = core.receive(receiver.update(1))  # deferred under "token"
         core.register_again(5.0)  # the hub watch, with the same hub: token T2
         hubs = core.hubs_to_ack_later()
-        core.retire(keep_privately=False)  # connect_hub to another hub replaces the core
+        core.retire()  # connect_hub to another hub replaces the core
         ReceiverCore(
             receiver.owner,
             next_hub,
@@ -1093,3 +1093,54 @@ def test_a_zero_copy_model_lives_on_in_the_staged_version_only_as_the_same_worke
         worker, "Actor(1)", "attachment", transport=transport, zero_copy=True
     )
     assert receiver_core._adoptions_carry_over(previous, identity, hub) is carried
+
+
+def test_a_zero_copy_model_the_next_registration_leaves_out_moves_into_its_own_memory(
+    monkeypatch,
+):
+    """``connect_hub`` again, as the same worker by the same transport, with the critic
+    left out: the critic went on living in the staged version of the registration it
+    left, which no registration kept (the node's owner let its slot go) and nobody
+    released. It takes a copy of its own and hands that memory back; the policy, carried
+    over, lives on where it is."""
+    owner = SimpleNamespace(policy=torch.nn.Linear(3, 2), critic=torch.nn.Linear(3, 2))
+    hub = _Hub()
+    hub.transport = "shared_memory"
+    identity = ReceiverIdentity(
+        WORKER, "Collector(abc)", "first", transport="shared_memory", zero_copy=True
+    )
+    models = {
+        m: HeldModel(m, m, registered=SameObject(getattr(owner, m))) for m in ("policy", "critic")
+    }
+    transport = _Transport()
+    welcome = Welcome("shared_memory", None, {})
+    core = ReceiverCore(owner, hub, models, identity, welcome, "token", None, transport=transport)
+    for payload, model in enumerate(("policy", "critic"), start=1):
+        spec = models[model].destination(owner)[1]
+        transport.staged[payload] = [torch.full(e.shape, float(payload)) for e in spec.tensors]
+        update = Update(model, 1, spec.digest, "shared_memory", payload)
+        assert core.receive(update).ack.status is AckStatus.APPLIED
+    registrations: list[Any] = []
+    hub.actor.register = SimpleNamespace(remote=registrations.append)
+    process = SimpleNamespace(get_node_id=lambda: "node", get_worker_id=lambda: "process")
+    monkeypatch.setattr(receiver_core.ray, "get_runtime_context", lambda: process)
+    monkeypatch.setattr(receiver_core, "_host_actor", lambda: None)
+    monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: welcome)
+    monkeypatch.setattr(receiver_core, "_open_transport", lambda welcome: _Transport())
+
+    again, _ = ReceiverCore.register(
+        owner,
+        hub,
+        {"policy": "policy"},
+        dataclasses.replace(identity, attachment="second"),
+        previous=core,
+    )
+    try:
+        assert registrations[-1].kept == (1,)
+        assert owner.policy.weight.data_ptr() == transport.staged[1][1].data_ptr()
+        slot = {t.data_ptr() for t in transport.staged[2]}
+        assert not {t.data_ptr() for t in owner.critic.parameters()} & slot
+        assert torch.equal(owner.critic.weight, torch.full((2, 3), 2.0))
+        assert transport.released == [(2, True)]
+    finally:
+        again.close()
