@@ -134,6 +134,9 @@ class BucketBroker:
         #: stream id -> why it ended ("" once every reader took it), who was dropped,
         #: who took every bucket
         self._ended: dict[str, tuple[str, dict[str, str], list[str]]] = {}
+        #: model -> the streams of its latest version (:meth:`latest`): their ends are
+        #: remembered however many other streams end after
+        self._latest_of: dict[str, frozenset[str]] = {}
         self._peak = 0
         #: actor id of a stream's sender -> the ids of its streams that still run
         self._sending: dict[str, set[str]] = {}
@@ -224,6 +227,8 @@ class BucketBroker:
     async def end(self, key: StreamId, why: str) -> None:
         """The broadcast ended before every bucket was taken (``why``)."""
         state = self._streams.pop(key.id, None)
+        if state is None and key.id in self._ended:
+            return  # ended before (its record says who read it whole)
         self._remember_end(key.id, why, state)
         if state is not None:
             state.ended = why
@@ -331,14 +336,22 @@ class BucketBroker:
             except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
                 return None, (
                     f"bucket {index} of {key.count} did not arrive within {key.wait_s:g} s "
-                    "(the learner may have died or stalled)"
+                    f"(the {_sender_of(key)} may have died or stalled)"
                 )
         if worker in state.dropped:
             return None, f"this receiver was dropped from the stream: {state.dropped[worker]}"
         if index in state.buckets:
             state.clock.answer(worker, index)
             return state.buckets[index], None
-        return None, f"the learner stopped sending this version: {state.ended}"
+        return None, f"the {_sender_of(key)} stopped sending this version: {state.ended}"
+
+    def latest(self, model: str, keys: list[StreamId]) -> None:
+        """Hub: ``keys``' streams carry the latest version of ``model``. Who read them
+        whole (they serve it to late joiners) is remembered until a newer version of
+        it comes, however many other streams end meanwhile (another model's, every
+        step: a late joiner of this one was then served nobody's copy, and waited out
+        the timeout for buckets long gone)."""
+        self._latest_of[model] = frozenset(key.id for key in keys)
 
     def finished(self, key: StreamId) -> list[str]:
         """Hub's planner: the readers that took every bucket of ``key``'s stream (they
@@ -486,7 +499,15 @@ class BucketBroker:
         self._ended[stream] = (
             (why, {}, []) if state is None else (why, state.dropped, state.finished)
         )
-        keep_newest(self._ended, _ENDED_KEPT)
+        pinned = frozenset().union(*self._latest_of.values())
+        over = len(self._ended) - _ENDED_KEPT
+        for old in [s for s in self._ended if s not in pinned][: max(0, over)]:
+            del self._ended[old]
+
+
+def _sender_of(key: StreamId) -> str:
+    """Who puts ``key``'s buckets, for its readers' errors."""
+    return "receiver serving it" if key.served else "learner"
 
 
 def _room_deadline(

@@ -1135,6 +1135,8 @@ class WeightHubActor:
         unplanned = len(groups)
         all_planned = asyncio.Event()
         streams = any(is_bucketed(payload) for payload in handed.payloads.values())
+        if streams:
+            _tell_latest(handed)
         if streams and not groups:
             self._end_unread_streams(handed, targets, planned)
 
@@ -1525,6 +1527,13 @@ class WeightHubActor:
             else:
                 opened.append(transport)
         return tuple(opened)
+
+
+def _tell_latest(handed: HandedOver) -> None:
+    """Tell the bucket broker which streams carry the latest version of ``handed``'s
+    model (see ``BucketBroker.latest``); not waited for (the hub's one broker)."""
+    streams = [stream for payload in handed.payloads.values() for stream in streams_of(payload)]
+    streams[0].broker.latest.remote(handed.model, [stream.key for stream in streams])
 
 
 async def _name_no_readers(streams: list[BucketStream]) -> None:

@@ -606,3 +606,54 @@ async def learner_from(broker: BucketBroker, k: StreamId, first: int, log: list)
             why = await broker.room(k, index)
             assert why is None, why
         await broker.offer(k, index, [f"ref{index}"])
+
+
+def test_a_stream_ended_again_after_it_was_read_whole_keeps_who_read_it():
+    """A refused version's planner ends its stream, as may a second planner reading the
+    same hand-off: an end that comes after the stream ended must not wipe who read it
+    whole (they serve it to late joiners)."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=2), []
+        await broker.readers(k, ["a"])
+        await asyncio.gather(reader(broker, k, "a", log), learner(broker, k, log))
+        await broker.end(k, "the hub refused this version")
+        return broker.finished(k)
+
+    assert run(main()) == ["a"]
+
+
+def test_a_served_stream_that_stalls_names_the_receiver_serving_it_not_the_learner():
+    async def main():
+        broker = BucketBroker(_NO_HUB)
+        served = StreamId("s", 2, 0.05, served=True)
+        await broker.readers(served, ["joiner"])
+        return await broker.take(served, 0, "joiner")
+
+    boxed, why = run(main())
+    assert boxed is None
+    assert why == (
+        "bucket 0 of 2 did not arrive within 0.05 s (the receiver serving it may have "
+        "died or stalled)"
+    )
+
+
+def test_who_read_a_models_latest_version_is_remembered_however_many_streams_end_after():
+    """A reference model broadcast once, a policy every step: after a few hundred of the
+    policy's streams ended, the broker had forgotten who read the reference whole, so a
+    late joiner of it was served nobody's copy and waited out its timeout."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=2), []
+        broker.latest("reference", [k])
+        await broker.readers(k, ["a"])
+        await asyncio.gather(reader(broker, k, "a", log), learner(broker, k, log))
+        for n in range(2 * bucket_broker._ENDED_KEPT):
+            policy = StreamId(f"policy{n}", 2, 5.0)
+            broker.latest("policy", [policy])
+            await broker.end(policy, "done")
+        return broker.finished(k), len(broker._ended)
+
+    finished, remembered = run(main())
+    assert finished == ["a"]
+    assert remembered <= bucket_broker._ENDED_KEPT + 1  # the others are still forgotten

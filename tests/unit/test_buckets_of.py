@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from raysync.spec import WeightSpec
+from raysync.transports.base import VersionDone
 from raysync.transports.buckets import BucketPlan
 from raysync.transports.object_store import buckets
 from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
@@ -93,6 +94,13 @@ def _recorded_stream() -> tuple[BucketStream, Outgoing, list]:
     return payload, Outgoing([weights["w"]], plan), calls
 
 
+class _Running(VersionDone):
+    """A broadcast still running."""
+
+    def wait(self, timeout_s: float) -> None:
+        raise TimeoutError
+
+
 def test_a_learner_that_fails_putting_a_bucket_ends_its_stream_saying_why(monkeypatch):
     """Its readers are told at once, instead of waiting the version's timeout for a
     bucket that never comes."""
@@ -109,7 +117,7 @@ def test_a_learner_that_fails_putting_a_bucket_ends_its_stream_saying_why(monkey
     monkeypatch.setattr(buckets, "put_arrays", put_arrays)
     monkeypatch.setattr(buckets, "this_actor", lambda: None)
     with pytest.raises(MemoryError):
-        stream_out(payload, outgoing, done=None)
+        stream_out(payload, outgoing, _Running())
     assert calls == [
         ("offer", payload.key, 0, ["ref0"], None),
         ("end", payload.key, f"the learner failed putting bucket 1: {MemoryError(full)!r}"),
@@ -137,3 +145,36 @@ def test_a_learner_interrupted_waiting_for_room_ends_its_stream_saying_why(monke
         payload.key,
         f"the learner failed waiting for room for bucket 2: {KeyboardInterrupt()!r}",
     )
+
+
+class _Ended(VersionDone):
+    """A broadcast that has ended (the hub refused it before the learner streamed)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+def test_a_learner_whose_broadcast_ended_already_puts_no_bucket(monkeypatch):
+    """The first two buckets go out without waiting for room: a refused version (a
+    whole model, in two buckets) was put and offered all the same, and held until the
+    broker expired its unplanned stream."""
+    payload, outgoing, calls = _recorded_stream()
+
+    def put_arrays(arrays):
+        raise AssertionError("a bucket was put")
+
+    monkeypatch.setattr(buckets, "put_arrays", put_arrays)
+    monkeypatch.setattr(buckets, "this_actor", lambda: None)
+    stream_out(payload, outgoing, _Ended())
+    assert calls == [("end", payload.key, "the broadcast ended before every bucket was sent")]
+
+
+def test_the_planner_ends_a_refused_versions_stream_unless_its_learner_delivered_it():
+    from raysync.transports.object_store.planner import ObjectStorePlanner
+
+    payload, _, calls = _recorded_stream()
+    planner = ObjectStorePlanner()
+    planner.abandoned(payload, read_by=("w",))  # read by receivers the learner called
+    assert calls == []
+    planner.abandoned(payload)
+    assert calls == [("end", payload.key, "the hub refused this version")]

@@ -171,9 +171,12 @@ def room_or_end(broker: Any, key: StreamId, index: int, done: VersionDone) -> bo
     """Learner: whether bucket ``index`` of ``key``'s stream may be put, once it may (the
     first ``BUCKETS_IN_FLIGHT`` at once, each later one once the broker has room); if
     it may not, the stream is ended here and its readers are told why."""
-    if index < BUCKETS_IN_FLIGHT:
-        return True
-    why = wait_for_room(broker, key, index, done)
+    if index < BUCKETS_IN_FLIGHT:  # no wait: put unless the broadcast ended (refused)
+        if not done.ended():
+            return True
+        why: str | None = "the broadcast ended before every bucket was sent"
+    else:
+        why = wait_for_room(broker, key, index, done)
     if why is not None:
         broker.end.remote(key, why)
     return why is None
@@ -188,7 +191,8 @@ def fetch_stream(
 
     def write(buffer: torch.Tensor) -> Sequence[torch.Tensor]:
         for index, boxed in buckets_of(payload, plan.count, worker):
-            _copy_bucket(buffer, plan, index, _read_bucket(boxed[0], index, plan.count))
+            arrays = _read_bucket(boxed[0], index, plan.count, payload.key.served)
+            _copy_bucket(buffer, plan, index, arrays)
         return pool.views(buffer, plan.layout)
 
     return pool.fill(spec, write)
@@ -252,13 +256,16 @@ def staging_buffer(spec: WeightSpec) -> torch.Tensor:
     return torch.empty(PackedLayout.of(spec).nbytes, dtype=torch.uint8)
 
 
-def _read_bucket(ref: ray.ObjectRef, index: int, count: int) -> Sequence[np.ndarray]:
+def _read_bucket(
+    ref: ray.ObjectRef, index: int, count: int, served: bool
+) -> Sequence[np.ndarray]:
     try:
         return arrays_of(ray.get(ref))
     except ray.exceptions.RayError as err:
+        sender = "receiver serving the version" if served else "learner"
         raise TransportError(
             f"could not read bucket {index} of {count} from the object store "
-            f"({type(err).__name__}); the learner that put it may have died"
+            f"({type(err).__name__}); the {sender} that put it may have died"
         ) from err
 
 

@@ -54,6 +54,15 @@ class ObjectStorePlanner(TransportPlanner):
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         return await self._serving.plan_pull(update, spec, receiver)
 
+    def abandoned(self, payload: Any, read_by: Sequence[str] = ()) -> None:
+        """A refused bucketed version's stream ends at the broker now, and the buckets
+        its learner put before it heard of the refusal (the first two go out without
+        waiting: a whole model in two buckets) are freed: unplanned, they stayed until
+        the broker expired the stream, twice the broadcast's timeout. Not if receivers
+        its learner called itself read it (``read_by``)."""
+        if isinstance(payload, BucketStream) and not read_by:
+            payload.broker.end.remote(payload.key, "the hub refused this version")
+
     async def close(self) -> None:
         self._serving.close()
         if self._broker is not None:

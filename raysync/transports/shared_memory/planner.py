@@ -191,6 +191,9 @@ class SharedMemoryPlanner(TransportPlanner):
         but for the receivers its learner delivered it to itself (``read_by``), for
         whom it holds it until each lets go. Numbered when called: the owner runs it
         before the hold of any version the hub plans after."""
+        if isinstance(payload, BucketStream):
+            self._streams.abandoned(payload, read_by)
+            return
         if not isinstance(payload, SharedMemoryPayload):
             return
         slot = payload.slot
