@@ -268,12 +268,15 @@ class RaySyncScheme(WeightSyncScheme):
             w: self._collectors[self._workers.index(w)] for w in workers if w in self._workers
         }
         attached = False
+        unconfirmed: set[str] = set()  # registered by a call Ray could not tell ran
         while collectors:
             asked = {
                 c.__ray_call__.remote(_holds_receiver, self.model_id): w
                 for w, c in collectors.items()
             }
             held = _answers(asked, deadline)
+            # Holding one now, a collector whose registration Ray could not confirm got it.
+            attached |= any(held.get(w) is True for w in unconfirmed)
             registered = {
                 collectors[w].register_scheme_receiver.remote(
                     {self.model_id: self}, synchronize_weights=False
@@ -283,6 +286,7 @@ class RaySyncScheme(WeightSyncScheme):
             }
             outcomes = _answers(registered, deadline)
             attached |= any(o not in (_NO_ANSWER, _UNAVAILABLE) for o in outcomes.values())
+            unconfirmed = {w for w, o in outcomes.items() if o is _UNAVAILABLE}
             # A call Ray could not tell ran (the collector was still restarting, as
             # its handle saw it): ask again whether it holds a receiver.
             again = {w for w, a in [*held.items(), *outcomes.items()] if a is _UNAVAILABLE}

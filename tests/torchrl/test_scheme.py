@@ -507,3 +507,37 @@ def test_an_applied_version_of_a_model_besides_the_policy_is_not_passed_on_to_fa
         assert passed_on == ["policy"]  # TorchRL's id, not the hub's
     finally:
         collector.shutdown()
+
+
+def test_a_collector_attached_by_a_call_ray_could_not_confirm_counts_as_attached(monkeypatch):
+    """The restarted collector's ``register_scheme_receiver`` ended in
+    ActorUnavailableError (it may or may not have run); asked again, the collector
+    holds a receiver: it was attached, and the update is sent again (it raised the
+    broadcast's failure instead)."""
+    import raysync.torchrl as scheme_module
+
+    class _Call:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def remote(self, *args, **kwargs) -> str:
+            return self.name
+
+    collector = type(
+        "_Collector",
+        (),
+        {"__ray_call__": _Call("holds?"), "register_scheme_receiver": _Call("register")},
+    )()
+    answers = iter(
+        [
+            {"c0": False},  # holds no receiver: a new incarnation
+            {"c0": scheme_module._UNAVAILABLE},  # register: Ray cannot tell if it ran
+            {"c0": True},  # asked again: it did
+        ]
+    )
+    monkeypatch.setattr(
+        scheme_module, "_answers", lambda calls, deadline: next(answers) if calls else {}
+    )
+    scheme = RaySyncScheme()
+    scheme.model_id, scheme._workers, scheme._collectors = "policy", ("c0",), (collector,)
+    assert scheme._attach_restarted(["c0"], time.monotonic() + QUICK_S)
