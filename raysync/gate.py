@@ -359,6 +359,16 @@ class ApplyGate:
             self._thread_write_waiters.append(ended)
             return ended
 
+    def between_writes(self, mark: Callable[[], None]) -> None:
+        """Run ``mark`` (short, never waiting) at a moment no other thread applies a
+        write: a write that starts after it sees what it set. On an event loop, it
+        blocks the loop while another thread's write applies (a pull through
+        ``asyncio.to_thread``; an apply does not need the loop)."""
+        with self._cond:
+            while self._writing and not self._writes_here():
+                self._cond.wait()
+            mark()
+
     def safe_point(self) -> None:
         """Let waiting writes through from inside a long-running user method.
 

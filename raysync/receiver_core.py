@@ -386,7 +386,9 @@ class ReceiverCore:
         registration takes over living where they are (:func:`_models_carried_over`).
         Exclusive of applies: at the gate's safe point from a thread; on an async
         host's loop, where applies run, at once (values do not change, so coroutines
-        parked in a read see the same version)."""
+        parked in a read see the same version), once no other thread applies one (a
+        pull through ``asyncio.to_thread``: one that rebound a model after would leave
+        it living in memory nobody holds); a later one applies nothing."""
 
         def retire() -> None:
             self._retired = True
@@ -409,6 +411,7 @@ class ReceiverCore:
                 held.adoption.keep_privately(model)
 
         if on_event_loop():
+            self.gate.between_writes(functools.partial(setattr, self, "_retired", True))
             retire()
         else:
             self.gate.write(retire)

@@ -1144,3 +1144,59 @@ def test_a_zero_copy_model_the_next_registration_leaves_out_moves_into_its_own_m
         assert transport.released == [(2, True)]
     finally:
         again.close()
+
+
+class _SaysWhoWaits(threading.Condition):
+    """The gate's condition, setting ``waited`` once the thread named ``who`` waits in it."""
+
+    def __init__(self, who: str, waited: threading.Event) -> None:
+        super().__init__()
+        self._who, self._waited = who, waited
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if threading.current_thread().name == self._who:
+            self._waited.set()
+        return super().wait(timeout)
+
+
+def test_retiring_on_an_event_loop_waits_for_a_write_another_thread_applies():
+    """An async host pulls in a thread (``asyncio.to_thread``) while a coroutine closes
+    the receiver: retiring ran at once on the loop and moved the zero-copy model out of
+    version 1, then the pull rebound it to version 2, memory nobody holds once closed.
+    Retiring waits for that write, then moves the model out of version 2."""
+    bound_s = 30.0  # a failure, not a hang: each wait ends in milliseconds
+    receiver = _Receiver(zero_copy=True)
+    core = receiver.core
+    assert core.receive(receiver.update(1)).ack.status is AckStatus.APPLIED
+    update = receiver.update(2)
+    applying, go_on = threading.Event(), threading.Event()
+
+    def check_intact(payload: int) -> None:
+        if payload == 2 and not applying.is_set():  # the pull, inside its apply
+            applying.set()
+            go_on.wait(bound_s)
+
+    receiver.transport.check_intact = check_intact  # type: ignore[method-assign]
+    waiting_or_done = threading.Event()
+    core.gate._cond = _SaysWhoWaits("closing", waiting_or_done)
+    pull = threading.Thread(target=lambda: core.receive(update), daemon=True)
+    pull.start()
+    assert applying.wait(bound_s)
+
+    async def close_on_the_loop() -> None:
+        core.retire()
+
+    def close() -> None:
+        asyncio.run(close_on_the_loop())
+        waiting_or_done.set()
+
+    closing = threading.Thread(target=close, name="closing", daemon=True)
+    closing.start()
+    assert waiting_or_done.wait(bound_s)
+    go_on.set()
+    pull.join(bound_s)
+    closing.join(bound_s)
+    assert not pull.is_alive() and not closing.is_alive()
+    slot = {t.data_ptr() for t in receiver.transport.staged[2]}
+    assert not {t.data_ptr() for t in receiver.owner.policy.parameters()} & slot
+    assert receiver.transport.released.count((2, True)) == 1
