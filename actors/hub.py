@@ -535,8 +535,12 @@ class WeightHubActor:
         number of the submitter's broadcast sent just before this call; Ray may start
         this call first, so it waits for that broadcast's turn, and the next version it
         names is above that broadcast's (an explicit version included). ``known``: the
-        registrations whose actor handles the learner holds (sent without them)."""
-        await self._in_order.wait_passed(submitter, after)
+        registrations whose actor handles the learner holds (sent without them). If
+        that broadcast has not come within the turns' wait, the route names no next
+        version (its broadcast goes through the hub): the learner would deliver the
+        number that broadcast then takes, other weights under it, both its own."""
+        if not await self._in_order.wait_passed(submitter, after):
+            return Route(self.transports())
         return self._route(model, known)
 
     def _route(self, model: str | None, known: frozenset[str]) -> Route:

@@ -157,12 +157,13 @@ class InOrder:
             self._changed.notify_all()
         return late
 
-    async def wait_passed(self, stream: str, number: int) -> None:
+    async def wait_passed(self, stream: str, number: int) -> bool:
         """Return once call ``number`` of ``stream`` has had its turn and run up to its
         next ``await`` (or ``wait_s`` passed: a lost call is not waited for longer).
-        A reader of what that call changes sees the change; number 0 returns at once."""
+        A reader of what that call changes sees the change; number 0 returns at once.
+        Whether it passed (False: the reader goes on without its change)."""
         if number <= 0:
-            return
+            return True
         turns = self._turns
         async with self._changed:
             try:
@@ -171,6 +172,8 @@ class InOrder:
                 )
             except asyncio.TimeoutError:
                 turns.log_read_without(stream, number)
+                return False
+        return True
 
 
 class ThreadsInOrder:
