@@ -113,3 +113,41 @@ def test_releases_from_two_threads_open_the_board_once(owner, monkeypatch):
     receiver.close()
     assert len(opened) == 1, opened
     assert not any(h.startswith("worker/") for h in owner.stats().holds)
+
+
+@pytest.fixture
+def by_call(owner, monkeypatch):
+    """Releases by call reach ``owner`` at once (as its actor's ``release``)."""
+    handle = SimpleNamespace(release=SimpleNamespace(remote=owner.release))
+    monkeypatch.setattr(shm_receiver.ray, "get_actor", lambda name, namespace=None: handle)
+
+
+def test_a_version_released_twice_before_its_second_hold_lands_is_not_held(owner, by_call):
+    """Delivered twice (a pull beside a broadcast of it), the version was copied once and
+    turned down once before the owner read the board, and the second delivery's hold
+    landed last: the two releases were one cell's value, counted once, and the second
+    hold was kept until the worker left."""
+    receiver = _receiver(owner, "w")
+    payload = _written(owner, ("w",))  # the first delivery's hold
+    receiver.release(payload, receiver.fetch(payload, SPEC))  # copied: on the board
+    receiver.release(payload, None)  # the second, turned down (holds that version)
+    owner.deliver(PID, payload.slot.seq, "m", ("w",), version=1, placement=2)  # its hold
+    assert "worker/w" not in owner.stats().holds
+
+
+def test_a_late_release_of_a_former_version_keeps_the_release_of_the_current_one(
+    owner, by_call
+):
+    """A segment reused for version 3 is released on the board, unread; a late release
+    of version 1 (turned down, delivered again) wrote over it: version 3's hold was
+    kept, and its slot with it."""
+    receiver = _receiver(owner, "w")
+    first = _written(owner, ("w",))
+    receiver.release(first, receiver.fetch(first, SPEC))
+    second = _written(owner, ("w",))
+    receiver.release(second, receiver.fetch(second, SPEC))
+    third = _written(owner, ("w",))
+    assert third.slot.column == first.slot.column  # the first's segment again
+    receiver.release(third, receiver.fetch(third, SPEC))  # on the board, unread
+    receiver.release(first, None)  # late, of a version that segment no longer holds
+    assert "worker/w" not in owner.stats().holds

@@ -133,7 +133,14 @@ class SharedMemoryReceiver(TransportReceiver):
 
     def _released_on_board(self, slot: Slot) -> bool:
         """Release ``slot`` on this receiver's row of its owner's board; False if it
-        has none there (no row or column, or the slot is a restarted owner's)."""
+        has none there (no row or column, or the slot is a restarted owner's), or if
+        its cell still holds this version's release, unread (a version delivered
+        twice, released twice before the owner looked: one cell would count once, and
+        the second hold was kept for good; by call, each counts).
+
+        A cell holding a newer version's release, unread, is left as it is: this one
+        is of a version that segment no longer holds (a late release of one turned
+        down), and written over that release, the newer version's hold was kept."""
         with self._board_lock:
             board = self._board
             if board is None or slot.column < 0 or board.segment.pid != slot.pid:
@@ -146,9 +153,14 @@ class SharedMemoryReceiver(TransportReceiver):
                     self._board = None  # its owner died: release by call (to its successor)
                     return False
             try:
-                # A system call: what this process read from the slot is read before the
-                # owner can see the release.
-                os.pwrite(fd, slot.seq.to_bytes(8, "little"), board.offset(slot.column))
+                offset = board.offset(slot.column)
+                unread = int.from_bytes(os.pread(fd, 8, offset), "little")
+                if unread == slot.seq:
+                    return False
+                if unread < slot.seq:
+                    # A system call: what this process read from the slot is read before
+                    # the owner can see the release.
+                    os.pwrite(fd, slot.seq.to_bytes(8, "little"), offset)
             finally:
                 if self._closed:  # a version its zero-copy model moved on from, released late
                     os.close(fd)
