@@ -187,10 +187,10 @@ class ShmOwner:
         self._gone: set[str] = set()
         self._next_column = 0
         self._free_columns: list[int] = []  #: columns of freed segments
-        #: learner (sender id) -> its process, and the learners gone (their slots are
-        #: freed as their holds go)
+        #: learner (sender id) -> its process, and the learners gone, with when they
+        #: were found gone (their slots are freed as their holds go)
         self._learner_pids: dict[str, tuple[int, int | None]] = {}  #: (pid, its start)
-        self._left: set[str] = set()
+        self._left: dict[str, float] = {}  #: learner -> ``time.monotonic()``
         #: receiver (worker) -> its process on this node as it joined (pid, its start),
         #: and the receivers that lapsed (see :meth:`lapse`)
         self._receiver_pids: dict[str, tuple[int, int | None]] = {}
@@ -227,7 +227,7 @@ class ShmOwner:
         ``pending_kept_s`` at most); those never written whole (the one it asked for
         ahead, answered or not yet) at once, and it is given no slot after."""
         with self._lock:
-            self._left.add(learner)
+            self._left.setdefault(learner, time.monotonic())
             self._closed_senders[learner] = None
             keep_newest(self._closed_senders, CLOSED_SENDERS_KEPT)
             for pool_key, pool in self._pools.items():
@@ -608,13 +608,16 @@ class ShmOwner:
             if learner in self._left or learner == asking:
                 continue
             if started is None or _started_at(pid) != started:  # its pid may be reused
-                self._left.add(learner)
+                self._left[learner] = time.monotonic()
         for key, pool in list(self._pools.items()):
-            left = key[0] in self._left
-            if not left and key not in self._retired_pools:
+            left_at = self._left.get(key[0])
+            if left_at is None and key not in self._retired_pools:
                 continue
             for segment in list(pool):
-                if left and time.monotonic() - segment.pending_since > self._pending_kept_s:
+                # Kept from when it was asked for, or its learner was found gone: one
+                # asked for ahead was asked a whole step before it was written.
+                pending_since = max(segment.pending_since, left_at or 0.0)
+                if left_at is not None and time.monotonic() - pending_since > self._pending_kept_s:
                     segment.holds.discard(PENDING)  # its version was never planned
                 self._read_board(segment)
                 if not segment.holds:
@@ -624,8 +627,8 @@ class ShmOwner:
                 del self._pools[key]
                 self._retired_pools.discard(key)
         streams = {stream for stream, _ in self._pools}
-        for learner in self._left - streams:
-            self._left.discard(learner)
+        for learner in self._left.keys() - streams:
+            del self._left[learner]
             self._learner_pids.pop(learner, None)
 
     def _free(self, segment: _Segment) -> None:

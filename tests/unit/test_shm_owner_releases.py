@@ -779,3 +779,31 @@ def test_a_model_relayed_whole_after_parts_frees_the_parts_relays(monkeypatch):
         assert owner.stats().segments == 2, "the parts' relay slot was kept"
     finally:
         owner.close()
+
+
+def test_a_version_asked_for_ahead_stays_pending_for_its_time_after_its_learner_left(
+    monkeypatch,
+):
+    """Learners ask for their next slot right after each broadcast: a training step
+    later they write and submit it, then leave. Kept ``pending_kept_s`` from when it was
+    asked for, the version was freed at once, and the hub's plan of it failed as "no
+    longer in shared memory"; it is kept that long from when its learner left."""
+    from raysync.actors import shm_owner
+    from raysync.transports.shared_memory.segments import Mappings
+    from raysync.transports.shared_memory.wire import write_seq
+
+    clock = [1000.0]
+    monkeypatch.setattr(shm_owner.time, "monotonic", lambda: clock[0])
+    owner = ShmOwner("node", max_slots=4, pending_kept_s=10.0)
+    try:
+        slot = owner.acquire(4096, timeout_s=5.0, learner="l", pid=PID)  # asked for ahead
+        clock[0] += 60.0  # a step later: written and submitted
+        learner = Mappings(writable=True)
+        write_seq(learner.buffer(slot).numpy(), slot.seq)
+        learner.clear()
+        owner.leave("l")
+        owner.acquire(4096, timeout_s=5.0, learner="other", pid=PID)  # frees what it may
+        owner.deliver(PID, slot.seq, "m", ("w",))  # the hub plans it, within its time
+        assert "worker/w" in owner.stats().holds
+    finally:
+        owner.close()
