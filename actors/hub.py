@@ -51,7 +51,7 @@ from raysync.errors import (
     UnknownWorkerError,
 )
 from raysync.hub_snapshot import HubSnapshot
-from raysync.hub_state import HubState, ReceiverEntry
+from raysync.hub_state import HubState, ReceiverEntry, lacks
 from raysync.messages import (
     Ack,
     AckStatus,
@@ -1003,15 +1003,21 @@ class WeightHubActor:
         self._acks.arrive(ack)
 
     async def latest(
-        self, model: str, have_version: int = 0, worker: str | None = None
+        self,
+        model: str,
+        have_version: int = 0,
+        worker: str | None = None,
+        have_origin: str = "",
     ) -> Update | None:
-        """Pull mode: the latest update of ``model`` if newer than ``have_version``,
+        """Pull mode: the latest update of ``model`` if the caller, holding version
+        ``have_version`` from learner ``have_origin``, lacks it (an older version, or the
+        same number from another learner, see :func:`raysync.hub_state.lacks`),
         planned for ``worker`` (a registered receiver) if given, else the learner's payload.
         Raises UnknownWorkerError for a ``worker`` the hub does not know (closed, or
         dropped when its heartbeats stopped): the learner's payload is not planned for
         it, nor in the form of its transport."""
         handed = self._state.latest(model)
-        if handed is None or handed.version <= have_version:
+        if handed is None or not lacks(have_version, have_origin, handed):
             return None
         if worker is None:
             return handed.update_for(self._transport)

@@ -275,7 +275,10 @@ class HubState:
         return {
             model: latest
             for model in registration.specs
-            if (latest := self.models[model].latest) is not None and _lacks(registration, latest)
+            if (latest := self.models[model].latest) is not None
+            and lacks(
+                registration.versions.get(model, 0), registration.origins.get(model, ""), latest
+            )
         }
 
     def knows(self, worker: str, token: str) -> bool:
@@ -426,12 +429,11 @@ class HubState:
         )
 
 
-def _lacks(registration: Registration, latest: HandedOver) -> bool:
-    """Whether the receiver registering lacks ``latest``: it holds an older version, or
-    the same number from another learner (two learners delivering themselves guessed
-    it, and the hub, restarted between, booked the other's: see :attr:`Update.origin`)."""
-    held = registration.versions.get(latest.model, 0)
-    origin = registration.origins.get(latest.model, "")
+def lacks(held: int, origin: str, latest: HandedOver) -> bool:
+    """Whether a receiver holding version ``held`` of ``latest``'s model, from learner
+    ``origin`` ("": not known), lacks ``latest``: it holds an older version, or the same
+    number from another learner (two learners delivering themselves guessed it, and
+    the hub, restarted between, booked the other's: see :attr:`Update.origin`)."""
     return latest.version > held or (
         latest.version == held and bool(origin and latest.origin) and origin != latest.origin
     )

@@ -534,9 +534,12 @@ class ReceiverCore:
         return self._latest(model, timeout_s)
 
     def _latest(self, model: str, timeout_s: float) -> Update | None:
-        have = self.models[model].version
+        held = self.models[model]
         return ray.get(
-            self.hub.actor.latest.remote(model, have, worker=self.worker), timeout=timeout_s
+            self.hub.actor.latest.remote(
+                model, held.version, worker=self.worker, have_origin=held.origin
+            ),
+            timeout=timeout_s,
         )
 
     def hubs_to_ack_later(self) -> dict[str, HubHandle]:

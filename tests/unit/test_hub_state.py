@@ -135,6 +135,26 @@ def test_registering_with_the_same_number_from_another_learner_returns_the_hubs(
     assert state.register(_registration("w3", {"policy": POLICY}, versions={"policy": 5})) == {}
 
 
+def test_a_pull_with_the_same_number_from_another_learner_gets_the_hubs():
+    """The same clash, met by a pull first (``pull_weights``, or the hub watch catching
+    up): the welcome's offer is declined, to be read by the pull, and the pull asked
+    for versions above 5: it got nothing, and kept A's weights under B's number."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from raysync.actors.hub import WeightHubActor
+
+    state = HubState()
+    state.publish("policy", POLICY, {"object_store": "b's"}, 5, origin="learner-b")
+    hub = SimpleNamespace(_state=state, _transport="object_store")
+
+    def pulled(origin: str) -> object:
+        return asyncio.run(WeightHubActor.latest(hub, "policy", 5, have_origin=origin))
+
+    assert pulled("learner-a").payload == "b's"
+    assert pulled("learner-b") is None and pulled("") is None
+
+
 def test_registering_again_replaces_the_entry_and_only_the_current_token_drops_it():
     state = HubState()
     _publish(state)
