@@ -140,7 +140,13 @@ class ProcessGroupActor:
         passed_on: tuple[str, ...] = ()
         number = 0  #: of the bucket being broadcast, from 1
         try:
-            joined = await asyncio.to_thread(self._collective, job, "its rendezvous", None)
+            # Within a bucket's limit too: the stream's other readers (another
+            # transport's) may take the first buckets meanwhile, and the broker drops
+            # this reader after its stall time and frees them: the members, adopted
+            # after, would find them gone and fail with the late one.
+            joined = await asyncio.to_thread(
+                self._collective, job, "its rendezvous", None, rendezvous_s=limit_s
+            )
             if joined is not None:
                 await adopt(job.source, job.generation.members)
                 return joined
@@ -225,10 +231,12 @@ class ProcessGroupActor:
         fill: Callable[[], torch.Tensor] | None,
         agree: bool = False,
         timeout_s: float | None = None,
+        rendezvous_s: float | None = None,
     ) -> str | None:
-        """Join ``job``'s generation if need be and broadcast the buffer ``fill`` makes
-        (``agree``, ``timeout_s``: see ``run_broadcast``; no ``fill``: join only); None,
-        or why not (the group is left: members blocked in it fail fast)."""
+        """Join ``job``'s generation if need be (waiting ``rendezvous_s`` at most for its
+        members, if given) and broadcast the buffer ``fill`` makes (``agree``,
+        ``timeout_s``: see ``run_broadcast``; no ``fill``: join only); None, or why not
+        (the group is left: members blocked in it fail fast)."""
         generation = job.generation
         with self._lock:
             try:
@@ -236,7 +244,7 @@ class ProcessGroupActor:
                     self._leave()
                     self._generation = generation
                     try:
-                        self._group = join_group(generation, 0, self._store)
+                        self._group = join_group(generation, 0, self._store, rendezvous_s)
                     except Exception as err:
                         # A member that arrives after the others gave up (busy, its
                         # delivery queued) fails at once, not after its own timeout.

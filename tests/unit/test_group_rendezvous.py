@@ -4,6 +4,7 @@ rank 0's store keeps no generation's rendezvous keys once its members have joine
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
@@ -163,3 +164,45 @@ def test_a_generation_of_an_earlier_rank_zero_called_off_leaves_no_key():
     asyncio.run(actor.call_off(generation, "member a left"))
     assert actor._store.list_keys() == []
     asyncio.run(actor.close())
+
+
+def test_rank_zero_gives_a_bucketed_versions_rendezvous_up_within_a_buckets_limit():
+    """A member of a bucketed version's generation is late (busy): rank 0 waited at the
+    rendezvous for the group's whole timeout, taking no bucket. The stream's readers of
+    another transport took the first buckets meanwhile, and the broker, after its stall
+    time, dropped rank 0 and freed them: the members it adopted then found them gone,
+    and the healthy ones failed with the late one. It waits a bucket's limit at most
+    (half the broker's stall time), and adopts them in time."""
+    import asyncio
+
+    import torch
+
+    from raysync.actors.process_group import ProcessGroupActor
+    from raysync.spec import WeightSpec
+    from raysync.transports.distributed import BroadcastJob
+    from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
+
+    calls: list[tuple] = []
+
+    async def answered() -> None:
+        return None
+
+    broker = SimpleNamespace(
+        readers=SimpleNamespace(
+            remote=lambda *args: calls.append(("readers", *args)) or answered()
+        ),
+        take=SimpleNamespace(remote=lambda *args: calls.append(("take", *args))),
+    )
+    settings = DistributedOptions(backend="gloo", timeout_s=TIMEOUT_S)
+    actor = ProcessGroupActor(settings)
+    try:
+        address = asyncio.run(actor.store_address())
+        generation = Generation(1, ("late",), "raysync/g1/", address, settings)  # never joins
+        stream = BucketStream(broker, StreamId("s", 2, 1.0), 64)  # stall 0.5 s: limit 0.25 s
+        job = BroadcastJob(generation, 1, "m", 1, WeightSpec.of({"w": torch.zeros(32)}), stream)
+        reason = asyncio.run(actor._relay(job, "relay"))
+        assert reason is not None and "late did not join" in reason, reason
+        assert "within 0.25 s" in reason, reason
+        assert ("readers", stream.key, ["late"]) in calls  # adopted: reads from the broker
+    finally:
+        asyncio.run(actor.close())

@@ -27,12 +27,14 @@ def join_group(
     generation: Generation,
     rank: int,
     store: torch.distributed.Store | None = None,
+    rendezvous_s: float | None = None,
 ) -> Any:
     """This process's member object of ``generation`` (rendezvous plus a barrier).
 
     ``store`` is the master store (rank 0); other ranks connect to the generation's
     address. Returns once every member has joined, so the rendezvous keys are no
-    longer needed; raises on timeout, or as soon as the hub calls the generation off
+    longer needed; raises on timeout (the group's, or ``rendezvous_s`` for the
+    rendezvous if given), or as soon as the hub calls the generation off
     (:func:`call_off`: a member it knows is dead will never join).
     """
     import torch.distributed as dist
@@ -46,7 +48,7 @@ def join_group(
             timeout=settings.timeout,
         )
     prefixed = dist.PrefixStore(generation.prefix, store)
-    _everyone_here(prefixed, generation, rank)
+    _everyone_here(prefixed, generation, rank, rendezvous_s)
     group: Any  # torch's stubs give these backends no barrier(); both have one
     if settings.backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch private
@@ -78,9 +80,12 @@ def forget_rendezvous(store: Any, generation: Generation) -> None:
             store.delete_key(key)
 
 
-def _everyone_here(store: Any, generation: Generation, rank: int) -> None:
+def _everyone_here(
+    store: Any, generation: Generation, rank: int, timeout_s: float | None = None
+) -> None:
     """Wait until every member of ``generation`` has arrived at its rendezvous, or the
-    hub called it off; raise on the timeout, or with why it was called off.
+    hub called it off; raise on the timeout (the group's, or ``timeout_s``), or with
+    why it was called off.
 
     One blocking wait on one key, set once, by the last member to arrive or by
     :func:`call_off`: gloo's own rendezvous would wait the whole timeout for a member
@@ -91,12 +96,14 @@ def _everyone_here(store: Any, generation: Generation, rank: int) -> None:
     store.set(f"{_HERE}{rank}", b"")  # before counting: the last to count is here
     if store.add(_ARRIVED, 1) == generation.world_size:
         store.compare_set(_GO, "", _EVERYONE)
+    if timeout_s is None:
+        timeout_s = generation.settings.timeout_s
     try:
-        store.wait([_GO], generation.settings.timeout)
+        store.wait([_GO], datetime.timedelta(seconds=timeout_s))
     except dist.DistStoreError as err:
         raise RuntimeError(
             f"rank {rank}: {_absent(store, generation)} did not join process-group "
-            f"generation {generation.number} within {generation.settings.timeout_s:g} s"
+            f"generation {generation.number} within {timeout_s:g} s"
         ) from err
     word = store.get(_GO)
     if word != _EVERYONE:
