@@ -136,9 +136,6 @@ class RaySyncScheme(WeightSyncScheme):
             )
         if self._owns_hub:  # run again (a RayCollector built anew with this scheme)
             self._close_own_hub()
-        # A scheme handed to another RayCollector connects again (TorchRL refuses a
-        # second connect of a scheme that synchronized once).
-        self.synchronized_on_sender = False
         self.model_id = model_id
         self.context = context
         self.model = model
@@ -162,11 +159,25 @@ class RaySyncScheme(WeightSyncScheme):
         )
         return hub, True
 
+    def connect(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
+        """TorchRL's ``connect``, which may come again here. A RayCollector whose first
+        update failed (its set-up cascade fails on a collector Ray restarted before it,
+        which holds no receiver of this scheme) runs its whole weight-sync set-up again
+        at the next update, as does a RayCollector handed a scheme another one used;
+        TorchRL refuses a scheme that connected once ("Cannot synchronize weights on
+        sender twice"), and the collectors were never updated again. Connecting moves
+        nothing here but initial weights, so each connect is one more of the same."""
+        self.synchronized_on_sender = self.synchronized_on_receiver = False
+        super().connect(worker_idx=worker_idx, weights=weights)
+
     def _setup_connection_and_weights_on_sender_impl(
         self, *, worker_idx: int | None = None, weights: Any = None
     ) -> None:
-        """``connect()`` in the learner: the receivers registered in ``init_on_receiver``;
-        initial ``weights``, if given, are broadcast to all of them."""
+        """``connect()`` in the learner (the RayCollector's first update): the receivers
+        registered in ``init_on_receiver``; a collector Ray restarted since holds none,
+        and is handed this scheme again (so that the set-up, made again at the next
+        update, finds it there); initial ``weights``, if given, are broadcast."""
+        self._attach_restarted(self._workers, time.monotonic() + self._timeout_s)
         if weights is not None:
             self.send(weights)
 

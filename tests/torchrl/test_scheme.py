@@ -416,6 +416,32 @@ def test_a_collector_ray_restarted_acts_with_the_next_update(ray_cluster):
         collector.shutdown()
 
 
+def test_a_collector_ray_restarted_before_the_first_update_is_updated_from_the_next(
+    ray_cluster,
+):
+    """Ray restarts a remote collector before the first update: TorchRL's weight-sync
+    set-up (run at the first update) calls the scheme it handed the collector, which
+    the new incarnation lacks, and fails; the next update ran the set-up again and
+    TorchRL refused the scheme's second connect: no update ever reached a collector.
+    The first update hands the new incarnation the scheme again; the next one goes."""
+    policy = set_weight(CountingPolicy(), 2.0)
+    scheme = RaySyncScheme()
+    restarting = {**REMOTE, "max_restarts": 1}
+    collector = ray_collector(2, sync=True, scheme=scheme, policy=policy, remote_configs=restarting)
+    try:
+        died = collector.remote_collectors[1]
+        ray.kill(died, no_restart=False)
+        ready_again(died)
+        try:
+            collector.update_policy_weights_()
+        except ray.exceptions.RayError:  # TorchRL's set-up, on the restarted one
+            collector.update_policy_weights_()
+        assert scheme.last_report.acked == scheme.workers
+        assert actions(next(iter(collector))) == {2.0}
+    finally:
+        collector.shutdown()
+
+
 def test_a_collector_ray_restarted_after_the_hub_dropped_it_is_attached_again(ray_cluster):
     """The hub dropped a remote collector (a delivery found it dead) and the update that
     found it so could not attach its new incarnation (Ray was still starting it): the
