@@ -126,13 +126,13 @@ class BucketRing:
         the hub's, every stream of this ring's sender has it). None, or why the version
         of ``key`` (``done``) cannot go on."""
         held = slot.held
-        if held is None:
+        if held is None or (held.key != key and held.done.ended()):
             return None
         # Every reader has taken the bucket after the held one: it read the held one.
         room = held.index + BUCKETS_IN_FLIGHT
         if held.key == key:
             return wait_for_room(broker, key, room, done)
-        # An older version's: also free once its broadcast ended (its readers acked or
+        # An older version's: also free once its broadcast ends (its readers acked or
         # were failed; a broker that lost its stream, restarted, would hold it up for
         # twice its timeout), and once its stream ended.
         why = wait_for_room(broker, held.key, room, done, until=held.done)
