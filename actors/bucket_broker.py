@@ -499,10 +499,7 @@ class BucketBroker:
         self._ended[stream] = (
             (why, {}, []) if state is None else (why, state.dropped, state.finished)
         )
-        pinned = frozenset().union(*self._latest_of.values())
-        over = len(self._ended) - _ENDED_KEPT
-        for old in [s for s in self._ended if s not in pinned][: max(0, over)]:
-            del self._ended[old]
+        keep_newest(self._ended, _ENDED_KEPT, kept=frozenset().union(*self._latest_of.values()))
 
 
 def _sender_of(key: StreamId) -> str:

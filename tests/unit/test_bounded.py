@@ -21,3 +21,9 @@ def test_an_entry_moved_to_the_end_is_among_the_newest():
     entries.move_to_end("a")
     keep_newest(entries, 2)
     assert list(entries) == ["c", "a"]
+
+
+def test_the_entries_kept_stay_and_count():
+    entries = {key: None for key in "abcde"}
+    keep_newest(entries, 3, kept={"a"})
+    assert list(entries) == ["a", "d", "e"]
