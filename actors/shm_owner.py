@@ -616,8 +616,11 @@ class ShmOwner:
             for segment in list(pool):
                 # Kept from when it was asked for, or its learner was found gone: one
                 # asked for ahead was asked a whole step before it was written.
-                pending_since = max(segment.pending_since, left_at or 0.0)
-                if left_at is not None and time.monotonic() - pending_since > self._pending_kept_s:
+                if (
+                    left_at is not None
+                    and time.monotonic() - max(segment.pending_since, left_at)
+                    > self._pending_kept_s
+                ):
                     segment.holds.discard(PENDING)  # its version was never planned
                 self._read_board(segment)
                 if not segment.holds:
