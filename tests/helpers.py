@@ -153,6 +153,17 @@ def start(actors: list, cls, *args, **kwargs):
     return handle
 
 
+def hold_until_opened(actors: list, holder, gate) -> ray.ObjectRef:
+    """Call ``holder.hold(gate)`` and return once it runs (its ref): the holder's only
+    method slot is taken, so a delivery from any other process (the hub, a learner)
+    waits behind it. Ray orders only one caller's calls: a ``hold`` not yet running may
+    still be overtaken by a call made after it from elsewhere."""
+    entered = start(actors, Gate)
+    held = holder.hold.remote(gate, entered)
+    ray.get(entered.wait.remote())
+    return held
+
+
 def start_hub(actors: list, transport: str, actor_options: dict | None = None, **launch):
     """A new hub on ``transport``, killed after the test."""
     hub = WeightHub.options(**(actor_options or {})).remote(transport=transport, **launch)

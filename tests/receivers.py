@@ -574,9 +574,11 @@ def refuse_versions(model: str, version: int) -> None:
     raise RuntimeError(f"this host refuses version {version} of {model!r}")
 
 
-def hold_then_pull(host, gate) -> dict[str, int]:
+def hold_then_pull(host, gate, entered) -> dict[str, int]:
     """Runs in a receiver through ``__ray_call__``: hold its method slot until ``gate``
-    opens (a delivery queues behind), then pull the latest versions itself."""
+    opens (a delivery queues behind), then pull the latest versions itself. ``entered``
+    (a Gate too) is opened on the way in."""
+    ray.get(entered.open.remote())
     ray.get(gate.wait.remote())
     return host.pull_weights()
 

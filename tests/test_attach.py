@@ -23,6 +23,7 @@ from tests.helpers import (
     Gate,
     assert_same,
     cut_off_heartbeats,
+    hold_until_opened,
     ready,
     start,
     start_hub,
@@ -413,7 +414,7 @@ def test_a_worker_id_whose_holder_does_not_answer_passes_to_its_new_actor(actors
     busy = start(actors, Holder, hub, state_of(make_policy()), "dup", "policy")
     ready([busy])
     gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)
+    blocked = hold_until_opened(actors, busy, gate)
     replacement = start(actors, Collector, hub, worker_id="dup")
     ready([replacement])
     learner = make_policy()

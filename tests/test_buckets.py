@@ -45,6 +45,7 @@ from raysync.transports.rpc import agent_name
 from tests.helpers import (
     Gate,
     actor_pid,
+    hold_until_opened,
     ready,
     start,
     start_hub,
@@ -86,8 +87,11 @@ CREW = ("r0", "r1")
 
 @ray.remote(num_cpus=0)
 class Receiver(ConformanceReceiver):
-    def hold(self, gate) -> None:
-        """Hold the actor's only method slot until the test opens ``gate``."""
+    def hold(self, gate, entered=None) -> None:
+        """Hold the actor's only method slot until the test opens ``gate``; ``entered``
+        (a Gate too) is opened on the way in."""
+        if entered is not None:
+            ray.get(entered.open.remote())
         ray.get(gate.wait.remote())
 
     def fail_next_fetch(self) -> None:
@@ -218,7 +222,7 @@ def test_a_receiver_that_holds_the_others_up_fails_alone(actors, transport):
     hub, quick, stuck = at_version_one(actors, "quick", "stuck", transport=transport)
 
     gate = start(actors, Gate)
-    blocked = stuck.hold.remote(gate)  # its delivery waits behind this
+    blocked = hold_until_opened(actors, stuck, gate)  # its delivery waits behind this
     weights = special_weights(2.0)
     report = ray.get(
         hub.broadcast.remote(weights, model=MODEL, timeout_s=2.0, raise_on_failure=False),
@@ -343,7 +347,7 @@ def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors
     ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
 
     gate = start(actors, Gate)
-    blocked = stuck.hold.remote(gate)
+    blocked = hold_until_opened(actors, stuck, gate)
     learner = start(actors, Learner, hub)
     learner.send.remote(special_weights(2.0), timeout_s=120.0)
     broker = _wait_for_broker(hub)
@@ -396,7 +400,7 @@ def test_a_distributed_member_that_dies_midway_fails_alone(actors):
     ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
 
     gate = start(actors, Gate)
-    blocked = stuck.hold.remote(gate)
+    blocked = hold_until_opened(actors, stuck, gate)
     weights = special_weights(2.0)
     learner = start(actors, Learner, hub)
     sent = learner.report.remote(weights, timeout_s=16.0, raise_on_failure=False)
@@ -432,7 +436,7 @@ def test_a_distributed_member_that_forwards_to_a_busy_one_does_not_fail_with_it(
     a, b, z = members
 
     gate = start(actors, Gate)
-    blocked = z.hold.remote(gate)
+    blocked = hold_until_opened(actors, z, gate)
     weights = special_weights(2.0)
     ref = hub.broadcast.remote(weights, model=MODEL, timeout_s=12.0, raise_on_failure=False)
     report = ray.get(ref, timeout=60)

@@ -40,6 +40,7 @@ from tests.helpers import (
     Gate,
     assert_same,
     hold_the_actor,
+    hold_until_opened,
     keep_two_reports,
     ready,
     start,
@@ -399,7 +400,7 @@ def test_broadcasts_still_running_past_the_reports_kept_can_be_waited_for(actors
     holder = start(actors, Holder, hub, template, "busy")
     ready([holder])
     gate = start(actors, Gate)
-    busy = holder.hold.remote(gate)
+    busy = hold_until_opened(actors, holder, gate)
     weights = [special_weights(float(v)) for v in range(1, 5)]
     tickets = ray.get([hub.broadcast.remote(w, model="m", wait=False) for w in weights])
     waiting = [hub.wait_for.remote(t) for t in tickets]
@@ -424,7 +425,7 @@ def test_a_receiver_busy_in_a_long_method_is_sent_the_newest_version_not_each_on
     first = special_weights(1.0)
     ray.get(hub.broadcast.remote(first, model="m"))  # its route comes back with it
     gate = start(actors, Gate)
-    busy = holder.hold.remote(gate)  # called by this process first: it runs first
+    busy = hold_until_opened(actors, holder, gate)
     weights = [special_weights(float(v)) for v in range(2, 7)]
     tickets = ray.get([hub.broadcast.remote(w, model="m", wait=False) for w in weights])
     assert [t.version for t in tickets] == [2, 3, 4, 5, 6]
@@ -451,7 +452,7 @@ def test_a_receiver_busy_past_its_timeouts_gets_no_call_per_version_and_then_the
     ready([holder])
     ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))
     gate = start(actors, Gate)
-    busy = holder.hold.remote(gate)
+    busy = hold_until_opened(actors, holder, gate)
     weights = {v: special_weights(float(v)) for v in (2, 3, 4)}
     reports = [  # a version named: the hub delivers it (no direct path)
         ray.get(
@@ -531,7 +532,7 @@ def test_a_host_busy_for_many_hub_watch_beats_gets_one_catch_up_call(actors):
     assert ray.get(hub.broadcast.remote(offered, model="m", workers=["other"])).version == 2
     token, before = ray.get([holder.token.remote(), holder.deliveries_so_far.remote()])
     gate = start(actors, Gate)
-    busy = holder.hold.remote(gate)
+    busy = hold_until_opened(actors, holder, gate)
     ray.get(hub.actor.leave.remote("busy", token))  # the hub forgets it; its watch registers again
     beats = ray.get(holder.beats_so_far.remote())
     wait_until(  # each made a call behind the method (the first waits its 5 s timeout)

@@ -12,7 +12,16 @@ import ray
 
 from raysync import StaleVersionError, hub_handle
 from raysync.testing import assert_bitwise, special_weights
-from tests.helpers import Gate, assert_same, ready, start, start_hub, wait_dead, wait_until
+from tests.helpers import (
+    Gate,
+    assert_same,
+    hold_until_opened,
+    ready,
+    start,
+    start_hub,
+    wait_dead,
+    wait_until,
+)
 from tests.receivers import (
     AsyncLeaver,
     Collector,
@@ -341,7 +350,7 @@ def test_a_receiver_that_applied_a_version_whose_learner_died_is_not_blamed(acto
     learner = start(actors, OtherLearner, hub)
     ray.get(learner.broadcast.remote(special_weights(1.0), model="m"))  # its route, now
     gate = start(actors, Gate)
-    busy = holder.hold.remote(gate)  # the learner's call to it waits behind this
+    busy = hold_until_opened(actors, holder, gate)  # the learner's call to it waits behind this
     weights = special_weights(2.0)
     ticket = ray.get(learner.broadcast.remote(weights, model="m", wait=False))
     ray.kill(learner, no_restart=True)

@@ -18,6 +18,7 @@ from tests.helpers import (
     assert_bitwise,
     assert_policy_reaches,
     free_and_reach_all,
+    hold_until_opened,
     ready,
     start,
     wait_dead,
@@ -108,8 +109,9 @@ def test_a_member_that_pulled_the_version_meanwhile_still_enters_its_collective(
     collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(3)]
     ready(collectors)
     ray.get(hub.broadcast.remote(make_policy()))
-    gate = start(actors, Gate)
-    pulled = collectors[2].__ray_call__.remote(hold_then_pull, gate)
+    gate, entered = start(actors, Gate), start(actors, Gate)
+    pulled = collectors[2].__ray_call__.remote(hold_then_pull, gate, entered)
+    ray.get(entered.wait.remote())  # the hub's delivery, made next, queues behind it
     learner = make_policy()
     report = hub.broadcast.remote(learner, timeout_s=10, raise_on_failure=False)
     wait_until(lambda: ray.get(hub.status.remote()).versions == {"policy": 2}, what="published")
@@ -213,7 +215,7 @@ def test_member_that_never_enters_does_not_hang_the_hub(actors):
     hub, holders, busy = start_two_holders_and_a_busy_one(actors)
 
     gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)  # one method at a time: no delivery gets in
+    blocked = hold_until_opened(actors, busy, gate)  # one method at a time: no delivery gets in
     ref = hub.broadcast.remote(
         {"w": torch.randn(2048, 1024)}, timeout_s=2 * _TIMEOUT_S, raise_on_failure=False
     )
@@ -231,7 +233,7 @@ def test_a_member_busy_past_a_timeout_reads_alone_and_holds_no_one_up(actors):
     the others' generation goes on without it; back, it is a member again."""
     hub, holders, busy = start_two_holders_and_a_busy_one(actors)
     gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)  # one method at a time: no delivery gets in
+    blocked = hold_until_opened(actors, busy, gate)  # one method at a time: no delivery gets in
     # The hub cannot know yet: this collective waits for it, the others read the copy.
     ref = hub.broadcast.remote(
         {"w": torch.randn(2048, 1024)}, timeout_s=2 * _TIMEOUT_S, raise_on_failure=False
@@ -264,7 +266,7 @@ def test_a_busy_member_fails_alone_at_a_bucketed_version(actors):
     to it: every receiver failed. Rank 0 gives a bucket's collective half that wait."""
     hub, holders, busy = start_two_holders_and_a_busy_one(actors)
     gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)  # one method at a time: no delivery gets in
+    blocked = hold_until_opened(actors, busy, gate)  # one method at a time: no delivery gets in
     weights = {"w": torch.randn(2048, 1024)}  # 8 MB: eight buckets
     timeout_s = 1.75 * _TIMEOUT_S  # the broker's patience, 0.875 of the group's timeout
     ref = hub.broadcast.remote(weights, bucket_mb=1, timeout_s=timeout_s, raise_on_failure=False)
@@ -292,7 +294,7 @@ def test_a_busy_member_two_hops_from_rank_0_holds_no_one_up_at_the_next_versions
     first_generation = group_status(hub).generation
 
     gate = start(actors, Gate)
-    blocked = z.hold.remote(gate)  # one method at a time: no delivery gets in
+    blocked = hold_until_opened(actors, z, gate)  # one method at a time: no delivery gets in
     second = {"w": torch.randn(2048, 1024)}
     ref = hub.broadcast.remote(second, timeout_s=6 * _TIMEOUT_S, raise_on_failure=False)
     wait_until(
@@ -325,7 +327,7 @@ def test_a_version_in_parts_read_from_the_learners_copies_is_let_go(actors):
     busy = start(actors, Holder, hub, template, "busy")
     ready([*holders, busy])
     gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)  # rank 1 of four: the tree's forwarder to rank 3
+    blocked = hold_until_opened(actors, busy, gate)  # rank 1 of 4: forwards to rank 3
     weights = {"a": torch.randn(1024, 1024), "b": torch.randn(1024, 1024)}
     halves = [{"a": weights["a"]}, {"b": weights["b"]}]
     version = 1
@@ -350,7 +352,7 @@ def test_a_plan_cut_short_while_the_last_collective_runs_still_hears_how_it_ende
     the plan after it forms a new generation instead of sending into the broken one."""
     hub, holders, busy = start_two_holders_and_a_busy_one(actors)
     gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)  # the first collective fails after its timeout
+    blocked = hold_until_opened(actors, busy, gate)  # the first collective fails after its timeout
     first = hub.broadcast.remote(
         {"w": torch.randn(2048, 1024)}, timeout_s=3 * _TIMEOUT_S, raise_on_failure=False
     )
@@ -438,7 +440,7 @@ def test_process_group_actor_killed_mid_collective_loses_no_version(actors):
     # "busy" keeps the collective from completing while rank 0 dies. Whenever the kill
     # lands, the members read the learner's object-store copy instead: nobody fails.
     gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)
+    blocked = hold_until_opened(actors, busy, gate)
     weights = {"w": torch.randn(2048, 1024)}
     ref = hub.broadcast.remote(weights, timeout_s=3 * _TIMEOUT_S, raise_on_failure=False)
     _kill_process_group_actor(hub)

@@ -16,6 +16,7 @@ from tests.helpers import (
     Gate,
     assert_same,
     cpu_seconds_over_one_idle_second,
+    hold_until_opened,
     ready,
     start,
     start_hub,
@@ -183,7 +184,7 @@ def test_a_receiver_busy_past_its_timeouts_does_not_stall_the_learner(actors, mo
     quick, busy = (start(actors, RdtHolder, hub, template, w) for w in ("quick", "busy"))
     ready([quick, busy])
     gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)
+    blocked = hold_until_opened(actors, busy, gate)
     for _ in range(4):
         weights = state_of(make_policy())
         sent = hub.broadcast.remote(weights, model="m", timeout_s=1.0, raise_on_failure=False)
@@ -234,7 +235,7 @@ def test_a_model_waiting_for_its_buffer_does_not_hold_up_another_models_sends(ac
     other = start(actors, RdtHolder, hub, template, "other", "b")
     ready([slow, other])
     gate = start(actors, Gate)
-    blocked = slow.hold.remote(gate)
+    blocked = hold_until_opened(actors, slow, gate)
 
     def broadcast_a():
         weights = state_of(make_policy())

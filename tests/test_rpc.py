@@ -30,6 +30,7 @@ from tests.helpers import (
     assert_bitwise,
     assert_policy_reaches,
     free_and_reach_all,
+    hold_until_opened,
     ready,
     start,
     wait_process_exit,
@@ -147,7 +148,7 @@ def test_busy_receiver_times_out_alone_and_catches_up(actors):
     ready([*holders, busy])
 
     gate = start(actors, Gate)
-    blocked = busy.hold.remote(gate)  # one method at a time: its delivery waits
+    blocked = hold_until_opened(actors, busy, gate)  # one method at a time: its delivery waits
     weights = {"w": torch.randn(2048, 1024)}
     report = ray.get(
         hub.broadcast.remote(weights, timeout_s=3.0, raise_on_failure=False), timeout=60

@@ -26,7 +26,7 @@ from raysync.testing import (
     special_weights,
     split_in_parts,
 )
-from tests.helpers import Gate, ready, start, start_hub, wait_until
+from tests.helpers import Gate, hold_until_opened, ready, start, start_hub, wait_until
 from tests.receivers import Holder
 
 Receiver = ray.remote(num_cpus=0)(ConformanceReceiver)
@@ -252,7 +252,7 @@ def test_a_part_whose_learner_cancels_its_call_does_not_fail_the_others(actors):
     held = start(actors, Holder, hub, special_weights(), "held", MODEL)
     gate = start(actors, Gate)
     ready([held])
-    blocked = held.hold.remote(gate)  # the version's delivery waits behind this
+    blocked = hold_until_opened(actors, held, gate)  # the version's delivery waits behind this
     weights = special_weights(2.0)
     first, second = send_parts(hub, split_in_parts(weights, 2), version=1)
     wait_until(lambda: ray.get(hub.status.remote()).versions.get(MODEL) == 1, what="version 1")
@@ -273,7 +273,7 @@ def test_a_version_in_parts_is_delivered_within_its_timeout_of_the_first_part(ac
     held = start(actors, Holder, hub, special_weights(), "held", MODEL)
     gate = start(actors, Gate)
     ready([held])
-    blocked = held.hold.remote(gate)  # busy past the version's timeout
+    blocked = hold_until_opened(actors, held, gate)  # busy past the version's timeout
     first, second = split_in_parts(special_weights(2.0), 2)
     timeout_s, later_s = 4.0, 3.0
     sent = time.monotonic()

@@ -26,6 +26,7 @@ from tests.helpers import (
     actor_pid,
     assert_same,
     cut_off_heartbeats,
+    hold_until_opened,
     ready,
     release_hub,
     start,
@@ -670,7 +671,7 @@ def test_a_learner_whose_slots_stay_held_fails_after_one_slot_wait(actors, monke
     ready([quick, stuck])
     ray.get(hub.broadcast.remote(template, model="m"))
     gate = start(actors, Gate)
-    blocked = stuck.hold.remote(gate)
+    blocked = hold_until_opened(actors, stuck, gate)
     try:
         with pytest.raises(TransportError, match="stuck") as caught:
             for _ in range(2 * MAX_SLOTS):
@@ -747,7 +748,7 @@ def test_a_host_busy_past_its_catch_up_call_pins_no_slot_per_beat(actors):
     ray.get(hub.broadcast.remote(special_weights(2.0), model="m", workers=["other"]))
     token = ray.get(holder.token.remote())
     gate = start(actors, Gate)
-    busy = holder.hold.remote(gate)
+    busy = hold_until_opened(actors, holder, gate)
     ray.get(hub.actor.leave.remote("busy", token))  # its watch registers again
     for value in (3.0, 4.0, 5.0):
         beats = ray.get(holder.beats_so_far.remote())
