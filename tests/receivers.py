@@ -297,7 +297,11 @@ class ThreadedProbe(WeightReceiver):
         self.model = make_probe_model(width)
         self.connect_hub(hub, models={"probe": "model"}, zero_copy=zero_copy)
 
-    def probe(self, seconds: float, safe_points: bool) -> dict:
+    def probe(self, seconds: float, safe_points: bool, entered=None) -> dict:
+        """Read the model for ``seconds``; ``entered`` (a ``Gate``) is opened once this
+        method holds the model (a threaded actor may start calls out of order)."""
+        if entered is not None:
+            ray.get(entered.open.remote())
         torn, seen, reads = 0, set(), 0
         end = time.monotonic() + seconds
         while time.monotonic() < end:
@@ -370,7 +374,11 @@ class FanOut(WeightReceiver):
             self.deferred.set()
         return ack
 
-    async def generate(self, prompts: int) -> list[float]:
+    async def generate(self, prompts: int, entered=None) -> list[float]:
+        """``entered`` (a ``Gate``) is opened once this method holds the model (an async
+        actor may start calls out of order)."""
+        if entered is not None:
+            await entered.open.remote()
         await self.deferred.wait()
         return list(await asyncio.gather(*(self.generate_one() for _ in range(prompts))))
 
@@ -664,7 +672,11 @@ class AsyncHost:
     async def attach(self, hub) -> None:
         self.receiver = raysync.attach(hub, self.model)
 
-    async def probe(self, seconds: float) -> dict:
+    async def probe(self, seconds: float, entered=None) -> dict:
+        """Read the model for ``seconds``, between safe points; ``entered`` (a ``Gate``)
+        is opened once this method runs (an async actor may start calls out of order)."""
+        if entered is not None:
+            await entered.open.remote()
         torn, seen, reads = 0, [], 0
         params = list(self.model.parameters())
         half = len(params) // 2

@@ -177,7 +177,9 @@ def test_an_async_actor_attached_from_a_coroutine_applies_between_its_reads(acto
     ray.get(host.attach.remote(hub))
     template = make_probe_model(64, 4)
     ray.get(hub.broadcast.remote(filled(template, 1.0)))
-    probe = host.probe.remote(2.0)
+    entered = start(actors, Gate)
+    probe = host.probe.remote(2.0, entered)
+    ray.get(entered.wait.remote())  # it reads before any version is sent
     tickets = ray.get(
         [hub.broadcast.remote(filled(template, float(v)), wait=False) for v in range(2, 9)]
     )

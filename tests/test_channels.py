@@ -143,7 +143,9 @@ def test_a_receiver_killed_fails_alone_and_the_channel_is_built_without_it(actor
     ready(collectors)
     ray.get(hub.broadcast.remote(make_policy()))
     assert sorted(hub.wait_channel("policy")) == ["c0", "c1", "c2"]
+    pid = actor_pid(collectors[2])
     ray.kill(collectors[2])
+    wait_process_exit(pid)  # else it may still read the channel (no call fails there)
     learner = make_policy()
     with pytest.raises(BroadcastError) as caught:
         ray.get(hub.broadcast.remote(learner))

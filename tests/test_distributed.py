@@ -131,6 +131,7 @@ def test_killed_receiver_fails_and_the_next_broadcast_reaches_the_others(actors)
     assert group_status(hub).members == ("ok0", "ok1", "victim")
 
     ray.kill(victim)
+    wait_dead(victim)  # else the next broadcast's call may still reach it
     # The hub does not know yet: the broadcast goes to the old group, whose collective
     # breaks. The victim is reported dead; the survivors read the learner's copy.
     learner = make_policy()

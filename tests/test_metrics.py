@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import ray
 
-from tests.helpers import ready, start, start_hub
+from tests.helpers import ready, start, start_hub, wait_dead
 from tests.receivers import Collector, make_policy
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>.*)\} (?P<value>\S+)$")
@@ -58,6 +58,7 @@ def test_the_hubs_metrics_appear_on_rays_endpoint_and_move(actors, metrics_url):
     ready([steady, victim])
     reports = [ray.get(hub.broadcast.remote(make_policy())) for _ in range(3)]
     ray.kill(victim, no_restart=True)
+    wait_dead(victim)  # else the next broadcast's call may still reach it
     failed = ray.get(hub.broadcast.remote(make_policy(), raise_on_failure=False))
     assert set(failed.failed) == {"victim"}
     hub_id = hub.config.hub_id

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from raysync.ordering import InOrder, ThreadsInOrder
 
@@ -104,10 +105,27 @@ def _run_threads(gate: ThreadsInOrder, calls: list[tuple[str, int]]) -> list[tup
         thread = threading.Thread(target=section)
         thread.start()
         threads.append(thread)
+        _wait_until_waiting_or_ran(gate, stream, number, ran, thread)
     for thread in threads:
         thread.join(timeout=10)
         assert not thread.is_alive()
     return ran
+
+
+def _wait_until_waiting_or_ran(
+    gate: ThreadsInOrder, stream: str, number: int, ran: list, thread: threading.Thread
+) -> None:
+    """Return once ``thread``'s section of call ``number`` waits for its turn, or ran."""
+    deadline = time.monotonic() + 10
+
+    def settled() -> bool:
+        with gate.lock:  # entering and waiting happen under it: seen whole or not at all
+            waiting = gate._turns._waiting.get(stream, set())
+            return (stream, number) in ran or number in waiting or not thread.is_alive()
+
+    while not settled():
+        assert time.monotonic() < deadline, f"call {number} of {stream!r} never came in"
+        time.sleep(0.001)
 
 
 def test_threads_run_their_sections_in_number_order():

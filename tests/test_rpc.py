@@ -33,6 +33,7 @@ from tests.helpers import (
     hold_until_opened,
     ready,
     start,
+    wait_dead,
     wait_process_exit,
     wait_until,
 )
@@ -106,6 +107,7 @@ def test_killed_receiver_fails_and_the_next_broadcast_reaches_the_others(actors)
     ray.get(hub.broadcast.remote(make_policy()))
 
     ray.kill(victim)
+    wait_dead(victim)  # else the next broadcast's call may still reach it
     learner = make_policy()
     report = ray.get(hub.broadcast.remote(learner, raise_on_failure=False), timeout=60)
     # Each receiver has its own RPC: the dead one fails alone.

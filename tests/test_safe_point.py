@@ -27,14 +27,16 @@ _TEMPLATE = make_probe_model()
 
 
 def _probe_while_broadcasting(
-    hub, probe, safe_points: bool, first: int, broadcasts: int = 12, template=_TEMPLATE
+    actors, hub, probe, safe_points: bool, first: int, broadcasts: int = 12, template=_TEMPLATE
 ):
     """Broadcast value ``first``, then ``broadcasts`` more while the probe reads its model
     for 2.5 s; the probe's result (reads, torn reads, the values it saw)."""
     ray.get(hub.broadcast.remote(filled(template, float(first))))
     if hub.config.channels:  # the first broadcast asked for the learner's channel
         assert hub.wait_channel("probe") != ()
-    result_ref = probe.probe.remote(2.5, safe_points)
+    entered = start(actors, Gate)
+    result_ref = probe.probe.remote(2.5, safe_points, entered)
+    ray.get(entered.wait.remote())  # it holds the model before any version is sent
     acks = [
         hub.broadcast.remote(filled(template, float(v)), wait=False)
         for v in range(first + 1, first + broadcasts + 1)
@@ -63,18 +65,17 @@ def test_user_code_never_sees_a_torn_model(actors, transport, channels, probe_cl
     probe = start(actors, probe_cls, hub, width=width)
     ready([probe])
     try:
-        result = _probe_while_broadcasting(hub, probe, True, first=1, template=template)
+        result = _probe_while_broadcasting(actors, hub, probe, True, first=1, template=template)
         assert result["reads"] > 10
         assert result["torn"] == 0
         # Updates really landed while the probe ran: it saw several versions.
         assert len(result["seen"]) > 1, result
 
-        result = _probe_while_broadcasting(hub, probe, False, first=100, template=template)
+        result = _probe_while_broadcasting(actors, hub, probe, False, first=100, template=template)
         assert result["torn"] == 0
-        if channels:  # a write on the graph's thread may land before the queued method starts
-            assert len(result["seen"]) == 1 and result["seen"][0] >= 100.0, result
-        else:  # the deliveries queue behind the method's call
-            assert result["seen"] == [100.0], result
+        # It held the model before any of them was sent: they wait for it (the calls'
+        # deliveries queue behind it, the channel's writes for its read to end).
+        assert result["seen"] == [100.0], result
     finally:
         hub.release()
 
@@ -112,7 +113,9 @@ def test_an_async_actor_fanning_out_to_its_own_methods_while_an_update_waits_goe
     engine = start(actors, FanOut, hub)
     ready([engine])
     ray.get(hub.broadcast.remote(filled(_TEMPLATE, 1.0)))
-    generating = engine.generate.remote(3)
+    entered = start(actors, Gate)
+    generating = engine.generate.remote(3, entered)
+    ray.get(entered.wait.remote())  # it holds the model before the version is sent
     report = hub.broadcast.remote(filled(_TEMPLATE, 2.0))
     assert ray.get(generating, timeout=30) == [1.0, 1.0, 1.0]
     assert ray.get(report, timeout=30).failed == {}

@@ -677,7 +677,7 @@ def test_a_learner_whose_slots_stay_held_fails_after_one_slot_wait(actors, monke
             for _ in range(2 * MAX_SLOTS):
                 asked.clear()
                 sent = hub.broadcast.remote(
-                    template, model="m", timeout_s=0.5, raise_on_failure=False
+                    template, model="m", timeout_s=2.0, raise_on_failure=False
                 )
                 assert ray.get(sent, timeout=60).acked == ("quick",)
         assert "stayed held" in str(caught.value)

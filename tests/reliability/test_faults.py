@@ -281,6 +281,7 @@ def test_failure_report_raises_by_default(actors, transport):
     victim = start(actors, Collector, hub, worker_id="victim")
     ready([victim])
     ray.kill(victim)
+    wait_dead(victim)  # else the broadcast's call may still reach it
     with pytest.raises(BroadcastError, match="victim"):
         ray.get(hub.broadcast.remote(make_policy(), timeout_s=10))
 
