@@ -604,6 +604,15 @@ def close_receiver(host) -> None:
     host._raysync_receiver.close()
 
 
+def rpc_versions_kept(_host) -> int:
+    """Runs in an actor through ``__ray_call__``: how many versions landed in its
+    process's RPC inboxes and are kept there, untaken."""
+    from raysync.transports.rpc import receiver as rpc_receiver
+
+    whole = sum(len(versions) for versions in rpc_receiver._INBOX._landed.values())
+    return whole + len(rpc_receiver._BUCKETS._landing)
+
+
 def connect_again_failing_transport(host, hub) -> None:
     """Runs in a Collector through ``__ray_call__``: ``connect_hub`` again, under the same
     worker id, its transport receiver failing to open once the hub accepted it (as a

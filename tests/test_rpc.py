@@ -47,6 +47,7 @@ from tests.receivers import (
     connect_policy_again,
     fail_next_rpc_join,
     make_policy,
+    rpc_versions_kept,
     state_of,
 )
 
@@ -84,6 +85,29 @@ def test_bitwise_every_version(actors):
         status = agent_status(hub)
     assert sorted(status.members) == ["w0", "w1", "w2"]
     assert status.sent == 9 and status.failures == ()
+
+
+def test_a_receiver_closed_while_busy_keeps_none_of_what_landed_for_it(actors):
+    """Versions land on the RPC threads while the host is busy; its receiver then
+    closed, and their deliveries, queued behind, found it closed and took nothing:
+    what had landed was kept for the process's life (a whole model each)."""
+    hub = start_rpc_hub(actors)
+    template = special_weights()
+    busy, other = (start(actors, Holder, hub, template, w) for w in ("busy", "other"))
+    ready([busy, other])
+    ray.get(hub.broadcast.remote(special_weights(1.0)))
+    gate = start(actors, Gate)
+    blocked = hold_until_opened(actors, busy, gate)
+    closing = busy.__ray_call__.remote(close_receiver)  # queued behind the hold
+    for value in (2.0, 3.0):
+        report = ray.get(
+            hub.broadcast.remote(special_weights(value), timeout_s=3, raise_on_failure=False)
+        )
+        assert report.acked == ("other",), report
+    wait_until(lambda: agent_status(hub).sent == 6, what="both versions landed in busy")
+    ray.get(gate.open.remote())
+    ray.get([blocked, closing])
+    assert ray.get(busy.__ray_call__.remote(rpc_versions_kept)) == 0
 
 
 def test_a_closed_hub_leaves_no_rank_book_in_the_gcs(actors):

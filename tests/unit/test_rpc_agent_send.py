@@ -227,9 +227,13 @@ def test_a_receiver_dropped_from_a_bucketed_version_is_told_why(monkeypatch):
     assert list(dropped) == ["w0"] and "not done within 0.2 s" in dropped["w0"]
     told = [(to, args) for to, func, args in calls if func is abandon_bucketed]
     assert told == [(stalled, (KEY, seq, f"the RPC agent gave it up: {dropped['w0']}"))]
-    abandon_bucketed(*told[0][1])  # as it runs on w0's RPC thread pool: w0's fetch fails now
-    with pytest.raises(TransportError, match="gave it up: RPC to w0 not done within 0.2 s"):
-        receiver_inbox._BUCKETS.take(KEY, seq, count=2, timeout_s=30)
+    receiver_inbox._BUCKETS.opened()  # w0's receiver
+    try:
+        abandon_bucketed(*told[0][1])  # as it runs on w0's RPC thread pool: its fetch fails now
+        with pytest.raises(TransportError, match="gave it up: RPC to w0 not done within 0.2 s"):
+            receiver_inbox._BUCKETS.take(KEY, seq, count=2, timeout_s=30)
+    finally:
+        receiver_inbox._BUCKETS.closed()
 
 
 def _whole(agent: rpc_agent.RpcAgentActor, seq: int, copy: Exception | None):
@@ -281,9 +285,13 @@ def test_receivers_of_a_version_the_agent_cannot_read_are_told_why_at_once(monke
         rpc_name(KEY, 2): (KEY, 21, outcomes["w1"]),
     }
     assert not [call for call in calls if call[1] is land]
-    abandon_whole(*told[rpc_name(KEY, 1)])  # as it runs on w0's RPC thread pool
-    with pytest.raises(TransportError, match="could not read the update.*object is lost"):
-        receiver_inbox._INBOX.take(KEY, 21, timeout_s=30)
+    receiver_inbox._INBOX.opened()  # w0's receiver
+    try:
+        abandon_whole(*told[rpc_name(KEY, 1)])  # as it runs on w0's RPC thread pool
+        with pytest.raises(TransportError, match="could not read the update.*object is lost"):
+            receiver_inbox._INBOX.take(KEY, 21, timeout_s=30)
+    finally:
+        receiver_inbox._INBOX.closed()
 
 
 def test_a_receiver_whose_version_failed_to_land_is_told_why_at_once(monkeypatch):
@@ -298,9 +306,13 @@ def test_a_receiver_whose_version_failed_to_land_is_told_why_at_once(monkeypatch
     assert outcomes["w1"] is None and "connection reset by peer" in outcomes["w0"]
     told = [(to, args) for to, func, args in calls if func is abandon_whole]
     assert told == [(rpc_name(KEY, 1), (KEY, 22, outcomes["w0"]))]
-    abandon_whole(*told[0][1])
-    with pytest.raises(TransportError, match="connection reset by peer"):
-        receiver_inbox._INBOX.take(KEY, 22, timeout_s=30)
+    receiver_inbox._INBOX.opened()  # w0's receiver
+    try:
+        abandon_whole(*told[0][1])
+        with pytest.raises(TransportError, match="connection reset by peer"):
+            receiver_inbox._INBOX.take(KEY, 22, timeout_s=30)
+    finally:
+        receiver_inbox._INBOX.closed()
 
 
 @pytest.mark.parametrize("joined", [True, False])

@@ -6,6 +6,7 @@ reused, and versions never taken are dropped per model."""
 from __future__ import annotations
 
 import threading
+from typing import TypeVar
 
 import pytest
 import torch
@@ -13,9 +14,17 @@ import torch
 from raysync.transports.base import TransportError
 from raysync.transports.rpc.receiver import _BucketInbox, _Inbox
 
+Inbox = TypeVar("Inbox", _BucketInbox, _Inbox)
+
+
+def _open(inbox: Inbox) -> Inbox:
+    """``inbox`` with a receiver of its process open (what lands is kept for it)."""
+    inbox.opened()
+    return inbox
+
 
 def test_buckets_land_at_their_offsets_and_take_returns_the_whole_buffer():
-    inbox = _BucketInbox()
+    inbox = _open(_BucketInbox())
     data = torch.arange(64, dtype=torch.uint8)
 
     def land_all():
@@ -35,7 +44,7 @@ def test_buckets_land_at_their_offsets_and_take_returns_the_whole_buffer():
 
 
 def test_a_version_the_agent_gave_up_raises_its_reason():
-    inbox = _BucketInbox()
+    inbox = _open(_BucketInbox())
     inbox.put("hub", 1, 64, [(0, 16)], [torch.zeros(16, dtype=torch.uint8)])
     inbox.fail("hub", 1, "bucket 1 of 4: the learner stopped sending this version")
     with pytest.raises(TransportError, match="#1 of RPC hub hub: bucket 1 of 4: the learner"):
@@ -43,14 +52,14 @@ def test_a_version_the_agent_gave_up_raises_its_reason():
 
 
 def test_a_version_that_stops_landing_raises_after_the_timeout_naming_the_bucket():
-    inbox = _BucketInbox()
+    inbox = _open(_BucketInbox())
     inbox.put("hub", 1, 64, [(0, 16)], [torch.zeros(16, dtype=torch.uint8)])
     with pytest.raises(TransportError, match=r"bucket 1 of 3 did not land within 0.1 s"):
         inbox.take("hub", 1, count=3, timeout_s=0.1)
 
 
 def test_versions_left_far_behind_are_dropped_when_a_newer_one_is_taken():
-    inbox = _BucketInbox()
+    inbox = _open(_BucketInbox())
     inbox.put("hub", 1, 64, [(0, 16)], [torch.ones(16, dtype=torch.uint8)])  # never taken
     inbox.put("hub", 10, 64, [(0, 64)], [torch.zeros(64, dtype=torch.uint8)])
     inbox.take("hub", 10, count=1, timeout_s=10)
@@ -61,7 +70,7 @@ def test_versions_left_far_behind_are_dropped_when_a_newer_one_is_taken():
 def test_another_models_version_far_behind_is_kept_for_its_own_take():
     """The numbers are the hub's, across models: a receiver of two models that takes
     model b's #10 has not given up model a's #1, which its delivery takes later."""
-    inbox = _BucketInbox()
+    inbox = _open(_BucketInbox())
     inbox.put("hub", 1, 64, [(0, 64)], [torch.ones(64, dtype=torch.uint8)], "a")
     inbox.put("hub", 10, 64, [(0, 64)], [torch.zeros(64, dtype=torch.uint8)], "b")
     inbox.take("hub", 10, count=1, timeout_s=10)
@@ -74,7 +83,7 @@ def test_a_version_turned_down_is_dropped_and_its_buffer_reused():
     """Turned down while its buckets land: what landed goes back for reuse, and what
     lands after is not kept (a new buffer nobody took stayed until four versions of
     its model were taken)."""
-    inbox = _BucketInbox()
+    inbox = _open(_BucketInbox())
     inbox.put("hub", 1, 64, [(0, 32)], [torch.ones(32, dtype=torch.uint8)], "a")
     inbox.discard("hub", 1)
     inbox.put("hub", 1, 64, [(32, 32)], [torch.ones(32, dtype=torch.uint8)], "a")
@@ -86,7 +95,7 @@ def test_a_version_turned_down_is_dropped_and_its_buffer_reused():
 def test_whole_versions_far_behind_are_dropped_per_model():
     """The whole-version inbox: a version far behind of the model taken is dropped (its
     delivery never came), another model's is kept, and one turned down goes at once."""
-    inbox = _Inbox()
+    inbox = _open(_Inbox())
     one = [torch.ones(2)]
     inbox.put("hub", 1, one, "a")
     inbox.put("hub", 2, one, "b")
@@ -120,7 +129,7 @@ def test_a_buffer_a_late_bucket_still_lands_in_is_not_given_to_the_next_version(
         real_place(buffer, places, pieces)
 
     monkeypatch.setattr(rpc_receiver, "place", stalled_place)
-    inbox = _BucketInbox()
+    inbox = _open(_BucketInbox())
     late = threading.Thread(
         target=inbox.put, args=("hub", 1, 64, [(0, 64)], [torch.ones(64, dtype=torch.uint8)])
     )
@@ -139,7 +148,7 @@ def test_a_buffer_a_late_bucket_still_lands_in_is_not_given_to_the_next_version(
 def test_versions_of_a_group_this_process_left_are_dropped_and_no_more_land():
     """The agent was replaced before the deliveries of what it sent here ran: the new
     group's keys never take them, so they went only when the process exited."""
-    whole, buckets = _Inbox(), _BucketInbox()
+    whole, buckets = _open(_Inbox()), _open(_BucketInbox())
     data = torch.zeros(64, dtype=torch.uint8)
     whole.put("old", 1, [data], "m")
     buckets.put("old", 1, 64, [(0, 16)], [data[:16]], "m")
@@ -160,7 +169,7 @@ def test_a_give_up_no_delivery_takes_is_forgotten_once_far_behind(monkeypatch):
     (or for a version turned down): a record no ``take`` pops, of no model, which the
     per-model window never dropped. Each stayed for the process's life."""
     monkeypatch.setattr("raysync.transports.rpc.receiver._FAILED_KEPT", 8)
-    inbox = _BucketInbox()
+    inbox = _open(_BucketInbox())
     inbox.discard("hub", 1)
     inbox.fail("hub", 1, "turned down first")
     inbox.fail("hub", 2, "its delivery had timed out")
@@ -174,7 +183,7 @@ def test_a_version_taken_once_is_refused_at_once_to_a_second_delivery_of_it():
     """The hub delivers to the same process again after ActorUnavailableError; the
     first call took the version (and failed after, or is superseded): the second take
     raises at once instead of waiting out its timeout with the host blocked."""
-    whole, buckets = _Inbox(), _BucketInbox()
+    whole, buckets = _open(_Inbox()), _open(_BucketInbox())
     whole.put("hub", 1, [torch.ones(4)], "m")
     buckets.put("hub", 2, 16, [(0, 16)], [torch.zeros(16, dtype=torch.uint8)], "m")
     whole.take("hub", 1, timeout_s=10)
@@ -183,3 +192,25 @@ def test_a_version_taken_once_is_refused_at_once_to_a_second_delivery_of_it():
         whole.take("hub", 1, timeout_s=600)
     with pytest.raises(TransportError, match="#2 of RPC hub hub was taken by an earlier delivery"):
         buckets.take("hub", 2, count=1, timeout_s=600)
+
+
+def test_what_lands_once_the_last_receiver_here_closed_is_not_kept():
+    """A receiver closed while busy (its deliveries queued behind the host's method,
+    then answered "not attached", taking nothing): the versions that had landed for it
+    were kept for the process's life, each a whole model."""
+    whole, buckets = _open(_Inbox()), _open(_BucketInbox())
+    whole.opened()  # a second receiver of this process, closed first
+    whole.put("k", 1, [torch.ones(4)], "m")
+    buckets.put("k", 1, 8, [(0, 8)], [torch.ones(8, dtype=torch.uint8)], "m")
+    whole.closed()
+    assert list(whole._landed["k"]) == [1]  # one receiver is still open: kept for it
+    whole.closed()
+    buckets.closed()
+    assert whole._landed == {} and buckets._landing == {} and buckets._free == {}
+    whole.put("k", 2, [torch.ones(4)], "m")  # in flight when it closed
+    buckets.put("k", 2, 8, [(0, 8)], [torch.ones(8, dtype=torch.uint8)], "m")
+    whole.fail("k", 3, "the agent gave it up")
+    assert whole._landed == {} and whole._failed == {} and buckets._landing == {}
+    whole.opened()  # a receiver opens again: kept for it
+    whole.put("k", 4, [torch.full((4,), 4.0)], "m")
+    assert whole.take("k", 4, timeout_s=1)[0][0] == 4.0

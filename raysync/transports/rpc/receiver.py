@@ -63,7 +63,9 @@ class _Inbox:
 
     Every pushed version is kept until its delivery takes it (or a version more than
     ``_INBOX_WINDOW`` newer is taken): a receiver kept busy for many broadcasts holds
-    each of them here, as it would hold their object-store references otherwise.
+    each of them here, as it would hold their object-store references otherwise. Once
+    no receiver of this process is open, nothing is kept: its deliveries queued behind
+    a busy host find it closed and take nothing.
     """
 
     def __init__(self) -> None:
@@ -76,12 +78,29 @@ class _Inbox:
         self._taken = _RecentVersions()
         #: keys of groups this process left: what lands under one now is never taken
         self._gone: set[str] = set()
+        #: this process's open receivers (see :meth:`opened`)
+        self._receivers = 0
+
+    def opened(self) -> None:
+        """A receiver of this process opened: what lands is kept for its deliveries."""
+        with self._cond:
+            self._receivers += 1
+
+    def closed(self) -> None:
+        """A receiver of this process closed: once none is open, drop what landed and
+        what still lands (no delivery takes it: the hub forgot the receiver)."""
+        with self._cond:
+            self._receivers -= 1
+            if not self._receivers:
+                self._landed.clear()
+                self._failed.clear()
 
     def put(self, key: str, seq: int, tensors: list[torch.Tensor], model: str = "") -> None:
         with self._cond:
-            if (key, seq) not in self._turned_down and key not in self._gone:
-                self._landed.setdefault(key, {})[seq] = (model, tensors)
-                self._cond.notify_all()
+            if (key, seq) in self._turned_down or key in self._gone or not self._receivers:
+                return
+            self._landed.setdefault(key, {})[seq] = (model, tensors)
+            self._cond.notify_all()
 
     def discard(self, key: str, seq: int) -> None:
         """Its delivery turned version #``seq`` down: drop it, now or as it lands."""
@@ -91,7 +110,7 @@ class _Inbox:
 
     def fail(self, key: str, seq: int, why: str) -> None:
         with self._cond:
-            if key not in self._gone:
+            if key not in self._gone and self._receivers:
                 self._failed.setdefault(key, {})[seq] = why
                 self._cond.notify_all()
 
@@ -160,6 +179,22 @@ class _BucketInbox:
         self._taken = _RecentVersions()
         #: keys of groups this process left (see :meth:`_Inbox.forget`)
         self._gone: set[str] = set()
+        #: this process's open receivers (see :meth:`_Inbox.opened`)
+        self._receivers = 0
+
+    def opened(self) -> None:
+        with self._cond:
+            self._receivers += 1
+
+    def closed(self) -> None:
+        """As :meth:`_Inbox.closed`; the buffers kept for reuse go too (a receiver
+        opened later makes its own)."""
+        with self._cond:
+            self._receivers -= 1
+            if not self._receivers:
+                for landing in list(self._landing):
+                    self._drop(landing)
+                self._free.clear()
 
     def put(
         self,
@@ -171,7 +206,7 @@ class _BucketInbox:
         model: str = "",
     ) -> None:
         with self._cond:
-            if (key, seq) in self._turned_down or key in self._gone:
+            if (key, seq) in self._turned_down or key in self._gone or not self._receivers:
                 return  # its delivery came first and turned it down, or it never will
             landing = self._landing.get((key, seq))
             if landing is None:
@@ -192,7 +227,7 @@ class _BucketInbox:
 
     def fail(self, key: str, seq: int, why: str) -> None:
         with self._cond:
-            if (key, seq) in self._turned_down or key in self._gone:
+            if (key, seq) in self._turned_down or key in self._gone or not self._receivers:
                 return  # no delivery takes it
             landing = self._landing.get((key, seq))
             if landing is None:
@@ -248,12 +283,6 @@ class _BucketInbox:
         with self._cond:
             self._drop((key, seq))
             self._turned_down.add((key, seq))
-
-    def clear_free(self) -> None:
-        """Forget the buffers kept for reuse (a receiver here closed; the next version
-        that lands makes its own)."""
-        with self._cond:
-            self._free.clear()
 
     def forget(self, key: str) -> None:
         """This process left the group of ``key``: drop its landings (their buffers
@@ -424,6 +453,9 @@ class _Membership:
 class RpcReceiver(TransportReceiver):
     def __init__(self, member: RpcMember) -> None:
         self._member = _Membership.join(member)
+        _INBOX.opened()
+        _BUCKETS.opened()
+        self._closed = False
         #: the learner's put(s), or a bucket stream served to this receiver
         self._pull = PartedReceiver(ObjectStoreReceiver(member.worker))
         self._lock = threading.Lock()
@@ -471,4 +503,9 @@ class RpcReceiver(TransportReceiver):
 
     def close(self) -> None:
         self._pull.close()
-        _BUCKETS.clear_free()  # staging kept for reuse (a later receiver here makes its own)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _INBOX.closed()
+        _BUCKETS.closed()
