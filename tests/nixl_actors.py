@@ -205,3 +205,18 @@ def nixl_level_once_rays_agent_is_made(_actor) -> tuple[bool, int]:
 
     made = ray_agent_progress() is not None
     return made, logging.getLogger("nixl").getEffectiveLevel()
+
+
+def set_rays_rdt_fetch_limit(_actor, seconds: float) -> None:
+    """In an actor: Ray's own limit on one RDT fetch (0: each fetch ends at once, its
+    READ started and left running, as one past Ray's limit does)."""
+    from ray._private import ray_constants
+
+    ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS = seconds
+
+
+def staging_set_aside(actor) -> int:
+    """In an ``rdt`` receiver: how many staging buffers its pool set aside (a READ into
+    each may still run)."""
+    pool = actor._raysync_receiver.core.transport.inner._pool
+    return sum(len(buffers) for buffers in pool._set_aside.values())

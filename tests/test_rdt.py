@@ -32,6 +32,8 @@ from tests.nixl_actors import (
     big_model,
     digest,
     nixl_level_once_rays_agent_is_made,
+    set_rays_rdt_fetch_limit,
+    staging_set_aside,
 )
 from tests.receivers import Collector, make_policy, state_of
 
@@ -202,6 +204,29 @@ def test_a_receiver_busy_past_its_timeouts_does_not_stall_the_learner(actors, mo
     assert_same(ray.get(busy.state.remote()), weights)
 
 
+def test_a_read_past_rays_own_fetch_limit_sets_its_buffer_aside(actors):
+    """Ray ends an RDT fetch at its own limit (60 s), below the receiver's, and its
+    READ may go on: the receiver took that for a lost object, blamed the learner and
+    freed the staging buffer, so the next version was read into memory the late READ
+    still wrote (a torn version, acked as applied). The buffer is set aside."""
+    hub = start_hub(actors, "rdt")
+    receiver = start(actors, RdtHolder, hub, state_of(make_policy()), "r")
+    ready([receiver])
+    ray.get(hub.broadcast.remote(state_of(make_policy()), model="m"))
+    ray.get(receiver.__ray_call__.remote(set_rays_rdt_fetch_limit, 0.0))
+    report = ray.get(
+        hub.broadcast.remote(state_of(make_policy()), model="m", raise_on_failure=False)
+    )
+    assert set(report.failed) == {"r"}, report
+    assert "Ray's own limit is 0 s" in report.failed["r"], report.failed
+    assert "may have died" not in report.failed["r"], report.failed  # the learner did not
+    assert ray.get(receiver.__ray_call__.remote(staging_set_aside)) == 1
+    ray.get(receiver.__ray_call__.remote(set_rays_rdt_fetch_limit, 60.0))
+    weights = state_of(make_policy())
+    assert ray.get(hub.broadcast.remote(weights, model="m")).acked == ("r",)
+    assert_same(ray.get(receiver.state.remote()), weights)
+
+
 def test_two_models_of_one_spec_broadcast_in_turn_never_wait_for_each_other(actors, caplog):
     """The hub keeps each model's latest version (late joiners read it): with two
     models of one spec, the learner's buffer of one model's latest is not the other's
@@ -294,3 +319,4 @@ def test_a_ring_slot_still_held_when_its_broadcast_ends_is_left_and_its_stream_e
     finally:
         for tensor in ring.tensors:
             deregister_nixl_memory(tensor)
+

@@ -12,6 +12,7 @@ from typing import Any
 
 import ray
 import torch
+from ray._private import ray_constants
 
 from raysync.copies import wait_for_devices
 from raysync.layout import PackedLayout
@@ -27,7 +28,9 @@ from raysync.transports.rdt.wire import RdtBucketStream, RdtPayload
 from raysync.transports.staging import StagingPool, StillWriting, staging_device
 
 #: Seconds a receiver's ``ray.get`` of one RDT object may take, plus one per
-#: :data:`READ_FLOOR_BYTES_PER_S` of its bytes (a whole version is one object).
+#: :data:`READ_FLOOR_BYTES_PER_S` of its bytes (a whole version is one object); Ray
+#: ends the fetch at its own limit before that (60 s unless
+#: ``RAY_rdt_fetch_fail_timeout_milliseconds`` says otherwise).
 READ_TIMEOUT_S = 60.0
 #: The slowest rate a read is given time for (NIXL over TCP alone measured 250-340 MB/s
 #: here, docs/benchmarks.md).
@@ -123,9 +126,14 @@ def _read_into(ref: ray.ObjectRef, place: torch.Tensor, what: str) -> None:
     try:
         set_target_for_ref(ref, [place])
         (received,) = ray.get(ref, timeout=limit_s)
-    except ray.exceptions.GetTimeoutError as err:  # Ray's READ into ``place`` may go on
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.ObjectFetchTimedOutError) as err:
+        # Ray's READ into ``place`` may go on. Ray ends a fetch at its own limit too
+        # (ObjectFetchTimedOutError, an ObjectLostError: not the learner's fault).
+        ray_limit_s = ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS
         raise StillWriting(
-            f"Ray's NIXL tensor transport did not fetch {what} within {limit_s:g} s"
+            f"Ray's NIXL tensor transport did not fetch {what} within "
+            f"{min(limit_s, ray_limit_s):g} s (Ray's own limit is {ray_limit_s:g} s: "
+            "RAY_rdt_fetch_fail_timeout_milliseconds)"
         ) from err
     except (ray.exceptions.RayError, ValueError) as err:
         raise TransportError(
