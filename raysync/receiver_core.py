@@ -797,6 +797,9 @@ class ReceiverCore:
                 update.version,
                 update.model,
             )
+        # Its ack waits for the newer one's safe point: it keeps no reference to the
+        # data (an RDT object's is the learner's buffer, which it then cannot reuse).
+        update = dataclasses.replace(update, payload=None)
 
         def outcome(newer: Ack) -> Ack:
             return dataclasses.replace(follow(newer), token=token)

@@ -12,7 +12,15 @@ import torch
 
 from raysync import WeightReceiver
 from tests.helpers import run_in_threads
-from tests.receivers import Collector, Holder, _stall_fetches, _Stalls, make_policy, state_of
+from tests.receivers import (
+    AsyncLeaver,
+    Collector,
+    Holder,
+    _stall_fetches,
+    _Stalls,
+    make_policy,
+    state_of,
+)
 
 #: Big enough that one READ takes tens of milliseconds, so kills land mid-transfer.
 _BIG_NUMEL = 32 << 20  # 128 MB of float32
@@ -186,6 +194,12 @@ class RdtLearner(Learner.__ray_actor_class__):
 @ray.remote(**_RDT)
 class RdtHolder(Holder.__ray_actor_class__):
     pass
+
+
+@ray.remote(**_RDT)
+class RdtAsyncHolder(AsyncLeaver.__ray_actor_class__):
+    """An async rdt receiver whose ``hold`` keeps its policy held: versions that come
+    meanwhile are deferred to its end."""
 
 
 @ray.remote(**_RDT)

@@ -24,6 +24,7 @@ from tests.helpers import (
 )
 from tests.nixl_actors import (
     Learner,
+    RdtAsyncHolder,
     RdtBigCollector,
     RdtCollector,
     RdtHashingCollector,
@@ -225,6 +226,35 @@ def test_a_read_past_rays_own_fetch_limit_sets_its_buffer_aside(actors):
     weights = state_of(make_policy())
     assert ray.get(hub.broadcast.remote(weights, model="m")).acked == ("r",)
     assert_same(ray.get(receiver.state.remote()), weights)
+
+
+def test_versions_an_async_receiver_defers_hold_no_learner_buffer_once_superseded(
+    actors, caplog
+):
+    """An async receiver in one long method defers each version to its end, and drops
+    the older one as a newer one comes (its staging freed). Its ack, which waits for
+    the newer one's outcome, still held the version's ObjectRef: the learner's buffer
+    of it, which the learner then set aside (a whole model's copy each), until none was
+    left and a send waited (REUSE_WAIT_S, 600 s) and failed everyone."""
+    hub = start_hub(actors, "rdt")
+    busy = start(actors, RdtAsyncHolder, hub, "busy", 0)
+    ready([busy])
+    ray.get(hub.broadcast.remote(make_policy()))
+    entered, leave = start(actors, Gate), start(actors, Gate)
+    held = busy.hold.remote(entered, leave)
+    ray.get(entered.wait.remote())
+    weights = make_policy()
+    with caplog.at_level(logging.WARNING, logger=rdt_learner.__name__):
+        for _ in range(4):  # each deferred, then superseded by the next
+            weights = make_policy()
+            report = ray.get(hub.broadcast.remote(weights, timeout_s=1.0, raise_on_failure=False))
+            assert set(report.failed) == {"busy"}, report  # not applied within 1 s
+    assert hub._side.senders["rdt"]._set_aside == []
+    assert "set aside" not in caplog.text
+    ray.get(leave.open.remote())
+    ray.get(held)
+    wait_until(lambda: ray.get(busy.weights_version.remote()) == 5, what="busy holds v5")
+    assert_same(ray.get(busy.state.remote()), state_of(weights))
 
 
 def test_two_models_of_one_spec_broadcast_in_turn_never_wait_for_each_other(actors, caplog):
