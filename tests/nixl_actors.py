@@ -234,3 +234,18 @@ def staging_set_aside(actor) -> int:
     each may still run)."""
     pool = actor._raysync_receiver.core.transport.inner._pool
     return sum(len(buffers) for buffers in pool._set_aside.values())
+
+
+def stall_next_rdt_read(_actor, gate) -> None:
+    """In an ``rdt`` receiver: its next READ of an RDT object waits for ``gate`` first,
+    holding the object's ref (a reader stalled mid-stream); the later ones go."""
+    from raysync.transports.rdt import receiver as rdt_receiver
+
+    read_into = rdt_receiver._read_into
+
+    def stalled(ref: ray.ObjectRef, place: torch.Tensor, what: str) -> None:
+        rdt_receiver._read_into = read_into
+        ray.get(gate.wait.remote())
+        read_into(ref, place, what)
+
+    rdt_receiver._read_into = stalled

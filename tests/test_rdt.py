@@ -35,6 +35,7 @@ from tests.nixl_actors import (
     nixl_level_once_rays_agent_is_made,
     set_rays_rdt_fetch_limit,
     staging_set_aside,
+    stall_next_rdt_read,
 )
 from tests.receivers import Collector, make_policy, state_of
 
@@ -350,3 +351,53 @@ def test_a_ring_slot_still_held_when_its_broadcast_ends_is_left_and_its_stream_e
         for tensor in ring.tensors:
             deregister_nixl_memory(tensor)
 
+
+
+def test_a_ring_slot_a_dropped_reader_still_reads_is_set_aside_for_a_new_one(actors):
+    """A reader the broker dropped (stalled past its limit) may still be in its get of
+    a slot's object, up to Ray's fetch limit (60 s): the learner waited for it, every
+    other reader failed at its timeout, and so did the ring's next version. Once the
+    broker made room, a slot still referenced a moment later is set aside, and a new
+    one takes its place; it is let go once Ray frees it."""
+    ring = rdt_learner._new_ring(1024, torch.device("cpu"))  # this process is the learner
+    first = ring._slots[0]
+    view = first.tensor[:512]
+    held = ray.put([view], _tensor_transport="nixl")  # what the dropped reader holds
+    first.published = view
+    try:
+        fresh = ring._free_slot(0, _Running())
+        assert fresh is not None and fresh is not first and fresh.tensor is not first.tensor
+        assert ring._slots[0] is fresh and ring._set_aside == [first]
+        assert len(ring.tensors) == 3  # the sender deregisters the one set aside too
+        ring._let_go_of_freed()
+        assert ring._set_aside == [first]  # still held
+        del held
+        wait_until(lambda: ring._let_go_of_freed() or ring._set_aside == [], what="let go")
+        assert len(ring.tensors) == 2
+    finally:
+        from ray.experimental import deregister_nixl_memory
+
+        for tensor in ring.tensors:
+            deregister_nixl_memory(tensor)
+
+
+def test_a_reader_stalled_mid_stream_fails_alone_and_the_next_version_goes(actors):
+    """A reader stalled inside its get of bucket 0 is dropped by the broker (half the
+    timeout), but its get still holds that slot's object: the learner waited for it to
+    write bucket 2 there, the other reader failed at its timeout, and so did the next
+    version, whose first bucket needed that slot."""
+    hub = start_hub(actors, "rdt", bucket_mb=1 / 1024)  # the policy in three buckets
+    stalled, healthy = (start(actors, RdtCollector, hub, worker_id=w) for w in ("stalled", "ok"))
+    ready([stalled, healthy])
+    ray.get(hub.broadcast.remote(make_policy()))
+    gate = start(actors, Gate)
+    ray.get(stalled.__ray_call__.remote(stall_next_rdt_read, gate))
+    try:
+        for _ in range(2):
+            learner = make_policy()
+            sent = hub.broadcast.remote(learner, timeout_s=8, raise_on_failure=False)
+            report = ray.get(sent, timeout=60)
+            assert report.acked == ("ok",), report
+            assert_same(ray.get(healthy.state.remote()), state_of(learner))
+    finally:
+        ray.get(gate.open.remote())

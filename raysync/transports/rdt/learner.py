@@ -263,10 +263,22 @@ class RdtSender(TransportSender):
 
 
 def _new_ring(bucket_bytes: int, device: torch.device) -> RdtRing:
-    """Two bucket slots on ``device``, registered with Ray's NIXL agent."""
+    """Two bucket slots on ``device``, registered with Ray's NIXL agent (and more, each
+    in the place of one set aside for a straggling reader)."""
+    from ray.experimental import deregister_nixl_memory
+
+    return RdtRing(
+        [_new_slot(torch.empty(bucket_bytes, dtype=torch.uint8, device=device)) for _ in range(2)],
+        REUSE_WAIT_S,
+        new_slot=_new_slot,
+        deregister=deregister_nixl_memory,
+    )
+
+
+def _new_slot(like: torch.Tensor) -> torch.Tensor:
+    """A bucket slot like ``like``, registered with Ray's NIXL agent."""
     from ray.experimental import register_nixl_memory
 
-    slots = [torch.zeros(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-    for slot in slots:
-        register_nixl_memory(slot)
-    return RdtRing(slots, REUSE_WAIT_S)
+    slot = torch.zeros_like(like)
+    register_nixl_memory(slot)
+    return slot
