@@ -88,26 +88,37 @@ class AgentStatus:
     reader: str  #: how it names itself to the hub's bucket broker
 
 
-def _wait_for_all(futures: Sequence[torch.futures.Future], timeout_s: float) -> None:
-    """Until every one of ``futures`` is done, failed ones included, or ``timeout_s``
-    passed. (``torch.futures.collect_all`` completes at the first failure: one dead
-    receiver's refused call would count every other call still on its way as stalled.)"""
+async def _settled(futures: dict[str, torch.futures.Future], timeout_s: float | None) -> None:
+    """Return once every one of ``futures`` is done, failed ones included, or after
+    ``timeout_s`` (None: no limit; each call has torch's RPC timeout). Waits on the
+    event loop: a receiver whose calls hang (a stopped process) holds no thread, and
+    the sends to the others go on beside it. (``torch.futures.collect_all`` completes
+    at the first failure: one dead receiver's refused call would count every other
+    call still on its way as stalled.)"""
     if not futures:
         return
-    all_done = threading.Event()
-    lock = threading.Lock()
-    pending = len(futures)
+    loop = asyncio.get_running_loop()
+    waits = [_on_loop(loop, future) for future in futures.values()]
+    await asyncio.wait(waits, timeout=timeout_s)
 
-    def one_done(_: torch.futures.Future) -> None:
-        nonlocal pending
-        with lock:
-            pending -= 1
-            if pending == 0:
-                all_done.set()
 
-    for future in futures:
-        future.add_done_callback(one_done)
-    all_done.wait(timeout_s)
+def _on_loop(
+    loop: asyncio.AbstractEventLoop, future: torch.futures.Future
+) -> asyncio.Future[None]:
+    """A future of ``loop`` done once torch's ``future`` is (its callback runs on an RPC
+    thread)."""
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def settle_on_loop(_: torch.futures.Future) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle)
+
+    future.add_done_callback(settle_on_loop)
+    return done
 
 
 class RpcAgentActor:
@@ -238,8 +249,8 @@ class RpcAgentActor:
                 # Read-only views of the object store; RPC only reads them.
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                 tensors = [torch.from_numpy(a) for a in arrays]
-            outcomes = await asyncio.to_thread(
-                self._call_each, job.workers, land, (self._key, job.seq, tensors, job.model)
+            outcomes = await self._call_each(
+                job.workers, land, (self._key, job.seq, tensors, job.model)
             )
             self._sent += sum(why is None for why in outcomes.values())
         # Each receiver the version will not reach hears why now, not at its timeout.
@@ -261,16 +272,14 @@ class RpcAgentActor:
             ) as buckets:
                 async for bucket, pieces in buckets:
                     args = (self._key, job.seq, nbytes, bucket.pieces, pieces, job.model)
-                    dropped = await asyncio.to_thread(self._land_bucket, live, args)
+                    dropped = await self._land_bucket(live, args)
                     outcomes.update(dropped)
                     live = [worker for worker in live if worker not in dropped]
                     if not live:
                         break
         except TransportError as err:
             why = f"the agent could not read the version: {err}"
-            await asyncio.to_thread(
-                self._call_each, live, abandon_bucketed, (self._key, job.seq, why)
-            )
+            await self._call_each(live, abandon_bucketed, (self._key, job.seq, why))
             outcomes.update(dict.fromkeys(live, why))
             live = []
         finally:
@@ -290,15 +299,40 @@ class RpcAgentActor:
 
         await asyncio.to_thread(rpc.shutdown, graceful=False)
 
-    # -- worker threads --------------------------------------------------------------------
-    def _call_each(
+    async def _call_each(
         self, workers: Sequence[str], fn: Callable, args: tuple, stall_s: float | None = None
     ) -> dict[str, str | None]:
         """``rpc_async(worker, fn, args)`` to each of ``workers``, then wait for every
         call: None, or why it failed, per worker. With ``stall_s`` (a bucket), a call not
         made and done within ``stall_s`` fails: a receiver whose process stopped, or that
         never became reachable, would keep the others from the next bucket for the RPC
-        timeout, past the time they wait for it.
+        timeout, past the time they wait for it. The calls are made on a worker thread
+        (see :meth:`_make_calls`) and waited for on the event loop."""
+        limit = self._settings.timeout_s if stall_s is None else stall_s
+        started = time.monotonic()
+        futures, outcomes = await asyncio.to_thread(
+            self._make_calls, workers, fn, args, started, limit
+        )
+        await _settled(futures, None if stall_s is None else started + limit - time.monotonic())
+        for worker, future in futures.items():
+            if not future.done():
+                outcomes[worker] = f"RPC to {worker} not done within {stall_s:g} s"
+                continue
+            try:
+                future.wait()
+            except Exception as err:
+                outcomes[worker] = f"RPC to {worker} failed: {err}"
+            else:
+                outcomes[worker] = None
+        return outcomes
+
+    # -- worker threads --------------------------------------------------------------------
+    def _make_calls(
+        self, workers: Sequence[str], fn: Callable, args: tuple, started: float, limit: float
+    ) -> tuple[dict[str, torch.futures.Future], dict[str, str | None]]:
+        """``rpc_async(worker, fn, args)`` to each of ``workers``, made within ``limit`` of
+        ``started`` (``time.monotonic()``): each call's future, and why each call that
+        could not be made was not.
 
         A receiver admitted a moment ago, or moving here from a dead agent's group, may
         still be inside ``init_rpc``: until its join reaches this process ``rpc_async``
@@ -310,8 +344,6 @@ class RpcAgentActor:
         it held every later receiver's call back to the deadline)."""
         import torch.distributed.rpc as rpc
 
-        limit = self._settings.timeout_s if stall_s is None else stall_s
-        started = time.monotonic()
         deadline = started + limit
         with self._unreached_lock:
             unreached = self._unreached & set(workers)
@@ -323,7 +355,7 @@ class RpcAgentActor:
                 outcomes[worker] = "not a member of the RPC group (it left or died)"
             else:
                 pending[worker] = admitted.member.name
-        futures = {}
+        futures: dict[str, torch.futures.Future] = {}
         while pending:
             for worker, name in list(pending.items()):
                 try:
@@ -349,27 +381,15 @@ class RpcAgentActor:
                 del pending[worker]
             if pending:
                 time.sleep(0.01)
-        if stall_s is not None:
-            _wait_for_all(list(futures.values()), max(0.0, deadline - time.monotonic()))
-        for worker, future in futures.items():
-            if not future.done() and stall_s is not None:
-                outcomes[worker] = f"RPC to {worker} not done within {stall_s:g} s"
-                continue
-            try:
-                future.wait()
-            except Exception as err:
-                outcomes[worker] = f"RPC to {worker} failed: {err}"
-            else:
-                outcomes[worker] = None
-        return outcomes
+        return futures, outcomes
 
-    def _land_bucket(self, workers: Sequence[str], args: tuple) -> dict[str, str]:
+    async def _land_bucket(self, workers: Sequence[str], args: tuple) -> dict[str, str]:
         """One bucket (``land_bucket``'s ``args``) to each of ``workers``: why each that
         failed did. Those get no more buckets of the version, and are told so with
         ``abandon_bucketed``, not waited for: one whose call only stalled (a busy
         process) would otherwise wait the whole timeout for its next bucket and fail
         with a guess ("the RPC agent may have died") instead of this reason."""
-        called = self._call_each(workers, land_bucket, args, self._settings.timeout_s / 2)
+        called = await self._call_each(workers, land_bucket, args, self._settings.timeout_s / 2)
         dropped = {worker: why for worker, why in called.items() if why is not None}
         key, seq = args[0], args[1]
         for worker, why in dropped.items():

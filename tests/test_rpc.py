@@ -110,6 +110,38 @@ def test_a_receiver_closed_while_busy_keeps_none_of_what_landed_for_it(actors):
     assert ray.get(busy.__ray_call__.remote(rpc_versions_kept)) == 0
 
 
+def test_a_stopped_receiver_holds_up_none_of_the_others_sends(actors):
+    """A receiver whose process stopped (SIGSTOP: alive, answering nothing) leaves each
+    send's call to it pending for the agent's RPC timeout. Each send waited for its
+    calls on a thread of the agent's default pool (6 threads on 2 cores): a few
+    broadcasts in a row took them all, and the next ones' versions reached the healthy
+    receivers only after their timeout. The agent waits for its calls on its loop."""
+    hub = start_rpc_hub(actors)
+    template = special_weights()
+    victim, *healthy = (start(actors, Holder, hub, template, w) for w in ("stops", "h0", "h1"))
+    ready([victim, *healthy])
+    ray.get(hub.broadcast.remote(special_weights(1.0)))
+    pid = actor_pid(victim)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        pool = min(32, (os.cpu_count() or 1) + 4)  # asyncio.to_thread's threads
+        tickets = ray.get(
+            [
+                hub.broadcast.remote(
+                    special_weights(float(v)), wait=False, timeout_s=3, raise_on_failure=False
+                )
+                for v in range(2, pool + 5)
+            ]
+        )
+        reports = ray.get([hub.wait_for.remote(t, raise_on_failure=False) for t in tickets])
+        assert all(r.acked == ("h0", "h1") for r in reports), [r.failed for r in reports]
+        last = special_weights(float(pool + 4))
+        for holder in healthy:
+            assert_bitwise(ray.get(holder.state.remote()), last)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_a_closed_hub_leaves_no_rank_book_in_the_gcs(actors):
     """The receivers' ranks are kept in the GCS for a restarted hub or a new agent; a
     closed hub is neither: they were kept for the cluster's life, one key per hub."""

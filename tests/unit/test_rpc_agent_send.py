@@ -173,7 +173,9 @@ def test_a_bucket_call_refused_at_once_does_not_cut_the_others_short(monkeypatch
 
     monkeypatch.setattr(rpc, "rpc_async", rpc_async)
 
-    outcomes = agent._call_each(["w0", "w1"], land_bucket, (KEY, 1, 8, (), []), stall_s=5.0)
+    outcomes = asyncio.run(
+        agent._call_each(["w0", "w1"], land_bucket, (KEY, 1, 8, (), []), stall_s=5.0)
+    )
 
     assert outcomes["w1"] is None, outcomes["w1"]
     assert "connection refused" in outcomes["w0"]
@@ -198,7 +200,9 @@ def test_a_bucket_call_that_cannot_be_made_gives_up_at_the_stall_limit(monkeypat
 
     monkeypatch.setattr(rpc, "rpc_async", rpc_async)
 
-    outcomes = agent._call_each(["w0", "w1"], land_bucket, (KEY, 1, 8, (), []), stall_s=0.2)
+    outcomes = asyncio.run(
+        agent._call_each(["w0", "w1"], land_bucket, (KEY, 1, 8, (), []), stall_s=0.2)
+    )
 
     assert outcomes["w1"] is None
     assert "within 0.2 s: could not find destination url" in outcomes["w0"], outcomes["w0"]
@@ -222,7 +226,7 @@ def test_a_receiver_dropped_from_a_bucketed_version_is_told_why(monkeypatch):
     monkeypatch.setattr(rpc, "rpc_async", rpc_async)
     seq = 7
 
-    dropped = agent._land_bucket(["w0", "w1"], (KEY, seq, 8, (), []))
+    dropped = asyncio.run(agent._land_bucket(["w0", "w1"], (KEY, seq, 8, (), [])))
 
     assert list(dropped) == ["w0"] and "not done within 0.2 s" in dropped["w0"]
     told = [(to, args) for to, func, args in calls if func is abandon_bucketed]
