@@ -23,7 +23,8 @@ from raysync import BroadcastError, RpcOptions, WeightHub
 from raysync.actors.rpc_agent import AgentStatus
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.testing import special_weights
-from raysync.transports.rpc import MEMBER_LIST_KEY, open_master_store
+from raysync.transports.rpc import JOIN_TOKEN_KEY, MEMBER_LIST_KEY, open_master_store
+from raysync.transports.rpc.rendezvous import _group_store
 from tests.helpers import (
     Gate,
     actor_pid,
@@ -140,6 +141,33 @@ def test_a_stopped_receiver_holds_up_none_of_the_others_sends(actors):
             assert_bitwise(ray.get(holder.state.remote()), last)
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def test_a_receiver_leaving_while_another_joins_holds_up_no_plan(actors):
+    """A receiver that leaves is taken off the group's member list by the agent, which
+    waits for the group's join token; a receiver joining holds it, up to the RPC
+    timeout (one whose call to a dead member waits). The planner waited for that under
+    the lock its plans take: every broadcast meanwhile failed everyone, "could not
+    plan"."""
+    import torch.distributed as dist
+
+    hub = start_rpc_hub(actors)
+    template = special_weights()
+    leaver, *staying = (start(actors, Holder, hub, template, w) for w in ("leaves", "s0", "s1"))
+    ready([leaver, *staying])
+    ray.get(hub.broadcast.remote(special_weights(1.0)))
+    group = dist.PrefixStore("rpc_prefix_0", _group_store(agent_status(hub).url))
+    joining = "Token_for_joining_join"  # as torch's join holds it
+    assert group.compare_set(JOIN_TOKEN_KEY, "", joining).decode() == joining
+    try:
+        ray.get(leaver.__ray_call__.remote(close_receiver))
+        weights = special_weights(2.0)
+        report = ray.get(hub.broadcast.remote(weights, timeout_s=3, raise_on_failure=False))
+        assert report.acked == ("s0", "s1"), report.failed
+        for holder in staying:
+            assert_bitwise(ray.get(holder.state.remote()), weights)
+    finally:
+        group.set(JOIN_TOKEN_KEY, "")
 
 
 def test_a_closed_hub_leaves_no_rank_book_in_the_gcs(actors):

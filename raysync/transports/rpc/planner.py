@@ -45,6 +45,8 @@ class RpcPlanner(TransportPlanner):
         self._members_of = self._key
         self._seq = 0
         self._lock = asyncio.Lock()  #: agent replacement and plans, one at a time
+        #: The agent's ``forget`` calls not answered yet (see :meth:`receiver_left`)
+        self._forgetting: set[asyncio.Future[Any]] = set()
         self._receivers: dict[str, ReceiverInfo] = {}
         self._serving = BucketServing(self._receivers)  #: bucketed versions, pulled
         self._broker: Any = None  #: the hub's bucket broker, once a bucketed version came
@@ -95,6 +97,10 @@ class RpcPlanner(TransportPlanner):
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> RpcMember:
         async with self._lock:
+            # A process that left comes back to its place (or rank), which its
+            # ``forget`` records: those still running end first.
+            if self._forgetting:
+                await asyncio.wait(self._forgetting)
             agent = await self._live_agent()
             member = await agent.admit.remote(receiver.worker, receiver.process)
             self._members[receiver.worker] = member
@@ -103,14 +109,21 @@ class RpcPlanner(TransportPlanner):
             return member
 
     async def receiver_left(self, worker: str) -> None:
+        """Off the plans at once; the agent takes it off the group's member list, which
+        waits for the group's join token (a receiver may hold it, joining, up to the RPC
+        timeout): the plans meanwhile do not wait for that."""
         async with self._lock:
             self._members.pop(worker, None)
             self._receivers.pop(worker, None)
             self._ranks.remove(worker)
-            try:
-                await self._actor.forget.remote(worker)
-            except ray.exceptions.RayActorError:
-                pass  # the next plan replaces the agent, without this worker
+            forgetting = asyncio.ensure_future(self._actor.forget.remote(worker))
+            self._forgetting.add(forgetting)
+        try:
+            await forgetting
+        except ray.exceptions.RayActorError:
+            pass  # the next plan replaces the agent, without this worker
+        finally:
+            self._forgetting.discard(forgetting)
 
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
