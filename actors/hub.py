@@ -1014,19 +1014,22 @@ class WeightHubActor:
         same number from another learner, see :func:`raysync.hub_state.lacks`),
         planned for ``worker`` (a registered receiver) if given, else the learner's payload.
         Raises UnknownWorkerError for a ``worker`` the hub does not know (closed, or
-        dropped when its heartbeats stopped): the learner's payload is not planned for
-        it, nor in the form of its transport."""
+        dropped when its heartbeats stopped, or the hub restarted), before it looks at
+        ``model``: the learner's payload is not planned for it, nor in the form of its
+        transport, and the hub may know its models only once it registered again (a hub
+        restarted before its first broadcast knows none)."""
+        entry = None if worker is None else self._state.receivers.get(worker)
+        if worker is not None and entry is None:
+            raise UnknownWorkerError(
+                f"worker {worker!r} is not registered with this hub (it closed, or was "
+                "dropped when its heartbeats stopped, or the hub restarted): it registers "
+                "again before it pulls"
+            )
         handed = self._state.latest(model)
         if handed is None or not lacks(have_version, have_origin, handed):
             return None
-        if worker is None:
-            return handed.update_for(self._transport)
-        entry = self._state.receivers.get(worker)
         if entry is None:
-            raise UnknownWorkerError(
-                f"worker {worker!r} is not registered with this hub (it closed, or was "
-                "dropped when its heartbeats stopped): it registers again before it pulls"
-            )
+            return handed.update_for(self._transport)
         update = handed.update_for(entry.transport)
         if update is None:
             return None  # sent before anyone read by this transport: the next one will be

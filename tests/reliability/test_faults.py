@@ -13,6 +13,7 @@ import ray
 import torch
 from ray.experimental import internal_kv
 
+import raysync
 from raysync import BroadcastError, HubNotFoundError, HubSnapshotError, WeightReceiver
 from raysync.hub_snapshot import KV_NAMESPACE
 from raysync.transports import DEFAULT_TRANSPORT
@@ -298,6 +299,29 @@ def kill_and_wait_for_its_restart(hub) -> None:
             return False  # still restarting
 
     wait_until(restarted, timeout_s=60, what="the hub's restart")
+
+
+def test_a_pull_receiver_without_a_watch_is_known_again_after_a_restart_before_any_broadcast(
+    actors,
+):
+    """The hub restarted before its first broadcast: its snapshot (written by
+    broadcasts) knows no model. A pull asked it for the latest of a model it did not
+    know, and was refused as such on every pull: only a hub that did not know the
+    worker made the receiver register again, and the learner's broadcast of the model
+    found no receiver of it. The hub asks who pulls first."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, {"max_restarts": 1, "max_task_retries": 0})
+    mine = make_policy()
+    receiver = raysync.attach(hub, {"policy": mine}, mode="pull", heartbeat_s=None)
+    try:
+        kill_and_wait_for_its_restart(hub)
+        assert receiver.pull() == {"policy": 0}
+        assert [r.worker for r in ray.get(hub.status.remote()).receivers] == [receiver.worker]
+        learner = make_policy()
+        ray.get(hub.broadcast.remote(learner, model="policy"))
+        assert receiver.pull() == {"policy": 1}
+        assert_same(state_of(mine), state_of(learner))
+    finally:
+        receiver.close()
 
 
 def test_waiting_for_a_report_lost_with_a_restarted_hub_says_so(actors):
