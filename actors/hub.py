@@ -465,7 +465,7 @@ class WeightHubActor:
                 replies.append((request.submitter, model, version, worker))
                 reply = self._channel_replies.expect(replies[-1])
                 first_calls[worker] = asyncio.ensure_future(
-                    reply_unless_learner_died(reply, call.loop)
+                    reply_unless_learner_died(reply, self._channel_replies.loop_end(call.loop))
                 )
                 retrieve_outcome(first_calls[worker])
         # Each learner's call its receiver's running call, where deliveries take turns
@@ -1298,7 +1298,8 @@ class WeightHubActor:
             elif isinstance(call, ChannelCall):  # its reply comes apart, from the learner
                 try:
                     expected = self._channel_replies.expect(reply_key)
-                    reply = await _by(reply_unless_learner_died(expected, call.loop), deadline)
+                    ended = self._channel_replies.loop_end(call.loop)
+                    reply = await _by(reply_unless_learner_died(expected, ended), deadline)
                 finally:
                     self._channel_replies.forget([reply_key])
             else:

@@ -32,6 +32,21 @@ class ChannelReplies:
     def __init__(self) -> None:
         self._waiting: dict[ReplyKey, asyncio.Future[Any]] = {}
         self._early: OrderedDict[ReplyKey, Any] = OrderedDict()
+        #: ref of a channel's loop on a receiver (hex) -> the one wait for its end
+        self._loops: dict[str, asyncio.Future[Any]] = {}
+
+    def loop_end(self, loop: Any) -> asyncio.Future[Any]:
+        """The end of ``loop``, the ref of a channel's loop on a receiver: one wait per
+        loop, which every version's reply waits beside. (A loop ends only with its graph
+        or its learner; Ray keeps each wait for a ref until it resolves, cancelled or not:
+        one per version and receiver grew the hub for the channel's life.)"""
+        key = loop.hex()
+        end = self._loops.get(key)
+        if end is None:
+            end = self._loops[key] = asyncio.ensure_future(loop)
+            end.add_done_callback(_retrieve)
+            end.add_done_callback(lambda _: self._loops.pop(key, None))
+        return end
 
     def expect(self, key: ReplyKey) -> asyncio.Future[Any]:
         """The future of ``key``'s reply (done at once if it came first)."""
@@ -63,19 +78,24 @@ class ChannelReplies:
         return len(self._waiting) + len(self._early)
 
 
-async def reply_unless_learner_died(reply: asyncio.Future[Any], loop: Any) -> Any:
+async def reply_unless_learner_died(
+    reply: asyncio.Future[Any], loop_end: asyncio.Future[Any]
+) -> Any:
     """``reply`` (from :meth:`ChannelReplies.expect`) once it comes; ``OwnerDiedError``
     (an ``ObjectLostError``, as a delivery call of a dead learner fails) if the learner
-    dies first: ``loop``, the ref of its channel's loop on the receiver, is a task the
-    learner owns. A loop that ends otherwise (the learner tore its graph down) leaves
-    the wait to ``reply``: the learner passes on what its receivers answered."""
-    learner = asyncio.ensure_future(loop)
-    try:
-        await asyncio.wait({reply, learner}, return_when=asyncio.FIRST_COMPLETED)
-        if not reply.done():  # the loop ended first
-            error = learner.exception()
-            if isinstance(error, OwnerDiedError):
-                raise error
-        return await reply
-    finally:
-        learner.cancel()
+    dies first: ``loop_end`` (:meth:`ChannelReplies.loop_end`) is the end of its
+    channel's loop on the receiver, a task the learner owns. A loop that ends otherwise
+    (the learner tore its graph down) leaves the wait to ``reply``: the learner passes
+    on what its receivers answered."""
+    await asyncio.wait({reply, loop_end}, return_when=asyncio.FIRST_COMPLETED)
+    if not reply.done():  # the loop ended first
+        error = loop_end.exception()
+        if isinstance(error, OwnerDiedError):
+            raise error
+    return await reply
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a loop's end as seen (asyncio logs an exception nobody retrieved)."""
+    if not future.cancelled():
+        future.exception()

@@ -92,6 +92,44 @@ def test_the_wait_for_a_reply_fails_when_its_learner_dies_and_only_then():
     assert asyncio.run(scenario()) == (True, "ack")
 
 
+class _LoopRef:
+    """Stands in for the ref of a channel's loop: awaitable, named by ``hex``."""
+
+    def __init__(self, name: str, end: asyncio.Future) -> None:
+        self._name, self._end = name, end
+
+    def hex(self) -> str:
+        return self._name
+
+    def __await__(self):
+        return self._end.__await__()
+
+
+def test_every_reply_through_one_loop_waits_beside_one_wait_for_its_end():
+    """Each version's reply waited for its channel's loop to end with a wait of its
+    own, cancelled once the reply came: Ray keeps a wait for a ref until the ref
+    resolves, and a loop ends only with its graph: one kept per version and receiver.
+    One wait per loop now, dropped once the loop ended."""
+
+    async def scenario():
+        replies = ChannelReplies()
+        end = asyncio.get_running_loop().create_future()
+        ref = _LoopRef("loop-c0", end)
+        waits = {id(replies.loop_end(ref)) for _ in range(3)}
+        for version in (1, 2, 3):
+            key = ("l", "policy", version, "c0")
+            reply = replies.expect(key)
+            replies.arrive(key, "ack")
+            assert await reply_unless_learner_died(reply, replies.loop_end(ref)) == "ack"
+        shared = replies.loop_end(ref)
+        kept_while_running = len(replies._loops)
+        end.set_exception(OwnerDiedError("ff" * 28, None, "the test's"))
+        await asyncio.wait({shared})  # wakes after its own done callbacks ran
+        return len(waits), kept_while_running, len(replies._loops), shared.cancelled()
+
+    assert asyncio.run(scenario()) == (1, 1, 0, False)
+
+
 def test_a_process_serves_one_learners_channel_at_a_time():
     claim = _ChannelClaim()
     assert claim.claim(None, "a/policy")
