@@ -334,13 +334,9 @@ def test_a_ring_slot_still_held_when_its_broadcast_ends_is_left_and_its_stream_e
     queued) is not written again; the learner waited for Ray to free it for
     REUSE_WAIT_S (600 s) inside the broadcast, whether or not the broadcast had ended
     meanwhile. It stops waiting once the broadcast is over (the stream then ends)."""
-    from ray.experimental import deregister_nixl_memory
-
-    ring = rdt_learner._new_ring(1024, torch.device("cpu"))  # this process is the learner
+    ring, held = _ring_whose_first_slot_is_held()
     slot = ring._slots[0]
-    view = slot.tensor[:512]
-    held = ray.put([view], _tensor_transport="nixl")  # what a straggling reader holds
-    slot.published = view
+    view = slot.published
     try:
         assert ring._wait_until_freed(slot, _Over()) is False
         assert slot.published is view  # still held: not written, not forgotten
@@ -348,9 +344,25 @@ def test_a_ring_slot_still_held_when_its_broadcast_ends_is_left_and_its_stream_e
         assert ring._wait_until_freed(slot, _Running()) is True
         assert slot.published is None
     finally:
-        for tensor in ring.tensors:
-            deregister_nixl_memory(tensor)
+        _deregister(ring)
 
+
+def _ring_whose_first_slot_is_held() -> tuple:
+    """A learner's ring (this process is the learner) whose first slot's object a
+    reader still holds: the ring, and that reader's ref (drop it to let the slot go)."""
+    ring = rdt_learner._new_ring(1024, torch.device("cpu"))
+    slot = ring._slots[0]
+    view = slot.tensor[:512]
+    held = ray.put([view], _tensor_transport="nixl")
+    slot.published = view
+    return ring, held
+
+
+def _deregister(ring) -> None:
+    from ray.experimental import deregister_nixl_memory
+
+    for tensor in ring.tensors:
+        deregister_nixl_memory(tensor)
 
 
 def test_a_ring_slot_a_dropped_reader_still_reads_is_set_aside_for_a_new_one(actors):
@@ -359,11 +371,8 @@ def test_a_ring_slot_a_dropped_reader_still_reads_is_set_aside_for_a_new_one(act
     other reader failed at its timeout, and so did the ring's next version. Once the
     broker made room, a slot still referenced a moment later is set aside, and a new
     one takes its place; it is let go once Ray frees it."""
-    ring = rdt_learner._new_ring(1024, torch.device("cpu"))  # this process is the learner
+    ring, held = _ring_whose_first_slot_is_held()  # held by the dropped reader
     first = ring._slots[0]
-    view = first.tensor[:512]
-    held = ray.put([view], _tensor_transport="nixl")  # what the dropped reader holds
-    first.published = view
     try:
         fresh = ring._free_slot(0, _Running())
         assert fresh is not None and fresh is not first and fresh.tensor is not first.tensor
@@ -375,10 +384,7 @@ def test_a_ring_slot_a_dropped_reader_still_reads_is_set_aside_for_a_new_one(act
         wait_until(lambda: ring._let_go_of_freed() or ring._set_aside == [], what="let go")
         assert len(ring.tensors) == 2
     finally:
-        from ray.experimental import deregister_nixl_memory
-
-        for tensor in ring.tensors:
-            deregister_nixl_memory(tensor)
+        _deregister(ring)
 
 
 def test_a_reader_stalled_mid_stream_fails_alone_and_the_next_version_goes(actors):

@@ -268,17 +268,17 @@ def _new_ring(bucket_bytes: int, device: torch.device) -> RdtRing:
     from ray.experimental import deregister_nixl_memory
 
     return RdtRing(
-        [_new_slot(torch.empty(bucket_bytes, dtype=torch.uint8, device=device)) for _ in range(2)],
+        [_registered_slot(bucket_bytes, device) for _ in range(2)],
         REUSE_WAIT_S,
-        new_slot=_new_slot,
+        new_slot=lambda like: _registered_slot(like.numel(), like.device),
         deregister=deregister_nixl_memory,
     )
 
 
-def _new_slot(like: torch.Tensor) -> torch.Tensor:
-    """A bucket slot like ``like``, registered with Ray's NIXL agent."""
+def _registered_slot(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A bucket slot of ``nbytes`` on ``device``, registered with Ray's NIXL agent."""
     from ray.experimental import register_nixl_memory
 
-    slot = torch.zeros_like(like)
+    slot = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     register_nixl_memory(slot)
     return slot
