@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from raysync.ordering import InOrder, ThreadsInOrder
+from tests.helpers import wait_until
 
 
 def _run(gate: InOrder, calls: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -116,16 +116,13 @@ def _wait_until_waiting_or_ran(
     gate: ThreadsInOrder, stream: str, number: int, ran: list, thread: threading.Thread
 ) -> None:
     """Return once ``thread``'s section of call ``number`` waits for its turn, or ran."""
-    deadline = time.monotonic() + 10
 
     def settled() -> bool:
         with gate.lock:  # entering and waiting happen under it: seen whole or not at all
             waiting = gate._turns._waiting.get(stream, set())
             return (stream, number) in ran or number in waiting or not thread.is_alive()
 
-    while not settled():
-        assert time.monotonic() < deadline, f"call {number} of {stream!r} never came in"
-        time.sleep(0.001)
+    wait_until(settled, timeout_s=10, what=f"call {number} of {stream!r} coming in")
 
 
 def test_threads_run_their_sections_in_number_order():
