@@ -63,14 +63,14 @@ class RdtRing:
     """A sender's two registered bucket slots for one bucket size on one device.
 
     ``new_slot(like)`` registers a new slot like ``like`` (to take the place of one set
-    aside), ``deregister(slot)`` lets one go; None: slots are never set aside."""
+    aside), ``deregister(slot)`` lets one go."""
 
     def __init__(
         self,
         tensors: list[torch.Tensor],
         reuse_wait_s: float,
-        new_slot: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        deregister: Callable[[torch.Tensor], None] | None = None,
+        new_slot: Callable[[torch.Tensor], torch.Tensor],
+        deregister: Callable[[torch.Tensor], None],
     ) -> None:
         self._slots = [_Slot(t) for t in tensors]
         self._reuse_wait_s = reuse_wait_s
@@ -129,7 +129,7 @@ class RdtRing:
         dropped is still in its get), a new slot in its place, while fewer than
         :data:`SLOTS_SET_ASIDE_MAX` are set aside. None if the broadcast ended first."""
         slot = self._slots[position]
-        if self._new_slot is None or len(self._set_aside) >= SLOTS_SET_ASIDE_MAX:
+        if len(self._set_aside) >= SLOTS_SET_ASIDE_MAX:
             return slot if self._wait_until_freed(slot, done) else None
         state = self._freed_within(slot, done, SET_ASIDE_AFTER_S)
         if state == "freed":
@@ -152,7 +152,7 @@ class RdtRing:
 
         kept = []
         for slot in self._set_aside:
-            assert slot.published is not None and self._deregister is not None  # set aside
+            assert slot.published is not None  # set aside: still published
             try:
                 wait_tensor_freed(slot.published, timeout=0)
             except TimeoutError:
