@@ -98,7 +98,14 @@ def test_a_receiver_behind_shows_its_lag_growing_between_broadcasts(actors, metr
     def lag_s(samples: dict) -> float | None:
         return _get(samples, "ray_raysync_receiver_lag_seconds", model="policy", worker="behind")
 
-    first = _scrape_until(metrics_url, hub_id, lambda s: lag_s(s) is not None)
-    assert _get(first, "ray_raysync_receiver_lag_versions", model="policy", worker="behind") == 1
+    def lag_versions(samples: dict) -> float | None:
+        return _get(samples, "ray_raysync_receiver_lag_versions", model="policy", worker="behind")
+
+    # Each gauge reaches Ray's agent in its own series, evicted when no export refreshed
+    # it: one scrape may carry one and not the other, so wait for a scrape with both.
+    first = _scrape_until(
+        metrics_url, hub_id, lambda s: lag_s(s) is not None and lag_versions(s) is not None
+    )
+    assert lag_versions(first) == 1, sorted(first)
     later = _scrape_until(metrics_url, hub_id, lambda s: (lag_s(s) or 0.0) > lag_s(first))
     assert (lag_s(later) or 0.0) > lag_s(first), (lag_s(first), lag_s(later))  # None: dropped
