@@ -43,6 +43,7 @@ from raysync import model_path, weights
 from raysync.copies import Viewed, copy_all, viewed, wait_for_devices
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError, UnknownWorkerError
 from raysync.gate import DEFERRED, ApplyGate, on_event_loop
+from raysync.host_loop import call_on_host_loop
 from raysync.hub_handle import HubHandle
 from raysync.messages import (
     Ack,
@@ -563,9 +564,11 @@ class ReceiverCore:
         self.send_ack(ack)
 
     # -- updates ---------------------------------------------------------------------------
-    def receive(self, update: Update) -> Receipt:
+    def receive(self, update: Update, *, write_on_host_loop: bool = False) -> Receipt:
         """Fetch ``update`` and apply it at the safe point (the hub's delivery call, or
-        the learner's on the direct path).
+        the learner's on the direct path). ``write_on_host_loop``: a delivery in the host
+        actor, whose write goes to an async host's event loop while the fetch runs on
+        the calling thread (see :mod:`raysync.host_loop`).
 
         Never raises: a failure becomes a FAILED ack carrying the traceback. The same
         delivery again while it is in flight here (the hub calls again after
@@ -586,7 +589,7 @@ class ReceiverCore:
         if not self._in_flight.begin(key):
             return ACK_LATER
         try:
-            receipt: Receipt = self._stage_and_apply(update)
+            receipt: Receipt = self._stage_and_apply(update, write_on_host_loop)
         except Exception:
             receipt = AckNow(self._ack(update, AckStatus.FAILED, traceback.format_exc()))
         if isinstance(receipt, AckNow) and self._in_flight.end(key):
@@ -621,7 +624,7 @@ class ReceiverCore:
     def apply_now(self, update: Update, during: str) -> None:
         """Apply ``update`` for a user-facing call (connect, pull) and ack it; raise if
         it fails (TransportError if the transport did, RaySyncError otherwise)."""
-        receipt = self._stage_and_apply(update)
+        receipt = self._stage_and_apply(update, write_on_host_loop=False)
         if isinstance(receipt, AckLater):
             return
         if receipt.ack.status is AckStatus.FAILED:
@@ -679,9 +682,10 @@ class ReceiverCore:
             if isinstance(receipt, AckNow) and receipt.ack.status is not AckStatus.FAILED:
                 self.send_ack(receipt.ack)
 
-    def _stage_and_apply(self, update: Update) -> Receipt:
-        """Fetch ``update`` and apply it at the safe point. The transport's hold on the
-        payload is released on every path, once nothing reads the staged data."""
+    def _stage_and_apply(self, update: Update, write_on_host_loop: bool) -> Receipt:
+        """Fetch ``update`` and apply it at the safe point (written on the async host's
+        loop if ``write_on_host_loop``). The transport's hold on the payload is released
+        on every path, once nothing reads the staged data."""
         # Staged data goes back to the transport that fetched it, also once the hub
         # watch opened another one (the core registered again meanwhile).
         transport = self.transport
@@ -710,7 +714,8 @@ class ReceiverCore:
         # Acked to the registration it was delivered to, also if applied after this
         # core registered again (the hub awaits it under that registration's token).
         token = update.token or self.token
-        result = self.gate.write(
+        write = functools.partial(
+            self.gate.write,
             functools.partial(self._apply_and_release, update, staged, fetched, token),
             # Per hub: another hub's versions (a retired registration's, in its own
             # numbers) neither supersede this one's nor follow them.
@@ -719,6 +724,7 @@ class ReceiverCore:
             # The hub's update of a number outranks a learner's own delivery of it.
             rank=(update.version, not update.from_learner),
         )
+        result = call_on_host_loop(self.gate.loop, write) if write_on_host_loop else write()
         return ACK_LATER if result is DEFERRED else AckNow(result)
 
     def _read_and_let_go(

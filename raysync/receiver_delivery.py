@@ -20,7 +20,6 @@ registering with the hub, :meth:`Attachments.fill` once the receiver exists,
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 import traceback
@@ -35,22 +34,12 @@ from raysync.receiver_receipt import Receipt, reply_to_hub
 #: How long a delivery waits for a receiver that is still connecting (its key reserved,
 #: the hub already answered, the receiver not yet stored: a threaded host).
 CONNECTING_WAIT_S = 30.0
-#: How often a delivery handed to a host's loop looks whether that loop still runs.
-_LOOP_LOOK_S = 0.1
-
-
-class _Gate(Protocol):
-    @property  # read only here: an ApplyGate's loop satisfies it
-    def loop(self) -> asyncio.AbstractEventLoop | None: ...
 
 
 class Deliverable(Protocol):
     """What :func:`deliver` needs of a receiver (a :class:`~raysync.receiver_core.ReceiverCore`)."""
 
-    @property  # read only here: a receiver's ApplyGate satisfies it
-    def gate(self) -> _Gate: ...
-
-    def receive(self, update: Update) -> Receipt: ...
+    def receive(self, update: Update, *, write_on_host_loop: bool = False) -> Receipt: ...
 
     def refuse_learner_deliveries(self, token: str) -> None: ...
 
@@ -102,11 +91,9 @@ def deliver(host: Any, key: str, update: Update) -> Ack | None:
     its Ack, or None when the ack follows from a later safe point (see
     :func:`raysync.receiver_receipt.reply_to_hub`).
 
-    Ray runs ``__ray_call__`` of an async actor outside its event loop; a receiver whose
-    host reads its models on a loop (``using_async``) is handed the update on that loop,
-    where the safe point of async hosts lives. A loop that no longer runs (a user
-    method's own ``asyncio.run`` read the model once) is no host's: the update is
-    applied here, at the gate's thread-side safe point.
+    Ray runs ``__ray_call__`` of an async actor outside its event loop: the version is
+    read here, and only its write is handed to the loop where async hosts' safe point
+    lives (:mod:`raysync.host_loop`), so the host's coroutines run on while it is read.
     """
     receiver = attached.find(key)
     if receiver is None:
@@ -115,57 +102,7 @@ def deliver(host: Any, key: str, update: Update) -> Ack | None:
             f"process (closed, or a restarted process that has not attached again)"
         )
         return Ack("?", update.model, update.version, AckStatus.NOT_ATTACHED, error)
-    loop = receiver.gate.loop
-    if loop is not None and loop.is_running() and not _running_on(loop):
-        return _OnHostLoop(receiver, update).run(loop)
-    return reply_to_hub(receiver.receive(update))
-
-
-class _OnHostLoop:
-    """One update handed to a host's event loop, and applied on the calling thread
-    instead if that loop stops before its turn (a user method's own ``asyncio.run``
-    returned, which cancels the handed task; or a loop the user runs per call, which
-    may run it much later): once, by whichever of the two takes it first."""
-
-    def __init__(self, receiver: Deliverable, update: Update) -> None:
-        self._receiver = receiver
-        self._update = update
-        self._lock = threading.Lock()
-        self._taken = False
-        self._done = threading.Event()
-        self._ack: Ack | None = None
-        self._error: BaseException | None = None
-
-    def run(self, loop: asyncio.AbstractEventLoop) -> Ack | None:
-        """In the delivering thread: the update's reply, wherever it was applied."""
-        on_loop = self._on_loop()
-        asyncio.run_coroutine_threadsafe(on_loop, loop)
-        while not self._done.wait(_LOOP_LOOK_S):
-            # Applied on the loop in one step (no await): not done and not running
-            # means the loop never started it.
-            if not loop.is_running() and self._take():
-                on_loop.close()  # never run now (a loop that ended would warn of it)
-                self._apply()
-        if self._error is not None:
-            raise self._error
-        return self._ack
-
-    async def _on_loop(self) -> None:
-        if self._take():
-            self._apply()
-
-    def _take(self) -> bool:
-        with self._lock:
-            taken, self._taken = self._taken, True
-            return not taken
-
-    def _apply(self) -> None:
-        try:
-            self._ack = reply_to_hub(self._receiver.receive(self._update))
-        except BaseException as err:  # the delivering thread raises it, as Ray reports it
-            self._error = err
-        finally:
-            self._done.set()
+    return reply_to_hub(receiver.receive(update, write_on_host_loop=True))
 
 
 def deliver_on_channel(host: Any, key: str, update: Update, token: str) -> Ack | None:
@@ -279,13 +216,6 @@ def serve_call(handle: Any, key: str, request: ServeRequest) -> Any:
     """Ask the host actor behind ``handle`` to serve ``request``; the call's ObjectRef.
     Through ``__ray_call__`` (in the host's method queue), never retried."""
     return handle.__ray_call__.options(max_task_retries=0).remote(serve, key, request)
-
-
-def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
 
 
 def delivery_call(handle: Any, through: Entry, key: str, update: Update) -> Any:

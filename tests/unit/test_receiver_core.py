@@ -34,6 +34,7 @@ from raysync.receiver_core import (
     SameObject,
     _carried_over,
 )
+from raysync.receiver_delivery import attached, deliver
 from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, receipt_of_reply, reply_to_hub
 from raysync.spec import WeightSpec
 from raysync.transports import TransportError, TransportReceiver
@@ -589,6 +590,53 @@ def test_a_delivery_made_again_while_the_first_call_still_reads_is_answered_by_t
     assert first == [AckNow(_ack(1, AckStatus.APPLIED))]
     assert receiver.hub.acks == [_ack(1, AckStatus.APPLIED)]
     assert receiver.transport.released == [(1, True)]
+
+
+def test_an_async_hosts_loop_runs_on_while_a_delivery_reads_and_the_write_runs_there():
+    """Ray runs a delivery into an async actor outside its event loop. The whole receive
+    was handed to the loop, fetch included: every coroutine of the host froze while a
+    version was read (an RPC version that never landed: for the transport's timeout).
+    The version is read on the delivering thread now, and only written on the loop."""
+    appliers: list[int] = []
+    receiver = _Receiver(on_applied=lambda model, version: appliers.append(threading.get_ident()))
+    update = receiver.update(1)
+    fetch, reading, go_on = receiver.transport.fetch, threading.Event(), threading.Event()
+
+    def slow_fetch(payload: int, spec: WeightSpec) -> Sequence[torch.Tensor]:
+        reading.set()
+        go_on.wait()
+        return fetch(payload, spec)
+
+    receiver.transport.fetch = slow_fetch  # type: ignore[method-assign]
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever)
+    loop_thread.start()
+    key = f"attachment-{uuid.uuid4().hex}"
+    attached.fill(key, receiver.core)
+    replies: list[Any] = []
+    try:
+
+        async def read_once() -> int:  # an async host's method: the gate notes its loop
+            async with receiver.core.gate.reading_async():
+                return threading.get_ident()
+
+        loop_ident = asyncio.run_coroutine_threadsafe(read_once(), loop).result(timeout=10)
+        call = threading.Thread(target=lambda: replies.append(deliver(None, key, update)))
+        call.start()
+        assert reading.wait(timeout=10)
+        # The host's coroutines run while the version is read.
+        assert asyncio.run_coroutine_threadsafe(read_once(), loop).result(timeout=10)
+        go_on.set()
+        call.join()
+    finally:
+        go_on.set()
+        attached.remove(key)
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join()
+        loop.close()
+    assert replies == [_ack(1, AckStatus.APPLIED)]
+    assert appliers == [loop_ident]  # written at the loop's safe point
+    assert torch.equal(receiver.owner.policy.weight, torch.full((2, 3), 1.0))
 
 
 def test_an_applied_version_acks_with_where_its_time_went():

@@ -1,0 +1,223 @@
+"""call_on_host_loop (raysync/host_loop.py) without Ray: a receiver's write handed to an
+async host's event loop from a delivering thread, run exactly once, on the loop or, if
+the loop never runs it, on the calling thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from raysync.host_loop import call_on_host_loop
+
+
+class _Call:
+    """A write that records the thread of each run and returns ``result``."""
+
+    def __init__(self, result: object = "applied") -> None:
+        self.result = result
+        self.threads: list[int] = []
+
+    def __call__(self) -> object:
+        self.threads.append(threading.get_ident())
+        return self.result
+
+
+@pytest.fixture
+def handed(monkeypatch) -> threading.Event:
+    """Set once a call has been handed to a loop."""
+    event = threading.Event()
+    real_hand_over = asyncio.run_coroutine_threadsafe
+
+    def hand_over(coroutine, to):  # type: ignore[no-untyped-def]
+        future = real_hand_over(coroutine, to)
+        event.set()
+        return future
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over)
+    return event
+
+
+def _call_in_a_thread(loop: asyncio.AbstractEventLoop, call: Callable[[], object]) -> list[object]:
+    """What ``call_on_host_loop`` returned or raised, from a thread of its own (as Ray
+    runs a delivery)."""
+    outcome: list[object] = []
+
+    def calling() -> None:
+        try:
+            outcome.append(call_on_host_loop(loop, call))
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=calling, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the call waited for a loop that never ran it"
+    return outcome
+
+
+def _run_once_from_a_thread(
+    loop: Callable[[], asyncio.AbstractEventLoop], looping: threading.Thread, busy: threading.Event
+) -> _Call:
+    """Start ``looping`` (the host's loop, ``busy`` once it is), hand it a call from
+    another thread: the call ran once and its result came back."""
+    call = _Call()
+    looping.start()
+    try:
+        assert busy.wait(30)
+        assert _call_in_a_thread(loop(), call) == ["applied"]
+    finally:
+        looping.join(30)
+    assert len(call.threads) == 1
+    return call
+
+
+def test_a_call_runs_on_the_running_loop_and_its_error_is_raised_in_the_caller():
+    loop = asyncio.new_event_loop()
+    looping = threading.Thread(target=loop.run_forever, daemon=True)
+    looping.start()
+    try:
+        call = _Call()
+        assert _call_in_a_thread(loop, call) == ["applied"]
+        assert call.threads == [looping.ident]
+
+        def failing() -> None:
+            raise ValueError("the write failed")
+
+        [raised] = _call_in_a_thread(loop, failing)
+        assert isinstance(raised, ValueError) and "the write failed" in str(raised)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        looping.join(30)
+        loop.close()
+
+
+def test_a_call_is_run_here_without_a_loop_on_the_loop_itself_or_when_it_has_ended():
+    """A sync host whose method read the model inside its own ``asyncio.run``: the gate
+    saw that loop, which has ended since; the call is not handed to it."""
+    call = _Call()
+    assert call_on_host_loop(None, call) == "applied"
+    ended = asyncio.new_event_loop()
+    ended.close()
+    assert call_on_host_loop(ended, call) == "applied"
+
+    async def on_the_loop() -> object:
+        return call_on_host_loop(asyncio.get_running_loop(), call)
+
+    assert asyncio.run(on_the_loop()) == "applied"
+    assert call.threads == [threading.get_ident()] * 3
+
+
+def test_a_call_handed_to_a_loop_closed_since_it_was_seen_running_is_run_here():
+    """The loop ran when the delivery looked, and closed before the hand-over: the
+    hand-over raised, the version staged for the write was never applied nor let go."""
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    loop.is_running = lambda: True  # type: ignore[method-assign]  # as it was seen
+    call = _Call()
+    assert call_on_host_loop(loop, call) == "applied"
+    assert call.threads == [threading.get_ident()]
+
+
+def test_a_call_whose_task_the_host_cancelled_while_its_loop_runs_on_is_run_here(monkeypatch):
+    """The host cancelled its loop's tasks (a shutdown of its own) before the handed one
+    took its first step, and the loop ran on: the delivering thread waited for it for
+    good, holding the version staged for the write."""
+    real_hand_over = asyncio.run_coroutine_threadsafe
+
+    def hand_over_then_cancel_every_task(coroutine, to):  # type: ignore[no-untyped-def]
+        future = real_hand_over(coroutine, to)
+        # Queued after the hand-over's own callback, before the task's first step.
+        to.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(to)])
+        go_on.set()
+        return future
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over_then_cancel_every_task)
+    loop = asyncio.new_event_loop()
+    blocking, go_on = threading.Event(), threading.Event()
+
+    def busy_until_handed() -> None:
+        blocking.set()
+        go_on.wait(30)
+
+    loop.call_soon(busy_until_handed)
+    looping = threading.Thread(target=loop.run_forever, daemon=True)
+    looping.start()
+    try:
+        assert blocking.wait(30)
+        call = _Call()
+        outcome: list[object] = []
+        calling = threading.Thread(target=lambda: outcome.append(call_on_host_loop(loop, call)))
+        calling.start()
+        calling.join(30)
+        assert not calling.is_alive(), "the call waited for a task cancelled before it ran"
+        assert outcome == ["applied"] and call.threads == [calling.ident]
+    finally:
+        go_on.set()
+        loop.call_soon_threadsafe(loop.stop)
+        looping.join(30)
+        loop.close()
+
+
+def test_a_call_handed_to_a_loop_that_ends_before_its_turn_is_run_here(handed):
+    """The host's loop was running when the call was handed to it and ended before
+    running it (a user method's own ``asyncio.run`` returned): the delivery waited for
+    it for good, its ack never sent, its payload never released."""
+    loop = asyncio.new_event_loop()
+    blocking = threading.Event()
+
+    def busy_then_stop() -> None:  # the loop's last turn: what is handed now never runs
+        blocking.set()
+        handed.wait(30)
+        loop.stop()
+
+    def run_loop() -> None:
+        loop.call_soon(busy_then_stop)
+        loop.run_forever()
+        loop.close()
+
+    looping = threading.Thread(target=run_loop, daemon=True)
+    call = _run_once_from_a_thread(lambda: loop, looping, blocking)
+    assert call.threads != [looping.ident]
+
+
+def test_a_call_whose_task_asyncio_run_cancelled_is_run_here(handed):
+    """The call was handed to a method's own ``asyncio.run`` loop as its main coroutine
+    returned: ``asyncio.run`` cancels the task before its first step. The delivery
+    raised CancelledError for a version never tried."""
+    seen: list[asyncio.AbstractEventLoop] = []
+    looping = threading.Event()
+
+    async def main() -> None:  # blocks its loop until the call is handed, then returns
+        seen.append(asyncio.get_running_loop())
+        looping.set()
+        handed.wait(30)
+
+    running = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    _run_once_from_a_thread(lambda: seen[0], running, looping)
+
+
+def test_a_call_the_loop_ran_in_its_last_turn_is_not_run_again(handed):
+    """The loop ran the handed call in the turn it stopped in, before the reply came
+    back to the calling thread (a loop the user runs and stops, never closed): that
+    thread ran the call a second time."""
+    loop = asyncio.new_event_loop()
+    blocking = threading.Event()
+
+    def busy_then_stop_after_the_call() -> None:
+        blocking.set()
+        handed.wait(30)
+        # Turns from here: the call's task is made, then runs, and the loop stops with
+        # it; its reply's way to the other thread would come a turn later.
+        loop.call_soon(lambda: loop.call_soon(loop.stop))
+
+    loop.call_soon(busy_then_stop_after_the_call)
+    looping = threading.Thread(target=loop.run_forever, daemon=True)
+    try:
+        call = _run_once_from_a_thread(lambda: loop, looping, blocking)
+        assert call.threads == [looping.ident]
+    finally:
+        loop.close()
