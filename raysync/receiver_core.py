@@ -463,15 +463,25 @@ class ReceiverCore:
         receiver cannot be opened, the new registration is taken back from the hub (no
         broadcast targets one nobody here holds), this core keeps its token and
         transport (so the hub watch's next beat finds it unknown and tries again) and
-        the error is raised. None, and no call to the hub, once this core left the hub,
-        closed or was replaced."""
+        the error is raised; so too if the hub did not answer in time (the registration
+        is withdrawn: the hub refuses it should it come). None, and no call to the hub,
+        once this core left the hub, closed or was replaced."""
         with self._registering:
             if self._registering_ended:
                 return None
             registration = _registration(
                 self.owner, self.models, self.identity, staged=self._staging.payloads()
             )
-            welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
+            try:
+                welcome = ray.get(self.hub.actor.register.remote(registration), timeout=timeout_s)
+            except BaseException as err:
+                if not isinstance(err, ray.exceptions.RayTaskError):
+                    # Not answered: the hub may still take it in, a registration nobody
+                    # here holds, which broadcasts target until the next beat replaces
+                    # it (a collective waits for its member). Withdrawn: the hub refuses
+                    # it if it comes later.
+                    self.hub.actor.leave.remote(self.worker, registration.token)
+                raise
             try:
                 transport = _open_transport(welcome)
             except BaseException:

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import ray
 import torch
 
 from raysync import receiver_core, weights
@@ -741,6 +742,30 @@ def test_registering_again_keeps_the_old_token_and_transport_if_the_new_one_fail
         receiver.core.register_again(5.0)
     assert receiver.core.token == "token" and receiver.core.transport is receiver.transport
     assert closed == [] and left == [(receiver.core.worker, "new token")]
+
+
+def test_registering_again_withdraws_a_registration_the_hub_did_not_answer_in_time(monkeypatch):
+    """The hub watch's registration timed out: the hub may still take it in, under a
+    token nobody here holds, which broadcasts target (a collective waits for that
+    member) until the next beat replaces it. It is withdrawn; the core keeps its own."""
+    from raysync import receiver_core
+
+    receiver = _Receiver()
+    receiver.hub.actor.register = SimpleNamespace(remote=lambda registration: "welcome ref")
+    left: list[tuple[str, str]] = []
+    receiver.hub.actor.leave = SimpleNamespace(remote=lambda *sent: left.append(sent))
+    monkeypatch.setattr(
+        receiver_core, "_registration", lambda *args, **kwargs: SimpleNamespace(token="late")
+    )
+
+    def not_answered(ref: Any, timeout: float | None = None) -> Any:
+        raise ray.exceptions.GetTimeoutError("the hub did not answer")
+
+    monkeypatch.setattr(receiver_core.ray, "get", not_answered)
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        receiver.core.register_again(5.0)
+    assert left == [(receiver.core.worker, "late")]
+    assert receiver.core.token == "token" and receiver.core.transport is receiver.transport
 
 
 class _RegisteringHub(_Hub):
