@@ -211,3 +211,34 @@ def test_the_staging_device_is_the_one_current_where_the_process_first_asked(mon
         assert in_watch == [torch.device("cuda", 3)]
     finally:
         staging.staging_device.cache_clear()  # the stand-in CUDA device is not kept
+
+
+def test_a_nccl_member_stages_on_the_device_current_where_its_receiver_was_made(monkeypatch):
+    """A threaded or async host reads each version on Ray's threads, where device 0 is
+    current: a member made in a thread that set device 3 staged NCCL collectives on
+    device 0 (beside its model on 3, or on another process's GPU)."""
+    import threading
+
+    from raysync.transports import staging
+    from raysync.transports.distributed import group
+    from raysync.transports.distributed.receiver import DistributedReceiver
+    from raysync.transports.options import DistributedOptions
+
+    current = threading.local()
+    monkeypatch.setattr(staging.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(staging.torch.cuda, "current_device", lambda: getattr(current, "d", 0))
+    staging.staging_device.cache_clear()  # as in a process that has not asked yet
+    try:
+        current.d = 3  # the host's thread, which attached, set its device
+        DistributedReceiver("member").close()
+        nccl = DistributedOptions(backend="nccl")
+        on_a_ray_thread: list[torch.device] = []
+        reading = threading.Thread(
+            target=lambda: on_a_ray_thread.append(group.staging_device(nccl))
+        )
+        reading.start()
+        reading.join(30)
+        assert on_a_ray_thread == [torch.device("cuda", 3)]
+        assert group.staging_device(DistributedOptions(backend="gloo")) == torch.device("cpu")
+    finally:
+        staging.staging_device.cache_clear()  # the stand-in CUDA device is not kept

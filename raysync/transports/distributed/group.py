@@ -13,6 +13,7 @@ from raysync.transports.distributed.wire import Generation
 from raysync.transports.object_store.bucket_stream import streams_of
 from raysync.transports.options import DistributedOptions
 from raysync.transports.process_groups import node_ip
+from raysync.transports.staging import staging_device as process_staging_device
 
 #: Keys under a generation's prefix: how many members arrived at its rendezvous, and
 #: what ended the wait: ``_EVERYONE`` (the last member to arrive), or why the hub called
@@ -182,6 +183,10 @@ def bucket_timeout_s(settings: DistributedOptions, source: object) -> float:
 
 
 def staging_device(settings: DistributedOptions) -> torch.device:
+    """Where a member stages a collective's version: this process's CUDA device for
+    NCCL (the one current where the receiver was made, not in the thread that reads: a
+    threaded or async host reads on Ray's threads, where device 0 is current), else
+    CPU."""
     if settings.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return process_staging_device()
     return torch.device("cpu")

@@ -31,6 +31,7 @@ from raysync.transports.distributed.wire import HEADER_BYTES, MAGIC, Generation,
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.parts import PartedReceiver
 from raysync.transports.staging import StagingPool
+from raysync.transports.staging import staging_device as process_staging_device
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class DistributedReceiver(TransportReceiver):
         self._closed = False
         #: the learner's put(s), or a bucket stream served to this receiver
         self._pull = PartedReceiver(ObjectStoreReceiver(worker))
+        process_staging_device()  # asked first here, in the thread that made the receiver
         #: id -> staged tensors a fallback read from the learner's copy (released there)
         self._read_from_source: dict[int, Sequence[torch.Tensor]] = {}
         #: (generation, collective) of each version a fetch was called for, until its
