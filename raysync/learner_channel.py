@@ -36,10 +36,12 @@ other learners call it the plain way, until that learner releases it or is found
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +60,7 @@ from raysync.messages import (
     Update,
 )
 from raysync.receiver_delivery import (
+    CallStamp,
     claim_channel,
     deliver_on_channel,
     hold_channel,
@@ -122,6 +125,7 @@ class _Build:
 class _Teardown:
     graph: Any
     targets: tuple[DirectTarget, ...]
+    stamp: CallStamp  #: its release's, taken as the graph was let go of
 
 
 @dataclass
@@ -148,6 +152,8 @@ class ReceiverChannel:
         self._hub = hub
         self._submitter = submitter
         self._holder = f"{submitter}/{model}"
+        self._instance = uuid.uuid4().hex
+        self._calls = itertools.count()  #: stamps its claims, holds and releases
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  #: a build ended, replies came
         self._builds = 0  #: builds asked for and not ended
@@ -191,7 +197,7 @@ class ReceiverChannel:
             except Exception as err:  # Ray tore the graph down: a receiver of it died
                 logger.info("channel to %s broken: %s", ", ".join(tokens), err)
                 broken, self._graph, self._members, self._wanted = self._graph, None, (), ()
-                self._jobs.put(_Teardown(broken, self._targets))
+                self._jobs.put(_Teardown(broken, self._targets, self._stamp()))
                 return None
             # A build asked for another set before this broadcast is not wanted now.
             self._wanted = members
@@ -242,7 +248,7 @@ class ReceiverChannel:
                         self._builds -= 1
                         self._changed.notify_all()
             elif isinstance(job, _Teardown):
-                self._teardown(job.graph, job.targets)
+                self._teardown(job.graph, job.targets, job.stamp)
             else:
                 self._answer(job)
         self._teardown()
@@ -259,7 +265,9 @@ class ReceiverChannel:
         if old is not None:
             self._teardown(old, old_targets)
         claims = [
-            t.handle.__ray_call__.options(max_task_retries=0).remote(claim_channel, self._holder)
+            t.handle.__ray_call__.options(max_task_retries=0).remote(
+                claim_channel, self._holder, self._stamp()
+            )
             for t in job.targets
         ]
         try:
@@ -290,6 +298,7 @@ class ReceiverChannel:
             t.handle.__ray_call__.options(max_task_retries=0).remote(
                 hold_channel,
                 self._holder,
+                self._stamp(),
                 [graph.worker_task_refs[t.handle]],
                 graph.actor_to_executable_tasks[t.handle],
             )
@@ -338,6 +347,7 @@ class ReceiverChannel:
                 except Exception as err:  # Ray's channel errors, a death, a time-out
                     broken = f"the learner's channel broke ({type(err).__name__}: {err})"
             replies[worker] = ChannelLost(broken)
+        stamp: CallStamp | None = None
         with self._changed:
             written.replies, written.done, self._out = replies, True, None
             self._changed.notify_all()
@@ -348,29 +358,48 @@ class ReceiverChannel:
             targets = self._targets
             if torn:
                 self._graph, self._members, self._wanted = None, (), ()
+                # Before a build can see the graph gone and claim its receivers again:
+                # a release that reaches one after that claim is stale there.
+                stamp = self._stamp()
         if forward:
             self._hub.channel_replies.remote(
                 self._submitter, written.model, written.version, replies
             )
         if torn:
-            self._teardown(written.graph, targets)
+            self._teardown(written.graph, targets, stamp)
 
-    def _teardown(self, graph: Any = None, targets: tuple[DirectTarget, ...] | None = None) -> None:
-        """Tear down ``graph`` (default: the current one) and free its receivers' claims."""
+    def _teardown(
+        self,
+        graph: Any = None,
+        targets: tuple[DirectTarget, ...] | None = None,
+        stamp: CallStamp | None = None,
+    ) -> None:
+        """Tear down ``graph`` (default: the current one) and free its receivers' claims
+        (with ``stamp``, taken when the graph was let go of, else now)."""
         if graph is None:
             with self._lock:
                 graph, targets, self._graph = self._graph, self._targets, None
+                stamp = self._stamp()
         if graph is None or targets is None:
             return
+        stamp = stamp or self._stamp()
         try:
             graph.teardown()
         except Exception as err:  # a receiver that died cannot be cancelled: nothing left
             logger.info("channel teardown: %s", err)
-        self._release(targets)
+        self._release(targets, stamp)
 
-    def _release(self, targets: Sequence[DirectTarget]) -> None:
+    def _release(self, targets: Sequence[DirectTarget], stamp: CallStamp | None = None) -> None:
+        stamp = stamp or self._stamp()
         for t in targets:
-            t.handle.__ray_call__.options(max_task_retries=0).remote(release_channel, self._holder)
+            t.handle.__ray_call__.options(max_task_retries=0).remote(
+                release_channel, self._holder, stamp
+            )
+
+    def _stamp(self) -> CallStamp:
+        """The next call's stamp: a receiver runs no call of this channel's stamped
+        before one it ran (see :class:`raysync.receiver_delivery.CallStamp`)."""
+        return self._instance, next(self._calls)
 
 
 def _spare_from_ray_shutdown(graph: Any) -> None:

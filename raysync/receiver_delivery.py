@@ -119,6 +119,15 @@ def deliver_on_channel(host: Any, key: str, update: Update, token: str) -> Ack |
         return Ack("?", update.model, update.version, AckStatus.FAILED, traceback.format_exc())
 
 
+#: A stamp on a learner's claim, hold and release calls: (its channel's instance id, a
+#: number that grows with each call it sends). A threaded host runs a caller's calls in
+#: any order; a call stamped before one already run here is stale.
+CallStamp = tuple[str, int]
+
+#: How many holders' last stamps a process keeps (learners that claimed its thread).
+_STAMPS_KEPT = 256
+
+
 class _ChannelClaim:
     """Which learner's compiled graph this process serves: Ray runs one graph at a
     time on an actor's compiled-graph thread, and a second would wait for ever.
@@ -129,30 +138,51 @@ class _ChannelClaim:
     out of memory) leaves its loop waiting on this thread for a version that never
     comes; Ray fails that ref with ``OwnerDiedError`` then (within seconds), and the
     next learner to claim takes the thread over: the dead graph's loop is cancelled
-    here, as its teardown would have done."""
+    here, as its teardown would have done.
+
+    Each call carries its :data:`CallStamp`: on a threaded host the release of a torn
+    graph could run after the claim of the next build, sent after it, and wipe it (that
+    graph then ran here unclaimed, and another learner's graph waited behind it); a
+    stale call is ignored (a stale claim is refused)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holder: str | None = None
         self._loop: ray.ObjectRef | None = None  #: the holder's graph's, once built
         self._tasks: list[Any] = []  #: that loop's ExecutableTasks
+        self._stamps: dict[str, CallStamp] = {}  #: holder -> the latest stamp run here
 
-    def claim(self, host: Any, holder: str) -> bool:
+    def claim(self, host: Any, holder: str, stamp: CallStamp) -> bool:
         with self._lock:
+            if self._stale(holder, stamp):
+                return False
             if self._holder not in (None, holder) and not self._holder_died(host):
                 return False
             self._holder, self._loop, self._tasks = holder, None, []
             return True
 
-    def hold(self, holder: str, loop: ray.ObjectRef, tasks: list[Any]) -> None:
+    def hold(self, holder: str, stamp: CallStamp, loop: ray.ObjectRef, tasks: list[Any]) -> None:
         with self._lock:
-            if self._holder == holder:
+            if not self._stale(holder, stamp) and self._holder == holder:
                 self._loop, self._tasks = loop, tasks
 
-    def release(self, holder: str) -> None:
+    def release(self, holder: str, stamp: CallStamp) -> None:
         with self._lock:
-            if self._holder == holder:
+            if not self._stale(holder, stamp) and self._holder == holder:
                 self._holder, self._loop, self._tasks = None, None, []
+
+    def _stale(self, holder: str, stamp: CallStamp) -> bool:
+        """Whether ``holder`` sent ``stamp`` before a call already run here; if not, it
+        is the latest (caller holds the lock). A channel of another instance (the
+        learner made it anew) starts its own count."""
+        last = self._stamps.pop(holder, None)
+        if last is not None and last[0] == stamp[0] and stamp[1] < last[1]:
+            self._stamps[holder] = last
+            return True
+        self._stamps[holder] = stamp  # the newest at the end: the oldest go first
+        while len(self._stamps) > _STAMPS_KEPT:
+            del self._stamps[next(iter(self._stamps))]
+        return False
 
     def _holder_died(self, host: Any) -> bool:
         """Whether the holder's learner died with its graph's loop running here; if
@@ -173,23 +203,25 @@ class _ChannelClaim:
 _channel_claim = _ChannelClaim()
 
 
-def claim_channel(host: Any, holder: str) -> bool:
+def claim_channel(host: Any, holder: str, stamp: CallStamp) -> bool:
     """Runs in the host actor, asked by a learner before it builds a channel: whether
     ``holder``'s graph may use this process's compiled-graph thread (False: another
-    live learner's does)."""
-    return _channel_claim.claim(host, holder)
+    live learner's does, or a later call of ``holder``'s ran here first)."""
+    return _channel_claim.claim(host, holder, stamp)
 
 
-def hold_channel(host: Any, holder: str, loop: list[ray.ObjectRef], tasks: list[Any]) -> None:
+def hold_channel(
+    host: Any, holder: str, stamp: CallStamp, loop: list[ray.ObjectRef], tasks: list[Any]
+) -> None:
     """Runs in the host actor, called by the learner ``holder`` once its graph is built:
     the graph's loop on this actor (``loop``: its task's ref, in a list so that Ray
     passes the ref on unresolved; ``tasks``: Ray's ExecutableTasks for this actor)."""
-    _channel_claim.hold(holder, loop[0], tasks)
+    _channel_claim.hold(holder, stamp, loop[0], tasks)
 
 
-def release_channel(host: Any, holder: str) -> None:
+def release_channel(host: Any, holder: str, stamp: CallStamp) -> None:
     """Runs in the host actor once ``holder``'s graph was torn down."""
-    _channel_claim.release(holder)
+    _channel_claim.release(holder, stamp)
 
 
 def refuse_learner_deliveries(host: Any, key: str, token: str) -> None:

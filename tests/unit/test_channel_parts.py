@@ -132,13 +132,34 @@ def test_every_reply_through_one_loop_waits_beside_one_wait_for_its_end():
 
 def test_a_process_serves_one_learners_channel_at_a_time():
     claim = _ChannelClaim()
-    assert claim.claim(None, "a/policy")
-    assert claim.claim(None, "a/policy")  # its own again: a rebuild
-    assert not claim.claim(None, "b/policy")
-    claim.release("b/policy")  # not the holder: no effect
-    assert not claim.claim(None, "b/policy")
-    claim.release("a/policy")
-    assert claim.claim(None, "b/policy")
+    assert claim.claim(None, "a/policy", ("a", 0))
+    assert claim.claim(None, "a/policy", ("a", 1))  # its own again: a rebuild
+    assert not claim.claim(None, "b/policy", ("b", 0))
+    claim.release("b/policy", ("b", 1))  # not the holder: no effect
+    assert not claim.claim(None, "b/policy", ("b", 2))
+    claim.release("a/policy", ("a", 2))
+    assert claim.claim(None, "b/policy", ("b", 3))
+
+
+def test_a_release_sent_before_a_rebuilds_claim_and_run_after_it_is_stale():
+    """A threaded receiver runs a learner's calls in any order: the release of a torn
+    graph, sent before the next build's claim, ran after it and wiped it. That graph
+    then ran here unclaimed, its hold was dropped, and another learner's claim was
+    granted: its graph waited behind the first on the actor's one graph thread."""
+    claim = _ChannelClaim()
+    assert claim.claim(None, "a/policy", ("a", 0))
+    assert claim.claim(None, "a/policy", ("a", 2))  # the rebuild's claim ran first
+    claim.release("a/policy", ("a", 1))  # the torn graph's, sent before it
+    assert not claim.claim(None, "b/policy", ("b", 0))  # still a's
+    claim.hold("a/policy", ("a", 3), "the rebuild's loop", [])
+    assert claim._holder == "a/policy" and claim._loop == "the rebuild's loop"
+    claim.release("a/policy", ("a", 4))
+    assert not claim.claim(None, "a/policy", ("a", 1))  # a stale claim is refused
+    assert claim._holder is None
+    # A channel the learner made anew counts its own calls from 0.
+    assert claim.claim(None, "a/policy", ("a again", 0))
+    claim.release("a/policy", ("a again", 1))
+    assert claim.claim(None, "b/policy", ("b", 1))
 
 
 def test_an_inline_version_is_copied_out_of_the_channels_buffer():
