@@ -305,9 +305,11 @@ class ReceiverChannel:
             for t in job.targets
         ]
         try:
-            ray.get(holds, timeout=CLAIM_WAIT_S)
+            held = ray.get(holds, timeout=CLAIM_WAIT_S)
         except ray.exceptions.RayError as err:  # a receiver died, or did not answer
             logger.info("no channel to %d receivers: %s", len(job.targets), err)
+            held = [False]
+        if not all(held):  # or the build outlived its claims: another learner's now
             self._teardown(graph, job.targets)
             self._refuse(job)
             return

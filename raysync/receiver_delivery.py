@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import traceback
 from typing import Any, Protocol
 
@@ -126,6 +127,11 @@ CallStamp = tuple[str, int]
 
 #: How many holders' last stamps a process keeps (learners that claimed its thread).
 _STAMPS_KEPT = 256
+#: How long a claim whose graph named no loop here (:meth:`_ChannelClaim.hold`) keeps
+#: other learners out: its learner may have died while building (no loop of its to
+#: watch). A build takes seconds; a learner whose build outlived this finds its hold
+#: refused and tears its graph down.
+BUILD_CLAIM_EXPIRES_S = 120.0
 
 
 class _ChannelClaim:
@@ -138,7 +144,8 @@ class _ChannelClaim:
     out of memory) leaves its loop waiting on this thread for a version that never
     comes; Ray fails that ref with ``OwnerDiedError`` then (within seconds), and the
     next learner to claim takes the thread over: the dead graph's loop is cancelled
-    here, as its teardown would have done.
+    here, as its teardown would have done. A learner that died while building its graph
+    (no loop named yet) keeps others out for :data:`BUILD_CLAIM_EXPIRES_S`.
 
     Each call carries its :data:`CallStamp`: on a threaded host the release of a torn
     graph could run after the claim of the next build, sent after it, and wipe it (that
@@ -151,20 +158,26 @@ class _ChannelClaim:
         self._loop: ray.ObjectRef | None = None  #: the holder's graph's, once built
         self._tasks: list[Any] = []  #: that loop's ExecutableTasks
         self._stamps: dict[str, CallStamp] = {}  #: holder -> the latest stamp run here
+        self._claimed_at = 0.0  #: when the holder claimed (``time.monotonic()``)
 
     def claim(self, host: Any, holder: str, stamp: CallStamp) -> bool:
         with self._lock:
             if self._stale(holder, stamp):
                 return False
-            if self._holder not in (None, holder) and not self._holder_died(host):
+            if self._holder not in (None, holder) and not self._holder_gone(host):
                 return False
             self._holder, self._loop, self._tasks = holder, None, []
+            self._claimed_at = time.monotonic()
             return True
 
-    def hold(self, holder: str, stamp: CallStamp, loop: ray.ObjectRef, tasks: list[Any]) -> None:
+    def hold(self, holder: str, stamp: CallStamp, loop: ray.ObjectRef, tasks: list[Any]) -> bool:
+        """Whether ``holder`` holds this process's thread for its graph's ``loop`` (False:
+        its claim expired and another learner's took the thread over)."""
         with self._lock:
-            if not self._stale(holder, stamp) and self._holder == holder:
-                self._loop, self._tasks = loop, tasks
+            if self._stale(holder, stamp) or self._holder != holder:
+                return False
+            self._loop, self._tasks = loop, tasks
+            return True
 
     def release(self, holder: str, stamp: CallStamp) -> None:
         with self._lock:
@@ -184,12 +197,13 @@ class _ChannelClaim:
             del self._stamps[next(iter(self._stamps))]
         return False
 
-    def _holder_died(self, host: Any) -> bool:
+    def _holder_gone(self, host: Any) -> bool:
         """Whether the holder's learner died with its graph's loop running here; if
         so, that loop is cancelled (caller holds the lock). A holder still building
-        its graph has named no loop yet: it keeps its claim."""
+        its graph has named no loop yet: it keeps its claim for
+        :data:`BUILD_CLAIM_EXPIRES_S`."""
         if self._loop is None:
-            return False
+            return time.monotonic() - self._claimed_at > BUILD_CLAIM_EXPIRES_S
         try:
             ray.get(self._loop, timeout=0)
         except ray.exceptions.OwnerDiedError:
@@ -212,11 +226,12 @@ def claim_channel(host: Any, holder: str, stamp: CallStamp) -> bool:
 
 def hold_channel(
     host: Any, holder: str, stamp: CallStamp, loop: list[ray.ObjectRef], tasks: list[Any]
-) -> None:
+) -> bool:
     """Runs in the host actor, called by the learner ``holder`` once its graph is built:
     the graph's loop on this actor (``loop``: its task's ref, in a list so that Ray
-    passes the ref on unresolved; ``tasks``: Ray's ExecutableTasks for this actor)."""
-    _channel_claim.hold(holder, stamp, loop[0], tasks)
+    passes the ref on unresolved; ``tasks``: Ray's ExecutableTasks for this actor).
+    False if its claim expired meanwhile and another learner's took the thread over."""
+    return _channel_claim.hold(holder, stamp, loop[0], tasks)
 
 
 def release_channel(host: Any, holder: str, stamp: CallStamp) -> None:

@@ -162,6 +162,25 @@ def test_a_release_sent_before_a_rebuilds_claim_and_run_after_it_is_stale():
     assert claim.claim(None, "b/policy", ("b", 1))
 
 
+def test_a_learner_that_died_while_building_keeps_others_out_for_a_while_only(monkeypatch):
+    """A learner killed between its claims and its holds named no graph loop to watch:
+    its claim kept every other learner's channel out of this process for good. It
+    expires; a live learner whose build outlived it finds its hold refused."""
+    from raysync import receiver_delivery
+
+    now = [1000.0]
+    monkeypatch.setattr(receiver_delivery, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    claim = _ChannelClaim()
+    assert claim.claim(None, "a/policy", ("a", 0))
+    now[0] += receiver_delivery.BUILD_CLAIM_EXPIRES_S - 1
+    assert not claim.claim(None, "b/policy", ("b", 0))  # a may still be building
+    now[0] += 2
+    assert claim.claim(None, "b/policy", ("b", 1))
+    assert not claim.hold("a/policy", ("a", 1), "a's loop", [])  # a's build outlived it
+    assert claim.hold("b/policy", ("b", 2), "b's loop", [])
+    assert claim._holder == "b/policy" and claim._loop == "b's loop"
+
+
 def test_an_inline_version_is_copied_out_of_the_channels_buffer():
     weights = {"w": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, dtype=torch.bfloat16)}
     spec = WeightSpec.of(weights)
