@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -129,52 +128,3 @@ def test_a_second_receiver_of_the_hub_in_a_process_is_refused_saying_why(monkeyp
     with pytest.raises(TransportError, match=r"receiver 'a'.*receiver 'b'.*in one receiver"):
         receiver._Membership.join(second)
     assert receiver._Membership.member == first
-
-
-class _JoiningAgent:
-    """Stands for a live agent whose ``admit`` waits for the group's join token (a
-    receiver joining holds it) until ``token_free`` is set; records the jobs sent."""
-
-    def __init__(self) -> None:
-        self.admitting = asyncio.Event()
-        self.token_free = asyncio.Event()
-        self.sent: list[object] = []
-        self.ping = SimpleNamespace(remote=self._ping)
-        self.admit = SimpleNamespace(remote=self._admit)
-        self.send = SimpleNamespace(remote=self.sent.append)
-
-    async def _ping(self) -> None:
-        pass
-
-    async def _admit(self, worker: str, process: str) -> SimpleNamespace:
-        self.admitting.set()
-        await self.token_free.wait()
-        return SimpleNamespace(worker=worker, rank=2)
-
-
-def test_a_receiver_joining_while_the_join_token_is_held_holds_no_plan_up():
-    """The planner admitted a joining receiver under the lock its plans take, and the
-    agent's admit waits for the group's join token (held by a receiver joining, up to
-    the RPC timeout): every broadcast meanwhile waited for it, and failed its receivers
-    at the hub's timeout."""
-    agent = _JoiningAgent()
-    planner = _planner(agent)  # type: ignore[arg-type]
-    planner._lock, planner._forgetting, planner._seq = asyncio.Lock(), set(), 0
-    planner._members = {"steady": SimpleNamespace(worker="steady", rank=1)}
-    planner._receivers, planner._settings = {}, SimpleNamespace(timeout_s=30.0)
-    ranks: dict[str, tuple[str, int]] = {}
-    planner._ranks = SimpleNamespace(set=lambda w, p, r: ranks.__setitem__(w, (p, r)))
-    steady = SimpleNamespace(worker="steady")
-    joining = SimpleNamespace(worker="joining", process="p2")
-    update = SimpleNamespace(model="policy", version=3, payload="the learner's put")
-
-    async def scenario() -> tuple[set[str], object]:
-        join = asyncio.create_task(planner.receiver_joined(joining))  # type: ignore[arg-type]
-        await agent.admitting.wait()
-        payloads = await asyncio.wait_for(planner.plan(update, None, [steady]), 10)  # type: ignore[arg-type]
-        agent.token_free.set()
-        return set(payloads), await join
-
-    planned, member = asyncio.run(scenario())
-    assert planned == {"steady"} and len(agent.sent) == 1
-    assert planner._members["joining"] is member and ranks == {"joining": ("p2", 2)}

@@ -96,25 +96,17 @@ class RpcPlanner(TransportPlanner):
         return self._actor
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> RpcMember:
-        """Admitted by the agent outside the plans' lock: its admit may wait for the
-        group's join token, which a receiver joining holds up to the RPC timeout, and
-        every broadcast meanwhile waited for it (none targets this receiver before it
-        joined). One admitted by an agent that was replaced meanwhile is admitted again."""
-        while True:
-            async with self._lock:
-                # A process that left comes back to its place (or rank), which its
-                # ``forget`` records: those still running end first.
-                if self._forgetting:
-                    await asyncio.wait(self._forgetting)
-                agent = await self._live_agent()
+        async with self._lock:
+            # A process that left comes back to its place (or rank), which its
+            # ``forget`` records: those still running end first.
+            if self._forgetting:
+                await asyncio.wait(self._forgetting)
+            agent = await self._live_agent()
             member = await agent.admit.remote(receiver.worker, receiver.process)
-            async with self._lock:
-                if self._actor is not agent:
-                    continue  # it died, and a plan started another: a place there
-                self._members[receiver.worker] = member
-                self._receivers[receiver.worker] = receiver
-                self._ranks.set(receiver.worker, receiver.process, member.rank)
-                return member
+            self._members[receiver.worker] = member
+            self._receivers[receiver.worker] = receiver
+            self._ranks.set(receiver.worker, receiver.process, member.rank)
+            return member
 
     async def receiver_left(self, worker: str) -> None:
         """Off the plans at once; the agent takes it off the group's member list, which
