@@ -264,9 +264,12 @@ class ReceiverChannel:
             self._graph, self._members = None, ()
         if old is not None:
             self._teardown(old, old_targets)
+        # One stamp for the build's claims (and one for its holds): two receivers of one
+        # process share its claim, and the second call must not be stale there.
+        stamp = self._stamp()
         claims = [
             t.handle.__ray_call__.options(max_task_retries=0).remote(
-                claim_channel, self._holder, self._stamp()
+                claim_channel, self._holder, stamp
             )
             for t in job.targets
         ]
@@ -294,11 +297,12 @@ class ReceiverChannel:
             self._refuse(job)
             return
         _spare_from_ray_shutdown(graph)
+        stamp = self._stamp()
         holds = [  # were this learner killed, the next one takes its receivers over
             t.handle.__ray_call__.options(max_task_retries=0).remote(
                 hold_channel,
                 self._holder,
-                self._stamp(),
+                stamp,
                 [graph.worker_task_refs[t.handle]],
                 graph.actor_to_executable_tasks[t.handle],
             )

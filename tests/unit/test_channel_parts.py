@@ -21,9 +21,9 @@ from raysync.channel_replies import (
     ChannelReplies,
     reply_unless_learner_died,
 )
-from raysync.learner_channel import ReceiverChannel, channel_targets
+from raysync.learner_channel import ReceiverChannel, _Build, channel_targets
 from raysync.messages import DirectTarget, Entry, Route, Update
-from raysync.receiver_delivery import _ChannelClaim
+from raysync.receiver_delivery import _ChannelClaim, claim_channel
 from raysync.spec import WeightSpec
 from raysync.transports.object_store.arrays import as_array
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
@@ -162,6 +162,29 @@ def test_a_release_sent_before_a_rebuilds_claim_and_run_after_it_is_stale():
     assert claim.claim(None, "b/policy", ("b", 1))
 
 
+def test_a_builds_claims_of_two_receivers_of_one_process_carry_one_stamp(monkeypatch):
+    """Two attachments of one actor are both targets of a build: each claim got a stamp
+    of its own, and the one that ran second there, stamped first, was refused as stale
+    (the set kept off the channel, again at each try)."""
+    channel = ReceiverChannel(hub=None, submitter="learner", model="policy")
+    channel.close()  # its thread ends: the test runs the build itself
+    sent: list[tuple] = []
+    one_process = _Recording(sent)
+    targets = (_target("c0", handle=one_process), _target("c1", handle=one_process))
+    members = tuple((t.worker, t.token) for t in targets)
+    channel._wanted = members
+    monkeypatch.setattr(
+        raysync.learner_channel,
+        "ray",
+        SimpleNamespace(get=_claims_unanswered, exceptions=ray.exceptions),
+    )
+    channel._build(_Build(members, targets, nbytes=8))
+    claims = [args for args in sent if args[0] is claim_channel]
+    assert len(claims) == 2 and claims[0][2] == claims[1][2]
+    claim = _ChannelClaim()
+    assert all(claim.claim(None, holder, stamp) for _, holder, stamp in reversed(claims))
+
+
 def test_a_learner_that_died_while_building_keeps_others_out_for_a_while_only(monkeypatch):
     """A learner killed between its claims and its holds named no graph loop to watch:
     its claim kept every other learner's channel out of this process for good. It
@@ -252,6 +275,18 @@ class _Unanswered:
         return self
 
     def remote(self, *_):
+        return None
+
+
+class _Recording(_Unanswered):
+    """A receiver's actor handle that records each call's arguments, never answered."""
+
+    def __init__(self, sent: list[tuple]) -> None:
+        super().__init__()
+        self.sent = sent
+
+    def remote(self, *args):
+        self.sent.append(args)
         return None
 
 
