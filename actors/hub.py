@@ -750,8 +750,9 @@ class WeightHubActor:
                 "cannot register with it"
             )
 
-    async def _register(self, registration: Registration) -> Welcome:
-        self._check_registering(registration)
+    def _check_not_withdrawn(self, registration: Registration) -> None:
+        """RaySyncError if its receiver withdrew ``registration`` (its register call was
+        not answered in time) before the hub booked it."""
         if registration.token in self._withdrawn:
             del self._withdrawn[registration.token]
             raise RaySyncError(
@@ -759,6 +760,10 @@ class WeightHubActor:
                 "before it reached the hub (its register call was not answered in time): "
                 "register again"
             )
+
+    async def _register(self, registration: Registration) -> Welcome:
+        self._check_registering(registration)
+        self._check_not_withdrawn(registration)
         transport = registration.transport or self._transport
         planner = self._planner(transport, asked_by=registration.actor)
         registration = dataclasses.replace(registration, transport=transport)
@@ -773,6 +778,9 @@ class WeightHubActor:
             # and a zero-copy model's segment could be rewritten under it).
             await asyncio.wait({leaving}, timeout=self._default_timeout_s)
             self._check_registering(registration)
+        # Withdrawn while it waited (its receiver gave up on this call meanwhile): a
+        # registration nobody holds, which broadcasts would target, is not booked.
+        self._check_not_withdrawn(registration)
         latest = self._state.register(registration)
         if former is not None and former.transport != transport:  # its planner forgets it
             self._forget_in(former.transport, registration.worker, f"moved to {transport}")
