@@ -381,14 +381,13 @@ class ReceiverChannel:
         stamp: CallStamp | None = None,
     ) -> None:
         """Tear down ``graph`` (default: the current one) and free its receivers' claims
-        (with ``stamp``, taken when the graph was let go of, else now)."""
+        (with ``stamp``, taken when the graph was let go of, else as they are freed)."""
         if graph is None:
             with self._lock:
                 graph, targets, self._graph = self._graph, self._targets, None
                 stamp = self._stamp()
         if graph is None or targets is None:
             return
-        stamp = stamp or self._stamp()
         try:
             graph.teardown()
         except Exception as err:  # a receiver that died cannot be cancelled: nothing left

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import ray
 from ray.dag.compiled_dag_node import do_cancel_executable_tasks
 
+from raysync.bounded import keep_newest
 from raysync.messages import Ack, AckStatus, Entry, ServeRequest, Update
 from raysync.receiver_receipt import Receipt, reply_to_hub
 
@@ -193,8 +194,7 @@ class _ChannelClaim:
             self._stamps[holder] = last
             return True
         self._stamps[holder] = stamp  # the newest at the end: the oldest go first
-        while len(self._stamps) > _STAMPS_KEPT:
-            del self._stamps[next(iter(self._stamps))]
+        keep_newest(self._stamps, _STAMPS_KEPT)
         return False
 
     def _holder_gone(self, host: Any) -> bool:
