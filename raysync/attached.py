@@ -217,7 +217,7 @@ def attach(
         worker=worker_id or actor_id or context.get_worker_id(),
         actor=_host_name(owner, actor_id),
         attachment=uuid.uuid4().hex,
-        entry=Entry.MIXIN_METHOD if _has_mixin_entry(owner) else Entry.RAY_CALL,
+        entry=_entry(owner),
         mode=delivery,
         transport=transport,
         zero_copy=zero_copy,
@@ -289,6 +289,11 @@ def _host_name(owner: Any, actor_id: str | None) -> str:
     return repr(ray.get_runtime_context().current_actor)
 
 
-def _has_mixin_entry(owner: Any) -> bool:
-    """Whether ``owner`` is a WeightReceiver: the hub then calls its own delivery method."""
-    return callable(getattr(type(owner), Entry.MIXIN_METHOD.value, None))
+def _entry(owner: Any) -> Entry:
+    """How the hub reaches this host: a WeightReceiver through its own delivery method
+    (the coroutine one, which the mixin gives async classes), any other host through
+    ``__ray_call__``."""
+    for entry in (Entry.MIXIN_ASYNC, Entry.MIXIN_METHOD):
+        if callable(getattr(type(owner), entry.value, None)):
+            return entry
+    return Entry.RAY_CALL

@@ -55,7 +55,6 @@ from raysync.messages import (
     ChannelLost,
     ChannelReply,
     DirectTarget,
-    Entry,
     Route,
     Update,
 )
@@ -108,7 +107,7 @@ def channel_targets(route: Route, node_id: str) -> tuple[DirectTarget, ...]:
     return tuple(
         t
         for t in route.targets
-        if t.entry is Entry.MIXIN_METHOD
+        if t.entry.mixin
         and t.node_id == node_id
         and hand_off_of(t.transport) == ObjectStoreTransport.name
     )

@@ -318,6 +318,15 @@ class Entry(enum.Enum):
 
     RAY_CALL = "__ray_call__"  #: any actor: Ray's built-in closure call
     MIXIN_METHOD = "_raysync_deliver"  #: the WeightReceiver mixin's method
+    #: The mixin's coroutine method, in an async actor: the version is read on a thread
+    #: while the loop starts the actor's other calls (Ray runs a sync method, and
+    #: ``__ray_call__``, where no other call starts until it returns).
+    MIXIN_ASYNC = "_raysync_deliver_async"
+
+    @property
+    def mixin(self) -> bool:
+        """Whether the host is a WeightReceiver: every method of its holds the gate."""
+        return self is not Entry.RAY_CALL
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ of the class is wrapped as a reader (``receiver.using()``) when the class is def
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import ray
@@ -61,6 +62,8 @@ class WeightReceiver:
             if inspect.isgeneratorfunction(raw):
                 continue
             setattr(cls, name, _guard(raw))
+        if _is_async_actor_class(cls):  # Ray makes it an async actor: see the method
+            cls._raysync_deliver_async = _raysync_deliver_async  # type: ignore[attr-defined]
 
     def connect_hub(
         self,
@@ -164,7 +167,8 @@ class WeightReceiver:
     # Never retried on a restarted incarnation, whatever the actor's max_task_retries:
     # the hub must see the death (the new incarnation gets the latest version when it
     # registers again). A method of its own rather than ``__ray_call__``: Ray runs it
-    # like the class's other methods (on an async actor's event loop).
+    # like the class's other methods (an async class's hub calls
+    # ``_raysync_deliver_async`` instead, which calls this one on a thread).
     @ray.method(max_task_retries=0)
     def _raysync_deliver(self, key: str, update: Update) -> Ack | None:
         """Called by the hub for each broadcast; the Ack, or None if it comes later."""
@@ -178,6 +182,27 @@ class WeightReceiver:
 
 
 _MIXIN_NAMES = frozenset(n for n in vars(WeightReceiver) if not n.startswith("__"))
+
+
+@ray.method(max_task_retries=0)
+async def _raysync_deliver_async(self: WeightReceiver, key: str, update: Update) -> Ack | None:
+    """The delivery method of a mixin class with coroutine methods (an async actor's),
+    in place of :meth:`WeightReceiver._raysync_deliver`, which it calls on a thread of
+    the loop's executor: Ray runs an async actor's sync methods (and ``__ray_call__``)
+    where no other call of the actor starts until they return, and a version's read
+    may take the transport's whole timeout. The loop starts the actor's calls
+    meanwhile; the version's write is handed back to it (:mod:`raysync.host_loop`)."""
+    sync_deliver = cast(Callable[[str, Update], Ack | None], self._raysync_deliver)
+    return await asyncio.get_running_loop().run_in_executor(None, sync_deliver, key, update)
+
+
+def _is_async_actor_class(cls: type) -> bool:
+    """Whether Ray makes an actor of ``cls`` an async actor: it has a coroutine or async
+    generator method (Ray's own test, ``ray._private.async_compat.has_async_methods``)."""
+    return any(
+        inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member)
+        for _, member in inspect.getmembers(cls)
+    )
 
 
 def _guard(method: Any) -> Any:

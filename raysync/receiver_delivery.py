@@ -5,8 +5,9 @@ process that called :func:`raysync.attach` — and is known to its hub by an
 *attachment* key. The hub (and the receiver's own hub watch, to apply at a safe point)
 calls :func:`delivery_call`: Ray runs :func:`deliver` inside the host actor, in the
 host's method queue, like any of its methods — through ``__ray_call__``, so no method on
-the host's class is needed, or through the mixin's ``_raysync_deliver``. :func:`deliver`
-finds the receiver by its key in this process's :data:`attached` registry.
+the host's class is needed, or through the mixin's ``_raysync_deliver`` (in an async
+class, ``_raysync_deliver_async``, which calls it on a thread). :func:`deliver` finds
+the receiver by its key in this process's :data:`attached` registry.
 
 A learner's compiled-graph channel (:mod:`raysync.learner_channel`) reaches the host
 another way: Ray runs :func:`deliver_on_channel` on the actor's compiled-graph thread,
@@ -268,12 +269,12 @@ def serve_call(handle: Any, key: str, request: ServeRequest) -> Any:
 def delivery_call(handle: Any, through: Entry, key: str, update: Update) -> Any:
     """Ask the host actor behind ``handle`` to apply ``update``; the call's ObjectRef.
 
-    ``through`` is the host's entry point: the mixin's own method (a method like any
-    other, which Ray runs on an async actor's event loop), or ``__ray_call__`` for any
-    other actor. Never retried on a restarted incarnation, whatever the actor's
-    ``max_task_retries``: the hub must see the death (the new incarnation gets the
-    latest version when it registers again).
+    ``through`` is the host's entry point: the mixin's own method (its coroutine one in
+    an async actor), or ``__ray_call__`` for any other actor. Never retried on a
+    restarted incarnation, whatever the actor's ``max_task_retries``: the hub must see
+    the death (the new incarnation gets the latest version when it registers again).
     """
-    if through is Entry.MIXIN_METHOD:
-        return handle._raysync_deliver.options(max_task_retries=0).remote(key, update)
-    return handle.__ray_call__.options(max_task_retries=0).remote(deliver, key, update)
+    if through is Entry.RAY_CALL:
+        return handle.__ray_call__.options(max_task_retries=0).remote(deliver, key, update)
+    method = getattr(handle, through.value)
+    return method.options(max_task_retries=0).remote(key, update)

@@ -366,12 +366,13 @@ class FanOut(WeightReceiver):
     def __init__(self, hub):
         self.model = make_probe_model()
         self.deferred = asyncio.Event()
+        self.loop = asyncio.get_running_loop()  # Ray runs an async actor's __init__ there
         self.connect_hub(hub, models={"probe": "model"})
 
     def _raysync_deliver(self, key, update):
-        ack = super()._raysync_deliver(key, update)
+        ack = super()._raysync_deliver(key, update)  # on Ray's thread, off the loop
         if ack is None:  # deferred to the end of the user method that runs
-            self.deferred.set()
+            self.loop.call_soon_threadsafe(self.deferred.set)
         return ack
 
     async def generate(self, prompts: int, entered=None) -> list[float]:
@@ -430,6 +431,27 @@ class _Stalls:
             Path(self.stall_dir, f"inside-{where}-{self.name}").touch()
             while stall.exists():
                 time.sleep(0.01)
+
+
+class FetchStall(_Stalls):
+    """The ``fetch`` stall point of :class:`_Stalls` for a receiver of any host."""
+
+    def __init__(self, stall_dir: str, name: str) -> None:
+        self.stall_dir, self.name, self.first = stall_dir, name, True
+
+
+@ray.remote(num_cpus=0)
+class AsyncStalled(WeightReceiver):
+    """An async mixin actor whose fetches stall at ``fetch`` (:class:`_Stalls`)."""
+
+    def __init__(self, hub, stall_dir: str, name: str):
+        self.model = make_probe_model(64, 4)
+        self.model.load_state_dict(filled(self.model, 0.0))
+        self.connect_hub(hub, models={"probe": "model"}, worker_id=name)
+        _stall_fetches(FetchStall(stall_dir, name), self._raysync_receiver.core.transport)
+
+    async def first_value(self) -> float:
+        return float(next(self.model.parameters()).view(-1)[0])
 
 
 def _stall_fetches(receiver, transport) -> None:

@@ -10,9 +10,10 @@ import pytest
 import ray
 
 from raysync.transports import DEFAULT_TRANSPORT
-from tests.helpers import Gate, ready, start, start_hub
+from tests.helpers import Gate, ready, start, start_hub, wait_for_file
 from tests.receivers import (
     AsyncProbe,
+    AsyncStalled,
     Collector,
     FanOut,
     HookCaller,
@@ -136,6 +137,27 @@ def test_a_streamed_reply_of_an_async_generator_method_is_of_one_version(actors)
     assert [first, _next_item(stream), _next_item(stream)] == [1.0, 1.0, 1.0]
     assert ray.get(report, timeout=30).failed == {}
     assert ray.get(engine.generate_one.remote()) == 2.0
+
+
+def test_an_async_actor_starts_its_calls_while_a_version_is_read(actors, tmp_path):
+    """A version's read does not hold an async actor: while its fetch is held, calls
+    to the actor (from the learner's own process too) start and see the version before,
+    and once the fetch goes on the version lands. (The mixin's delivery, a sync method,
+    ran where Ray starts the actor's calls: none started until the read returned.)"""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    engine = start(actors, AsyncStalled, hub, str(tmp_path), "engine")
+    ready([engine])
+    stall = tmp_path / "stall-fetch-engine"
+    stall.touch()
+    try:
+        report = hub.broadcast.remote(filled(make_probe_model(64, 4), 1.0))
+        wait_for_file(tmp_path / "inside-fetch-engine")
+        assert ray.get(engine.first_value.remote(), timeout=20) == 0.0
+    finally:
+        stall.unlink()
+    done = ray.get(report, timeout=30)
+    assert done.acked == ("engine",) and done.failed == {}, done
+    assert ray.get(engine.first_value.remote()) == 1.0
 
 
 def _next_item(stream, timeout_s: float = 30.0):

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from ray._private.async_compat import has_async_methods
 
-from raysync import model_path
-from raysync.attached import _model_paths
-from raysync.messages import AckStatus, Update
+from raysync import WeightReceiver, model_path
+from raysync.attached import _entry, _model_paths
+from raysync.messages import AckStatus, Entry, Update
 from raysync.receiver_delivery import Attachments, attached, deliver
 from raysync.receiver_receipt import AckNow
 
@@ -58,6 +59,27 @@ class _Receiver:
     def receive(self, update: Update, *, write_on_host_loop: bool = False) -> AckNow:
         self.received.append((update, write_on_host_loop))
         return AckNow(SimpleNamespace(status=AckStatus.APPLIED))
+
+
+def test_an_async_mixin_class_is_delivered_to_by_a_coroutine_a_sync_one_stays_sync():
+    """The mixin adds a coroutine delivery method only to classes Ray makes async actors
+    of: a sync class with one would become an async actor (its methods on a loop)."""
+
+    class Sync(WeightReceiver):
+        def step(self) -> None: ...
+
+    class Async(WeightReceiver):
+        async def generate(self) -> None: ...
+
+    class Streams(WeightReceiver):
+        async def stream(self):
+            yield 1
+
+    assert not has_async_methods(Sync) and _entry(Sync()) is Entry.MIXIN_METHOD
+    for cls in (Async, Streams):
+        assert _entry(cls()) is Entry.MIXIN_ASYNC, cls
+    assert _entry(SimpleNamespace()) is Entry.RAY_CALL
+    assert [e for e in Entry if e.mixin] == [Entry.MIXIN_METHOD, Entry.MIXIN_ASYNC]
 
 
 def test_a_delivery_waits_for_a_receiver_still_connecting():
