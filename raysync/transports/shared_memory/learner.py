@@ -101,14 +101,17 @@ class SharedMemorySender(TransportSender):
 
     def _acquire(self, nbytes: int, wait_s: float = SLOT_WAIT_S) -> Slot:
         """A slot from this node's owner, found free within ``wait_s``; if the owner
-        died, from the one the hub restarts."""
-        deadline = time.monotonic() + OWNER_WAIT_S
+        died, from the one the hub restarts, given :data:`OWNER_WAIT_S` from the death
+        (an owner may die well into a slot wait)."""
+        deadline: float | None = None  #: set at the first death
         while True:
             try:
                 return ray.get(
                     self._owner.acquire.remote(nbytes, wait_s, self._learner, os.getpid())
                 )
             except RayActorError as err:
+                if deadline is None:
+                    deadline = time.monotonic() + OWNER_WAIT_S
                 if time.monotonic() > deadline or self._hub.stopped():
                     raise TransportError(
                         f"the shared-memory owner {self._name!r} on the learner's node died "
