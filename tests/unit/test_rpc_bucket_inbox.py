@@ -6,6 +6,7 @@ reused, and versions never taken are dropped per model."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import TypeVar
 
 import pytest
@@ -214,3 +215,53 @@ def test_what_lands_once_the_last_receiver_here_closed_is_not_kept():
     whole.opened()  # a receiver opens again: kept for it
     whole.put("k", 4, [torch.full((4,), 4.0)], "m")
     assert whole.take("k", 4, timeout_s=1)[0][0] == 4.0
+
+
+def _waiting_take(take) -> tuple[threading.Thread, list]:
+    """``take()`` on a thread of its own, once it waits in its inbox (its result or
+    error in the list returned)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(take())
+        except TransportError as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("kind", ["whole", "buckets"])
+def test_a_version_a_delivery_waits_for_is_not_dropped_by_a_far_newer_take(kind):
+    """Two deliveries of one model read at once (a threaded or async host), numbered
+    more than the window apart (the hub's numbers span its models): both versions
+    landed, and the newer one's take ran first and dropped the older one as never
+    taken, while its delivery waited for it until its timeout."""
+    inbox = _open(_Inbox() if kind == "whole" else _BucketInbox())
+    data = torch.arange(16, dtype=torch.uint8)
+
+    def put(seq: int) -> None:
+        if kind == "whole":
+            inbox.put("hub", seq, [data + seq], "m")
+        else:
+            inbox.put("hub", seq, 16, [(0, 16)], [data + seq], "m")
+
+    def take(seq: int, timeout_s: float) -> torch.Tensor:
+        if kind == "whole":
+            return inbox.take("hub", seq, timeout_s=timeout_s)[0]
+        return inbox.take("hub", seq, count=1, timeout_s=timeout_s)
+
+    older, outcome = _waiting_take(lambda: take(1, 5.0))
+    deadline = time.monotonic() + 10
+    while not inbox._cond._waiters:  # it waits for version 1 in the inbox
+        assert time.monotonic() < deadline, "the take of version 1 never waited"
+        time.sleep(0.001)
+    with inbox._cond:  # both land and the newer one is taken before the older wakes
+        put(1)
+        put(9)
+        assert torch.equal(take(9, 1.0), data + 9)
+    older.join(10)
+    assert len(outcome) == 1 and not isinstance(outcome[0], TransportError), outcome
+    assert torch.equal(outcome[0], data + 1)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,29 @@ def _refuse_taken(taken: _RecentVersions, key: str, seq: int) -> None:
         )
 
 
+class _Awaited:
+    """The versions (key, seq) a ``take`` waits for now, on some thread: a take of a
+    newer one never drops them as stale (the hub's numbers span every model, so two
+    versions of one model in flight may be more than ``_INBOX_WINDOW`` apart). The
+    caller holds its inbox's lock."""
+
+    def __init__(self) -> None:
+        self._waits: Counter[tuple[str, int]] = Counter()
+
+    @contextmanager
+    def waiting(self, key: str, seq: int) -> Iterator[None]:
+        self._waits[(key, seq)] += 1
+        try:
+            yield
+        finally:
+            self._waits[(key, seq)] -= 1
+            if not self._waits[(key, seq)]:
+                del self._waits[(key, seq)]
+
+    def __contains__(self, version: object) -> bool:
+        return version in self._waits
+
+
 class _Inbox:
     """Per process: versions that landed by RPC, until ``fetch`` takes them.
 
@@ -80,6 +105,7 @@ class _Inbox:
         self._gone: set[str] = set()
         #: this process's open receivers (see :meth:`opened`)
         self._receivers = 0
+        self._awaited = _Awaited()
 
     def opened(self) -> None:
         """A receiver of this process opened: what lands is kept for its deliveries."""
@@ -132,21 +158,25 @@ class _Inbox:
             for stale in [s for s in failed if s < seq - _FAILED_KEPT]:
                 del failed[stale]
             _refuse_taken(self._taken, key, seq)
-            while seq not in versions:
-                if seq in failed:
-                    raise TransportError(f"version #{seq} of RPC hub {key[:12]}: {failed.pop(seq)}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransportError(
-                        f"version #{seq} of RPC hub {key[:12]} did not land within "
-                        f"{timeout_s:g} s; the RPC agent may have died or could not reach "
-                        "this receiver"
-                    )
-                self._cond.wait(remaining)
+            with self._awaited.waiting(key, seq):
+                while seq not in versions:
+                    if seq in failed:
+                        why = failed.pop(seq)
+                        raise TransportError(f"version #{seq} of RPC hub {key[:12]}: {why}")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TransportError(
+                            f"version #{seq} of RPC hub {key[:12]} did not land within "
+                            f"{timeout_s:g} s; the RPC agent may have died or could not "
+                            "reach this receiver"
+                        )
+                    self._cond.wait(remaining)
             model, tensors = versions.pop(seq)
             self._taken.add((key, seq))
             for stale in [
-                s for s, (m, _) in versions.items() if m == model and s < seq - _INBOX_WINDOW
+                s
+                for s, (m, _) in versions.items()
+                if m == model and s < seq - _INBOX_WINDOW and (key, s) not in self._awaited
             ]:
                 del versions[stale]
             return tensors
@@ -181,6 +211,7 @@ class _BucketInbox:
         self._gone: set[str] = set()
         #: this process's open receivers (see :meth:`_Inbox.opened`)
         self._receivers = 0
+        self._awaited = _Awaited()
 
     def opened(self) -> None:
         with self._cond:
@@ -244,34 +275,42 @@ class _BucketInbox:
             for stale in [k for k in self._landing if k[0] == key and k[1] < seq - _FAILED_KEPT]:
                 self._drop(stale)
             _refuse_taken(self._taken, key, seq)
-            progress, deadline = -1, 0.0
-            while True:
-                landing = self._landing.get((key, seq))
-                if landing is not None and landing.failed is not None:
-                    self._drop((key, seq))
-                    raise TransportError(f"version #{seq} of RPC hub {key[:12]}: {landing.failed}")
-                landed = 0 if landing is None else landing.landed
-                if landed >= count:
-                    taken = self._landing.pop((key, seq))
-                    self._taken.add((key, seq))
-                    for stale in [
-                        k
-                        for k, other in self._landing.items()
-                        if k[0] == key and k[1] < seq - _INBOX_WINDOW and other.model == taken.model
-                    ]:
-                        self._drop(stale)
-                    return taken.buffer
-                if landed != progress:
-                    progress, deadline = landed, time.monotonic() + timeout_s
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._drop((key, seq))
-                    raise TransportError(
-                        f"version #{seq} of RPC hub {key[:12]}: bucket {landed} of {count} did "
-                        f"not land within {timeout_s:g} s; the RPC agent may have died or "
-                        "could not reach this receiver"
-                    )
-                self._cond.wait(remaining)
+            with self._awaited.waiting(key, seq):
+                return self._wait_and_take(key, seq, count, timeout_s)
+
+    def _wait_and_take(self, key: str, seq: int, count: int, timeout_s: float) -> torch.Tensor:
+        """:meth:`take`'s wait, under the lock."""
+        progress, deadline = -1, 0.0
+        while True:
+            landing = self._landing.get((key, seq))
+            if landing is not None and landing.failed is not None:
+                self._drop((key, seq))
+                raise TransportError(f"version #{seq} of RPC hub {key[:12]}: {landing.failed}")
+            landed = 0 if landing is None else landing.landed
+            if landed >= count:
+                taken = self._landing.pop((key, seq))
+                self._taken.add((key, seq))
+                for stale in [
+                    k
+                    for k, other in self._landing.items()
+                    if k[0] == key
+                    and k[1] < seq - _INBOX_WINDOW
+                    and other.model == taken.model
+                    and k not in self._awaited
+                ]:
+                    self._drop(stale)
+                return taken.buffer
+            if landed != progress:
+                progress, deadline = landed, time.monotonic() + timeout_s
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._drop((key, seq))
+                raise TransportError(
+                    f"version #{seq} of RPC hub {key[:12]}: bucket {landed} of {count} did "
+                    f"not land within {timeout_s:g} s; the RPC agent may have died or "
+                    "could not reach this receiver"
+                )
+            self._cond.wait(remaining)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         with self._cond:
