@@ -1,32 +1,68 @@
-"""A receiver's write handed to its async host's event loop from another thread.
+"""A version read off its async host's event loop, and its write handed to the loop.
 
 Runs in a receiver's host process. An async host's safe point lives on its event loop
 (:mod:`raysync.gate`: a write made there is deferred while coroutines hold the model,
 and the last one to leave applies it). A delivery that arrives on another thread (Ray
 runs ``__ray_call__`` of an async actor outside its loop; a learner's channel writes on
-the compiled-graph thread) reads the version there and hands only the write to the
-loop: the loop goes on serving the host's coroutines while a version is fetched, however
-long the transport takes.
+the compiled-graph thread), or that a mixin's coroutine delivery method sends to a
+reading thread (:func:`read_off_loop`), reads the version there and hands only the
+write to the loop: the loop goes on serving the host's coroutines while a version is
+fetched, however long the transport takes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Generic, TypeVar
 
 #: How often a write handed to a host's loop looks whether that loop still runs.
 _LOOP_LOOK_S = 0.1
 
+#: Threads of a process that read versions for its async mixin hosts: as many versions
+#: at once as a threaded host's default concurrency reads (a transport's window of
+#: versions in flight is sized for that), on threads of raysync's own (the loop's
+#: default executor is the user's: one busy with their work would hold a version back).
+READING_THREADS = 4
+
 T = TypeVar("T")
+
+#: The loop a version read by :func:`read_off_loop` came from: its write goes back there.
+_delivered_on: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
+    "raysync_delivered_on", default=None
+)
+_readers: ThreadPoolExecutor | None = None
+_readers_lock = threading.Lock()
+
+
+async def read_off_loop(read: Callable[[], T]) -> T:
+    """Run in an async host's coroutine: ``read()`` on one of raysync's reading threads,
+    in a context of its own (none of the coroutine's reads), the write it hands to its
+    host's loop (:func:`call_on_host_loop`) going back to this loop."""
+    loop = asyncio.get_running_loop()
+    context = contextvars.Context()
+    context.run(_delivered_on.set, loop)
+    return await loop.run_in_executor(_reading_threads(), context.run, read)
+
+
+def _reading_threads() -> ThreadPoolExecutor:
+    global _readers
+    with _readers_lock:
+        if _readers is None:
+            _readers = ThreadPoolExecutor(READING_THREADS, thread_name_prefix="raysync-read")
+        return _readers
 
 
 def call_on_host_loop(loop: asyncio.AbstractEventLoop | None, call: Callable[[], T]) -> T:
-    """``call()``'s result, run on ``loop`` when it runs and the caller is not on it
+    """``call()``'s result, run on the loop the version was delivered on
+    (:func:`read_off_loop`), else on ``loop``, when it runs and the caller is not on it
     already; on the calling thread otherwise, or if that loop stops before its turn (a
     user method's own ``asyncio.run`` returned, which cancels the handed task; or a loop
     the user runs per call, which may run it much later). Run once, wherever."""
+    loop = _delivered_on.get() or loop
     if loop is None or not loop.is_running() or _running_on(loop):
         return call()
     return _OnHostLoop(call).run(loop)

@@ -11,7 +11,6 @@ of the class is wrapped as a reader (``receiver.using()``) when the class is def
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 from collections.abc import Callable, Mapping
@@ -21,6 +20,7 @@ import ray
 
 from raysync.attached import AttachedReceiver, attach
 from raysync.errors import RaySyncError
+from raysync.host_loop import read_off_loop
 from raysync.hub_handle import HubHandle
 from raysync.hub_state import DEFAULT_MODEL
 from raysync.messages import Ack, DeliveryMode, Update
@@ -62,6 +62,11 @@ class WeightReceiver:
             if inspect.isgeneratorfunction(raw):
                 continue
             setattr(cls, name, _guard(raw))
+        if inspect.iscoroutinefunction(cls._raysync_deliver):
+            raise TypeError(
+                f"{cls.__qualname__}._raysync_deliver is a coroutine function: raysync "
+                "calls it on a thread of its own in an async actor; define it with def"
+            )
         if _is_async_actor_class(cls):  # Ray makes it an async actor: see the method
             cls._raysync_deliver_async = _raysync_deliver_async  # type: ignore[attr-defined]
 
@@ -187,13 +192,14 @@ _MIXIN_NAMES = frozenset(n for n in vars(WeightReceiver) if not n.startswith("__
 @ray.method(max_task_retries=0)
 async def _raysync_deliver_async(self: WeightReceiver, key: str, update: Update) -> Ack | None:
     """The delivery method of a mixin class with coroutine methods (an async actor's),
-    in place of :meth:`WeightReceiver._raysync_deliver`, which it calls on a thread of
-    the loop's executor: Ray runs an async actor's sync methods (and ``__ray_call__``)
-    where no other call of the actor starts until they return, and a version's read
-    may take the transport's whole timeout. The loop starts the actor's calls
-    meanwhile; the version's write is handed back to it (:mod:`raysync.host_loop`)."""
+    in place of :meth:`WeightReceiver._raysync_deliver`, which it calls on one of
+    raysync's reading threads: Ray runs an async actor's sync methods (and
+    ``__ray_call__``) where no other call of the actor starts until they return, and a
+    version's read may take the transport's whole timeout. The loop starts the actor's
+    calls meanwhile; the version's write is handed back to this loop
+    (:mod:`raysync.host_loop`)."""
     sync_deliver = cast(Callable[[str, Update], Ack | None], self._raysync_deliver)
-    return await asyncio.get_running_loop().run_in_executor(None, sync_deliver, key, update)
+    return await read_off_loop(functools.partial(sync_deliver, key, update))
 
 
 def _is_async_actor_class(cls: type) -> bool:

@@ -82,6 +82,16 @@ def test_an_async_mixin_class_is_delivered_to_by_a_coroutine_a_sync_one_stays_sy
     assert [e for e in Entry if e.mixin] == [Entry.MIXIN_METHOD, Entry.MIXIN_ASYNC]
 
 
+def test_a_coroutine_delivery_override_is_refused_naming_the_class():
+    """raysync calls ``_raysync_deliver`` on a thread: a coroutine one would return an
+    unawaited coroutine for every version."""
+    with pytest.raises(TypeError, match=r"Engine\._raysync_deliver is a coroutine function"):
+
+        class Engine(WeightReceiver):
+            async def _raysync_deliver(self, key, update):  # type: ignore[override]
+                return None
+
+
 def test_a_delivery_waits_for_a_receiver_still_connecting():
     registry = Attachments()
     registry.reserve("k")

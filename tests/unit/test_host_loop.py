@@ -5,12 +5,14 @@ the loop never runs it, on the calling thread."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from raysync.host_loop import call_on_host_loop
+from raysync.host_loop import call_on_host_loop, read_off_loop
 
 
 class _Call:
@@ -221,3 +223,58 @@ def test_a_call_the_loop_ran_in_its_last_turn_is_not_run_again(handed):
         assert call.threads == [looping.ident]
     finally:
         loop.close()
+
+
+def test_a_read_off_the_loop_runs_on_raysyncs_threads_when_the_users_executor_is_busy():
+    """The loop's default executor is the user's (one thread here, busy with their
+    work): a version's read waited behind it."""
+
+    async def main() -> str:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        release = threading.Event()
+        users = loop.run_in_executor(None, release.wait, 30)
+        try:
+            reader = await asyncio.wait_for(
+                read_off_loop(lambda: threading.current_thread().name), 10
+            )
+        finally:
+            release.set()
+        await users
+        return reader
+
+    reader = asyncio.run(main())
+    assert reader.startswith("raysync-read"), reader
+
+
+def test_a_write_handed_from_a_read_off_the_loop_goes_back_to_the_loop_it_came_from():
+    """The read's write goes to the loop the delivery came on, not to the loop the
+    receiver saw a reader on last (an actor's concurrency group runs a loop of its
+    own, which a sync method may hold for as long as it loops)."""
+    other = asyncio.new_event_loop()
+    other_thread = threading.Thread(target=other.run_forever, daemon=True)
+    other_thread.start()
+    write = _Call()
+    try:
+
+        async def main() -> tuple[object, int]:
+            result = await read_off_loop(lambda: call_on_host_loop(other, write))
+            return result, threading.get_ident()
+
+        result, delivering_loop_thread = asyncio.run(main())
+    finally:
+        other.call_soon_threadsafe(other.stop)
+        other_thread.join(10)
+        other.close()
+    assert result == "applied"
+    assert write.threads == [delivering_loop_thread]
+
+
+def test_a_read_off_the_loop_starts_with_none_of_the_coroutines_context():
+    marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker", default="none")
+
+    async def main() -> str:
+        marker.set("the coroutine's")
+        return await read_off_loop(marker.get)
+
+    assert asyncio.run(main()) == "none"
