@@ -454,6 +454,35 @@ class AsyncStalled(WeightReceiver):
         return float(next(self.model.parameters()).view(-1)[0])
 
 
+@ray.remote(num_cpus=0, concurrency_groups={"collect": 1})
+class GroupLooper(WeightReceiver):
+    """An async mixin actor whose sync ``collect`` loops in a concurrency group of its
+    own (Ray runs the group on an event loop of its own, which the method holds),
+    letting versions in at its safe points until ``stop``."""
+
+    def __init__(self, hub):
+        self.model = make_probe_model(64, 4)
+        self.model.load_state_dict(filled(self.model, 0.0))
+        self.stopping = threading.Event()
+        self.connect_hub(hub, models={"probe": "model"})
+
+    @ray.method(concurrency_group="collect")
+    def collect(self, entered) -> list[float]:
+        """The first value of each version it saw between its safe points."""
+        ray.get(entered.open.remote())
+        seen: list[float] = []
+        while not self.stopping.is_set():
+            value = float(next(self.model.parameters()).view(-1)[0])
+            if not seen or seen[-1] != value:
+                seen.append(value)
+            self.weights_safe_point()
+            self.stopping.wait(0.001)  # a step of work
+        return seen
+
+    async def stop(self) -> None:
+        self.stopping.set()
+
+
 def _stall_fetches(receiver, transport) -> None:
     """Make ``transport.fetch`` stall (``fetch`` point) before it moves any data."""
     fetch = transport.fetch

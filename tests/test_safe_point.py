@@ -16,6 +16,7 @@ from tests.receivers import (
     AsyncStalled,
     Collector,
     FanOut,
+    GroupLooper,
     HookCaller,
     ThreadedProbe,
     filled,
@@ -158,6 +159,24 @@ def test_an_async_actor_starts_its_calls_while_a_version_is_read(actors, tmp_pat
     done = ray.get(report, timeout=30)
     assert done.acked == ("engine",) and done.failed == {}, done
     assert ray.get(engine.first_value.remote()) == 1.0
+
+
+def test_a_sync_loop_in_an_async_actors_concurrency_group_takes_versions_at_its_safe_points(
+    actors,
+):
+    """The version's write goes back to the loop its delivery came on, and waits there
+    for the loop's safe point: it went to the loop the receiver last saw a reader on,
+    this group's, which the method holds, and landed only once the method returned."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    looper = start(actors, GroupLooper, hub)
+    ready([looper])
+    entered = start(actors, Gate)
+    collecting = looper.collect.remote(entered)
+    ray.get(entered.wait.remote())  # it loops before the version is sent
+    report = ray.get(hub.broadcast.remote(filled(make_probe_model(64, 4), 1.0)), timeout=60)
+    assert len(report.acked) == 1 and report.failed == {}, report
+    ray.get(looper.stop.remote())
+    assert ray.get(collecting, timeout=30) == [0.0, 1.0]
 
 
 def _next_item(stream, timeout_s: float = 30.0):
