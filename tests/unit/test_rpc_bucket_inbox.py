@@ -60,10 +60,15 @@ def test_a_version_that_stops_landing_raises_after_the_timeout_naming_the_bucket
 
 
 def test_versions_left_far_behind_are_dropped_when_a_newer_one_is_taken():
+    """Of the versions of the taken one's model that landed before it and were never
+    taken, the newest four are kept (their deliveries may still come: several run at
+    once) and the older ones dropped."""
     inbox = _open(_BucketInbox())
-    inbox.put("hub", 1, 64, [(0, 16)], [torch.ones(16, dtype=torch.uint8)])  # never taken
+    for seq in range(1, 6):  # never taken
+        inbox.put("hub", seq, 64, [(0, 16)], [torch.ones(16, dtype=torch.uint8)])
     inbox.put("hub", 10, 64, [(0, 64)], [torch.zeros(64, dtype=torch.uint8)])
     inbox.take("hub", 10, count=1, timeout_s=10)
+    assert sorted(seq for _, seq in inbox._landing) == [2, 3, 4, 5]
     with pytest.raises(TransportError, match="did not land"):
         inbox.take("hub", 1, count=1, timeout_s=0.05)
 
@@ -95,14 +100,16 @@ def test_a_version_turned_down_is_dropped_and_its_buffer_reused():
 
 def test_whole_versions_far_behind_are_dropped_per_model():
     """The whole-version inbox: a version far behind of the model taken is dropped (its
-    delivery never came), another model's is kept, and one turned down goes at once."""
+    delivery never came: four newer ones landed before the one taken), another model's
+    is kept, and one turned down goes at once."""
     inbox = _open(_Inbox())
     one = [torch.ones(2)]
     inbox.put("hub", 1, one, "a")
-    inbox.put("hub", 2, one, "b")
-    inbox.put("hub", 3, one, "b")
+    for seq in (2, 3, 5, 6, 7):
+        inbox.put("hub", seq, one, "b")
     inbox.put("hub", 10, [torch.zeros(2)], "b")
     inbox.take("hub", 10, timeout_s=10)
+    assert sorted(inbox._landed["hub"]) == [1, 3, 5, 6, 7]
     assert inbox.take("hub", 1, timeout_s=10) is one
     with pytest.raises(TransportError, match="did not land"):
         inbox.take("hub", 2, timeout_s=0.05)
@@ -265,3 +272,24 @@ def test_a_version_a_delivery_waits_for_is_not_dropped_by_a_far_newer_take(kind)
     older.join(10)
     assert len(outcome) == 1 and not isinstance(outcome[0], TransportError), outcome
     assert torch.equal(outcome[0], data + 1)
+
+
+@pytest.mark.parametrize("kind", ["whole", "buckets"])
+def test_an_older_version_whose_take_has_not_begun_is_kept_across_far_numbers(kind):
+    """The hub numbers across its models: two versions of one model in a row may be
+    numbered far apart. The newer one's take (another delivery thread, first) dropped
+    the older one before its delivery began taking it, which then waited its timeout."""
+    inbox = _open(_Inbox() if kind == "whole" else _BucketInbox())
+    data = torch.arange(16, dtype=torch.uint8)
+    for seq in (1, 9):
+        if kind == "whole":
+            inbox.put("hub", seq, [data + seq], "m")
+        else:
+            inbox.put("hub", seq, 16, [(0, 16)], [data + seq], "m")
+    if kind == "whole":
+        inbox.take("hub", 9, timeout_s=1)
+        older = inbox.take("hub", 1, timeout_s=0.3)[0]
+    else:
+        inbox.take("hub", 9, count=1, timeout_s=1)
+        older = inbox.take("hub", 1, count=1, timeout_s=0.3)
+    assert torch.equal(older, data + 1)

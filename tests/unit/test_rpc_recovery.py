@@ -128,3 +128,52 @@ def test_a_second_receiver_of_the_hub_in_a_process_is_refused_saying_why(monkeyp
     with pytest.raises(TransportError, match=r"receiver 'a'.*receiver 'b'.*in one receiver"):
         receiver._Membership.join(second)
     assert receiver._Membership.member == first
+
+
+def test_a_version_that_lands_while_the_receiver_joins_is_kept(monkeypatch):
+    """torch's dynamic join lets the agent reach a process inside its ``init_rpc``: the
+    agent's send to a restarted receiver may land before the receiver is made. The inbox
+    was opened only after the join, kept nothing before, and the version's delivery
+    waited out its whole timeout."""
+    import torch
+
+    from raysync.transports.options import RpcOptions
+    from raysync.transports.rpc import receiver
+    from raysync.transports.rpc.wire import RpcMember
+
+    member = RpcMember("raysync-rpc://h:1/p", "k1", "hub", "raysync_k1_1", 1, RpcOptions(), "w")
+
+    def init_rpc(name, rank, url, settings):  # the agent's send arrives mid-join
+        receiver.land(member.key, 1, [torch.ones(2)], "m")
+        receiver.land_bucket(member.key, 2, 8, [(0, 8)], [torch.ones(8, dtype=torch.uint8)], "m")
+
+    monkeypatch.setattr(receiver, "init_rpc", init_rpc)
+    monkeypatch.setattr(receiver._Membership, "member", None)
+    monkeypatch.setattr(receiver._Membership, "rank", None)
+    monkeypatch.setattr(receiver, "_INBOX", receiver._Inbox())
+    monkeypatch.setattr(receiver, "_BUCKETS", receiver._BucketInbox())
+    rpc_receiver = receiver.RpcReceiver(member)
+    try:
+        assert torch.equal(receiver._INBOX.take("k1", 1, timeout_s=0.3)[0], torch.ones(2))
+        assert receiver._BUCKETS.take("k1", 2, count=1, timeout_s=0.3).numel() == 8
+    finally:
+        rpc_receiver.close()
+
+
+def test_a_receiver_whose_join_failed_keeps_nothing_landing(monkeypatch):
+    from raysync.transports.options import RpcOptions
+    from raysync.transports.rpc import receiver
+    from raysync.transports.rpc.wire import RpcMember
+
+    def init_rpc(name, rank, url, settings):
+        raise RuntimeError("the join failed (injected)")
+
+    monkeypatch.setattr(receiver, "init_rpc", init_rpc)
+    monkeypatch.setattr(receiver._Membership, "member", None)
+    monkeypatch.setattr(receiver._Membership, "rank", None)
+    monkeypatch.setattr(receiver, "_INBOX", receiver._Inbox())
+    monkeypatch.setattr(receiver, "_BUCKETS", receiver._BucketInbox())
+    member = RpcMember("raysync-rpc://h:1/p", "k1", "hub", "raysync_k1_1", 1, RpcOptions(), "w")
+    with pytest.raises(RuntimeError, match="injected"):
+        receiver.RpcReceiver(member)
+    assert receiver._INBOX._receivers == 0 and receiver._BUCKETS._receivers == 0

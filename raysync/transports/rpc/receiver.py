@@ -22,11 +22,13 @@ from raysync.transports.parts import PartedReceiver
 from raysync.transports.rpc.rendezvous import init_rpc
 from raysync.transports.rpc.wire import RpcMember, RpcPayload
 
-#: When a receiver takes version #n of a model from its inbox, versions of that model
-#: older than #(n - this) that landed but were never taken (their delivery never came:
-#: a receiver's delivery that turns one down lets it go) are dropped. Deliveries of a
-#: threaded receiver may run out of order, hence a window, not "< n"; the numbers are
-#: the hub's across models, hence per model (another model's may come much later).
+#: When a receiver takes version #n of a model from its inbox, of the versions of that
+#: model older than it that landed and were never taken (their delivery never came: a
+#: receiver's delivery that turns one down lets it go), the newest this many are kept
+#: and the others dropped, but none a take waits for. Deliveries of a threaded or async
+#: receiver run several at once, in any order, hence a count, not "< n"; per model, and
+#: counted, not numbered (the hub numbers across its models: two of one model may be
+#: far apart).
 _INBOX_WINDOW = 4
 #: Reasons the agent gave versions up (and bucketed versions of any model that landed),
 #: kept per group until a version this much newer is taken (a few bytes each).
@@ -62,9 +64,7 @@ def _refuse_taken(taken: _RecentVersions, key: str, seq: int) -> None:
 
 class _Awaited:
     """The versions (key, seq) a ``take`` waits for now, on some thread: a take of a
-    newer one never drops them as stale (the hub's numbers span every model, so two
-    versions of one model in flight may be more than ``_INBOX_WINDOW`` apart). The
-    caller holds its inbox's lock."""
+    newer one never drops them as stale. The caller holds its inbox's lock."""
 
     def __init__(self) -> None:
         self._waits: Counter[tuple[str, int]] = Counter()
@@ -83,14 +83,21 @@ class _Awaited:
         return version in self._waits
 
 
+def _beyond_window(key: str, older: list[int], awaited: _Awaited) -> list[int]:
+    """Of ``older`` (the numbers of one model's versions under ``key`` that landed before
+    the one taken, never taken), those to drop: all but the newest ``_INBOX_WINDOW``,
+    and none a take waits for."""
+    return [s for s in sorted(older)[:-_INBOX_WINDOW] if (key, s) not in awaited]
+
+
 class _Inbox:
     """Per process: versions that landed by RPC, until ``fetch`` takes them.
 
-    Every pushed version is kept until its delivery takes it (or a version more than
-    ``_INBOX_WINDOW`` newer is taken): a receiver kept busy for many broadcasts holds
-    each of them here, as it would hold their object-store references otherwise. Once
-    no receiver of this process is open, nothing is kept: its deliveries queued behind
-    a busy host find it closed and take nothing.
+    Every pushed version is kept until its delivery takes it, or until a newer one of
+    its model is taken with ``_INBOX_WINDOW`` others between them: a receiver kept busy
+    for many broadcasts holds each version pushed meanwhile here (RPC deliveries do not
+    take turns). Once no receiver of this process is open, nothing is kept: its
+    deliveries queued behind a busy host find it closed and take nothing.
     """
 
     def __init__(self) -> None:
@@ -173,11 +180,8 @@ class _Inbox:
                     self._cond.wait(remaining)
             model, tensors = versions.pop(seq)
             self._taken.add((key, seq))
-            for stale in [
-                s
-                for s, (m, _) in versions.items()
-                if m == model and s < seq - _INBOX_WINDOW and (key, s) not in self._awaited
-            ]:
+            older = [s for s, (m, _) in versions.items() if m == model and s < seq]
+            for stale in _beyond_window(key, older, self._awaited):
                 del versions[stale]
             return tensors
 
@@ -290,15 +294,13 @@ class _BucketInbox:
             if landed >= count:
                 taken = self._landing.pop((key, seq))
                 self._taken.add((key, seq))
-                for stale in [
-                    k
+                older = [
+                    k[1]
                     for k, other in self._landing.items()
-                    if k[0] == key
-                    and k[1] < seq - _INBOX_WINDOW
-                    and other.model == taken.model
-                    and k not in self._awaited
-                ]:
-                    self._drop(stale)
+                    if k[0] == key and k[1] < seq and other.model == taken.model
+                ]
+                for stale in _beyond_window(key, older, self._awaited):
+                    self._drop((key, stale))
                 return taken.buffer
             if landed != progress:
                 progress, deadline = landed, time.monotonic() + timeout_s
@@ -491,9 +493,17 @@ class _Membership:
 
 class RpcReceiver(TransportReceiver):
     def __init__(self, member: RpcMember) -> None:
-        self._member = _Membership.join(member)
+        # Opened before joining: the agent's sends reach this process as soon as its
+        # join did, inside ``init_rpc``; what landed before was not kept (a version sent
+        # while a restarted receiver joined waited out its whole timeout).
         _INBOX.opened()
         _BUCKETS.opened()
+        try:
+            self._member = _Membership.join(member)
+        except BaseException:
+            _INBOX.closed()
+            _BUCKETS.closed()
+            raise
         self._closed = False
         #: the learner's put(s), or a bucket stream served to this receiver
         self._pull = PartedReceiver(ObjectStoreReceiver(member.worker))
