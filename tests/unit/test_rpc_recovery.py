@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -177,3 +178,81 @@ def test_a_receiver_whose_join_failed_keeps_nothing_landing(monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         receiver.RpcReceiver(member)
     assert receiver._INBOX._receivers == 0 and receiver._BUCKETS._receivers == 0
+
+
+class _Admitting:
+    """Stands for the agent's handle: ``ping`` answers, ``admit`` admits at once, and a
+    ``forget`` waits (as one waiting for the group's join token) until ``forgotten``."""
+
+    def __init__(self) -> None:
+        self.forgotten = asyncio.Event()
+        self.ping = _Call(lambda: None)
+        self.admit = _Call(lambda worker, process: SimpleNamespace(worker=worker, rank=1))
+        self.forget = _Call(lambda worker: self.forgotten.wait())
+
+
+class _Call:
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def remote(self, *args):
+        async def call():
+            result = self._fn(*args)
+            return await result if asyncio.iscoroutine(result) else result
+
+        return call()
+
+
+class _Ranks:
+    """Stands for the planner's rank book (the GCS's): worker -> process."""
+
+    def __init__(self, processes: dict[str, str]) -> None:
+        self.processes = processes
+
+    def remove(self, worker: str) -> str | None:
+        return self.processes.pop(worker, None)
+
+    def set(self, worker: str, process: str, rank: int) -> None:
+        self.processes[worker] = process
+
+
+def _admitting_planner(agent: _Admitting, processes: dict[str, str]) -> RpcPlanner:
+    planner = RpcPlanner.__new__(RpcPlanner)
+    planner._name, planner._key, planner._actor = "agent", "k1", agent
+    planner._members_of, planner._broker = "k1", None
+    planner._lock, planner._forgetting = asyncio.Lock(), {}
+    planner._members, planner._receivers = {}, {}
+    planner._ranks = _Ranks(processes)
+    return planner
+
+
+def _info(worker: str, process: str):
+    from raysync.transports.base import ReceiverInfo
+
+    return ReceiverInfo(worker, f"A({worker})", "node", process, None)
+
+
+def test_a_join_waits_only_for_the_forget_of_its_own_process():
+    """Another receiver's departure waits in the agent for the group's join token, up to
+    the RPC timeout: a join waited for it under the lock every plan takes (every
+    broadcast meanwhile failed everyone, "could not plan"). A process that left and
+    comes back still waits for its own forget (its place is recorded there)."""
+
+    async def scenario() -> None:
+        agent = _Admitting()
+        planner = _admitting_planner(agent, {"gone": "p-gone", "back": "p-back"})
+        leaving = asyncio.ensure_future(planner.receiver_left("gone"))
+        await asyncio.sleep(0)  # its forget is on its way
+        member = await asyncio.wait_for(planner.receiver_joined(_info("new", "p-new")), 1)
+        assert member.worker == "new"
+        returning = asyncio.ensure_future(planner.receiver_left("back"))
+        await asyncio.sleep(0)
+        rejoining = asyncio.ensure_future(planner.receiver_joined(_info("back", "p-back")))
+        for _ in range(20):  # turns of the loop: everything not waiting on the forget ran
+            await asyncio.sleep(0)
+        assert not rejoining.done()  # its own process's forget runs
+        agent.forgotten.set()
+        assert (await asyncio.wait_for(rejoining, 1)).worker == "back"
+        await asyncio.gather(leaving, returning)
+
+    asyncio.run(scenario())

@@ -45,8 +45,9 @@ class RpcPlanner(TransportPlanner):
         self._members_of = self._key
         self._seq = 0
         self._lock = asyncio.Lock()  #: agent replacement and plans, one at a time
-        #: The agent's ``forget`` calls not answered yet (see :meth:`receiver_left`)
-        self._forgetting: set[asyncio.Future[Any]] = set()
+        #: The agent's ``forget`` calls not answered yet (see :meth:`receiver_left`), each
+        #: with the process of the receiver it forgets (None: not known)
+        self._forgetting: dict[asyncio.Future[Any], str | None] = {}
         self._receivers: dict[str, ReceiverInfo] = {}
         self._serving = BucketServing(self._receivers)  #: bucketed versions, pulled
         self._broker: Any = None  #: the hub's bucket broker, once a bucketed version came
@@ -98,9 +99,12 @@ class RpcPlanner(TransportPlanner):
     async def receiver_joined(self, receiver: ReceiverInfo) -> RpcMember:
         async with self._lock:
             # A process that left comes back to its place (or rank), which its
-            # ``forget`` records: those still running end first.
-            if self._forgetting:
-                await asyncio.wait(self._forgetting)
+            # ``forget`` records: its own still running end first (another process's
+            # may wait for the group's join token as long as the RPC timeout, and every
+            # plan waits for this admit).
+            own = [f for f, p in self._forgetting.items() if p in (None, receiver.process)]
+            if own:
+                await asyncio.wait(own)
             agent = await self._live_agent()
             member = await agent.admit.remote(receiver.worker, receiver.process)
             self._members[receiver.worker] = member
@@ -115,15 +119,15 @@ class RpcPlanner(TransportPlanner):
         async with self._lock:
             self._members.pop(worker, None)
             self._receivers.pop(worker, None)
-            self._ranks.remove(worker)
+            process = self._ranks.remove(worker)
             forgetting = asyncio.ensure_future(self._actor.forget.remote(worker))
-            self._forgetting.add(forgetting)
+            self._forgetting[forgetting] = process
         try:
             await forgetting
         except ray.exceptions.RayActorError:
             pass  # the next plan replaces the agent, without this worker
         finally:
-            self._forgetting.discard(forgetting)
+            self._forgetting.pop(forgetting, None)
 
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
@@ -199,13 +203,16 @@ class _RankBook:
             self._left.pop(process, None)
             self._save()
 
-    def remove(self, worker: str) -> None:
+    def remove(self, worker: str) -> str | None:
+        """Off the book, its process's rank kept as left; its process (None: unknown)."""
         gone = self._ranks.pop(worker, None)
-        if gone is not None:
-            process, rank = gone
-            self._left[process] = rank
-            keep_newest(self._left, LEFT_KEPT)
-            self._save()
+        if gone is None:
+            return None
+        process, rank = gone
+        self._left[process] = rank
+        keep_newest(self._left, LEFT_KEPT)
+        self._save()
+        return process
 
     def delete(self) -> None:
         """The hub closed: the book goes, and is not written again (a receiver may still
