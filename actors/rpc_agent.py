@@ -158,7 +158,9 @@ class RpcAgentActor:
         self._left_before = dict(left)
         self._sent = 0
         self._failures: list[str] = []
-        #: workers the last send to gave up reaching (worker threads share it)
+        #: RPC names the last send to gave up reaching (worker threads share it): by
+        #: name, so that a send to a receiver's former process that gives up after its
+        #: new process was admitted says nothing of the new one
         self._unreached: set[str] = set()
         self._unreached_lock = threading.Lock()
         #: One edit of the member list at a time in this process: the join token it
@@ -177,7 +179,7 @@ class RpcAgentActor:
             return known.member
         if known is not None:
             await asyncio.to_thread(self._unlist, {known.member.name})
-        self._reachable_again(worker)
+            self._reachable_again(known.member.name)
         before = self._left.pop(process, None)
         rank_before = self._left_before.pop(process, None)
         if before is not None:
@@ -189,14 +191,15 @@ class RpcAgentActor:
         else:
             await asyncio.to_thread(self._prune)
             member = self._member(next(self._ranks), worker)
+        self._reachable_again(member.name)  # its next join has a send's whole time
         self._members[worker] = _Admitted(process, member)
         return member
 
-    def _reachable_again(self, worker: str) -> None:
-        """``worker``'s next process (or next join) has a send's whole time to become
-        reachable: that its former process was unreachable says nothing of it."""
+    def _reachable_again(self, name: str) -> None:
+        """The process under RPC name ``name`` (back in its place, or gone) has a send's
+        whole time to become reachable next: its earlier sends say nothing of it."""
         with self._unreached_lock:
-            self._unreached.discard(worker)
+            self._unreached.discard(name)
 
     async def ping(self) -> None:
         """The planner's liveness probe, before every plan."""
@@ -225,8 +228,8 @@ class RpcAgentActor:
         gone = self._members.pop(worker, None)
         if gone is None:
             return
-        self._reachable_again(worker)
         member = gone.member
+        self._reachable_again(member.name)
         was_listed = await asyncio.to_thread(self._unlist, {member.name})
         if f"{member.name}-{member.rank}" in was_listed:
             self._left[gone.process] = member  # its torch RPC lives on: its old place
@@ -345,8 +348,6 @@ class RpcAgentActor:
         import torch.distributed.rpc as rpc
 
         deadline = started + limit
-        with self._unreached_lock:
-            unreached = self._unreached & set(workers)
         outcomes: dict[str, str | None] = {}
         pending: dict[str, str] = {}  #: worker -> its RPC name, not called yet
         for worker in workers:
@@ -355,6 +356,8 @@ class RpcAgentActor:
                 outcomes[worker] = "not a member of the RPC group (it left or died)"
             else:
                 pending[worker] = admitted.member.name
+        with self._unreached_lock:
+            unreached = {w for w, name in pending.items() if name in self._unreached}
         futures: dict[str, torch.futures.Future] = {}
         while pending:
             for worker, name in list(pending.items()):
@@ -371,13 +374,13 @@ class RpcAgentActor:
                         f"could not send to {name} within {tried_s:g} s{before}: {err}"
                     )
                     with self._unreached_lock:
-                        self._unreached.add(worker)
+                        self._unreached.add(name)
                 except Exception as err:
                     outcomes[worker] = f"could not send to {name}: {err}"
                 else:
                     if worker in unreached:
                         with self._unreached_lock:
-                            self._unreached.discard(worker)
+                            self._unreached.discard(name)
                 del pending[worker]
             if pending:
                 time.sleep(0.01)

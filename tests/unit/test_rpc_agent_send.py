@@ -143,6 +143,30 @@ def test_a_receivers_new_process_gets_a_sends_whole_time_to_become_reachable(mon
     assert _send(agent, [np.zeros(2, dtype=np.float32)])[0] == {"w0": None}
 
 
+def test_a_send_that_gives_up_on_a_former_process_leaves_the_new_one_its_whole_time(
+    monkeypatch,
+):
+    """The send started to w0's former process; Ray restarted it and the new process
+    was admitted while that send still tried; it gave up at its deadline and marked w0
+    unreachable: the next send gave the new process, still joining, the short window."""
+    monkeypatch.setattr(rpc_agent, "_UNREACHED_RETRY_S", 0.0)
+    agent = _agent(monkeypatch, timeout_s=0.3)
+    monkeypatch.setattr(agent, "_unlist", lambda names: set())  # no store here
+    monkeypatch.setattr(agent, "_prune", lambda: None)  # nor an RPC group to ping
+    refused = _joining(refusals=10**9, calls=[])
+    admitted: list[object] = []
+
+    def refusing_while_admitted(to, func, args, timeout):
+        if not admitted:  # the restarted process is admitted while this send tries
+            admitted.append(asyncio.run(agent.admit("w0", "p-restarted")))
+        return refused(to, func, args, timeout)
+
+    monkeypatch.setattr(rpc, "rpc_async", refusing_while_admitted)
+    assert "within 0.3 s:" in _send(agent, [np.zeros(2, dtype=np.float32)])[0]["w0"]
+    monkeypatch.setattr(rpc, "rpc_async", _joining(refusals=3, calls=[]))  # joining yet
+    assert _send(agent, [np.zeros(2, dtype=np.float32)])[0] == {"w0": None}
+
+
 def _failed_now(why: str) -> torch.futures.Future:
     """A future that failed as torch's own do (an error, not a value raised on wait)."""
     source = torch.futures.Future()
