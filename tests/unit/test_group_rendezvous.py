@@ -206,3 +206,47 @@ def test_rank_zero_gives_a_bucketed_versions_rendezvous_up_within_a_buckets_limi
         assert ("readers", stream.key, ["late"]) in calls  # adopted: reads from the broker
     finally:
         asyncio.run(actor.close())
+
+
+def test_a_member_that_gives_up_calls_the_rendezvous_off_for_the_others():
+    """Rank 1 gives up waiting for rank 3; still counted, it let rank 3, arriving later,
+    complete the count: ranks 0, 2 and 3 went into the group and waited there for rank 1
+    a whole timeout more (its collective's fallback then too late for the broadcast).
+    Its giving up now ends the others' wait, with its word."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    settings = DistributedOptions(backend="gloo", timeout_s=5.0)
+    generation = Generation(
+        3,
+        ("early", "here", "late"),
+        "raysync/g3/",
+        StoreAddress("127.0.0.1", master.port),
+        settings,
+    )
+    errors: dict[int, BaseException] = {}
+    gave_up = threading.Event()
+
+    def member(rank: int, after: threading.Event | None = None) -> None:
+        if after is not None:
+            assert after.wait(TIMEOUT_S)
+        try:  # rank 1 waits less than the others: it gives up first
+            rendezvous_s = 0.5 if rank == 1 else None
+            join_group(generation, rank, master if rank == 0 else None, rendezvous_s)
+        except BaseException as err:  # reported below, in the test's thread
+            errors[rank] = err
+        if rank == 1:
+            gave_up.set()
+
+    threads = [
+        threading.Thread(target=member, args=(1,), daemon=True),
+        threading.Thread(target=member, args=(2,), daemon=True),
+        threading.Thread(target=member, args=(3, gave_up), daemon=True),  # comes after
+    ]
+    for thread in threads:
+        thread.start()
+    member(0)
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    assert sorted(errors) == [0, 1, 2, 3], errors
+    assert "late did not join process-group generation 3 within 0.5 s" in str(errors[1])
+    for rank in (0, 2, 3):  # the word of the rank that gave up, not gloo's own wait
+        assert "rank 1 gave up: late did not join" in str(errors[rank]), errors[rank]

@@ -101,12 +101,16 @@ def _everyone_here(
         timeout_s = generation.settings.timeout_s
     try:
         store.wait([_GO], datetime.timedelta(seconds=timeout_s))
-    except dist.DistStoreError as err:
-        raise RuntimeError(
-            f"rank {rank}: {_absent(store, generation)} did not join process-group "
+        word = store.get(_GO)
+    except dist.DistStoreError:
+        # Given up: the others hear it at once (counted, this rank would otherwise let
+        # the last to arrive send everyone into the group, to wait there for it a whole
+        # timeout more), unless that word came first.
+        gave_up = (
+            f"rank {rank} gave up: {_absent(store, generation)} did not join process-group "
             f"generation {generation.number} within {timeout_s:g} s"
-        ) from err
-    word = store.get(_GO)
+        )
+        word = store.compare_set(_GO, "", cast(str, gave_up.encode()))
     if word != _EVERYONE:
         raise RuntimeError(f"process-group generation {generation.number}: {word.decode()}")
 
