@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raysync.bounded import keep_newest
 from raysync.copies import as_tensor
 from raysync.layout import PackedLayout
 from raysync.transports.base import TransportError
@@ -48,6 +49,7 @@ from raysync.transports.distributed import (
     BroadcastJob,
     Generation,
     StoreAddress,
+    absent_members,
     bucket_timeout_s,
     call_off,
     collective_bytes,
@@ -103,6 +105,9 @@ class ProcessGroupActor:
         self._buffer: torch.Tensor | None = None
         self._collectives = 0
         self._failures: list[str] = []
+        #: generation number -> the members that never came to its rendezvous, which
+        #: failed (the last :data:`_FAILED_RENDEZVOUS_KEPT`): see :meth:`absent_from`
+        self._absent: dict[int, tuple[str, ...]] = {}
         settle_heap()
 
     async def store_address(self) -> StoreAddress:
@@ -181,6 +186,11 @@ class ProcessGroupActor:
         learner's copy) instead of waiting out the timeout."""
         await asyncio.to_thread(self._call_off, generation, why)
 
+    async def absent_from(self, generation: int) -> tuple[str, ...]:
+        """The hub, once a collective of ``generation`` failed: the members that never
+        came to its rendezvous (none if it did not fail there, or long ago)."""
+        return self._absent.get(generation, ())
+
     async def describe(self) -> GroupStatus:
         generation = self._generation
         return GroupStatus(
@@ -249,6 +259,8 @@ class ProcessGroupActor:
                         # A member that arrives after the others gave up (busy, its
                         # delivery queued) fails at once, not after its own timeout.
                         call_off(self._store, generation, f"rank 0 gave it up ({err})")
+                        self._absent[generation.number] = absent_members(self._store, generation)
+                        keep_newest(self._absent, _FAILED_RENDEZVOUS_KEPT)
                         self._rendezvous_failed(generation)
                         raise
                     with self._rendezvous_lock:

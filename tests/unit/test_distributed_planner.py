@@ -49,6 +49,7 @@ class _Rank0:
         self.store_address = _Call(self.calls, "store_address", StoreAddress("127.0.0.1", 1))
         self.broadcast = _Call(self.calls, "broadcast", None)
         self.call_off = _Call(self.calls, "call_off", None)
+        self.absent_from = _Call(self.calls, "absent_from", ())
 
     def called_off(self) -> list[tuple[int, str]]:
         return [(args[0].number, args[1]) for name, args in self.calls if name == "call_off"]
@@ -249,6 +250,44 @@ def test_a_receiver_behind_reads_the_learners_copy_alone_until_it_acks_again():
     assert second["c0"].generation.members == ("c0", "c1")
     assert third["busy"].generation.members == ("busy", "c0", "c1")
     assert third["busy"].generation.number == 3
+
+
+def test_a_member_that_never_came_to_a_failed_rendezvous_sits_the_next_versions_out(
+    monkeypatch,
+):
+    """busy did not come to version 1's rendezvous (a long method; the hub marks it
+    behind only once that delivery times out, later): version 2, planned as version 1's
+    collective failed, made it a member again, and every other member waited the
+    group's whole timeout for it once more (their fallback then too late for the
+    broadcast). It reads the learner's copy alone for the group's timeout, then is a
+    member again."""
+    from raysync.transports.distributed import planner as planner_module
+
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(planner_module.time, "monotonic", lambda: clock.now)
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+    targets = [_info(w) for w in ("busy", "c0", "c1")]
+    second_update = _Update(2)
+
+    async def run() -> list[dict]:
+        for target in targets:
+            await planner.receiver_joined(target)
+        rank0.broadcast.answer = "rank 0: busy did not join process-group generation 1"
+        rank0.absent_from.answer = ("busy",)
+        planned = [await planner.plan(_Update(1), SPEC, targets)]
+        rank0.broadcast.answer = None
+        planned.append(await planner.plan(second_update, SPEC, targets))
+        clock.now += planner._settings.timeout_s + 1
+        planned.append(await planner.plan(_Update(3), SPEC, targets))
+        return planned
+
+    first, second, third = asyncio.run(run())
+    assert first["busy"].generation.members == ("busy", "c0", "c1")
+    assert ("absent_from", (1,)) in rank0.calls
+    assert second["busy"] is second_update.payload
+    assert second["c0"].generation.members == ("c0", "c1")
+    assert third["busy"].generation.members == ("busy", "c0", "c1")
 
 
 def test_a_rank_0_restarted_on_the_same_port_gets_a_new_generation():

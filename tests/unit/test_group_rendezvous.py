@@ -12,6 +12,7 @@ import torch.distributed as dist
 from raysync.transports.distributed import (
     Generation,
     StoreAddress,
+    absent_members,
     forget_rendezvous,
     join_group,
 )
@@ -119,6 +120,7 @@ def test_a_rendezvous_that_times_out_names_the_members_that_never_came():
         message = str(err)
         assert "busy did not join process-group generation 7 within 1 s" in message, message
         assert "here" not in message and "rank 0 (" not in message, message
+    assert absent_members(master, generation) == ("busy",)  # what rank 0 tells the hub
 
 
 def test_rank_zero_keeps_the_keys_of_only_the_last_failed_rendezvous():

@@ -84,6 +84,7 @@ from raysync.transports.base import (
     TransportSender,
 )
 from raysync.transports.distributed.group import (
+    absent_members,
     bucket_timeout_s,
     call_off,
     forget_rendezvous,
@@ -116,6 +117,7 @@ __all__ = [
     "Generation",
     "GroupPayload",
     "StoreAddress",
+    "absent_members",
     "bucket_timeout_s",
     "call_off",
     "collective_bytes",

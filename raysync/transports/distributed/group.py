@@ -127,6 +127,19 @@ def _absent(store: Any, generation: Generation) -> str:
     return " and ".join(absent) if absent else "the last rank (it came as the wait ended)"
 
 
+def absent_members(store: Any, generation: Generation) -> tuple[str, ...]:
+    """Rank 0's actor, its rendezvous of ``generation`` failed (``store``: the master
+    store): the members (worker ids) that had not arrived."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(generation.prefix, store)
+    return tuple(
+        worker
+        for rank, worker in enumerate(generation.members, start=1)
+        if not prefixed.check([f"{_HERE}{rank}"])
+    )
+
+
 def call_off(store: Any, generation: Generation, why: str) -> None:
     """Rank 0's actor, for the hub: members waiting at ``generation``'s rendezvous stop
     waiting and raise with ``why`` (``store`` is the master store). Once every member

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,8 +55,13 @@ class DistributedPlanner(TransportPlanner):
         self._generation: Generation | None = None
         self._generations = 0  #: generations formed so far; numbers only grow
         self._next_seq = 0
-        #: rank 0's result of the last collective planned: None, or why it failed.
-        self._last_job: Any = None
+        #: rank 0's result of the last collective planned (None, or why it failed),
+        #: and the generation it was planned in
+        self._last_job: tuple[Any, int] | None = None
+        #: worker -> until when (``time.monotonic()``) it reads the learner's copy alone:
+        #: it never came to the rendezvous of a collective that failed for it (busy, its
+        #: delivery queued; the hub marks it behind only once that delivery timed out)
+        self._sitting_out: dict[str, float] = {}
         self._lock = asyncio.Lock()  #: plans run one at a time, in call order
         self._reader = rank0_reader(hub.hub_id)  #: rank 0, to the bucket broker
         self._receivers: dict[str, ReceiverInfo] = {}
@@ -68,12 +74,14 @@ class DistributedPlanner(TransportPlanner):
         of the worker (a process Ray restarted, a receiver attached again) no place in
         a generation, which nobody would call off."""
         self._receivers[receiver.worker] = receiver
+        self._sitting_out.pop(receiver.worker, None)
         await self._forget(receiver.worker, "registered again (a new process)")
         self._broker = await tell_broker(self._broker, "readmit", receiver.worker)
         return receiver.worker
 
     async def receiver_left(self, worker: str) -> None:
         self._receivers.pop(worker, None)  # no plan from now on takes it in
+        self._sitting_out.pop(worker, None)
         await self._forget(worker, "died or left")
         # It may read a version itself from the broker, its group broken.
         self._broker = await tell_broker(self._broker, "drop_reader", worker)
@@ -102,10 +110,11 @@ class DistributedPlanner(TransportPlanner):
             # from, and no sequence number taken.
             last = self._last_job
             if last is not None:
-                failed = await self._collective_failed(last)
+                failed = await self._collective_failed(last[0])
                 self._last_job = None
                 if failed:
                     self._generation = None  # form a new one
+                    await self._sit_out_absent(last[1])
             alone, members = self._members(update, targets)
             if not members:
                 return alone
@@ -137,7 +146,7 @@ class DistributedPlanner(TransportPlanner):
             buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
             nbytes = collective_bytes(update.payload, spec)
             job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
-            self._last_job = self._actor.broadcast.remote(job, self._reader)
+            self._last_job = (self._actor.broadcast.remote(job, self._reader), generation.number)
             return alone | {
                 worker: GroupPayload(
                     generation, generation.rank_of(worker), seq, update.payload, nbytes, buckets
@@ -165,7 +174,12 @@ class DistributedPlanner(TransportPlanner):
         version, and the whole group for its timeout."""
         here = [t for t in targets if self._registered(t)]
         bucketed = is_bucketed(update.payload)
-        alone: dict[str, Any] = {} if bucketed else _alone(here, update.payload)
+        now = time.monotonic()
+        for worker in [w for w, until in self._sitting_out.items() if until <= now]:
+            del self._sitting_out[worker]
+        alone: dict[str, Any] = (
+            {} if bucketed else _alone(here, update.payload, set(self._sitting_out))
+        )
         in_group: set[str] = set()
         for target in sorted(here, key=lambda t: t.worker):
             if target.worker in alone:
@@ -198,6 +212,19 @@ class DistributedPlanner(TransportPlanner):
         if not is_bucketed(update.payload):
             return update.payload
         return await plan_pull_parts(self._serving, update, spec, receiver, in_one_plan=False)
+
+    async def _sit_out_absent(self, generation: int) -> None:
+        """The members that never came to ``generation``'s rendezvous read the learner's
+        copy alone for the group's timeout: a version planned meanwhile with them, the
+        hub not knowing them behind yet, waited that long at its rendezvous again, and
+        its other members' fallback came too late for the broadcast."""
+        try:
+            absent = await self._actor.absent_from.remote(generation)
+        except ray.exceptions.RayActorError:
+            return  # restarted: a new rendezvous anyway
+        until = time.monotonic() + self._settings.timeout_s
+        for worker in absent:
+            self._sitting_out[worker] = until
 
     @staticmethod
     async def _collective_failed(job: Any) -> bool:
@@ -239,9 +266,9 @@ class DistributedPlanner(TransportPlanner):
             ray.kill(self._actor)
 
 
-def _alone(targets: Sequence[ReceiverInfo], copy: Any) -> dict[str, Any]:
-    """The learner's ``copy`` for each of ``targets`` that is behind."""
-    return {t.worker: copy for t in targets if t.behind}
+def _alone(targets: Sequence[ReceiverInfo], copy: Any, sitting_out: set[str]) -> dict[str, Any]:
+    """The learner's ``copy`` for each of ``targets`` that is behind or sits out."""
+    return {t.worker: copy for t in targets if t.behind or t.worker in sitting_out}
 
 
 def _start_rank0(name: str, settings: DistributedOptions) -> Any:
