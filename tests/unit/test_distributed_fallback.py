@@ -178,3 +178,21 @@ def test_a_receiver_keeps_no_word_of_generations_older_than_its_own(monkeypatch)
     stream = BucketStream(_Broker(), StreamId("s", 1, 60.0), 64)
     with pytest.raises(TransportError, match="after this receiver moved on to generation 3"):
         receiver._receive(GroupPayload(generations[0], 1, 1, stream, BUCKET_BUFFER), SPEC)
+
+
+def test_a_receiver_turns_away_a_generation_formed_before_it_registered_at_once():
+    """Its worker registered again in the same process while a version was planned in
+    generation 1 for the receiver it replaced: that version's collective 1 reached the
+    new receiver, which waited the group's whole timeout for a collective 0 it never
+    gets (another's to enter), its next delivery queued behind it. It reads the
+    learner's copy at once instead; a later generation is its own."""
+    settings = DistributedOptions(backend="gloo", timeout_s=600.0)
+    formed_before, own = (
+        Generation(n, ("w",), "p", StoreAddress("h", 1), settings) for n in (1, 2)
+    )
+    receiver = DistributedReceiver("w", formed_before=1)
+    stale = GroupPayload(formed_before, 1, 1, None, 64)  # type: ignore[arg-type]
+    with pytest.raises(TransportError, match="formed before this receiver registered"):
+        receiver._receive(stale, SPEC)
+    with receiver._turn:  # its own generation's first collective is its turn
+        receiver._wait_for_turn(GroupPayload(own, 1, 0, None, 64), deadline=0.0)  # type: ignore[arg-type]

@@ -290,6 +290,24 @@ def test_a_member_that_never_came_to_a_failed_rendezvous_sits_the_next_versions_
     assert third["busy"].generation.members == ("busy", "c0", "c1")
 
 
+def test_a_receiver_is_told_the_generations_formed_before_it_registered():
+    """It takes no part in those (see DistributedReceiver): the first it is planned in
+    is numbered after them."""
+    rank0 = _Rank0()
+    planner = _planner(rank0)
+
+    async def run() -> tuple[Any, Any, dict]:
+        first = await planner.receiver_joined(_info("c0"))
+        await planner.plan(_Update(1), SPEC, [_info("c0")])
+        again = await planner.receiver_joined(_info("c0"))  # registered again
+        return first, again, await planner.plan(_Update(2), SPEC, [_info("c0")])
+
+    first, again, planned = asyncio.run(run())
+    assert (first.worker, first.formed_before) == ("c0", 0)
+    assert (again.worker, again.formed_before) == ("c0", 1)
+    assert planned["c0"].generation.number == 2
+
+
 def test_a_rank_0_restarted_on_the_same_port_gets_a_new_generation():
     """Ray restarted rank 0 and its store bound the port the old one had: the planner,
     comparing host and port, kept the old generation, whose members broadcast on a

@@ -99,6 +99,7 @@ from raysync.transports.distributed.wire import (
     BroadcastJob,
     Generation,
     GroupPayload,
+    MemberInfo,
     StoreAddress,
     collective_bytes,
     header,
@@ -116,6 +117,7 @@ __all__ = [
     "DistributedTransport",
     "Generation",
     "GroupPayload",
+    "MemberInfo",
     "StoreAddress",
     "absent_members",
     "bucket_timeout_s",
@@ -167,4 +169,5 @@ class DistributedTransport(Transport):
 
     @classmethod
     def open_receiver(cls, info: Any) -> DistributedReceiver:
-        return DistributedReceiver(info)
+        member: MemberInfo = info
+        return DistributedReceiver(member.worker, formed_before=member.formed_before)

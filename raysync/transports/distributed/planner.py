@@ -26,6 +26,7 @@ from raysync.transports.distributed.wire import (
     BroadcastJob,
     Generation,
     GroupPayload,
+    MemberInfo,
     StoreAddress,
     collective_bytes,
     process_group_name,
@@ -68,16 +69,18 @@ class DistributedPlanner(TransportPlanner):
         self._serving = BucketServing(self._receivers)  #: bucketed versions, pulled
         self._broker: Any = None  #: the hub's bucket broker, once a bucketed version came
 
-    async def receiver_joined(self, receiver: ReceiverInfo) -> str:
-        """The receiver's worker id: how it names itself to the bucket broker. Known
-        before the first wait: a plan that runs meanwhile gives a former registration
-        of the worker (a process Ray restarted, a receiver attached again) no place in
-        a generation, which nobody would call off."""
+    async def receiver_joined(self, receiver: ReceiverInfo) -> MemberInfo:
+        """The receiver's worker id (how it names itself to the bucket broker) and the
+        last generation formed so far, which it takes no part in. Known before the first
+        wait: a plan that runs meanwhile gives a former registration of the worker (a
+        process Ray restarted, a receiver attached again) no place in a generation,
+        which nobody would call off."""
         self._receivers[receiver.worker] = receiver
         self._sitting_out.pop(receiver.worker, None)
+        formed_before = self._generations
         await self._forget(receiver.worker, "registered again (a new process)")
         self._broker = await tell_broker(self._broker, "readmit", receiver.worker)
-        return receiver.worker
+        return MemberInfo(receiver.worker, formed_before)
 
     async def receiver_left(self, worker: str) -> None:
         self._receivers.pop(worker, None)  # no plan from now on takes it in

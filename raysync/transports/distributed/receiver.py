@@ -39,7 +39,10 @@ logger = logging.getLogger(__name__)
 class DistributedReceiver(TransportReceiver):
     """Runs in the receiver process: a member of at most one generation at a time."""
 
-    def __init__(self, worker: str | None = None) -> None:
+    def __init__(self, worker: str | None = None, formed_before: int = 0) -> None:
+        """``formed_before``: the last generation the hub formed before this receiver
+        registered; it takes no part in those (:class:`MemberInfo`)."""
+        self._formed_before = formed_before
         self._turn = threading.Condition()
         self._generation: Generation | None = None
         self._group: Any = None
@@ -271,6 +274,12 @@ class DistributedReceiver(TransportReceiver):
                 raise TransportError(
                     f"process-group generation {number} broke on this receiver earlier "
                     f"({self._broken[number]}); collective {payload.seq} cannot run"
+                )
+            if number <= self._formed_before:  # its collective 0 was another's to enter
+                raise TransportError(
+                    f"process-group generation {number} was formed before this receiver "
+                    f"registered (planned for the registration it replaced): collective "
+                    f"{payload.seq} is not its to enter"
                 )
             current = self.generation
             if number < current or (number == current and payload.seq < self._next_seq):

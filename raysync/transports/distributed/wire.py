@@ -62,6 +62,17 @@ class BroadcastJob:
 
 
 @dataclass(frozen=True)
+class MemberInfo:
+    """Hub -> receiver (its transport info): its worker id (how it names itself to the
+    bucket broker), and the number of the last generation formed before it registered:
+    it takes no part in those (a version planned in one before the hub heard of this
+    registration was planned for the receiver it replaced)."""
+
+    worker: str
+    formed_before: int = 0
+
+
+@dataclass(frozen=True)
 class GroupPayload:
     """Hub -> receiver: enter collective ``seq`` of ``generation`` as ``rank``; if the
     collective fails (a member died or never entered it), read ``source``, the
