@@ -196,3 +196,36 @@ def test_a_receiver_turns_away_a_generation_formed_before_it_registered_at_once(
         receiver._receive(stale, SPEC)
     with receiver._turn:  # its own generation's first collective is its turn
         receiver._wait_for_turn(GroupPayload(own, 1, 0, None, 64), deadline=0.0)  # type: ignore[arg-type]
+
+
+def test_a_failed_collectives_group_is_let_go_before_the_fallback_read(monkeypatch):
+    """The collective's error, kept as the cause of the receiver's, held its frames and
+    they the group the receiver had left: its connections stayed open (gloo's shutdown
+    closes none), and its peers waited on it for the group's timeout, through the whole
+    fallback read of the learner's copy."""
+    import weakref
+
+    class _Group:
+        def shutdown(self) -> None: ...
+
+    made: list[weakref.ref] = []
+
+    def join_group(generation, rank):
+        group = _Group()
+        made.append(weakref.ref(group))
+        return group
+
+    def run_broadcast(group, buffer, settings, **kwargs):
+        raise RuntimeError("a peer hung up (injected)")  # its frame holds ``group``
+
+    monkeypatch.setattr(receiver_mod, "join_group", join_group)
+    monkeypatch.setattr(receiver_mod, "run_broadcast", run_broadcast)
+    generation = Generation(1, ("w",), "p", StoreAddress("h", 1), DistributedOptions())
+    receiver = DistributedReceiver("w")
+    try:
+        receiver._receive(GroupPayload(generation, 1, 0, None, 64), SPEC)  # type: ignore[arg-type]
+    except TransportError as err:  # where the fallback read runs
+        assert "a peer hung up (injected)" in str(err)
+        assert made and made[0]() is None, "the group outlives the receiver's leaving it"
+    else:
+        raise AssertionError("the collective's failure was not raised")

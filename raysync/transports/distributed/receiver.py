@@ -229,6 +229,7 @@ class DistributedReceiver(TransportReceiver):
         """Enter ``payload``'s collective and return views of what rank 0 sent."""
         generation = payload.generation
         deadline = time.monotonic() + generation.settings.timeout_s
+        failure: TransportError | None = None
         with self._turn:
             self._wait_for_turn(payload, deadline)
             try:
@@ -241,16 +242,22 @@ class DistributedReceiver(TransportReceiver):
                 run_broadcast(self._group, buffer, generation.settings)
             except Exception as err:
                 self._break(generation, f"collective {payload.seq} failed: {err}")
-                raise TransportError(
+                failure = TransportError(
                     f"rank {payload.rank} could not receive collective {payload.seq} of "
                     f"process-group generation {generation.number} "
                     f"({generation.settings.backend}, {generation.world_size} ranks): {err}; "
                     "a member may have died or not entered the broadcast within "
                     f"{generation.settings.timeout_s:g} s"
-                ) from err
+                )
             finally:
                 self._next_seq = max(self._next_seq, payload.seq + 1)
                 self._turn.notify_all()
+        if failure is not None:
+            # Raised here, with no cause: the collective's error holds its frames, and
+            # they the group this receiver left, whose connections stay open while it
+            # lives (gloo's shutdown closes none): its peers waited on it for the
+            # group's timeout, through this receiver's whole fallback read.
+            raise failure
         got = buffer[:HEADER_BYTES].cpu().view(torch.int64)[:4].tolist()
         expected = [MAGIC, generation.number, payload.seq, layout.nbytes]
         if got != expected:
