@@ -115,15 +115,17 @@ def _everyone_here(
         raise RuntimeError(f"process-group generation {generation.number}: {word.decode()}")
 
 
+def _not_arrived(store: Any, generation: Generation) -> list[int]:
+    """The ranks of ``generation`` that have not arrived at its rendezvous (``store``:
+    the generation's, under its prefix)."""
+    return [rank for rank in range(generation.world_size) if not store.check([f"{_HERE}{rank}"])]
+
+
 def _absent(store: Any, generation: Generation) -> str:
     """The ranks of ``generation`` that have not arrived at its rendezvous, by name
     (a member by its worker id, rank 0 as the hub's process-group actor)."""
     names = ["rank 0 (the hub's process-group actor)", *generation.members]
-    absent = [
-        names[rank]
-        for rank in range(generation.world_size)
-        if not store.check([f"{_HERE}{rank}"])
-    ]
+    absent = [names[rank] for rank in _not_arrived(store, generation)]
     return " and ".join(absent) if absent else "the last rank (it came as the wait ended)"
 
 
@@ -133,11 +135,8 @@ def absent_members(store: Any, generation: Generation) -> tuple[str, ...]:
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(generation.prefix, store)
-    return tuple(
-        worker
-        for rank, worker in enumerate(generation.members, start=1)
-        if not prefixed.check([f"{_HERE}{rank}"])
-    )
+    missing = _not_arrived(prefixed, generation)
+    return tuple(generation.members[rank - 1] for rank in missing if rank)  # rank 0 asks
 
 
 def call_off(store: Any, generation: Generation, why: str) -> None:
