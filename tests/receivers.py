@@ -433,22 +433,16 @@ class _Stalls:
                 time.sleep(0.01)
 
 
-class FetchStall(_Stalls):
-    """The ``fetch`` stall point of :class:`_Stalls` for a receiver of any host."""
-
-    def __init__(self, stall_dir: str, name: str) -> None:
-        self.stall_dir, self.name, self.first = stall_dir, name, True
-
-
 @ray.remote(num_cpus=0)
-class AsyncStalled(WeightReceiver):
+class AsyncStalled(WeightReceiver, _Stalls):
     """An async mixin actor whose fetches stall at ``fetch`` (:class:`_Stalls`)."""
 
     def __init__(self, hub, stall_dir: str, name: str):
         self.model = make_probe_model(64, 4)
         self.model.load_state_dict(filled(self.model, 0.0))
+        self.stall_dir, self.name, self.first = stall_dir, name, True
         self.connect_hub(hub, models={"probe": "model"}, worker_id=name)
-        _stall_fetches(FetchStall(stall_dir, name), self._raysync_receiver.core.transport)
+        _stall_fetches(self, self._raysync_receiver.core.transport)
 
     async def first_value(self) -> float:
         return float(next(self.model.parameters()).view(-1)[0])
