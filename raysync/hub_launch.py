@@ -18,7 +18,7 @@ from ray.exceptions import ActorAlreadyExistsError
 
 from raysync.actor_classes import HUB, actor_class
 from raysync.errors import HubNotFoundError, TransportUnavailableError
-from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle
+from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle, check_seconds
 from raysync.messages import HubConfig
 from raysync.transports import (
     DEFAULT_TRANSPORT,
@@ -92,8 +92,7 @@ class HubLauncher:
             raise TransportUnavailableError(
                 f"transport {transport!r} is not available: {availability.reason}"
             )
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        check_seconds("timeout_s", timeout_s)
         if isinstance(models, str):
             raise TypeError(f"models takes a sequence of model ids, not the string {models!r}")
         config = HubConfig(

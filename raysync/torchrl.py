@@ -47,7 +47,7 @@ from torchrl.weight_update.weight_sync_schemes import (
 
 from raysync.attached import attach
 from raysync.errors import BroadcastError, UnknownWorkerError
-from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle
+from raysync.hub_handle import DEFAULT_TIMEOUT_S, HubHandle, check_seconds
 from raysync.hub_launch import WeightHub, get_hub
 from raysync.messages import BroadcastReport
 from raysync.model_path import resolve
@@ -100,8 +100,7 @@ class RaySyncScheme(WeightSyncScheme):
         model: str | None = None,
     ) -> None:
         super().__init__(strategy="tensordict")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        check_seconds("timeout_s", timeout_s)
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError(f"model must be a non-empty model id, got {model!r}")
         self._hub_model_given = model

@@ -350,6 +350,12 @@ def test_a_model_id_at_the_hub_must_be_a_non_empty_string():
         RaySyncScheme(model="")
 
 
+@pytest.mark.parametrize("timeout_s", [0, float("nan"), float("inf"), True])
+def test_a_timeout_that_is_no_positive_finite_number_is_refused(timeout_s):
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+        RaySyncScheme(timeout_s=timeout_s)
+
+
 def test_an_update_after_the_hub_restarted_waits_until_the_collectors_are_back(ray_cluster):
     """A hub Ray restarts knows no collector until each registers again (a heartbeat
     later): an update in between raised UnknownWorkerError; it is tried again."""

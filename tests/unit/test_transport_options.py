@@ -51,3 +51,12 @@ def test_the_same_options_class_twice_is_refused():
 def test_options_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         RpcOptions().timeout_s = 3.0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf"), True, "10"])
+def test_a_hub_wide_timeout_that_is_no_positive_finite_number_is_refused(timeout_s):
+    """NaN and infinity passed a ``<= 0`` check: the learner's first ``ray.get`` then
+    raised Ray's own conversion error, the hub's registrations timed out at once (NaN)
+    or never (infinity), and True was a one-second timeout."""
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+        WeightHub.remote(timeout_s=timeout_s)
