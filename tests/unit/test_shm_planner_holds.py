@@ -16,7 +16,7 @@ import pytest
 
 from raysync.actors.shm_owner import ShmOwner
 from raysync.background import BackgroundTasks
-from raysync.transports.base import ReceiverInfo
+from raysync.transports.base import ReceiverInfo, TransportError
 from raysync.transports.shared_memory.planner import SharedMemoryPlanner
 from raysync.transports.shared_memory.wire import SharedMemoryPayload, Slot
 
@@ -205,3 +205,33 @@ def test_a_refused_version_is_let_go_of_before_the_holds_of_a_newer_one():
     (_, abandon), (_, deliver) = sent
     assert abandon[:3] == (SLOT.pid, 4, ("called",))
     assert 0 < abandon[3] < deliver[4], "the let-go is numbered first in the owner's order"
+
+
+def test_a_pull_of_a_version_whose_slot_the_learner_was_handed_again_fails():
+    """A late joiner's catch-up reads the latest version as the hub booked it; a newer
+    version's plan, numbered first, moved the owner's ``latest`` hold off that slot and
+    the learner was handed it for its next version. The pull's hold, refused, was only
+    logged: the receiver read (a zero-copy model adopted) memory the learner writes
+    again at its next send. The pull fails instead; the next broadcast reaches it."""
+    owner = ShmOwner(HERE, max_slots=2)
+    try:
+        planner = _planner({HERE: _Actor(owner)})
+
+        def published(version: int) -> Any:
+            slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+            return SimpleNamespace(model="m", version=version, payload=SharedMemoryPayload(slot))
+
+        async def run() -> None:
+            first = published(1)
+            await planner.plan(first, None, [])  # held as the latest only
+            await planner.plan(published(2), None, [])  # the latest now
+            again = owner.acquire(4096, timeout_s=5.0, learner="learner")
+            assert again.fd == first.payload.slot.fd  # the first version's memory
+            with pytest.raises(TransportError, match="could not be held for late.*no longer"):
+                await planner.plan_pull(first, None, _receiver("late", HERE))
+            await asyncio.gather(*planner._background._tasks)
+
+        asyncio.run(run())
+        assert "worker/late" not in owner.stats().holds
+    finally:
+        owner.close()

@@ -211,7 +211,7 @@ class SharedMemoryPlanner(TransportPlanner):
         bucketed version: from a receiver that holds it, through the bucket broker)."""
         if isinstance(update.payload, BucketStream):
             return await self._streams.plan_pull(update, spec, receiver)
-        payload = (await self.plan(update, spec, [receiver]))[receiver.worker]
+        payload = (await self._plan(update, spec, [receiver], confirmed=True))[receiver.worker]
         if isinstance(payload, Unplanned):
             raise TransportError(payload.reason)
         return payload
@@ -219,6 +219,23 @@ class SharedMemoryPlanner(TransportPlanner):
     async def plan(
         self, update: Any, spec: WeightSpec, targets: Sequence[ReceiverInfo]
     ) -> Mapping[str, Any]:
+        return await self._plan(update, spec, targets)
+
+    async def _plan(
+        self,
+        update: Any,
+        spec: WeightSpec,
+        targets: Sequence[ReceiverInfo],
+        confirmed: bool = False,
+    ) -> Mapping[str, Any]:
+        """:meth:`plan`; ``confirmed``: the receivers on the learner's node get their
+        payload only once the owner took their hold. A broadcast's plan need not wait:
+        the learner's ``PENDING`` hold keeps its new slot until the owner takes the
+        plan's. A pull (a late joiner's catch-up) reads a version published earlier,
+        whose slot only its ``latest`` hold kept: a newer version's plan, numbered
+        first, moves that hold off, the learner may be handed the slot for its next
+        version, and the pull's hold, refused then, left the receiver reading (a
+        zero-copy model adopting) memory the learner would write again."""
         if isinstance(update.payload, BucketStream):
             return await self._streams.plan(update, spec, targets)
         source: SharedMemoryPayload = update.payload
@@ -245,6 +262,14 @@ class SharedMemoryPlanner(TransportPlanner):
         uncalled = tuple(w for w in local if w not in called)
         placed: list[_Placed] = [_Placed(owner, held, uncalled, placement)]
         try:
+            if confirmed and local:
+                try:
+                    await _within_plan(held, f"the owner on the learner's node {slot.node_id}")
+                except (RayError, TransportError) as err:
+                    raise TransportError(
+                        f"version {update.version} of model {update.model!r} could not be "
+                        f"held for {', '.join(local)}: {err}"
+                    ) from err
             return await self._relay(update, source, owner, local, by_node, placed)
         except BaseException:
             # Cut short (by its timeout, or an error): the holds it placed for workers
