@@ -7,7 +7,6 @@ is a stand-in recording its calls; its ``room`` answers are read by a stand-in o
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,48 +17,16 @@ from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl import ring as ring_module
 from raysync.transports.nixl.ring import BucketRing
 from raysync.transports.nixl.wire import SLOT_HEADER
-from raysync.transports.object_store import buckets
 from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
 from raysync.transports.object_store.buckets import Outgoing
+from tests.unit.broker_stand_in import EndsAfter, recording_broker
 
 BUCKET = 64
-NEVER = "a room call the broker never answers"
-
-
-class _Done(VersionDone):
-    """A broadcast that ends once asked whether it ended ``after`` times (None: never)."""
-
-    def __init__(self, after: int | None) -> None:
-        self._left = after
-
-    def wait(self, timeout_s: float) -> None:
-        if self._left is None or self._left > 0:
-            if self._left is not None:
-                self._left -= 1
-            raise TimeoutError
-
-
-class _Calls:
-    def __init__(self, name: str, calls: list) -> None:
-        self.name, self.calls = name, calls
-
-    def remote(self, *args):
-        self.calls.append((self.name, *args))
-        return NEVER if self.name == "room" else None
-
-
 @pytest.fixture
 def broker(monkeypatch):
-    """A broker whose ``room`` never answers (as a restarted one that lost the stream
-    holds it up); its calls are recorded in ``broker.calls``."""
-    calls: list = []
-    names = ("room", "offer", "end")
-    stand_in = SimpleNamespace(calls=calls, **{name: _Calls(name, calls) for name in names})
-    monkeypatch.setattr(
-        buckets, "ray", SimpleNamespace(wait=lambda refs, timeout: ([], refs), get=None)
-    )
+    """The broker stand-in (its ``room`` never answers; ``broker.calls``)."""
     monkeypatch.setattr(ring_module, "this_actor", lambda: None)
-    return stand_in
+    return recording_broker(monkeypatch)
 
 
 def _stream(broker, name: str, count: int) -> tuple[BucketStream, Outgoing]:
@@ -87,8 +54,8 @@ def test_a_slot_an_older_version_holds_is_free_once_that_broadcast_ends(broker):
     receiver, though the older broadcast ended (its readers done) meanwhile."""
     ring = _ring()
     older, newer = _stream(broker, "v1", 2), _stream(broker, "v2", 1)
-    _send(ring, older, _Done(after=3))  # both slots: the first two need no room
-    _send(ring, newer, _Done(after=50))
+    _send(ring, older, EndsAfter(after=3))  # both slots: the first two need no room
+    _send(ring, newer, EndsAfter(after=50))
     assert [call[:3] for call in broker.calls if call[0] != "room"] == [
         ("offer", older[0].key, 0),
         ("offer", older[0].key, 1),
@@ -108,7 +75,7 @@ def test_a_learner_interrupted_waiting_for_room_ends_its_stream_saying_why(broke
     ring = _ring()
     stream = _stream(broker, "v1", 3)
     with pytest.raises(KeyboardInterrupt):
-        _send(ring, stream, _Done(after=None))
+        _send(ring, stream, EndsAfter(after=None))
     assert broker.calls[-1] == (
         "end",
         stream[0].key,

@@ -99,12 +99,16 @@ class RdtRing:
         sender = this_actor()
         self._let_go_of_freed()
         for index in range(key.count):
-            if not room_or_end(broker, key, index, done):
-                return
-            try:
+            try:  # interrupted or cancelled while it waits, too: its readers are told
+                if not room_or_end(broker, key, index, done):
+                    return
                 slot = self._free_slot(self._next, done)
             except TransportError as err:
                 broker.end.remote(key, f"the learner could not reuse a bucket slot: {err}")
+                raise
+            except BaseException as err:
+                why = f"the learner failed waiting for room for bucket {index}: {err!r}"
+                broker.end.remote(key, why)
                 raise
             if slot is None:
                 broker.end.remote(key, f"the broadcast ended before bucket {index} was packed")
@@ -142,9 +146,10 @@ class RdtRing:
             "that slot is set aside until freed, and a new one takes its place",
             SET_ASIDE_AFTER_S,
         )
+        replacement = _Slot(self._new_slot(slot.tensor))  # first: it may fail to register
         self._set_aside.append(slot)
-        slot = self._slots[position] = _Slot(self._new_slot(slot.tensor))
-        return slot
+        self._slots[position] = replacement
+        return replacement
 
     def _let_go_of_freed(self) -> None:
         """Deregister the slots set aside whose object Ray has freed since."""
