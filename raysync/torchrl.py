@@ -203,13 +203,15 @@ class RaySyncScheme(WeightSyncScheme):
                 "sender: hand it to RayCollector(weight_sync_schemes={...}), which calls "
                 "init_on_sender, before sending weights"
             )
+        collectors = self._targets(worker_ids)
+        if worker_ids is not None and not collectors:
+            return  # no collector named: nothing to send, as TorchRL's own schemes do
         prepared = self.prepare_weights(
             weights=weights if weights is not None else self.model,
             model_id=self.model_id,
             strategy=self.strategy,
             context=self.context,
         )
-        collectors = self._targets(worker_ids)
         # All of them: every receiver of the model at the hub (an evaluator attached to
         # it too), which must list each of this scheme's collectors.
         workers = None if worker_ids is None else collectors

@@ -161,6 +161,22 @@ def test_a_model_id_the_hub_does_not_know_is_refused_quickly(synced, retry_waits
     assert retry_waits == []  # refused at once, never tried again
 
 
+def test_no_worker_ids_send_nothing_at_once():
+    """``worker_ids=[]`` names no collector: TorchRL's own schemes send nothing. The hub
+    refused the empty list as naming no receiver, and the scheme, taking that for
+    collectors not registered yet, flattened and sent the model again every half
+    second for its whole timeout, then raised."""
+
+    class _NoHub:
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError(f"the hub was asked for {name}")
+
+    scheme = RaySyncScheme(timeout_s=QUICK_S)
+    scheme.model_id, scheme._workers, scheme._hub = "policy", ("c0", "c1"), _NoHub()
+    scheme.send({"weight": torch.ones(1)}, worker_ids=[])
+    assert scheme.last_report is None
+
+
 def test_worker_ids_outside_the_collectors_are_refused(synced):
     collector, scheme, policy, _ = synced
     with pytest.raises(ValueError, match="2 is not a remote collector index"):
