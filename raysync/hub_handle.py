@@ -14,7 +14,7 @@ import math
 import operator
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -59,7 +59,7 @@ class _Broadcast:
         *,
         model: str | None = None,
         version: int | None = None,
-        workers: Sequence[str] | None = None,
+        workers: Iterable[str] | None = None,
         timeout_s: float | None = None,
         wait: bool = True,
         raise_on_failure: bool = True,
@@ -137,6 +137,8 @@ class _Broadcast:
             raise TypeError(
                 f"workers is a sequence of worker ids, not a str: workers=[{workers!r}]"
             )
+        if workers is not None:  # read more than once below: an iterator only the first
+            workers = tuple(workers)
         if timeout_s is not None:
             check_seconds("timeout_s", timeout_s)
         config = self._handle.config

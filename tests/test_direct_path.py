@@ -84,6 +84,21 @@ def test_broadcasts_through_the_hub_and_direct_ones_share_one_count(actors):
     _hold([a, b, late], last, 11)
 
 
+def test_workers_named_by_a_generator_are_the_targets_of_a_direct_broadcast(actors):
+    """The learner read ``workers`` twice: whether the route lists them, then for the
+    request. A generator was used up by the first: the version was booked with no
+    target, reported a success and reached nobody."""
+    hub = start_hub(actors, "object_store")
+    a = start(actors, Collector, hub, worker_id="a")
+    b = start(actors, Collector, hub, worker_id="b")
+    ready([a, b])
+    ray.get(hub.broadcast.remote(make_policy()))  # the route: the next one goes direct
+    only_b = make_policy()
+    report = ray.get(hub.broadcast.remote(only_b, workers=(w for w in ["b"])))
+    assert (report.version, report.acked, report.direct) == (2, ("b",), ("b",))
+    _hold([b], only_b, 2)
+
+
 def test_a_receiver_that_joined_after_the_route_gets_the_version_from_the_hub(actors):
     hub = start_hub(actors, "object_store")
     early = start(actors, Collector, hub, worker_id="early")
