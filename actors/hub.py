@@ -571,7 +571,8 @@ class WeightHubActor:
         if not targets:
             return Route(hand_offs)
         next_version = self._state.models[resolved].version + 1
-        return Route(hand_offs, resolved, next_version, spec, targets)
+        sole = len(self._state.models) == 1
+        return Route(hand_offs, resolved, next_version, spec, targets, sole)
 
     async def _start_assembled(
         self, request: BroadcastRequest, timeout_s: float, first_arrived: float

@@ -165,6 +165,7 @@ class _Broadcast:
             and parts == 1
             and bucket_bytes is None
             and route.spec == spec
+            and (model is not None or route.sole)  # else the hub says to name one
             and (workers is None or all_listed(workers, route))
         )
         channel = handle._channel(route, travels) if direct else None

@@ -183,6 +183,8 @@ class Route:
     transport, joined since) and collects the acks. Versions stay the hub's: if
     another broadcast took that number first, the hub versions this one anew and
     delivers it itself (see :class:`Update` ``origin`` for how receivers stay whole).
+    A broadcast that leaves the model out goes this way only if ``sole``: ``model`` was
+    the only one the hub held (else the hub tells it to name one).
     """
 
     hand_offs: tuple[str, ...]
@@ -190,6 +192,7 @@ class Route:
     next_version: int = 0
     spec: WeightSpec | None = None
     targets: tuple[DirectTarget, ...] = ()
+    sole: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ import dataclasses
 
 import pytest
 import ray
+import torch
 
-from raysync import StaleVersionError, hub_handle
+from raysync import StaleVersionError, UnknownModelError, hub_handle
 from raysync.testing import assert_bitwise, special_weights
 from tests.helpers import (
     Gate,
@@ -303,6 +304,25 @@ def test_a_model_named_or_left_out_is_one_model_to_the_learner(actors):
     report = ray.get(hub.broadcast.remote(unnamed))
     assert (report.version, report.acked, report.direct) == (6, ("c0", "c1"), ("c0", "c1"))
     _hold(collectors, unnamed, 6)
+
+
+def test_a_broadcast_leaving_the_model_out_is_refused_once_the_hub_holds_two(actors):
+    """A route names its model; one that a broadcast leaving the model out brought back
+    (or one naming it) let the learner's next ones go on as that model's, directly,
+    after a second model registered: another model's weights could be published as the
+    first's, or refused, as the previous broadcast had gone. A route made while the
+    hub holds two says so (a route is one broadcast old: the first one made since)."""
+    hub = start_hub(actors, "object_store")
+    collector = start(actors, Collector, hub, worker_id="c0")
+    ready([collector])
+    assert ray.get(hub.broadcast.remote(make_policy())).direct == ("c0",)
+    ready([start(actors, Holder, hub, {"w": torch.zeros(4)}, "critic", model="critic")])
+    named = make_policy()
+    assert ray.get(hub.broadcast.remote(named, model="policy")).direct == ("c0",)
+    _hold([collector], named, 2)
+    with pytest.raises(UnknownModelError, match="several models"):
+        ray.get(hub.broadcast.remote(make_policy()))
+    _hold([collector], named, 2)
 
 
 @ray.remote(num_cpus=0)
