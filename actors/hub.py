@@ -651,9 +651,10 @@ class WeightHubActor:
                 and self._assemblies.model_of_unnamed(request.version, request.part)
             ) or self._state.resolve_model(request.model)
         except RaySyncError as err:  # it names no model, and the hub holds several
-            # The one version of that number assembling hears it (else it waited out
-            # its deadline, to be told this part never came).
-            assembling = self._assemblies.assembling_at(request.version)
+            # The one version of that number assembling that it could be a part of
+            # hears it (else it waited out its deadline, to be told this part never
+            # came); another model's, at the same number, does not.
+            assembling = self._assemblies.fitting(request, self._known_spec)
             if len(assembling) == 1:
                 self._assemblies.refuse(request, assembling[0], err)
             raise
@@ -668,9 +669,14 @@ class WeightHubActor:
             self._assemblies.refuse(request, model, err)
             raise
         # Unknown to the hub still: its first part was refused, which this one hears.
+        return await self._assemblies.take(
+            request, model, self._known_spec(model), timeout_s, started
+        )
+
+    def _known_spec(self, model: str) -> WeightSpec | None:
+        """``model``'s spec, if the hub knows the model and its spec."""
         state = self._state.models.get(model)
-        known = None if state is None else state.spec
-        return await self._assemblies.take(request, model, known, timeout_s, started)
+        return None if state is None else state.spec
 
     async def wait_for(
         self,

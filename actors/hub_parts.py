@@ -103,12 +103,18 @@ class Assemblies(Generic[Started]):
                 return model
         return None
 
-    def assembling_at(self, version: int) -> list[str]:
-        """The models of which a version ``version`` is still assembling."""
+    def fitting(
+        self, request: BroadcastRequest, spec_of: Callable[[str], WeightSpec | None]
+    ) -> list[str]:
+        """The models of which a version at ``request``'s number is still assembling
+        that ``request`` (a part) could be a part of (``spec_of(model)``: the model's
+        spec, if the hub knows it)."""
         return [
             model
             for (model, at), assembling in self._open.items()
-            if at == version and not assembling.started.done()
+            if at == request.version
+            and not assembling.started.done()
+            and assembling.assembly.fits(request, spec_of(model))
         ]
 
     def begins_attempt(self, model: str, request: BroadcastRequest) -> bool:

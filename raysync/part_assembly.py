@@ -58,6 +58,16 @@ class PartAssembly:
         workers = None if request.workers is None else tuple(request.workers)
         return request.parts == self.parts and _as_set(workers) == _as_set(self.workers)
 
+    def fits(self, request: BroadcastRequest, hub_spec: WeightSpec | None) -> bool:
+        """Whether :meth:`add` would take ``request`` in (asked of a part that names no
+        model, among several: only a version it could be a part of hears its refusal)."""
+        if not self.agrees(request) or request.part in self._arrived:
+            return False
+        if any(key in self._owner for key in request.spec.names):
+            return False
+        known = None if hub_spec is None else {t.name: t for t in hub_spec.tensors}
+        return known is None or all(known.get(t.name) == t for t in request.spec.tensors)
+
     def add(self, request: BroadcastRequest, hub_spec: WeightSpec | None) -> None:
         """Take ``request`` (one part) in; raise, naming what is wrong, if it cannot be
         part of this version. ``hub_spec`` is the model's spec if the hub knows it."""

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from raysync import (
     BroadcastError,
@@ -337,3 +338,26 @@ def test_a_part_that_names_no_model_among_several_fails_the_version_it_came_for(
     with pytest.raises(IncompleteVersionError, match=r"part 1 was refused \(UnknownModelError"):
         ray.get(named, timeout=60)
     assert ray.get(receivers[0].version.remote()) == 0
+
+
+def test_a_part_that_names_no_model_fails_no_other_models_version(actors):
+    """Two models sent in parts, numbered by the training step: a part of the second
+    that names no model is refused as ambiguous, and the first's version at the same
+    number, assembling, failed with it although that part could be none of it."""
+    hub = start_hub(actors, "object_store")
+    receiver = start(actors, Holder, hub, special_weights(0.0), "r-policy", MODEL)
+    ready([receiver, start(actors, Holder, hub, {"v": torch.zeros(4)}, "r-value", "value")])
+    first, second = split_in_parts(special_weights(2.0), 2)
+    sent = [hub.broadcast.remote(first, model=MODEL, version=1, part=0, parts=2, timeout_s=120)]
+    wait_until(
+        lambda: ray.get(hub.status.remote()).assembling == {(MODEL, 1): (0,)},
+        what="part 0 assembling",
+    )
+    stray = hub.broadcast.remote({"v": torch.ones(4)}, version=1, part=1, parts=2)
+    with pytest.raises(UnknownModelError, match="several models"):
+        ray.get(stray, timeout=60)
+    sent.append(
+        hub.broadcast.remote(second, model=MODEL, version=1, part=1, parts=2, timeout_s=120)
+    )
+    assert [r.acked for r in ray.get(sent, timeout=60)] == [("r-policy",)] * 2
+    assert_bitwise(ray.get(receiver.state.remote()), special_weights(2.0))

@@ -362,6 +362,35 @@ def test_parts_that_name_no_model_are_of_the_one_their_first_part_went_to():
     assert (during, named, after) == ("m", None, None)
 
 
+def test_a_part_that_names_no_model_fits_only_versions_it_could_be_a_part_of():
+    """Refused for naming no model among several, a part fails the version assembling
+    at its number that it could be a part of. Any other model's at that number failed
+    too (two models sent in parts, both numbered by the training step): one learner's
+    slip cost another model its version."""
+
+    async def run():
+        assemblies = Assemblies(Starts())
+        waiting = asyncio.ensure_future(assemblies.take(part(0, "a"), "m", KNOWN, 30, FIRST))
+        await asyncio.sleep(0)  # part 0 of version 7 of "m" is in
+        spec_of = {"m": KNOWN}.get
+        unnamed = [
+            dataclasses.replace(p, model=None)
+            for p in (
+                part(1, "b", "c"),  # fits
+                part(0, "b"),  # part 0 arrived already
+                part(1, "a"),  # key a is part 0's
+                part(1, "b", parts=3),  # another number of parts
+                part(1, "b", version=8),  # another version
+                dataclasses.replace(part(1, "b"), spec=WeightSpec.of({"v": torch.zeros(5)})),
+            )
+        ]
+        found = [assemblies.fitting(p, spec_of) for p in unnamed]
+        waiting.cancel()
+        return found
+
+    assert asyncio.run(run()) == [["m"], [], [], [], [], []]
+
+
 def test_a_late_part_that_names_no_model_is_of_the_failed_attempt_that_named_none():
     """The first attempt's parts named no model; it failed, and another model registered
     before its late part came: that part was told to name its model, not why its
