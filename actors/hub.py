@@ -379,7 +379,10 @@ class WeightHubActor:
 
     def _note_versioned(self, request: BroadcastRequest, model: str) -> None:
         """``request`` was versioned: a call of its learner numbered below it that
-        reaches the hub later carries older weights of ``model``."""
+        reaches the hub later carries older weights of ``model``. An unnumbered call
+        (``sequence`` 0: not through a ``HubHandle``) is compared with none."""
+        if request.sequence <= 0:
+            return
         key = (request.submitter, model)
         if request.sequence > self._versioned_calls.get(key, 0):
             self._versioned_calls[key] = request.sequence
