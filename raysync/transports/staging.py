@@ -63,11 +63,20 @@ class StagingPool(Generic[Buffer]):
 
     ``create(spec)`` makes (and registers) a new buffer when none is free. ``Buffer``
     is whatever the transport keeps per buffer: a tensor (``rdt``), or a tensor with
-    its registration and prepared transfers (``nixl``).
+    its registration and prepared transfers (``nixl``). ``discard(buffer)`` lets go of
+    one that must be (registered memory): such a pool, once closed, makes none (a fill
+    raises TransportError; one made as it closed is discarded), since nobody would let
+    it go after. Without, a fill after close makes a fresh one, as before it.
     """
 
-    def __init__(self, create: Callable[[WeightSpec], Buffer]) -> None:
+    def __init__(
+        self,
+        create: Callable[[WeightSpec], Buffer],
+        discard: Callable[[Buffer], None] | None = None,
+    ) -> None:
         self._create = create
+        self._discard = discard
+        self._closed = False
         self._lock = threading.Lock()
         self._free: dict[WeightSpec, list[Buffer]] = {}
         self._created: list[Buffer] = []
@@ -108,13 +117,25 @@ class StagingPool(Generic[Buffer]):
     def _take(self, spec: WeightSpec) -> Buffer:
         """A buffer for ``spec`` that no lease holds (made if none is free)."""
         with self._lock:
+            self._check_open()
             free = self._free.setdefault(spec, [])
             if free:
                 return free.pop()
         buffer = self._create(spec)
         with self._lock:
-            self._created.append(buffer)
+            closed = self._closed and self._discard is not None
+            if not closed:
+                self._created.append(buffer)
+        if closed:  # as it was made: nobody would let it go after
+            assert self._discard is not None
+            self._discard(buffer)
+            raise _closed()
         return buffer
+
+    def _check_open(self) -> None:
+        """(Lock held.) Raise once closed, if its buffers must be let go."""
+        if self._closed and self._discard is not None:
+            raise _closed()
 
     def views(self, tensor: torch.Tensor, layout: PackedLayout) -> Sequence[torch.Tensor]:
         """``layout.views(tensor)`` of a buffer tensor this pool created (what a ``write``
@@ -150,9 +171,16 @@ class StagingPool(Generic[Buffer]):
     def close(self) -> list[Buffer]:
         """Forget every buffer and lease; the buffers, for the transport to deregister."""
         with self._lock:
+            self._closed = True
             created, self._created = self._created, []
             self._free.clear()
             self._set_aside.clear()
             self._leased.clear()
             self._views.clear()
             return created
+
+
+def _closed() -> TransportError:
+    """A fill after :meth:`StagingPool.close`: the receiver registered again (or closed)
+    while a delivery of its former registration still fetched."""
+    return TransportError("this receiver closed: its staging buffers were let go")

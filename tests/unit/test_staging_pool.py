@@ -10,6 +10,7 @@ import torch
 from raysync.copies import Viewed
 from raysync.layout import PackedLayout
 from raysync.spec import WeightSpec
+from raysync.transports.base import TransportError
 from raysync.transports.staging import SET_ASIDE_KEPT, StagingPool, StillWriting
 
 SMALL = WeightSpec.of({"w": torch.zeros(4)})
@@ -242,3 +243,23 @@ def test_a_nccl_member_stages_on_the_device_current_where_its_receiver_was_made(
         assert group.staging_device(DistributedOptions(backend="gloo")) == torch.device("cpu")
     finally:
         staging.staging_device.cache_clear()  # the stand-in CUDA device is not kept
+
+
+def test_a_pool_of_buffers_to_let_go_makes_none_once_closed():
+    """rdt's staging is registered memory: a delivery of a former registration still
+    fetching as its receiver closed (registered again) made and registered a buffer
+    after close, which nobody deregisters. One made as the pool closed is discarded."""
+    discarded: list[torch.Tensor] = []
+    pool: StagingPool[torch.Tensor]
+
+    def closing_as_it_makes(spec: WeightSpec) -> torch.Tensor:
+        pool.close()
+        return torch.zeros(spec.nbytes, dtype=torch.uint8)
+
+    pool = StagingPool(closing_as_it_makes, discarded.append)
+    with pytest.raises(TransportError, match="this receiver closed"):
+        _filled(pool, SMALL)
+    assert len(discarded) == 1 and pool.close() == []
+    with pytest.raises(TransportError, match="this receiver closed"):
+        _filled(pool, SMALL)  # and none is made
+    assert len(discarded) == 1

@@ -79,6 +79,7 @@ class RdtSender(TransportSender):
         #: ``send_buckets``); never held while a ``send`` waits for a buffer's last
         #: broadcast (its pair's ``lock`` is).
         self._lock = threading.Lock()
+        self._closed = False  #: under ``_lock``: a send after ``close`` registers nothing
         #: ``_in``, ``_broadcasts`` and ``_outgoing``: never held while waiting, so that
         #: the versions already handed to the hub go on (a bucketed one streams from
         #: ``submitted``) while a ``send`` waits.
@@ -94,6 +95,7 @@ class RdtSender(TransportSender):
         layout = PackedLayout.of(spec)
         key = (model, spec, device)
         with self._lock:
+            self._check_not_closed(f"version of model {model!r}")
             pair = self._pairs.get(key)
             if pair is None:
                 buffers = [
@@ -115,6 +117,13 @@ class RdtSender(TransportSender):
             with self._state:
                 self._in[payload.ref.hex()] = buffer
             return payload
+
+    def _check_not_closed(self, what: str) -> None:
+        """(``_lock`` held.) Raise once closed (its handle released, or the hub found
+        closed, while another thread broadcast): buffers registered now would never be
+        let go, and the version would go out through a released sender."""
+        if self._closed:
+            raise TransportError(f"rdt: the sender closed before {what} was sent")
 
     def _check_open(self, pair: _Pair, model: str) -> None:
         """(``_lock`` held.) Raise if the sender closed since ``pair`` was looked up."""
@@ -202,6 +211,7 @@ class RdtSender(TransportSender):
         if self._hub is None:
             raise TransportError("this sender was opened without a hub: whole versions only")
         with self._lock:
+            self._check_not_closed("a bucketed version")
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
             ring, stream, outgoing = self._rings.start(broker, tensors, spec, bucket_bytes, stall_s)
@@ -246,6 +256,7 @@ class RdtSender(TransportSender):
         from ray.experimental import deregister_nixl_memory
 
         with self._lock, self._state:
+            self._closed = True
             for pair in self._pairs.values():
                 for buffer in pair.buffers:
                     deregister_nixl_memory(buffer)

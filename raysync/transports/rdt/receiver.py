@@ -45,7 +45,7 @@ class RdtReceiver(TransportReceiver):
         ray_agent_progress()
         self._worker = worker
         self._device = staging_device()
-        self._pool: StagingPool[torch.Tensor] = StagingPool(self._new_staging)
+        self._pool: StagingPool[torch.Tensor] = StagingPool(self._new_staging, _deregister)
         #: Bucketed versions another receiver serves through the object store.
         self._served = ObjectStoreReceiver(worker)
 
@@ -109,11 +109,15 @@ class RdtReceiver(TransportReceiver):
         return staging
 
     def close(self) -> None:
-        from ray.experimental import deregister_nixl_memory
-
         for staging in self._pool.close():
-            deregister_nixl_memory(staging)
+            _deregister(staging)
         self._served.close()
+
+
+def _deregister(staging: torch.Tensor) -> None:
+    from ray.experimental import deregister_nixl_memory
+
+    deregister_nixl_memory(staging)
 
 
 def _read_into(ref: ray.ObjectRef, place: torch.Tensor, what: str) -> None:
