@@ -476,13 +476,16 @@ class ShmOwner:
                 row = self._rows[worker] = len(self._rows)
             return None if row is None else Board(self._slot(self._board), row)
 
-    def drop_worker(self, worker: str, keep: tuple[tuple[int, int], ...] = ()) -> None:
+    def drop_worker(
+        self, worker: str, keep: tuple[tuple[int, int], ...] = (), order: int = 0
+    ) -> None:
         """``worker`` died, left or moved to another node: it holds nothing any more,
         but the slots in ``keep`` ((owner pid, seq) pairs: its zero-copy models live
         there), and a hold for it that lands later (the hub does not wait for its holds
         to land; a relay takes its receivers' after its copy) is not taken, until it
-        joins here again."""
-        with self._lock:
+        joins here again. ``order``: its number among the hub's calls (see
+        :meth:`deliver`): a join of the worker's next registration comes after it."""
+        with self._in_order.turn("hub", order):
             dropped = self._forget(worker, keep)
             self._dropped.pop(worker, None)
             if dropped:
@@ -524,7 +527,7 @@ class ShmOwner:
             return
         _hold_for(segment, worker, placement)
 
-    def lapse(self, worker: str) -> None:
+    def lapse(self, worker: str, order: int = 0) -> None:
         """``worker`` stopped beating and may be alive (a driver or a task: Ray cannot
         tell): a hold for it that lands later is not taken, but those it has stay (a
         zero-copy model may live in one, a staged version wait in another) until it
@@ -532,8 +535,8 @@ class ShmOwner:
         gone (checked here and whenever a slot is looked for). One whose process is
         not known (it joined without a pid, or from another pid namespace) keeps them
         until the owner closes: a slot or two, where letting go could rewrite a live
-        model under it."""
-        with self._lock:
+        model under it. ``order``: as :meth:`drop_worker`'s."""
+        with self._in_order.turn("hub", order):
             self._gone.add(worker)
             self._lapsed.add(worker)
             self._forget_lapsed_dead()

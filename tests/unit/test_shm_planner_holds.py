@@ -235,3 +235,34 @@ def test_a_pull_of_a_version_whose_slot_the_learner_was_handed_again_fails():
         assert "worker/late" not in owner.stats().holds
     finally:
         owner.close()
+
+
+def test_a_departure_held_up_by_one_node_drops_no_hold_of_the_next_registration():
+    """A worker left (its process died; Ray restarted it) while one node's owner did not
+    answer (its node being lost). The drops went out one owner after another, so its
+    own node's came only once that one answered: after the restarted worker joined
+    there, whose holds it forgot, and every later hold for it was turned away. The
+    drops leave at once, numbered before the join."""
+    owner = ShmOwner(HERE, max_slots=2)
+    try:
+        slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+
+        async def run() -> None:
+            late: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            lost = SimpleNamespace(drop_worker=SimpleNamespace(remote=lambda *args: late))
+            planner = _planner({"lost-node": lost, HERE: _Actor(owner)})
+            planner._hub_id, planner._node_of = "hub", {}
+            planner._streams = SimpleNamespace(receiver_joined=_nothing, receiver_left=_nothing)
+            leaving = asyncio.ensure_future(planner.receiver_left("w"))
+            await asyncio.wait({leaving}, timeout=0.05)  # the hub waited for it; it went on
+            await planner.receiver_joined(_receiver("w", HERE))  # restarted
+            update = SimpleNamespace(model="m", version=1, payload=SharedMemoryPayload(slot))
+            await planner.plan(update, None, [_receiver("w", HERE)])
+            late.set_result(None)  # the lost node's owner answers at last
+            await leaving
+            await asyncio.gather(*planner._background._tasks)
+
+        asyncio.run(run())
+        assert "worker/w" in owner.stats().holds
+    finally:
+        owner.close()

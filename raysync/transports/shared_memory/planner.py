@@ -147,30 +147,41 @@ class SharedMemoryPlanner(TransportPlanner):
         self._node_of[receiver.worker] = receiver.node_id
         if former not in (None, receiver.node_id) and former in self._owners:
             # A former incarnation on another node: its holds there go too.
-            owner = self._owners[former]
-            self._background.spawn(
-                _drop_worker(owner, receiver.worker), f"{receiver.worker}'s holds on {former}"
-            )
+            dropped = self._drop_worker(former, receiver.worker)
+            self._background.spawn(_answered(dropped), f"{receiver.worker}'s holds on {former}")
         await self._streams.receiver_joined(receiver)
         return SharedMemoryReceiverInfo(
             receiver.worker, owner_name(self._hub_id, receiver.node_id), board
         )
 
     async def receiver_left(self, worker: str) -> None:
+        """Every owner lets go of ``worker``'s holds. Sent to all at once, each numbered
+        in the hub's order: a drop sent only once the owner before answered (one on a
+        node being lost answers late) reached a node after the worker's new
+        registration joined there, forgot the holds of that one's versions (its
+        zero-copy model's slot too) and turned every later hold for it away."""
         self._node_of.pop(worker, None)
+        dropped = [self._drop_worker(node_id, worker) for node_id in list(self._owners)]
         await self._streams.receiver_left(worker)
-        for owner in list(self._owners.values()):
-            await _drop_worker(owner, worker)
+        for answer in dropped:
+            await _answered(answer)
 
     async def receiver_lapsed(self, worker: str) -> None:
         """Its holds stay (its zero-copy model may live in a slot; see
-        ``ShmOwner.lapse``), trimmed when it joins again; its bucket streams go."""
+        ``ShmOwner.lapse``), trimmed when it joins again; its bucket streams go. Sent
+        at once, numbered, as :meth:`receiver_left`'s drops."""
+        lapsed = [
+            owner.lapse.remote(worker, self._next_order(node_id))
+            for node_id, owner in list(self._owners.items())
+        ]
         await self._streams.receiver_left(worker)
-        for owner in list(self._owners.values()):
-            try:
-                await owner.lapse.remote(worker)
-            except RayError:
-                pass  # its watch restarts it (a new owner holds nothing), or its node died
+        for answer in lapsed:
+            await _answered(answer)
+
+    def _drop_worker(self, node_id: str, worker: str) -> ray.ObjectRef:
+        """``node_id``'s owner lets go of every hold of ``worker`` (it left, or joined on
+        another node), in the hub's order of calls there."""
+        return self._owners[node_id].drop_worker.remote(worker, (), self._next_order(node_id))
 
     async def published(self, update: Any, spec: WeightSpec) -> None:
         """A version no receiver is sent (they pull): the learner's node's owner holds it
@@ -202,9 +213,7 @@ class SharedMemoryPlanner(TransportPlanner):
             let_go = owner.abandon.remote(
                 slot.pid, slot.seq, tuple(read_by), self._next_order(slot.node_id)
             )
-            self._background.spawn(
-                _let_go_of_refused(let_go), f"slot {slot.seq} of a refused version"
-            )
+            self._background.spawn(_answered(let_go), f"slot {slot.seq} of a refused version")
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """A puller reads its own node's copy, held for it like a broadcast's target (a
@@ -436,21 +445,13 @@ class _Placed:
     placement: int  #: the call's number (see ``ShmOwner.withdraw``)
 
 
-async def _drop_worker(owner: Any, worker: str) -> None:
-    """``owner`` lets go of every hold of ``worker`` (it left, or joined on another node)."""
+async def _answered(answer: ray.ObjectRef) -> None:
+    """An owner's answer to a call that lets go (of a worker's holds, of a refused
+    version's slot), once it comes."""
     try:
-        await owner.drop_worker.remote(worker)
+        await answer
     except RayError:
         pass  # its watch restarts it (a new owner holds nothing), or its node died
-
-
-async def _let_go_of_refused(let_go: ray.ObjectRef) -> None:
-    """The owner's answer to its call freeing a slot written for a version the hub
-    refused."""
-    try:
-        await let_go
-    except RayError:
-        pass  # its watch restarts it (a new owner holds none of the old slots)
 
 
 def _half_of_plan_left() -> float | None:
