@@ -284,7 +284,8 @@ class ShmOwner:
         placement: int,
     ) -> Slot:
         """(Lock held.)"""
-        segment = self._by_seq.get(seq) if pid == self._pid else None
+        self._check_mine(pid, seq)
+        segment = self._by_seq.get(seq)
         if segment is None:
             raise TransportError(
                 f"version (sequence {seq}) of model {model!r} is no longer in shared memory "
@@ -307,6 +308,16 @@ class ShmOwner:
             self._retire_other_layouts(model, version, segment)
         self._lock.notify_all()
         return self._slot(segment)
+
+    def _check_mine(self, pid: int, seq: int) -> None:
+        """(Lock held.) Raise if slot ``seq`` came from another owner process: this
+        one's former incarnation, which died (its slots with it)."""
+        if pid != self._pid:
+            raise TransportError(
+                f"version (sequence {seq}) was written into a slot of the shared-memory "
+                f"owner on node {self._node_id} that died (pid {pid}); its restarted owner "
+                f"(pid {self._pid}) holds none of its slots: the next broadcast is readable"
+            )
 
     def _retire_other_layouts(self, stream: str, version: int, latest: _Segment) -> None:
         """(Lock held.) ``stream`` holds the latest ``version`` of its model, in
@@ -358,7 +369,8 @@ class ShmOwner:
         after the version's own hold, so a newer version's cannot come between and
         leave it held by nothing."""
         with self._in_order.turn("hub", order):
-            segment = self._by_seq.get(seq) if pid == self._pid else None
+            self._check_mine(pid, seq)
+            segment = self._by_seq.get(seq)
             if segment is None or not segment.holds:
                 raise TransportError(
                     f"sequence {seq} is not held on node {self._node_id}; cannot export it"

@@ -807,3 +807,21 @@ def test_a_version_asked_for_ahead_stays_pending_for_its_time_after_its_learner_
         assert "worker/w" in owner.stats().holds
     finally:
         owner.close()
+
+
+def test_a_version_written_under_a_former_owner_is_named_so():
+    """The learner's node's owner died after the learner wrote a version, and its watch
+    restarted it before the hub planned the version: the new owner said a newer version
+    had superseded it and its slot was reused, or that it was not held, sending the
+    user after slot pressure instead of the owner's death."""
+    from raysync.transports.base import TransportError
+
+    owner = ShmOwner("node", max_slots=1)
+    former = os.getpid() + 1
+    try:
+        with pytest.raises(TransportError, match=rf"owner on node node that died \(pid {former}\)"):
+            owner.deliver(former, 1, "m", ("w",))
+        with pytest.raises(TransportError, match="its restarted owner"):
+            owner.export(former, 1)
+    finally:
+        owner.close()
