@@ -95,9 +95,17 @@ def _own_read() -> _Read | None:
 
 def _inside_a_read() -> bool:
     """Whether the calling task was started inside a read that still runs (its opener
-    may be waiting for it: ``asyncio.gather`` of other user methods)."""
+    may be waiting for it: ``asyncio.gather`` of other user methods) and holds the
+    model (not lent to a write: its opener pulls through ``to_thread``, say)."""
     read = _held.get()
-    return read is not None and read.depth > 0
+    return read is not None and read.depth > 0 and not read.lenders
+
+
+def _holding(read: _Read | None) -> bool:
+    """Whether ``read`` (the caller's own) holds the model: not lent to a write of a
+    thread that runs for it (:meth:`ApplyGate._lend`; its opener pulls through
+    ``to_thread``, say), which goes on while another reader of it would read."""
+    return read is not None and not read.lenders
 
 
 def _own_reads() -> int:
@@ -193,7 +201,7 @@ class ApplyGate:
     def reading(self) -> Iterator[None]:
         """Hold the model steady for a synchronous user method."""
         on_loop = self.note_loop()
-        if _own_read() is not None or self._writes_here():
+        if _holding(_own_read()) or self._writes_here():
             # Nested call, or a call made while this thread applies a write: no apply
             # can run on this thread until it returns.
             yield
@@ -239,6 +247,8 @@ class ApplyGate:
         """Hold the model steady for an async user method (async actors)."""
         self.note_loop()
         own = _own_read()
+        if not _holding(own):
+            own = None  # lent to a write: a read of its own, counted, waiting for it
         # Started by a user method that reads: it goes at once (its caller may wait for it).
         held = own.depth if own is not None else int(_inside_a_read())
         while not self._enter_async(held):

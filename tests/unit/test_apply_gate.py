@@ -13,6 +13,7 @@ thread blocks in it); no sleep is used to order anything.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import threading
 import time
@@ -1304,6 +1305,87 @@ def test_a_sync_read_on_the_loop_waits_for_a_thread_write_under_way():
         return seen
 
     assert _run(main()) == {"a": 1, "b": 1}
+
+
+def _half_apply(
+    model: dict[str, int],
+) -> tuple[Callable[[], str], threading.Event, threading.Event]:
+    """An apply that writes ``a``, sets ``halfway``, waits for ``finish``, writes ``b``."""
+    halfway, finish = threading.Event(), threading.Event()
+
+    def apply() -> str:
+        model["a"] = 1
+        halfway.set()
+        _wait(finish, "the reader waits in the gate")
+        model["b"] = 1
+        return "v1"
+
+    return apply, halfway, finish
+
+
+def test_a_task_started_inside_a_read_lent_to_a_running_write_waits_for_it():
+    """A user coroutine (reading) starts a task that reads, then pulls through
+    ``to_thread``: its read is lent to the pull's write and holds the model no more.
+    The task, started inside it, went in at once and saw the model halfway."""
+    gate, _ = _watched_gate([])
+    model = {"a": 0, "b": 0}
+    apply, halfway, finish = _half_apply(model)
+
+    async def main() -> dict[str, int]:
+        seen: dict[str, int] = {}
+
+        async def helper() -> None:
+            await asyncio.to_thread(_wait, halfway, "the write runs")
+            async with gate.reading_async():
+                seen.update(model)
+
+        async with gate.reading_async():
+            task = asyncio.create_task(helper())
+            releaser = _started(
+                "releaser",
+                lambda: (
+                    _poll(gate, lambda: bool(gate._thread_write_waiters), "the task waits"),
+                    finish.set(),
+                ),
+            )
+            assert await asyncio.to_thread(gate.write, apply, "m") == "v1"
+        await task
+        releaser.finish()
+        return seen
+
+    assert _run(main()) == {"a": 1, "b": 1}
+
+
+def test_a_thread_started_inside_a_read_lent_to_a_running_write_waits_for_it():
+    """The same with a sync user method run in a thread of its own (``to_thread``)
+    beside the pull: it took the lent read for its caller's and went in at once."""
+    gate, cond = _watched_gate([])
+    model = {"a": 0, "b": 0}
+    apply, halfway, finish = _half_apply(model)
+    readers = ThreadPoolExecutor(1, thread_name_prefix="reader")
+
+    def read() -> dict[str, int]:
+        _wait(halfway, "the write runs")
+        with gate.reading():
+            return dict(model)
+
+    async def main() -> dict[str, int]:
+        loop = asyncio.get_running_loop()
+        async with gate.reading_async():
+            context = contextvars.copy_context()  # as to_thread's
+            reading = loop.run_in_executor(readers, context.run, read)
+            releaser = _started(
+                "releaser", lambda: (_wait(cond.blocked("reader_0"), "it waits"), finish.set())
+            )
+            assert await asyncio.to_thread(gate.write, apply, "m") == "v1"
+            seen = await reading
+        releaser.finish()
+        return seen
+
+    try:
+        assert _run(main()) == {"a": 1, "b": 1}
+    finally:
+        readers.shutdown()
 
 
 def test_a_thread_write_for_a_task_started_inside_a_read_waits_for_the_other_readers():
