@@ -7,11 +7,17 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from raysync.spec import WeightSpec
 from raysync.transports.base import VersionDone
+from raysync.transports.buckets import BucketPlan
 from raysync.transports.object_store import buckets
+from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
+from raysync.transports.object_store.buckets import Outgoing
 
 NEVER = "a room call the broker never answers"
+BUCKET = 64  #: bytes of each bucket of :func:`stream_of`
 
 
 class EndsAfter(VersionDone):
@@ -46,3 +52,14 @@ def recording_broker(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
         buckets, "ray", SimpleNamespace(wait=lambda refs, timeout: ([], refs), get=None)
     )
     return stand_in
+
+
+def stream_of(broker: object, name: str, count: int) -> tuple[BucketStream, Outgoing]:
+    """A stream of ``count`` buckets of :data:`BUCKET` bytes through ``broker``, and
+    the learner's side of it."""
+    weights = {"w": torch.arange(count * BUCKET // 4, dtype=torch.float32)}
+    plan = BucketPlan.of(WeightSpec.of(weights), BUCKET)
+    assert plan.count == count
+    return BucketStream(broker, StreamId(name, count, 5.0), BUCKET), Outgoing(
+        [weights["w"]], plan
+    )

@@ -11,31 +11,20 @@ import itertools
 import pytest
 import torch
 
-from raysync.spec import WeightSpec
 from raysync.transports.base import VersionDone
-from raysync.transports.buckets import BucketPlan
 from raysync.transports.nixl import ring as ring_module
 from raysync.transports.nixl.ring import BucketRing
 from raysync.transports.nixl.wire import SLOT_HEADER
-from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
+from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.buckets import Outgoing
-from tests.unit.broker_stand_in import EndsAfter, recording_broker
+from tests.unit.broker_stand_in import BUCKET, EndsAfter, recording_broker, stream_of
 
-BUCKET = 64
+
 @pytest.fixture
 def broker(monkeypatch):
     """The broker stand-in (its ``room`` never answers; ``broker.calls``)."""
     monkeypatch.setattr(ring_module, "this_actor", lambda: None)
     return recording_broker(monkeypatch)
-
-
-def _stream(broker, name: str, count: int) -> tuple[BucketStream, Outgoing]:
-    weights = {"w": torch.arange(count * BUCKET // 4, dtype=torch.float32)}
-    plan = BucketPlan.of(WeightSpec.of(weights), BUCKET)
-    assert plan.count == count
-    return BucketStream(broker, StreamId(name, count, 5.0), BUCKET), Outgoing(
-        [weights["w"]], plan
-    )
 
 
 def _ring() -> BucketRing:
@@ -53,7 +42,7 @@ def test_a_slot_an_older_version_holds_is_free_once_that_broadcast_ends(broker):
     it for room waited twice the timeout, and then failed the new version for every
     receiver, though the older broadcast ended (its readers done) meanwhile."""
     ring = _ring()
-    older, newer = _stream(broker, "v1", 2), _stream(broker, "v2", 1)
+    older, newer = stream_of(broker, "v1", 2), stream_of(broker, "v2", 1)
     _send(ring, older, EndsAfter(after=3))  # both slots: the first two need no room
     _send(ring, newer, EndsAfter(after=50))
     assert [call[:3] for call in broker.calls if call[0] != "room"] == [
@@ -73,7 +62,7 @@ def test_a_learner_interrupted_waiting_for_room_ends_its_stream_saying_why(broke
 
     monkeypatch.setattr(ring_module, "wait_for_room", interrupted)
     ring = _ring()
-    stream = _stream(broker, "v1", 3)
+    stream = stream_of(broker, "v1", 3)
     with pytest.raises(KeyboardInterrupt):
         _send(ring, stream, EndsAfter(after=None))
     assert broker.calls[-1] == (

@@ -10,8 +10,7 @@ import torch
 from raysync.transports.rdt import ring as ring_module
 from raysync.transports.rdt.ring import RdtRing
 from raysync.transports.rdt.wire import RdtBucketStream
-from tests.unit.broker_stand_in import EndsAfter, recording_broker
-from tests.unit.test_nixl_ring import BUCKET, _stream
+from tests.unit.broker_stand_in import BUCKET, EndsAfter, recording_broker, stream_of
 
 
 def test_a_learner_interrupted_waiting_for_room_ends_its_stream_saying_why(monkeypatch):
@@ -31,7 +30,7 @@ def test_a_learner_interrupted_waiting_for_room_ends_its_stream_saying_why(monke
         new_slot=lambda like: pytest.fail("no slot is set aside"),
         deregister=lambda slot: None,
     )
-    stream, outgoing = _stream(broker, "v1", 3)
+    stream, outgoing = stream_of(broker, "v1", 3)
     payload = RdtBucketStream(stream.broker, stream.key, stream.bucket_bytes)
     with pytest.raises(KeyboardInterrupt):
         ring.stream_out(payload, outgoing, EndsAfter(after=None))
