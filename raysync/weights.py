@@ -56,18 +56,7 @@ def flatten(
         raise InvalidWeightsError(f"{what} hold no tensors: nothing to broadcast")
     tensors = {name: tensors[name] for name in sorted(tensors)}
     for name, tensor in tensors.items():
-        _check_has_data(name, tensor, what, "; materialize the model first")
-        _check_plain(name, tensor, what)
-        if tensor.layout is not torch.strided or tensor.is_quantized:
-            kind, instead = (
-                ("quantized", "tensor.dequantize()")
-                if tensor.is_quantized
-                else (f"sparse ({tensor.layout})", "tensor.to_dense()")
-            )
-            raise InvalidWeightsError(
-                f"{what}: key {name!r} is a {kind} tensor (shape {tuple(tensor.shape)}): "
-                f"weights travel as dense tensors; pass {instead} instead"
-            )
+        _check_dense(name, tensor, what, "; materialize the model first")
         if reject_nonfinite and (tensor.is_floating_point() or tensor.is_complex()):
             bad = nonfinite_count(tensor)
             if bad:
@@ -75,12 +64,6 @@ def flatten(
                     f"{what}: key {name!r} holds {bad} NaN/Inf value(s) of "
                     f"{tensor.numel()} (the hub rejects non-finite weights)"
                 )
-        if tensor.is_conj() or tensor.is_neg():
-            lazily = "conjugated" if tensor.is_conj() else "negated"
-            raise InvalidWeightsError(
-                f"{what}: key {name!r} is a lazily {lazily}"
-                f" view (shape {tuple(tensor.shape)}); pass tensor.resolve_conj().resolve_neg()"
-            )
         if not tensor.is_contiguous():
             raise InvalidWeightsError(
                 f"{what}: key {name!r} is a non-contiguous view (shape {tuple(tensor.shape)}, "
@@ -88,6 +71,37 @@ def flatten(
             )
     # Parameters that require grad cannot be viewed as NumPy arrays; detach only those.
     return {name: t.detach() if t.requires_grad else t for name, t in tensors.items()}
+
+
+def _check_dense(name: str, tensor: torch.Tensor, what: str, then: str) -> None:
+    """InvalidWeightsError naming ``name`` unless ``tensor`` is a plain dense tensor with
+    data, whose bytes are the values its shape and dtype say (learner and receiver
+    alike: a receiver's model of such tensors registered, then failed every version
+    partway through its copy, the tensors before the failing one holding the new
+    version). ``then``: what to do about a tensor without data."""
+    _check_has_data(name, tensor, what, then)
+    _check_plain(name, tensor, what)
+    if tensor.is_nested:  # strided layout, and no shape to name
+        raise InvalidWeightsError(
+            f"{what}: key {name!r} is a nested tensor: weights travel as dense tensors; "
+            "pass a padded one (torch.nested.to_padded_tensor) instead"
+        )
+    if tensor.layout is not torch.strided or tensor.is_quantized:
+        kind, instead = (
+            ("quantized", "tensor.dequantize()")
+            if tensor.is_quantized
+            else (f"sparse ({tensor.layout})", "tensor.to_dense()")
+        )
+        raise InvalidWeightsError(
+            f"{what}: key {name!r} is a {kind} tensor (shape {tuple(tensor.shape)}): "
+            f"weights travel as dense tensors; pass {instead} instead"
+        )
+    if tensor.is_conj() or tensor.is_neg():
+        lazily = "conjugated" if tensor.is_conj() else "negated"
+        raise InvalidWeightsError(
+            f"{what}: key {name!r} is a lazily {lazily}"
+            f" view (shape {tuple(tensor.shape)}); pass tensor.resolve_conj().resolve_neg()"
+        )
 
 
 def _check_plain(name: str, tensor: torch.Tensor, what: str) -> None:
@@ -111,6 +125,11 @@ def _check_plain(name: str, tensor: torch.Tensor, what: str) -> None:
     )
 
 
+#: Floating dtypes that hold no NaN or Inf (and that torch has no kernel to look at).
+_FINITE_ONLY = frozenset(
+    dtype for dtype in (getattr(torch, "float4_e2m1fn_x2", None),) if dtype is not None
+)
+
 #: Elements :func:`nonfinite_count` looks at a time: its memory, whatever the tensor.
 NONFINITE_CHUNK_ELEMENTS = 1 << 22
 
@@ -122,6 +141,8 @@ def nonfinite_count(tensor: torch.Tensor, as_dtype: torch.dtype | None = None) -
     looked at in float32: torch has no ``isfinite`` for them."""
     flat = tensor.detach().reshape(-1)
     bad = 0
+    if tensor.dtype in _FINITE_ONLY and as_dtype is None:
+        return 0
     for chunk in flat.split(NONFINITE_CHUNK_ELEMENTS):
         if as_dtype is not None:
             chunk = chunk.to(as_dtype)
@@ -149,6 +170,7 @@ def destinations(model: Any, *, what: str) -> Destination:
     Raises :class:`InvalidWeightsError` naming the key of a tensor on the meta device
     (a copy into it does nothing: every version would be acked, none held)."""
     if isinstance(model, torch.nn.Module):
+        _check_no_extra_state(model, what)
         return Destination(_with_data(_flat_tensors(model, what), what))
     if isinstance(model, Mapping) or is_tensordict(model):
         tensors = _with_data(_flat_tensors(model, what), what)
@@ -187,7 +209,7 @@ def destinations(model: Any, *, what: str) -> Destination:
 
 def _with_data(tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
     for name, tensor in tensors.items():
-        _check_has_data(
+        _check_dense(
             name,
             tensor,
             what,
@@ -195,6 +217,26 @@ def _with_data(tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.T
             "(module.to_empty(device=...))",
         )
     return tensors
+
+
+def _check_no_extra_state(module: torch.nn.Module, what: str) -> None:
+    """InvalidWeightsError naming the submodule whose extra state (``get_extra_state``)
+    its ``state_dict`` holds: built anew on each call, its tensors took a version's
+    copy that reached nothing (``set_extra_state`` is never called), every version
+    acked as applied."""
+    for prefix, submodule in module.named_modules():
+        if type(submodule).get_extra_state is not torch.nn.Module.get_extra_state:
+            key = f"{prefix}.{_EXTRA_STATE}" if prefix else _EXTRA_STATE
+            raise InvalidWeightsError(
+                f"{what}: key {key!r} is the extra state of a {type(submodule).__name__} "
+                "(get_extra_state), made anew on each state_dict(): a version copied into "
+                "it would be lost; register a mapping of the module's other tensors, and "
+                "set that state yourself (on_weights_applied)"
+            )
+
+
+#: The ``state_dict`` key of a module's extra state (torch's ``_EXTRA_STATE_KEY_SUFFIX``).
+_EXTRA_STATE = "_extra_state"
 
 
 def _check_has_data(name: str, tensor: torch.Tensor, what: str, then: str) -> None:

@@ -475,3 +475,57 @@ def test_two_tensors_flattening_to_one_name_are_refused_naming_it():
     weights = {"a.b": torch.zeros(1), "a": {"b": torch.ones(1)}}
     with pytest.raises(InvalidWeightsError, match=r"two tensors flatten to the same name 'a\.b'"):
         flatten(weights, what="weights")
+
+
+@pytest.mark.parametrize(
+    "tensor, kind",
+    [
+        (torch.eye(3).to_sparse(), r"sparse \(torch.sparse_coo\) tensor"),
+        (_Logged(torch.zeros(300, 300)), "_Logged"),
+        (torch.ones(3, dtype=torch.complex64).conj(), "lazily conjugated view"),
+    ],
+    ids=["sparse", "subclass", "conj"],
+)
+def test_a_receiver_model_of_tensors_it_cannot_be_written_into_is_refused(tensor, kind):
+    """Only the learner refused these: a receiver's model of them registered (its spec
+    says the logical shape and dtype), then failed every version partway through its
+    copy, the tensors before the failing one holding the new version."""
+    with pytest.raises(InvalidWeightsError, match=rf"model: key 'b' is a {kind}"):
+        destinations({"a": torch.zeros(3), "b": tensor}, what="model")
+
+
+def test_a_nested_tensor_is_refused_naming_the_key():
+    """Strided, it passed every check, then WeightSpec.of raised torch's own error."""
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(InvalidWeightsError, match="key 'n' is a nested tensor"):
+        flatten({"n": nested, "w": torch.ones(2)})
+
+
+def test_packed_float4_weights_pass_the_non_finite_check():
+    """float4 holds no NaN or Inf, and torch has no kernel to look: with
+    reject_nonfinite the check raised torch's NotImplementedError, naming no key."""
+    weights = {"w": torch.zeros(4, dtype=torch.float4_e2m1fn_x2)}
+    assert flatten(weights, reject_nonfinite=True)["w"] is weights["w"]
+
+
+class _Scaled(torch.nn.Module):
+    """A module with extra state (as TransformerEngine's FP8 scales)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.scale = 1.0
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return {"scale": torch.tensor(self.scale)}
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.scale = float(state["scale"])
+
+
+def test_a_receiver_module_with_extra_state_is_refused_naming_it():
+    """Its state_dict makes the extra state anew on each call: a version was copied into
+    that copy, set_extra_state never called, and every version acked as applied."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), _Scaled())
+    with pytest.raises(InvalidWeightsError, match=r"key '1._extra_state' is the extra state"):
+        destinations(model, what="model")
