@@ -154,8 +154,7 @@ def copy_all(
     foreach call.
     """
     if not destinations or not destinations[0].is_cpu:
-        with torch.no_grad():
-            torch._foreach_copy_(list(destinations), list(sources))
+        _foreach_copy(list(destinations), list(sources))
         wait_for_devices(destinations)
         return
     shares = copy_shares(spec, torch.get_num_threads() if threads is None else threads)
@@ -232,10 +231,17 @@ def _copy(
         elif start == 0:  # small, or torch's to copy whole (in its first range's share)
             by_torch.append(index)
     if by_torch:
-        with torch.no_grad():
-            torch._foreach_copy_(
-                [destinations[i] for i in by_torch], [sources[i] for i in by_torch]
-            )
+        _foreach_copy([destinations[i] for i in by_torch], [sources[i] for i in by_torch])
+
+
+def _foreach_copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``torch._foreach_copy_`` outside autograd, under inference mode: a model made
+    under ``torch.inference_mode()`` holds inference tensors, which refuse an in-place
+    write outside it (under ``no_grad`` alone, a cast or GPU version failed partway,
+    the tensors before the failing one holding it). Tensors are made before: none made
+    here outlives the call as an inference tensor."""
+    with torch.inference_mode():
+        torch._foreach_copy_(destinations, sources)
 
 
 def _copy_views(destinations: Viewed, sources: Viewed, index: int, start: int, stop: int) -> bool:

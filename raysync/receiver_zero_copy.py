@@ -56,6 +56,8 @@ def rebind(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -
     for name, (tensor, view) in zip(names, pairs, strict=True):
         if tensor.device != view.device:
             return f"{name!r} is on {tensor.device}, the staged data on {view.device}"
+        if tensor.is_inference():  # its ``.data`` cannot be set (torch raises)
+            return f"{name!r} is an inference tensor (made under torch.inference_mode())"
     with torch.no_grad():
         for tensor, view in pairs:
             tensor.data = view

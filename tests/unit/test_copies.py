@@ -26,6 +26,7 @@ from raysync.copies import (
     viewed,
 )
 from raysync.spec import WeightSpec
+from raysync.weights import destinations
 
 #: Elements of a float32 tensor large enough to be cut (and not a multiple of CUT_ALIGN).
 _LARGE_NUMEL = DEAL_BELOW_BYTES // 4 + 1000
@@ -247,3 +248,18 @@ def test_tensors_numpy_cannot_view_are_left_as_they_are():
     assert viewed(on_meta) is on_meta
     conjugate = [torch.zeros(3, dtype=torch.complex64).conj()]
     assert viewed(conjugate) is conjugate
+
+
+def test_a_model_made_under_inference_mode_takes_a_cast_version_whole():
+    """Its tensors are inference tensors, which refuse an in-place write outside
+    inference mode: a copy by torch (a cast, a small tensor, a GPU) failed partway, the
+    tensors before the failing one holding the new version."""
+    with torch.inference_mode():
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(4, 4))
+    targets = destinations(model, what="model").tensors
+    spec = WeightSpec.of(targets)
+    sources = {n: torch.randn(t.shape).to(torch.bfloat16) for n, t in targets.items()}
+    copy_all(
+        viewed([targets[n] for n in spec.names]), viewed([sources[n] for n in spec.names]), spec
+    )
+    assert all(torch.equal(targets[n], sources[n].float()) for n in spec.names)

@@ -206,3 +206,16 @@ def test_a_refused_take_whose_move_out_fails_still_knows_the_version_the_model_l
     assert transport.released == ["v1"]
     assert model.weight.data_ptr() != first.staged[1].data_ptr()
     assert torch.equal(model.weight, torch.full((2, 3), 1.0))
+
+
+def test_rebind_refuses_inference_tensors_and_changes_nothing():
+    """A model made under torch.inference_mode(): setting ``.data`` of its first tensor
+    raised torch's error, after earlier ones of a longer model were pointed at the
+    version. It is copied into instead."""
+    with torch.inference_mode():
+        model = torch.nn.Linear(3, 2)
+    pointers = [model.bias.data_ptr(), model.weight.data_ptr()]
+    assert rebind(model, NAMES, _staged(7.0)) == (
+        "'bias' is an inference tensor (made under torch.inference_mode())"
+    )
+    assert [model.bias.data_ptr(), model.weight.data_ptr()] == pointers
