@@ -48,10 +48,15 @@ class ModelState:
     #: The version this hub's record of publications starts after: the one it restored
     #: after a restart, or one a receiver brought that it never published
     record_from: int = 0
+    #: How many versions it published dropped out of the record (the oldest first),
+    #: and the newest of them
+    dropped: int = 0
+    dropped_to: int = 0
 
     def versions_behind(self, held: int) -> int:
         """How many versions newer than ``held`` were published: counted in the record
-        (versions may be numbered with gaps: training steps), and by number before it.
+        (versions may be numbered with gaps: training steps), at most as many as it
+        published and dropped from the record below it, and by number before that.
         Walks back from the newest (versions are kept in the order they went up): a
         receiver ``k`` versions behind costs ``k`` steps, not the whole history."""
         behind = 0
@@ -59,7 +64,23 @@ class ModelState:
             if version <= held:
                 return behind
             behind += 1
-        return behind + max(0, self._unrecorded_below() - held)
+        unrecorded = max(0, self._unrecorded_below() - held)
+        if self.dropped:  # numbered with gaps, a version each: not one per number
+            unrecorded = min(unrecorded, self.dropped + max(0, self.record_from - held))
+        return behind + unrecorded
+
+    def note_published(self, version: int, at: float) -> None:
+        """Add ``version``, published at ``at``, to the record (the oldest may drop out)."""
+        if len(self.published) == self.published.maxlen:
+            self.dropped += 1
+            self.dropped_to = self.published[0][0]
+        self.published.append((version, at))
+
+    def restart_record(self, after: int) -> None:
+        """The record starts after version ``after``, which it never held."""
+        self.record_from = after
+        self.published.clear()
+        self.dropped = self.dropped_to = 0
 
     def behind_since(self, held: int) -> float | None:
         """When the first version newer than ``held`` was published; None if that one
@@ -74,9 +95,7 @@ class ModelState:
 
     def _unrecorded_below(self) -> int:
         """The newest version published that the record does not hold (0: none)."""
-        if len(self.published) == self.published.maxlen:
-            return self.published[0][0] - 1  # older ones dropped out of the record
-        return self.record_from
+        return self.dropped_to if self.dropped else self.record_from
 
 
 @dataclass
@@ -211,7 +230,7 @@ class HubState:
         state.latest = HandedOver(
             model, state.version, spec.digest, dict(payloads), wire_spec, origin
         )
-        state.published.append((state.version, time.time() if at is None else at))
+        state.note_published(state.version, time.time() if at is None else at)
         return state.latest
 
     def holds_any(self, payloads: Mapping[str, object]) -> bool:
@@ -267,8 +286,8 @@ class HubState:
                 # The record starts after it: the versions between the newest published
                 # and it went by unseen, so a receiver below it lags by number, with no
                 # known time (the times published before are no receiver's lag since).
-                state.version = state.record_from = brought
-                state.published.clear()
+                state.version = brought
+                state.restart_record(after=brought)
         self.receivers[registration.worker] = ReceiverEntry(
             registration, dict(registration.versions)
         )

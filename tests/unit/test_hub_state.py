@@ -19,6 +19,7 @@ from raysync.errors import (
     UnknownModelError,
     UnknownWorkerError,
 )
+from raysync.hub_state import _PUBLISHED_KEPT as KEPT
 from raysync.hub_state import DEFAULT_MODEL, LEASE_BEATS, HubState
 from raysync.messages import (
     DeliveryMode,
@@ -573,6 +574,22 @@ def test_the_lag_counts_versions_not_the_difference_of_their_numbers():
     _publish(state, version=400, at=4.0)
     (status,) = state.statuses(now=5.0)
     assert (status.lag, status.lag_s) == ({"policy": 1}, {"policy": 1.0})
+
+
+def test_the_lag_of_a_receiver_far_behind_counts_versions_once_the_record_is_full():
+    """Versions numbered by step (10 apart): once the record of publications was full,
+    its oldest was taken as dropped already, and a receiver behind all of it lagged by
+    number below it (1033 for 1024 versions, with no lag in seconds); a version more,
+    1043. The versions dropped from the record count one each."""
+    state = HubState()
+    state.register(_registration("w", {"policy": POLICY}))
+    for i in range(1, KEPT + 1):
+        _publish(state, version=10 * i, at=float(i))
+    status = state.status_of("w", now=2000.0)
+    assert (status.lag, status.lag_s) == ({"policy": KEPT}, {"policy": 1999.0})
+    for i in range(KEPT + 1, KEPT + 3):
+        _publish(state, version=10 * i, at=float(i))
+    assert state.status_of("w", now=2000.0).lag == {"policy": KEPT + 2}
 
 
 def test_a_version_a_receiver_brought_is_where_the_record_starts():
