@@ -281,8 +281,9 @@ class ReceiverDelivery:
             entry = self._still_registered(registration)
             if entry is None:
                 return
-            if _holds(ack):
-                self._state.record(registration.worker, model, version)
+            if _holds(ack):  # with where its time went, if it applied that version
+                timings = ack.timings if ack.version == version else None
+                self._state.record(registration.worker, model, version, timings)
             self._catch_up(entry, model)
 
         self._lanes.gave_up(registration.token, model, returned)

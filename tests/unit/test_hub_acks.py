@@ -223,3 +223,30 @@ def test_a_deferred_ack_answers_the_registration_the_hub_delivered_to(monkeypatc
 
     outcome = asyncio.run(run())
     assert outcome.error is None
+
+
+def test_a_call_given_up_on_that_applies_later_leaves_its_timings_in_the_status():
+    """A delivery timed out while its call still ran (a slow fetch, or a receiver busy
+    in a method); the call applied at last: the hub booked the version but kept the
+    previous version's timings, so the status said the slowest receiver was fast."""
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import DeliveryMode, Entry, ReceiverTimings, Registration
+
+    registration = Registration(
+        "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, "t1"
+    )
+    state = HubState()
+    state.receivers["w"] = ReceiverEntry(registration)
+    state.record("w", "m", 4, ReceiverTimings(0.01, 0.0, 0.001))
+    slow = ReceiverTimings(42.0, 0.0, 3.0)
+
+    async def run() -> None:
+        delivery = hub_delivery.ReceiverDelivery(state, AckBook(), lambda *_: None, lambda *_: None)
+        call = asyncio.get_running_loop().create_future()
+        delivery._lanes.calling("t1", "m", 5, call)
+        delivery._gave_up(registration, "m")
+        call.set_result(Ack("w", "m", 5, AckStatus.APPLIED, timings=slow, token="t1"))
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert (state.receivers["w"].versions["m"], state.receivers["w"].timings["m"]) == (5, slow)
