@@ -148,6 +148,7 @@ class _Plan:
 
     update: Update | None = None
     reason: str = ""
+    cause: FailureCause = FailureCause.NOT_PLANNED  #: why it gets none (no update)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1174,7 +1175,7 @@ class WeightHubActor:
         def outcome_of(entry: ReceiverEntry) -> Awaitable[Outcome]:
             plan = planned[entry.worker]
             if plan.update is None:
-                return not_delivered(entry.worker, plan.reason, FailureCause.NOT_PLANNED)
+                return not_delivered(entry.worker, plan.reason, plan.cause)
             return self._deliveries.deliver(
                 entry,
                 plan.update,
@@ -1255,8 +1256,9 @@ class WeightHubActor:
         if left_acked:  # not failed as gone, if the broadcast named it: it applied it
             named = {o.worker for o in left_acked}
             outcomes = [o for o in outcomes if o.worker not in named] + left_acked
-        for entry in targets:
-            if planned[entry.worker].update is None:
+        for entry in targets:  # a transport could not plan it: is it alive?
+            plan = planned[entry.worker]
+            if plan.update is None and plan.cause is FailureCause.NOT_PLANNED:
                 self._ask_if_alive(entry)
         acked = tuple(sorted(o.worker for o in outcomes if o.error is None))
         failed = {o.worker: o.error for o in outcomes if o.error is not None}
@@ -1472,7 +1474,7 @@ class WeightHubActor:
                     f"it left the hub, or registered again, while transport {transport!r} "
                     "planned the version"
                 )
-                planned[entry.worker] = _Plan(reason=reason)
+                planned[entry.worker] = _Plan(reason=reason, cause=FailureCause.LEFT)
             elif isinstance(unplanned := payload_of[entry.worker], Unplanned):
                 reason = f"transport {transport!r} could not plan its delivery: "
                 planned[entry.worker] = _Plan(reason=reason + unplanned.reason)
