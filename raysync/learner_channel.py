@@ -289,8 +289,8 @@ class ReceiverChannel:
                     for t in job.targets
                 ]
             )
-        try:
-            graph = compile_graph(dag, job.nbytes + BUFFER_SLACK)
+        try:  # buffers the version's size from the start (Ray grows small ones slowly)
+            graph = dag.experimental_compile(_buffer_size_bytes=job.nbytes + BUFFER_SLACK)
         except Exception as err:  # a receiver died meanwhile; Ray refused the graph
             logger.warning("no channel to %d receivers: %s", len(job.targets), err)
             self._refuse(job)
@@ -414,26 +414,3 @@ def _spare_from_ray_shutdown(graph: Any) -> None:
     graph down itself, killing nobody: :meth:`ReceiverChannel.close`, run for every
     channel at exit too (:mod:`raysync.learner_side`)."""
     compiled_dag_node._compiled_dags.pop(graph.get_id(), None)
-
-
-def compile_graph(dag: Any, buffer_bytes: int) -> Any:
-    """``dag`` compiled with one buffer of ``buffer_bytes`` per channel (channel thread).
-
-    One execution is out at a time (a version is written once every reply to the
-    previous one is read), so one buffer per channel: Ray's default of ten pinned ten
-    buffers of at least 1 MB per channel (each receiver's replies too), each taking a
-    version's size only when first written (the first ten versions after each build
-    paid a resize). Ray sizes
-    the learner's input buffers from the process's ``DAGContext``, not from
-    ``_buffer_size_bytes``: it is set for the compile (only this thread compiles)."""
-    from ray.dag.context import DAGContext
-
-    context = DAGContext.get_current()
-    default_bytes = context.buffer_size_bytes
-    context.buffer_size_bytes = buffer_bytes
-    try:
-        return dag.experimental_compile(
-            _buffer_size_bytes=buffer_bytes, _max_inflight_executions=1
-        )
-    finally:
-        context.buffer_size_bytes = default_bytes

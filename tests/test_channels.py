@@ -78,28 +78,6 @@ def test_small_versions_travel_by_channel_once_it_is_built(actors, channel_hub):
     _hold([*collectors, late], learner, 8)
 
 
-def test_the_channel_holds_one_buffer_of_the_versions_size(actors, channel_hub):
-    """Ray's compile gave each channel ten buffers (one per execution that may be out;
-    a channel has one) of its default 1 MB, ignoring the size asked for the learner's
-    input: each of the first ten versions after a build was written through a resize,
-    and every receiver's replies pinned ten buffers."""
-    from ray.experimental.channel.shared_memory_channel import BufferedSharedMemoryChannel
-
-    hub = channel_hub
-    collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
-    ready(collectors)
-    learner = make_policy()
-    ray.get(hub.broadcast.remote(learner))
-    assert sorted(hub.wait_channel("policy")) == ["c0", "c1"]
-    graph = hub._side.channels["policy"]._graph
-    (composite,) = graph._dag_submitter._output_channels
-    (shared,) = [c for c in composite._channels if isinstance(c, BufferedSharedMemoryChannel)]
-    assert len(shared._buffers) == 1
-    nbytes = sum(t.nbytes for t in state_of(learner).values())
-    slack = raysync.learner_channel.BUFFER_SLACK
-    assert shared._buffers[0]._typ.buffer_size_bytes == nbytes + slack
-
-
 def test_a_version_cast_on_the_wire_arrives_as_the_cast(actors, channel_hub):
     hub = channel_hub
     collector = start(actors, Collector, hub, worker_id="c")
