@@ -289,7 +289,12 @@ class ReceiverChannel:
                     for t in job.targets
                 ]
             )
-        try:  # buffers the version's size from the start (Ray grows small ones slowly)
+        # Ray 2.60 sizes the learner's input buffers from the process's DAGContext, not
+        # from _buffer_size_bytes, and gives each channel ten (one per execution that
+        # may be out). Measured: sized from the start, the first executions after a
+        # build were as slow (Ray's own warm-up, not a resize); one buffer per channel
+        # (a tenth of the pinned memory) cost ~1 ms per 1 MB broadcast to 4 receivers.
+        try:
             graph = dag.experimental_compile(_buffer_size_bytes=job.nbytes + BUFFER_SLACK)
         except Exception as err:  # a receiver died meanwhile; Ray refused the graph
             logger.warning("no channel to %d receivers: %s", len(job.targets), err)
