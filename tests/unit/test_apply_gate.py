@@ -1273,19 +1273,28 @@ def test_a_reader_waiting_for_another_call_lets_it_in_after_a_thread_writes_turn
     _run(main())
 
 
-def test_a_sync_read_on_the_loop_waits_for_a_thread_write_under_way():
-    """A sync user method of an async actor (Ray runs it on the loop) starting while a
-    pull's write runs in a thread sees the model after that write, not halfway."""
-    gate, cond = _watched_gate([])
-    model = {"a": 0, "b": 0}
+def _half_apply(
+    model: dict[str, int],
+) -> tuple[Callable[[], str], threading.Event, threading.Event]:
+    """An apply that writes ``a``, sets ``halfway``, waits for ``finish``, writes ``b``."""
     halfway, finish = threading.Event(), threading.Event()
 
     def apply() -> str:
         model["a"] = 1
         halfway.set()
-        _wait(finish, "the sync read waits in the gate")
+        _wait(finish, "the reader waits in the gate")
         model["b"] = 1
         return "v1"
+
+    return apply, halfway, finish
+
+
+def test_a_sync_read_on_the_loop_waits_for_a_thread_write_under_way():
+    """A sync user method of an async actor (Ray runs it on the loop) starting while a
+    pull's write runs in a thread sees the model after that write, not halfway."""
+    gate, cond = _watched_gate([])
+    model = {"a": 0, "b": 0}
+    apply, halfway, finish = _half_apply(model)
 
     async def main() -> dict[str, int]:
         async def refresh() -> Any:  # a user coroutine pulling in a thread
@@ -1305,22 +1314,6 @@ def test_a_sync_read_on_the_loop_waits_for_a_thread_write_under_way():
         return seen
 
     assert _run(main()) == {"a": 1, "b": 1}
-
-
-def _half_apply(
-    model: dict[str, int],
-) -> tuple[Callable[[], str], threading.Event, threading.Event]:
-    """An apply that writes ``a``, sets ``halfway``, waits for ``finish``, writes ``b``."""
-    halfway, finish = threading.Event(), threading.Event()
-
-    def apply() -> str:
-        model["a"] = 1
-        halfway.set()
-        _wait(finish, "the reader waits in the gate")
-        model["b"] = 1
-        return "v1"
-
-    return apply, halfway, finish
 
 
 def test_a_task_started_inside_a_read_lent_to_a_running_write_waits_for_it():
