@@ -180,8 +180,11 @@ class RpcAgentActor:
         if known is not None:
             await asyncio.to_thread(self._unlist, {known.member.name})
             self._reachable_again(known.member.name)
-        before = self._left.pop(process, None)
-        rank_before = self._left_before.pop(process, None)
+        # Taken off the books once its edit went through: an edit that timed out (a
+        # joiner held the token) left the process no record, and a fresh rank its
+        # torch RPC, alive under the old one, refuses for good.
+        before = self._left.get(process)
+        rank_before = self._left_before.get(process)
         if before is not None:
             # It left the hub, but its torch RPC lives on under its rank: its old place.
             member = dataclasses.replace(before, worker=worker)
@@ -191,6 +194,8 @@ class RpcAgentActor:
         else:
             await asyncio.to_thread(self._prune)
             member = self._member(next(self._ranks), worker)
+        self._left.pop(process, None)
+        self._left_before.pop(process, None)
         self._reachable_again(member.name)  # its next join has a send's whole time
         self._members[worker] = _Admitted(process, member)
         return member
@@ -230,7 +235,11 @@ class RpcAgentActor:
             return
         member = gone.member
         self._reachable_again(member.name)
-        was_listed = await asyncio.to_thread(self._unlist, {member.name})
+        try:
+            was_listed = await asyncio.to_thread(self._unlist, {member.name})
+        except BaseException:  # changed nothing: still its place (asked again, it goes)
+            self._members.setdefault(worker, gone)
+            raise
         if f"{member.name}-{member.rank}" in was_listed:
             self._left[gone.process] = member  # its torch RPC lives on: its old place
             keep_newest(self._left, LEFT_KEPT)

@@ -402,3 +402,40 @@ def test_the_agents_own_edits_of_the_member_list_take_turns(monkeypatch):
     other.join(timeout=30)
     assert not overlapped
     assert agent._listed() == ["a-1", "b-2"]
+
+
+@pytest.mark.parametrize("held_during", ["forget", "admit"])
+def test_an_edit_of_the_member_list_that_timed_out_keeps_the_process_its_rank(
+    monkeypatch, held_during
+):
+    """A joiner held the join token past the agent's timeout (it waits out its own
+    failed join): the edit raised, and the agent had already let go of its record of
+    the process (forget took it off the members first, admit took its place off the
+    books first). Attached again, the live process was given a fresh rank, which its
+    torch RPC, alive under the old one, refuses at every try."""
+    from torch.distributed import HashStore
+
+    from raysync.transports.rpc import JOIN_TOKEN_KEY, MEMBER_LIST_KEY
+
+    agent = _agent(monkeypatch, timeout_s=0.3)
+    monkeypatch.setattr(agent, "_prune", lambda: None)
+    store = HashStore()
+    monkeypatch.setattr(agent, "_group_store", lambda: store)
+    store.set(MEMBER_LIST_KEY, f"{rpc_name(KEY, 1)}-1,")  # w0 joined, rank 1
+    joiner = "Token_for_joiner_join"
+
+    async def run() -> rpc_agent.RpcMember:
+        if held_during == "forget":
+            store.set(JOIN_TOKEN_KEY, joiner)
+            with pytest.raises(TimeoutError):
+                await agent.forget("w0")
+        else:
+            await agent.forget("w0")
+            store.set(JOIN_TOKEN_KEY, joiner)
+            with pytest.raises(TimeoutError):
+                await agent.admit("w0", "p0")
+        store.set(JOIN_TOKEN_KEY, "")  # the joiner gave it back
+        return await agent.admit("w0", "p0")  # the same process attaches again
+
+    member = asyncio.run(run())
+    assert member.rank == 1
