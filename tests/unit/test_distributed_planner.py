@@ -360,38 +360,3 @@ def test_a_process_with_two_receivers_takes_part_in_the_group_once():
 
     unplanned = asyncio.run(plan_bucketed())["c1b"]
     assert isinstance(unplanned, Unplanned) and "takes part in it once" in unplanned.reason
-
-
-def test_members_read_on_from_the_broker_when_rank_0_dies_relaying_buckets():
-    """Rank 0 relays a bucketed version, its stream's one reader. Failing alive, it
-    tells the members to read on from the broker; dying midway it told no one: the
-    broker dropped it after its stall time and ended the stream, and every member lost
-    the version. The hub names the members readers, then takes rank 0 off the stream."""
-    import ray
-
-    from raysync.transports.distributed.wire import rank0_reader
-
-    rank0 = _Rank0()
-    rank0.broadcast.answer = ray.exceptions.ActorDiedError()
-    calls: list = []
-    broker = SimpleNamespace(
-        readers=_Call(calls, "readers", None), leave=_Call(calls, "leave", None)
-    )
-    update = _Update(1)
-    update.payload = BucketStream(broker, StreamId("s", 8, 5.0), 1024)
-    planner = _planner(rank0)
-    targets = [_info("c0"), _info("c1")]
-
-    async def run() -> None:
-        for target in targets:
-            await planner.receiver_joined(target)
-        await planner.plan(update, SPEC, targets)
-        await asyncio.gather(*planner._background._tasks)
-
-    asyncio.run(run())
-    key, reader = update.payload.key, rank0_reader("hub")
-    assert calls == [
-        ("readers", (key, [reader])),
-        ("readers", (key, ["c0", "c1"])),
-        ("leave", (key, reader)),
-    ]

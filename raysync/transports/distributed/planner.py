@@ -13,7 +13,6 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysync.actor_classes import PROCESS_GROUP, actor_class
-from raysync.background import BackgroundTasks
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     HubContext,
@@ -22,7 +21,7 @@ from raysync.transports.base import (
     TransportPlanner,
     Unplanned,
 )
-from raysync.transports.bucket_relay import adopt, bucket_count
+from raysync.transports.bucket_relay import bucket_count
 from raysync.transports.distributed.wire import (
     BroadcastJob,
     Generation,
@@ -69,7 +68,6 @@ class DistributedPlanner(TransportPlanner):
         self._receivers: dict[str, ReceiverInfo] = {}
         self._serving = BucketServing(self._receivers)  #: bucketed versions, pulled
         self._broker: Any = None  #: the hub's bucket broker, once a bucketed version came
-        self._background = BackgroundTasks("distributed planner")
 
     async def receiver_joined(self, receiver: ReceiverInfo) -> MemberInfo:
         """The receiver's worker id (how it names itself to the bucket broker) and the
@@ -151,13 +149,7 @@ class DistributedPlanner(TransportPlanner):
             buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
             nbytes = collective_bytes(update.payload, spec)
             job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
-            relayed = self._actor.broadcast.remote(job, self._reader)
-            self._last_job = (relayed, generation.number)
-            if buckets:
-                self._background.spawn(
-                    self._read_on_if_rank0_dies(relayed, update.payload, generation.members),
-                    f"rank 0's relay of version {update.version} of {update.model!r}",
-                )
+            self._last_job = (self._actor.broadcast.remote(job, self._reader), generation.number)
             return alone | {
                 worker: GroupPayload(
                     generation, generation.rank_of(worker), seq, update.payload, nbytes, buckets
@@ -237,23 +229,6 @@ class DistributedPlanner(TransportPlanner):
         for worker in absent:
             self._sitting_out[worker] = until
 
-    async def _read_on_if_rank0_dies(
-        self, relayed: Any, source: object, members: tuple[str, ...]
-    ) -> None:
-        """Rank 0 relays a bucketed version, its streams' one reader (``relayed``: its
-        answer). Failing alive, it tells ``members`` to read on from the broker
-        (``adopt``); dying midway it told no one: the broker dropped it after its stall
-        time and ended the stream, and every member, reading on as a reader it did not
-        know, lost the version. The hub tells them, and takes rank 0 off the streams."""
-        try:
-            await relayed
-        except ray.exceptions.RayActorError:
-            await adopt(source, members)
-            for stream in streams_of(source):
-                await stream.broker.leave.remote(stream.key, self._reader)
-        except Exception:
-            return  # it answered: it ended its part itself
-
     @staticmethod
     async def _collective_failed(job: Any) -> bool:
         """Did rank 0's collective ``job`` fail (or rank 0 die while running it, or its
@@ -286,7 +261,6 @@ class DistributedPlanner(TransportPlanner):
 
     async def close(self) -> None:
         self._serving.close()
-        await self._background.close()
         try:
             await self._actor.close.remote()
         except ray.exceptions.RayActorError:
