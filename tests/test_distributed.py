@@ -13,6 +13,8 @@ import torch
 from raysync import DistributedOptions, WeightHub, WeightReceiver
 from raysync.actors.process_group import GroupStatus
 from raysync.testing import special_weights
+from raysync.transports.distributed import rank0_reader
+from raysync.transports.object_store.bucket_stream import BROKER_NAMESPACE, broker_name
 from tests.helpers import (
     Gate,
     assert_bitwise,
@@ -435,21 +437,41 @@ def test_a_hub_whose_process_group_actor_is_gone_for_good_still_closes(actors):
     assert ray.get(hub.actor.closed.remote())
 
 
-def test_process_group_actor_killed_mid_collective_loses_no_version(actors):
+@pytest.mark.parametrize("bucket_mb", [None, 1], ids=["whole", "bucketed"])
+def test_process_group_actor_killed_mid_collective_loses_no_version(actors, bucket_mb):
+    """Bucketed, rank 0 is the stream's one reader, killed as it relays: the members
+    read the rest from the bucket broker (a member still busy past the broker's stall
+    time fails alone, as at any bucketed version)."""
     hub, holders, busy = start_two_holders_and_a_busy_one(actors)
 
     # "busy" keeps the collective from completing while rank 0 dies. Whenever the kill
-    # lands, the members read the learner's object-store copy instead: nobody fails.
+    # lands, the members read the learner's object-store copy (or the broker's buckets)
+    # instead: nobody else fails.
     gate = start(actors, Gate)
     blocked = hold_until_opened(actors, busy, gate)
     weights = {"w": torch.randn(2048, 1024)}
-    ref = hub.broadcast.remote(weights, timeout_s=3 * _TIMEOUT_S, raise_on_failure=False)
+    ref = hub.broadcast.remote(
+        weights, timeout_s=3 * _TIMEOUT_S, raise_on_failure=False, bucket_mb=bucket_mb
+    )
+    if bucket_mb is not None:  # killed as it relays: it took bucket 0, asked for the next
+        broker = ray.get_actor(broker_name(hub.config.hub_id), namespace=BROKER_NAMESPACE)
+        reader = rank0_reader(hub.config.hub_id)
+        wait_until(
+            lambda: ray.get(broker.taken.remote(reader)) >= 1, what="rank 0 relays bucket 0"
+        )
     _kill_process_group_actor(hub)
     ray.get(gate.open.remote())
     report = ray.get(ref, timeout=60)
     ray.get(blocked)
-    assert report.acked == ("busy", "h0", "h1") and report.failed == {}, report
-    for h in [*holders, busy]:
+    reached = [*holders, busy]
+    if bucket_mb is None:
+        assert report.acked == ("busy", "h0", "h1") and report.failed == {}, report
+    else:
+        assert {"h0", "h1"} <= set(report.acked), report.failed
+        if "busy" in report.failed:  # still joining rank 0's dead store as the others read
+            assert "had not taken bucket" in report.failed["busy"], report.failed
+            reached = holders
+    for h in reached:
         assert_bitwise(ray.get(h.state.remote()), weights)
 
     weights = {"w": torch.randn(2048, 1024)}
