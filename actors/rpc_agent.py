@@ -131,14 +131,16 @@ class RpcAgentActor:
         settings: RpcOptions,
         known: dict[str, tuple[str, int]] | None = None,
         left: dict[str, int] | None = None,
+        generation: int = 0,
     ) -> None:
         """``known``: worker -> (process, rank) of the members of an earlier agent of
         hub ``hub`` (it died, or the hub restarted); each keeps its rank here and moves
         to this group on its next registration or delivery. ``left``: process -> rank
         of the processes that left those groups, each given its rank back if it
-        attaches again."""
+        attaches again. ``generation``: this group's number among the hub's."""
         self._key = key
         self._hub = hub
+        self._generation = generation
         self._settings = settings
         self._url, self._master = open_master_store(node_ip(), settings.timeout_s)
         init_rpc(rpc_name(key, 0), 0, self._url, settings)
@@ -222,6 +224,7 @@ class RpcAgentActor:
             rank,
             self._settings,
             worker,
+            self._generation,
         )
 
     async def forget(self, worker: str) -> None:

@@ -256,3 +256,37 @@ def test_a_join_waits_only_for_the_forget_of_its_own_process():
         await asyncio.gather(leaving, returning)
 
     asyncio.run(scenario())
+
+
+def test_a_late_delivery_of_a_group_passed_over_does_not_move_the_receiver_there(monkeypatch):
+    """Two agents replaced in a row: this process moved from the first group to the
+    third, and a delivery planned for the second (dead before it came) ran after. That
+    group was not among those it left: it shut the third down, counted it left, and
+    tried the dead one; every delivery of the live group was refused from then on."""
+    import torch.distributed.rpc as rpc
+
+    from raysync.transports.options import RpcOptions
+    from raysync.transports.rpc import receiver
+    from raysync.transports.rpc.wire import RpcMember
+
+    joined: list[str] = []
+    shut_down: list[bool] = []
+    monkeypatch.setattr(receiver, "init_rpc", lambda name, rank, url, settings: joined.append(url))
+    monkeypatch.setattr(rpc, "shutdown", lambda graceful: shut_down.append(graceful))
+    monkeypatch.setattr(receiver._Membership, "member", None)
+    monkeypatch.setattr(receiver._Membership, "rank", None)
+    monkeypatch.setattr(receiver._Membership, "left", set())
+    monkeypatch.setattr(receiver._Membership, "generation", 0)
+    first, second, third = (
+        RpcMember(
+            f"raysync-rpc://h:1/k{n}", f"k{n}", "hub", f"raysync_k{n}_1", 1, RpcOptions(), "w", n
+        )
+        for n in (1, 2, 3)
+    )
+    receiver._Membership.join(first)
+    receiver._Membership.follow(third)  # the agent was replaced twice: moved
+    with pytest.raises(TransportError, match="RPC group this process has left or passed over"):
+        receiver._Membership.follow(second)
+    receiver._Membership.follow(third)
+    assert (joined, len(shut_down)) == ([first.url, third.url], 1)
+    assert receiver._Membership.member == third

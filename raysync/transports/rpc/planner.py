@@ -56,6 +56,7 @@ class RpcPlanner(TransportPlanner):
         """A new agent (new key, new group) that re-admits every known member at its rank."""
         key = uuid.uuid4().hex
         known, left = self._ranks.load(), self._ranks.left()
+        generation = self._ranks.next_generation()
         actor = (
             ray.remote(actor_class(RPC_AGENT))
             .options(
@@ -63,7 +64,7 @@ class RpcPlanner(TransportPlanner):
                 name=self._name,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(self._node_id, soft=True),
             )
-            .remote(key, self._hub, self._settings, known, left)
+            .remote(key, self._hub, self._settings, known, left, generation)
         )
         return key, actor
 
@@ -188,8 +189,15 @@ class _RankBook:
         raw = internal_kv._internal_kv_get(self._key, namespace=KV_NAMESPACE)
         self._ranks: dict[str, tuple[str, int]] = {}
         self._left: dict[str, int] = {}
+        self._generations = 0  #: groups (agents) the hub started, its restarts' too
         if raw is not None:
-            self._ranks, self._left = pickle.loads(raw)
+            self._ranks, self._left, self._generations = pickle.loads(raw)
+
+    def next_generation(self) -> int:
+        """The number of the hub's next RPC group (saved: a restarted hub goes on)."""
+        self._generations += 1
+        self._save()
+        return self._generations
 
     def load(self) -> dict[str, tuple[str, int]]:
         return dict(self._ranks)
@@ -225,7 +233,7 @@ class _RankBook:
             return
         internal_kv._internal_kv_put(
             self._key,
-            pickle.dumps((self._ranks, self._left)),
+            pickle.dumps((self._ranks, self._left, self._generations)),
             overwrite=True,
             namespace=KV_NAMESPACE,
         )

@@ -402,6 +402,10 @@ class _Membership:
     #: Keys of the groups this process left (their agents were replaced): a delivery
     #: of one that comes late must not move it back.
     left: set[str] = set()
+    #: The newest group (:attr:`RpcMember.generation`) this process joined or tried
+    #: to: a late delivery of an older one it skipped (two agents replaced in a row)
+    #: must not move it there either.
+    generation: int = 0
 
     @classmethod
     def join(cls, member: RpcMember) -> RpcMember:
@@ -443,13 +447,14 @@ class _Membership:
 
     @classmethod
     def _refuse_left(cls, member: RpcMember) -> None:
-        """TransportError if ``member``'s group is one this process left (a delivery or
-        registration of the replaced agent's, come late). Holds ``lock``."""
-        if member.key in cls.left:
+        """TransportError if ``member``'s group is one this process left, or older than
+        one it joined (a delivery or registration of a replaced agent's, come late).
+        Holds ``lock``."""
+        if member.key in cls.left or member.generation < cls.generation:
             raise TransportError(
-                f"this comes from an RPC group this process has left (its agent was "
-                f"replaced; key {member.key[:12]}): the hub's new group carries the next "
-                "version"
+                f"this comes from an RPC group this process has left or passed over (its "
+                f"agent was replaced; key {member.key[:12]}): the hub's new group carries "
+                "the next version"
             )
 
     @classmethod
@@ -487,6 +492,7 @@ class _Membership:
         # agent's process counts its first, so each join here must too.
         with rpc._init_counter_lock:
             rpc._init_counter = 0
+        cls.generation = max(cls.generation, member.generation)
         init_rpc(member.name, member.rank, member.url, member.settings)
         cls.member, cls.rank = member, member.rank
 

@@ -26,6 +26,9 @@ class RpcMember:
     rank: int
     settings: RpcOptions
     worker: str  #: the receiver's worker id (how it reads a served bucket stream)
+    #: The group's number among the hub's (each new agent's is higher, across hub
+    #: restarts too): a process never goes back to an older group it skipped
+    generation: int = 0
 
 
 @dataclass(frozen=True)
