@@ -234,6 +234,8 @@ def attach(
     )
     core.gate.note_loop()  # attached from a coroutine: an async host's safe points are there
     watch = HubWatch(core, heartbeat_s) if heartbeat_s is not None else None
+    if watch is not None:
+        core.wake_watch = watch.wake
     receiver = AttachedReceiver(core, watch)
     try:
         core.apply_welcome(welcome)

@@ -220,6 +220,8 @@ class ReceiverCore:
         #: method queue (:meth:`deliver_through_host`). Only the watch thread uses it.
         self._queued_in_host: dict[str, ray.ObjectRef] = {}
         self.closed = threading.Event()
+        #: Has its hub watch check the hub now (and see it closed): set by ``attach``
+        self.wake_watch: Callable[[], None] = lambda: None
         #: Held by a re-registration from start to end, and to end them: a core that
         #: leaves or is replaced waits for one in flight, then never registers again.
         self._registering = threading.RLock()
@@ -293,13 +295,17 @@ class ReceiverCore:
             raise
 
         def undo() -> None:
-            """The previous registration stays this process's (and where it was found)."""
+            """The previous registration stays this process's (and where it was found);
+            its hub watch checks the hub at once: the hub may have dropped it meanwhile
+            (a broadcast reached it retired, or the hub booked this one, then failed
+            it), and a zero-copy model carried over lives in memory it held."""
             if previous is not None and previous.identity.attachment == identity.attachment:
                 attached.fill(identity.attachment, previous)
             else:
                 attached.remove(identity.attachment)
             if previous is not None:
                 previous._retired = False
+                previous.wake_watch()
 
         attached.reserve(identity.attachment)
         # The previous core's hub watch must not register it again over this one.
@@ -372,6 +378,7 @@ class ReceiverCore:
         deliveries to it fail (the hub still counts it until :meth:`leave_hub`)."""
         self._end_registering()
         self.closed.set()
+        self.wake_watch()
         attached.remove(self.identity.attachment)
         self.transport.close()
 

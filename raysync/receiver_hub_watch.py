@@ -76,6 +76,7 @@ class HubWatch(threading.Thread):
         self._interval_s = interval_s
         self._call_timeout_s = max(4 * interval_s, 5.0)
         self._failures = 0  #: re-registrations failed in a row
+        self._woken = threading.Event()
         #: push receiver: the watch applies what the hub offers (a pull one pulls it)
         self._pushed = core.identity.mode is DeliveryMode.PUSH
         self._connection = HubConnection(
@@ -87,8 +88,17 @@ class HubWatch(threading.Thread):
 
     def run(self) -> None:
         delay = self._interval_s
-        while not self._core.closed.wait(delay):
+        while not self._core.closed.is_set():
+            self._woken.wait(delay)
+            self._woken.clear()
+            if self._core.closed.is_set():
+                return
             delay = self.beat()
+
+    def wake(self) -> None:
+        """Check the hub now (its core registered again and failed: the hub may have
+        dropped its registration), or see the core closed."""
+        self._woken.set()
 
     def beat(self) -> float:
         """Check the hub once, registering again or catching up as needed; the seconds

@@ -1273,3 +1273,40 @@ def test_retiring_on_an_event_loop_waits_for_a_write_another_thread_applies():
     slot = {t.data_ptr() for t in receiver.transport.staged[2]}
     assert not {t.data_ptr() for t in receiver.owner.policy.parameters()} & slot
     assert receiver.transport.released.count((2, True)) == 1
+
+
+def test_registering_again_that_fails_has_the_previous_registrations_watch_look_at_once(
+    monkeypatch,
+):
+    """``connect_hub`` again whose transport receiver cannot open: the previous
+    registration stays this process's, but the hub may have dropped it meanwhile (a
+    broadcast reached it retired, or the hub booked the new one): its watch looked at
+    its next heartbeat only, or never without one, while a zero-copy model carried over
+    lived in memory nobody held."""
+    owner = SimpleNamespace(policy=torch.nn.Linear(3, 2))
+    hub = _Hub()
+    identity = ReceiverIdentity(WORKER, "Collector(abc)", "first")
+    models = {"policy": HeldModel("policy", "policy", registered=SameObject(owner.policy))}
+    welcome = Welcome("object_store", None, {})
+    core = ReceiverCore(
+        owner, hub, models, identity, welcome, "token", None, transport=_Transport()
+    )
+    woken: list[bool] = []
+    core.wake_watch = lambda: woken.append(True)
+    hub.actor.register = SimpleNamespace(remote=lambda registration: "registered")
+    hub.actor.leave = SimpleNamespace(remote=lambda worker, token: "left")
+    process = SimpleNamespace(get_node_id=lambda: "node", get_worker_id=lambda: "process")
+    monkeypatch.setattr(receiver_core.ray, "get_runtime_context", lambda: process)
+    monkeypatch.setattr(receiver_core, "_host_actor", lambda: None)
+    monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: welcome)
+
+    def cannot_open(welcome: Welcome) -> TransportReceiver:
+        raise RuntimeError("the transport receiver could not be opened")
+
+    monkeypatch.setattr(receiver_core, "_open_transport", cannot_open)
+    with pytest.raises(RuntimeError, match="could not be opened"):
+        ReceiverCore.register(owner, hub, {"policy": "policy"}, identity, previous=core)
+    try:
+        assert woken == [True] and not core._retired
+    finally:
+        core.close()

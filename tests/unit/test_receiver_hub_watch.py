@@ -232,9 +232,29 @@ def test_the_thread_ends_as_soon_as_its_core_closes():
     core = _Core(heartbeats=[])
     watch = HubWatch(core, interval_s=60.0)
     watch.start()
-    core.closed.set()  # what ReceiverCore.close does first
+    core.closed.set()  # what ReceiverCore.close does
+    watch.wake()
     watch.join(timeout=10.0)
     assert not watch.is_alive()
+
+
+def test_a_woken_watch_checks_the_hub_at_once():
+    """Its core registered again and failed (the hub may have dropped the registration
+    it kept meanwhile): the watch looked only at its next heartbeat, seconds later, or
+    never with none, while a zero-copy model lived in memory nobody held."""
+    asked = threading.Event()
+    core = _Core(heartbeats=[True])
+    knows = core.hub_knows_me
+    core.hub_knows_me = lambda timeout_s: (asked.set(), knows(timeout_s))[1]  # type: ignore[method-assign]
+    watch = HubWatch(core, interval_s=3600.0)
+    watch.start()
+    try:
+        watch.wake()
+        assert asked.wait(timeout=30.0), "the woken watch did not ask the hub"
+    finally:
+        core.closed.set()
+        watch.wake()
+        watch.join(timeout=10.0)
 
 
 def test_a_beat_that_raises_anything_else_is_retried_and_the_watch_goes_on():
