@@ -45,7 +45,7 @@ def flatten(
     """Flat, name-sorted ``name -> tensor`` view of ``weights`` (no copy).
 
     Raises :class:`InvalidWeightsError` naming the key for a non-tensor leaf, a tensor
-    subclass that dispatches itself (a DTensor), a sparse or quantized tensor, a
+    subclass that dispatches itself (a DTensor), a sparse, nested or quantized tensor, a
     non-contiguous tensor, a lazily conjugated or negated view (``t.conj()`` of a
     complex tensor), a tensor without data (``meta`` device), NaN/Inf when
     ``reject_nonfinite`` (looked at a bounded chunk at a time: no model-sized mask in
@@ -139,10 +139,10 @@ def nonfinite_count(tensor: torch.Tensor, as_dtype: torch.dtype | None = None) -
     given (what that cast would make), a bounded chunk at a time (``torch.isfinite`` of
     a whole tensor made masks and a copy several times its size). float8 chunks are
     looked at in float32: torch has no ``isfinite`` for them."""
-    flat = tensor.detach().reshape(-1)
-    bad = 0
     if tensor.dtype in _FINITE_ONLY and as_dtype is None:
         return 0
+    flat = tensor.detach().reshape(-1)
+    bad = 0
     for chunk in flat.split(NONFINITE_CHUNK_ELEMENTS):
         if as_dtype is not None:
             chunk = chunk.to(as_dtype)
@@ -167,13 +167,15 @@ class Destination:
 
 def destinations(model: Any, *, what: str) -> Destination:
     """The in-place write targets of a receiver's model. Called in the receiver process.
-    Raises :class:`InvalidWeightsError` naming the key of a tensor on the meta device
-    (a copy into it does nothing: every version would be acked, none held)."""
+    Raises :class:`InvalidWeightsError` naming the key of a tensor a version cannot be
+    copied into whole, as :func:`flatten` refuses them (on the meta device a copy does
+    nothing: every version would be acked, none held; a sparse or subclass one fails
+    partway), or a module's extra state (:func:`_check_no_extra_state`)."""
     if isinstance(model, torch.nn.Module):
         _check_no_extra_state(model, what)
-        return Destination(_with_data(_flat_tensors(model, what), what))
+        return Destination(_writable(_flat_tensors(model, what), what))
     if isinstance(model, Mapping) or is_tensordict(model):
-        tensors = _with_data(_flat_tensors(model, what), what)
+        tensors = _writable(_flat_tensors(model, what), what)
         rebuilt = _built_on_access(model, tensors, what)
         if not rebuilt:
             return Destination(tensors)
@@ -198,7 +200,7 @@ def destinations(model: Any, *, what: str) -> Destination:
     ):
         state = model.state_dict()
         return Destination(
-            _with_data(_flat_tensors(state, what), what),
+            _writable(_flat_tensors(state, what), what),
             commit=lambda: model.load_state_dict(state),
         )
     raise InvalidWeightsError(
@@ -207,7 +209,7 @@ def destinations(model: Any, *, what: str) -> Destination:
     )
 
 
-def _with_data(tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+def _writable(tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
     for name, tensor in tensors.items():
         _check_dense(
             name,
