@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ray.exceptions import GetTimeoutError, RayError
@@ -77,6 +78,12 @@ class HubWatch(threading.Thread):
         self._call_timeout_s = max(4 * interval_s, 5.0)
         self._failures = 0  #: re-registrations failed in a row
         self._woken = threading.Event()
+        #: Check the hub now (its core registered again and failed: the hub may have
+        #: dropped its registration), or see the core closed. The event's own method:
+        #: the core keeps it, and a method of the watch (which keeps the core) would make
+        #: a cycle that holds a closed core, and its transport's descriptors, until the
+        #: garbage collector runs.
+        self.wake: Callable[[], None] = self._woken.set
         #: push receiver: the watch applies what the hub offers (a pull one pulls it)
         self._pushed = core.identity.mode is DeliveryMode.PUSH
         self._connection = HubConnection(
@@ -94,11 +101,6 @@ class HubWatch(threading.Thread):
             if self._core.closed.is_set():
                 return
             delay = self.beat()
-
-    def wake(self) -> None:
-        """Check the hub now (its core registered again and failed: the hub may have
-        dropped its registration), or see the core closed."""
-        self._woken.set()
 
     def beat(self) -> float:
         """Check the hub once, registering again or catching up as needed; the seconds
