@@ -61,16 +61,21 @@ class PartAssembly:
     def fits(self, request: BroadcastRequest, hub_spec: WeightSpec | None) -> bool:
         """Whether :meth:`add` would take ``request`` in (asked of a part that names no
         model, among several: only a version it could be a part of hears its refusal)."""
-        if not self.agrees(request) or request.part in self._arrived:
+        try:
+            self._check(request, hub_spec)
+        except ValueError:  # SpecMismatchError is one
             return False
-        if any(key in self._owner for key in request.spec.names):
-            return False
-        known = None if hub_spec is None else {t.name: t for t in hub_spec.tensors}
-        return known is None or all(known.get(t.name) == t for t in request.spec.tensors)
+        return True
 
     def add(self, request: BroadcastRequest, hub_spec: WeightSpec | None) -> None:
         """Take ``request`` (one part) in; raise, naming what is wrong, if it cannot be
         part of this version. ``hub_spec`` is the model's spec if the hub knows it."""
+        self._check(request, hub_spec)
+        self._arrived[request.part] = request
+        self._owner.update(dict.fromkeys(request.spec.names, request.part))
+
+    def _check(self, request: BroadcastRequest, hub_spec: WeightSpec | None) -> None:
+        """Raise, naming what is wrong, unless :meth:`add` may take ``request``."""
         index = request.part
         name = f"part {index} of {self.what}"
         if request.parts != self.parts:
@@ -98,8 +103,6 @@ class PartAssembly:
                 f"parts {other} and {index} of {self.what} both hold key(s) "
                 f"{keys_listed(keys)}: each key belongs to exactly one part"
             )
-        self._arrived[index] = request
-        self._owner.update(dict.fromkeys(request.spec.names, index))
 
     def request(self, hub_spec: WeightSpec | None) -> BroadcastRequest:
         """The whole version as one broadcast, once :attr:`complete`: the whole spec, one
