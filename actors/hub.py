@@ -525,6 +525,30 @@ class WeightHubActor:
                 f"{err}); nothing was published: broadcast it again"
             ) from err
 
+    def _save_registered(self) -> None:
+        """After a registration: the transports and models a restarted hub must know
+        before the next version is saved (see ``HubSnapshot.save_registered``): a
+        receiver that came to read by another transport than those of the last version
+        saved, back after a restart, was otherwise offered a version handed over without
+        its hand-off, which it cannot read. A write that fails is logged: the
+        registration needs nothing from it."""
+        if self._snapshot is None:
+            return
+        try:
+            self._snapshot.save_registered(
+                self._state.versions(),
+                self._state.specs(),
+                tuple(self._transports_in_use(restored=True)),
+            )
+        except Exception as err:
+            logger.warning(
+                "the hub could not save its receivers' transports to Ray's GCS (%s: %s): "
+                "restarted before its next version, it hands that one over to those "
+                "saved last",
+                type(err).__name__,
+                err,
+            )
+
     async def route(
         self,
         model: str | None,
@@ -844,6 +868,7 @@ class WeightHubActor:
                 self._forget_in(transport, registration.worker, "dropped while registering")
             raise
         logger.info("registered %s (%s, %s)", registration.worker, registration.actor, transport)
+        self._save_registered()
         if self._lease_keeper is None and self._state.shortest_heartbeat() is not None:
             self._lease_keeper = self._background.spawn(self._forget_lapsed(), "leases")
         return Welcome(transport, info, catch_up)

@@ -25,6 +25,7 @@ class HubSnapshot:
         self._prefix = f"hub/{actor_id}/"
         self._saved_digests: dict[str, str] = {}
         self._saved_transports: tuple[str, ...] | None = None
+        self._saved_versions: dict[str, int] = {}
 
     def save(
         self,
@@ -43,6 +44,25 @@ class HubSnapshot:
             self._put("transports", pickle.dumps(transports))
             self._saved_transports = transports
         self._put("versions", pickle.dumps(versions))
+        self._saved_versions = dict(versions)
+
+    def save_registered(
+        self,
+        versions: dict[str, int],
+        specs: dict[str, WeightSpec],
+        transports: tuple[str, ...],
+    ) -> None:
+        """After a registration: what a restarted hub must know before this hub's next
+        version is saved, if anything is new (else nothing is written): a transport a
+        receiver reads by (the restarted hub hands versions over to it until that
+        receiver is back) and a model the hub was not started with. A saved version is
+        never lowered: ``versions`` is the hub's own, which a save before publishing
+        may be ahead of."""
+        merged = dict(self._saved_versions)
+        for model, version in versions.items():
+            merged[model] = max(version, merged.get(model, 0))
+        if merged != self._saved_versions or transports != self._saved_transports:
+            self.save(merged, specs, transports)
 
     def load_transports(self) -> tuple[str, ...]:
         """The transports saved last; empty if none were."""
@@ -54,6 +74,7 @@ class HubSnapshot:
         """The saved versions and specs; empty if this hub never saved any."""
         raw = internal_kv._internal_kv_get(self._prefix + "versions", namespace=KV_NAMESPACE)
         versions: dict[str, int] = pickle.loads(raw) if raw is not None else {}
+        self._saved_versions = dict(versions)
         specs = {}
         for model in versions:
             raw = internal_kv._internal_kv_get(

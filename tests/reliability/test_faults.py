@@ -379,6 +379,44 @@ def test_a_broadcast_in_flight_as_the_hub_dies_is_not_run_again_by_its_restart(a
     assert_same(ray.get(holder.state.remote()), state_of(learner))
 
 
+@pytest.mark.parametrize("published", [0, 1])
+def test_a_restarted_hub_hands_versions_to_transports_read_since_its_last_one(
+    actors, published
+):
+    """A receiver came to read by ``shared_memory`` after the hub's last version (or
+    before any): the hub saved which transports its receivers read by only with a
+    version, so its restarted incarnation, asked for a route by a learner with none,
+    had the version handed over to the hub's transport alone, and the receiver, back,
+    was offered nothing it could read (the learner's last broadcast: never the latest).
+    A registration now saves what is new to the snapshot."""
+    name = f"restarted-hub-read-since-{published}"
+    hub = start_hub(
+        actors,
+        DEFAULT_TRANSPORT,
+        {"name": name, "max_restarts": 1, "max_task_retries": 0},
+        models=["policy"],  # the collectors'
+    )
+    for _ in range(published):
+        ray.get(hub.broadcast.remote(make_policy()))
+    # Its heartbeat is the test's to give (beat_now): it registers again when told.
+    receiver = start(
+        actors, Collector, hub, worker_id="shm", transport="shared_memory", heartbeat_s=3600.0
+    )
+    ready([receiver])
+    kill_and_wait_for_its_restart(hub)
+    learner = make_policy()
+    new_learner = start(actors, NewLearner)  # no route: it asks the new incarnation for one
+    report = ray.get(new_learner.broadcast.remote(name, learner), timeout=120)
+    assert (report.version, report.acked) == (published + 1, ())  # nobody registered yet
+    ray.get(receiver.__ray_call__.remote(beat_now), timeout=60)  # back: welcomed
+    wait_until(
+        lambda: ray.get(receiver.version.remote()) == published + 1,
+        timeout_s=60,
+        what=f"version {published + 1}",
+    )
+    assert_same(ray.get(receiver.state.remote()), state_of(learner))
+
+
 @ray.remote(num_cpus=0)
 class NewLearner:
     """A learner process of its own, an actor's (killed after the test: a task's
