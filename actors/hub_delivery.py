@@ -48,6 +48,9 @@ EARLY_ACKS_KEPT = 4096
 #: How often a delivery asks an unavailable receiver (restarting, or unreachable for a
 #: moment) whether it answers again.
 UNAVAILABLE_RETRY_S = 0.1
+#: How often a delivery whose version waits for the receiver's safe point looks whether
+#: the receiver is still there (registered as it was, its process alive).
+DEFERRED_CHECK_S = 1.0
 
 #: The acks of a receiver that holds the version it was delivered (or a newer one).
 _HOLDS = (AckStatus.APPLIED, AckStatus.SUPERSEDED)
@@ -346,9 +349,10 @@ class ReceiverDelivery:
                             asyncio.shield(call), max(0.0, deadline - time.monotonic())
                         )
                     if ack is None:  # applied later, at the receiver's next safe point
-                        ack = await asyncio.wait_for(
-                            deferred_ack, max(0.0, deadline - time.monotonic())
-                        )
+                        waited = await self._deferred(registration, update, deferred_ack, deadline)
+                        if isinstance(waited, Outcome):  # it is gone meanwhile
+                            return waited
+                        ack = waited
                     if ack.status is AckStatus.CONFLICT:  # holds that number from another
                         deferred_ack = self._acks.expect_again(key, deferred_ack)
                         continue  # learner's own delivery: the hub's update replaces it
@@ -363,8 +367,11 @@ class ReceiverDelivery:
                         registration, update, f"({type(err).__name__}: {err}); {restarted}"
                     )
         except asyncio.TimeoutError:
-            if call is not None and not call.done() and turns:
-                self._gave_up(registration, update.model)
+            if call is not None and not call.done():
+                if turns:
+                    self._gave_up(registration, update.model)
+                else:
+                    self._record_when_returned(registration, update, call)
             return self._timed_out(registration, update, timeout_s)
         except RayActorError as err:
             self._drop(registration.worker, registration.token)
@@ -405,12 +412,98 @@ class ReceiverDelivery:
             delivered_s = max(delivered_s, t.fetch_s + t.wait_s + t.apply_s)
         return Outcome(registration.worker, None, delivered_s, ack.timings)
 
+    def _record_when_returned(
+        self, registration: Registration, update: Update, call: asyncio.Future[Any]
+    ) -> None:
+        """A delivery that does not take turns timed out while its call still ran: if
+        the call returns with the version applied, the receiver holds it (else the
+        hub's books said it was behind until its next version, which may never come)."""
+
+        def returned(call: asyncio.Future[Any]) -> None:
+            if call.cancelled() or call.exception() is not None:
+                return
+            ack = call.result()
+            if _holds(ack):
+                timings = ack.timings if ack.version == update.version else None
+                self._record(registration, update.model, update.version, timings)
+
+        call.add_done_callback(returned)
+
+    async def _deferred(
+        self,
+        registration: Registration,
+        update: Update,
+        deferred_ack: asyncio.Future[Ack],
+        deadline: float,
+    ) -> Ack | Outcome:
+        """The ack of a version staged for the receiver's next safe point (``hub.ack``),
+        by ``deadline``; else TimeoutError. Nothing else calls the receiver meanwhile,
+        so every :data:`DEFERRED_CHECK_S` this looks whether it is still there: an
+        Outcome if it left or registered again, or its process died (a death raises
+        Ray's error, as a delivery call's would)."""
+        probe: asyncio.Future[str] | None = None
+        try:
+            while True:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise asyncio.TimeoutError
+                waiting: set[asyncio.Future[Any]] = {deferred_ack}
+                if probe is not None:
+                    waiting.add(probe)
+                await asyncio.wait(
+                    waiting,
+                    timeout=min(DEFERRED_CHECK_S, left_s),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if deferred_ack.done():
+                    return deferred_ack.result()
+                gone = self._gone(registration, update)
+                if gone is not None:
+                    return gone
+                if probe is not None and probe.done():
+                    if probe.result() != registration.process:  # raises if it died
+                        return self._process_died(
+                            registration, update, "(Ray restarted it while the version waited)"
+                        )
+                    probe = None
+                if probe is None and registration.handle is not None:
+                    probe = asyncio.wrap_future(
+                        registration.handle.__ray_call__.remote(process_of).future()
+                    )
+                    retrieve_outcome(probe)  # an answer not awaited any more
+        finally:
+            if probe is not None and not probe.done():
+                probe.cancel()
+
+    def _gone(self, registration: Registration, update: Update) -> Outcome | None:
+        """The outcome of a delivery whose registration the hub no longer holds (its
+        process died and a new one registered, it left, or it registered again); None
+        while it holds it."""
+        current = self._state.receivers.get(registration.worker)
+        if current is not None and current.registration.token == registration.token:
+            return None
+        if current is not None and current.registration.process != registration.process:
+            return self._process_died(
+                registration, update, "(Ray restarted it and the new process registered again)"
+            )
+        return Outcome(
+            registration.worker,
+            f"{registration.actor} left the hub (closed its receiver, or registered again) "
+            f"before applying version {update.version} of model {update.model!r}",
+            cause=FailureCause.LEFT,
+        )
+
     async def _not_attached(
         self, registration: Registration, update: Update, ack: Ack, deadline: float
     ) -> Outcome:
         """The delivery reached a process without this registration's receiver: a new
         incarnation of the actor (the call was queued when the old one died, and Ray
-        ran it on the new one), or the receiver was closed."""
+        ran it on the new one), or the receiver was closed (at once if the hub knows
+        it left: asking the actor which process it is would wait behind its next
+        long method)."""
+        gone = self._gone(registration, update)
+        if gone is not None:
+            return gone
         try:
             restarted = await self._restarted(registration, deadline)
         except ActorDiedError as err:  # Ray gave up on it since

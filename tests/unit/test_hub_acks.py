@@ -250,3 +250,200 @@ def test_a_call_given_up_on_that_applies_later_leaves_its_timings_in_the_status(
 
     asyncio.run(run())
     assert (state.receivers["w"].versions["m"], state.receivers["w"].timings["m"]) == (5, slow)
+
+
+def _registration(token: str = "t1", process: str = "p1", handle: object = None):
+    from raysync.messages import DeliveryMode, Entry, Registration
+
+    return Registration(
+        "w", handle, "key", Entry.RAY_CALL, "A(1)", "node", process, {}, {}, DeliveryMode.PUSH,
+        token,
+    )
+
+
+def test_a_call_that_times_out_and_applies_later_is_booked_where_calls_do_not_take_turns(
+    monkeypatch,
+):
+    """``shared_memory``, ``rpc`` and bucketed versions do not take turns: a delivery
+    that timed out while its call still ran, and the call then applied the version, left
+    the receiver booked as behind on the version before for good (the status said so,
+    and the lag gauges grew, while it held the latest)."""
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import Update
+    from raysync.metrics import FailureCause
+
+    registration = _registration()
+    state = HubState()
+    state.receivers["w"] = ReceiverEntry(registration)
+    state.record("w", "m", 4)
+    update = Update("m", 5, "digest", "shared_memory", payload=None, origin="learner")
+    assert not hub_delivery.takes_turns(update)
+
+    async def run():
+        call: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+        monkeypatch.setattr(hub_delivery, "delivery_call", lambda *_: call)
+        delivery = hub_delivery.ReceiverDelivery(state, AckBook(), lambda *_: None, lambda *_: None)
+        outcome = await delivery.deliver(ReceiverEntry(registration), update, time.monotonic(), 1)
+        assert state.receivers["w"].behind
+        call.set_result(Ack("w", "m", 5, AckStatus.APPLIED, token="t1"))
+        await asyncio.sleep(0)
+        return outcome
+
+    outcome = asyncio.run(run())
+    assert outcome.cause is FailureCause.TIMEOUT
+    entry = state.receivers["w"]
+    assert (entry.versions["m"], entry.behind) == (5, False)
+
+
+def _deferred_delivery(monkeypatch, state, registration, during_wait, timeout_s=30.0):
+    """Deliver version 3 to ``registration``: its call answers "staged, acked at a safe
+    point", and ``during_wait()`` runs while the hub waits for the ack. The outcome,
+    and how long the delivery took."""
+    from raysync.hub_state import ReceiverEntry
+    from raysync.messages import Update
+
+    update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
+
+    async def staged() -> None:
+        return None
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", lambda *_: staged())
+    monkeypatch.setattr(hub_delivery, "DEFERRED_CHECK_S", 0.01)
+
+    async def run():
+        delivery = hub_delivery.ReceiverDelivery(state, AckBook(), lambda *_: None, lambda *_: None)
+        delivering = asyncio.ensure_future(
+            delivery.deliver(ReceiverEntry(registration), update, time.monotonic() + timeout_s, 30)
+        )
+        await asyncio.sleep(0.02)  # the scenario: it is gone a while after the call
+        during_wait()
+        return await asyncio.wait_for(delivering, 5)
+
+    started = time.monotonic()
+    outcome = asyncio.run(run())
+    return outcome, time.monotonic() - started
+
+
+def test_a_receiver_that_leaves_while_its_version_waits_for_a_safe_point_fails_as_left(
+    monkeypatch,
+):
+    """The version was staged for the receiver's next safe point and the receiver closed
+    (it left the hub) before it: nothing acks it any more, and the delivery waited out
+    the broadcast's whole timeout, then blamed a timeout."""
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.metrics import FailureCause
+
+    registration = _registration()
+    state = HubState()
+    state.receivers["w"] = ReceiverEntry(registration)
+    outcome, took_s = _deferred_delivery(
+        monkeypatch, state, registration, lambda: state.receivers.pop("w")
+    )
+    assert outcome.cause is FailureCause.LEFT and took_s < 5
+    assert "A(1) left the hub" in outcome.error and "version 3 of model 'm'" in outcome.error
+
+
+def test_a_receiver_restarted_while_its_version_waits_for_a_safe_point_fails_as_died(
+    monkeypatch,
+):
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.metrics import FailureCause
+
+    registration = _registration()
+    state = HubState()
+    state.receivers["w"] = ReceiverEntry(registration)
+
+    def restarted() -> None:
+        state.receivers["w"] = ReceiverEntry(_registration("t2", process="p2"))
+
+    outcome, took_s = _deferred_delivery(monkeypatch, state, registration, restarted)
+    assert outcome.cause is FailureCause.DIED and took_s < 5
+    assert "new process registered again" in outcome.error
+
+
+def test_a_receiver_that_dies_while_its_version_waits_for_a_safe_point_fails_as_died(
+    monkeypatch,
+):
+    """Its process died (Ray will not restart it) while the version waited for its safe
+    point: nothing else calls it meanwhile, so the hub asks it which process it is now,
+    and Ray's answer names the death."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorDiedError
+
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.metrics import FailureCause
+
+    asked: list[concurrent.futures.Future] = []
+
+    def ask(function):
+        asked.append(concurrent.futures.Future())
+        return SimpleNamespace(future=lambda: asked[-1])
+
+    handle = SimpleNamespace(__ray_call__=SimpleNamespace(remote=ask))
+    registration = _registration(handle=handle)
+    state = HubState()
+    state.receivers["w"] = ReceiverEntry(registration)
+    dropped: list[tuple[str, str]] = []
+
+    async def run():
+        from raysync.messages import Update
+
+        update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
+
+        async def staged() -> None:
+            return None
+
+        monkeypatch.setattr(hub_delivery, "delivery_call", lambda *_: staged())
+        monkeypatch.setattr(hub_delivery, "DEFERRED_CHECK_S", 0.01)
+        delivery = hub_delivery.ReceiverDelivery(
+            state, AckBook(), lambda *dead: dropped.append(dead), lambda *_: None
+        )
+        delivering = asyncio.ensure_future(
+            delivery.deliver(ReceiverEntry(registration), update, time.monotonic() + 30, 30)
+        )
+        while not asked:  # the hub asked the receiver which process it is
+            await asyncio.sleep(0.01)
+        asked[-1].set_result("p1")  # alive: the same process
+        while len(asked) < 2:  # and it asks again a while later
+            await asyncio.sleep(0.01)
+        asked[-1].set_exception(ActorDiedError())
+        return await asyncio.wait_for(delivering, 5)
+
+    outcome = asyncio.run(run())
+    assert outcome.cause is FailureCause.DIED and "died before applying version 3" in outcome.error
+    assert dropped == [("w", "t1")]
+
+
+def test_a_delivery_reaching_a_receiver_that_left_fails_as_left_at_once(monkeypatch):
+    """The delivery call queued behind the method that closed the receiver (the hub had
+    dropped it): it answered "not attached", and the hub asked the actor which process
+    it is, a call that waited behind its next long method until the broadcast's
+    deadline, then blamed a death."""
+    from types import SimpleNamespace
+
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import Update
+    from raysync.metrics import FailureCause
+
+    never = SimpleNamespace(future=lambda: __import__("concurrent.futures").futures.Future())
+    handle = SimpleNamespace(__ray_call__=SimpleNamespace(remote=lambda function: never))
+    registration = _registration(handle=handle)
+    update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
+
+    async def not_attached() -> Ack:
+        return Ack("w", "m", 3, AckStatus.NOT_ATTACHED, "its receiver was closed", token="t1")
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", lambda *_: not_attached())
+
+    async def run():
+        delivery = hub_delivery.ReceiverDelivery(
+            HubState(), AckBook(), lambda *_: None, lambda *_: None
+        )
+        return await asyncio.wait_for(
+            delivery.deliver(ReceiverEntry(registration), update, time.monotonic() + 30, 30), 5
+        )
+
+    outcome = asyncio.run(run())
+    assert outcome.cause is FailureCause.LEFT and "A(1) left the hub" in outcome.error
