@@ -32,7 +32,7 @@ class DistributedOptions:
                 f"DistributedOptions.backend={self.backend!r}: expected one of "
                 f"{', '.join(BACKENDS)}"
             )
-        _check_positive("DistributedOptions.timeout_s", self.timeout_s)
+        _check_seconds("DistributedOptions.timeout_s", self.timeout_s)
 
     @property
     def timeout(self) -> datetime.timedelta:
@@ -47,9 +47,25 @@ class RpcOptions:
     timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        _check_positive("RpcOptions.timeout_s", self.timeout_s)
+        _check_seconds("RpcOptions.timeout_s", self.timeout_s)
 
 
-def _check_positive(what: str, seconds: float) -> None:
-    if not seconds > 0:
-        raise ValueError(f"{what} must be positive, got {seconds!r}")
+#: The shortest timeout: torch keeps whole milliseconds and reads 0 ms as *no* timeout
+#: (c10d's kNoTimeout), so a shorter one would make store waits and barriers unbounded.
+MIN_TIMEOUT_S = 0.001
+#: The longest: what ``datetime.timedelta`` holds (the transports build one from it).
+MAX_TIMEOUT_S = float(datetime.timedelta.max.days * 86400)
+
+
+def _check_seconds(what: str, seconds: object) -> None:
+    """ValueError naming field ``what`` unless ``seconds`` is a number (no bool) of
+    seconds from :data:`MIN_TIMEOUT_S` to :data:`MAX_TIMEOUT_S` (so neither NaN nor
+    infinity). (This mirrors ``raysync.hub_handle.check_seconds``, which this package
+    cannot import: ``hub_handle`` imports ``raysync.transports``.)"""
+    if isinstance(seconds, bool) or not (
+        isinstance(seconds, int | float) and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S
+    ):
+        raise ValueError(
+            f"{what} must be a finite number of seconds of at least {MIN_TIMEOUT_S:g} "
+            f"(torch reads less than a millisecond as no timeout), got {seconds!r}"
+        )

@@ -4,6 +4,8 @@ every error here is raised before an actor is created)."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import re
 
 import pytest
 
@@ -14,10 +16,44 @@ from raysync.transports import get_transport
 def test_options_name_the_field_and_the_bad_value():
     with pytest.raises(ValueError, match=r"DistributedOptions.backend='mpi'.*gloo, nccl"):
         DistributedOptions(backend="mpi")
-    with pytest.raises(ValueError, match=r"DistributedOptions.timeout_s must be positive, got 0"):
+    with pytest.raises(ValueError, match=r"DistributedOptions.timeout_s must be .*, got 0$"):
         DistributedOptions(timeout_s=0)
-    with pytest.raises(ValueError, match=r"RpcOptions.timeout_s must be positive, got -1"):
+    with pytest.raises(ValueError, match=r"RpcOptions.timeout_s must be .*, got -1$"):
         RpcOptions(timeout_s=-1)
+
+
+OPTIONS_CLASSES = [DistributedOptions, RpcOptions]
+#: The longest timeout that ``datetime.timedelta`` holds (in whole days).
+LONGEST_TIMEDELTA_S = float(datetime.timedelta.max.days * 86400)
+
+
+@pytest.mark.parametrize("options", OPTIONS_CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "timeout_s", [float("inf"), float("nan"), True, "10", 0.0005, 0, -1, 1e300]
+)
+def test_an_options_timeout_that_is_no_finite_number_of_milliseconds_is_refused(options, timeout_s):
+    """Infinity (and 1e300) passed a ``> 0`` check and then killed the transport's
+    actor in its constructor (``timedelta(seconds=inf)`` overflows), failing every
+    broadcast with an error that did not name the option; True was a one-second
+    timeout; "10" raised a TypeError that named no field; and 0.0005 s became 0 ms,
+    which torch's c10d reads as no timeout at all: waits and barriers had no bound."""
+    with pytest.raises(
+        ValueError,
+        match=rf"^{options.__name__}\.timeout_s must be a finite number of seconds of at "
+        rf"least 0\.001 \(torch reads less than a millisecond as no timeout\), "
+        rf"got {re.escape(repr(timeout_s))}$",
+    ):
+        options(timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("options", OPTIONS_CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("timeout_s", [0.001, 30, 30.0, LONGEST_TIMEDELTA_S])
+def test_an_options_timeout_from_a_millisecond_up_is_taken(options, timeout_s):
+    assert options(timeout_s=timeout_s).timeout_s == timeout_s
+    if options is DistributedOptions:  # the timedelta that torch gets: 1 ms at least
+        assert DistributedOptions(timeout_s=timeout_s).timeout == datetime.timedelta(
+            seconds=timeout_s
+        )
 
 
 def test_each_transport_declares_its_options_class():
