@@ -77,7 +77,10 @@ class RaySyncScheme(WeightSyncScheme):
     id on the hub shares its versions (an evaluator actor attached to ``"policy"`` gets
     each update too, and a collector that joins later gets the latest, whoever sent it),
     so two RayCollectors on one given hub need a ``model`` each. Registered with TorchRL
-    as backend ``"raysync"``: ``WeightSyncScheme.from_backend("raysync", hub=...)``.
+    as backend ``"raysync"`` when this module is imported, so ``import raysync.torchrl``
+    must run first in the process that calls
+    ``WeightSyncScheme.from_backend("raysync", hub=...)`` (in a fresh process it raises
+    ``ValueError``).
 
     After :meth:`send`, :attr:`last_report` holds that broadcast's
     :class:`~raysync.BroadcastReport` (its ``version``, who acked, where the time went).

@@ -111,16 +111,17 @@ class TestBroadcast:
     # nothing), so they check versions relative to the one they find.
     @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # the learner flattens
     def test_accepts_module_tensordict_and_state_dict(self, shared_hubs, transport):
+        """Each form holds weights of its own (a fresh policy each), so what arrives
+        after each broadcast is that form's data, not what the one before delivered."""
         hub, collector = shared_hubs.pair(transport)
-        learner = make_policy()
+        module, in_tensordict, in_dict = make_policy(), make_policy(), make_policy()
         inputs = [
-            learner,
-            TensorDict.from_module(learner),
-            {k: v.clone() + 1 for k, v in learner.state_dict().items()},
+            (module, state_of(module)),
+            (TensorDict.from_module(in_tensordict), state_of(in_tensordict)),
+            (state_of(in_dict), state_of(in_dict)),
         ]
-        for weights in inputs:
+        for weights, expected in inputs:
             version = ray.get(hub.broadcast.remote(weights)).version
-            expected = weights if isinstance(weights, dict) else state_of(learner)
             assert_same(ray.get(collector.state.remote()), expected)
             assert ray.get(collector.version.remote()) == version
 

@@ -12,12 +12,13 @@ abandoned version. Nothing here creates an agent or imports nixl.
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import pytest
 import torch
 
 from raysync.copies import copy_on_this_thread
-from raysync.layout import ALIGNMENT, PackedLayout
+from raysync.layout import ALIGNMENT, PackedLayout, _layout_of
 from raysync.spec import TensorSpec, WeightSpec
 from raysync.transports.base import TransportError
 from raysync.transports.nixl import ABANDONED, BUCKET_BYTES, NixlPayload, NixlReceiver, NixlRegion
@@ -118,9 +119,17 @@ def test_more_than_eight_buckets_need_a_longer_header():
 
 
 def test_both_sides_compute_the_same_frame_from_equal_specs():
-    tensors = _small()
-    sender = Frame.of(WeightSpec.of(tensors))
-    receiver = Frame.of(WeightSpec.of({name: t.clone() for name, t in tensors.items()}))
+    """The receiver gets the spec pickled and computes its frame itself. Specs, layouts
+    and frames are cached per process, so both caches are emptied first: otherwise the
+    receiver's frame would be the sender's object, equal to itself whatever it holds."""
+    sender_spec = WeightSpec.of(_big())
+    sender = Frame.of(sender_spec)
+    receiver_spec = pickle.loads(pickle.dumps(sender_spec))
+    Frame.of.cache_clear()
+    _layout_of.cache_clear()
+    receiver = Frame.of(receiver_spec)
+    assert receiver_spec is not sender_spec
+    assert receiver is not sender and receiver.layout is not sender.layout
     assert receiver == sender
 
 
