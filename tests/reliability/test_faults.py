@@ -189,6 +189,10 @@ def test_a_version_the_hub_cannot_save_is_refused_and_published_nowhere(actors):
 
 
 def test_learner_dies_receivers_keep_last_good_version(actors, transport):
+    """The learner dies between versions, and with it what it put or registered (the
+    object of its version, its NIXL buffers): a receiver keeps the version it applied;
+    one that joins meanwhile gets in (with that version where its bytes outlive the
+    learner, as a node's segment does, else none); a new learner brings both up."""
     hub = start_hub(actors, transport)
     collector = start(actors, Collector, hub)
     ready([collector])
@@ -196,16 +200,21 @@ def test_learner_dies_receivers_keep_last_good_version(actors, transport):
     assert ray.get(learner.step.remote(1)) == 1
     expected = ray.get(learner.weights.remote())
     ray.kill(learner)
-    obs = torch.randn(3, 8)
-    for _ in range(3):  # still serving, on version 1
-        assert_same(ray.get(collector.state.remote()), expected)
-        assert ray.get(collector.version.remote()) == 1
-    ray.get(collector.__ray_ready__.remote())
+    wait_dead(learner)
+    assert ray.get(collector.version.remote()) == 1
+    assert_same(ray.get(collector.state.remote()), expected)
+    late = start(actors, Collector, hub, worker_id="late")
+    ready([late])
+    if ray.get(late.version.remote()) == 1:
+        assert_same(ray.get(late.state.remote()), expected)
+    else:
+        assert ray.get(late.version.remote()) == 0
     # A new learner takes over; versions continue.
     successor = start(actors, Learner, hub)
     assert ray.get(successor.step.remote(2)) == 2
-    assert_same(ray.get(collector.state.remote()), ray.get(successor.weights.remote()))
-    del obs
+    for receiver in (collector, late):
+        assert ray.get(receiver.version.remote()) == 2
+        assert_same(ray.get(receiver.state.remote()), ray.get(successor.weights.remote()))
 
 
 @pytest.mark.parametrize("transport", [DEFAULT_TRANSPORT])  # the hub orders versions
