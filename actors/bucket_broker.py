@@ -23,6 +23,11 @@ version (one *stream*):
   ``drop_reader(worker)`` when a receiver dies or leaves, ``finished(stream)`` to find
   receivers that hold a version a late joiner needs, and ``end(stream, why)`` when the
   one it asked to serve it cannot;
+* the hub, for a version several planners name readers of (object-store receivers,
+  ``rpc``'s agent, ``distributed``'s rank 0, planned at once): ``hold(stream)`` before
+  they plan and ``seal(stream)`` once they all did. Meanwhile the readers named so far
+  are not all of them: no bucket is freed, the learner gets no room past the first
+  buckets, and no reader set left empty (a receiver died) ends the stream;
 * each receiver: ``take(stream, k, worker, copied=c)`` for bucket ``k``, saying it has
   copied ``c`` buckets (default: every bucket before ``k``). A receiver keeps two asks
   ahead: it asks for buckets 0 and 1, then for ``k + 2`` with ``copied=k + 1`` as soon
@@ -36,11 +41,12 @@ The broker stamps each of those calls on its clock (:mod:`raysync.transports.han
 Ray does not keep an async actor's calls in order, so any of them may be the first the
 broker hears of a stream (a :class:`~raysync.transports.object_store.bucket_stream.StreamId`:
 its id, bucket count and the receivers' wait): each one opens it. A stream the hub has
-not planned within twice that wait (it refused the version; one part of a version sent
-in parts waits up to that wait for the others before the hub plans the whole), or
-whose readers have not finished within it of its last bucket and its plan, whichever
-came later (the receivers of a version in parts read its streams one after the other,
-from the plan on), ends and frees its buckets.
+not planned (named its readers; sealed them too, if it held them) within twice that wait
+(it refused the version; one part of a version sent in parts waits up to that wait for
+the others before the hub plans the whole; its delivery broke off while the hub held
+them), or whose readers have not finished within it of its last bucket and its plan,
+whichever came later (the receivers of a version in parts read its streams one after
+the other, from the plan on), ends and frees its buckets.
 
 A reader that has not taken bucket ``k - 1`` within the stream's ``stall_s`` (half its
 ``wait_s``) of the learner asking for room, once the stream is planned and some reader
@@ -83,7 +89,10 @@ class _Stream:
     #: Every reader copied the buckets below it: they were freed. (Not ``offered``: Ray
     #: may start the learner's offers out of order, bucket 1 before bucket 0.)
     freed_below: int = 0
-    readers: set[str] | None = None  #: the workers it goes to; None: not planned yet
+    readers: set[str] | None = None  #: the workers it goes to; None: none named yet
+    #: The hub said more planners name readers (:meth:`BucketBroker.hold`), and has not
+    #: sealed the set yet: the readers named so far are not all of them.
+    held: bool = False
     taken: dict[str, int] = field(default_factory=dict)  #: worker -> buckets it copied
     asked: dict[str, int] = field(default_factory=dict)  #: worker -> bucket it asked for last
     dropped: dict[str, str] = field(default_factory=dict)  #: worker -> why
@@ -93,17 +102,24 @@ class _Stream:
     sender: str | None = None  #: the actor id of the process that puts it, if watched
     clock: HandOffClock = field(default_factory=HandOffClock)
     deadline_set: bool = False  #: whether its readers' deadline to finish runs
-    planned_at: float | None = None  #: ``time.monotonic()`` when the hub first named readers
+    planned_at: float | None = None  #: ``time.monotonic()`` when it was first planned
+
+    @property
+    def planned(self) -> bool:
+        """Whether every reader is named: the hub named readers, and it does not hold
+        the set open for another planner's."""
+        return self.readers is not None and not self.held
 
     def behind(self, needed: int) -> list[str]:
         """Readers that have copied fewer than ``needed`` buckets (all, unplanned)."""
-        if self.readers is None:
+        if self.readers is None or self.held:  # not planned
             return ["(not planned yet)"]
         return [w for w in self.readers if self.taken.get(w, 0) < needed]
 
     def free_taken(self) -> None:
-        """Forget the buckets every reader has taken: the object store frees them."""
-        if self.readers is None:
+        """Forget the buckets every reader has taken: the object store frees them. Not
+        before every reader is named: one still to come has taken none."""
+        if self.readers is None or self.held:  # not planned
             return
         lowest = min((self.taken.get(w, 0) for w in self.readers), default=self.key.count)
         for index in [i for i in self.buckets if i < lowest]:
@@ -205,7 +221,7 @@ class BucketBroker:
         stalled_at = None  #: when the stall deadline ends, once a reader began
         async with state.changed:
             while state.ended is None and state.behind(needed):
-                if state.readers is not None and state.taken and stalled_at is None:
+                if state.planned and state.taken and stalled_at is None:
                     stalled_at = time.monotonic() + stall_s
                 deadline, why = _room_deadline(state, stalled_at, needed)
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -238,16 +254,42 @@ class BucketBroker:
     # -- the hub's planner ----------------------------------------------------------------
     async def readers(self, key: StreamId, workers: list[str]) -> None:
         """The version of ``key`` goes to ``workers`` too: each planner whose receivers
-        read it names its readers (the object store's: receivers; ``rpc``'s: its agent).
-        The hub plans every transport of a delivery before any receiver reads it."""
+        read it names its readers (the object store's: receivers; ``rpc``'s: its agent),
+        and a relay that gives the version up names its members. Unless the hub holds
+        the stream (:meth:`hold`), the readers named so far are all of them."""
         state = self._open(key)
         if state is None:
             return
         state.readers = (state.readers or set()) | {w for w in workers if w not in state.dropped}
-        if state.planned_at is None:
-            state.planned_at = time.monotonic()
-        state.free_taken()
-        self._start_readers_deadline(state)
+        self._now_planned(state)
+        await state.changed_now()
+
+    async def hold(self, key: StreamId) -> None:
+        """Hub, before the planners of a version that several of them name readers of
+        run (at once): the readers they name are not all of them until :meth:`seal`.
+        Else a bucket every reader named so far took was freed before the next planner
+        named its relay, and an object-store receiver that died left no reader: the
+        stream freed every bucket, and the learner was told nobody reads it."""
+        state = self._open(key)
+        if state is not None:
+            state.held = True
+
+    async def seal(self, key: StreamId) -> None:
+        """Hub, once every planner of the version named its readers (none: nobody reads
+        it): the readers named are all of them (but for those a relay hands the rest
+        to). The stream goes on as one planned then: what every reader took is freed,
+        and a stream with no reader left ends."""
+        state = self._open(key)
+        if state is None:
+            return
+        state.held = False
+        if state.readers is None:
+            state.readers = set()
+        self._now_planned(state)
+        if not state.readers and state.finished:  # the last finished before the seal
+            self._end_read(state)
+        elif not state.readers:  # the last was dropped before the seal, or none was named
+            self._end_unread_later(state)
         await state.changed_now()
 
     async def drop_reader(self, worker: str) -> None:
@@ -400,11 +442,21 @@ class BucketBroker:
             )
         return state
 
+    def _now_planned(self, state: _Stream) -> None:
+        """``readers`` or ``seal`` named readers: once every one is named, its clocks run
+        from now, and the buckets every reader took are freed."""
+        if not state.planned:
+            return
+        if state.planned_at is None:
+            state.planned_at = time.monotonic()
+        state.free_taken()
+        self._start_readers_deadline(state)
+
     def _start_readers_deadline(self, state: _Stream) -> None:
         """Once every bucket is offered and the hub planned the stream, its readers have
         ``wait_s`` to finish it (not from the last bucket: the stream of an early part
         of a version sent in parts waits for the others, then for its turn)."""
-        if state.deadline_set or state.readers is None or state.offered < state.key.count:
+        if state.deadline_set or not state.planned or state.offered < state.key.count:
             return
         state.deadline_set = True
         asyncio.get_running_loop().call_later(
@@ -459,7 +511,7 @@ class BucketBroker:
         never planned)."""
         if self._streams.get(state.key.id) is not state:
             return
-        if unless_planned and state.readers is not None:
+        if unless_planned and state.planned:
             return
         self._background.spawn(self.end(state.key, why), f"end of stream {state.key.id}")
 
@@ -468,26 +520,35 @@ class BucketBroker:
             state.readers.discard(worker)
         state.dropped[worker] = why
         state.free_taken()
-        if state.readers is not None and not state.readers:
-            # Nobody reads it any more: the learner's next ``room`` ends it, but a learner
-            # that died mid-version (a driver: not watched) never asks, and the stream
-            # stayed here for good.
-            asyncio.get_running_loop().call_later(state.key.wait_s, self._end_unread, state)
+        if state.planned and not state.readers:
+            self._end_unread_later(state)
+
+    def _end_unread_later(self, state: _Stream) -> None:
+        """Nobody reads ``state`` any more: the learner's next ``room`` ends it, but a
+        learner that died mid-version (a driver: not watched) never asks, and the stream
+        stayed here for good. It ends once its wait passed, unless a relay adopted
+        readers since."""
+        asyncio.get_running_loop().call_later(state.key.wait_s, self._end_unread, state)
 
     def _end_unread(self, state: _Stream) -> None:
         if not state.readers:  # none adopted since (a relay names its members readers)
             self._expire(state, "no receiver reads this version any more", False)
 
     def _finish_reader(self, state: _Stream, worker: str) -> None:
-        """``worker`` took every bucket; the stream ends once every reader has."""
+        """``worker`` took every bucket; the stream ends once every reader has (and every
+        one is named)."""
         state.finished.append(worker)
         if state.readers is None:
             return
         state.readers.discard(worker)
         state.free_taken()
-        if not state.readers:
-            self._streams.pop(state.key.id, None)
-            self._remember_end(state.key.id, "", state)
+        if state.planned and not state.readers:
+            self._end_read(state)
+
+    def _end_read(self, state: _Stream) -> None:
+        """Every reader of ``state`` took every bucket: it is over."""
+        self._streams.pop(state.key.id, None)
+        self._remember_end(state.key.id, "", state)
 
     def _remember_end(self, stream: str, why: str, state: _Stream | None) -> None:
         """``stream`` ended (``state``: what it was, if the broker had it open)."""

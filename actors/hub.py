@@ -1178,7 +1178,16 @@ class WeightHubActor:
         for entry in targets:
             if entry.worker not in first_calls or _books_direct(entry):
                 groups.setdefault(entry.transport, []).append(entry)
-        await self._tell_published(handed, travels, groups, deadline)
+        streams = any(is_bucketed(payload) for payload in handed.payloads.values())
+        # Several planners name the readers of its bucket streams, at once: the broker
+        # frees no bucket, nor ends a stream none of the readers named so far reads,
+        # until every one of them planned (sealed below).
+        shared = streams and len(groups) > 1
+        published = self._tell_published(handed, travels, groups, deadline)
+        if shared:
+            await asyncio.gather(published, _hold_readers(handed))
+        else:
+            await published
         # The learner's own deliveries need no plan (one that books them runs beside).
         planned = {
             e.worker: _Plan(update=handed.update_for(e.transport))
@@ -1188,10 +1197,10 @@ class WeightHubActor:
         plan_s = 0.0
         # A bucket stream's readers must all be known to its broker before the first
         # reads (else one transport's receivers may finish it before another's planner
-        # named its relay): a bucketed version is planned whole before it goes.
+        # named its relay): a bucketed version is planned whole before it goes, and its
+        # streams' readers are sealed then (held until, above).
         unplanned = len(groups)
         all_planned = asyncio.Event()
-        streams = any(is_bucketed(payload) for payload in handed.payloads.values())
         if streams:
             _tell_latest(handed)
         if streams and not groups:
@@ -1231,6 +1240,8 @@ class WeightHubActor:
             if not unplanned:
                 if streams:
                     self._end_unread_streams(handed, targets, planned)
+                if shared:
+                    self._background.spawn(_seal_readers(handed), "streams planned whole")
                 all_planned.set()
             if streams:
                 await all_planned.wait()
@@ -1593,6 +1604,32 @@ def _tell_latest(handed: HandedOver) -> None:
     model (see ``BucketBroker.latest``); not waited for (the hub's one broker)."""
     streams = [stream for payload in handed.payloads.values() for stream in streams_of(payload)]
     streams[0].broker.latest.remote(handed.model, [stream.key for stream in streams])
+
+
+async def _hold_readers(handed: HandedOver) -> None:
+    """Tell the bucket broker, before the planners of ``handed`` run, that several of
+    them name the readers of its streams: none is planned until :func:`_seal_readers`
+    (see ``BucketBroker.hold``)."""
+    await _tell_streams(handed, "hold", "could not hold the readers of a stream open")
+
+
+async def _seal_readers(handed: HandedOver) -> None:
+    """Tell the bucket broker that every planner of ``handed`` named its streams'
+    readers (see ``BucketBroker.seal``)."""
+    await _tell_streams(handed, "seal", "could not seal the readers of a stream")
+
+
+async def _tell_streams(handed: HandedOver, call: str, failed: str) -> None:
+    """Call the broker's ``call`` for every bucket stream of ``handed``, at once; one
+    whose broker is gone is logged (``failed``): the streams went with it."""
+    streams = [stream for payload in handed.payloads.values() for stream in streams_of(payload)]
+    told = await asyncio.gather(
+        *(getattr(stream.broker, call).remote(stream.key) for stream in streams),
+        return_exceptions=True,
+    )
+    for outcome in told:
+        if isinstance(outcome, BaseException):
+            logger.info("%s: %r", failed, outcome)
 
 
 async def _name_no_readers(streams: list[BucketStream]) -> None:

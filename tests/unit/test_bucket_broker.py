@@ -382,6 +382,151 @@ def test_each_planner_adds_its_readers_and_a_relay_names_who_it_passed_every_buc
     assert sorted(finished) == ["a", "agent", "r0", "r1"]
 
 
+# -- a version several planners name readers of (the hub holds, then seals them) -------
+async def _turns(n: int = 20) -> None:
+    """Let every call the broker could answer without waiting run."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("dropped_first", [True, False])
+def test_a_receiver_dropped_before_the_next_planner_named_its_relay_frees_no_bucket(
+    dropped_first,
+):
+    """The object store's planner named its one receiver, which died (the hub drops it,
+    before or after that plan); ``rpc``'s planner names its agent later. The empty
+    reader set freed every bucket offered so far, and the agent's ``take(0)`` was told
+    bucket 0 is gone, failing every receiver of the agent with a wrong cause."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4), []
+        await broker.hold(k)  # the hub, before its planners run
+        for index in range(2):
+            await broker.offer(k, index, [f"ref{index}"])
+        if dropped_first:
+            await broker.drop_reader("R")
+        await broker.readers(k, ["R"])  # the object store's planner
+        if not dropped_first:
+            await broker.drop_reader("R")
+        await broker.readers(k, ["relay"])  # rpc's planner, slower
+        await broker.seal(k)  # every planner named its readers
+        first = await broker.take(k, 0, "relay")
+        got = await asyncio.gather(learner_from(broker, k, 2, log), reader(broker, k, "relay", log))
+        return first, got[1], broker.stats().streams
+
+    first, got, streams = run(main())
+    assert first == (["ref0"], None)
+    assert got == [f"ref{i}" for i in range(4)] and streams == 0
+
+
+def test_a_relay_ahead_of_the_next_planner_frees_no_bucket_before_the_hub_seals():
+    """``rpc``'s agent reads as soon as it is planned: it took buckets 0 and 1 and asked
+    for 2 before ``distributed``'s planner (waiting for rank 0's last collective) named
+    rank 0. Bucket 0 was freed and the learner went on: rank 0 was told it is gone."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=4), []
+        await broker.hold(k)
+        await broker.readers(k, ["relay"])
+        sending = asyncio.ensure_future(learner(broker, k, log))
+        relay = asyncio.ensure_future(reader(broker, k, "relay", log))
+        await _turns()
+        held = sorted(broker._streams["s"].buckets), [e for e in log if e[0] == "put"]
+        await broker.readers(k, ["rank0"])
+        await broker.seal(k)
+        got = await asyncio.gather(reader(broker, k, "rank0", log), relay, sending)
+        return held, got[0], got[1], broker.finished(k)
+
+    held, rank0, relay, finished = run(main())
+    assert held == ([0, 1], [("put", 0), ("put", 1)])  # no room for bucket 2 meanwhile
+    assert rank0 == relay == [f"ref{i}" for i in range(4)]
+    assert sorted(finished) == ["rank0", "relay"]
+
+
+def test_a_relay_that_read_the_whole_version_before_the_next_planner_leaves_it_open():
+    """A version of two buckets: ``rpc``'s agent took both and said it is done before
+    rank 0 was named. Its last reader done, the stream ended, and rank 0 was told the
+    version's stream is over."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=2), []
+        await broker.hold(k)
+        await broker.readers(k, ["relay"])
+        await asyncio.gather(learner(broker, k, log), reader(broker, k, "relay", log))
+        open_before = broker.stats().streams
+        await broker.readers(k, ["rank0"])
+        await broker.seal(k)
+        got = await reader(broker, k, "rank0", log)
+        return open_before, got, broker.stats().streams, broker.finished(k)
+
+    open_before, got, streams, finished = run(main())
+    assert open_before == 1 and got == ["ref0", "ref1"]
+    assert streams == 0 and finished == ["relay", "rank0"]
+
+
+def test_a_sealed_stream_frees_what_every_reader_took_as_one_planned_at_once():
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(), []
+        await broker.hold(k)
+        await broker.readers(k, ["a"])
+        await broker.readers(k, ["b"])
+        await broker.seal(k)
+        results = await asyncio.gather(
+            learner(broker, k, log), reader(broker, k, "a", log), reader(broker, k, "b", log)
+        )
+        return broker, log, results
+
+    broker, log, results = run(main())
+    assert results[1] == results[2] == [f"ref{i}" for i in range(6)]
+    held = [entry[2] for entry in log if len(entry) == 3]  # buckets held at each take
+    assert max(held) <= BUCKETS_IN_FLIGHT and broker.stats().peak_buckets <= BUCKETS_IN_FLIGHT
+    assert broker.stats().streams == 0
+
+
+def test_a_stream_sealed_with_no_reader_left_stops_its_learner_and_ends():
+    """Its only reader died while the hub held its readers open: once sealed, the learner
+    is told nobody reads it, and one that never asks again (a dead driver) leaves no
+    stream behind."""
+
+    async def main():
+        broker, k = BucketBroker(_NO_HUB), key(count=4, wait_s=0.1)
+        await broker.hold(k)
+        for index in range(2):
+            await broker.offer(k, index, [f"ref{index}"])
+        await broker.readers(k, ["R"])
+        await broker.drop_reader("R")
+        room = asyncio.ensure_future(broker.room(k, 2))
+        await _turns()
+        waited = not room.done()  # held: more readers may come
+        await broker.seal(k)
+        why = await room
+        await asyncio.sleep(0.3)  # past the stream's wait
+        return waited, why, broker.stats().streams
+
+    waited, why, streams = run(main())
+    assert waited and why == "no receiver reads this version any more"
+    assert streams == 0
+
+
+def test_a_held_stream_the_hub_never_seals_ends_as_one_never_planned():
+    """The hub's delivery broke off between ``hold`` and ``seal``: the stream ends when
+    one never planned does, its buckets freed, instead of holding its learner for ever."""
+
+    async def main():
+        broker, k = BucketBroker(_NO_HUB), key(count=3, wait_s=0.1)
+        await broker.hold(k)
+        await broker.readers(k, ["a"])
+        await broker.offer(k, 0, ["ref0"])
+        assert await broker.take(k, 0, "a") == (["ref0"], None)
+        why = await broker.room(k, 2)  # waits for the seal, which never comes
+        return broker, why, await broker.take(k, 1, "a")
+
+    broker, why, (boxed, told) = run(main())
+    assert why == "the hub never planned this version"
+    assert boxed is None and "the hub never planned this version" in told
+    assert broker.stats().streams == 0
+
+
 def test_a_member_that_gave_the_version_up_is_not_named_among_those_that_got_it():
     """A distributed member that sits in its collectives unread leaves the stream; rank 0,
     relaying every bucket, names all its members: that one must not be offered to serve
