@@ -236,6 +236,10 @@ class ServeRequest:
     version: int
     spec: WeightSpec
     payload: Any
+    #: The model's spec digest ``version`` was sent with (:attr:`Update.spec_digest`):
+    #: a holder whose model was reshaped or retyped since it applied ``version`` holds
+    #: other bytes under that number, and refuses to serve them.
+    spec_digest: str
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,9 @@ class ReceiverCore:
         #: leaves or is replaced waits for one in flight, then never registers again.
         self._registering = threading.RLock()
         self._registering_ended = False
+        #: Set under ``_registering`` by the registration that replaced this core: no
+        #: other may replace it again (its gate, versions and memory went to that one).
+        self._replaced = False
         #: Set at a safe point by :meth:`retire`: versions this core staged and that
         #: reach the safe point after are not applied (a newer registration rules).
         self._retired = False
@@ -274,7 +277,8 @@ class ReceiverCore:
         if not paths:
             raise ValueError("connect_hub needs at least one model path")
         _check_transport(hub, identity)
-        _check_not_attached(hub, identity, previous)
+        _check_not_replaced(previous, identity)
+        _reserve_attachment(hub, identity, previous)
         # Versions are a hub's own numbers: another hub's would hide its latest.
         carried = previous if _same_hub(previous, hub) else None
         try:  # a model that cannot take its own copy, a path that does not resolve...
@@ -290,6 +294,7 @@ class ReceiverCore:
             held = {m: _carried_over(carried, m, path, owner) for m, path in paths.items()}
             registration = _registration(owner, held, identity)
         except BaseException:  # ...: the previous registration stays this process's
+            _give_attachment_back(identity, previous)
             if previous is not None:
                 previous._retired = False
             raise
@@ -299,17 +304,18 @@ class ReceiverCore:
             its hub watch checks the hub at once: the hub may have dropped it meanwhile
             (a broadcast reached it retired, or the hub booked this one, then failed
             it), and a zero-copy model carried over lives in memory it held."""
-            if previous is not None and previous.identity.attachment == identity.attachment:
-                attached.fill(identity.attachment, previous)
-            else:
-                attached.remove(identity.attachment)
+            _give_attachment_back(identity, previous)
             if previous is not None:
                 previous._retired = False
                 previous.wake_watch()
 
-        attached.reserve(identity.attachment)
         # The previous core's hub watch must not register it again over this one.
         with contextlib.nullcontext() if previous is None else previous._registering:
+            try:  # another thread's registration may have replaced it while this waited
+                _check_not_replaced(previous, identity)
+            except ValueError:  # retired and closed by that one: left as it is
+                _give_attachment_back(identity, None)
+                raise
             try:
                 welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
             except BaseException as err:
@@ -335,6 +341,7 @@ class ReceiverCore:
                     logger.exception("could not withdraw %s's registration", identity.worker)
                 raise
             if previous is not None:
+                previous._replaced = True  # under its _registering: see _check_not_replaced
                 previous.close()
                 if not carried or previous.worker != identity.worker:
                     previous.forget_me()  # this registration does not replace it there
@@ -623,7 +630,8 @@ class ReceiverCore:
     def serve(self, request: ServeRequest) -> str | None:
         """Send the version of ``request.model`` this receiver holds to the receiver its
         planner made ``request.payload`` for (a late joiner of a version no other process
-        holds whole), holding the model steady meanwhile. None once sent, or why not."""
+        holds whole), holding the model steady meanwhile. None once sent, or why not
+        (the planner ends the joiner's stream with it: its read fails saying so)."""
         held = self.models.get(request.model)
         if held is None:
             return f"{self.actor_name} does not hold model {request.model!r}"
@@ -633,7 +641,16 @@ class ReceiverCore:
                     f"{self.actor_name} holds version {held.version} of model "
                     f"{request.model!r}, not {request.version}"
                 )
-            destination, _ = held.destination(self.owner)
+            destination, spec = held.destination(self.owner)
+            # The model may have been reshaped or retyped after it applied the version:
+            # its bytes are not that version's, and sliced by the joiner's layout they
+            # would be applied (and acked) as if they were.
+            if spec.digest != request.spec_digest:
+                return (
+                    f"{self.actor_name}'s model {request.model!r} changed since it applied "
+                    f"version {request.version}: spec digest {spec.digest}, not "
+                    f"{request.spec_digest} ({spec.summary()})"
+                )
             tensors = {name: destination.tensors[name] for name in request.spec.names}
             self.transport.serve(request.payload, tensors, request.spec)
         return None
@@ -851,13 +868,21 @@ class ReceiverCore:
         self, update: Update, staged: _Staged, fetched: _Fetched, token: str
     ) -> Ack:
         """Apply, then hand ``staged`` back to the transport unless the model took it
-        over (zero copy); the ack is registration ``token``'s. Runs at the safe point."""
-        held = self.models[update.model]
+        over (zero copy); the ack is registration ``token``'s. Runs at the safe point.
+
+        Who hands it back is decided by what this apply did, not by where the model
+        lives once ``on_applied`` returned: a hook that closed the receiver, connected
+        again or pulled a newer version moved the model out of ``staged`` and released
+        it already (a second release: a shared-memory owner took it for an early one
+        of a later hold, and skipped that hold)."""
+        taken = _TakenOver()
         try:
-            return dataclasses.replace(self._apply(update, staged, fetched), token=token)
+            return dataclasses.replace(self._apply(update, staged, fetched, taken), token=token)
         finally:
-            if held.adoption.lives_in(staged.tensors):
-                self._staging.discard(staged)  # listed as the adopted version now
+            if taken.over:
+                # The model's Adoption owns it now: whoever moves the model out of it
+                # (a newer version, retire) hands it back, once; listed there now.
+                self._staging.discard(staged)
             else:
                 try:
                     self._release(update, staged)
@@ -869,9 +894,9 @@ class ReceiverCore:
                         update.model,
                     )
 
-    def _apply(self, update: Update, staged: _Staged, fetched: _Fetched) -> Ack:
-        """Write ``staged`` into the model: point its tensors at it (zero copy) or copy
-        it in place. Runs at the safe point."""
+    def _apply(self, update: Update, staged: _Staged, fetched: _Fetched, taken: _TakenOver) -> Ack:
+        """Write ``staged`` into the model: point its tensors at it (zero copy, noted in
+        ``taken`` at once) or copy it in place. Runs at the safe point."""
         apply_started = time.perf_counter()
         if self._retired:
             return self._ack(
@@ -895,6 +920,7 @@ class ReceiverCore:
                 actor=self.actor_name,
                 model_id=held.model_id,
             )
+            taken.over = adopted
             if not adopted:
                 if self.identity.zero_copy:  # refused: it may have left the version's
                     destination, spec, targets = held.targets(self.owner)  # memory
@@ -1005,6 +1031,16 @@ class _StagingBook:
             return tuple(self._payloads.values())
 
 
+@dataclass
+class _TakenOver:
+    """Whether one apply made its zero-copy model live in the staged version: set by
+    :meth:`ReceiverCore._apply` as the model takes it, read by
+    :meth:`ReceiverCore._apply_and_release` (the same thread, at the safe point) to
+    leave handing it back to the model's :class:`Adoption`."""
+
+    over: bool = False
+
+
 @dataclass(frozen=True)
 class _Fetched:
     """When (``time.perf_counter()``) a version's fetch started and ended."""
@@ -1091,26 +1127,59 @@ def _same_hub(previous: ReceiverCore | None, hub: HubHandle) -> bool:
     return previous is not None and previous.hub.config.hub_id == hub.config.hub_id
 
 
-def _check_not_attached(
+def _reserve_attachment(
     hub: HubHandle, identity: ReceiverIdentity, previous: ReceiverCore | None
 ) -> None:
-    """ValueError if another receiver of this process is attached to ``hub`` as
-    ``identity.worker``: the hub keeps one registration per worker, so each would
-    replace the other at every heartbeat, and broadcasts would miss the models of the
-    one replaced."""
-    for other in attached.receivers():
-        if (
-            isinstance(other, ReceiverCore)
-            and other is not previous
-            and other.worker == identity.worker
-            and _same_hub(other, hub)
-        ):
-            raise ValueError(
-                f"{identity.actor} is attached to this hub as worker {identity.worker!r} "
-                f"already (models {', '.join(sorted(other.models))}): attach every model "
-                "in one call, pass that receiver as replaces=, close it first, or give "
-                "this one another worker_id"
-            )
+    """Reserve ``identity.attachment`` (see :meth:`Attachments.reserve`), claiming it as
+    ``identity.worker`` of ``hub``; ValueError if another receiver of this process is
+    attached to ``hub`` as that worker, or connecting as it now (a threaded host's
+    other thread): the hub keeps one registration per worker, so each would replace
+    the other at every heartbeat, and broadcasts would miss the models of the one
+    replaced. Checked and reserved in one step, under the registry's lock."""
+    claim = (hub.config.hub_id, identity.worker)
+
+    def check(receivers: list[Any], connecting: list[Any]) -> None:
+        for other in receivers:
+            if (
+                isinstance(other, ReceiverCore)
+                and other is not previous
+                and other.worker == identity.worker
+                and _same_hub(other, hub)
+            ):
+                _refuse_second(identity, f"models {', '.join(sorted(other.models))}")
+        if claim in connecting:
+            _refuse_second(identity, "connecting now, from another thread")
+
+    attached.reserve(identity.attachment, claim, check)
+
+
+def _refuse_second(identity: ReceiverIdentity, other: str) -> None:
+    """Raise the ValueError of :func:`_reserve_attachment`; ``other`` says who is there."""
+    raise ValueError(
+        f"{identity.actor} is attached to this hub as worker {identity.worker!r} "
+        f"already ({other}): attach every model in one call, pass that receiver as "
+        "replaces=, close it first, or give this one another worker_id"
+    )
+
+
+def _check_not_replaced(previous: ReceiverCore | None, identity: ReceiverIdentity) -> None:
+    """ValueError if another registration replaced ``previous`` already (two threads
+    connecting again at once, both from it): this one would live beside that one, and
+    take over a gate, versions and memory that are that one's now."""
+    if previous is not None and previous._replaced:
+        raise ValueError(
+            f"{identity.actor}'s receiver (worker {previous.worker!r}) was replaced by "
+            "another connect_hub/attach already: replace the receiver that one returned"
+        )
+
+
+def _give_attachment_back(identity: ReceiverIdentity, previous: ReceiverCore | None) -> None:
+    """Undo :func:`_reserve_attachment`: the key goes back to ``previous`` if it was
+    its (it stays this process's receiver), else it is free again."""
+    if previous is not None and previous.identity.attachment == identity.attachment:
+        attached.fill(identity.attachment, previous)
+    else:
+        attached.remove(identity.attachment)
 
 
 def _adoptions_carry_over(

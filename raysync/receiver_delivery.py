@@ -25,6 +25,7 @@ import dataclasses
 import threading
 import time
 import traceback
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import ray
@@ -49,27 +50,50 @@ class Deliverable(Protocol):
     def serve(self, request: ServeRequest) -> str | None: ...
 
 
+#: :meth:`Attachments.reserve`'s check: given the receivers attached under other keys
+#: and the claims of the other keys still connecting, raise to reserve nothing.
+ClaimCheck = Callable[[list[Deliverable], list[Hashable]], None]
+
+
 class Attachments:
     """This process's receivers by attachment key (one registry per process)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._receivers: dict[str, Deliverable | None] = {}  # None: reserved, connecting
+        #: What each key still connecting connects as (see :meth:`reserve`).
+        self._claims: dict[str, Hashable] = {}
 
-    def reserve(self, key: str) -> None:
+    def reserve(
+        self, key: str, claim: Hashable | None = None, check: ClaimCheck | None = None
+    ) -> None:
         """Announce ``key`` before registering with the hub: a delivery that arrives
-        before :meth:`fill` waits for it instead of failing."""
+        before :meth:`fill` waits for it instead of failing.
+
+        ``check(receivers, claims)``, given the receivers under other keys and the
+        ``claim`` of each other key still connecting, runs first under this registry's
+        lock, and what it raises reserves nothing: two threads of a host connecting at
+        once cannot both pass it (each saw neither the other's receiver nor, without
+        claims, its reservation). ``claim`` (the connecting side's, e.g. its hub and
+        worker id) stays until the key is filled or removed."""
         with self._cond:
+            if check is not None:
+                receivers = [r for k, r in self._receivers.items() if k != key and r is not None]
+                check(receivers, [c for k, c in self._claims.items() if k != key])
             self._receivers[key] = None
+            if claim is not None:
+                self._claims[key] = claim
 
     def fill(self, key: str, receiver: Deliverable) -> None:
         with self._cond:
             self._receivers[key] = receiver
+            self._claims.pop(key, None)  # the receiver itself says what it is now
             self._cond.notify_all()
 
     def remove(self, key: str) -> None:
         with self._cond:
             self._receivers.pop(key, None)
+            self._claims.pop(key, None)
             self._cond.notify_all()
 
     def receivers(self) -> list[Deliverable]:

@@ -27,7 +27,7 @@ import torch
 from raysync import receiver_core, weights
 from raysync.copies import Viewed, numpy_view
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
-from raysync.messages import Ack, AckStatus, Update, Welcome
+from raysync.messages import Ack, AckStatus, ServeRequest, Update, Welcome
 from raysync.receiver_core import (
     HeldModel,
     ReceiverCore,
@@ -419,6 +419,70 @@ def test_a_zero_copy_model_that_moved_on_acks_applied_whatever_handing_back_rais
     assert model.weight.data_ptr() == receiver.transport.staged[2][1].data_ptr()
     assert receiver.core.models["policy"].version == 2
     assert "could not hand version 1 back" in caplog.text
+
+
+@pytest.mark.parametrize("hook_does", ["closes", "pulls_a_newer_version"])
+def test_a_zero_copy_version_whose_hook_moved_the_model_out_is_handed_back_once(hook_does):
+    """``on_weights_applied`` may close the receiver (or connect again, or pull): it
+    runs inside the write, so retiring (or the newer version) moves the model out of
+    version 2 and hands it back; the apply's own clean-up then found the model living
+    elsewhere and handed version 2 back a second time (a shared-memory owner took the
+    extra release for an early one of a later hold of that worker's)."""
+    receiver: _Receiver
+
+    def on_applied(model: str, version: int) -> None:
+        if version != 2:
+            return
+        if hook_does == "closes":
+            receiver.core.retire()
+        else:
+            assert receiver.core.receive(receiver.update(3)).ack.status is AckStatus.APPLIED
+
+    receiver = _Receiver(zero_copy=True, on_applied=on_applied)
+    assert receiver.core.receive(receiver.update(1)).ack.status is AckStatus.APPLIED
+    assert receiver.core.receive(receiver.update(2)).ack.status is AckStatus.APPLIED
+    receiver.core.retire()  # the model leaves the last version it lives in
+    released = [payload for payload, _ in receiver.transport.released]
+    assert released == ([1, 2] if hook_does == "closes" else [1, 2, 3])
+    assert receiver.core._staging.payloads() == ()
+
+
+class _Serving(_Transport):
+    """:class:`_Transport` that records what it is asked to serve, as {name: tensor}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served: list[dict[str, torch.Tensor]] = []
+
+    def serve(self, payload: Any, tensors: Any, spec: WeightSpec) -> None:
+        self.served.append(dict(tensors))
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [torch.nn.Linear(4, 2), torch.nn.Linear(3, 2).to(torch.float64)],
+    ids=["reshaped", "retyped"],
+)
+def test_a_holder_whose_model_changed_since_it_applied_the_version_serves_none(changed):
+    """A late joiner pulls version 1, served by a receiver that applied it and whose
+    user then replaced its model by one of another shape or dtype (a model changed
+    between versions is supported): it streamed the model's bytes as they are now,
+    sliced by the version's layout, and the joiner applied and acked them as version 1
+    (or failed with a bare size error). It refuses, saying why; the unchanged model
+    serves."""
+    receiver = _Receiver()
+    serving = _Serving()
+    receiver.core.transport = receiver.transport = serving
+    assert receiver.core.receive(receiver.update(1)).ack.status is AckStatus.APPLIED
+    request = ServeRequest("policy", 1, receiver.spec, "stream", receiver.spec.digest)
+    assert receiver.core.serve(request) is None
+    assert [sorted(tensors) for tensors in serving.served] == [["bias", "weight"]]
+
+    receiver.owner.policy = changed
+    why = receiver.core.serve(request)
+    assert why is not None and "changed since it applied version 1" in why
+    assert receiver.spec.digest in why
+    assert len(serving.served) == 1  # nothing more sent
 
 
 def _while_a_method_runs(receiver: _Receiver, deliver: Callable[[], Any]) -> Any:
@@ -1310,3 +1374,153 @@ def test_registering_again_that_fails_has_the_previous_registrations_watch_look_
         assert woken == [True] and not core._retired
     finally:
         core.close()
+
+
+class _BothInFlight:
+    """A stand-in hub's ``register`` that holds each registration until the other
+    thread's is in flight too (or that thread ended): two threads connecting at once.
+    Each thread runs :meth:`attach` and records what it returned or raised."""
+
+    bound_s = 30.0  # a failure, not a hang: each wait ends in milliseconds
+
+    def __init__(self, hub: _Hub) -> None:
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._ended = 0
+        self.outcomes: list[Any] = []
+        hub.actor.register = SimpleNamespace(remote=self._register)
+
+    def _register(self, registration: Any) -> str:
+        with self._cond:
+            self._in_flight += 1
+            self._cond.notify_all()
+            assert self._cond.wait_for(lambda: self._in_flight + self._ended >= 2, self.bound_s)
+        return "welcome"
+
+    def attach(self, connect: Callable[[], Any]) -> None:
+        try:
+            outcome = connect()
+        except Exception as err:
+            outcome = err
+        with self._cond:
+            self.outcomes.append(outcome)
+            self._ended += 1
+            self._cond.notify_all()
+
+    def run(self, *connects: Callable[[], Any]) -> list[Any]:
+        threads = [threading.Thread(target=self.attach, args=(c,), daemon=True) for c in connects]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(self.bound_s)
+        assert not any(thread.is_alive() for thread in threads)
+        return self.outcomes
+
+
+def _registering_here(monkeypatch) -> None:
+    """``ReceiverCore.register`` without Ray: every hub answers a Welcome at once."""
+    process = SimpleNamespace(get_node_id=lambda: "node", get_worker_id=lambda: "process")
+    monkeypatch.setattr(receiver_core.ray, "get_runtime_context", lambda: process)
+    monkeypatch.setattr(receiver_core, "_host_actor", lambda: None)
+    welcome = Welcome("object_store", None, {})
+    monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: welcome)
+    monkeypatch.setattr(receiver_core, "_open_transport", lambda welcome: _Transport())
+
+
+def test_two_threads_attaching_as_one_worker_at_once_leave_one_registration(monkeypatch):
+    """A threaded host attaches two models from two threads under one worker id: each
+    checked that no receiver was attached as that worker while the other was still
+    connecting (reserved, not yet filled), and both registered: the hub keeps one per
+    worker, so each replaced the other at every heartbeat. One is refused, naming it."""
+    _registering_here(monkeypatch)
+    hub = _Hub()
+    both = _BothInFlight(hub)
+    owner = SimpleNamespace(policy=torch.nn.Linear(3, 2), critic=torch.nn.Linear(3, 2))
+
+    def connect(model: str) -> Callable[[], ReceiverCore]:
+        identity = ReceiverIdentity(WORKER, "Collector(abc)", uuid.uuid4().hex)
+        return lambda: ReceiverCore.register(owner, hub, {model: model}, identity)[0]
+
+    outcomes = both.run(connect("policy"), connect("critic"))
+    try:
+        refused = [o for o in outcomes if isinstance(o, ValueError)]
+        assert len(refused) == 1, outcomes
+        assert f"as worker {WORKER!r} already (connecting now" in str(refused[0])
+        assert sum(isinstance(o, ReceiverCore) for o in outcomes) == 1
+        assert [r.worker for r in attached.receivers() if isinstance(r, ReceiverCore)] == [WORKER]
+    finally:
+        for outcome in outcomes:
+            if isinstance(outcome, ReceiverCore):
+                outcome.close()
+
+
+class _SaysWhenWaitedFor:
+    """A core's ``_registering`` lock that sets ``waited`` once a thread has to wait
+    for it (another thread registers in its place meanwhile)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.waited = threading.Event()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self.waited.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+
+def test_a_receiver_replaced_already_is_not_replaced_again(monkeypatch):
+    """Two threads connect again at once, each replacing the receiver they found (the
+    mixin's ``connect_hub``), as other workers: the second waited for the first to
+    replace it, then replaced it too, and both lived on, sharing its gate. It is
+    refused, leaving the first's registration as it is; so is a later call still
+    replacing the receiver the first one replaced."""
+    bound_s = 30.0  # a failure, not a hang: each wait ends in milliseconds
+    _registering_here(monkeypatch)
+    owner = SimpleNamespace(policy=torch.nn.Linear(3, 2))
+    hub = _Hub()
+    hub.actor.leave = SimpleNamespace(remote=lambda worker, token: None)
+    models = {"policy": HeldModel("policy", "policy", registered=SameObject(owner.policy))}
+    first = ReceiverIdentity(WORKER, "Collector(abc)", uuid.uuid4().hex)
+    welcome = Welcome("object_store", None, {})
+    previous = ReceiverCore(
+        owner, hub, models, first, welcome, "token", None, transport=_Transport()
+    )
+    attached.fill(first.attachment, previous)
+    registering = previous._registering = _SaysWhenWaitedFor()  # type: ignore[assignment]
+    # The first registration is answered once the other thread waits to replace too.
+    hub.actor.register = SimpleNamespace(remote=lambda r: registering.waited.wait(bound_s))
+    outcomes: list[Any] = []
+
+    def connect(worker: str) -> ReceiverCore:
+        identity = ReceiverIdentity(worker, "Collector(abc)", uuid.uuid4().hex)
+        core, _ = ReceiverCore.register(
+            owner, hub, {"policy": "policy"}, identity, previous=previous
+        )
+        return core
+
+    def attach(worker: str) -> None:
+        try:
+            outcomes.append(connect(worker))
+        except ValueError as err:
+            outcomes.append(err)
+
+    threads = [threading.Thread(target=attach, args=(w,), daemon=True) for w in ("one", "two")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(bound_s)
+    cores = [o for o in outcomes if isinstance(o, ReceiverCore)]
+    try:
+        refused = [str(o) for o in outcomes if isinstance(o, ValueError)]
+        assert len(cores) == 1 and len(refused) == 1, outcomes
+        assert "was replaced by another connect_hub/attach already" in refused[0]
+        assert attached.receivers() == cores and not cores[0]._retired
+        with pytest.raises(ValueError, match="replaced by another"):
+            connect("three")
+        assert attached.receivers() == cores
+    finally:
+        for core in [previous, *cores]:
+            core.close()

@@ -103,7 +103,9 @@ class BucketServing:
         key = StreamId(uuid.uuid4().hex, payload.key.count, payload.key.wait_s, served=True)
         served = BucketStream(payload.broker, key, payload.bucket_bytes)
         await payload.broker.readers.remote(key, [receiver.worker])
-        request = ServeRequest(model_of_stream(update.model), update.version, spec, served)
+        request = ServeRequest(
+            model_of_stream(update.model), update.version, spec, served, update.spec_digest
+        )
         call = serve_call(holder.handle, holder.attachment, request)
         task = asyncio.ensure_future(self._served(call, served, holder.worker))
         self._serving.add(task)
