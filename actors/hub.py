@@ -767,14 +767,27 @@ class WeightHubActor:
         try:
             welcome = await self._register(registration)
         except Exception as err:
-            self._refused.pop(registration.worker, None)
-            self._refused[registration.worker] = RefusedRegistration(
-                registration.actor, f"{type(err).__name__}: {err}", time.time()
-            )
-            keep_newest(self._refused, _REFUSALS_KEPT)
+            if not self._registered_since(registration):
+                self._refused.pop(registration.worker, None)
+                self._refused[registration.worker] = RefusedRegistration(
+                    registration.actor, f"{type(err).__name__}: {err}", time.time()
+                )
+                keep_newest(self._refused, _REFUSALS_KEPT)
             raise
         self._refused.pop(registration.worker, None)
         return welcome
+
+    def _registered_since(self, registration: Registration) -> bool:
+        """Whether another registration of ``registration``'s worker from the same
+        process is in now (it withdrew this one, and registered again before this one
+        failed here): this one's refusal is not the worker's (``status`` would say it
+        cannot get in, while it receives)."""
+        entry = self._state.receivers.get(registration.worker)
+        return (
+            entry is not None
+            and entry.registration.token != registration.token
+            and entry.registration.process == registration.process
+        )
 
     def _check_registering(self, registration: Registration) -> None:
         """HubClosedError once :meth:`close` has begun: its planners and background

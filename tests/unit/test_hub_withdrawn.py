@@ -60,3 +60,32 @@ def test_a_registration_withdrawn_while_the_hub_waits_for_its_former_one_is_not_
 
     asyncio.run(scenario())
     assert booked == []
+
+
+@dataclasses.dataclass(frozen=True)
+class _FromProcess:
+    worker: str
+    actor: str
+    token: str
+    process: str
+
+
+@pytest.mark.parametrize("process", ["p1", "p2"])
+def test_a_registration_failing_after_its_successor_got_in_leaves_no_refusal(process):
+    """The receiver withdrew registration t1 (unanswered in time) and got in as t2; t1
+    then failed at the hub ("dropped while it registered"): ``status`` said the worker
+    was refused while it received. A refusal of another process's registration (an
+    impostor of the worker id) still shows."""
+    from raysync.hub_state import ReceiverEntry
+
+    current = ReceiverEntry(_FromProcess("w", "Collector(w)", "t2", "p1"))
+    hub = SimpleNamespace(_refused=OrderedDict(), _state=SimpleNamespace(receivers={"w": current}))
+    hub._registered_since = functools.partial(WeightHubActor._registered_since, hub)
+
+    async def refused(registration):
+        raise RaySyncError("w was dropped while it registered: register again")
+
+    hub._register = refused
+    with pytest.raises(RaySyncError):
+        asyncio.run(WeightHubActor.register(hub, _FromProcess("w", "Collector(w)", "t1", process)))
+    assert ("w" in hub._refused) == (process == "p2")
