@@ -34,7 +34,7 @@ from __future__ import annotations
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -62,10 +62,22 @@ _LOOK_S = 0.5
 
 @dataclass
 class Outgoing:
-    """A bucketed version the learner has yet to stream (``submitted``)."""
+    """A bucketed version the learner (or a receiver serving a late joiner) has yet to
+    stream (``submitted``)."""
 
     sources: list[torch.Tensor]  #: the learner's tensors, in spec order
     plan: BucketPlan
+    #: The last source flattened (its index), while its pieces are sent.
+    _flat: tuple[int, torch.Tensor] | None = field(default=None, repr=False)
+
+    def flat(self, tensor: int) -> torch.Tensor:
+        """Source ``tensor`` as one flat run: a view where it is contiguous, else one
+        copy kept while its pieces go (a tensor's pieces come bucket after bucket:
+        flattened per bucket, a non-contiguous one spread over k buckets was copied k
+        times, its whole size each)."""
+        if self._flat is None or self._flat[0] != tensor:
+            self._flat = (tensor, self.sources[tensor].reshape(-1))
+        return self._flat[1]
 
 
 def start_stream(
@@ -131,7 +143,7 @@ def bucket_arrays(outgoing: Outgoing, index: int) -> list[np.ndarray]:
     arrays = []
     for piece in outgoing.plan.pieces(index):
         wire = outgoing.plan.spec.tensors[piece.tensor].dtype
-        flat = outgoing.sources[piece.tensor].reshape(-1)
+        flat = outgoing.flat(piece.tensor)
         chunk = flat[piece.start // wire.itemsize : piece.end // wire.itemsize]
         if chunk.dtype != wire:
             chunk = chunk.to(wire)
