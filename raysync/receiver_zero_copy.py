@@ -41,9 +41,19 @@ class AdoptedVersion:
         if self.transport is None:
             return
         try:
+            _wait_for_kernels(self.staged)
             self.transport.release(self.payload, self.staged)
         except Exception:
             logger.exception("could not hand version %d back to its transport", self.version)
+
+
+def _wait_for_kernels(staged: Sequence[torch.Tensor]) -> None:
+    """Return once every kernel queued on the CUDA devices of ``staged`` has run: the
+    model lived in that memory until now, and the host's last forward pass may still be
+    reading it on any of its streams; handed back, it may be written again at once by
+    DMA (a NIXL READ), which waits for no stream. (On a CPU, nothing to wait for.)"""
+    for device in {tensor.device for tensor in staged if tensor.is_cuda}:
+        torch.cuda.synchronize(device)
 
 
 def rebind(model: Any, names: tuple[str, ...], staged: Sequence[torch.Tensor]) -> str | None:

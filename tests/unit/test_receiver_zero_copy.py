@@ -219,3 +219,28 @@ def test_rebind_refuses_inference_tensors_and_changes_nothing():
         "'bias' is an inference tensor (made under torch.inference_mode())"
     )
     assert [model.bias.data_ptr(), model.weight.data_ptr()] == pointers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_version_is_handed_back_once_the_kernels_reading_it_ran():
+    """The model lived in the staged VRAM until now, and the host's last forward pass
+    may still be queued on a stream reading it: handed back at once, a NIXL READ of the
+    next version (DMA, which waits for no stream) could land under those kernels."""
+    idle_at_release: list[bool] = []
+
+    class _Recording(_Transport):
+        def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
+            idle_at_release.append(torch.cuda.current_stream().query())
+            super().release(payload, staged)
+
+    transport = _Recording()
+    model = torch.nn.Linear(3, 2).cuda()
+    adoption = Adoption()
+    first = AdoptedVersion(transport, "v1", _staged(1.0, "cuda"), 1)
+    assert adoption.take(model, NAMES, first, actor="A", model_id="m")
+    torch.cuda._sleep(10**9)  # a long kernel queued, as a forward pass would be
+    model(torch.ones(1, 3, device="cuda"))
+    second = AdoptedVersion(transport, "v2", _staged(2.0, "cuda"), 2)
+    assert adoption.take(model, NAMES, second, actor="A", model_id="m")
+    assert transport.released == ["v1"] and idle_at_release == [True]
