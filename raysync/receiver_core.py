@@ -728,8 +728,13 @@ class ReceiverCore:
         if held is None or refused is not None:
             if held is not None and get_transport(self.transport_name).reads_refused:
                 self._read_and_let_go(transport, update, held)
-            else:
+            elif refused is not AckStatus.CONFLICT:
                 transport.release(update.payload, None)
+            # A learner's own delivery turned down as a CONFLICT is not handed back: the
+            # hub delivers this payload itself next (under the number it booked it, or a
+            # new one), and that delivery's hold on it is the one hold the payload has (a
+            # shared-memory owner took this release for that hold's, and skipped it: a
+            # zero-copy model then lived in a slot nobody held, written again under it).
             if held is None:
                 raise UnknownModelError(f"{self.actor_name} does not hold model {update.model!r}")
             assert refused is not None  # held, so the refusal is why

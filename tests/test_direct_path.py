@@ -13,6 +13,7 @@ import torch
 
 from raysync import StaleVersionError, UnknownModelError, hub_handle
 from raysync.testing import assert_bitwise, special_weights
+from raysync.transports.shared_memory import OWNER_NAMESPACE, owner_name
 from tests.helpers import (
     Gate,
     assert_same,
@@ -160,6 +161,29 @@ def test_two_learners_guessing_the_same_version_stay_in_the_hubs_order(actors):
     assert (three.version, three.direct, three.acked) == (3, (), ("c0", "c1"))
     _hold(collectors, learner, 3)
     assert ray.get(first.status.remote()).versions == {"policy": 3}
+
+
+def test_two_learners_guessing_one_number_leave_zero_copy_models_in_slots_held(actors):
+    """The same on ``shared_memory``, the receivers' models living in the slots: each
+    answered the first learner's own delivery of its guess CONFLICT and handed the
+    slot back, which the owner took for the hold of the hub's own delivery of it, as
+    version 3, and skipped that hold: the slot the models then lived in was held by
+    nobody, free to be written again under them."""
+    first = start_hub(actors, "shared_memory")
+    second = start(actors, OtherLearner, first)
+    collectors = [
+        start(actors, Collector, first, worker_id=f"c{i}", zero_copy=True) for i in range(2)
+    ]
+    ready(collectors)
+    ray.get(first.broadcast.remote(make_policy()))
+    assert ray.get(second.broadcast.remote(make_policy())).version == 2
+    learner = make_policy()
+    three = ray.get(first.broadcast.remote(learner))
+    assert (three.version, three.direct, three.acked) == (3, (), ("c0", "c1"))
+    _hold(collectors, learner, 3)
+    node_id = ray.get_runtime_context().get_node_id()
+    owner = ray.get_actor(owner_name(first.config.hub_id, node_id), namespace=OWNER_NAMESPACE)
+    assert {"worker/c0", "worker/c1"} <= set(ray.get(owner.stats.remote()).holds)
 
 
 def test_a_taken_version_whose_named_receiver_left_is_versioned_anew_and_fails_it(actors):

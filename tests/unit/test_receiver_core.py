@@ -1524,3 +1524,21 @@ def test_a_receiver_replaced_already_is_not_replaced_again(monkeypatch):
     finally:
         for core in [previous, *cores]:
             core.close()
+
+
+def test_a_learners_own_delivery_turned_down_as_a_conflict_keeps_its_hold_for_the_hubs():
+    """The receiver holds another learner's version 2 when this learner's own delivery
+    of its guessed 2 comes: a CONFLICT, and the hub then delivers this payload itself
+    (under the number it booked it, or a new one), planned with one hold on it. Handing
+    it back here released that hold (or, first, forestalled it): a shared-memory slot a
+    zero-copy model then lived in was held by nobody, and written again under it."""
+    receiver = _Receiver()
+    receiver.core.receive(dataclasses.replace(receiver.update(2), origin="b"))
+    assert receiver.transport.released == [(2, True)]
+    mine = dataclasses.replace(receiver.update(2), origin="a", from_learner=True)
+    assert receiver.core.receive(mine) == AckNow(
+        dataclasses.replace(_ack(2, AckStatus.CONFLICT), origin="a")
+    )
+    assert receiver.transport.released == [(2, True)]  # nothing handed back for it
+    receiver.core.receive(dataclasses.replace(mine, version=3, from_learner=False))
+    assert receiver.transport.released == [(2, True), (2, True)]  # once, by the hub's
