@@ -22,7 +22,15 @@ import torch
 from ray.actor import ActorHandle
 
 from raysync import weights as weights_mod
-from raysync.errors import HubClosedError
+from raysync.errors import (
+    HubClosedError,
+    HubSnapshotError,
+    IncompleteVersionError,
+    SpecMismatchError,
+    StaleVersionError,
+    UnknownModelError,
+    UnknownWorkerError,
+)
 from raysync.learner_channel import CHANNEL_MAX_BYTES, COLLECT_WAIT_S, ReceiverChannel
 from raysync.learner_direct import all_listed, deliver_directly, write_channel
 from raysync.learner_side import LearnerSide, end_learner_side, learner_side
@@ -484,6 +492,38 @@ class _BroadcastDone(VersionDone):
             return True  # the submit failed: nothing is read any more
         ready, _ = ray.wait([report], timeout=0, fetch_local=False)
         return bool(ready)
+
+    #: What the hub's ``submit`` raises before it publishes the version (each is checked,
+    #: or the version assembled, first): the version never became the model's latest.
+    #: Not BroadcastError (published; some receivers failed), nor anything else (an actor
+    #: that died, a cancelled call, an unforeseen error: whether it was published is
+    #: not known, and a sender must then keep it readable as if it were the latest).
+    _REFUSALS = (
+        SpecMismatchError,
+        StaleVersionError,
+        UnknownModelError,
+        UnknownWorkerError,
+        HubClosedError,
+        HubSnapshotError,
+        IncompleteVersionError,
+    )
+
+    def refused(self) -> bool:
+        """Whether the hub refused the version before publishing it (its submit raised
+        one of ``_REFUSALS``, which Ray re-raises as that class), without waiting: asked
+        by a sender in the learner process as it picks the memory of its next version.
+        Only the submit's own result tells: with ``wait=False`` its ticket means the
+        version was published, whatever ``wait_for`` says after."""
+        try:
+            ready, _ = ray.wait([self._result], timeout=0, fetch_local=False)
+            if not ready:
+                return False
+            ray.get(self._result, timeout=0)
+        except self._REFUSALS:
+            return True
+        except Exception:  # published, or not known (not here yet, the hub died)
+            return False
+        return False
 
 
 class HubHandle:

@@ -141,6 +141,16 @@ class VersionDone(ABC):
             return False
         return True
 
+    def refused(self) -> bool:
+        """Whether the broadcast has ended refused by the hub before it published the
+        version (so the version never became the model's latest), without waiting.
+        False while it runs, and wherever that is not known. Called in the learner
+        process, from any thread, by a sender choosing memory to write (the nixl
+        sender writes the buffer of a refused version again rather than the one that
+        may hold the latest). Default: False: a sender then keeps the version readable
+        as if it were the latest, which is always safe."""
+        return False
+
 
 class TransportSender(ABC):
     """Learner-side half of a transport. One per hub handle per learner process."""

@@ -206,3 +206,94 @@ def test_a_closed_sender_stops_progressing_its_agent():
     sender.close()
     progress.join(_PROMPT_S)
     assert not progress.is_alive(), "the closed sender's agent is still progressed"
+
+
+class _Ended(VersionDone):
+    """A broadcast that has ended: published (its receivers acked or failed), or, with
+    ``refused=True``, refused by the hub before it was published (a stale explicit
+    version, a named worker that died): that version never became the hub's latest."""
+
+    def __init__(self, refused: bool = False) -> None:
+        self._refused = refused
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+    def refused(self) -> bool:
+        return self._refused
+
+
+def _published(sender: NixlSender, weights: dict[str, torch.Tensor], model: str = "m"):
+    """Send ``weights`` as a version the hub published (its broadcast ended)."""
+    payload = sender.send(weights, WeightSpec.of(weights), model)
+    sender.submitted(payload, _Ended())
+    return payload
+
+
+def _holds(sender: NixlSender, payload, weights: dict[str, torch.Tensor]) -> bool:
+    """Whether ``payload``'s buffer still holds that version, as a late joiner handed it
+    reads it: every bucket stamped with its stamp, and the data ``weights`` packed."""
+    buffer = sender._by_address[payload.region.address]
+    layout = buffer.frame.layout
+    packed = torch.zeros_like(buffer.tensor)
+    layout.pack(layout.byte_views(weights), packed)
+    data = slice(layout.header_bytes, None)
+    stamped = bool((buffer.frame.stamps(buffer.tensor) == payload.stamp).all())
+    return stamped and torch.equal(buffer.tensor[data], packed[data])
+
+
+def test_two_abandoned_versions_in_a_row_leave_the_latest_readable(sender):
+    """The hub's latest stays readable for late joiners and pulls: the second version
+    that failed before it left was written into the latest's buffer (each send took the
+    buffer not written last time), and receivers restarting failed it."""
+    weights = _weights(1)
+    latest = _published(sender, weights)
+    spec = WeightSpec.of(weights)
+    for seed in (2, 3):
+        sender.abandoned(sender.send(_weights(seed), spec, "m"), "failed before it left")
+    assert _holds(sender, latest, weights), "an abandoned version overwrote the latest"
+
+
+def test_two_refused_versions_in_a_row_leave_the_latest_readable(sender):
+    """As above, for versions the hub refused (``workers=`` naming a worker that just
+    died, a stale explicit ``version=``): they were written and ended, never published."""
+    weights = _weights(1)
+    latest = _published(sender, weights)
+    spec = WeightSpec.of(weights)
+    for seed in (2, 3):
+        refused = sender.send(_weights(seed), spec, "m")
+        sender.submitted(refused, _Ended(refused=True))
+        assert refused.region != latest.region, "a refused version went into the latest's"
+    assert _holds(sender, latest, weights), "a refused version overwrote the latest"
+
+
+def test_after_refused_and_abandoned_versions_the_published_ones_alternate(sender):
+    """The invariant: a send never writes into the buffer of the latest published
+    version. A version that never became the latest leaves its buffer to the next one;
+    once one is published, the next goes into the other buffer, as always."""
+    first = _weights(1)
+    spec = WeightSpec.of(first)
+    v1 = _published(sender, first)
+    refused = sender.send(_weights(2), spec, "m")
+    sender.submitted(refused, _Ended(refused=True))
+    sender.abandoned(sender.send(_weights(3), spec, "m"), "failed before it left")
+    second = _weights(4)
+    v2 = _published(sender, second)
+    assert v2.region == refused.region != v1.region
+    third = _weights(5)
+    v3 = _published(sender, third)
+    assert v3.region == v1.region, "the version after a published one did not alternate"
+    assert _holds(sender, v2, second) and _holds(sender, v3, third)
+
+
+def test_a_version_whose_broadcast_runs_still_is_taken_for_the_latest(sender, held):
+    """Whether the hub publishes a version is known once its broadcast ends: until then
+    the next version goes into the other buffer (waiting for its broadcast there)."""
+    weights = _weights(1)
+    spec = WeightSpec.of(weights)
+    v1 = _published(sender, weights)
+    running = sender.send(_weights(2), spec, "m")
+    sender.submitted(running, held)
+    v3 = sender.send(_weights(3), spec, "m")
+    assert v3.region == v1.region != running.region
+    sender.submitted(v3, None)

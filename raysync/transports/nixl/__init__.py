@@ -5,7 +5,9 @@ spec (and device) it registers, once, a *pair* of buffers laid out as a header o
 int64 stamp per *bucket* (``BUCKET_BYTES`` of the data) followed by the tensors packed
 by :class:`~raysync.layout.PackedLayout`. Each version goes into the buffer of the pair
 not written last time, so receivers can still read version v while the learner writes
-v+1. ``send`` picks the buffer, clears its stamps and returns a small payload: the
+v+1 (unless the version written last never became the hub's latest: abandoned, or
+refused by the hub; then into that one again, the other holding the latest).
+``send`` picks the buffer, clears its stamps and returns a small payload: the
 agent's name and metadata (~0.5 KB; receivers load it only when it changes), where
 the buffer is, and the version's *stamp*. ``submitted`` (right after the hub was
 handed the payload) then packs the buffer bucket by bucket, setting each bucket's

@@ -55,13 +55,18 @@ class _SourceBuffer:
     #: The version ``send`` handed out and ``submitted`` writes: its stamp and sources.
     pending: tuple[int, list[torch.Tensor]] | None = None
     writing: bool = False  #: ``submitted`` is writing ``pending`` into it
+    #: Its last version was ``abandoned`` (it never left for the hub, or will never be
+    #: written): no reader may ask for it, so it is not the hub's latest.
+    void: bool = False
 
 
 @dataclass
 class _SourcePair:
     buffers: tuple[_SourceBuffer, _SourceBuffer]
     registered: Any  #: nixlRegDList, for deregistration
-    next: int = 0
+    #: The buffer of the version ``send`` handed out last (the second one before any:
+    #: the first version goes into the first).
+    last: int = 1
     #: One ``send`` of this model at a time: the choice of buffer, and the wait for the
     #: broadcast that last filled it (other models' sends do not wait for that).
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -101,7 +106,8 @@ class NixlSender(TransportSender):
     def send(
         self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str
     ) -> NixlPayload:
-        """Pick the buffer for this version and clear its stamps; ``submitted`` writes it.
+        """Pick the buffer for this version (``_target``) and clear its stamps;
+        ``submitted`` writes it.
 
         Waits for the broadcast that last filled the buffer. Meanwhile other threads'
         versions already handed to the hub are written: a receiver may be reading one
@@ -115,8 +121,8 @@ class NixlSender(TransportSender):
             self._check_open(f"model {model!r}'s version")
             pair = self._pairs.get(key) or self._register(model, spec, device)
         with pair.lock:
-            buffer = pair.buffers[pair.next]
-            pair.next ^= 1
+            index = self._target(pair)
+            buffer = pair.buffers[index]
             with self._state:
                 self._wait_until_written(buffer)
                 last, buffer.broadcast = buffer.broadcast, None
@@ -143,6 +149,9 @@ class NixlSender(TransportSender):
                 closed = self._pairs.get(key) is not pair
                 metadata, registration = self._metadata, self._registration
                 buffer.pending = None if closed else (stamp, sources)
+                # Only now: a send that failed before wrote no version the next must
+                # keep clear of (it goes to the same buffer again).
+                pair.last, buffer.void = index, False
                 self._written.notify_all()
             if closed:
                 raise TransportError(
@@ -247,9 +256,34 @@ class NixlSender(TransportSender):
             buffer = self._by_address.get(payload.region.address)
             if buffer is None or buffer.pending is None or buffer.pending[0] != payload.stamp:
                 return
-            buffer.pending = None
+            buffer.pending, buffer.void = None, True
             buffer.frame.stamps(buffer.tensor).fill_(ABANDONED)
             self._written.notify_all()
+
+    def _target(self, pair: _SourcePair) -> int:
+        """(In ``send``, the pair's ``lock`` held: no other send moves ``pair.last``.)
+        Which buffer of ``pair`` the next version goes into. The hub keeps the model's
+        latest version readable for late joiners and pulls, and that may be the version
+        written last: so the other buffer, unless the version written last is known
+        never to have become the latest (``_never_latest``). Then the latest, if either
+        buffer holds it, is in the other one, and two versions in a row that the hub
+        refused (or that failed before they left) would have overwritten it."""
+        if self._never_latest(pair.buffers[pair.last]):
+            return pair.last
+        return pair.last ^ 1
+
+    def _never_latest(self, buffer: _SourceBuffer) -> bool:
+        """(``send``'s thread.) Whether ``buffer``'s version is known never to have
+        become the hub's latest: ``abandoned``, or its broadcast ended refused by the
+        hub before it was published. Not while that version is still on its way
+        (handed out, or being written): whether the hub takes it is not known yet."""
+        with self._state:
+            if buffer.pending is not None or buffer.writing:
+                return False
+            void, broadcast = buffer.void, buffer.broadcast
+        # Settled: only a send (which holds the pair's lock) changes it now. Asked
+        # outside ``_state``, which ``submitted`` of other versions takes meanwhile.
+        return void or (broadcast is not None and broadcast.refused())
 
     def _wait_until_written(self, buffer: _SourceBuffer) -> None:
         """(The pair's ``lock`` and ``_state`` held.) Wait while another thread's version, sent into
