@@ -140,6 +140,8 @@ class _Broadcast:
         before any receiver is touched.
         """
         started = time.perf_counter()
+        if version is not None:  # NaN or inf: every receiver took it as held, for good
+            version = _whole_number("version", version)
         part, parts = _checked_part(part, parts, version)
         if isinstance(workers, str):  # iterated, it would name a worker per letter
             raise TypeError(
@@ -198,7 +200,7 @@ class _Broadcast:
                 channel = None
             if channel is not None:
                 assert wire is not None  # direct: a whole version, not buckets
-                above = side.last_direct.get(direct_key, 0)
+                above = _above(side, direct_key)
                 direct_version = handle._next_direct_version(route)
                 written = write_channel(
                     channel,
@@ -243,7 +245,7 @@ class _Broadcast:
                     sent_at = time.time()
                     calls: dict[str, tuple[str, Any]] | None = None
                     if above is None:  # read under the lock: another thread's direct one
-                        above = side.last_direct.get(direct_key, 0)
+                        above = _above(side, direct_key)
                     if direct and written is None and _stale(side, route_key, basis):
                         direct = False  # the hub numbers it: its route's number may be taken
                     if direct:
@@ -354,6 +356,18 @@ def _stale(side: LearnerSide, key: str | None, basis: int) -> bool:
     hub from another thread), and a direct delivery of it would be taken as held by
     every receiver it reached first."""
     return side.last_results.get(key, (0, None))[0] != basis
+
+
+def _above(side: LearnerSide, direct_key: str) -> int:
+    """The highest version this learner delivered itself of the model ``direct_key``
+    names: one the hub may not have booked (it restarted since), which the broadcast's
+    number must be above. An unnamed broadcast whose route names no model (a hub that
+    restarted knows no receiver yet) does not know which model it is: the highest of
+    any (the hub takes one left unnamed only while it holds one model); looked up under
+    "" it was none, and the hub numbered the version again as one the receivers held."""
+    if direct_key:
+        return side.last_direct.get(direct_key, 0)
+    return max(side.last_direct.values(), default=0)
 
 
 def _abandon(senders: dict[str, TransportSender], payloads: dict[str, Any], why: str) -> None:

@@ -491,18 +491,22 @@ def test_a_receiver_that_left_once_it_applied_a_deferred_learners_delivery_is_ac
     assert_same(ray.get(leaver.state.remote()), state_of(learner))
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["unnamed", "named before"])
 def test_a_version_delivered_but_never_booked_is_not_numbered_again_by_the_hub(
-    actors, monkeypatch
+    actors, monkeypatch, named
 ):
     """The learner delivered version 2 itself and its booking never reached the hub (as
     when the hub dies first). Its next route listed no receiver (a restarted hub that
     knows none yet), so it named no model, and the learner looked its last direct
     version up under that empty name: the hub numbered the next version 2 again, and
-    every receiver, holding 2 from this learner, took it as held, with 2's weights."""
+    every receiver, holding 2 from this learner, took it as held, with 2's weights.
+    (``named before``: the earlier broadcasts named the model, so the learner did not
+    know which model an unnamed one is.)"""
     hub = start_hub(actors, "object_store")
     collectors = [start(actors, ValueLog, hub, worker_id=f"c{i}") for i in range(2)]
     ready(collectors)
-    assert ray.get(hub.broadcast.remote(make_policy())).version == 1
+    before = {"model": "policy"} if named else {}
+    assert ray.get(hub.broadcast.remote(make_policy(), **before)).version == 1
     side = hub._side
     submit = side.submit
 
@@ -512,7 +516,7 @@ def test_a_version_delivered_but_never_booked_is_not_numbered_again_by_the_hub(
     monkeypatch.setattr(side, "submit", lost_before_booked)
     unbooked = make_policy()
     with pytest.raises(RuntimeError, match="before it booked"):
-        hub.broadcast.remote(unbooked)
+        hub.broadcast.remote(unbooked, **before)
     _hold(collectors, unbooked, 2)
     monkeypatch.setattr(side, "submit", submit)
     route = hub._route
