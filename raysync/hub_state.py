@@ -201,7 +201,13 @@ class HubState:
         return self.models[model].version if model in self.models else 0
 
     def check_version(self, model: str, version: int | None) -> None:
-        """Raise StaleVersionError unless ``version`` is None or above the current one."""
+        """Raise StaleVersionError unless ``version`` is None or above the current one;
+        ValueError for one that is not an int (NaN or inf was taken: every receiver
+        answered it as held, and every version after it was numbered NaN, or inf)."""
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise ValueError(
+                f"version must be an int, got {version!r} ({type(version).__name__})"
+            )
         current = self.version_of(model)
         if version is not None and version <= current:
             raise StaleVersionError(

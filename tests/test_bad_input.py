@@ -321,6 +321,16 @@ def test_stale_explicit_version(below, before):
     assert ray.get(before.collector.version.remote()) == jump
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 2.5, True, "3"])
+def test_a_version_that_is_no_int_is_refused_in_the_learner(bad, before):
+    """NaN passed the "above the current one" check (a NaN compares as nothing): each
+    receiver answered it as held (acked) and every later version was numbered NaN too,
+    so no receiver took another one while every report said they had."""
+    with pytest.raises(ValueError, match=r"version must be an int, got "):
+        before.hub.broadcast.remote(make_policy(), version=bad)
+    before.untouched()
+
+
 def test_empty_worker_list(before):
     hub = before.hub
     with pytest.raises(UnknownWorkerError, match="names no receiver"):

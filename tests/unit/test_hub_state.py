@@ -639,3 +639,13 @@ def test_a_version_brought_above_published_ones_counts_in_the_lag_of_those_behin
     behind, brought = state.statuses(now=5.0)
     assert (behind.lag, behind.lag_s) == ({"policy": 4}, {})
     assert (brought.lag, brought.lag_s) == ({"policy": 1}, {"policy": 1.0})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 2.5, True])
+def test_a_version_that_is_no_int_is_refused(bad):
+    """A request that did not come through HubHandle: NaN compares as above nothing
+    and below nothing, and passed the check."""
+    state = HubState()
+    _publish(state)
+    with pytest.raises(ValueError, match="version must be an int"):
+        state.check_version("policy", bad)
