@@ -43,7 +43,7 @@ from raysync.transports.bucket_relay import (
     relay_plan,
     relay_reader,
 )
-from raysync.transports.object_store.bucket_stream import BucketStream, is_bucketed
+from raysync.transports.object_store.bucket_stream import BucketStream, is_bucketed, streams_of
 from raysync.transports.object_store.wire import read_put
 from raysync.transports.options import RpcOptions
 from raysync.transports.process_groups import node_ip
@@ -281,13 +281,17 @@ class RpcAgentActor:
         nbytes = PackedLayout.of(job.spec).nbytes
         outcomes: dict[str, str | None] = {}
         live = list(job.workers)
+        # The agent is the stream's one reader: waiting for a stalled receiver longer
+        # than the broker's stall, the broker dropped the agent, and every receiver of
+        # the version failed (blaming the relay) instead of the stalled one alone.
+        limit_s = min([self._settings.timeout_s, *(s.key.stall_s for s in streams_of(job.source))])
         try:
             async with contextlib.aclosing(
                 read_buckets(relay_plan(job.source, job.spec), reader, self._settings.timeout_s)
             ) as buckets:
                 async for bucket, pieces in buckets:
                     args = (self._key, job.seq, nbytes, bucket.pieces, pieces, job.model)
-                    dropped = await self._land_bucket(live, args)
+                    dropped = await self._land_bucket(live, args, limit_s / 2)
                     outcomes.update(dropped)
                     live = [worker for worker in live if worker not in dropped]
                     if not live:
@@ -398,13 +402,16 @@ class RpcAgentActor:
                 time.sleep(0.01)
         return futures, outcomes
 
-    async def _land_bucket(self, workers: Sequence[str], args: tuple) -> dict[str, str]:
-        """One bucket (``land_bucket``'s ``args``) to each of ``workers``: why each that
-        failed did. Those get no more buckets of the version, and are told so with
-        ``abandon_bucketed``, not waited for: one whose call only stalled (a busy
-        process) would otherwise wait the whole timeout for its next bucket and fail
-        with a guess ("the RPC agent may have died") instead of this reason."""
-        called = await self._call_each(workers, land_bucket, args, self._settings.timeout_s / 2)
+    async def _land_bucket(
+        self, workers: Sequence[str], args: tuple, limit_s: float
+    ) -> dict[str, str]:
+        """One bucket (``land_bucket``'s ``args``) to each of ``workers``, each call
+        waited for ``limit_s`` at most: why each that failed did. Those get no more
+        buckets of the version, and are told so with ``abandon_bucketed``, not waited
+        for: one whose call only stalled (a busy process) would otherwise wait the whole
+        timeout for its next bucket and fail with a guess ("the RPC agent may have
+        died") instead of this reason."""
+        called = await self._call_each(workers, land_bucket, args, limit_s)
         dropped = {worker: why for worker, why in called.items() if why is not None}
         key, seq = args[0], args[1]
         for worker, why in dropped.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from raysync.actors import rpc_agent
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError
 from raysync.transports.object_store.arrays import object_of
+from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
 from raysync.transports.object_store.wire import ObjectStorePayload
 from raysync.transports.options import RpcOptions
 from raysync.transports.rpc import (
@@ -250,7 +252,7 @@ def test_a_receiver_dropped_from_a_bucketed_version_is_told_why(monkeypatch):
     monkeypatch.setattr(rpc, "rpc_async", rpc_async)
     seq = 7
 
-    dropped = asyncio.run(agent._land_bucket(["w0", "w1"], (KEY, seq, 8, (), [])))
+    dropped = asyncio.run(agent._land_bucket(["w0", "w1"], (KEY, seq, 8, (), []), 0.2))
 
     assert list(dropped) == ["w0"] and "not done within 0.2 s" in dropped["w0"]
     told = [(to, args) for to, func, args in calls if func is abandon_bucketed]
@@ -439,3 +441,32 @@ def test_an_edit_of_the_member_list_that_timed_out_keeps_the_process_its_rank(
 
     member = asyncio.run(run())
     assert member.rank == 1
+
+
+@pytest.mark.parametrize(("timeout_s", "wait_s", "limit_s"), [(30.0, 4.0, 1.0), (2.0, 60.0, 1.0)])
+def test_a_bucket_call_is_waited_for_half_the_timeout_or_half_the_stall_if_shorter(
+    monkeypatch, timeout_s, wait_s, limit_s
+):
+    """The agent is its stream's one reader, and the broker drops a reader that long
+    (the stall: half the broadcast's timeout) behind: waiting half the agent's timeout
+    for a stalled receiver (15 s by default) beside a broadcast of 20 s, the agent was
+    dropped, and every receiver of the version failed, not the stalled one alone."""
+    agent = _agent(monkeypatch, timeout_s=timeout_s, members=2)
+    limits: list[float] = []
+
+    async def land(workers, args, limit):
+        limits.append(limit)
+        return {}
+
+    async def one_bucket(plan, reader, timeout):
+        yield SimpleNamespace(pieces=()), []
+
+    monkeypatch.setattr(agent, "_land_bucket", land)
+    monkeypatch.setattr(rpc_agent, "read_buckets", one_bucket)
+    monkeypatch.setattr(rpc_agent, "relay_plan", lambda source, spec: None)
+    monkeypatch.setattr(rpc_agent, "finish", lambda source, reader, live: None)
+    source = BucketStream(object(), StreamId("s", 4, wait_s), 64)
+    spec = WeightSpec.of({"w": torch.zeros(4)})
+    job = rpc_agent.RpcJob(1, "policy", 1, ("w0", "w1"), source, spec)
+    asyncio.run(agent._send_buckets(job))
+    assert limits == [limit_s]

@@ -59,7 +59,9 @@ calls, then takes ``k + 1``. ``land_bucket`` copies the pieces into the receiver
 staging buffer on its RPC threads (a busy actor never holds the stream up); ``fetch``
 waits until every bucket landed, so the model changes at one safe point and a version
 whose later bucket fails never reaches it. A receiver whose call fails, or is not made
-and done within half the timeout (its process stopped, or it never became reachable),
+and done within half the timeout, or half the broadcast's stall if shorter (half its
+``timeout_s``: the bucket broker drops a reader that long behind; its process stopped, or
+it never became reachable),
 gets no further bucket and fails alone, told at once with the agent's reason (a call
 not waited for): the others wait for each bucket no longer than the timeout. A stream
 that ends early is abandoned on every receiver at once, with the reason. A receiver
