@@ -21,6 +21,13 @@ model that mixes two versions. This covers every way Ray runs actor methods:
   user method, which Ray runs on the loop, cannot wait for a write that waits (the
   coroutines it waits for are parked on that loop): it goes at once and is counted,
   so a write from another thread waits for it; only one already running ends first.
+  One a coroutine runs through ``to_thread`` while it reads goes at once too (its
+  starter holds the model), and is counted: it holds the model if its starter returns
+  first (it was not awaited).
+
+Each gate (a receiver's) holds its own reads: a user method reading the models of two
+receivers in one process holds each of them, and a write or safe point of one gate
+counts or lends nothing of another's.
 
 A long-running user method (``while True: collect()``) opens safe points itself with
 :meth:`safe_point`; nested calls and :meth:`write` from inside a user method (pull
@@ -57,48 +64,19 @@ WRITER_FIRST_S = 60.0
 
 @dataclass
 class _Read:
-    """The reads a user method holds: ``depth`` counted in the gate's readers (nested
-    async reads count each; 0 once the outermost ended) and who opened it, the task on
-    an event loop or the thread. ``lent``: how many of them the writes (or safe points)
-    of threads that run for it took out of the count while they wait, ``lenders``: how
-    many such threads do (see :meth:`ApplyGate._lend`)."""
+    """The reads a user method holds on one gate: ``depth`` counted in the gate's readers
+    (nested async reads count each; 0 once the outermost ended) and who opened it, the
+    task on an event loop or the thread. ``lent``: how many of them the writes (or safe
+    points) of threads that run for it took out of the count while they wait,
+    ``lenders``: how many such threads do (see :meth:`ApplyGate._lend`). ``parent``: the
+    read of another thread or task that a thread's read began inside (a sync user method
+    run through ``to_thread``): a write of that thread runs for both."""
 
     depth: int
     opener: object
     lent: int = 0
     lenders: int = 0
-
-
-#: The read the current thread or task holds (re-entrant user methods). Tasks and
-#: threads started inside a read copy it (``create_task``, ``to_thread``): see
-#: :func:`_own_read`.
-_held: contextvars.ContextVar[_Read | None] = contextvars.ContextVar(
-    "raysync_gate_held", default=None
-)
-
-
-def _own_read() -> _Read | None:
-    """The read the caller holds itself: on an event loop, one its own task opened and
-    has not ended (a task started inside a read copied it, but the read is not its
-    own: it may outlive it, or run while the opener is parked mid-read); in a thread,
-    any that has not ended (its own, or that of the coroutine awaiting this thread
-    through ``to_thread``, which holds the model for it)."""
-    read = _held.get()
-    if read is None or read.depth == 0:
-        return None
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return read
-    return read if read.opener is asyncio.current_task() else None
-
-
-def _inside_a_read() -> bool:
-    """Whether the calling task was started inside a read that still runs (its opener
-    may be waiting for it: ``asyncio.gather`` of other user methods) and holds the
-    model (not lent to a write: its opener pulls through ``to_thread``, say)."""
-    read = _held.get()
-    return read is not None and read.depth > 0 and not read.lenders
+    parent: _Read | None = None
 
 
 def _holding(read: _Read | None) -> bool:
@@ -108,10 +86,29 @@ def _holding(read: _Read | None) -> bool:
     return read is not None and not read.lenders
 
 
-def _own_reads() -> int:
-    """How many of the gate's readers the caller's own read counts."""
-    read = _own_read()
-    return 0 if read is None else read.depth
+def _opener() -> object:
+    """Who opens a read where the caller runs: its task on an event loop, else its thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return threading.current_thread()
+    return asyncio.current_task()
+
+
+def _nested_in(own: _Read | None) -> bool:
+    """Whether a sync read is nested in ``own`` (the caller's, see
+    :meth:`ApplyGate._own_read`): one its own thread or task opened that holds the
+    model. A thread's read inside a read another opened (a sync user method run through
+    ``to_thread``) is its own, counted: the opener may return first (a thread not
+    awaited), and the model would change under this one."""
+    return own is not None and _holding(own) and own.opener is _opener()
+
+
+def _with_parents(read: _Read | None) -> Iterator[_Read]:
+    """``read``, then the reads it began inside, outermost last."""
+    while read is not None:
+        yield read
+        read = read.parent
 
 
 class Deferred:
@@ -180,6 +177,14 @@ class ApplyGate:
         self._thread_write_waiters: list[asyncio.Future[None]] = []
         #: The event loop async readers run on (an async host), once one has read.
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: The read of this gate the current thread or task holds (re-entrant user
+        #: methods). This gate's own: a process may hold several receivers, each with its
+        #: gate, and a read of one holds nothing of another's model. Tasks and threads
+        #: started inside a read copy it (``create_task``, ``to_thread``): see
+        #: :meth:`_own_read`.
+        self._held: contextvars.ContextVar[_Read | None] = contextvars.ContextVar(
+            f"raysync_gate_held_{id(self)}", default=None
+        )
 
     def finish_deferred_with(self, finish_deferred: Callable[[Any], None]) -> None:
         """Hand deferred writes' results to ``finish_deferred`` from now on: a receiver
@@ -196,12 +201,53 @@ class ApplyGate:
             return False
         return True
 
+    # -- the read the caller holds -----------------------------------------------------
+    def _own_read(self) -> _Read | None:
+        """The read of this gate the caller holds itself: on an event loop, one its own
+        task opened and has not ended (a task started inside a read copied it, but the
+        read is not its own: it may outlive it, or run while the opener is parked
+        mid-read); in a thread, any that has not ended (its own, or that of the
+        coroutine that started this thread through ``to_thread``, which holds the
+        model for it, or did when the thread started)."""
+        read = self._held.get()
+        if read is None or read.depth == 0:
+            return None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return read
+        return read if read.opener is asyncio.current_task() else None
+
+    def _inside_a_read(self) -> bool:
+        """Whether the calling task was started inside a read of this gate that still
+        runs (its opener may be waiting for it: ``asyncio.gather`` of other user
+        methods) and holds the model (not lent to a write: its opener pulls through
+        ``to_thread``, say)."""
+        read = self._held.get()
+        return read is not None and read.depth > 0 and not read.lenders
+
+    def _own_reads(self) -> int:
+        """How many of the gate's readers the caller's own read counts now: none while
+        it is lent (:meth:`_lend` took them out of the count already)."""
+        read = self._own_read()
+        return read.depth if read is not None and _holding(read) else 0
+
+    def _unset_held(self, token: contextvars.Token[_Read | None]) -> None:
+        """End the read ``token`` began in this context. A read that ends in another
+        context (an async generator method left unclosed, closed by asyncio's finalizer
+        in a task of its own) has nothing to reset there: it still leaves the gate."""
+        try:
+            self._held.reset(token)
+        except ValueError:
+            pass
+
     # -- readers: user methods -------------------------------------------------------
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Hold the model steady for a synchronous user method."""
         on_loop = self.note_loop()
-        if _holding(_own_read()) or self._writes_here():
+        own = self._own_read()
+        if _nested_in(own) or self._writes_here():
             # Nested call, or a call made while this thread applies a write: no apply
             # can run on this thread until it returns.
             yield
@@ -213,10 +259,8 @@ class ApplyGate:
             finally:  # the deferred writes it held back run as it leaves, if last
                 self._run_deferred_if_idle()
             return
-        try:
-            with self._counted(
-                threading.current_thread(), lambda: bool(self._writing or self._writers_waiting)
-            ):
+        try:  # a read of its own, inside the one it was started in, if any (own)
+            with self._counted(threading.current_thread(), self._thread_waits_while(own), own):
                 yield
         finally:
             with self._cond:
@@ -224,21 +268,36 @@ class ApplyGate:
             if last_out:  # deferred by a coroutine while this thread read (an async host)
                 self._run_deferred_soon()
 
+    def _thread_waits_while(self, started_in: _Read | None) -> Callable[[], bool]:
+        """What a thread's read waits for before it is counted (asked holding the lock):
+        a write that runs or waits, new readers going after it in its first turn. A
+        thread started inside a read that holds the model (a sync user method run
+        through ``to_thread``, awaited or not) waits only for one that runs (a deferred
+        write at its starter's safe point): a write waiting waits for that read, whose
+        opener may be awaiting this thread."""
+        if _holding(started_in):
+            return lambda: self._writing
+        return lambda: bool(self._writing or self._writers_waiting)
+
     @contextmanager
-    def _counted(self, opener: object, wait_while: Callable[[], bool]) -> Iterator[None]:
+    def _counted(
+        self, opener: object, wait_while: Callable[[], bool], parent: _Read | None = None
+    ) -> Iterator[None]:
         """One read of ``opener`` (a thread, or the task of a sync method on the loop),
-        counted once ``wait_while()`` is false (asked holding the gate's lock)."""
+        counted once ``wait_while()`` is false (asked holding the gate's lock);
+        ``parent``: the read of another that a thread's read began inside (its
+        ``to_thread`` starter's)."""
         with self._cond:
             while wait_while():
                 self._cond.wait()
             self._count_reader_in()
-        read = _Read(1, opener)
-        token = _held.set(read)
+        read = _Read(1, opener, parent=parent)
+        token = self._held.set(read)
         try:
             yield
         finally:
             read.depth = 0
-            _unset_held(token)
+            self._unset_held(token)
             with self._cond:
                 self._leave(read)
 
@@ -246,11 +305,11 @@ class ApplyGate:
     async def reading_async(self) -> AsyncIterator[None]:
         """Hold the model steady for an async user method (async actors)."""
         self.note_loop()
-        own = _own_read()
+        own = self._own_read()
         if not _holding(own):
             own = None  # lent to a write: a read of its own, counted, waiting for it
         # Started by a user method that reads: it goes at once (its caller may wait for it).
-        held = own.depth if own is not None else int(_inside_a_read())
+        held = own.depth if own is not None else int(self._inside_a_read())
         while not self._enter_async(held):
             if self._deferred:
                 self._run_deferred_if_idle()  # no reader left to run them: this one does
@@ -265,12 +324,12 @@ class ApplyGate:
                 await ended
         read = own or _Read(0, asyncio.current_task())
         read.depth += 1
-        token = _held.set(read)
+        token = self._held.set(read)
         try:
             yield
         finally:
             read.depth -= 1
-            _unset_held(token)
+            self._unset_held(token)
             with self._cond:
                 self._leave(read)  # a write waiting in another thread goes on
             self._run_deferred_if_idle()
@@ -289,25 +348,25 @@ class ApplyGate:
     def _lend(self, read: _Read | None) -> None:
         """A write (or safe point) in a thread that runs for ``read`` (its own, or that
         of the coroutine that started it through ``to_thread``) takes what ``read``
-        holds out of the count while it waits; the first of several such threads (two
+        holds out of the count while it waits, and what the reads it began inside hold
+        (its ``parent``s: a sync user method run through ``to_thread`` that pulls runs
+        for the coroutine awaiting it too); the first of several such threads (two
         pulls gathered) takes it all (called holding the lock)."""
-        if read is None:
-            return
-        read.lenders += 1
-        if read.lenders == 1:
-            read.lent = read.depth
-            self._readers -= read.depth
+        for each in _with_parents(read):
+            each.lenders += 1
+            if each.lenders == 1:
+                each.lent = each.depth
+                self._readers -= each.depth
 
     def _take_back(self, read: _Read | None) -> None:
-        """Count again what :meth:`_lend` took out of ``read`` and that has not ended
-        meanwhile (a coroutine that did not wait for the thread may have left), once
-        the last thread that runs for it is done."""
-        if read is None:
-            return
-        read.lenders -= 1
-        if not read.lenders:
-            self._readers += read.lent
-            read.lent = 0
+        """Count again what :meth:`_lend` took out of ``read`` (and its parents) and
+        that has not ended meanwhile (a coroutine that did not wait for the thread may
+        have left), once the last thread that runs for it is done."""
+        for each in _with_parents(read):
+            each.lenders -= 1
+            if not each.lenders:
+                self._readers += each.lent
+                each.lent = 0
 
     def _enter_async(self, held: int) -> bool:
         """Count an async reader in, unless a write goes first (a nested read never
@@ -395,9 +454,9 @@ class ApplyGate:
         if self._writes_here():
             return
         if on_event_loop():
-            self._run_deferred_if_idle(own=_own_reads())
+            self._run_deferred_if_idle(own=self._own_reads())
             return
-        read = _own_read()
+        read = self._own_read()
         with self._cond:
             deferred = bool(self._deferred)  # by the loop of an async host, held by read
             if not (self._writers_waiting or self._writing or self._writers_blocked or deferred):
@@ -459,7 +518,7 @@ class ApplyGate:
         """
         if self._writes_here():  # called while this thread applies a write: inside it
             return apply()
-        held = _own_reads()
+        held = self._own_reads()
         if on_event_loop():
             self.note_loop()  # the thread readers holding it back hand it to this loop
             with self._cond:
@@ -498,7 +557,7 @@ class ApplyGate:
             if idle:
                 asyncio.get_running_loop().call_soon(self._run_deferred_if_idle)
             return DEFERRED
-        read = _own_read()
+        read = self._own_read()
         with self._cond:
             self._lend(read)
             self._writers_waiting += 1
@@ -615,16 +674,6 @@ def _call_soon(
     """Run ``callback(*args)`` on ``loop`` from another thread, unless it is gone."""
     if loop is not None and not loop.is_closed():
         loop.call_soon_threadsafe(callback, *args)
-
-
-def _unset_held(token: contextvars.Token[_Read | None]) -> None:
-    """End the read ``token`` began in this context. A read that ends in another
-    context (an async generator method left unclosed, closed by asyncio's finalizer in
-    a task of its own) has nothing to reset there: it still leaves the gate."""
-    try:
-        _held.reset(token)
-    except ValueError:
-        pass
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

@@ -1713,3 +1713,235 @@ def test_a_write_deferred_on_one_loop_while_another_runs_the_deferred_ones_runs_
     reader.result(TIMEOUT)
     _poll(gate, lambda: len(finished) == 2, "the second write ran (a loop's callback)")
     assert finished == ["ack-1", "ack-2"]
+
+
+# -- two receivers in one process, each with its gate ------------------------------------
+
+
+def test_a_read_of_one_gate_inside_a_read_of_another_holds_its_model():
+    """A user method reads model 1, then model 2 inside that read (two receivers in one
+    process). The read of gate 2 found gate 1's read held and took itself for a nested
+    one (one read held per process, not per gate): it counted nothing, and a delivery
+    to receiver 2 applied at once, in the middle of the method's use of model 2."""
+    gate1 = ApplyGate(finish_deferred=lambda _: None)
+    gate2, cond2 = _watched_gate([])
+    model = {"v": 0}
+    inside, leave = threading.Event(), threading.Event()
+    settled = cond2.blocked("writer")  # the write blocks, or (it went at once) applied
+
+    def reader() -> int:
+        with gate1.reading(), gate2.reading():
+            inside.set()
+            _wait(leave, "the test lets the reader go")
+            return model["v"]
+
+    def apply() -> str:
+        result = _setter(model, 1)()
+        settled.set()
+        return result
+
+    r = _started("reader", reader)
+    _wait(inside, "the reader holds both models")
+    w = _started("writer", lambda: gate2.write(apply))
+    _wait(settled, "the write to gate 2 blocks")
+    with gate2._cond:
+        assert model["v"] == 0 and gate2._readers == 1  # not applied under the reader
+    leave.set()
+    assert r.finish() == 0
+    assert w.finish() == "ack-1"
+    assert model["v"] == 1 and gate1._readers == gate2._readers == 0
+
+
+def test_a_safe_point_of_one_gate_inside_a_read_of_another_lends_nothing():
+    """A method reading model 1 opens a safe point of gate 2: it lent its read of gate 1
+    on gate 2, whose count went down by a read it never counted, and a write waiting on
+    gate 2 applied under another method reading model 2."""
+    gate1 = ApplyGate(finish_deferred=lambda _: None)
+    gate2, cond2 = _watched_gate([])
+    model = {"v": 0}
+    inside, leave = threading.Event(), threading.Event()
+
+    def reader() -> int:
+        with gate2.reading():
+            inside.set()
+            _wait(leave, "the test lets the reader go")
+            return model["v"]
+
+    def looper() -> int:
+        with gate1.reading():
+            gate2.safe_point()  # waits for the write to gate 2, which waits for reader
+            return model["v"]
+
+    r = _started("reader", reader)
+    _wait(inside, "a method reads model 2")
+    w = _started("writer", lambda: gate2.write(_setter(model, 1)))
+    _wait(cond2.blocked("writer"), "the write to gate 2 blocks")
+    loop = _started("looper", looper)
+    _wait(cond2.blocked("looper"), "the safe point of gate 2 waits")
+    with gate2._cond:  # a lent read is counted again only once the write ran
+        assert (model["v"], gate2._readers, gate1._readers) == (0, 1, 1)
+    leave.set()
+    assert r.finish() == 0
+    assert w.finish() == "ack-1"
+    assert loop.finish() == 1
+    assert gate1._readers == gate2._readers == 0
+
+
+def test_a_pull_of_one_gate_inside_async_reads_of_two_gates_applies():
+    """An async user method reads model 1, then model 2 inside that read, and pulls
+    model 1 through ``to_thread``: the read of gate 2 was counted on gate 1's read (its
+    depth 2 for a count of 1), the pull lent both, left gate 1 at -1 readers and
+    waited for good."""
+    gate1 = ApplyGate(finish_deferred=lambda _: None)
+    gate2 = ApplyGate(finish_deferred=lambda _: None)
+    model = {"v": 0}
+
+    async def main() -> tuple[Any, tuple[int, int]]:
+        async with gate1.reading_async(), gate2.reading_async():
+            context = contextvars.copy_context()  # as to_thread's, in a daemon thread:
+            pull = _started(  # on a gate that hangs, it never ends
+                "pull", lambda: context.run(gate1.write, _setter(model, 1), "m")
+            )
+            result = await asyncio.to_thread(pull.finish)
+            return result, (gate1._readers, gate2._readers)
+
+    assert _run(main()) == ("ack-1", (1, 1))
+    assert model["v"] == 1 and gate1._readers == gate2._readers == 0
+
+
+def test_a_pull_on_the_loop_inside_a_read_of_another_gate_waits_for_its_readers():
+    """A coroutine reading model 1 pulls model 2 on the loop while another coroutine is
+    parked reading model 2: its read of gate 1 was taken off gate 2's count and the
+    write applied under the parked reader."""
+    finished: list[Any] = []
+    gate1 = ApplyGate(finish_deferred=lambda _: None)
+    gate2 = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+
+    async def main() -> None:
+        other = await _Parked(gate2, model).started()
+        async with gate1.reading_async():
+            assert gate2.write(_setter(model, 1), key="m") is DEFERRED
+        assert await other.finish() == 0  # its version to the end
+        assert model["v"] == 1 and finished == ["ack-1"]
+
+    _run(main())
+
+
+# -- a read lent to a thread's write, and threads started inside a read -----------------
+
+
+def test_an_async_safe_point_with_its_read_lent_applies_nothing_under_another_reader():
+    """A coroutine inside its read starts a pull through ``to_thread`` without awaiting
+    it: the pull's write lends that read and waits for a parked reader. The coroutine
+    then opens a safe point: its lent read was taken off the count again (counted
+    twice), and the deferred delivery applied under the parked reader."""
+    done = threading.Event()
+    finished: list[Any] = []
+    gate, cond = _watched_gate([])
+    gate._finish_deferred = lambda result: (finished.append(result), done.set())
+    model = {"v": 0}
+    pulls = ThreadPoolExecutor(1, thread_name_prefix="pull")  # to_thread's
+    waits = ThreadPoolExecutor(1)  # the test's own waits
+
+    async def deliver() -> Any:  # a delivery, in a task of its own
+        return gate.write(_setter(model, 1), key="m")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(pulls)
+        other = await _Parked(gate, model).started()
+        async with gate.reading_async():
+            assert await asyncio.create_task(deliver()) is DEFERRED
+            pulling = asyncio.create_task(asyncio.to_thread(gate.write, lambda: "pulled", "n"))
+            await loop.run_in_executor(waits, _wait, cond.blocked("pull_0"), "the pull waits")
+            gate.safe_point()
+            assert model["v"] == 0 and finished == []  # the parked reader still reads
+        assert await other.finish() == 0
+        assert await pulling == "pulled"
+        await loop.run_in_executor(waits, _wait, done, "the deferred write ran")
+        assert model["v"] == 1 and finished == ["ack-1"] and gate._readers == 0
+
+    try:
+        _run(main())
+    finally:
+        pulls.shutdown()
+        waits.shutdown()
+
+
+def test_a_guarded_method_run_in_a_thread_not_awaited_holds_the_model_after_its_starter():
+    """A user coroutine starts a guarded sync method (``log_stats``) through
+    ``to_thread`` without awaiting it, and returns: the thread took its starter's read
+    for its own, counted nothing, and a delivery applied at once under it."""
+    finished: list[Any] = []
+    done = threading.Event()
+    gate = ApplyGate(finish_deferred=lambda result: (finished.append(result), done.set()))
+    model = {"v": 0}
+    inside, leave = threading.Event(), threading.Event()
+    waits = ThreadPoolExecutor(1)  # the test's own waits
+
+    def log_stats() -> int:
+        with gate.reading():
+            inside.set()
+            _wait(leave, "the test lets log_stats go")
+            return model["v"]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        async with gate.reading_async():
+            stats = asyncio.create_task(asyncio.to_thread(log_stats))
+            await loop.run_in_executor(waits, _wait, inside, "log_stats reads")
+        try:
+            assert gate.write(_setter(model, 1), key="m") is DEFERRED  # log_stats reads
+        finally:
+            leave.set()
+        assert await stats == 0
+        await loop.run_in_executor(waits, _wait, done, "the deferred write ran")
+        assert model["v"] == 1 and finished == ["ack-1"] and gate._readers == 0
+
+    try:
+        _run(main())
+    finally:
+        waits.shutdown()
+
+
+def test_a_guarded_method_run_in_a_thread_that_pulls_applies_at_once():
+    """A user coroutine awaits a guarded sync method that pulls, run through
+    ``to_thread``: the method's read (counted, its own) and its starter's, which awaits
+    it, are both lent to the pull, which does not wait for either."""
+    gate = ApplyGate(finish_deferred=lambda _: None)
+    model = {"v": 0}
+
+    def pull() -> tuple[Any, int]:
+        with gate.reading():
+            return gate.write(_setter(model, 1), key="m"), model["v"]
+
+    async def main() -> tuple[tuple[Any, int], int]:
+        async with gate.reading_async():
+            pulled = await asyncio.to_thread(pull)
+            return pulled, gate._readers
+
+    assert _run(main()) == (("ack-1", 1), 1)
+    assert gate._readers == 0
+
+
+def test_a_guarded_method_run_in_a_thread_goes_at_once_while_a_thread_write_waits():
+    """A user coroutine awaits a guarded sync method run through ``to_thread`` while a
+    write of another thread waits for the coroutine: the method goes at once (waiting
+    for the write, it would wait for its own starter), and the write goes after."""
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+
+    def read() -> int:
+        with gate.reading():
+            return model["v"]
+
+    async def main() -> None:
+        async with gate.reading_async():
+            writer = _started("writer", lambda: gate.write(_setter(model, 1)))
+            await asyncio.to_thread(_wait, cond.blocked("writer"), "the write waits")
+            assert await asyncio.to_thread(read) == 0
+        assert await asyncio.to_thread(writer.finish) == "ack-1"
+        assert model["v"] == 1 and gate._readers == 0
+
+    _run(main())
