@@ -1191,12 +1191,7 @@ def test_registering_again_keeps_the_versions_staged_and_the_one_lived_in(monkey
     core = receiver.core
     registrations: list[Any] = []
     core.hub.actor.register = SimpleNamespace(remote=registrations.append)
-    process = SimpleNamespace(get_node_id=lambda: "node", get_worker_id=lambda: "process")
-    monkeypatch.setattr(receiver_core.ray, "get_runtime_context", lambda: process)
-    monkeypatch.setattr(receiver_core, "_host_actor", lambda: None)
-    welcome = Welcome("object_store", None, {})
-    monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: welcome)
-    monkeypatch.setattr(receiver_core, "_open_transport", lambda welcome: _Transport())
+    _registering_here(monkeypatch)
     lived_in = (1,) if zero_copy else ()
     core.receive(receiver.update(1))
 
