@@ -376,9 +376,11 @@ def test_a_receiver_that_dies_while_its_version_waits_for_a_safe_point_fails_as_
     from raysync.metrics import FailureCause
 
     asked: list[concurrent.futures.Future] = []
+    questions = asyncio.Queue()  # each time the hub asks: the answer to give
 
     def ask(function):
         asked.append(concurrent.futures.Future())
+        questions.put_nowait(asked[-1])
         return SimpleNamespace(future=lambda: asked[-1])
 
     handle = SimpleNamespace(__ray_call__=SimpleNamespace(remote=ask))
@@ -403,12 +405,10 @@ def test_a_receiver_that_dies_while_its_version_waits_for_a_safe_point_fails_as_
         delivering = asyncio.ensure_future(
             delivery.deliver(ReceiverEntry(registration), update, time.monotonic() + 30, 30)
         )
-        while not asked:  # the hub asked the receiver which process it is
-            await asyncio.sleep(0.01)
-        asked[-1].set_result("p1")  # alive: the same process
-        while len(asked) < 2:  # and it asks again a while later
-            await asyncio.sleep(0.01)
-        asked[-1].set_exception(ActorDiedError())
+        # The hub asks the receiver which process it is: alive, the same process...
+        (await asyncio.wait_for(questions.get(), 5)).set_result("p1")
+        # ...and asks again a while later: it died meanwhile.
+        (await asyncio.wait_for(questions.get(), 5)).set_exception(ActorDiedError())
         return await asyncio.wait_for(delivering, 5)
 
     outcome = asyncio.run(run())
@@ -421,13 +421,14 @@ def test_a_delivery_reaching_a_receiver_that_left_fails_as_left_at_once(monkeypa
     dropped it): it answered "not attached", and the hub asked the actor which process
     it is, a call that waited behind its next long method until the broadcast's
     deadline, then blamed a death."""
+    import concurrent.futures
     from types import SimpleNamespace
 
     from raysync.hub_state import HubState, ReceiverEntry
     from raysync.messages import Update
     from raysync.metrics import FailureCause
 
-    never = SimpleNamespace(future=lambda: __import__("concurrent.futures").futures.Future())
+    never = SimpleNamespace(future=concurrent.futures.Future)
     handle = SimpleNamespace(__ray_call__=SimpleNamespace(remote=lambda function: never))
     registration = _registration(handle=handle)
     update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
