@@ -201,6 +201,22 @@ class ApplyGate:
             return False
         return True
 
+    def _note_loop_of_sync_reader(self) -> bool:
+        """Whether a sync user method runs on an event loop; that loop is remembered
+        only while the gate knows none that runs. Ray runs an async actor's sync
+        methods of a concurrency group on that group's loop: one that loops for good
+        (``while True: collect()``, with safe points) was then the loop a delivery that
+        arrives off every loop (a channel's, a ``__ray_call__``) is handed to, where the
+        write waited behind it instead of being deferred to its safe point by the loop
+        the async readers run on."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        if self.loop is None or not self.loop.is_running():
+            self.loop = loop
+        return True
+
     # -- the read the caller holds -----------------------------------------------------
     def _own_read(self) -> _Read | None:
         """The read of this gate the caller holds itself: on an event loop, one its own
@@ -245,7 +261,7 @@ class ApplyGate:
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Hold the model steady for a synchronous user method."""
-        on_loop = self.note_loop()
+        on_loop = self._note_loop_of_sync_reader()
         own = self._own_read()
         if _nested_in(own) or self._writes_here():
             # Nested call, or a call made while this thread applies a write: no apply

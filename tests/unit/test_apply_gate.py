@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import gc
 import threading
 import time
@@ -1945,3 +1946,43 @@ def test_a_guarded_method_run_in_a_thread_goes_at_once_while_a_thread_write_wait
         assert model["v"] == 1 and gate._readers == 0
 
     _run(main())
+
+
+def test_a_write_off_every_loop_is_deferred_to_a_sync_looper_of_another_loop(loops):
+    """An async actor's async methods run on loop 0; a sync method of a concurrency group
+    loops for good on loop 1, with safe points. A delivery that arrives off every loop (a
+    channel's, a ``__ray_call__``) is handed to the gate's loop: the looper's, noted as
+    it began to read, where the write waited behind it for good (its safe points run
+    only writes deferred to them). Handed to the async readers' loop, it is deferred,
+    and the looper's next safe point applies it."""
+    from raysync.host_loop import call_on_host_loop
+
+    gate = ApplyGate(finish_deferred=lambda _: None)
+    model = {"v": 0}
+    looping, stop = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    async def async_read() -> None:
+        async with gate.reading_async():
+            pass
+
+    async def looper() -> None:  # a sync method, run on its group's loop
+        with gate.reading():
+            looping.set()
+            while not stop.is_set():
+                seen.append(model["v"])
+                gate.safe_point()
+                threading.Event().wait(0.001)
+
+    loops.run(0, async_read()).result(TIMEOUT)
+    looped = loops.run(1, looper())
+    try:
+        _wait(looping, "the looper reads")
+        write = functools.partial(gate.write, _setter(model, 1), key="m")
+        written = _started("delivery", lambda: call_on_host_loop(gate.loop, write))
+        assert written.finish() is DEFERRED  # not blocked behind the looper
+        _poll(gate, lambda: model["v"] == 1, "the looper's safe point applies the version")
+    finally:
+        stop.set()
+    looped.result(TIMEOUT)
+    assert seen == sorted(seen)
