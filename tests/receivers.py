@@ -934,6 +934,11 @@ def fail_next_rpc_join(_actor) -> None:
     rpc_receiver.init_rpc = failing
 
 
+def waits_for_a_safe_point(host) -> bool:
+    """Runs in a receiver (``__ray_call__``): whether a version waits for its safe point."""
+    return bool(host._raysync_receiver.core.gate._deferred)
+
+
 def beat_now(host) -> None:
     """Runs in a receiver (``__ray_call__``): its hub watch beats now, on a thread of its
     own as the watch does (one started with a heartbeat too long to come during a test

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from raysync.transports import DEFAULT_TRANSPORT
-from tests.helpers import Gate, ready, start, start_hub, wait_for_file
+from tests.helpers import Gate, ready, start, start_hub, wait_for_file, wait_until
 from tests.receivers import (
     AsyncProbe,
     AsyncStalled,
@@ -23,6 +23,7 @@ from tests.receivers import (
     make_policy,
     make_probe_model,
     state_of,
+    waits_for_a_safe_point,
 )
 
 _TEMPLATE = make_probe_model()
@@ -104,6 +105,32 @@ def test_busy_async_actor_skips_to_the_newest_version(actors, transport):
     assert applied[0] == 1 and applied[-1] == 7 and applied == sorted(applied)
     assert len(applied) < 7, applied
     assert ray.get(probe.first_value.remote()) == 7.0
+
+
+def test_an_async_actor_killed_while_its_version_waits_for_a_safe_point_fails_alone_at_once(
+    actors,
+):
+    """The version was staged for the busy actor's next safe point (its delivery call
+    had returned) when the actor was killed: nothing acks it any more, and the hub
+    waited out the broadcast's whole timeout, then reported a timeout. It asks the actor
+    which process it is now, and Ray's answer names the death."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    victim, survivor = start(actors, AsyncProbe, hub), start(actors, AsyncProbe, hub)
+    ready([victim, survivor])
+    entered = start(actors, Gate)
+    victim.probe.remote(600.0, False, entered)  # holds its model until killed
+    ray.get(entered.wait.remote())
+    sent = hub.broadcast.remote(filled(_TEMPLATE, 2.0), timeout_s=300, raise_on_failure=False)
+    wait_until(
+        lambda: ray.get(victim.__ray_call__.remote(waits_for_a_safe_point)),
+        what="the version waits for the victim's safe point",
+    )
+    ray.kill(victim, no_restart=True)
+    report = ray.get(sent, timeout=60)  # well before the broadcast's 300 s
+    assert (len(report.acked), len(report.failed)) == (1, 1), report
+    (why,) = report.failed.values()
+    assert "died before applying version" in why, why
+    assert ray.get(survivor.first_value.remote()) == 2.0
 
 
 def test_an_async_actor_fanning_out_to_its_own_methods_while_an_update_waits_goes_on(actors):
