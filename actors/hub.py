@@ -1612,10 +1612,15 @@ class WeightHubActor:
         return tuple(opened)
 
 
+def _streams(handed: HandedOver) -> list[BucketStream]:
+    """The bucket streams of ``handed``, every hand-off's (one per part if in parts)."""
+    return [stream for payload in handed.payloads.values() for stream in streams_of(payload)]
+
+
 def _tell_latest(handed: HandedOver) -> None:
     """Tell the bucket broker which streams carry the latest version of ``handed``'s
     model (see ``BucketBroker.latest``); not waited for (the hub's one broker)."""
-    streams = [stream for payload in handed.payloads.values() for stream in streams_of(payload)]
+    streams = _streams(handed)
     streams[0].broker.latest.remote(handed.model, [stream.key for stream in streams])
 
 
@@ -1623,37 +1628,32 @@ async def _hold_readers(handed: HandedOver) -> None:
     """Tell the bucket broker, before the planners of ``handed`` run, that several of
     them name the readers of its streams: none is planned until :func:`_seal_readers`
     (see ``BucketBroker.hold``)."""
-    await _tell_streams(handed, "hold", "could not hold the readers of a stream open")
+    await _tell_streams(_streams(handed), "could not hold the readers of a stream open", "hold")
 
 
 async def _seal_readers(handed: HandedOver) -> None:
     """Tell the bucket broker that every planner of ``handed`` named its streams'
     readers (see ``BucketBroker.seal``)."""
-    await _tell_streams(handed, "seal", "could not seal the readers of a stream")
+    await _tell_streams(_streams(handed), "could not seal the readers of a stream", "seal")
 
 
-async def _tell_streams(handed: HandedOver, call: str, failed: str) -> None:
-    """Call the broker's ``call`` for every bucket stream of ``handed``, at once; one
+async def _name_no_readers(streams: list[BucketStream]) -> None:
+    """Tell each stream's broker that nobody reads it (its learner stops putting it)."""
+    await _tell_streams(streams, "could not end a stream nobody reads", "readers", [])
+
+
+async def _tell_streams(
+    streams: list[BucketStream], failed: str, call: str, *args: Any
+) -> None:
+    """Call each stream's broker's ``call`` (its key, then ``args``), all at once; one
     whose broker is gone is logged (``failed``): the streams went with it."""
-    streams = [stream for payload in handed.payloads.values() for stream in streams_of(payload)]
     told = await asyncio.gather(
-        *(getattr(stream.broker, call).remote(stream.key) for stream in streams),
+        *(getattr(stream.broker, call).remote(stream.key, *args) for stream in streams),
         return_exceptions=True,
     )
     for outcome in told:
         if isinstance(outcome, BaseException):
             logger.info("%s: %r", failed, outcome)
-
-
-async def _name_no_readers(streams: list[BucketStream]) -> None:
-    """Tell each stream's broker that nobody reads it (its learner stops putting it)."""
-    told = await asyncio.gather(
-        *(stream.broker.readers.remote(stream.key, []) for stream in streams),
-        return_exceptions=True,
-    )
-    for outcome in told:
-        if isinstance(outcome, BaseException):  # the broker is gone: the streams with it
-            logger.info("could not end a stream nobody reads: %r", outcome)
 
 
 async def _planned_within(planning: Awaitable[Any], limit_s: float) -> Any:
