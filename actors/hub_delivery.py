@@ -284,9 +284,7 @@ class ReceiverDelivery:
             entry = self._still_registered(registration)
             if entry is None:
                 return
-            if _holds(ack):  # with where its time went, if it applied that version
-                timings = ack.timings if ack.version == version else None
-                self._state.record(registration.worker, model, version, timings)
+            self._record_reply(registration, model, version, ack)
             self._catch_up(entry, model)
 
         self._lanes.gave_up(registration.token, model, returned)
@@ -420,14 +418,20 @@ class ReceiverDelivery:
         hub's books said it was behind until its next version, which may never come)."""
 
         def returned(call: asyncio.Future[Any]) -> None:
-            if call.cancelled() or call.exception() is not None:
-                return
-            ack = call.result()
-            if _holds(ack):
-                timings = ack.timings if ack.version == update.version else None
-                self._record(registration, update.model, update.version, timings)
+            if not call.cancelled() and call.exception() is None:
+                self._record_reply(registration, update.model, update.version, call.result())
 
         call.add_done_callback(returned)
+
+    def _record_reply(
+        self, registration: Registration, model: str, version: int, reply: Any
+    ) -> None:
+        """A call that delivered ``version`` of ``model`` returned ``reply`` after its
+        delivery ended: if it holds that version (or a newer one), book it, with where
+        its time went if it applied that one."""
+        if _holds(reply):
+            timings = reply.timings if reply.version == version else None
+            self._record(registration, model, version, timings)
 
     async def _deferred(
         self,
