@@ -88,11 +88,7 @@ def _holding(read: _Read | None) -> bool:
 
 def _opener() -> object:
     """Who opens a read where the caller runs: its task on an event loop, else its thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return threading.current_thread()
-    return asyncio.current_task()
+    return asyncio.current_task() if on_event_loop() else threading.current_thread()
 
 
 def _nested_in(own: _Read | None) -> bool:
@@ -209,13 +205,9 @@ class ApplyGate:
         arrives off every loop (a channel's, a ``__ray_call__``) is handed to, where the
         write waited behind it instead of being deferred to its safe point by the loop
         the async readers run on."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return False
-        if self.loop is None or not self.loop.is_running():
-            self.loop = loop
-        return True
+        if self.loop is not None and self.loop.is_running():
+            return on_event_loop()
+        return self.note_loop()
 
     # -- the read the caller holds -----------------------------------------------------
     def _own_read(self) -> _Read | None:
@@ -228,9 +220,7 @@ class ApplyGate:
         read = self._held.get()
         if read is None or read.depth == 0:
             return None
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
+        if not on_event_loop():
             return read
         return read if read.opener is asyncio.current_task() else None
 
