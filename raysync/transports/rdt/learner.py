@@ -38,14 +38,62 @@ FREED_AFTER_END_S = 2.0
 SET_ASIDE_MAX = 2
 
 
+@dataclass(eq=False)  # compared by identity: a version's own
+class _Sent:
+    """What the learner knows of a whole version a ``send`` took a pair for. Each field
+    goes once from unknown to known: on its way (until ``submitted`` or ``abandoned``),
+    then ``abandoned`` (it never reached the hub, or its ``send`` failed) or ``done``."""
+
+    buffer: torch.Tensor | None = None  #: the pair's buffer it went into, once written
+    done: VersionDone | None = None  #: its broadcast, once ``submitted``
+    abandoned: bool = False
+
+    def never_latest(self) -> bool:
+        """Whether it is known never to have become the hub's latest: abandoned, or its
+        broadcast ended refused by the hub (asked without waiting)."""
+        return self.abandoned or (self.done is not None and self.done.refused())
+
+    def may_be_latest(self) -> bool:
+        """Whether the hub may hold it as the model's latest: its broadcast ended other
+        than refused (published, or how is not known)."""
+        done = self.done
+        return done is not None and done.ended() and not done.refused()
+
+
 @dataclass(eq=False)  # compared by identity: is it still the sender's?
 class _Pair:
     """A model's two registered whole-version buffers, written in turn."""
 
-    buffers: list[torch.Tensor]  #: ``buffers[0]`` is written next
+    #: ``buffers[0]`` is written next, ``buffers[1]`` was written last (but see
+    #: ``RdtSender._turn_back``)
+    buffers: list[torch.Tensor]
     #: One ``send`` of this model at a time: the wait for the broadcast that last used
     #: the next buffer (other models' sends do not wait for that).
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The version written last; only a ``send`` holding ``lock`` changes it.
+    last: _Sent | None = None
+    #: (``RdtSender._lock`` held.) While none of its versions may have become the hub's
+    #: latest, those not yet known never to have become it (on their way, or their
+    #: broadcasts running). None once one may have: the hub keeps that one readable for
+    #: late joiners, so the pair is kept until the sender closes.
+    unsettled: list[_Sent] | None = field(default_factory=list)
+
+    def track(self, sent: _Sent) -> None:
+        """(``RdtSender._lock`` held.) A ``send`` took this pair for ``sent``."""
+        if self.unsettled is not None:
+            self.unsettled.append(sent)
+
+    def never_published(self) -> bool:
+        """(``RdtSender._lock`` held.) Whether every version it was taken for is known
+        never to have become the hub's latest (refused by the hub, or abandoned): no
+        late joiner will read its buffers. Settles what became known since last asked."""
+        if self.unsettled is None:
+            return False
+        if any(sent.may_be_latest() for sent in self.unsettled):
+            self.unsettled = None
+            return False
+        self.unsettled = [sent for sent in self.unsettled if not sent.never_latest()]
+        return not self.unsettled
 
 
 class RdtSender(TransportSender):
@@ -62,15 +110,16 @@ class RdtSender(TransportSender):
         self._hub = hub
         #: Whole versions: two registered buffers per model (the hub keeps each model's
         #: latest version readable for late joiners: one model's buffer is not another's
-        #: to reuse), spec and device, written in turn.
+        #: to reuse), spec and device, written in turn; let go of if none of its versions
+        #: became the latest (``_let_go_of_unpublished``).
         self._pairs: dict[tuple[str, WeightSpec, torch.device], _Pair] = {}
         #: Bucketed versions: the rings of two registered slots (one per version
         #: streaming at once, see :mod:`raysync.transports.ring_pool`), and each version
         #: ``send_buckets`` started until ``submitted``.
         self._rings: RingPool[RdtRing] = RingPool(_new_ring)
         self._outgoing: dict[str, tuple[RdtRing, Outgoing]] = {}
-        #: A whole version's ref (hex) -> its buffer, from ``send`` to ``submitted``
-        self._in: dict[str, torch.Tensor] = {}
+        #: A whole version's ref (hex) -> the version, from ``send`` to ``submitted``
+        self._in: dict[str, _Sent] = {}
         #: id of a buffer -> the broadcast that last used it
         self._broadcasts: dict[int, VersionDone] = {}
         #: Buffers a straggler still holds a version in (see ``_reusable``)
@@ -86,37 +135,81 @@ class RdtSender(TransportSender):
         self._state = threading.Lock()
 
     def send(self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str) -> RdtPayload:
-        """Pack this version into the model's next buffer, once free (see
+        """Pack this version into the model's next buffer (``_turn_back``), once free (see
         ``_reusable``), and publish it. Only this model's sends wait with it: one slow
         receiver of model a does not hold up model b's broadcasts."""
-        from ray.experimental import register_nixl_memory
-
         device = tensors[spec.names[0]].device
         layout = PackedLayout.of(spec)
         key = (model, spec, device)
+        sent = _Sent()
         with self._lock:
             self._check_not_closed(f"version of model {model!r}")
-            pair = self._pairs.get(key)
-            if pair is None:
-                buffers = [
-                    torch.zeros(layout.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
-                ]
-                for buffer in buffers:
-                    register_nixl_memory(buffer)
-                pair = self._pairs[key] = _Pair(buffers)
+            self._let_go_of_unpublished()  # first: a refused model's retry registers anew
+            pair = self._pairs.get(key) or self._register_pair(key, layout.nbytes)
+            pair.track(sent)
             self._deregister_freed()
-        with pair.lock:
-            buffer = self._reusable(pair, model)
-            with self._lock:  # close() deregisters the buffers under it
-                self._check_open(pair, model)
-                pair.buffers.reverse()  # next time, the other buffer
-                layout.pack(tensors, buffer)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                payload = RdtPayload(ray.put([buffer], _tensor_transport="nixl"))
+        try:
+            with pair.lock:
+                self._turn_back(pair)
+                buffer = self._reusable(pair, model)
+                with self._lock:  # close() deregisters the buffers under it
+                    self._check_open(pair, model)
+                    pair.buffers.reverse()  # next time, the other buffer
+                    sent.buffer, pair.last = buffer, sent
+                    layout.pack(tensors, buffer)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    payload = RdtPayload(ray.put([buffer], _tensor_transport="nixl"))
+                with self._state:
+                    self._in[payload.ref.hex()] = sent
+                return payload
+        except BaseException:  # interrupted or cancelled while it waits, too
+            sent.abandoned = True
+            raise
+
+    def _register_pair(self, key: tuple[str, WeightSpec, torch.device], nbytes: int) -> _Pair:
+        """(``_lock`` held.) The pair of model, spec and device ``key``: two buffers of
+        ``nbytes``, registered with Ray's NIXL agent."""
+        from ray.experimental import register_nixl_memory
+
+        buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=key[2]) for _ in range(2)]
+        for buffer in buffers:
+            register_nixl_memory(buffer)
+        pair = self._pairs[key] = _Pair(buffers)
+        return pair
+
+    def _turn_back(self, pair: _Pair) -> None:
+        """(In ``send``, the pair's ``lock`` held.) Make the buffer written last the next
+        one again if its version is known never to have become the hub's latest
+        (refused by the hub, or abandoned). The latest, if the pair holds it, is then
+        in the other buffer, whose RDT object the hub holds for late joiners until a
+        newer version is published: taking that one, ``_reusable`` would set it aside
+        and register a new buffer as large as the model (past ``SET_ASIDE_MAX``, wait
+        ``REUSE_WAIT_S`` for it, then fail)."""
+        last = pair.last
+        if last is None or pair.buffers[1] is not last.buffer or not last.never_latest():
+            return
+        with self._lock:  # close() deregisters the buffers under it
+            pair.buffers.reverse()
+
+    def _let_go_of_unpublished(self) -> None:
+        """(``_lock`` held.) Deregister and forget each pair none of whose versions
+        became the hub's latest, each known refused or abandoned (a misspelt model's,
+        one whose spec the hub refuses): the hub keeps none of them for late joiners,
+        and they held memory as large as the model until the sender closed. The model's
+        next version registers a pair anew; Ray keeps a buffer alive while a ref to its
+        last object is out."""
+        from ray.experimental import deregister_nixl_memory
+
+        for key, pair in list(self._pairs.items()):
+            if not pair.never_published():
+                continue
+            del self._pairs[key]
             with self._state:
-                self._in[payload.ref.hex()] = buffer
-            return payload
+                for buffer in pair.buffers:
+                    self._broadcasts.pop(id(buffer), None)
+            for buffer in pair.buffers:
+                deregister_nixl_memory(buffer)
 
     def _check_not_closed(self, what: str) -> None:
         """(``_lock`` held.) Raise once closed (its handle released, or the hub found
@@ -212,6 +305,7 @@ class RdtSender(TransportSender):
             raise TransportError("this sender was opened without a hub: whole versions only")
         with self._lock:
             self._check_not_closed("a bucketed version")
+            self._let_go_of_unpublished()
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
             ring, stream, outgoing = self._rings.start(broker, tensors, spec, bucket_bytes, stall_s)
@@ -236,21 +330,29 @@ class RdtSender(TransportSender):
                 self._rings.give_back(ring)
             return
         with self._state:
-            buffer = self._in.pop(payload.ref.hex(), None)
-            if buffer is not None:
-                self._broadcasts[id(buffer)] = done
+            sent = self._in.pop(payload.ref.hex(), None)
+            if sent is not None:
+                sent.done = done
+                self._broadcasts[id(sent.buffer)] = done
 
     def abandoned(self, payload: RdtPayload | RdtBucketStream, why: str) -> None:
-        ring = None
+        """A whole version never became the hub's latest: its pair is let go of now if
+        none of its versions did. A bucketed one gives its ring back, and its readers
+        are told why."""
+        ring, sent = None, None
         with self._state:
             if isinstance(payload, RdtBucketStream):
                 ring, _ = self._outgoing.pop(payload.key.id, (None, None))
             else:
-                self._in.pop(payload.ref.hex(), None)
+                sent = self._in.pop(payload.ref.hex(), None)
         if ring is not None:
             self._rings.give_back(ring)
         if isinstance(payload, RdtBucketStream):
             payload.broker.end.remote(payload.key, why)
+        if sent is not None:
+            sent.abandoned = True
+            with self._lock:
+                self._let_go_of_unpublished()
 
     def close(self) -> None:
         from ray.experimental import deregister_nixl_memory
