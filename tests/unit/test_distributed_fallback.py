@@ -13,6 +13,7 @@ import torch
 from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError
 from raysync.transports.distributed import receiver as receiver_mod
+from raysync.transports.distributed.group import bucket_timeout_s
 from raysync.transports.distributed.receiver import DistributedReceiver
 from raysync.transports.distributed.wire import (
     HEADER_BYTES,
@@ -21,7 +22,7 @@ from raysync.transports.distributed.wire import (
     StoreAddress,
 )
 from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
-from raysync.transports.options import DistributedOptions
+from raysync.transports.options import MIN_TIMEOUT_S, DistributedOptions
 
 SPEC = WeightSpec.of({"w": torch.zeros(32)})  # 128 bytes: two buckets of 64
 BUCKET_BUFFER = HEADER_BYTES + 64  #: each collective's buffer: a bucket behind the header
@@ -229,3 +230,12 @@ def test_a_failed_collectives_group_is_let_go_before_the_fallback_read(monkeypat
         assert made and made[0]() is None, "the group outlives the receiver's leaving it"
     else:
         raise AssertionError("the collective's failure was not raised")
+
+
+def test_a_bucket_collective_of_a_very_short_broadcast_still_has_a_timeout():
+    """A broadcast's ``timeout_s`` of 3 ms gives a bucket 0.75 ms, which torch would
+    keep as 0 ms: no timeout, a collective a frozen member never enters waits for good."""
+    short = BucketStream(None, StreamId("short", 2, 0.003), 64)
+    assert bucket_timeout_s(DistributedOptions(), short) == MIN_TIMEOUT_S
+    usual = BucketStream(None, StreamId("usual", 2, 60.0), 64)
+    assert bucket_timeout_s(DistributedOptions(timeout_s=7.0), usual) == 7.0

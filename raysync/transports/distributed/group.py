@@ -11,7 +11,7 @@ import torch
 
 from raysync.transports.distributed.wire import Generation
 from raysync.transports.object_store.bucket_stream import streams_of
-from raysync.transports.options import DistributedOptions
+from raysync.transports.options import MIN_TIMEOUT_S, DistributedOptions
 from raysync.transports.process_groups import node_ip
 from raysync.transports.staging import staging_device as process_staging_device
 
@@ -194,8 +194,11 @@ def bucket_timeout_s(settings: DistributedOptions, source: object) -> float:
     time the bucket broker waits for a reader that holds its stream up, if shorter.
     Rank 0 is the stream's one reader: had it waited longer, the broker would drop it
     and end the stream, and the members, failing after it, would find it over; they
-    fail as early, so they read on from the broker within that time."""
-    return min([settings.timeout_s, *(s.key.stall_s / 2 for s in streams_of(source))])
+    fail as early, so they read on from the broker within that time. Never under
+    :data:`~raysync.transports.options.MIN_TIMEOUT_S`: torch keeps whole milliseconds
+    and reads 0 ms as no timeout (a broadcast's ``timeout_s`` of 3 ms made it 0.75)."""
+    shortest = min([settings.timeout_s, *(s.key.stall_s / 2 for s in streams_of(source))])
+    return max(MIN_TIMEOUT_S, shortest)
 
 
 def staging_device(settings: DistributedOptions) -> torch.device:
