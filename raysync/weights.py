@@ -157,8 +157,9 @@ class Destination:
     """Where a receiver writes an update: tensors that share storage with its model.
 
     ``commit`` is called after the copy for models that are only reachable through
-    ``state_dict()`` / ``load_state_dict()``; for modules, TensorDicts and plain dicts
-    the copy itself is the update and ``commit`` is ``None``.
+    ``state_dict()`` / ``load_state_dict()`` (modules whose state_dict hooks make copies
+    among them); for other modules, TensorDicts and plain dicts the copy itself is the
+    update and ``commit`` is ``None``.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -170,10 +171,28 @@ def destinations(model: Any, *, what: str) -> Destination:
     Raises :class:`InvalidWeightsError` naming the key of a tensor a version cannot be
     copied into whole, as :func:`flatten` refuses them (on the meta device a copy does
     nothing: every version would be acked, none held; a sparse or subclass one fails
-    partway), or a module's extra state (:func:`_check_no_extra_state`)."""
+    partway), or a module's extra state (:func:`_check_no_extra_state`); and for a
+    model that holds no tensors, as :func:`flatten` refuses one (registered first, its
+    empty spec became the hub's, and every broadcast and receiver after it was refused
+    as the one at fault)."""
+    destination = _write_targets(model, what)
+    if not destination.tensors:
+        raise InvalidWeightsError(f"{what} holds no tensors: nothing to receive a version into")
+    return destination
+
+
+def _write_targets(model: Any, what: str) -> Destination:
+    """:func:`destinations`, empty or not."""
     if isinstance(model, torch.nn.Module):
         _check_no_extra_state(model, what)
-        return Destination(_writable(_flat_tensors(model, what), what))
+        tensors = _flat_tensors(model, what)
+        own = _own_ids(model)
+        if all(id(tensor) in own for tensor in tensors.values()):
+            return Destination(_writable(tensors, what))
+        # A state_dict hook made copies (an upcast, say): a version copied into them
+        # reached nothing the module keeps, and was acked as applied. It is loaded
+        # instead, through the module's load hooks, as a checkpoint of it would be.
+        return _loaded_through_state_dict(model, what)
     if isinstance(model, Mapping) or is_tensordict(model):
         tensors = _writable(_flat_tensors(model, what), what)
         rebuilt = _built_on_access(model, tensors, what)
@@ -198,14 +217,20 @@ def destinations(model: Any, *, what: str) -> Destination:
     if callable(getattr(model, "state_dict", None)) and callable(
         getattr(model, "load_state_dict", None)
     ):
-        state = model.state_dict()
-        return Destination(
-            _writable(_flat_tensors(state, what), what),
-            commit=lambda: model.load_state_dict(state),
-        )
+        return _loaded_through_state_dict(model, what)
     raise InvalidWeightsError(
         f"{what} is a {type(model).__name__}: expected an nn.Module, a TensorDict, a "
         "mapping of tensors (state_dict) or an object with state_dict()/load_state_dict()"
+    )
+
+
+def _loaded_through_state_dict(model: Any, what: str) -> Destination:
+    """Write targets for a model reached only through ``state_dict()`` (whose tensors
+    may be copies): its state, which ``commit`` hands to its ``load_state_dict()``."""
+    state = model.state_dict()
+    return Destination(
+        _writable(_flat_tensors(state, what), what),
+        commit=lambda: model.load_state_dict(state),
     )
 
 
@@ -257,12 +282,16 @@ def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
     receiver replaces with ``tensor.data = view``. Called in the receiver process.
 
     ``None`` when replacing would not reach the model: it is only reachable through
-    ``state_dict()``, a name is not a parameter or buffer (state_dict hooks), or a
-    container builds its leaves on each access (a lazily stacked TensorDict).
+    ``state_dict()``, a module's state_dict entry of a name is not one of its parameters
+    or buffers but a copy a state_dict hook made (rebinding the parameter to a view of
+    the copy's dtype or shape broke the model), or a container builds its leaves on
+    each access (a lazily stacked TensorDict). A module's tensors are named as its
+    state_dict names them (a renaming hook, as checkpoint_wrapper's, included).
     """
     if isinstance(model, torch.nn.Module):
-        found: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        found.update(model.named_buffers(remove_duplicate=False))
+        own = _own_ids(model)
+        state = model.state_dict(keep_vars=True)
+        found = {name: value for name, value in state.items() if id(value) in own}
     elif isinstance(model, Mapping) or is_tensordict(model):
         found = _flat_tensors(model, "model")
         # A lazily stacked TensorDict (also inside a mapping) builds new leaves on each
@@ -312,6 +341,12 @@ def storage_fingerprint(model: Any) -> tuple[Any, ...] | None:
             tuple(map(_SHAPE, tensors)),
         )
     return None
+
+
+def _own_ids(module: torch.nn.Module) -> set[int]:
+    """The ids of ``module``'s parameters and buffers: an entry of its state_dict that is
+    none of them is a copy one of its state_dict hooks made."""
+    return set(map(id, _module_tensors(module)))
 
 
 def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -263,3 +263,39 @@ def test_a_model_made_under_inference_mode_takes_a_cast_version_whole():
         viewed([targets[n] for n in spec.names]), viewed([sources[n] for n in spec.names]), spec
     )
     assert all(torch.equal(targets[n], sources[n].float()) for n in spec.names)
+
+
+def _upcast_bfloat16(module, state, prefix, local_metadata) -> None:
+    """A state_dict post hook that hands out float32 copies of the bfloat16 tensors."""
+    for name, tensor in list(state.items()):
+        if tensor.dtype == torch.bfloat16:
+            state[name] = tensor.float()
+
+
+@pytest.mark.parametrize("sides", ["tensors", "viewed"])
+def test_a_module_whose_state_dict_hook_upcasts_takes_each_version_cast_to_its_dtype(sides):
+    """Its state_dict hook hands out float32 copies: a version was copied into those
+    copies, the bfloat16 parameters never changed, and every version was acked as
+    applied. The version is loaded through load_state_dict now, bit for bit what
+    casting it to bfloat16 makes."""
+    model = torch.nn.Linear(64, 16).to(torch.bfloat16)
+    model.register_state_dict_post_hook(_upcast_bfloat16)
+    destination = destinations(model, what="model")
+    targets = destination.tensors
+    spec = WeightSpec.of(targets)
+    generator = torch.Generator().manual_seed(7)
+    version = {name: torch.randn(t.shape, generator=generator) for name, t in targets.items()}
+    copy_all(
+        *_sides(
+            sides,
+            [targets[name] for name in spec.names],
+            [version[name] for name in spec.names],
+        ),
+        spec,
+    )
+    if destination.commit is not None:  # as the receiver applies a version
+        destination.commit()
+    for name, parameter in model.named_parameters():
+        assert parameter.dtype == torch.bfloat16, name
+        expected = version[name].to(torch.bfloat16)
+        assert torch.equal(parameter.detach().view(torch.int16), expected.view(torch.int16)), name

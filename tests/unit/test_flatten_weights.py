@@ -4,7 +4,8 @@
 nested state_dict: state_dict names, name order, no copy, detached. Refusals that name
 the key: non-tensor leaves (also inside TensorDicts), non-contiguous views, meta
 tensors, NaN/Inf when asked, empty or unsupported containers. ``destinations`` writes in
-place into modules, TensorDicts and dicts, and through ``load_state_dict`` otherwise;
+place into modules, TensorDicts and dicts, and through ``load_state_dict`` otherwise (a
+module whose state_dict hooks make copies included), and refuses a model without tensors;
 ``own_tensors`` and ``storage_fingerprint`` follow the model's own tensor objects.
 """
 
@@ -15,6 +16,7 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
 
 from raysync.errors import InvalidWeightsError
+from raysync.receiver_zero_copy import rebind
 from raysync.weights import destinations, flatten, own_tensors, storage_fingerprint
 
 
@@ -46,6 +48,16 @@ class _StateOnly:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.weight = state["weight"].clone()
+
+
+class _EmptyState:
+    """Reachable through state_dict()/load_state_dict(), and holding nothing."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
 
 
 def _message(excinfo: pytest.ExceptionInfo) -> str:
@@ -373,6 +385,67 @@ def test_destinations_refuse_a_non_tensor_leaf_naming_the_key():
     assert _message(excinfo) == "model 'policy': key 'step' is a int, not a tensor"
 
 
+@pytest.mark.parametrize(
+    "model",
+    [torch.nn.Module(), torch.nn.ReLU(), {}, {"a": {}}, TensorDict({}, []), _EmptyState()],
+    ids=["module", "module-without-weights", "dict", "nested-dict", "tensordict", "state-only"],
+)
+def test_destinations_refuse_a_model_without_tensors_as_flatten_does(model):
+    """Accepted, it registered: first on a hub, its empty spec became the hub's, and
+    every broadcast and every receiver after it was refused as the one at fault."""
+    with pytest.raises(InvalidWeightsError) as excinfo:
+        destinations(model, what="model 'policy'")
+    assert _message(excinfo) == "model 'policy' holds no tensors: nothing to receive a version into"
+
+
+def _upcast_bfloat16(module, state, prefix, local_metadata) -> None:
+    """A state_dict post hook that hands out float32 copies of the bfloat16 tensors."""
+    for name, tensor in list(state.items()):
+        if tensor.dtype == torch.bfloat16:
+            state[name] = tensor.float()
+
+
+def _drop_inner_prefix(module, state, prefix, local_metadata) -> None:
+    """A state_dict post hook that renames (as checkpoint_wrapper's): same tensors."""
+    for name in list(state):
+        state[name.replace("inner.", "", 1)] = state.pop(name)
+
+
+def test_destinations_of_a_module_whose_state_dict_hook_makes_copies_load_through_it():
+    """A version was copied into the hook's float32 copies, which reached nothing: the
+    bfloat16 parameters never changed and every version was acked as applied."""
+    module = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    module.register_state_dict_post_hook(_upcast_bfloat16)
+    destination = destinations(module, what="model")
+    assert {name: t.dtype for name, t in destination.tensors.items()} == {
+        "weight": torch.float32,
+        "bias": torch.float32,
+    }
+    version = {"weight": torch.full((2, 4), 1.7), "bias": torch.tensor([-3.3, 0.1])}
+    for name, target in destination.tensors.items():
+        target.copy_(version[name])
+    if destination.commit is not None:  # as the receiver applies a version
+        destination.commit()
+    for name, parameter in module.named_parameters():
+        assert parameter.dtype == torch.bfloat16
+        assert torch.equal(
+            parameter.detach().view(torch.int16), version[name].bfloat16().view(torch.int16)
+        ), name
+
+
+def test_destinations_of_a_module_whose_state_dict_hook_renames_write_it_in_place():
+    module = torch.nn.Module()
+    module.inner = torch.nn.Linear(2, 2)
+    module.register_state_dict_post_hook(_drop_inner_prefix)
+    destination = destinations(module, what="model")
+    assert destination.commit is None
+    assert destination.tensors == {"weight": module.inner.weight, "bias": module.inner.bias}
+    assert own_tensors(module, ("bias", "weight")) == {
+        "bias": module.inner.bias,
+        "weight": module.inner.weight,
+    }
+
+
 # -- own_tensors and storage_fingerprint ---------------------------------------------------
 
 
@@ -400,6 +473,18 @@ def test_own_tensors_is_none_where_replacing_storage_would_not_reach_the_model()
     assert own_tensors(lazy, ("w",)) is None  # leaves are stacked anew on each access
     assert own_tensors({"nets": lazy}, ("nets.w",)) is None
     assert own_tensors(_StateOnly(), ("weight",)) is None
+
+
+def test_own_tensors_is_none_for_a_module_whose_state_dict_hook_makes_copies():
+    """Zero copy rebound the bfloat16 parameters to float32 views of the version; such a
+    model is copied into instead, its parameters left as they are."""
+    module = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    module.register_state_dict_post_hook(_upcast_bfloat16)
+    weight = module.weight
+    assert own_tensors(module, ("bias", "weight")) is None
+    staged = [torch.zeros(2), torch.zeros(2, 4)]
+    assert rebind(module, ("bias", "weight"), staged) == "its tensors are reached only by copying"
+    assert module.weight is weight and weight.dtype == torch.bfloat16
 
 
 def test_a_lazily_stacked_tensordict_is_written_back_through_and_refused_inside_a_mapping():
