@@ -971,10 +971,37 @@ class WeightHubActor:
     def _drop(self, worker: str, token: str, *, lapsed: bool = False) -> None:
         """Forget registration ``token`` of ``worker``: it left or died, or, ``lapsed``,
         it stopped beating and may be alive (its transport keeps what its model may
-        live in: see ``TransportPlanner.receiver_lapsed``)."""
+        live in: see ``TransportPlanner.receiver_lapsed``). The models it alone had
+        registered, never published, go with it (see ``HubState.drop``), but those a
+        version is being assembled for; with no model left, a broadcast waits for the
+        next receiver's, as at start-up."""
         entry = self._state.receivers.get(worker)
-        if entry is not None and self._state.drop(worker, token):
-            self._forget_in(entry.transport, worker, "lapsed" if lapsed else "left", lapsed)
+        if entry is None or not self._state.drop(worker, token, self._models_assembling()):
+            return
+        self._forget_in(entry.transport, worker, "lapsed" if lapsed else "left", lapsed)
+        if not self._state.models:
+            self._model_known.clear()
+        self._save_forgotten(entry.registration.specs)
+
+    def _models_assembling(self) -> set[str]:
+        """The models a version sent in parts is being assembled for."""
+        return {model for model, _ in self._assemblies.arrived()}
+
+    def _save_forgotten(self, models: Collection[str]) -> None:
+        """After a receiver was dropped: those of its ``models`` the hub forgot leave
+        the snapshot (see ``HubSnapshot.save_forgotten``). A write that fails is
+        logged: a hub restarted before its next version is saved may know them again."""
+        if self._snapshot is None:
+            return
+        try:
+            self._snapshot.save_forgotten(models, self._state.versions(), self._state.specs())
+        except Exception as err:
+            logger.warning(
+                "the hub could not save to Ray's GCS that it forgot the unpublished models "
+                "of a receiver that left (%s: %s): restarted, it may know them again",
+                type(err).__name__,
+                err,
+            )
 
     def _forget_in(self, transport: str, worker: str, why: str, lapsed: bool = False) -> None:
         """``transport``'s planner forgets ``worker`` (one that ``lapsed`` as such), in

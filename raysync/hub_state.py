@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from raysync.errors import StaleVersionError, UnknownModelError, UnknownWorkerError
@@ -154,16 +154,20 @@ class HubState:
     def __init__(self) -> None:
         self.models: dict[str, ModelState] = {}
         self.receivers: dict[str, ReceiverEntry] = {}
+        #: The models the hub was started with (``models=[...]``): known for its life.
+        self._declared: set[str] = set()
 
     # -- models ------------------------------------------------------------------------
     def declare(self, model: str) -> None:
         """Know ``model`` before any receiver registers it (its spec comes with the
-        first broadcast or registration)."""
+        first broadcast or registration), for the hub's life."""
+        self._declared.add(model)
         self.models.setdefault(model, ModelState())
 
     def check_known(self, model: str) -> None:
-        """Raise UnknownModelError unless a receiver registered ``model``, it was
-        declared, or it was broadcast before."""
+        """Raise UnknownModelError unless a receiver registered ``model`` (and holds it
+        still, if it was never numbered: see :meth:`drop`), it was declared, or it was
+        broadcast before."""
         if model not in self.models:
             raise UnknownModelError(
                 f"unknown model {model!r}: no receiver registered it and the hub was not "
@@ -352,13 +356,35 @@ class HubState:
                 spec=specs.get(model), version=version, record_from=version
             )
 
-    def drop(self, worker: str, token: str) -> bool:
-        """Forget ``worker`` if its current registration is ``token``; True if dropped."""
+    def drop(self, worker: str, token: str, assembling: Collection[str] = ()) -> bool:
+        """Forget ``worker`` if its current registration is ``token``; True if dropped.
+        What that registration alone brought goes with it (see :meth:`_forget_unclaimed`),
+        but for the models in ``assembling``: a version of each is being assembled."""
         entry = self.receivers.get(worker)
-        if entry is not None and entry.registration.token == token:
-            del self.receivers[worker]
-            return True
-        return False
+        if entry is None or entry.registration.token != token:
+            return False
+        del self.receivers[worker]
+        self._forget_unclaimed(m for m in entry.registration.specs if m not in assembling)
+        return True
+
+    def _forget_unclaimed(self, models: Iterable[str]) -> None:
+        """Forget each of ``models`` that no receiver registers now and that was never
+        numbered (no version published, restored or brought: a late joiner loses
+        nothing); a declared one stays known, without its spec. Kept, a model id that a
+        receiver mistyped would make every broadcast naming no model ambiguous, and a
+        mis-shaped model's spec would refuse the right one, for the hub's life."""
+        for model in models:
+            state = self.models.get(model)
+            if state is None or state.version > 0 or self._registered(model):
+                continue
+            if model in self._declared:
+                state.spec = None
+            else:
+                del self.models[model]
+
+    def _registered(self, model: str) -> bool:
+        """Whether a registered receiver holds ``model``."""
+        return any(model in entry.registration.specs for entry in self.receivers.values())
 
     def targets(self, model: str, workers: tuple[str, ...] | None) -> list[ReceiverEntry]:
         """Receivers a broadcast of ``model`` goes to: all push receivers, or ``workers``."""

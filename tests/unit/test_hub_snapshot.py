@@ -63,3 +63,47 @@ def test_a_registration_never_lowers_a_version_saved_before_publishing():
     written.clear()
     snapshot.save_registered({"policy": 7}, {"policy": POLICY}, ("object_store", "rpc"))
     assert written == {"versions": {"policy": 7}}  # a receiver brought a higher one
+
+
+def test_a_model_the_hub_forgot_leaves_the_snapshot_with_its_spec():
+    """A receiver registered a mistyped model id and left: a restarted hub read it back
+    and held two models again."""
+    snapshot, written = _snapshot()
+    deleted = _deletions(snapshot)
+    specs = {"policy": POLICY, "polcy": POLICY}
+    snapshot.save_registered({"policy": 0, "polcy": 0}, specs, ("object_store",))
+    written.clear()
+    snapshot.save_forgotten(("polcy",), {"policy": 0}, {"policy": POLICY})
+    assert (written, deleted) == ({"versions": {"policy": 0}}, ["spec/polcy"])
+    written.clear()
+    snapshot.save_forgotten(("polcy",), {"policy": 0}, {"policy": POLICY})
+    assert (written, deleted) == ({}, ["spec/polcy"])  # forgotten already: nothing written
+
+
+def test_a_declared_model_leaves_the_snapshot_only_its_spec_then_saves_the_next_one():
+    snapshot, written = _snapshot()
+    deleted = _deletions(snapshot)
+    snapshot.save_registered({"policy": 0}, {"policy": CRITIC}, ("object_store",))
+    written.clear()
+    snapshot.save_forgotten(("policy",), {"policy": 0}, {})
+    assert (written, deleted) == ({}, ["spec/policy"])
+    # The right receiver registers: its spec is new to the snapshot, the rest is not.
+    snapshot.save_registered({"policy": 0}, {"policy": POLICY}, ("object_store",))
+    assert written == {"spec/policy": POLICY, "versions": {"policy": 0}}
+
+
+def test_forgetting_never_drops_a_model_saved_with_a_number():
+    """A version saved before publishing: a restarted hub must not number it again."""
+    snapshot, written = _snapshot()
+    deleted = _deletions(snapshot)
+    snapshot.save({"policy": 5}, {"policy": POLICY}, ("object_store",))
+    written.clear()
+    snapshot.save_forgotten(("policy",), {}, {})
+    assert (written, deleted) == ({}, [])
+
+
+def _deletions(snapshot: HubSnapshot) -> list[str]:
+    """The keys ``snapshot`` deletes from its GCS, in order."""
+    deleted: list[str] = []
+    snapshot._delete = deleted.append
+    return deleted

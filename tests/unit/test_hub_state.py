@@ -3,8 +3,9 @@
 Registration and replacement, spec mismatches refused naming the actor, model and key
 (with the registry left unchanged), versions that only go up (also past a receiver that
 holds more than a restarted hub), broadcast targets (push receivers, or ``workers=...``
-including pull ones), drop by registration token, declared and unknown model ids, and
-the statuses' versions and lag. Registrations carry ``handle=None`` where Ray would put
+including pull ones), drop by registration token, declared and unknown model ids, the
+models and specs forgotten with the receiver that alone brought them, and the statuses'
+versions and lag. Registrations carry ``handle=None`` where Ray would put
 an actor handle.
 """
 
@@ -498,6 +499,123 @@ def test_a_broadcast_without_model_goes_to_the_only_model_or_is_refused():
     assert str(info.value) == (
         "the hub holds several models (critic, policy); pass model=... to broadcast"
     )
+
+
+# -- models a dropped receiver alone brought -----------------------------------------------
+
+#: The first receiver's mis-shaped policy: (4, 5) where the learner's is (4, 3).
+MISSHAPED = WeightSpec.of({"net.weight": torch.zeros(4, 5), "net.bias": torch.zeros(4)})
+
+
+def test_a_model_id_a_dropped_receiver_alone_registered_is_forgotten():
+    """A receiver attached with a mistyped id ({"polcy": net}) and closed: every later
+    broadcast naming no model was refused as ambiguous, for the hub's life."""
+    state = HubState()
+    state.register(_registration("w1", {"policy": POLICY}))
+    state.register(_registration("w2", {"polcy": POLICY}))
+    assert state.drop("w2", "w2-token") is True
+    assert state.resolve_model(None) == "policy"
+    assert state.versions() == {"policy": 0} and state.specs() == {"policy": POLICY}
+    with pytest.raises(UnknownModelError, match="unknown model 'polcy'.*the hub knows: policy$"):
+        state.check_known("polcy")
+
+
+def test_the_spec_a_dropped_receiver_alone_registered_refuses_nothing_after_it():
+    """The first receiver of a model registered it mis-shaped and closed: the learner's
+    correct broadcast, and the fixed receiver, were refused against its spec."""
+    state = HubState()
+    state.register(_registration("bad", {"policy": MISSHAPED}))
+    state.drop("bad", "bad-token")
+    assert state.check_broadcast("policy", POLICY) is POLICY
+    assert state.register(_registration("fixed", {"policy": POLICY})) == {}
+    assert state.spec("policy") == POLICY
+
+
+def test_only_the_models_no_receiver_holds_any_more_are_forgotten():
+    state = HubState()
+    state.register(_registration("w1", {"policy": POLICY}))
+    state.register(_registration("w2", {"policy": POLICY, "critic": CRITIC}))
+    state.drop("w2", "w2-token")
+    assert state.versions() == {"policy": 0} and state.specs() == {"policy": POLICY}
+    with pytest.raises(SpecMismatchError, match="receiver w3"):
+        state.register(_registration("w3", {"policy": MISSHAPED}))
+
+
+@pytest.mark.parametrize("how", ["published", "brought"])
+def test_a_numbered_model_is_kept_when_its_receivers_leave(how):
+    """Published (late joiners read its latest version), or a version a receiver
+    brought (a restarted hub's next one must go above it): never forgotten."""
+    state = HubState()
+    brought = {"policy": 3} if how == "brought" else {}
+    state.register(_registration("w1", {"policy": POLICY}, versions=brought))
+    latest = _publish(state) if how == "published" else None
+    state.drop("w1", "w1-token")
+    assert state.versions() == {"policy": 1 if latest else 3}
+    assert state.spec("policy") == POLICY and state.latest("policy") == latest
+    with pytest.raises(SpecMismatchError, match="receiver late"):
+        state.register(_registration("late", {"policy": MISSHAPED}))
+
+
+def test_a_declared_model_stays_known_and_forgets_the_spec_a_dropped_receiver_brought():
+    state = HubState()
+    state.declare("policy")
+    state.register(_registration("bad", {"policy": MISSHAPED}))
+    state.drop("bad", "bad-token")
+    state.check_known("policy")
+    assert state.versions() == {"policy": 0} and state.specs() == {}
+    assert state.resolve_model(None) == "policy"
+    assert state.check_broadcast("policy", POLICY) is POLICY
+
+
+def test_a_model_a_version_is_assembling_for_is_kept():
+    """Its parts were checked against the spec and it is known: forgotten, the whole
+    would be refused as of an unknown model once its last part came."""
+    state = HubState()
+    state.register(_registration("w1", {"policy": MISSHAPED}))
+    state.drop("w1", "w1-token", assembling={"policy"})
+    assert state.versions() == {"policy": 0} and state.specs() == {"policy": MISSHAPED}
+
+
+def test_the_hub_saves_its_snapshot_without_the_models_a_dropped_receiver_forgot():
+    """The hub's drop (actors/hub.py, with a HubSnapshot whose GCS is a dict): the typo
+    leaves the snapshot (else a restarted hub knew it again), and with no model left a
+    broadcast waits for the next receiver's, as at start-up."""
+    import asyncio
+    import functools
+    import pickle
+    from types import SimpleNamespace
+
+    from raysync.actors.hub import WeightHubActor
+    from raysync.hub_snapshot import HubSnapshot
+
+    gcs: dict[str, object] = {}
+    snapshot = HubSnapshot("hub-actor")
+    snapshot._put = lambda key, value: gcs.__setitem__(key, pickle.loads(value))
+    snapshot._delete = gcs.pop
+    state = HubState()
+    hub = SimpleNamespace(
+        _state=state,
+        _snapshot=snapshot,
+        _assemblies=SimpleNamespace(arrived=dict),  # no version sent in parts
+        _model_known=asyncio.Event(),
+        _forget_in=lambda transport, worker, why, lapsed: None,
+    )
+    for method in ("_models_assembling", "_save_forgotten"):
+        setattr(hub, method, functools.partial(getattr(WeightHubActor, method), hub))
+    for worker, model in [("w1", "policy"), ("w2", "polcy")]:
+        state.register(_registration(worker, {model: POLICY}))
+        snapshot.save_registered(state.versions(), state.specs(), ("object_store",))
+    hub._model_known.set()
+    WeightHubActor._drop(hub, "w2", "w2-token")
+    assert gcs == {
+        "spec/policy": POLICY,
+        "transports": ("object_store",),
+        "versions": {"policy": 0},
+    }
+    assert hub._model_known.is_set()
+    WeightHubActor._drop(hub, "w1", "w1-token")
+    assert gcs == {"transports": ("object_store",), "versions": {}}
+    assert not hub._model_known.is_set() and state.models == {}
 
 
 # -- acks and statuses ---------------------------------------------------------------------
