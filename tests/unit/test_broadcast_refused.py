@@ -22,9 +22,10 @@ from raysync.errors import (
 from raysync.hub_handle import _BroadcastDone
 
 
-def _ended_with(monkeypatch, outcome) -> _BroadcastDone:
+def _ended_with(monkeypatch, outcome, waits: bool = True) -> _BroadcastDone:
     """A broadcast whose submit's result is ready here and is ``outcome`` (an exception
-    is raised by ``ray.get``, as Ray re-raises the hub's: an instance of its class)."""
+    is raised by ``ray.get``, as Ray re-raises the hub's: an instance of its class);
+    ``waits``: the broadcast's ``wait``."""
 
     def get(ref, timeout=None):
         if isinstance(outcome, BaseException):
@@ -33,7 +34,7 @@ def _ended_with(monkeypatch, outcome) -> _BroadcastDone:
 
     monkeypatch.setattr(ray, "wait", lambda refs, **kwargs: (list(refs), []))
     monkeypatch.setattr(ray, "get", get)
-    return _BroadcastDone("the hub's actor", "the result's ref", waits=True)  # type: ignore[arg-type]
+    return _BroadcastDone("the hub's actor", "the result's ref", waits=waits)  # type: ignore[arg-type]
 
 
 def _from_the_hub(cause: Exception) -> Exception:
@@ -77,3 +78,16 @@ def test_a_broadcast_still_running_is_not_refused(monkeypatch):
     monkeypatch.setattr(ray, "wait", lambda refs, **kwargs: ([], list(refs)))
     done = _BroadcastDone("the hub's actor", "the result's ref", waits=True)  # type: ignore[arg-type]
     assert done.refused() is False
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_refusal_ends_the_wait_of_a_send_that_must_know_whether_it_was_published(
+    monkeypatch, waits
+):
+    """The nixl sender waits for a version's broadcast to end before it picks the buffer
+    of the next one, when either buffer may hold the hub's latest: a refusal ends that
+    wait as soon as the submit's result is in (the hub's ``wait_for`` is never asked:
+    a string stands in for its actor), and then says it was refused."""
+    done = _ended_with(monkeypatch, _from_the_hub(StaleVersionError("3 is not above 5")), waits)
+    done.wait(600.0)
+    assert done.refused() is True

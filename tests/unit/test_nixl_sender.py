@@ -1,14 +1,17 @@
 """The NIXL learner's sender (raysync/transports/nixl/learner.py) with a real NIXL agent,
-without Ray: which sends wait for the broadcast that last filled a buffer.
+without Ray: which sends wait for the broadcast that last filled a buffer, which buffer a
+version goes into, and when a model's buffers are let go of.
 
 Each model has two registered buffers; a third version of a model waits until the
 broadcast that filled its buffer first has ended (its receivers read it). That wait is
-the model's own: another model's versions go out meanwhile.
+the model's own: another model's versions go out meanwhile. A model none of whose
+versions the hub took lets go of its buffers.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -297,3 +300,116 @@ def test_a_version_whose_broadcast_runs_still_is_taken_for_the_latest(sender, he
     v3 = sender.send(_weights(3), spec, "m")
     assert v3.region == v1.region != running.region
     sender.submitted(v3, None)
+
+
+class _RefusalOnItsWay(VersionDone):
+    """A broadcast the hub refused, whose refusal reaches the learner only once
+    :meth:`arrive` says so: until then it runs, as far as the learner can tell."""
+
+    def __init__(self) -> None:
+        self._arrived = False
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._arrived:
+            raise TimeoutError("the hub's answer is not here yet")
+
+    def arrive(self) -> None:
+        self._arrived = True
+
+    def refused(self) -> bool:
+        return self._arrived
+
+
+class _Deregistrations:
+    """The sender's own agent, noting the registrations it is asked to deregister; every
+    call goes to the agent."""
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self.deregistered: list = []
+
+    def deregister_memory(self, registered) -> None:
+        self.deregistered.append(registered)
+        self._agent.deregister_memory(registered)
+
+    def __getattr__(self, name: str):
+        return getattr(self._agent, name)
+
+
+_CPU = torch.device("cpu")
+
+
+def test_a_model_whose_every_version_the_hub_refused_lets_go_of_its_buffers(sender):
+    """A misspelt model name (or a spec the hub refuses): its pair of buffers, twice the
+    model's size, stayed registered until the sender closed, however often the learner
+    tried again. Let go of once the refusal is known (at the latest at the next send);
+    the model's next version registers a pair anew."""
+    agent = sender._agent = _Deregistrations(sender._agent)
+    weights = _weights(1)
+    spec = WeightSpec.of(weights)
+    refused = sender.send(weights, spec, "polcy")
+    memory = weakref.ref(sender._by_address[refused.region.address].tensor)
+    registered = sender._pairs[("polcy", spec, _CPU)].registered
+    sender.submitted(refused, _Ended(refused=True))
+    _published(sender, _weights(2), "policy")
+    assert agent.deregistered == [registered], "the refused model's buffers stay registered"
+    assert list(sender._pairs) == [("policy", spec, _CPU)]
+    assert memory() is None, "the refused model's buffers are still held"
+    again = _published(sender, weights, "polcy")
+    assert again.registration > refused.registration
+    assert _holds(sender, again, weights)
+
+
+def test_a_refused_model_sent_again_writes_its_buffers_again(sender):
+    """The learner tries the refused model again: its version goes into the pair it has
+    (let go of and registered anew at each try, it made the receivers load the
+    learner's metadata again each time, for the same memory)."""
+    weights = _weights(1)
+    spec = WeightSpec.of(weights)
+    first = sender.send(weights, spec, "polcy")
+    sender.submitted(first, _Ended(refused=True))
+    again = sender.send(_weights(2), spec, "polcy")
+    assert (again.registration, again.region) == (first.registration, first.region)
+    sender.submitted(again, _Ended(refused=True))
+
+
+def test_a_model_whose_first_version_was_abandoned_lets_go_of_its_buffers_at_once(sender):
+    agent = sender._agent = _Deregistrations(sender._agent)
+    weights = _weights(1)
+    spec = WeightSpec.of(weights)
+    payload = sender.send(weights, spec, "m")
+    registered = sender._pairs[("m", spec, _CPU)].registered
+    sender.abandoned(payload, "failed before it left")
+    assert agent.deregistered == [registered] and sender._pairs == {}
+
+
+def test_a_model_keeps_its_buffers_until_the_refusal_of_its_version_is_known(sender):
+    """A version on its way (sent, not yet submitted) or whose broadcast runs may become
+    the hub's latest: its buffers are kept until the hub's refusal is in."""
+    weights = _weights(1)
+    spec = WeightSpec.of(weights)
+    key = ("polcy", spec, _CPU)
+    on_its_way = sender.send(weights, spec, "polcy")
+    _published(sender, _weights(2), "policy")
+    assert key in sender._pairs, "a version on its way lost its buffers"
+    refusal = _RefusalOnItsWay()
+    sender.submitted(on_its_way, refusal)
+    _published(sender, _weights(3), "policy")
+    assert key in sender._pairs, "a version the hub may publish lost its buffers"
+    assert _holds(sender, on_its_way, weights)
+    refusal.arrive()
+    _published(sender, _weights(4), "policy")
+    assert key not in sender._pairs, "the refused model's buffers stay registered"
+
+
+def test_a_model_the_hub_took_a_version_of_keeps_its_buffers_past_refusals(sender):
+    """Late joiners read the hub's latest from the learner's buffer: a pair holding it is
+    kept, however many refused versions follow."""
+    weights = _weights(1)
+    spec = WeightSpec.of(weights)
+    latest = _published(sender, weights)
+    for seed in (2, 3):
+        sender.submitted(sender.send(_weights(seed), spec, "m"), _Ended(refused=True))
+    _published(sender, _weights(4), "other")
+    assert ("m", spec, _CPU) in sender._pairs
+    assert _holds(sender, latest, weights), "a refused version overwrote the latest"

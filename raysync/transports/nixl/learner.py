@@ -55,18 +55,19 @@ class _SourceBuffer:
     #: The version ``send`` handed out and ``submitted`` writes: its stamp and sources.
     pending: tuple[int, list[torch.Tensor]] | None = None
     writing: bool = False  #: ``submitted`` is writing ``pending`` into it
-    #: Its last version was ``abandoned`` (it never left for the hub, or will never be
-    #: written): no reader may ask for it, so it is not the hub's latest.
-    void: bool = False
+    #: It holds no version a reader may ask for, so not the hub's latest: none was sent
+    #: into it yet, or its last one was ``abandoned`` (it never left for the hub, or will
+    #: never be written).
+    void: bool = True
 
 
 @dataclass
 class _SourcePair:
     buffers: tuple[_SourceBuffer, _SourceBuffer]
     registered: Any  #: nixlRegDList, for deregistration
-    #: The buffer of the version ``send`` handed out last (the second one before any:
-    #: the first version goes into the first).
-    last: int = 1
+    #: The buffer of the version ``send`` handed out last (the first one before any: it
+    #: holds none, so the first version goes there).
+    last: int = 0
     #: One ``send`` of this model at a time: the choice of buffer, and the wait for the
     #: broadcast that last filled it (other models' sends do not wait for that).
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -81,7 +82,8 @@ class NixlSender(TransportSender):
         self._progress = SourceProgress(self, self._agent)
         #: Whole versions: two registered buffers per model (the hub keeps each model's
         #: latest version readable for late joiners: one model's buffer is not another's
-        #: to write, even of the same spec).
+        #: to write, even of the same spec); let go of if none of its versions became the
+        #: latest (``_free_unpublished``).
         self._pairs: dict[tuple[str, WeightSpec, torch.device], _SourcePair] = {}
         self._closed = False  #: set by close(): no buffer is registered after it
         self._by_address: dict[int, _SourceBuffer] = {}
@@ -117,14 +119,17 @@ class NixlSender(TransportSender):
         it: one slow receiver of model a does not hold up model b's broadcasts."""
         device = tensors[spec.names[0]].device
         key = (model, spec, device)
-        with self._lock:
-            self._check_open(f"model {model!r}'s version")
-            pair = self._pairs.get(key) or self._register(model, spec, device)
-        with pair.lock:
+        pair = self._locked_pair(model, spec, device)
+        try:
             index = self._target(pair)
             buffer = pair.buffers[index]
             with self._state:
-                self._wait_until_written(buffer)
+                if not self._wait_until_written(buffer):
+                    logger.warning(
+                        "a version sent into this learner's buffer by another thread was not "
+                        "written within %g s; the buffer is reused (that version fails)",
+                        WRITTEN_WAIT_S,
+                    )
                 last, buffer.broadcast = buffer.broadcast, None
                 # Claimed (stamp 0 is never sent): a version the wait gave up on is
                 # refused by ``submitted`` instead of written under this one.
@@ -159,6 +164,30 @@ class NixlSender(TransportSender):
                     "its buffer"
                 )
             return NixlPayload(self._agent.name, metadata, registration, buffer.region, stamp)
+        finally:
+            pair.lock.release()
+
+    def _locked_pair(self, model: str, spec: WeightSpec, device: torch.device) -> _SourcePair:
+        """(``send``.) The pair of buffers the version of ``model`` goes into, its
+        ``lock`` held for the caller to release: registered if the model has none, or
+        if ``_free_unpublished`` (in another thread's send, or ``abandoned``) let it go
+        while this waited for its lock. A pair is locked as it is registered: none is
+        let go before its first version went in."""
+        key = (model, spec, device)
+        while True:
+            with self._lock:
+                self._check_open(f"model {model!r}'s version")
+                self._free_unpublished(keep=key)
+                pair = self._pairs.get(key)
+                if pair is None:
+                    pair = self._register(model, spec, device)
+                    pair.lock.acquire()
+                    return pair
+            pair.lock.acquire()
+            with self._lock:
+                if self._pairs.get(key) is pair:
+                    return pair
+            pair.lock.release()
 
     def send_buckets(
         self,
@@ -174,6 +203,7 @@ class NixlSender(TransportSender):
             raise TransportError("this sender was opened without a hub: whole versions only")
         with self._lock:
             self._check_open("a bucketed version")
+            self._free_unpublished()
             # Opened (found) for each version: a broker that died since is started again.
             broker = open_broker(self._hub)
             ring, stream, outgoing = self._rings.start(broker, tensors, spec, bucket_bytes, stall_s)
@@ -244,7 +274,8 @@ class NixlSender(TransportSender):
 
     def abandoned(self, payload: NixlPayload | NixlBucketStream, why: str) -> None:
         """Free the buffer (or the ring's place) ``payload`` was sent into; readers
-        handed it already find its stamps ``ABANDONED`` and fail at once."""
+        handed it already find its stamps ``ABANDONED`` and fail at once. A model none of
+        whose versions may have become the hub's latest lets go of its pair now."""
         if isinstance(payload, NixlBucketStream):
             with self._state:
                 ring, _ = self._outgoing.pop(payload.key.id, (None, None))
@@ -259,6 +290,8 @@ class NixlSender(TransportSender):
             buffer.pending, buffer.void = None, True
             buffer.frame.stamps(buffer.tensor).fill_(ABANDONED)
             self._written.notify_all()
+        with self._lock:
+            self._free_unpublished()
 
     def _target(self, pair: _SourcePair) -> int:
         """(In ``send``, the pair's ``lock`` held: no other send moves ``pair.last``.)
@@ -267,16 +300,19 @@ class NixlSender(TransportSender):
         written last: so the other buffer, unless the version written last is known
         never to have become the latest (``_never_latest``). Then the latest, if either
         buffer holds it, is in the other one, and two versions in a row that the hub
-        refused (or that failed before they left) would have overwritten it."""
+        refused (or that failed before they left) would have overwritten it. A refusal
+        not back yet is not known: the next send does not wait for it, which would
+        hold every version back until the one before it was acked (two in flight)."""
         if self._never_latest(pair.buffers[pair.last]):
             return pair.last
         return pair.last ^ 1
 
     def _never_latest(self, buffer: _SourceBuffer) -> bool:
-        """(``send``'s thread.) Whether ``buffer``'s version is known never to have
-        become the hub's latest: ``abandoned``, or its broadcast ended refused by the
-        hub before it was published. Not while that version is still on its way
-        (handed out, or being written): whether the hub takes it is not known yet."""
+        """(Its pair's ``lock`` held: ``send``, ``_free_unpublished``.) Whether
+        ``buffer`` holds no version that may have become the hub's latest: none sent
+        into it, or one ``abandoned``, or one whose broadcast ended refused by the hub
+        before it was published. Not while that version is still on its way (handed
+        out, or being written): whether the hub takes it is not known yet."""
         with self._state:
             if buffer.pending is not None or buffer.writing:
                 return False
@@ -285,7 +321,7 @@ class NixlSender(TransportSender):
         # outside ``_state``, which ``submitted`` of other versions takes meanwhile.
         return void or (broadcast is not None and broadcast.refused())
 
-    def _wait_until_written(self, buffer: _SourceBuffer) -> None:
+    def _wait_until_written(self, buffer: _SourceBuffer) -> bool:
         """(The pair's ``lock`` and ``_state`` held.) Wait while another thread's version, sent into
         ``buffer``, is neither written to its end (``submitted``) nor ``abandoned``: three
         threads sending one spec at once would otherwise take the buffer from the first
@@ -295,7 +331,8 @@ class NixlSender(TransportSender):
         the channel path holds the learner's numbering lock across its hand-off), and
         then its version is lost (refused by ``submitted``) rather than both waiting.
         A write under way is always waited for to its end: it holds no lock, so it ends,
-        and a version written beside it could mix both in one bucket under a stamp."""
+        and a version written beside it could mix both in one bucket under a stamp.
+        False if it gave up on a version not yet submitted."""
         deadline = time.monotonic() + WRITTEN_WAIT_S
         while buffer.pending is not None or buffer.writing:
             if buffer.writing:
@@ -303,13 +340,32 @@ class NixlSender(TransportSender):
                 continue
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                logger.warning(
-                    "a version sent into this learner's buffer by another thread was not "
-                    "written within %g s; the buffer is reused (that version fails)",
-                    WRITTEN_WAIT_S,
-                )
-                return
+                return False
             self._written.wait(remaining)
+        return True
+
+    def _free_unpublished(self, keep: tuple[str, WeightSpec, torch.device] | None = None) -> None:
+        """(``_lock`` held.) Deregister and forget each pair none of whose versions may
+        have become the hub's latest, each known refused by the hub or abandoned (a
+        misspelt model's, one whose spec the hub refuses): the hub keeps none of them
+        for late joiners, and they held twice the model's memory until the sender
+        closed. The model's next version registers a pair anew. Not the pair ``keep``
+        names, whose model ``send`` sends again: its version goes into it (freed, it
+        was registered again at once, and its receivers loaded the learner's metadata
+        again). Nor a pair a ``send`` holds (choosing its buffer, or waiting for it):
+        it is left for a later call."""
+        for key, pair in list(self._pairs.items()):
+            if key == keep or not pair.lock.acquire(blocking=False):
+                continue
+            try:
+                if all(self._never_latest(buffer) for buffer in pair.buffers):
+                    del self._pairs[key]
+                    with self._state:
+                        for buffer in pair.buffers:
+                            del self._by_address[buffer.region.address]
+                    self._agent.deregister_memory(pair.registered)
+            finally:
+                pair.lock.release()
 
     def _register(self, model: str, spec: WeightSpec, device: torch.device) -> _SourcePair:
         frame = Frame.of(spec)
