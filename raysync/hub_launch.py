@@ -208,8 +208,10 @@ def get_hub(
     """A HubHandle on the named hub actor (``WeightHub.options(name=...)``).
 
     Waits up to ``timeout_s`` for a hub of that name to exist (receivers may start
-    before the hub), then raises :class:`~raysync.HubNotFoundError`.
+    before the hub), then raises :class:`~raysync.HubNotFoundError`; ValueError for a
+    ``timeout_s`` that is no positive, finite number of seconds (NaN waited for good).
     """
+    check_seconds("timeout_s", timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from raysync import DistributedOptions, HubConfig, RpcOptions, WeightHub
+from raysync import DistributedOptions, HubConfig, RpcOptions, WeightHub, get_hub
 from raysync.transports import get_transport
 
 
@@ -96,3 +96,11 @@ def test_a_hub_wide_timeout_that_is_no_positive_finite_number_is_refused(timeout
     or never (infinity), and True was a one-second timeout."""
     with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
         WeightHub.remote(timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf"), True])
+def test_a_hub_lookup_whose_timeout_is_no_positive_finite_number_is_refused(timeout_s):
+    """``get_hub`` waits for the hub to appear until its deadline: NaN made one that
+    never came (no hub of that name: it looked for good)."""
+    with pytest.raises(ValueError, match="timeout_s must be a positive number of seconds"):
+        get_hub("no-such-hub", timeout_s=timeout_s)
