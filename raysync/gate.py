@@ -23,7 +23,11 @@ model that mixes two versions. This covers every way Ray runs actor methods:
   so a write from another thread waits for it; only one already running ends first.
   One a coroutine runs through ``to_thread`` while it reads goes at once too (its
   starter holds the model), and is counted: it holds the model if its starter returns
-  first (it was not awaited).
+  first (it was not awaited). A delivery that arrives off the loop while a synchronous
+  user method holds its thread (a concurrency group's, looping for good with safe
+  points) is not left waiting there: its own thread stands in for the loop
+  (:mod:`raysync.host_loop`) and defers the write as the loop would, for that
+  method's next safe point.
 
 Each gate (a receiver's) holds its own reads: a user method reading the models of two
 receivers in one process holds each of them, and a write or safe point of one gate
@@ -50,6 +54,8 @@ from collections.abc import AsyncIterator, Callable, Hashable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from raysync.host_loop import holding_its_loop, standing_in_for_a_loop
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +266,11 @@ class ApplyGate:
             return
         if on_loop:  # counted at once (see the module doc): the loop cannot wait
             try:  # for a write that waits, only for another thread's that runs
-                with self._counted(asyncio.current_task(), lambda: self._writing):
+                # A delivery to this loop meanwhile is deferred by its own thread.
+                with (
+                    holding_its_loop(),
+                    self._counted(asyncio.current_task(), lambda: self._writing),
+                ):
                     yield
             finally:  # the deferred writes it held back run as it leaves, if last
                 self._run_deferred_if_idle()
@@ -525,44 +535,15 @@ class ApplyGate:
         if self._writes_here():  # called while this thread applies a write: inside it
             return apply()
         held = self._own_reads()
+        this_write = (apply, key, supersede, rank)
         if on_event_loop():
             self.note_loop()  # the thread readers holding it back hand it to this loop
-            with self._cond:
-                idle = not (
-                    self._readers - held or self._deferred or self._writing or self._writers_waiting
-                )
-                if idle:
-                    self._writing, self._writer = True, threading.get_ident()
-            if idle:
-                try:
-                    return apply()
-                finally:
-                    with self._cond:
-                        self._writing, self._writer = False, None
-                        self._cond.notify_all()
-                        self._wake_coroutines_waiting()  # of other loops
-            pending = _Pending(apply, key, supersede, rank)
-            # Under the lock: another loop of the actor (a concurrency group's) may take
-            # the deferred writes to run them meanwhile.
-            with self._cond:
-                if key is not None:
-                    waiting = [p for p in self._deferred if p.key == key and p.supersede]
-                    newer = [p for p in waiting if p.rank > rank]
-                    if newer and supersede is not None:
-                        newer[-1].followers.append(supersede())
-                        return DEFERRED
-                    for older in waiting:
-                        assert older.supersede is not None  # waiting: writes that have one
-                        self._deferred.remove(older)
-                        pending.followers += [older.supersede(), *older.followers]
-                self._deferred.append(pending)
-                if self._deferred_since is None:
-                    self._deferred_since = time.monotonic()
-                # What made it wait may have ended before it was listed.
-                idle = not (self._readers - held or self._writing or self._writers_waiting)
-            if idle:
-                asyncio.get_running_loop().call_soon(self._run_deferred_if_idle)
-            return DEFERRED
+            run_soon = asyncio.get_running_loop().call_soon
+            return self._apply_or_defer(
+                held, lambda: run_soon(self._run_deferred_if_idle), *this_write
+            )
+        if standing_in_for_a_loop():  # for a loop a sync reader holds: never wait for it
+            return self._apply_or_defer(held, self._run_deferred_here, *this_write)
         read = self._own_read()
         with self._cond:
             self._lend(read)
@@ -605,6 +586,60 @@ class ApplyGate:
             if deferred_waiting:  # held back by this write: run them on their loop
                 self._run_deferred_soon()
 
+    def _apply_or_defer(
+        self,
+        held: int,
+        run_deferred_soon: Callable[[], Any],
+        apply: Callable[[], Any],
+        key: Hashable | None,
+        supersede: Callable[[], Callable[[Any], Any]] | None,
+        rank: Any,
+    ) -> Any:
+        """:meth:`write` on an event loop, or standing in for one (see
+        :func:`raysync.host_loop.standing_in_for_a_loop`), which never waits for a
+        reader: ``apply``'s result at once if no reader but the caller's ``held`` ones
+        holds the model, else DEFERRED, for the last reader out or a safe point
+        (``run_deferred_soon()`` if the readers left before it was listed)."""
+        with self._cond:
+            idle = not (
+                self._readers - held or self._deferred or self._writing or self._writers_waiting
+            )
+            if idle:
+                self._writing, self._writer = True, threading.get_ident()
+        if idle:
+            try:
+                return apply()
+            finally:
+                with self._cond:
+                    self._writing, self._writer = False, None
+                    self._cond.notify_all()
+                    self._wake_coroutines_waiting()  # of other loops
+        if self._defer(_Pending(apply, key, supersede, rank), held):
+            run_deferred_soon()
+        return DEFERRED
+
+    def _defer(self, pending: _Pending, held: int) -> bool:
+        """List ``pending`` among the deferred writes, dropping the older ones of its key;
+        whether the readers but the caller's ``held`` ones, and the writes that made it
+        wait, left before it was listed. False if it follows a newer one instead."""
+        # Under the lock: another loop of the actor (a concurrency group's) may take
+        # the deferred writes to run them meanwhile.
+        with self._cond:
+            if pending.key is not None:
+                waiting = [p for p in self._deferred if p.key == pending.key and p.supersede]
+                newer = [p for p in waiting if p.rank > pending.rank]
+                if newer and pending.supersede is not None:
+                    newer[-1].followers.append(pending.supersede())
+                    return False
+                for older in waiting:
+                    assert older.supersede is not None  # waiting: writes that have one
+                    self._deferred.remove(older)
+                    pending.followers += [older.supersede(), *older.followers]
+            self._deferred.append(pending)
+            if self._deferred_since is None:
+                self._deferred_since = time.monotonic()
+            return not (self._readers - held or self._writing or self._writers_waiting)
+
     def _wake_coroutines_waiting(self) -> None:
         """Let the coroutines waiting for a thread's write try to read again (called
         holding the gate's lock)."""
@@ -625,6 +660,10 @@ class ApplyGate:
         if loop is not None and loop.is_running():
             loop.call_soon_threadsafe(self._run_deferred_if_idle)
             return
+        self._run_deferred_here()
+
+    def _run_deferred_here(self) -> None:
+        """Run the deferred writes on the calling thread, if no reader holds them back."""
         try:
             self._run_deferred_if_idle()
         except Exception:  # each write's outcome went to its ack; as the loop would

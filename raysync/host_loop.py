@@ -8,15 +8,25 @@ the compiled-graph thread), or that a mixin's coroutine delivery method sends to
 reading thread (:func:`read_off_loop`), reads the version there and hands only the
 write to the loop: the loop goes on serving the host's coroutines while a version is
 fetched, however long the transport takes.
+
+A loop whose thread a synchronous method holds (:func:`holding_its_loop`: Ray runs an
+async actor's sync methods on their concurrency group's loop, and one may loop for good,
+with safe points) would run a write handed to it only once that method returned: the
+calling thread runs it instead, standing in for the loop
+(:func:`standing_in_for_a_loop`), and the write is deferred to the method's next safe
+point as the loop would defer it, rather than waited for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 #: How often a write handed to a host's loop looks whether that loop still runs.
@@ -36,6 +46,14 @@ _delivered_on: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contex
 )
 _readers: ThreadPoolExecutor | None = None
 _readers_lock = threading.Lock()
+#: The loops whose thread a synchronous method holds now, each with how many holds it
+#: has (a method reading two receivers' models holds its loop for each).
+_held_loops: Counter[asyncio.AbstractEventLoop] = Counter()
+_held_loops_lock = threading.Lock()
+#: Whether the caller runs a call that a held loop left to it (:func:`standing_in_for_a_loop`).
+_standing_in: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "raysync_standing_in", default=False
+)
 
 
 async def read_off_loop(read: Callable[[], T]) -> T:
@@ -56,16 +74,61 @@ def _reading_threads() -> ThreadPoolExecutor:
         return _readers
 
 
+@contextmanager
+def holding_its_loop() -> Iterator[None]:
+    """Run in a synchronous method on an event loop (a receiver gate's read): while the
+    block runs, a call handed to that loop (:func:`call_on_host_loop`) runs on its
+    caller's thread instead, standing in for the loop, which would run it only once the
+    method returned."""
+    loop = asyncio.get_running_loop()
+    with _held_loops_lock:
+        _held_loops[loop] += 1
+    try:
+        yield
+    finally:
+        with _held_loops_lock:
+            _held_loops[loop] -= 1
+            if not _held_loops[loop]:
+                del _held_loops[loop]
+
+
+def standing_in_for_a_loop() -> bool:
+    """Whether the caller runs a call that :func:`call_on_host_loop` would have handed to
+    a loop whose thread a synchronous method holds (:func:`holding_its_loop`): what that
+    loop would defer until the method comes to a safe point, the caller defers likewise,
+    rather than wait for the method to return."""
+    return _standing_in.get()
+
+
 def call_on_host_loop(loop: asyncio.AbstractEventLoop | None, call: Callable[[], T]) -> T:
     """``call()``'s result, run on the loop the version was delivered on
     (:func:`read_off_loop`), else on ``loop``, when it runs and the caller is not on it
     already; on the calling thread otherwise, or if that loop stops before its turn (a
     user method's own ``asyncio.run`` returned, which cancels the handed task; or a loop
-    the user runs per call, which may run it much later). Run once, wherever."""
+    the user runs per call, which may run it much later). On the calling thread standing
+    in for that loop (:func:`standing_in_for_a_loop`) while a synchronous method holds
+    its thread, or if one takes it before its turn. Run once, wherever."""
     loop = _delivered_on.get() or loop
     if loop is None or not loop.is_running() or _running_on(loop):
         return call()
+    if _held(loop):
+        return _standing_in_for_it(call)
     return _OnHostLoop(call).run(loop)
+
+
+def _held(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether a synchronous method holds ``loop``'s thread (:func:`holding_its_loop`)."""
+    with _held_loops_lock:
+        return loop in _held_loops
+
+
+def _standing_in_for_it(call: Callable[[], T]) -> T:
+    """``call()``'s result, run here for a loop whose thread a synchronous method holds."""
+    token = _standing_in.set(True)
+    try:
+        return call()
+    finally:
+        _standing_in.reset(token)
 
 
 class _OnHostLoop(Generic[T]):
@@ -94,23 +157,28 @@ class _OnHostLoop(Generic[T]):
             never_run = handed is None or handed.cancelled() or not loop.is_running()
             if never_run and self._take():
                 on_loop.close()  # never run now (a loop that ended would warn of it)
-                self._run()
+                self._run(self._call)
+            elif _held(loop) and self._take():
+                # Behind a synchronous method that began after the hand-over: the task,
+                # when the loop runs it, finds the call taken.
+                self._run(functools.partial(_standing_in_for_it, self._call))
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]  # set: the call returned
 
     async def _on_loop(self) -> None:
         if self._take():
-            self._run()
+            self._run(self._call)
 
     def _take(self) -> bool:
         with self._lock:
             taken, self._taken = self._taken, True
             return not taken
 
-    def _run(self) -> None:
+    def _run(self, call: Callable[[], T]) -> None:
+        """Run ``call`` (the call, or the call standing in for the loop) once taken."""
         try:
-            self._result = self._call()
+            self._result = call()
         except BaseException as err:  # the calling thread raises it
             self._error = err
         finally:

@@ -27,6 +27,7 @@ import torch
 
 from raysync import gate as gate_module
 from raysync.gate import DEFERRED, ApplyGate
+from raysync.host_loop import call_on_host_loop
 
 #: Seconds any handshake may take before the test fails (never reached when it passes).
 TIMEOUT = 10.0
@@ -1955,8 +1956,6 @@ def test_a_write_off_every_loop_is_deferred_to_a_sync_looper_of_another_loop(loo
     it began to read, where the write waited behind it for good (its safe points run
     only writes deferred to them). Handed to the async readers' loop, it is deferred,
     and the looper's next safe point applies it."""
-    from raysync.host_loop import call_on_host_loop
-
     gate = ApplyGate(finish_deferred=lambda _: None)
     model = {"v": 0}
     looping, stop = threading.Event(), threading.Event()
@@ -1986,3 +1985,65 @@ def test_a_write_off_every_loop_is_deferred_to_a_sync_looper_of_another_loop(loo
         stop.set()
     looped.result(TIMEOUT)
     assert seen == sorted(seen)
+
+
+def test_a_write_off_every_loop_is_deferred_to_a_sync_looper_that_read_first(loops):
+    """As above, but the looper began to read before any coroutine did (the receiver
+    connected from ``__init__``, off every loop): its loop is the gate's, the one a
+    delivery that arrives off every loop is handed to, where the write waited behind it
+    for good. The delivery's own thread defers it instead, as that loop would have, and
+    the looper's next safe point applies it and acks it."""
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+    looping, stop = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    async def looper() -> None:  # a sync method, run on its group's loop
+        with gate.reading():
+            looping.set()
+            while not stop.is_set():
+                seen.append(model["v"])
+                gate.safe_point()
+                threading.Event().wait(0.001)
+
+    looped = loops.run(1, looper())
+    try:
+        _wait(looping, "the looper reads")
+        assert gate.loop is loops.loops[1]
+        write = functools.partial(gate.write, _setter(model, 1), key="m")
+        written = _started("delivery", lambda: call_on_host_loop(gate.loop, write))
+        assert written.finish() is DEFERRED  # not blocked behind the looper
+        _poll(gate, lambda: bool(seen) and seen[-1] == 1, "the looper sees the version")
+        assert finished == ["ack-1"]
+    finally:
+        stop.set()
+    looped.result(TIMEOUT)
+    assert seen == sorted(seen) and gate._readers == 0
+
+
+def test_a_write_for_a_loop_a_sync_looper_of_another_gate_holds_applies_at_once(loops):
+    """The looper holds its loop's thread reading another receiver's model: a delivery
+    for this receiver, whose loop that is, waited behind it for good. No reader holds
+    this receiver's model: the delivery's own thread applies it at once."""
+    other_gate = ApplyGate(finish_deferred=lambda _: None)
+    finished: list[Any] = []
+    gate = ApplyGate(finish_deferred=finished.append)
+    model = {"v": 0}
+    looping, stop = threading.Event(), threading.Event()
+
+    async def looper() -> None:  # a sync method of the other receiver's host
+        with other_gate.reading():
+            looping.set()
+            stop.wait(TIMEOUT)
+
+    looped = loops.run(1, looper())
+    try:
+        _wait(looping, "the looper reads")
+        write = functools.partial(gate.write, _setter(model, 1), key="m")
+        written = _started("delivery", lambda: call_on_host_loop(loops.loops[1], write))
+        assert written.finish() == "ack-1"
+        assert model["v"] == 1 and finished == []
+    finally:
+        stop.set()
+    looped.result(TIMEOUT)

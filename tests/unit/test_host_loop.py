@@ -1,6 +1,7 @@
 """call_on_host_loop (raysync/host_loop.py) without Ray: a receiver's write handed to an
 async host's event loop from a delivering thread, run exactly once, on the loop or, if
-the loop never runs it, on the calling thread."""
+the loop never runs it, on the calling thread; on the calling thread standing in for the
+loop while a synchronous method holds the loop's thread."""
 
 from __future__ import annotations
 
@@ -9,21 +10,30 @@ import contextvars
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
-from raysync.host_loop import call_on_host_loop, read_off_loop
+from raysync.host_loop import (
+    call_on_host_loop,
+    holding_its_loop,
+    read_off_loop,
+    standing_in_for_a_loop,
+)
 
 
 class _Call:
-    """A write that records the thread of each run and returns ``result``."""
+    """A write that records the thread of each run, and whether it stood in for a loop
+    there, and returns ``result``."""
 
     def __init__(self, result: object = "applied") -> None:
         self.result = result
         self.threads: list[int] = []
+        self.standing_in: list[bool] = []
 
     def __call__(self) -> object:
         self.threads.append(threading.get_ident())
+        self.standing_in.append(standing_in_for_a_loop())
         return self.result
 
 
@@ -278,3 +288,75 @@ def test_a_read_off_the_loop_starts_with_none_of_the_coroutines_context():
         return await read_off_loop(marker.get)
 
     assert asyncio.run(main()) == "none"
+
+
+def _hold_the_loop(
+    loop: asyncio.AbstractEventLoop, holding: threading.Event, release: threading.Event
+) -> None:
+    """Run on ``loop``: a synchronous method that holds its thread (a concurrency
+    group's looper), ``holding`` while it does, until ``release``."""
+    with holding_its_loop():
+        holding.set()
+        release.wait(30)
+
+
+def test_a_call_for_a_loop_a_sync_method_holds_is_run_here_standing_in_for_it():
+    """A sync method of an async actor's concurrency group holds its loop's thread (it
+    loops for good, with safe points): a call handed to that loop waited for it to
+    return, for good."""
+    loop = asyncio.new_event_loop()
+    holding, release = threading.Event(), threading.Event()
+    loop.call_soon(_hold_the_loop, loop, holding, release)
+    looping = threading.Thread(target=loop.run_forever, daemon=True)
+    looping.start()
+    try:
+        assert holding.wait(30)
+        call = _Call()
+        assert _call_in_a_thread(loop, call) == ["applied"]
+        assert call.threads != [looping.ident] and call.standing_in == [True]
+    finally:
+        release.set()
+        loop.call_soon_threadsafe(loop.stop)
+        looping.join(30)
+        loop.close()
+    assert not standing_in_for_a_loop()
+    assert call_on_host_loop(None, call) == "applied" and call.standing_in == [True, False]
+
+
+def test_a_call_handed_to_a_loop_a_sync_method_then_holds_is_run_here_once(monkeypatch):
+    """The call was handed to the loop just before a sync method began to hold its thread
+    (ahead of it in the loop's queue): the call is taken back and run standing in for
+    the loop, and the handed task, once the method returns, does not run it again."""
+    real_hand_over = asyncio.run_coroutine_threadsafe
+    handed_tasks: list[Any] = []
+    handed = threading.Event()
+
+    def hand_over(coroutine, to):  # type: ignore[no-untyped-def]
+        handed_tasks.append(real_hand_over(coroutine, to))
+        handed.set()
+        return handed_tasks[-1]
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", hand_over)
+    loop = asyncio.new_event_loop()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_once_handed() -> None:
+        handed.wait(30)
+        _hold_the_loop(loop, holding, release)
+
+    loop.call_soon(hold_once_handed)
+    looping = threading.Thread(target=loop.run_forever, daemon=True)
+    looping.start()
+    try:
+        call = _Call()
+        assert _call_in_a_thread(loop, call) == ["applied"]
+        assert holding.is_set() and call.standing_in == [True]
+        release.set()
+        [task] = handed_tasks
+        assert task.result(30) is None  # ran on the loop once released: found it taken
+        assert call.threads != [looping.ident] and len(call.threads) == 1
+    finally:
+        release.set()
+        loop.call_soon_threadsafe(loop.stop)
+        looping.join(30)
+        loop.close()
