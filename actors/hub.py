@@ -84,6 +84,7 @@ from raysync.transports import (
     TransportPlanner,
     Unplanned,
     get_transport,
+    known_transports,
     register_transport,
 )
 from raysync.transports.object_store.bucket_stream import (
@@ -761,7 +762,8 @@ class WeightHubActor:
         """Add a receiver; answer with the latest version of each of its models it lacks.
 
         The receiver reads by the transport it asked for (``connect_hub(transport=...)``),
-        else by the hub's; a transport that cannot run here fails the registration. A
+        else by the hub's; a transport that cannot run here fails the registration, as
+        does one that moves whole versions only on a hub started with ``bucket_mb``. A
         refusal is kept for ``status`` until the worker registers.
         """
         try:
@@ -829,6 +831,7 @@ class WeightHubActor:
         # Withdrawn while it waited (its receiver gave up on this call meanwhile): a
         # registration nobody holds, which broadcasts would target, is not booked.
         self._check_not_withdrawn(registration)
+        _check_reads_buckets(registration, transport, self._config.bucket_mb)
         latest = self._state.register(registration)
         if former is not None and former.transport != transport:  # its planner forgets it
             self._forget_in(former.transport, registration.worker, f"moved to {transport}")
@@ -1727,6 +1730,26 @@ def _check_above_direct(model: str, request: BroadcastRequest) -> None:
             f"{request.above}, which this learner delivered itself (its receivers may "
             "hold it); versions only go up"
         )
+
+
+def _check_reads_buckets(
+    registration: Registration, transport: str, bucket_mb: float | None
+) -> None:
+    """ValueError, before ``registration`` is booked, if its receiver would read by a
+    ``transport`` that moves whole versions only on a hub started with ``bucket_mb``
+    (as ``WeightHub.remote`` refuses such a transport as the hub's own): a broadcast
+    cannot turn the hub's default off, so every version above it would be refused,
+    from every learner, for as long as the receiver stayed registered."""
+    if bucket_mb is None or get_transport(transport).buckets:
+        return
+    able = ", ".join(n for n in known_transports() if get_transport(n).buckets)
+    raise ValueError(
+        f"bucket_mb: transport {transport!r} moves whole versions only, and this hub was "
+        f"started with bucket_mb={bucket_mb:g} (every version above {bucket_mb:g} MiB moves "
+        f"in buckets): {registration.worker} ({registration.actor}) cannot register with "
+        f"it; connect it with a transport that moves buckets ({able}), or start the hub "
+        "without bucket_mb"
+    )
 
 
 def _check_bucket_readers(targets: list[ReceiverEntry]) -> None:

@@ -222,6 +222,7 @@ class _Broadcast:
                 wire,
                 travels,
                 bucket_bytes,
+                bucket_mb,
                 timeout_s,
             )
             try:
@@ -307,6 +308,7 @@ class _Broadcast:
         wire: dict[str, torch.Tensor] | None,
         travels: WeightSpec,
         bucket_bytes: int | None,
+        bucket_mb: float | None,
         timeout_s: float | None,
     ) -> tuple[dict[str, TransportSender], dict[str, Any]]:
         """Hand the version to the hub's transport and those its receivers chose, in
@@ -315,7 +317,7 @@ class _Broadcast:
         learner's part of it (:func:`~raysync.transports.parts.part_stream`), as the
         hub's planners know it (a shared-memory slot names it for its owner).
         ``wire``: a whole version's tensors as they travel; buckets are cast as they
-        are packed."""
+        are packed. ``bucket_mb``: the broadcast's own, None if it took the hub's."""
         handle = self._handle
         try:
             senders = {name: handle._sender(name) for name in route.hand_offs}
@@ -329,7 +331,7 @@ class _Broadcast:
                 return sender.send_buckets(tensors, travels, bucket_bytes, stall_s)
 
             if wire is None:
-                _check_bucketed(senders)
+                _check_bucketed(senders, bucket_mb, config.bucket_mb)
             payloads: dict[str, Any] = {}
             for name, sender in senders.items():
                 try:
@@ -412,16 +414,37 @@ def _bucket_bytes(bucket_mb: float | None, travels: WeightSpec) -> int | None:
     return size if travels.nbytes > size else None
 
 
-def _check_bucketed(senders: dict[str, TransportSender]) -> None:
-    """ValueError, before anything is sent, if a hand-off moves whole versions only."""
+def _check_bucketed(
+    senders: dict[str, TransportSender], bucket_mb: float | None, hub_bucket_mb: float | None
+) -> None:
+    """ValueError, before anything is sent, if a hand-off moves whole versions only.
+    ``bucket_mb``: the broadcast's, None if it took ``hub_bucket_mb``, the hub's default."""
     whole = sorted(name for name in senders if not get_transport(name).buckets)
     if whole:
         able = [n for n in known_transports() if get_transport(n).buckets]
         raise ValueError(
             f"bucket_mb: transport {', '.join(map(repr, whole))} moves whole versions only "
-            f"(transports that move buckets: {', '.join(able)}); broadcast without "
-            "bucket_mb, or have its receivers use one of those"
+            f"(transports that move buckets: {', '.join(able)}); "
+            + _whole_versions_advice(bucket_mb, hub_bucket_mb)
         )
+
+
+def _whole_versions_advice(bucket_mb: float | None, hub_bucket_mb: float | None) -> str:
+    """How a version refused for a hand-off that moves whole versions only can go: a
+    broadcast without ``bucket_mb`` takes the hub's default, ``hub_bucket_mb``, if the
+    hub has one, and nothing turns that off."""
+    if hub_bucket_mb is None:
+        return "broadcast without bucket_mb, or have its receivers use one of those"
+    source = (
+        "the hub's default"
+        if bucket_mb is None
+        else f"this broadcast's bucket_mb={bucket_mb:g}, and without it the hub's default"
+    )
+    return (
+        f"the bucket size is {source}, bucket_mb={hub_bucket_mb:g} (WeightHub.remote), "
+        "which no broadcast turns off: have its receivers use one of those, or start the "
+        "hub without bucket_mb"
+    )
 
 
 def _checked_part(part: int | None, parts: int | None, version: int | None) -> tuple[int, int]:

@@ -735,6 +735,27 @@ def test_bucket_mb_is_refused_where_a_transport_moves_whole_versions(actors):
     assert ray.get(receiver.version.remote()) == 0
 
 
+def test_a_bucketing_hub_refuses_a_receiver_of_a_whole_version_transport(actors):
+    """Taken in, its hand-off joined every broadcast: each above the hub's bucket_mb,
+    from every learner, was refused (``workers=`` leaving it out too), saying to
+    broadcast without bucket_mb, which takes the hub's. It is refused as it registers,
+    by name; the hub's other receivers get every version."""
+    register_transport("packed_object", PackedObjectTransport)
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    whole = start(actors, Receiver, hub, "whole", transport="packed_object")
+    refusal = r"bucket_mb: transport 'packed_object' moves whole versions only, and this hub"
+    with pytest.raises(ray.exceptions.RayActorError, match=refusal):
+        ready([whole])
+    bucketed = start(actors, Receiver, hub, "bucketed")
+    ready([bucketed])
+    report = ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    assert (report.acked, report.failed) == (("bucketed",), {})
+    assert_bitwise(ray.get(bucketed.state.remote()), special_weights(1.0))
+    status = ray.get(hub.status.remote())
+    assert [r.worker for r in status.receivers] == ["bucketed"]
+    assert "started with bucket_mb=" in status.refused["whole"].error
+
+
 def test_the_hub_refuses_a_bucketed_version_for_receivers_of_a_whole_version_transport(actors):
     """``put_reader`` reads the object store's hand-off, which moves buckets, but reads
     whole puts only: the hub names its receivers before any receiver is touched."""
