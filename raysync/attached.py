@@ -198,7 +198,7 @@ def attach(
     ``ValueError`` for a ``heartbeat_s`` or ``timeout_s`` that is not a positive number
     of seconds, and :class:`~raysync.RaySyncError` if a version the hub welcomes it
     with fails to apply (its ``on_applied`` raised): the receiver then leaves the hub
-    again.
+    again; ``replaces``, closed by then, may be passed as ``replaces`` again.
     """
     delivery = DeliveryMode(mode)
     if heartbeat_s is not None:

@@ -22,6 +22,7 @@ Everything here runs in the host process. Who calls what:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -226,9 +227,14 @@ class ReceiverCore:
         #: leaves or is replaced waits for one in flight, then never registers again.
         self._registering = threading.RLock()
         self._registering_ended = False
-        #: Set under ``_registering`` by the registration that replaced this core: no
-        #: other may replace it again (its gate, versions and memory went to that one).
-        self._replaced = False
+        #: Set under ``_registering`` to the core of the registration that replaced this
+        #: one: no other may replace it again (its gate, versions and memory went to
+        #: that one), unless that one closed before it was welcomed (see
+        #: :func:`_check_not_replaced`).
+        self._successor: ReceiverCore | None = None
+        #: Set once :meth:`apply_welcome` applied what the hub offered: ``attach``
+        #: returns this core's receiver only then.
+        self._welcomed = False
         #: Set at a safe point by :meth:`retire`: versions this core staged and that
         #: reach the safe point after are not applied (a newer registration rules).
         self._retired = False
@@ -340,32 +346,32 @@ class ReceiverCore:
                 except Exception:  # what is raised is why the transport did not open
                     logger.exception("could not withdraw %s's registration", identity.worker)
                 raise
+            core = cls(
+                owner,
+                hub,
+                held,
+                identity,
+                welcome,
+                registration.token,
+                on_applied,
+                gate=None if previous is None else previous.gate,
+                earlier_hubs=None if previous is None else previous.hubs_to_ack_later(),
+                transport=transport,
+            )
             if previous is not None:
-                previous._replaced = True  # under its _registering: see _check_not_replaced
-                previous.close()
+                previous._hand_over_to(core)  # under its _registering: see _check_not_replaced
                 if not carried or previous.worker != identity.worker:
                     previous.forget_me()  # this registration does not replace it there
-        core = cls(
-            owner,
-            hub,
-            held,
-            identity,
-            welcome,
-            registration.token,
-            on_applied,
-            gate=None if previous is None else previous.gate,
-            earlier_hubs=None if previous is None else previous.hubs_to_ack_later(),
-            transport=transport,
-        )
         attached.fill(identity.attachment, core)
         return core, welcome
 
     def apply_welcome(self, welcome: Welcome) -> None:
         """Apply the versions ``welcome`` (from :meth:`register`) offers, now; raise if
-        one fails. One whose data cannot be read now (gone with a dead learner, or a
-        data path that failed) joins :attr:`behind` instead: a push receiver's hub watch
-        pulls it again at each beat, and the next broadcast brings it anyway (a pull
-        receiver's next pull does)."""
+        one fails (the caller then closes this core: the one it replaced may be
+        replaced again). One whose data cannot be read now (gone with a dead learner, or
+        a data path that failed) joins :attr:`behind` instead: a push receiver's hub
+        watch pulls it again at each beat, and the next broadcast brings it anyway (a
+        pull receiver's next pull does)."""
         for update in welcome.latest.values():
             try:
                 self.apply_now(update, "while connecting")
@@ -379,6 +385,7 @@ class ReceiverCore:
                     update.model,
                     err,
                 )
+        self._welcomed = True
 
     def close(self) -> None:
         """End this connection: its hub watch stops, its transport receiver closes, and
@@ -388,6 +395,18 @@ class ReceiverCore:
         self.wake_watch()
         attached.remove(self.identity.attachment)
         self.transport.close()
+
+    def _hand_over_to(self, successor: ReceiverCore) -> None:
+        """Close this core, replaced by ``successor`` (by :meth:`register`, under this
+        core's ``_registering``). The staged versions its zero-copy models live in are
+        ``successor``'s now (:func:`_carried_over`; :meth:`retire` moved the others
+        out): this core forgets them, so that a registration replacing it again (once
+        ``successor`` failed to connect) neither keeps nor hands them back a second
+        time."""
+        self._successor = successor
+        for held in self.models.values():
+            held.adoption.current = None
+        self.close()
 
     def retire(self, carried_over: Collection[str] = ()) -> None:
         """Apply no more versions: called before this receiver leaves the hub or a new
@@ -526,8 +545,9 @@ class ReceiverCore:
     def decline(self, update: Update) -> None:
         """Hand back an update the hub planned for this receiver and that it will not
         read (a pull receiver's welcome on registering again: it takes versions when it
-        pulls): its transport lets go of what it holds for it (a shared-memory slot's
-        hold, which would otherwise keep the learner from reusing that slot)."""
+        pulls; a pull's answer that came after it stopped waiting): its transport lets
+        go of what it holds for it (a shared-memory slot's hold, which would otherwise
+        keep the learner from reusing that slot). Any thread, also once closed."""
         try:
             self.transport.release(update.payload, None)
         except Exception:
@@ -545,7 +565,9 @@ class ReceiverCore:
         heartbeats stopped) is registered with again, once, and asked again: a pull
         receiver without a hub watch would otherwise never be known again. What the
         hub's welcome offers is declined (read by this pull, or, for a push receiver,
-        caught up by its hub watch)."""
+        caught up by its hub watch); so is what the hub answers a call this pull
+        stopped waiting for (timed out, interrupted): planned for this receiver, it
+        holds the version's payload for it."""
         try:
             return self._latest(model, timeout_s)
         except UnknownWorkerError:
@@ -560,12 +582,36 @@ class ReceiverCore:
 
     def _latest(self, model: str, timeout_s: float) -> Update | None:
         held = self.models[model]
-        return ray.get(
-            self.hub.actor.latest.remote(
-                model, held.version, worker=self.worker, have_origin=held.origin
-            ),
-            timeout=timeout_s,
+        call = self.hub.actor.latest.remote(
+            model, held.version, worker=self.worker, have_origin=held.origin
         )
+        try:
+            return ray.get(call, timeout=timeout_s)
+        except BaseException as err:
+            if not isinstance(err, ray.exceptions.RayTaskError):
+                # Not answered (timed out, interrupted): the hub may still plan the
+                # version for this receiver, holding its payload for it (a shared-memory
+                # slot its learner cannot reuse); nobody here reads it.
+                self._decline_when_answered(call)
+            raise
+
+    def _decline_when_answered(self, call: ray.ObjectRef) -> None:
+        """:meth:`decline` the update the hub answers the pull ``call`` with, once it
+        does (this core may have closed by then), on a thread of its own: Ray runs a
+        future's callbacks on its core worker's event thread, which a call waiting on
+        Ray there blocks for good (ray-project/ray#50980), and a transport's release may
+        wait to look up its owner's actor."""
+
+        def answered(reply: concurrent.futures.Future[Any]) -> None:
+            if reply.cancelled() or reply.exception() is not None:
+                return  # the hub failed the pull: nothing was planned
+            update = reply.result()
+            if isinstance(update, Update) and update.payload is not None:
+                threading.Thread(
+                    target=self.decline, args=(update,), name="raysync-decline", daemon=True
+                ).start()
+
+        call.future().add_done_callback(answered)
 
     def hubs_to_ack_later(self) -> dict[str, HubHandle]:
         """For the core that replaces this one (and takes over its gate): where acks
@@ -1170,8 +1216,13 @@ def _refuse_second(identity: ReceiverIdentity, other: str) -> None:
 def _check_not_replaced(previous: ReceiverCore | None, identity: ReceiverIdentity) -> None:
     """ValueError if another registration replaced ``previous`` already (two threads
     connecting again at once, both from it): this one would live beside that one, and
-    take over a gate, versions and memory that are that one's now."""
-    if previous is not None and previous._replaced:
+    take over a gate, versions and memory that are that one's now. One that closed
+    before it was welcomed (its ``attach`` failed, and returned no receiver to replace)
+    replaced it for nothing: ``previous`` is replaced again, from what it held."""
+    if previous is None:
+        return
+    successor = previous._successor
+    if successor is not None and (successor._welcomed or not successor.closed.is_set()):
         raise ValueError(
             f"{identity.actor}'s receiver (worker {previous.worker!r}) was replaced by "
             "another connect_hub/attach already: replace the receiver that one returned"

@@ -12,6 +12,7 @@ that records the acks sent to it; the transport one that serves tensors by versi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import gc
 import threading
@@ -25,6 +26,7 @@ import ray
 import torch
 
 from raysync import receiver_core, weights
+from raysync.attached import attach
 from raysync.copies import Viewed, numpy_view
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError
 from raysync.messages import Ack, AckStatus, ServeRequest, Update, Welcome
@@ -832,6 +834,45 @@ def test_registering_again_withdraws_a_registration_the_hub_did_not_answer_in_ti
     assert receiver.core.token == "token" and receiver.core.transport is receiver.transport
 
 
+@pytest.mark.parametrize("closed_first", [False, True])
+@pytest.mark.parametrize(
+    "gave_up", [ray.exceptions.GetTimeoutError("the hub did not answer"), KeyboardInterrupt()]
+)
+def test_a_pull_that_stopped_waiting_hands_back_what_the_hub_answers_later(
+    monkeypatch, gave_up, closed_first
+):
+    """A pull gives up on the hub (timed out, interrupted) and the hub answers later
+    all the same: the latest version, planned for this receiver with a hold on its
+    payload (a shared-memory slot its learner cannot reuse). Nothing handed that hold
+    back: a few such pulls took every slot of the learner's, and each broadcast then
+    failed. It goes back once when the answer comes, also to a receiver closed by then."""
+    bound_s = 30.0  # a failure, not a hang: the hand-back follows the answer at once
+    receiver = _Receiver()
+    answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    call = SimpleNamespace(future=lambda: answer)  # the hub's ``latest`` call, unanswered
+    receiver.hub.actor.latest = SimpleNamespace(remote=lambda *args, **kwargs: call)
+
+    def not_answered(ref: Any, timeout: float | None = None) -> Any:
+        raise gave_up
+
+    monkeypatch.setattr(receiver_core.ray, "get", not_answered)
+    handed_back = threading.Event()
+    release = receiver.transport.release
+
+    def release_and_say(payload: int, staged: Sequence[torch.Tensor] | None) -> None:
+        release(payload, staged)
+        handed_back.set()
+
+    receiver.transport.release = release_and_say  # type: ignore[method-assign]
+    with pytest.raises(type(gave_up)):
+        receiver.core.latest("policy", 5.0)
+    if closed_first:
+        receiver.core.close()
+    answer.set_result(Update("policy", 3, receiver.spec.digest, "shared_memory", 3))
+    assert handed_back.wait(bound_s), "the version the hub planned for the pull stays held"
+    assert receiver.transport.released == [(3, False)]
+
+
 class _RegisteringHub(_Hub):
     """A stand-in hub whose ``register`` answers once ``answer`` is set (with the test's
     ``ray.get``, :func:`_get`); records registrations and leaves, with their tokens."""
@@ -1519,6 +1560,94 @@ def test_a_receiver_replaced_already_is_not_replaced_again(monkeypatch):
     finally:
         for core in [previous, *cores]:
             core.close()
+
+
+class _OfferingHub(_Hub):
+    """A stand-in hub that answers each registration at once (the test's ``ray.get``
+    passes it through) with a welcome offering ``latest`` to one holding an older
+    version; records the registrations."""
+
+    transport = "shared_memory"
+
+    def __init__(self, latest: Update) -> None:
+        super().__init__()
+        self.latest = latest
+        self.registrations: list[Any] = []
+        self.actor.register = SimpleNamespace(remote=self._register)
+        self.actor.leave = SimpleNamespace(remote=lambda worker, token: None)
+
+    def _register(self, registration: Any) -> Welcome:
+        self.registrations.append(registration)
+        behind = registration.versions[self.latest.model] < self.latest.version
+        return Welcome(self.transport, None, {self.latest.model: self.latest} if behind else {})
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_receiver_whose_replacement_failed_to_connect_is_replaced_by_the_next_try(
+    monkeypatch, zero_copy
+):
+    """``connect_hub`` again (the mixin replaces the receiver it keeps) and the hub's
+    welcome fails to apply (``on_weights_applied`` raised): the new registration had
+    replaced the old one, then closed. Every ``connect_hub`` after was refused, the old
+    receiver "replaced by another connect_hub/attach already", though none was
+    returned. The next try replaces the old receiver: the version the failed one
+    applied is offered and hooked again; each staged version a zero-copy model lived
+    in goes back once (not again by the old receiver, whose model the failed one took
+    over and moved on)."""
+    process = SimpleNamespace(
+        get_node_id=lambda: "node", get_worker_id=lambda: "process", get_actor_id=lambda: "abc"
+    )
+    monkeypatch.setattr(receiver_core.ray, "get_runtime_context", lambda: process)
+    monkeypatch.setattr(receiver_core, "_host_actor", lambda: None)
+    monkeypatch.setattr(receiver_core.ray, "get", lambda ref, timeout=None: ref)
+    transport = _Transport()
+    monkeypatch.setattr(receiver_core, "_open_transport", lambda welcome: transport)
+    owner = SimpleNamespace(policy=torch.nn.Linear(3, 2))
+    spec = HeldModel("policy", "policy").destination(owner)[1]
+
+    def staged(version: int) -> Update:
+        transport.staged[version] = [torch.full(e.shape, float(version)) for e in spec.tensors]
+        return Update("policy", version, spec.digest, "shared_memory", version)
+
+    hub = _OfferingHub(staged(1))
+    hooked: list[int] = []
+    failures = [RuntimeError("on_weights_applied failed (injected)")]
+
+    def on_applied(model: str, version: int) -> None:
+        hooked.append(version)
+        if version == 2 and failures:
+            raise failures.pop()
+
+    def connect(replaces: Any = None) -> Any:
+        return attach(
+            hub,
+            {"policy": "policy"},
+            owner=owner,
+            zero_copy=zero_copy,
+            heartbeat_s=None,
+            on_applied=on_applied,
+            replaces=replaces,
+        )
+
+    first = connect()
+    hub.latest = staged(2)
+    with pytest.raises(RaySyncError, match="on_weights_applied raised"):
+        connect(replaces=first)
+    again = connect(replaces=first)
+    try:
+        assert again.version() == 2 and hooked == [1, 2, 2]
+        assert torch.equal(owner.policy.weight, torch.full((2, 3), 2.0))
+        assert torch.equal(owner.policy.bias, torch.full((2,), 2.0))
+        assert [(r.versions, r.kept) for r in hub.registrations] == [
+            ({"policy": 0}, ()),
+            ({"policy": 1}, (1,) if zero_copy else ()),
+            ({"policy": 1}, ()),
+        ]
+        # Version 1 as the model moved on from it, version 2 once the failed receiver
+        # closed; the retry's lives on in the model (zero copy) or went back too.
+        assert transport.released == [(1, True), (2, True), *([] if zero_copy else [(2, True)])]
+    finally:
+        again.close()
 
 
 def test_a_learners_own_delivery_turned_down_as_a_conflict_keeps_its_hold_for_the_hubs():
