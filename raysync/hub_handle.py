@@ -184,24 +184,26 @@ class _Broadcast:
             wire = tensors if wire_spec is None else cast_to_wire(tensors, wire_spec)
         if config.reject_nonfinite and wire_spec is not None:
             check_finite_on_wire(tensors, wire_spec, what="broadcast weights", cast=wire)
-        # A version whose transport needs sends submitted in their order holds the
-        # others of such transports off from its send to its submit call. One written
-        # into the learner's channel leaves before its object-store copy is made (the
-        # receivers apply it meanwhile): numbered from the write on.
+        # A version whose transport needs sends submitted in their order holds its
+        # model's others off from its send to its submit call. One written into the
+        # learner's channel leaves before its object-store copy is made (the receivers
+        # apply it meanwhile): numbered from the write on. Other models' broadcasts go
+        # on meanwhile (``LearnerSide.sending_in_order``).
         in_send_order = wire is not None and any(
             get_transport(name).submits_in_send_order for name in route.hand_offs
         )
-        with (
-            side.sending_in_order if in_send_order else contextlib.nullcontext(),
-            side.submitting if channel is not None else contextlib.nullcontext(),
-        ):
+        in_order = side.sending_in_order(route_key)
+        with in_order if in_send_order or channel is not None else contextlib.nullcontext():
             written, direct_version, above = None, 0, None
-            if channel is not None and _stale(side, route_key, basis):
-                channel = None
+            if channel is not None:
+                with side.submitting:
+                    if _stale(side, route_key, basis):
+                        channel = None
+                    else:
+                        above = _above(side, direct_key)
+                        direct_version = handle._next_direct_version(route)
             if channel is not None:
                 assert wire is not None  # direct: a whole version, not buckets
-                above = _above(side, direct_key)
-                direct_version = handle._next_direct_version(route)
                 written = write_channel(
                     channel,
                     route,
@@ -242,7 +244,9 @@ class _Broadcast:
                     parts=parts,
                     bucket_bytes=bucket_bytes,
                 )
-                with side.submitting:  # numbers in the order the calls leave this process
+                # Numbers in the order the calls leave this process, after the versions
+                # of its model numbered or sent in order before it.
+                with in_order, side.submitting:
                     sent_at = time.time()
                     calls: dict[str, tuple[str, Any]] | None = None
                     if above is None:  # read under the lock: another thread's direct one

@@ -110,12 +110,13 @@ class LearnerSide:
     submitter: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: The number the next submit call that leaves this process takes.
     next_sequence: int = 1
-    #: Held while a broadcast is numbered and sent, so numbers leave in order.
+    #: Held while a broadcast is numbered and sent, so numbers leave in order; never
+    #: across a hand-off's send, which may wait long (for a slow receiver of its model).
     submitting: threading.RLock = field(default_factory=threading.RLock)
-    #: Held from the send to the submit call by a broadcast whose hand-off needs its
-    #: versions submitted in the order they were sent
-    #: (``Transport.submits_in_send_order``); taken before :attr:`submitting`.
-    sending_in_order: threading.RLock = field(default_factory=threading.RLock)
+    #: Per route key (``HubHandle._route_key``), the lock :meth:`sending_in_order` gives.
+    in_order: dict[str | None, threading.RLock] = field(default_factory=dict)
+    #: Held while a lock of :attr:`in_order` is looked up or made.
+    in_order_made: threading.Lock = field(default_factory=threading.Lock)
     in_flight: InFlight = field(default_factory=InFlight)
     #: the model a route named for broadcasts that leave ``model`` out: their route key
     unnamed_model: str | None = None
@@ -147,6 +148,19 @@ class LearnerSide:
             self.next_sequence = sequence + 1
             self.in_flight.add(sequence, result)
             return sequence, result
+
+    def sending_in_order(self, key: str | None) -> threading.RLock:
+        """The lock that keeps the broadcasts of route key ``key`` in the order they
+        leave this process, made on first use. A broadcast holds it from its send to
+        its submit call where its hand-off needs its versions submitted in the order
+        they were sent (``Transport.submits_in_send_order``: the shared-memory owner
+        frees a learner's older unplanned slots of the model planned), and from the
+        direct version it numbers for the learner's channel on (its receivers apply it
+        before its object-store copy is made); every broadcast of ``key`` holds it for
+        its submit call. Taken before :attr:`submitting`, one key's at a time: another
+        model's broadcasts do not wait for this one's hand-off."""
+        with self.in_order_made:
+            return self.in_order.setdefault(key, threading.RLock())
 
     def sender(self, hand_off: str, open_sender: Callable[[], TransportSender]) -> TransportSender:
         """The sender of ``hand_off``, opened with ``open_sender`` on first use."""

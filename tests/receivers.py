@@ -844,7 +844,7 @@ class SlotCrossingLearner:
         send, submitted = SharedMemorySender.send, SharedMemorySender.submitted
         first_written, go = threading.Event(), threading.Event()
         side = self.hub._side
-        lock = side.sending_in_order
+        in_order = side.sending_in_order  # the model's lock, by route key
 
         def sending(this, *args):
             payload = send(this, *args)
@@ -880,14 +880,14 @@ class SlotCrossingLearner:
             refs[at] = self.hub.broadcast.remote(versions[at], raise_on_failure=False)
 
         SharedMemorySender.send, SharedMemorySender.submitted = sending, second_submitted
-        side.sending_in_order = _NotesBlocked(lock, "second", go)
+        side.sending_in_order = lambda key: _NotesBlocked(in_order(key), "second", go)
         try:
             run_in_threads(
                 ("first", broadcast, (0, None)), ("second", broadcast, (1, first_written))
             )
         finally:
             SharedMemorySender.send, SharedMemorySender.submitted = send, submitted
-            side.sending_in_order = lock
+            del side.sending_in_order
         return refs
 
     def broadcast(self, weights: dict[str, torch.Tensor]) -> list[ray.ObjectRef]:

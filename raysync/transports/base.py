@@ -381,8 +381,8 @@ class Transport(ABC):
     #: bytes, and a version planned for a receiver but never delivered holds nothing.
     one_call_at_a_time: ClassVar[bool] = False
     #: Whether its sender's whole versions must reach the hub in the order its ``send``
-    #: made them: a learner's thread then holds off the others' broadcasts from its
-    #: send to its submit call (``shared_memory``: planning a version frees the
+    #: made them: a learner's thread then holds off its model's other broadcasts from
+    #: its send to its submit call (``shared_memory``: planning a version frees the
     #: sender's older slots the hub never planned, taken to be versions it refused).
     submits_in_send_order: ClassVar[bool] = False
     #: Whether its sender moves a version in buckets under a memory cap

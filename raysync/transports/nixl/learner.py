@@ -328,7 +328,7 @@ class NixlSender(TransportSender):
         before it wrote, and lose that version after the hub took it (or write under it
         while it is written). The wait for a version not yet submitted is bounded by
         ``WRITTEN_WAIT_S``: the first thread may itself wait for this one (a broadcast on
-        the channel path holds the learner's numbering lock across its hand-off), and
+        the channel path holds its model's lock across its hand-off), and
         then its version is lost (refused by ``submitted``) rather than both waiting.
         A write under way is always waited for to its end: it holds no lock, so it ends,
         and a version written beside it could mix both in one bucket under a stamp.
