@@ -86,8 +86,14 @@ class AttachedReceiver:
         Safe from inside :meth:`using`: the caller's own hold is let go while the version
         is applied. On an event loop while other coroutines hold the models, the version
         is staged and applied once they leave (as a broadcast's is): the versions
-        returned are then those held before. Raises :class:`~raysync.RaySyncError` if a
-        version cannot be applied, or once the receiver is closed.
+        returned are then those held before. ``timeout_s`` bounds each wait on the hub.
+
+        Each model is pulled on its own: one that fails (fetching or applying its
+        version) leaves the others pulled, and the failure is raised once all were
+        tried: what the one model that failed raised (:class:`~raysync.RaySyncError` if
+        its version could not be applied; noted with its model id when others were
+        pulled), or a :class:`~raysync.RaySyncError` naming each model that failed and
+        why. Raises :class:`~raysync.RaySyncError` too once the receiver is closed.
         """
         core = self.core
         if self.closed:
@@ -96,11 +102,22 @@ class AttachedReceiver:
                 "(attach again)"
             )
         chosen = [core.model_id(model)] if model is not None else list(core.models)
+        failures: dict[str, Exception] = {}
         for model_id in chosen:
-            update = core.latest(model_id, timeout_s)
-            if update is not None:
-                core.apply_now(update, "on pull")
-        return {m: core.models[m].version for m in chosen}
+            try:
+                self._pull_one(model_id, timeout_s)
+            except Exception as err:  # the models after it are still pulled
+                failures[model_id] = err
+        versions = {m: core.models[m].version for m in chosen}
+        if failures:
+            _raise_pull_failure(core.actor_name, failures, versions)
+        return versions
+
+    def _pull_one(self, model_id: str, timeout_s: float) -> None:
+        """Fetch and apply the latest version of one model if newer (:meth:`pull`)."""
+        update = self.core.latest(model_id, timeout_s)
+        if update is not None:
+            self.core.apply_now(update, "on pull")
 
     @contextlib.contextmanager
     def using(self) -> Iterator[None]:
@@ -245,6 +262,26 @@ def attach(
     if watch is not None:
         watch.start()
     return receiver
+
+
+def _raise_pull_failure(
+    actor_name: str, failures: dict[str, Exception], versions: dict[str, int]
+) -> None:
+    """Raise what :meth:`AttachedReceiver.pull` failed with once every model was tried
+    (``versions``: those held afterwards): the one failure itself, its type kept (noted
+    with its model id when others were pulled), or one :class:`~raysync.RaySyncError`
+    naming each model that failed and why, from the first failure."""
+    pulled = {m: v for m, v in versions.items() if m not in failures}
+    others = f"; it pulled the others (versions held: {pulled})" if pulled else ""
+    first = next(iter(failures.values()))
+    if len(failures) == 1:
+        if others:
+            first.add_note(f"{actor_name} could not pull model {next(iter(failures))!r}{others}")
+        raise first
+    why = "; ".join(f"{m!r}: {type(err).__name__}: {err}" for m, err in failures.items())
+    raise RaySyncError(
+        f"{actor_name} could not pull models {', '.join(map(repr, failures))} ({why}){others}"
+    ) from first
 
 
 class _Given:

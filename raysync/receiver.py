@@ -151,7 +151,8 @@ class WeightReceiver:
         the caller's own read is released while the update is applied. In an async
         actor's coroutine while other coroutines hold the models, the version is staged
         and applied once they leave (as a broadcast's is): the versions returned are
-        then those held before.
+        then those held before. Each model is pulled on its own: one that fails is
+        raised once the others are pulled (see :meth:`raysync.AttachedReceiver.pull`).
         """
         return self._raysync_connected().pull(model, timeout_s=timeout_s)
 

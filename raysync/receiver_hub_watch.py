@@ -13,7 +13,8 @@ back of a driver that reads its model outside ``using()``). A re-registration th
 fails is tried again after one heartbeat, then after twice as long each time, at most
 four heartbeats apart. A hub that does not answer
 (restarting) is asked again at the next beat. At each beat it also pulls again the
-models a push receiver could not fetch while connecting (``ReceiverCore.behind``).
+models a push receiver could not fetch while connecting (``ReceiverCore.behind``), each
+on its own: one that fails again stays behind, and the others still catch up.
 
 What it knows of the connection, :class:`HubConnection`, is read from any thread with
 :meth:`HubWatch.connection` (``AttachedReceiver.connection`` and
@@ -28,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from raysync.errors import RaySyncError
 from raysync.messages import AckStatus, DeliveryMode, Update
@@ -201,30 +202,50 @@ class HubWatch(threading.Thread):
             core.send_ack(receipt.ack)
 
     def _catch_up(self) -> None:
-        """Pull again what ``core.behind`` lists; each update goes through the host's
-        method queue, so it is applied at a safe point."""
+        """Pull again what ``core.behind`` lists, each model on its own: one whose pull
+        raises (the hub failed it, or did not answer in time) stays behind, tried again
+        at the next beat, and the models after it still catch up. A hub that is gone or
+        restarting ends the catch-up: the beat says so."""
         core = self._core
         for model in sorted(core.behind):
             if core.host_call_queued(model):
                 # Asked for now, the latest would be planned for this receiver (a
                 # shared-memory slot held for it) and then handed back unread.
                 continue
-            update = core.latest(model, self._call_timeout_s)
-            if update is not None:
-                receipt = core.deliver_through_host(update, self._call_timeout_s)
-                if receipt is None:  # still queued behind the host's method
-                    continue
-                if isinstance(receipt, AckNow):
-                    if receipt.ack.status is AckStatus.FAILED:
-                        logger.debug(
-                            "%s is still behind on %r: %s",
-                            core.actor_name,
-                            model,
-                            receipt.ack.error,
-                        )
-                        continue
-                    core.send_ack(receipt.ack)
-            core.behind.discard(model)
+            try:
+                caught_up = self._pull_again(model)
+            except RayActorError:
+                raise  # the hub is gone or restarting: no other model gets an answer
+            except Exception as err:
+                logger.warning(
+                    "%s could not pull %r again (tried again at the next beat): %s",
+                    core.actor_name,
+                    model,
+                    err,
+                )
+                self._connection = replace(self._connection, last_error=_describe(err))
+                continue
+            if caught_up:
+                core.behind.discard(model)
+
+    def _pull_again(self, model: str) -> bool:
+        """Fetch the latest version of ``model`` and deliver it through the host's method
+        queue, so it is applied at a safe point; whether the model caught up."""
+        core = self._core
+        update = core.latest(model, self._call_timeout_s)
+        if update is None:
+            return True
+        receipt = core.deliver_through_host(update, self._call_timeout_s)
+        if receipt is None:  # still queued behind the host's method
+            return False
+        if isinstance(receipt, AckNow):
+            if receipt.ack.status is AckStatus.FAILED:
+                logger.debug(
+                    "%s is still behind on %r: %s", core.actor_name, model, receipt.ack.error
+                )
+                return False
+            core.send_ack(receipt.ack)
+        return True
 
     def _unreachable(self, err: Exception) -> None:
         logger.debug("hub unreachable from %s, retrying: %s", self._core.actor_name, err)

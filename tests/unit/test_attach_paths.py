@@ -1,4 +1,5 @@
-"""attach's model arguments and the process registry of attached receivers, without Ray."""
+"""attach's model arguments, the process registry of attached receivers, and a pull of
+several models where some fail, without Ray."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from ray._private.async_compat import has_async_methods
+from ray.exceptions import GetTimeoutError, RayTaskError
 
 from raysync import WeightReceiver, model_path
-from raysync.attached import _entry, _model_paths
+from raysync.attached import AttachedReceiver, _entry, _model_paths
+from raysync.errors import RaySyncError
 from raysync.messages import AckStatus, Entry, Update
 from raysync.receiver_delivery import Attachments, attached, deliver
 from raysync.receiver_receipt import AckNow
@@ -125,3 +128,90 @@ def test_deliver_hands_the_update_to_the_receiver_under_its_key():
         assert receiver.received == [(update, True)]
     finally:
         attached.remove("unit-test-key")
+
+
+class _PullCore:
+    """Stands for a pull receiver's ReceiverCore: each model's latest update (or what
+    fetching it raises) and what applying each version raises, from a script."""
+
+    worker = "driver"
+    actor_name = "process 1"
+
+    def __init__(self, latest: dict[str, Update | Exception]) -> None:
+        self.closed = threading.Event()
+        self.models = {m: SimpleNamespace(version=0) for m in latest}
+        self.latest_updates = latest
+        self.apply_failures: dict[str, Exception] = {}
+        self.applied: list[Update] = []
+
+    def model_id(self, model: str | None) -> str:
+        return model or "default"
+
+    def latest(self, model: str, timeout_s: float) -> Update | None:
+        scripted = self.latest_updates[model]
+        if isinstance(scripted, Exception):
+            raise scripted
+        return scripted
+
+    def apply_now(self, update: Update, during: str) -> None:
+        if update.model in self.apply_failures:
+            raise self.apply_failures[update.model]
+        self.applied.append(update)
+        self.models[update.model].version = update.version
+
+
+def _version_of(model: str, version: int) -> Update:
+    return Update(model, version, spec_digest="d", transport="object_store", payload=None)
+
+
+def _buckets_gone() -> Exception:
+    """What the hub's ``latest`` raising on a pull reaches the receiver as."""
+    why = "version 3 of model 'policy': its buckets are gone"
+    traceback = f"Traceback (most recent call last):\nRaySyncError: {why}"
+    return RayTaskError("latest", traceback, RaySyncError(why)).as_instanceof_cause()
+
+
+def test_a_model_that_cannot_be_pulled_leaves_the_others_pulled():
+    """policy fails on every pull (its buckets are gone): obs_norm, after it, is still
+    fetched and applied, and the pull raises policy's own error, noted with its name."""
+    gone = _buckets_gone()
+    obs_norm = _version_of("obs_norm", 4)
+    core = _PullCore({"policy": gone, "obs_norm": obs_norm})
+    receiver = AttachedReceiver(core, None)
+    with pytest.raises(RaySyncError, match="its buckets are gone") as raised:
+        receiver.pull()
+    assert core.applied == [obs_norm]
+    assert receiver.versions() == {"policy": 0, "obs_norm": 4}
+    assert raised.value is gone
+    assert raised.value.__notes__ == [
+        "process 1 could not pull model 'policy'; it pulled the others "
+        "(versions held: {'obs_norm': 4})"
+    ]
+
+
+def test_models_that_fail_are_each_named_in_one_error_from_the_first():
+    timed_out = GetTimeoutError("Get timed out: some object(s) not ready.")
+    hook_failed = RaySyncError("on_applied raised ValueError('bad critic')")
+    critic, obs_norm = _version_of("critic", 2), _version_of("obs_norm", 4)
+    core = _PullCore({"policy": timed_out, "critic": critic, "obs_norm": obs_norm})
+    core.apply_failures["critic"] = hook_failed
+    receiver = AttachedReceiver(core, None)
+    with pytest.raises(RaySyncError) as raised:
+        receiver.pull()
+    assert str(raised.value) == (
+        "process 1 could not pull models 'policy', 'critic' ('policy': GetTimeoutError: "
+        "Get timed out: some object(s) not ready.; 'critic': RaySyncError: on_applied "
+        "raised ValueError('bad critic')); it pulled the others (versions held: "
+        "{'obs_norm': 4})"
+    )
+    assert raised.value.__cause__ is timed_out
+    assert core.applied == [obs_norm]
+
+
+def test_pulling_one_model_raises_its_failure_as_it_is():
+    gone = _buckets_gone()
+    core = _PullCore({"policy": gone, "obs_norm": _version_of("obs_norm", 4)})
+    with pytest.raises(RaySyncError) as raised:
+        AttachedReceiver(core, None).pull("policy")
+    assert raised.value is gone and not hasattr(raised.value, "__notes__")
+    assert core.applied == []

@@ -3,9 +3,9 @@
 A hub that knows the receiver; one that forgot it (registered again, the versions it
 answers with delivered and acked); re-registrations that fail (raised in the receiver
 or by the hub) tried again after 1, 2, 4, 4 heartbeats, with the connection state
-saying since when and why; a hub that does not answer; catch-up of models left behind;
-and the thread ending as soon as its core closes. The core is a stand-in that answers
-each call from a script.
+saying since when and why; a hub that does not answer; catch-up of models left behind,
+each on its own; and the thread ending as soon as its core closes. The core is a
+stand-in that answers each call from a script.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from ray.exceptions import GetTimeoutError, RayTaskError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError
 
 from raysync.errors import ModelPathError, TransportUnavailableError
 from raysync.messages import Ack, AckStatus, DeliveryMode, Update, Welcome
 from raysync.receiver_hub_watch import HubConnection, HubWatch, retry_delay
 from raysync.receiver_receipt import ACK_LATER, AckNow, Receipt
+from raysync.transports.base import TransportError
 
 BEAT = 0.5
 
@@ -52,7 +53,7 @@ class _Core:
         self.heartbeats = list(heartbeats)
         self.registrations = list(registrations)
         self.receipts: dict[Update, Receipt | None] = {}  #: None: queued behind the host
-        self.latest_updates: dict[str, Update] = {}
+        self.latest_updates: dict[str, Update | Exception] = {}
         self.delivered: list[Update] = []
         self.queued: set[str] = set()  #: models whose delivery waits behind the host
         self.declined: list[Update] = []
@@ -65,7 +66,7 @@ class _Core:
         return _answer(self.registrations.pop(0))
 
     def latest(self, model: str, timeout_s: float) -> Update | None:
-        return self.latest_updates.get(model)
+        return _answer(self.latest_updates.get(model))
 
     def deliver_through_host(self, update: Update, timeout_s: float) -> Receipt | None:
         self.delivered.append(update)
@@ -226,6 +227,50 @@ def test_models_left_behind_are_pulled_until_they_apply():
     del core.receipts[update]
     watch.beat()
     assert core.behind == set() and core.acks == [_ack(update)]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        RayTaskError(
+            "latest",
+            "Traceback...",
+            TransportError("could not plan the read of version 2 of model 'critic'"),
+        ).as_instanceof_cause(),
+        GetTimeoutError("Get timed out: some object(s) not ready."),
+    ],
+    ids=["failed-by-the-hub", "not-answered-in-time"],
+)
+def test_a_model_whose_pull_fails_stays_behind_and_the_others_catch_up(failure):
+    """critic, sorted first, cannot be pulled: policy is still delivered and acked at the
+    same beat, and critic is pulled again at the next."""
+    policy, critic = _update("policy", 5), _update("critic", 2)
+    core = _Core(heartbeats=[True, True])
+    core.behind = {"critic", "policy"}
+    core.latest_updates.update(critic=failure, policy=policy)
+    watch = HubWatch(core, BEAT)
+    assert watch.beat() == BEAT
+    assert core.delivered == [policy] and core.acks == [_ack(policy)]
+    assert core.behind == {"critic"}
+    assert watch.connection().connected
+    assert watch.connection().last_error == f"{type(failure).__name__}: {failure}"
+    core.latest_updates["critic"] = critic
+    assert watch.beat() == BEAT
+    assert core.acks == [_ack(policy), _ack(critic)] and core.behind == set()
+
+
+def test_a_hub_gone_while_catching_up_is_noticed_by_the_beat():
+    """Its pulls all fail alike: the catch-up ends at the first one, and the beat says
+    the hub is unreachable; every model is pulled again at the next beat."""
+    core = _Core(heartbeats=[True])
+    core.behind = {"critic", "policy"}
+    core.latest_updates.update(critic=ActorDiedError(), policy=_update("policy", 5))
+    watch = HubWatch(core, BEAT)
+    assert watch.beat() == BEAT
+    assert core.delivered == [] and core.behind == {"critic", "policy"}
+    assert watch.connection().last_error == (
+        "ActorDiedError: The actor died unexpectedly before finishing this task."
+    )
 
 
 def test_the_thread_ends_as_soon_as_its_core_closes():
