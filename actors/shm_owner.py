@@ -157,10 +157,6 @@ class ShmOwner:
         self._pending_kept_s = pending_kept_s
         self._pid = os.getpid()
         self._max_slots = max_slots
-        #: How many older slots of a learner's pool a receiver behind may hold before it
-        #: is refused a newer version (see :meth:`hold_for_behind`): the pool's other two
-        #: keep the latest version and the one being written; one at least.
-        self._older_held_most = max(1, max_slots - 2)
         #: by (stream, segment size): each learner, and each model's relays, has its own
         #: pool of at most ``max_slots``, so learners of a sharded model on one node (one
         #: part each) never wait for each other's slots
@@ -288,7 +284,13 @@ class ShmOwner:
         placement: int,
     ) -> Slot:
         """(Lock held.)"""
-        segment = self._written(pid, seq, model)
+        self._check_mine(pid, seq)
+        segment = self._by_seq.get(seq)
+        if segment is None:
+            raise TransportError(
+                f"version (sequence {seq}) of model {model!r} is no longer in shared memory "
+                f"on node {self._node_id}: a newer version superseded it and its slot was reused"
+            )
         for other in self._by_seq.values():
             if other.seq < seq and other.stream == segment.stream and _dead(other, model):
                 other.holds.discard(PENDING)
@@ -306,64 +308,6 @@ class ShmOwner:
             self._retire_other_layouts(model, version, segment)
         self._lock.notify_all()
         return self._slot(segment)
-
-    def hold_for_behind(
-        self, pid: int, seq: int, model: str, worker: str, order: int = 0, placement: int = 0
-    ) -> Slot:
-        """Hold version ``seq`` of ``model`` (a slot of its learner, on this node) for
-        ``worker``, a receiver *behind* (the hub's last delivery to it timed out, and it
-        acked nothing since: busy in a long method, or stuck) whom the hub is to call
-        with it, in the hub's order of calls (``order``: after the version's own
-        :meth:`deliver`, which made it the latest). ``placement``: as ``deliver``'s.
-
-        Refused (TransportError, nothing taken) while ``worker`` holds as many older
-        slots of that learner's pool as the latest version and the one being written
-        leave (see :meth:`_older_held_by`): its calls queue, unread, and held for each,
-        it soon held every slot; the learner's next one waited ``SLOT_WAIT_S`` and
-        failed, and no receiver got a version. Refused, it misses this one alone and is
-        sent a later one once it lets go. What it holds stays held (a zero-copy model
-        may live in one of those slots; it takes a slot of the pool all the same). A
-        receiver that is slow but not behind is held as before: the learner waits for
-        its releases."""
-        with self._in_order.turn("hub", order):
-            segment = self._written(pid, seq, model)
-            older = self._older_held_by(worker, segment)
-            if len(older) >= self._older_held_most:
-                raise TransportError(
-                    f"{worker} is behind and still holds {len(older)} older versions of "
-                    f"this learner's slots on node {self._node_id} that it has not let go "
-                    f"of (sequences {', '.join(map(str, older))}: it is busy or stuck, or "
-                    "a zero-copy model lives in one); held for more, it would hold every "
-                    "slot the learner writes into. It is sent a later version once it "
-                    "lets go"
-                )
-            if worker not in self._gone:  # else nobody would ever release it
-                self._hold_unless_released(segment, worker, placement)
-            return self._slot(segment)
-
-    def _written(self, pid: int, seq: int, model: str) -> _Segment:
-        """(Lock held.) The segment version ``seq`` of ``model`` was written into; a
-        TransportError if it came from another owner process or was reused since."""
-        self._check_mine(pid, seq)
-        segment = self._by_seq.get(seq)
-        if segment is None:
-            raise TransportError(
-                f"version (sequence {seq}) of model {model!r} is no longer in shared memory "
-                f"on node {self._node_id}: a newer version superseded it and its slot was reused"
-            )
-        return segment
-
-    def _older_held_by(self, worker: str, segment: _Segment) -> list[int]:
-        """(Lock held.) The sequences of the other slots of ``segment``'s pool that
-        ``worker`` holds (after the board's releases) and that no model holds as its
-        latest: versions it has not read yet, or a zero-copy model's memory."""
-        hold = Hold.of_worker(worker)
-        older = []
-        for other in self._pools.get((segment.stream, segment.buffer.size), []):
-            self._read_board(other)
-            if other is not segment and hold in other.holds and not _held_as_latest(other):
-                older.append(other.seq)
-        return sorted(older)
 
     def _check_mine(self, pid: int, seq: int) -> None:
         """(Lock held.) Raise if slot ``seq`` came from another owner process: this
@@ -843,11 +787,6 @@ def _hold_for(segment: _Segment, worker: str, placement: int) -> None:
     else:
         segment.holds.add(hold)
         segment.placements[worker] = {placement}
-
-
-def _held_as_latest(segment: _Segment) -> bool:
-    """Whether ``segment`` keeps the latest version of a model here."""
-    return any(hold.kind is HoldKind.LATEST for hold in segment.holds)
 
 
 def _dead(segment: _Segment, model: str) -> bool:

@@ -825,37 +825,3 @@ def test_a_version_written_under_a_former_owner_is_named_so():
             owner.export(former, 1)
     finally:
         owner.close()
-
-
-def test_a_receiver_behind_is_refused_a_version_while_it_holds_two_older_unread():
-    """``hold_for_behind`` counts the other slots of the learner's pool the receiver holds
-    (after its releases on the board), but the latest version's: at two (of four: the
-    latest and the next take the others) it is refused, and nothing it holds goes."""
-    from raysync.transports import TransportError
-
-    owner = ShmOwner("node", max_slots=4)
-    try:
-        board = owner.join("w")
-        assert board is not None
-
-        def published(version: int):
-            slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
-            owner.deliver(PID, slot.seq, "m", (), version=version)  # the latest now
-            return slot
-
-        first, second = published(1), published(2)
-        assert owner.hold_for_behind(PID, first.seq, "m", "w") == first
-        assert owner.hold_for_behind(PID, second.seq, "m", "w") == second  # first: older
-        third = published(3)
-        with pytest.raises(
-            TransportError,
-            match=rf"w is behind and still holds 2 older .* \(sequences {first.seq}, {second.seq}:",
-        ):
-            owner.hold_for_behind(PID, third.seq, "m", "w")
-        assert owner.stats().holds == ("latest/m", "worker/w", "worker/w")
-
-        owner._cells[board.row, first.column] = first.seq  # its release (pwrite) of version 1
-        assert owner.hold_for_behind(PID, third.seq, "m", "w") == third
-        assert owner.stats().holds == ("latest/m", "worker/w", "worker/w")
-    finally:
-        owner.close()

@@ -16,9 +16,9 @@ import pytest
 
 from raysync.actors.shm_owner import ShmOwner
 from raysync.background import BackgroundTasks
-from raysync.transports.base import ReceiverInfo, TransportError, Unplanned
+from raysync.transports.base import ReceiverInfo, TransportError
 from raysync.transports.shared_memory.planner import SharedMemoryPlanner
-from raysync.transports.shared_memory.wire import MAX_SLOTS, SharedMemoryPayload, Slot
+from raysync.transports.shared_memory.wire import SharedMemoryPayload, Slot
 
 HERE, THERE = "learner-node", "other-node"
 SLOT = Slot(HERE, pid=11, fd=3, token=b"t", nbytes=64, seq=5)
@@ -81,12 +81,8 @@ def _planner(owners: dict[str, Any]) -> SharedMemoryPlanner:
     return planner
 
 
-def _receiver(
-    worker: str, node_id: str, called: bool = False, behind: bool = False
-) -> ReceiverInfo:
-    return ReceiverInfo(
-        worker, f"R({worker})", node_id, "p", None, behind=behind, called_by_learner=called
-    )
+def _receiver(worker: str, node_id: str, called: bool = False) -> ReceiverInfo:
+    return ReceiverInfo(worker, f"R({worker})", node_id, "p", None, called_by_learner=called)
 
 
 def test_a_plan_cut_short_lets_go_only_of_the_holds_of_receivers_the_hub_was_to_call():
@@ -268,99 +264,5 @@ def test_a_departure_held_up_by_one_node_drops_no_hold_of_the_next_registration(
 
         asyncio.run(run())
         assert "worker/w" in owner.stats().holds
-    finally:
-        owner.close()
-
-
-def _broadcaster(owner: ShmOwner, planner: SharedMemoryPlanner, targets: list[ReceiverInfo]):
-    """A learner on the owner's node: each call writes the next version into a slot
-    (found free within 0.5 s: ``SLOT_WAIT_S`` in use) and has the planner plan it for
-    ``targets``, of which "ok" reads it at once and lets it go."""
-    versions = itertools.count(1)
-
-    async def broadcast() -> dict[str, Any]:
-        slot = owner.acquire(4096, timeout_s=0.5, learner="learner")
-        update = SimpleNamespace(
-            model="m", version=next(versions), payload=SharedMemoryPayload(slot)
-        )
-        planned = dict(await planner.plan(update, None, targets))
-        owner.release(slot.pid, slot.seq, "ok")
-        return planned
-
-    return broadcast
-
-
-def test_a_stuck_receiver_on_the_learners_node_is_refused_versions_instead_of_every_slot():
-    """A receiver on the learner's node busy in a long method (or stuck) reads none of
-    the versions the hub sends it: its calls queue, they time out (it is *behind*), and
-    the owner held the learner's slot for each. By the fifth version it held every
-    slot: the learner's next one failed after ``SLOT_WAIT_S``, and nobody got a version
-    (the idle receiver, the other nodes) until that method returned. Once it holds the
-    two older slots the latest version and the next leave, it is refused the version
-    alone (its holds stay: a zero-copy model may live in one); once it lets go, it is
-    sent versions again."""
-    owner = ShmOwner(HERE, MAX_SLOTS)
-    try:
-        planner = _planner({HERE: _Actor(owner)})
-        targets = [_receiver("busy", HERE, behind=True), _receiver("ok", HERE)]
-        broadcast = _broadcaster(owner, planner, targets)
-
-        async def run() -> tuple[list[dict[str, Any]], dict[str, Any], tuple[str, ...]]:
-            plans = [await broadcast() for _ in range(7)]  # the 5th failed for everyone
-            holds = owner.stats().holds
-            for unread in (plans[0]["busy"], plans[1]["busy"]):  # its method returned
-                owner.release(unread.slot.pid, unread.slot.seq, "busy")
-            after = await broadcast()
-            await asyncio.gather(*planner._background._tasks)
-            return plans, after, holds
-
-        plans, after, holds = asyncio.run(run())
-        assert all(isinstance(plan["ok"], SharedMemoryPayload) for plan in plans)
-        held = [isinstance(plan["busy"], SharedMemoryPayload) for plan in plans]
-        assert held == [True, True, False, False, False, False, False]
-        first, second = plans[0]["busy"].slot.seq, plans[1]["busy"].slot.seq
-        for plan in plans[2:]:
-            assert isinstance(plan["busy"], Unplanned)
-            assert (
-                f"could not be held for busy: busy is behind and still holds 2 older "
-                f"versions of this learner's slots on node {HERE} that it has not let go "
-                f"of (sequences {first}, {second}:"
-            ) in plan["busy"].reason
-        assert holds == ("latest/m", "worker/busy", "worker/busy")  # refused, nothing let go
-        assert after["busy"] == after["ok"]  # sent versions again
-        assert owner.stats().holds == ("latest/m", "worker/busy")
-    finally:
-        owner.close()
-
-
-@pytest.mark.parametrize(
-    "slow",
-    [
-        # Slow, not stuck (no delivery timed out): the learner waits for its releases,
-        # as it always did, rather than have it miss versions.
-        _receiver("slow", HERE),
-        # Its learner called it itself (the direct path): it reads the slot, or a
-        # zero-copy model adopts it, whatever becomes of the plan; refused its hold, it
-        # read memory the learner could write again.
-        _receiver("slow", HERE, called=True, behind=True),
-    ],
-    ids=["not-behind", "called-by-its-learner"],
-)
-def test_a_receiver_not_behind_or_called_by_its_learner_is_held_whatever_it_holds(slow):
-    owner = ShmOwner(HERE, MAX_SLOTS)
-    try:
-        planner = _planner({HERE: _Actor(owner)})
-        lagging = _broadcaster(owner, planner, [_receiver("slow", HERE), _receiver("ok", HERE)])
-
-        async def run() -> dict[str, Any]:
-            await lagging()
-            await lagging()  # it holds two older versions now, unread
-            planned = await _broadcaster(owner, planner, [slow, _receiver("ok", HERE)])()
-            await asyncio.gather(*planner._background._tasks)
-            return planned
-
-        planned = asyncio.run(run())
-        assert planned["slow"] == planned["ok"]
-        assert owner.stats().holds == ("latest/m", "worker/slow", "worker/slow", "worker/slow")
     finally:
         owner.close()

@@ -244,9 +244,7 @@ class SharedMemoryPlanner(TransportPlanner):
         whose slot only its ``latest`` hold kept: a newer version's plan, numbered
         first, moves that hold off, the learner may be handed the slot for its next
         version, and the pull's hold, refused then, left the receiver reading (a
-        zero-copy model adopting) memory the learner would write again. A receiver
-        *behind* that the hub is to call is held apart, and waited for: it may be
-        refused the version (see :meth:`_hold_for_behind`)."""
+        zero-copy model adopting) memory the learner would write again."""
         if isinstance(update.payload, BucketStream):
             return await self._streams.plan(update, spec, targets)
         source: SharedMemoryPayload = update.payload
@@ -265,9 +263,7 @@ class SharedMemoryPlanner(TransportPlanner):
         # keeps the slot until the owner gets this, and a receiver's release that
         # arrives first is remembered. Numbered, so the owner takes the holds in the
         # hub's planning order (which frees slots of versions the hub refused).
-        here = by_node.pop(slot.node_id, [])
-        behind = {r.worker for r in targets if r.behind and not r.called_by_learner}
-        local = tuple(w for w in here if w not in behind)
+        local = tuple(by_node.pop(slot.node_id, ()))
         held, placement = self._hold(owner, update, local)
         # The learner called these itself: they read the slot whatever becomes of this
         # plan, and each lets go of its own hold once it copied the version.
@@ -275,7 +271,6 @@ class SharedMemoryPlanner(TransportPlanner):
         uncalled = tuple(w for w in local if w not in called)
         placed: list[_Placed] = [_Placed(owner, held, uncalled, placement)]
         try:
-            calls = self._hold_for_behind(owner, update, [w for w in here if w in behind], placed)
             if confirmed and local:
                 try:
                     await _within_plan(held, f"the owner on the learner's node {slot.node_id}")
@@ -284,9 +279,7 @@ class SharedMemoryPlanner(TransportPlanner):
                         f"version {update.version} of model {update.model!r} could not be "
                         f"held for {', '.join(local)}: {err}"
                     ) from err
-            payloads = await self._relay(update, source, owner, local, by_node, placed)
-            payloads.update(await self._held_for_behind(update, calls, placed))
-            return payloads
+            return await self._relay(update, source, owner, local, by_node, placed)
         except BaseException:
             # Cut short (by its timeout, or an error): the holds it placed for workers
             # the hub was to deliver to will never be read; left, they would fill the
@@ -295,57 +288,6 @@ class SharedMemoryPlanner(TransportPlanner):
                 if call.workers:
                     self._background.spawn(self._let_go(call), "holds of a plan cut short")
             raise
-
-    def _hold_for_behind(
-        self, owner: Any, update: Any, workers: list[str], placed: list[_Placed]
-    ) -> dict[str, _Placed]:
-        """Have ``owner`` (the learner's node's) hold ``update``'s slot for each of
-        ``workers``, receivers there that are behind (the last delivery to each timed
-        out, and it acked nothing since: busy in a long method, or stuck) and that the
-        hub is to call: one call each, numbered in the hub's planning order after the
-        version's own hold. The owner refuses one that still holds older slots of the
-        learner's (see ``ShmOwner.hold_for_behind``): held for each version, it would
-        soon hold every slot, and the learner's next one fail for every receiver. Per
-        worker, the call, also added to ``placed``."""
-        slot = update.payload.slot
-        calls = {}
-        for worker in workers:
-            placement = next(self._placements)
-            answer = owner.hold_for_behind.remote(
-                slot.pid,
-                slot.seq,
-                update.model,
-                worker,
-                self._next_order(slot.node_id),
-                placement,
-            )
-            calls[worker] = _Placed(owner, answer, (worker,), placement)
-            placed.append(calls[worker])
-        return calls
-
-    async def _held_for_behind(
-        self, update: Any, calls: dict[str, _Placed], placed: list[_Placed]
-    ) -> dict[str, SharedMemoryPayload | Unplanned]:
-        """Per worker of ``calls`` (see :meth:`_hold_for_behind`), the learner's slot
-        once the owner held it for that worker, or why not (the owner refused it, or
-        did not answer within half of what is left of the plan's time): that one fails
-        alone, and a hold its call may take yet is let go (taken out of ``placed``)."""
-        node_id = update.payload.slot.node_id
-
-        async def held_for(worker: str, call: _Placed) -> SharedMemoryPayload | Unplanned:
-            try:
-                await _within_plan(call.answer, f"the owner on the learner's node {node_id}")
-            except (RayError, TransportError) as err:
-                placed.remove(call)
-                self._background.spawn(self._let_go(call), f"a hold for {worker} given up")
-                return Unplanned(
-                    f"version {update.version} of model {update.model!r} could not be "
-                    f"held for {worker}: {err}"
-                )
-            return update.payload
-
-        held = await asyncio.gather(*(held_for(w, call) for w, call in calls.items()))
-        return dict(zip(calls, held, strict=True))
 
     async def _relay(
         self,
