@@ -12,7 +12,6 @@ that records the acks sent to it; the transport one that serves tensors by versi
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import gc
 import threading
@@ -832,45 +831,6 @@ def test_registering_again_withdraws_a_registration_the_hub_did_not_answer_in_ti
         receiver.core.register_again(5.0)
     assert left == [(receiver.core.worker, "late")]
     assert receiver.core.token == "token" and receiver.core.transport is receiver.transport
-
-
-@pytest.mark.parametrize("closed_first", [False, True])
-@pytest.mark.parametrize(
-    "gave_up", [ray.exceptions.GetTimeoutError("the hub did not answer"), KeyboardInterrupt()]
-)
-def test_a_pull_that_stopped_waiting_hands_back_what_the_hub_answers_later(
-    monkeypatch, gave_up, closed_first
-):
-    """A pull gives up on the hub (timed out, interrupted) and the hub answers later
-    all the same: the latest version, planned for this receiver with a hold on its
-    payload (a shared-memory slot its learner cannot reuse). Nothing handed that hold
-    back: a few such pulls took every slot of the learner's, and each broadcast then
-    failed. It goes back once when the answer comes, also to a receiver closed by then."""
-    bound_s = 30.0  # a failure, not a hang: the hand-back follows the answer at once
-    receiver = _Receiver()
-    answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    call = SimpleNamespace(future=lambda: answer)  # the hub's ``latest`` call, unanswered
-    receiver.hub.actor.latest = SimpleNamespace(remote=lambda *args, **kwargs: call)
-
-    def not_answered(ref: Any, timeout: float | None = None) -> Any:
-        raise gave_up
-
-    monkeypatch.setattr(receiver_core.ray, "get", not_answered)
-    handed_back = threading.Event()
-    release = receiver.transport.release
-
-    def release_and_say(payload: int, staged: Sequence[torch.Tensor] | None) -> None:
-        release(payload, staged)
-        handed_back.set()
-
-    receiver.transport.release = release_and_say  # type: ignore[method-assign]
-    with pytest.raises(type(gave_up)):
-        receiver.core.latest("policy", 5.0)
-    if closed_first:
-        receiver.core.close()
-    answer.set_result(Update("policy", 3, receiver.spec.digest, "shared_memory", 3))
-    assert handed_back.wait(bound_s), "the version the hub planned for the pull stays held"
-    assert receiver.transport.released == [(3, False)]
 
 
 class _RegisteringHub(_Hub):
