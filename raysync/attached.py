@@ -40,6 +40,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from raysync.errors import RaySyncError
 from raysync.hub_handle import HubHandle, check_seconds
@@ -88,12 +89,15 @@ class AttachedReceiver:
         is staged and applied once they leave (as a broadcast's is): the versions
         returned are then those held before. ``timeout_s`` bounds each wait on the hub.
 
-        Each model is pulled on its own: one that fails (fetching or applying its
-        version) leaves the others pulled, and the failure is raised once all were
-        tried: what the one model that failed raised (:class:`~raysync.RaySyncError` if
-        its version could not be applied; noted with its model id when others were
-        pulled), or a :class:`~raysync.RaySyncError` naming each model that failed and
-        why. Raises :class:`~raysync.RaySyncError` too once the receiver is closed.
+        Each model is pulled on its own: one that fails (the hub refusing its version,
+        or applying it) leaves the others pulled, and the failure is raised once all
+        were tried: what the one model that failed raised
+        (:class:`~raysync.RaySyncError` if its version could not be applied; noted with
+        its model id when others were pulled), or a :class:`~raysync.RaySyncError`
+        naming each model that failed and why. A hub that is gone, or does not answer
+        within ``timeout_s``, is raised at once, as Ray raised it (the other models
+        would wait as long). Raises :class:`~raysync.RaySyncError` too once the receiver
+        is closed.
         """
         core = self.core
         if self.closed:
@@ -106,6 +110,8 @@ class AttachedReceiver:
         for model_id in chosen:
             try:
                 self._pull_one(model_id, timeout_s)
+            except (RayActorError, GetTimeoutError):
+                raise  # the hub is gone or does not answer: the others would wait as long
             except Exception as err:  # the models after it are still pulled
                 failures[model_id] = err
         versions = {m: core.models[m].version for m in chosen}

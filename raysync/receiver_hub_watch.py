@@ -203,9 +203,9 @@ class HubWatch(threading.Thread):
 
     def _catch_up(self) -> None:
         """Pull again what ``core.behind`` lists, each model on its own: one whose pull
-        raises (the hub failed it, or did not answer in time) stays behind, tried again
-        at the next beat, and the models after it still catch up. A hub that is gone or
-        restarting ends the catch-up: the beat says so."""
+        the hub failed stays behind, tried again at the next beat, and the models after
+        it still catch up. A hub that is gone, restarting or does not answer in time
+        ends the catch-up: the beat says so."""
         core = self._core
         for model in sorted(core.behind):
             if core.host_call_queued(model):
@@ -214,8 +214,8 @@ class HubWatch(threading.Thread):
                 continue
             try:
                 caught_up = self._pull_again(model)
-            except RayActorError:
-                raise  # the hub is gone or restarting: no other model gets an answer
+            except (RayActorError, GetTimeoutError):
+                raise  # the hub is gone, restarting or slow: the others would wait as long
             except Exception as err:
                 logger.warning(
                     "%s could not pull %r again (tried again at the next beat): %s",

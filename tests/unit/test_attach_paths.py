@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from ray._private.async_compat import has_async_methods
-from ray.exceptions import GetTimeoutError, RayTaskError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError
 
 from raysync import WeightReceiver, model_path
 from raysync.attached import AttachedReceiver, _entry, _model_paths
@@ -190,22 +190,40 @@ def test_a_model_that_cannot_be_pulled_leaves_the_others_pulled():
 
 
 def test_models_that_fail_are_each_named_in_one_error_from_the_first():
-    timed_out = GetTimeoutError("Get timed out: some object(s) not ready.")
+    gone = _buckets_gone()
     hook_failed = RaySyncError("on_applied raised ValueError('bad critic')")
     critic, obs_norm = _version_of("critic", 2), _version_of("obs_norm", 4)
-    core = _PullCore({"policy": timed_out, "critic": critic, "obs_norm": obs_norm})
+    core = _PullCore({"policy": gone, "critic": critic, "obs_norm": obs_norm})
     core.apply_failures["critic"] = hook_failed
     receiver = AttachedReceiver(core, None)
     with pytest.raises(RaySyncError) as raised:
         receiver.pull()
     assert str(raised.value) == (
-        "process 1 could not pull models 'policy', 'critic' ('policy': GetTimeoutError: "
-        "Get timed out: some object(s) not ready.; 'critic': RaySyncError: on_applied "
+        f"process 1 could not pull models 'policy', 'critic' ('policy': "
+        f"{type(gone).__name__}: {gone}; 'critic': RaySyncError: on_applied "
         "raised ValueError('bad critic')); it pulled the others (versions held: "
         "{'obs_norm': 4})"
     )
-    assert raised.value.__cause__ is timed_out
+    assert raised.value.__cause__ is gone
     assert core.applied == [obs_norm]
+
+
+@pytest.mark.parametrize(
+    "hub_failure",
+    [ActorDiedError(), GetTimeoutError("Get timed out: some object(s) not ready.")],
+    ids=["hub-gone", "hub-not-answering"],
+)
+def test_a_hub_that_is_gone_or_silent_ends_the_pull_at_once(hub_failure):
+    """Every other model would wait as long (k models: k timeouts) and the caller that
+    reconnects on Ray's error would get another: raised at once, as it is."""
+    core = _PullCore({"critic": hub_failure, "policy": _version_of("policy", 4)})
+    asked = []
+    latest = core.latest
+    core.latest = lambda model, timeout_s: (asked.append(model), latest(model, timeout_s))[1]
+    with pytest.raises(type(hub_failure)) as raised:
+        AttachedReceiver(core, None).pull()
+    assert raised.value is hub_failure
+    assert asked == ["critic"] and core.applied == []
 
 
 def test_pulling_one_model_raises_its_failure_as_it_is():

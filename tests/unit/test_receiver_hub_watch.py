@@ -229,21 +229,14 @@ def test_models_left_behind_are_pulled_until_they_apply():
     assert core.behind == set() and core.acks == [_ack(update)]
 
 
-@pytest.mark.parametrize(
-    "failure",
-    [
-        RayTaskError(
-            "latest",
-            "Traceback...",
-            TransportError("could not plan the read of version 2 of model 'critic'"),
-        ).as_instanceof_cause(),
-        GetTimeoutError("Get timed out: some object(s) not ready."),
-    ],
-    ids=["failed-by-the-hub", "not-answered-in-time"],
-)
-def test_a_model_whose_pull_fails_stays_behind_and_the_others_catch_up(failure):
+def test_a_model_whose_pull_fails_stays_behind_and_the_others_catch_up():
     """critic, sorted first, cannot be pulled: policy is still delivered and acked at the
     same beat, and critic is pulled again at the next."""
+    failure = RayTaskError(
+        "latest",
+        "Traceback...",
+        TransportError("could not plan the read of version 2 of model 'critic'"),
+    ).as_instanceof_cause()
     policy, critic = _update("policy", 5), _update("critic", 2)
     core = _Core(heartbeats=[True, True])
     core.behind = {"critic", "policy"}
@@ -271,6 +264,19 @@ def test_a_hub_gone_while_catching_up_is_noticed_by_the_beat():
     assert watch.connection().last_error == (
         "ActorDiedError: The actor died unexpectedly before finishing this task."
     )
+
+
+def test_a_hub_that_does_not_answer_a_catch_up_ends_it():
+    """Each model behind would wait as long, the beat held up that many timeouts: the
+    catch-up ends at the first, and every model is pulled again at the next beat."""
+    core = _Core(heartbeats=[True])
+    core.behind = {"critic", "policy"}
+    core.latest_updates.update(
+        critic=GetTimeoutError("Get timed out: some object(s) not ready."),
+        policy=_update("policy", 5),
+    )
+    HubWatch(core, BEAT).beat()
+    assert core.delivered == [] and core.behind == {"critic", "policy"}
 
 
 def test_the_thread_ends_as_soon_as_its_core_closes():
