@@ -969,17 +969,20 @@ class WeightHubActor:
         if not self._state.knows(worker, token):
             self._withdrawn[token] = None
             keep_newest(self._withdrawn, _WITHDRAWALS_KEPT)
-        self._drop(worker, token)
+        self._drop(worker, token, left=True)
 
-    def _drop(self, worker: str, token: str, *, lapsed: bool = False) -> None:
+    def _drop(self, worker: str, token: str, *, lapsed: bool = False, left: bool = False) -> None:
         """Forget registration ``token`` of ``worker``: it left or died, or, ``lapsed``,
         it stopped beating and may be alive (its transport keeps what its model may
-        live in: see ``TransportPlanner.receiver_lapsed``). The models it alone had
-        registered, never published, go with it (see ``HubState.drop``), but those a
-        version is being assembled for; with no model left, a broadcast waits for the
-        next receiver's, as at start-up."""
+        live in: see ``TransportPlanner.receiver_lapsed``). One that ``left`` on its own
+        takes the models it alone had registered, never published, with it (see
+        ``HubState.drop``), but those a version is being assembled for; with no model
+        left, a broadcast waits for the next receiver's, as at start-up. One that died
+        or lapsed keeps them: Ray may restart it, and a broadcast naming its model
+        meanwhile is published for it to catch up on."""
         entry = self._state.receivers.get(worker)
-        if entry is None or not self._state.drop(worker, token, self._models_assembling()):
+        kept = self._models_assembling() if left else set(self._state.models)
+        if entry is None or not self._state.drop(worker, token, kept):
             return
         self._forget_in(entry.transport, worker, "lapsed" if lapsed else "left", lapsed)
         if not self._state.models:

@@ -356,15 +356,16 @@ class HubState:
                 spec=specs.get(model), version=version, record_from=version
             )
 
-    def drop(self, worker: str, token: str, assembling: Collection[str] = ()) -> bool:
+    def drop(self, worker: str, token: str, kept: Collection[str] = ()) -> bool:
         """Forget ``worker`` if its current registration is ``token``; True if dropped.
         What that registration alone brought goes with it (see :meth:`_forget_unclaimed`),
-        but for the models in ``assembling``: a version of each is being assembled."""
+        but for the models in ``kept`` (a version of each is being assembled, or the
+        receiver died and may come back)."""
         entry = self.receivers.get(worker)
         if entry is None or entry.registration.token != token:
             return False
         del self.receivers[worker]
-        self._forget_unclaimed(m for m in entry.registration.specs if m not in assembling)
+        self._forget_unclaimed(m for m in entry.registration.specs if m not in kept)
         return True
 
     def _forget_unclaimed(self, models: Iterable[str]) -> None:

@@ -572,7 +572,7 @@ def test_a_model_a_version_is_assembling_for_is_kept():
     would be refused as of an unknown model once its last part came."""
     state = HubState()
     state.register(_registration("w1", {"policy": MISSHAPED}))
-    state.drop("w1", "w1-token", assembling={"policy"})
+    state.drop("w1", "w1-token", kept={"policy"})
     assert state.versions() == {"policy": 0} and state.specs() == {"policy": MISSHAPED}
 
 
@@ -606,16 +606,42 @@ def test_the_hub_saves_its_snapshot_without_the_models_a_dropped_receiver_forgot
         state.register(_registration(worker, {model: POLICY}))
         snapshot.save_registered(state.versions(), state.specs(), ("object_store",))
     hub._model_known.set()
-    WeightHubActor._drop(hub, "w2", "w2-token")
+    WeightHubActor._drop(hub, "w2", "w2-token", left=True)
     assert gcs == {
         "spec/policy": POLICY,
         "transports": ("object_store",),
         "versions": {"policy": 0},
     }
     assert hub._model_known.is_set()
-    WeightHubActor._drop(hub, "w1", "w1-token")
+    WeightHubActor._drop(hub, "w1", "w1-token", left=True)
     assert gcs == {"transports": ("object_store",), "versions": {}}
     assert not hub._model_known.is_set() and state.models == {}
+
+
+@pytest.mark.parametrize("lapsed", [False, True], ids=["died", "lapsed"])
+def test_a_receiver_that_died_keeps_its_unpublished_model_known(lapsed):
+    """Ray may restart it: a broadcast naming its model meanwhile (the hub knows
+    another) was refused as unknown, where it had been published for it to catch up."""
+    import functools
+    from types import SimpleNamespace
+
+    from raysync.actors.hub import WeightHubActor
+
+    state = HubState()
+    state.declare("other")
+    state.register(_registration("w1", {"policy": POLICY}))
+    hub = SimpleNamespace(
+        _state=state,
+        _snapshot=None,
+        _assemblies=SimpleNamespace(arrived=dict),
+        _forget_in=lambda transport, worker, why, lapsed: None,
+    )
+    for method in ("_models_assembling", "_save_forgotten"):
+        setattr(hub, method, functools.partial(getattr(WeightHubActor, method), hub))
+    WeightHubActor._drop(hub, "w1", "w1-token", lapsed=lapsed)
+    assert state.receivers == {}
+    state.check_known("policy")
+    assert state.check_broadcast("policy", POLICY) == POLICY
 
 
 # -- acks and statuses ---------------------------------------------------------------------
