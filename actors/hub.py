@@ -1740,9 +1740,10 @@ def _check_reads_buckets(
 ) -> None:
     """ValueError, before ``registration`` is booked, if its receiver would read by a
     ``transport`` that moves whole versions only on a hub started with ``bucket_mb``
-    (as ``WeightHub.remote`` refuses such a transport as the hub's own): a broadcast
-    cannot turn the hub's default off, so every version above it would be refused,
-    from every learner, for as long as the receiver stayed registered."""
+    (as ``WeightHub.remote`` refuses such a transport as the hub's own): its transport
+    is a hand-off of every route, so every version above the hub's default would be
+    refused, from every learner, for as long as the receiver stayed registered (but
+    those broadcast with a ``bucket_mb`` above their size)."""
     if bucket_mb is None or get_transport(transport).buckets:
         return
     able = ", ".join(n for n in known_transports() if get_transport(n).buckets)

@@ -436,7 +436,7 @@ def _check_bucketed(
 def _whole_versions_advice(bucket_mb: float | None, hub_bucket_mb: float | None) -> str:
     """How a version refused for a hand-off that moves whole versions only can go: a
     broadcast without ``bucket_mb`` takes the hub's default, ``hub_bucket_mb``, if the
-    hub has one, and nothing turns that off."""
+    hub has one; one whose ``bucket_mb`` is above the version's size sends it whole."""
     if hub_bucket_mb is None:
         return "broadcast without bucket_mb, or have its receivers use one of those"
     source = (
@@ -446,8 +446,8 @@ def _whole_versions_advice(bucket_mb: float | None, hub_bucket_mb: float | None)
     )
     return (
         f"the bucket size is {source}, bucket_mb={hub_bucket_mb:g} (WeightHub.remote), "
-        "which no broadcast turns off: have its receivers use one of those, or start the "
-        "hub without bucket_mb"
+        "unless a broadcast passes a bucket_mb above the version's size (it then goes "
+        "whole): have its receivers use one of those, or start the hub without bucket_mb"
     )
 
 

@@ -161,16 +161,17 @@ def handle_on(monkeypatch):
         (
             0.25,
             None,
-            "the bucket size is the hub's default, bucket_mb=0.25 (WeightHub.remote), which "
-            "no broadcast turns off: have its receivers use one of those, or start the hub "
-            "without bucket_mb",
+            "the bucket size is the hub's default, bucket_mb=0.25 (WeightHub.remote), unless "
+            "a broadcast passes a bucket_mb above the version's size (it then goes whole): "
+            "have its receivers use one of those, or start the hub without bucket_mb",
         ),
         (
             0.25,
             0.125,
             "the bucket size is this broadcast's bucket_mb=0.125, and without it the hub's "
-            "default, bucket_mb=0.25 (WeightHub.remote), which no broadcast turns off: have "
-            "its receivers use one of those, or start the hub without bucket_mb",
+            "default, bucket_mb=0.25 (WeightHub.remote), unless a broadcast passes a "
+            "bucket_mb above the version's size (it then goes whole): have its receivers "
+            "use one of those, or start the hub without bucket_mb",
         ),
         (
             None,
