@@ -46,7 +46,7 @@ def test_a_registration_withdrawn_while_the_hub_waits_for_its_former_one_is_not_
             ),
             _check_registering=lambda registration: None,
             _planner=lambda transport, asked_by: past_its_first_look.set(),
-            _drop=lambda worker, token: None,
+            _drop=lambda worker, token, **how: None,
         )
         hub._check_not_withdrawn = functools.partial(WeightHubActor._check_not_withdrawn, hub)
         registration = _Registration("w", "Collector(w)", "late")
