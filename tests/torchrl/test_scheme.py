@@ -83,6 +83,19 @@ def ready_again(actor) -> None:
                 raise
 
 
+def killed_for_good(actor) -> None:
+    """``ray.kill`` without restart, returned once Ray says the actor is dead: the kill
+    is asynchronous, and a call that reaches the actor first still runs."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers"
+
+
 def actions(batch: TensorDict) -> set[float]:
     return set(batch["action"].float().flatten().tolist())
 
@@ -401,7 +414,7 @@ def test_an_update_after_a_collector_died_for_good_names_it_at_once(ray_cluster,
     collector = ray_collector(2, sync=True, scheme=scheme, policy=policy)
     try:
         collector.update_policy_weights_()  # TorchRL's own first-update set-up
-        ray.kill(collector.remote_collectors[1], no_restart=True)
+        killed_for_good(collector.remote_collectors[1])
         with pytest.raises(BroadcastError, match="died"):
             collector.update_policy_weights_()
         retry_waits.clear()
