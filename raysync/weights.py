@@ -186,8 +186,8 @@ def _write_targets(model: Any, what: str) -> Destination:
     if isinstance(model, torch.nn.Module):
         _check_no_extra_state(model, what)
         tensors = _flat_tensors(model, what)
-        own = _own_ids(model)
-        if all(id(tensor) in own for tensor in tensors.values()):
+        own = _own_tensor_of(model)
+        if all(own(tensor) is not None for tensor in tensors.values()):
             return Destination(_writable(tensors, what))
         # A state_dict hook made copies (an upcast, say): a version copied into them
         # reached nothing the module keeps, and was acked as applied. It is loaded
@@ -289,9 +289,9 @@ def own_tensors(model: Any, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
     state_dict names them (a renaming hook, as checkpoint_wrapper's, included).
     """
     if isinstance(model, torch.nn.Module):
-        own = _own_ids(model)
+        own = _own_tensor_of(model)
         state = model.state_dict(keep_vars=True)
-        found = {name: value for name, value in state.items() if id(value) in own}
+        found = {n: mine for n, value in state.items() if (mine := own(value)) is not None}
     elif isinstance(model, Mapping) or is_tensordict(model):
         found = _flat_tensors(model, "model")
         # A lazily stacked TensorDict (also inside a mapping) builds new leaves on each
@@ -343,10 +343,25 @@ def storage_fingerprint(model: Any) -> tuple[Any, ...] | None:
     return None
 
 
-def _own_ids(module: torch.nn.Module) -> set[int]:
-    """The ids of ``module``'s parameters and buffers: an entry of its state_dict that is
-    none of them is a copy one of its state_dict hooks made."""
-    return set(map(id, _module_tensors(module)))
+def _own_tensor_of(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """For an entry of ``module``'s state_dict, the parameter or buffer it is: itself,
+    or the one whose memory it views exactly (a hook that returns ``p.detach()``);
+    None for a copy one of its state_dict hooks made."""
+    tensors = _module_tensors(module)
+    by_id = {id(tensor): tensor for tensor in tensors}
+    by_view = {_view_of(tensor): tensor for tensor in tensors if tensor.numel()}
+
+    def own(entry: torch.Tensor) -> torch.Tensor | None:
+        if id(entry) in by_id:
+            return entry
+        return by_view.get(_view_of(entry)) if entry.numel() else None
+
+    return own
+
+
+def _view_of(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same memory, read alike."""
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride())
 
 
 def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -487,6 +487,24 @@ def test_own_tensors_is_none_for_a_module_whose_state_dict_hook_makes_copies():
     assert module.weight is weight and weight.dtype == torch.bfloat16
 
 
+def _detached(module, state, prefix, local_metadata) -> None:
+    for key in list(state):
+        state[key] = state[key].detach()
+
+
+def test_a_module_whose_state_dict_hook_detaches_is_written_in_place_and_adopted():
+    """Its entries are other objects over the parameters' own memory: written in place
+    (no load_state_dict per version), and zero copy rebinds the parameters."""
+    module = torch.nn.Linear(4, 2)
+    module.register_state_dict_post_hook(_detached)
+    destination = destinations(module, what="model")
+    assert destination.commit is None
+    destination.tensors["weight"].fill_(3.0)
+    assert torch.equal(module.weight, torch.full((2, 4), 3.0))
+    own = own_tensors(module, ("bias", "weight"))
+    assert own is not None and own["bias"] is module.bias and own["weight"] is module.weight
+
+
 def test_a_lazily_stacked_tensordict_is_written_back_through_and_refused_inside_a_mapping():
     parts = [TensorDict({"w": torch.ones(2)}) for _ in range(2)]
     lazy = LazyStackedTensorDict.lazy_stack(parts)
