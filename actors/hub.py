@@ -975,28 +975,28 @@ class WeightHubActor:
         """Forget registration ``token`` of ``worker``: it left or died, or, ``lapsed``,
         it stopped beating and may be alive (its transport keeps what its model may
         live in: see ``TransportPlanner.receiver_lapsed``). One that ``left`` on its own
-        takes the models it alone had registered, never published, with it (see
-        ``HubState.drop``), but those a version is being assembled for; with no model
-        left, a broadcast waits for the next receiver's, as at start-up. One that died
-        or lapsed keeps them: Ray may restart it, and a broadcast naming its model
-        meanwhile is published for it to catch up on."""
+        takes the models it alone had registered, never published, with it
+        (:meth:`_forget_models_of`). One that died or lapsed keeps them: Ray may restart
+        it, and a broadcast naming its model meanwhile is published for it to catch up
+        on."""
         entry = self._state.receivers.get(worker)
-        kept = self._models_assembling() if left else set(self._state.models)
-        if entry is None or not self._state.drop(worker, token, kept):
+        if entry is None or not self._state.drop(worker, token):
             return
         self._forget_in(entry.transport, worker, "lapsed" if lapsed else "left", lapsed)
+        if left:
+            self._forget_models_of(entry.registration.specs)
+
+    def _forget_models_of(self, models: Collection[str]) -> None:
+        """Forget those of ``models`` (a receiver's that left) that no receiver holds
+        and that were never numbered (``HubState.forget_unclaimed``), but those a version
+        sent in parts is being assembled for; the snapshot too. With no model left, a
+        broadcast waits for the next receiver's, as at start-up. A snapshot write that
+        fails is logged: a hub restarted before its next version is saved may know them
+        again."""
+        assembling = {model for model, _ in self._assemblies.arrived()}
+        self._state.forget_unclaimed(models, kept=assembling)
         if not self._state.models:
             self._model_known.clear()
-        self._save_forgotten(entry.registration.specs)
-
-    def _models_assembling(self) -> set[str]:
-        """The models a version sent in parts is being assembled for."""
-        return {model for model, _ in self._assemblies.arrived()}
-
-    def _save_forgotten(self, models: Collection[str]) -> None:
-        """After a receiver was dropped: those of its ``models`` the hub forgot leave
-        the snapshot (see ``HubSnapshot.save_forgotten``). A write that fails is
-        logged: a hub restarted before its next version is saved may know them again."""
         if self._snapshot is None:
             return
         try:

@@ -356,25 +356,25 @@ class HubState:
                 spec=specs.get(model), version=version, record_from=version
             )
 
-    def drop(self, worker: str, token: str, kept: Collection[str] = ()) -> bool:
-        """Forget ``worker`` if its current registration is ``token``; True if dropped.
-        What that registration alone brought goes with it (see :meth:`_forget_unclaimed`),
-        but for the models in ``kept`` (a version of each is being assembled, or the
-        receiver died and may come back)."""
+    def drop(self, worker: str, token: str) -> bool:
+        """Forget ``worker`` if its current registration is ``token``; True if dropped."""
         entry = self.receivers.get(worker)
         if entry is None or entry.registration.token != token:
             return False
         del self.receivers[worker]
-        self._forget_unclaimed(m for m in entry.registration.specs if m not in kept)
         return True
 
-    def _forget_unclaimed(self, models: Iterable[str]) -> None:
-        """Forget each of ``models`` that no receiver registers now and that was never
-        numbered (no version published, restored or brought: a late joiner loses
-        nothing); a declared one stays known, without its spec. Kept, a model id that a
-        receiver mistyped would make every broadcast naming no model ambiguous, and a
-        mis-shaped model's spec would refuse the right one, for the hub's life."""
+    def forget_unclaimed(self, models: Iterable[str], kept: Collection[str] = ()) -> None:
+        """After a receiver that registered ``models`` left: forget each of them that no
+        receiver registers now and that was never numbered (no version published,
+        restored or brought: a late joiner loses nothing), but those in ``kept`` (a
+        version of each is being assembled); a declared one stays known, without its
+        spec. Kept, a model id that a receiver mistyped would make every broadcast
+        naming no model ambiguous, and a mis-shaped model's spec would refuse the right
+        one, for the hub's life."""
         for model in models:
+            if model in kept:
+                continue
             state = self.models.get(model)
             if state is None or state.version > 0 or self._registered(model):
                 continue

@@ -514,6 +514,7 @@ def test_a_model_id_a_dropped_receiver_alone_registered_is_forgotten():
     state.register(_registration("w1", {"policy": POLICY}))
     state.register(_registration("w2", {"polcy": POLICY}))
     assert state.drop("w2", "w2-token") is True
+    state.forget_unclaimed({"polcy"})
     assert state.resolve_model(None) == "policy"
     assert state.versions() == {"policy": 0} and state.specs() == {"policy": POLICY}
     with pytest.raises(UnknownModelError, match="unknown model 'polcy'.*the hub knows: policy$"):
@@ -526,6 +527,7 @@ def test_the_spec_a_dropped_receiver_alone_registered_refuses_nothing_after_it()
     state = HubState()
     state.register(_registration("bad", {"policy": MISSHAPED}))
     state.drop("bad", "bad-token")
+    state.forget_unclaimed({"policy"})
     assert state.check_broadcast("policy", POLICY) is POLICY
     assert state.register(_registration("fixed", {"policy": POLICY})) == {}
     assert state.spec("policy") == POLICY
@@ -536,6 +538,7 @@ def test_only_the_models_no_receiver_holds_any_more_are_forgotten():
     state.register(_registration("w1", {"policy": POLICY}))
     state.register(_registration("w2", {"policy": POLICY, "critic": CRITIC}))
     state.drop("w2", "w2-token")
+    state.forget_unclaimed({"policy", "critic"})
     assert state.versions() == {"policy": 0} and state.specs() == {"policy": POLICY}
     with pytest.raises(SpecMismatchError, match="receiver w3"):
         state.register(_registration("w3", {"policy": MISSHAPED}))
@@ -550,6 +553,7 @@ def test_a_numbered_model_is_kept_when_its_receivers_leave(how):
     state.register(_registration("w1", {"policy": POLICY}, versions=brought))
     latest = _publish(state) if how == "published" else None
     state.drop("w1", "w1-token")
+    state.forget_unclaimed({"policy"})
     assert state.versions() == {"policy": 1 if latest else 3}
     assert state.spec("policy") == POLICY and state.latest("policy") == latest
     with pytest.raises(SpecMismatchError, match="receiver late"):
@@ -561,6 +565,7 @@ def test_a_declared_model_stays_known_and_forgets_the_spec_a_dropped_receiver_br
     state.declare("policy")
     state.register(_registration("bad", {"policy": MISSHAPED}))
     state.drop("bad", "bad-token")
+    state.forget_unclaimed({"policy"})
     state.check_known("policy")
     assert state.versions() == {"policy": 0} and state.specs() == {}
     assert state.resolve_model(None) == "policy"
@@ -572,7 +577,8 @@ def test_a_model_a_version_is_assembling_for_is_kept():
     would be refused as of an unknown model once its last part came."""
     state = HubState()
     state.register(_registration("w1", {"policy": MISSHAPED}))
-    state.drop("w1", "w1-token", kept={"policy"})
+    state.drop("w1", "w1-token")
+    state.forget_unclaimed({"policy"}, kept={"policy"})
     assert state.versions() == {"policy": 0} and state.specs() == {"policy": MISSHAPED}
 
 
@@ -600,7 +606,7 @@ def test_the_hub_saves_its_snapshot_without_the_models_a_dropped_receiver_forgot
         _model_known=asyncio.Event(),
         _forget_in=lambda transport, worker, why, lapsed: None,
     )
-    for method in ("_models_assembling", "_save_forgotten"):
+    for method in ("_forget_models_of",):
         setattr(hub, method, functools.partial(getattr(WeightHubActor, method), hub))
     for worker, model in [("w1", "policy"), ("w2", "polcy")]:
         state.register(_registration(worker, {model: POLICY}))
@@ -636,7 +642,7 @@ def test_a_receiver_that_died_keeps_its_unpublished_model_known(lapsed):
         _assemblies=SimpleNamespace(arrived=dict),
         _forget_in=lambda transport, worker, why, lapsed: None,
     )
-    for method in ("_models_assembling", "_save_forgotten"):
+    for method in ("_forget_models_of",):
         setattr(hub, method, functools.partial(getattr(WeightHubActor, method), hub))
     WeightHubActor._drop(hub, "w1", "w1-token", lapsed=lapsed)
     assert state.receivers == {}
