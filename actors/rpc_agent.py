@@ -193,7 +193,7 @@ class RpcAgentActor:
             await asyncio.to_thread(self._relist, member)
         elif rank_before is not None:  # it joins this group, under its rank for life
             member = self._member(rank_before, worker)
-        else:
+        else:  # a new process, or one whose place went (over LEFT_KEPT left after it)
             await asyncio.to_thread(self._prune)
             member = self._member(next(self._ranks), worker)
         self._left.pop(process, None)

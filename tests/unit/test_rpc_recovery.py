@@ -16,6 +16,15 @@ from raysync.transports.base import TransportError
 from raysync.transports.rpc.planner import RpcPlanner
 
 
+@pytest.fixture(autouse=True)
+def _no_receiver_attached(monkeypatch):
+    """Each test's process starts with no receiver open (some join without one, which
+    counts its worker attached for good)."""
+    from raysync.transports.rpc import receiver
+
+    monkeypatch.setattr(receiver._Membership, "attached", receiver._Attached())
+
+
 class _Agent:
     """Stands for the agent's actor handle: ``ping`` raises ``error``."""
 
@@ -124,11 +133,18 @@ def test_a_second_receiver_of_the_hub_in_a_process_is_refused_saying_why(monkeyp
 
     first = RpcMember("raysync-rpc://h:1/p", "k1", "hub", "raysync_k1_1", 1, RpcOptions(), "a")
     second = dataclasses.replace(first, name="raysync_k1_2", rank=2, worker="b")
-    monkeypatch.setattr(receiver._Membership, "member", first)
-    monkeypatch.setattr(receiver._Membership, "rank", 1)
-    with pytest.raises(TransportError, match=r"receiver 'a'.*receiver 'b'.*in one receiver"):
-        receiver._Membership.join(second)
-    assert receiver._Membership.member == first
+    monkeypatch.setattr(receiver, "init_rpc", lambda name, rank, url, settings: None)
+    monkeypatch.setattr(receiver._Membership, "member", None)
+    monkeypatch.setattr(receiver._Membership, "rank", None)
+    monkeypatch.setattr(receiver, "_INBOX", receiver._Inbox())
+    monkeypatch.setattr(receiver, "_BUCKETS", receiver._BucketInbox())
+    opened = receiver.RpcReceiver(first)  # receiver 'a' stays open
+    try:
+        with pytest.raises(TransportError, match=r"receiver 'a'.*receiver 'b'.*in one receiver"):
+            receiver.RpcReceiver(second)
+        assert receiver._Membership.member == first
+    finally:
+        opened.close()
 
 
 def test_a_version_that_lands_while_the_receiver_joins_is_kept(monkeypatch):

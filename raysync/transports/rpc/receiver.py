@@ -20,7 +20,7 @@ from raysync.transports.bucket_relay import place
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.parts import PartedReceiver
 from raysync.transports.rpc.rendezvous import init_rpc
-from raysync.transports.rpc.wire import RpcMember, RpcPayload
+from raysync.transports.rpc.wire import LEFT_KEPT, RpcMember, RpcPayload
 
 #: When a receiver takes version #n of a model from its inbox, of the versions of that
 #: model older than it that landed and were never taken (their delivery never came: a
@@ -383,6 +383,30 @@ def abandon_bucketed(key: str, seq: int, why: str) -> None:
     _BUCKETS.fail(key, seq, why)
 
 
+class _Attached:
+    """The workers of this process's open RPC receivers, one count per receiver (a
+    registration replacing one opens its new receiver before it closes the old)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: Counter[str] = Counter()
+
+    def add(self, worker: str) -> None:
+        with self._lock:
+            self._open[worker] += 1
+
+    def remove(self, worker: str) -> None:
+        with self._lock:
+            self._open[worker] -= 1
+            if not self._open[worker]:
+                del self._open[worker]
+
+    def other_than(self, worker: str) -> bool:
+        """Whether a receiver of a worker other than ``worker`` is open here."""
+        with self._lock:
+            return any(open_worker != worker for open_worker in self._open)
+
+
 class _Membership:
     """This process's place in one RPC group.
 
@@ -406,11 +430,14 @@ class _Membership:
     #: to: a late delivery of an older one it skipped (two agents replaced in a row)
     #: must not move it there either.
     generation: int = 0
+    #: The workers of this process's open receivers (each counted once it joined).
+    attached = _Attached()
 
     @classmethod
     def join(cls, member: RpcMember) -> RpcMember:
         """Join ``member``'s group, or stay in it; moves from an earlier group of the same
-        hub (its agent was replaced, or the hub restarted); refuses another hub's."""
+        hub (its agent was replaced, or the hub restarted); refuses another hub's, and
+        another place in this hub's (see :meth:`_forgotten`)."""
         with cls.lock:
             cls._refuse_left(member)
             if cls.member is None:
@@ -420,6 +447,8 @@ class _Membership:
                     f"this process already belongs to the RPC group of another hub "
                     f"({cls.member.url}); torch RPC allows one group per process"
                 )
+            elif cls.member.rank != member.rank and not cls.attached.other_than(member.worker):
+                raise cls._forgotten(cls.member, member)
             elif cls.member.key != member.key:
                 cls._move(member)
             elif cls.member.name != member.name:
@@ -431,7 +460,23 @@ class _Membership:
                     "one another transport"
                 )
             assert cls.member is not None  # joined, or raised
+            cls.attached.add(member.worker)
             return cls.member
+
+    @staticmethod
+    def _forgotten(own: RpcMember, admitted: RpcMember) -> TransportError:
+        """The refusal of ``admitted``, another rank than this process's ``own``, with no
+        other receiver open here: the process left the hub and attaches again, and the
+        hub no longer had its place (its books keep the last ``LEFT_KEPT`` processes that
+        left), so it admitted it as a new process."""
+        return TransportError(
+            f"this process left the hub's RPC group as rank {own.rank} ({own.name}) and "
+            f"attaches again as receiver {admitted.worker!r}, but the hub no longer has its "
+            f"place (it keeps those of the last {LEFT_KEPT} processes that left it, and more "
+            f"left since): it admitted it at rank {admitted.rank}, and torch RPC keeps a "
+            "process's first rank for its life. Restart this actor (a new process joins "
+            "under a new rank), or give this receiver another transport"
+        )
 
     @classmethod
     def follow(cls, member: RpcMember) -> None:
@@ -510,6 +555,7 @@ class RpcReceiver(TransportReceiver):
             _INBOX.closed()
             _BUCKETS.closed()
             raise
+        self._worker = member.worker
         self._closed = False
         #: the learner's put(s), or a bucket stream served to this receiver
         self._pull = PartedReceiver(ObjectStoreReceiver(member.worker))
@@ -562,5 +608,6 @@ class RpcReceiver(TransportReceiver):
             if self._closed:
                 return
             self._closed = True
+        _Membership.attached.remove(self._worker)
         _INBOX.closed()
         _BUCKETS.closed()

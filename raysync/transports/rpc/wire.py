@@ -12,6 +12,8 @@ from raysync.transports.parts import Parts
 
 #: Places of processes that left the hub, kept for their return (the oldest forgotten):
 #: torch RPC keeps a process's rank for life, so one that attaches again needs its own.
+#: One forgotten is admitted as a new process, and its receiver refuses that rank saying
+#: why (its torch RPC lives on under the old one).
 LEFT_KEPT = 4096
 
 
