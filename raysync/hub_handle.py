@@ -188,7 +188,8 @@ class _Broadcast:
         # model's others off from its send to its submit call. One written into the
         # learner's channel leaves before its object-store copy is made (the receivers
         # apply it meanwhile): numbered from the write on. Other models' broadcasts go
-        # on meanwhile (``LearnerSide.sending_in_order``).
+        # on meanwhile, unless this one left its model out before a route named it: it
+        # may be of any model (``LearnerSide.sending_in_order``).
         in_send_order = wire is not None and any(
             get_transport(name).submits_in_send_order for name in route.hand_offs
         )

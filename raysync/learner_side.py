@@ -100,6 +100,99 @@ class DirectCalls:
         return busy
 
 
+class SendOrder:
+    """The turns this process's broadcasts to one hub take by route key
+    (``HubHandle._route_key``), so that each model's versions leave in the order they
+    were sent (:meth:`LearnerSide.sending_in_order` says when a broadcast holds its
+    turn). Called from the learner's broadcasting threads.
+
+    One thread at a time holds a key's turn, and may take it again (for its submit
+    call), as an RLock. The turns of different models are held at once: a model whose
+    hand-off waits (for a slow receiver) holds up no other model. The ``None`` key's
+    is held alone: a broadcast that leaves its model out, sent before any route named
+    that model, is of the hub's only model, whichever that is, so it waits for every
+    turn held and every other turn waits for it. Once it waits, the turns asked for
+    after it wait behind it: other models' broadcasts, overlapping, would otherwise
+    keep it waiting for ever."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        #: per key whose turn is held, the thread holding it and how many times it took it
+        self._held: dict[str | None, tuple[int, int]] = {}
+        #: how many threads wait for the ``None`` key's turn
+        self._unknown_waiting = 0
+
+    def turn(self, key: str | None) -> Turn:
+        """Route key ``key``'s turn, to hold as a lock."""
+        return Turn(self, key)
+
+    def acquire(self, key: str | None, blocking: bool = True, timeout: float = -1) -> bool:
+        """Take ``key``'s turn, waiting (at most ``timeout`` seconds, if not negative)
+        unless ``blocking`` is false; whether it was taken, as ``Lock.acquire``."""
+        me = threading.get_ident()
+        with self._changed:
+            if not self._free(key, me) and not (blocking and self._wait(key, me, timeout)):
+                return False
+            self._held[key] = (me, self._held.get(key, (me, 0))[1] + 1)
+            return True
+
+    def release(self, key: str | None) -> None:
+        """Give ``key``'s turn back once for each time this thread took it."""
+        me = threading.get_ident()
+        with self._changed:
+            holder, times = self._held.get(key, (None, 0))
+            if holder != me:
+                raise RuntimeError(f"route key {key!r}: released by a thread not holding it")
+            if times > 1:
+                self._held[key] = (me, times - 1)
+                return
+            del self._held[key]
+            self._changed.notify_all()
+
+    def _free(self, key: str | None, me: int) -> bool:
+        """(Condition held.) Whether thread ``me`` may take ``key``'s turn now."""
+        holder = self._held.get(key)
+        if holder is not None:
+            return holder[0] == me
+        if key is None:
+            return not self._held
+        return None not in self._held and not self._unknown_waiting
+
+    def _wait(self, key: str | None, me: int, timeout: float) -> bool:
+        """(Condition held.) Wait until thread ``me`` may take ``key``'s turn; False if
+        ``timeout`` (negative: none) passed first."""
+        unknown = key is None
+        self._unknown_waiting += unknown
+        try:
+            return self._changed.wait_for(
+                lambda: self._free(key, me), None if timeout < 0 else timeout
+            )
+        finally:
+            self._unknown_waiting -= unknown
+            if unknown:  # the turns it held back wait no more if it gave up
+                self._changed.notify_all()
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One route key's turn in a :class:`SendOrder`, held as a lock (``with turn:``)."""
+
+    order: SendOrder
+    key: str | None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self.order.acquire(self.key, blocking, timeout)
+
+    def release(self) -> None:
+        self.order.release(self.key)
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 @dataclass
 class LearnerSide:
     """What this process keeps for one hub as a learner (module doc)."""
@@ -113,10 +206,8 @@ class LearnerSide:
     #: Held while a broadcast is numbered and sent, so numbers leave in order; never
     #: across a hand-off's send, which may wait long (for a slow receiver of its model).
     submitting: threading.RLock = field(default_factory=threading.RLock)
-    #: Per route key (``HubHandle._route_key``), the lock :meth:`sending_in_order` gives.
-    in_order: dict[str | None, threading.RLock] = field(default_factory=dict)
-    #: Held while a lock of :attr:`in_order` is looked up or made.
-    in_order_made: threading.Lock = field(default_factory=threading.Lock)
+    #: The turns :meth:`sending_in_order` gives, by route key.
+    in_order: SendOrder = field(default_factory=SendOrder)
     in_flight: InFlight = field(default_factory=InFlight)
     #: the model a route named for broadcasts that leave ``model`` out: their route key
     unnamed_model: str | None = None
@@ -149,18 +240,19 @@ class LearnerSide:
             self.in_flight.add(sequence, result)
             return sequence, result
 
-    def sending_in_order(self, key: str | None) -> threading.RLock:
+    def sending_in_order(self, key: str | None) -> Turn:
         """The lock that keeps the broadcasts of route key ``key`` in the order they
-        leave this process, made on first use. A broadcast holds it from its send to
-        its submit call where its hand-off needs its versions submitted in the order
-        they were sent (``Transport.submits_in_send_order``: the shared-memory owner
+        leave this process: its turn in :attr:`in_order`. A broadcast holds it from its
+        send to its submit call where its hand-off needs its versions submitted in the
+        order they were sent (``Transport.submits_in_send_order``: the shared-memory owner
         frees a learner's older unplanned slots of the model planned), and from the
         direct version it numbers for the learner's channel on (its receivers apply it
         before its object-store copy is made); every broadcast of ``key`` holds it for
         its submit call. Taken before :attr:`submitting`, one key's at a time: another
-        model's broadcasts do not wait for this one's hand-off."""
-        with self.in_order_made:
-            return self.in_order.setdefault(key, threading.RLock())
+        model's broadcasts do not wait for this one's hand-off. A broadcast that leaves
+        its model out before a route named it (key ``None``) may be of any model: it
+        waits for every key's, and they for it (:class:`SendOrder`)."""
+        return self.in_order.turn(key)
 
     def sender(self, hand_off: str, open_sender: Callable[[], TransportSender]) -> TransportSender:
         """The sender of ``hand_off``, opened with ``open_sender`` on first use."""

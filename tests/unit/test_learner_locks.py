@@ -6,7 +6,8 @@ model's broadcast from two versions back to end (a slow receiver of that model).
 One model's wait holds up none of another model's broadcasts, whether its hand-off
 needs its versions submitted in the order they were sent (a shared-memory receiver on
 the hub) or it numbered its version for the learner's channel; the versions of one
-model still reach the hub in the order they were sent."""
+model still reach the hub in the order they were sent, whether a broadcast names the
+model or leaves it out before any route named it."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class _Hub:
     def __init__(self) -> None:
         self.submit = SimpleNamespace(remote=self._submit)
         self.requests: list[BroadcastRequest] = []
-        self._submitted: dict[str, threading.Event] = {}
+        self._submitted: dict[str | None, threading.Event] = {}
         self._lock = threading.Lock()
 
     def _submit(self, request: BroadcastRequest) -> str:
@@ -63,7 +64,7 @@ class _Hub:
         self.submitted(request.model).set()
         return f"result {request.sequence}"
 
-    def submitted(self, model: str) -> threading.Event:
+    def submitted(self, model: str | None) -> threading.Event:
         """Set once a broadcast of ``model`` was submitted."""
         with self._lock:
             return self._submitted.setdefault(model, threading.Event())
@@ -126,11 +127,11 @@ class _ReturnedAtOnce(InFlight):
 
 
 class _NotesWaits:
-    """A model's order lock that notes when a thread has to wait for it."""
+    """A route key's order lock that sets ``waited`` when a thread has to wait for it."""
 
-    def __init__(self, lock: threading.RLock) -> None:
+    def __init__(self, lock: Any, waited: threading.Event | None = None) -> None:
         self._lock = lock
-        self.waited = threading.Event()
+        self.waited = threading.Event() if waited is None else waited
 
     def __enter__(self) -> bool:
         if self._lock.acquire(blocking=False):
@@ -141,6 +142,21 @@ class _NotesWaits:
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
+
+
+def _noting_waits(
+    monkeypatch,
+    side: learner_side.LearnerSide,
+    key: str | None,
+    waited: threading.Event | None = None,
+) -> _NotesWaits:
+    """Have ``side`` give route key ``key``'s order lock as a :class:`_NotesWaits`."""
+    notes = _NotesWaits(side.sending_in_order(key), waited)
+    in_order = side.sending_in_order
+    monkeypatch.setattr(
+        side, "sending_in_order", lambda asked: notes if asked == key else in_order(asked)
+    )
+    return notes
 
 
 class _RoutedHandle(HubHandle):
@@ -264,7 +280,7 @@ def test_one_models_wait_after_its_channel_write_holds_up_no_other_models_broadc
     ]
 
 
-def test_the_versions_of_one_model_are_submitted_in_the_order_they_were_sent(learner):
+def test_the_versions_of_one_model_are_submitted_in_the_order_they_were_sent(learner, monkeypatch):
     """The shared-memory owner frees a learner's older slots of a model the hub never
     planned once it plans a newer one: the second version, sent while the first waits
     in NIXL's send, waits for the first's submit call before its own send."""
@@ -275,7 +291,7 @@ def test_the_versions_of_one_model_are_submitted_in_the_order_they_were_sent(lea
         {"a": Route(("shared_memory", "nixl"))}, {"nixl": nixl, "shared_memory": shm}
     )
     side = handle._side
-    order = side.in_order["a"] = _NotesWaits(side.sending_in_order("a"))
+    order = _noting_waits(monkeypatch, side, "a")
     with ThreadPoolExecutor(2) as pool:
         try:
             first = _broadcast(pool, handle, "a", 1.0)
@@ -291,3 +307,63 @@ def test_the_versions_of_one_model_are_submitted_in_the_order_they_were_sent(lea
         (1, "shared_memory payload of a v1"),
         (2, "shared_memory payload of a v2"),
     ]
+
+
+#: The routes of a hub whose only model, "m", has no receiver the learner calls itself:
+#: none names the model, so a broadcast that leaves it out does not know it. Each
+#: writes its shared-memory slot, then sends by NIXL.
+NO_ROUTE_NAMES_M: dict[str | None, Route] = dict.fromkeys(
+    ("m", None), Route(("shared_memory", "nixl"))
+)
+
+
+def test_a_broadcast_leaving_its_model_out_waits_for_one_naming_it_sent_before(
+    learner, monkeypatch
+):
+    """Keyed apart (route key None and "m"), the broadcast that left the model out,
+    sent while the one naming it waited in NIXL's send, was submitted first: the hub's
+    plan of it had the shared-memory owner free the older slot as one the hub refused,
+    while the version it held was still to be submitted."""
+    slow_receiver = threading.Event()
+    nixl, shm = _Sender("nixl", held={"m": slow_receiver}), _Sender("shared_memory")
+    handle, hub = learner(NO_ROUTE_NAMES_M, {"nixl": nixl, "shared_memory": shm})
+    moved_on = hub.submitted(None)  # or it waited for its turn
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            named = _broadcast(pool, handle, "m", 1.0)
+            assert nixl.waiting["m"].wait(WAIT_S)
+            _noting_waits(monkeypatch, handle._side, None, waited=moved_on)
+            unnamed = pool.submit(handle.broadcast.remote, _weights(2.0))
+            assert moved_on.wait(WAIT_S)
+            assert hub.sent() == [], "the version sent second was submitted first"
+            assert shm.sends == ["shared_memory payload of m v1"]
+        finally:
+            slow_receiver.set()
+        assert (named.result(WAIT_S), unnamed.result(WAIT_S)) == ("result 1", "result 2")
+    assert shm.sends == ["shared_memory payload of m v1", "shared_memory payload of  v2"]
+    assert hub.sent() == [(1, "m", _payloads("m", 1)), (2, None, _payloads("", 2))]
+
+
+def test_a_broadcast_naming_its_model_waits_for_one_leaving_it_out_sent_before(
+    learner, monkeypatch
+):
+    """The other way round: the broadcast naming the model, sent while the one that
+    left it out (its model not known yet) waited in NIXL's send, was submitted first."""
+    slow_receiver = threading.Event()
+    nixl, shm = _Sender("nixl", held={"": slow_receiver}), _Sender("shared_memory")
+    handle, hub = learner(NO_ROUTE_NAMES_M, {"nixl": nixl, "shared_memory": shm})
+    moved_on = hub.submitted("m")  # or it waited for its turn
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            unnamed = pool.submit(handle.broadcast.remote, _weights(1.0))
+            assert nixl.waiting[""].wait(WAIT_S)
+            _noting_waits(monkeypatch, handle._side, "m", waited=moved_on)
+            named = _broadcast(pool, handle, "m", 2.0)
+            assert moved_on.wait(WAIT_S)
+            assert hub.sent() == [], "the version sent second was submitted first"
+            assert shm.sends == ["shared_memory payload of  v1"]
+        finally:
+            slow_receiver.set()
+        assert (unnamed.result(WAIT_S), named.result(WAIT_S)) == ("result 1", "result 2")
+    assert shm.sends == ["shared_memory payload of  v1", "shared_memory payload of m v2"]
+    assert hub.sent() == [(1, None, _payloads("", 1)), (2, "m", _payloads("m", 2))]
