@@ -49,9 +49,16 @@ class SharedMemorySender(TransportSender):
         #: owner's answer is usually back before the next send needs it.
         #: (size, the owner's answer, when it was asked)
         self._next: tuple[int, ray.ObjectRef, float] | None = None
-        #: Every handle on the hub in this process shares this sender, from any thread:
-        #: two sends must not take the same slot asked for ahead.
+        #: Every handle on the hub in this process shares this sender, from any thread,
+        #: for every model: two sends must not take the same slot asked for ahead, and
+        #: they write one at a time, in the order of their slots (see :meth:`send`).
+        #: Never held across a wait for a slot: one model's full pool would hold the
+        #: sends of all the others.
         self._lock = threading.Lock()
+        #: Owner's pid -> sequence of the newest of its slots this sender began writing
+        #: (a restarted owner has another pid and numbers from 1 again); the owners
+        #: gone are dropped when another one's slot is first written (see :meth:`_began`).
+        self._newest: dict[int, int] = {}
         #: Bucketed versions travel as the object store's bucket stream (opened on use).
         self._streams: ObjectStoreSender | None = None
 
@@ -70,34 +77,36 @@ class SharedMemorySender(TransportSender):
                     ) from None
                 time.sleep(0.2)  # the restarting hub starts it: poll, nothing to wait on
 
-    def _slot(self, nbytes: int) -> tuple[Slot, torch.Tensor]:
-        """A slot of ``nbytes`` and its mapping: the one asked for ahead if it fits.
+    def _slot(self, nbytes: int, wait_s: float) -> Slot:
+        """A slot of ``nbytes``, found free within ``wait_s``: the one asked for ahead if
+        it fits. Waits for the owner without the lock (called by :meth:`send`).
 
         A slot asked for ahead but not used (another size came) stays held until the hub
         plans a newer version, which frees it (see ``ShmOwner.deliver``). One the owner
         found none free for counts its wait: asked again, the owner waits only what is
         left of ``SLOT_WAIT_S`` since then, and the first refusal is what is raised."""
-        ahead, self._next = self._next, None
-        wait_s, refused = SLOT_WAIT_S, None
+        with self._lock:
+            ahead, self._next = self._next, None
+        refused = None
         if ahead is not None and ahead[0] == nbytes:
             try:
                 slot = ray.get(ahead[1])
                 if os.path.exists(f"/proc/{slot.pid}"):
-                    return slot, self._mappings.buffer(slot)
+                    return slot
                 # Its owner died after answering (it goes with a restarting hub): the
                 # slot is gone with it; ask the owner the hub starts next.
                 self._owner = self._find_owner()
             except RayActorError:
                 pass  # the owner died before answering: ask the one the hub restarts
             except TransportError as err:  # no free slot: ask again, for what is left
-                wait_s, refused = max(0.0, SLOT_WAIT_S - (time.monotonic() - ahead[2])), err
+                left_s = max(0.0, SLOT_WAIT_S - (time.monotonic() - ahead[2]))
+                wait_s, refused = min(wait_s, left_s), err
         try:
-            slot = self._acquire(nbytes, wait_s)
+            return self._acquire(nbytes, wait_s)
         except TransportError:
             if refused is not None:
                 raise refused from None  # held since it was asked for: what it said
             raise
-        return slot, self._mappings.buffer(slot)
 
     def _acquire(self, nbytes: int, wait_s: float = SLOT_WAIT_S) -> Slot:
         """A slot from this node's owner, found free within ``wait_s``; if the owner
@@ -124,15 +133,55 @@ class SharedMemorySender(TransportSender):
     def send(
         self, tensors: Mapping[str, torch.Tensor], spec: WeightSpec, model: str
     ) -> SharedMemoryPayload:
+        """Write the version into a slot of its size, waited for without the lock: a
+        model whose pool is full (its receivers hold every slot) holds no other model's
+        send. The writes are one at a time, each into a slot newer than the last (see
+        :meth:`_superseded`); a slot skipped is given back, and the send waits for slots
+        ``SLOT_WAIT_S`` in all."""
         layout = PackedLayout.of(spec, HEADER_BYTES)
-        with self._lock:
-            slot, buffer = self._slot(layout.nbytes)
-            header = buffer.numpy()
-            write_seq(header, 0)
-            write_model(header, model)
-            layout.pack(tensors, buffer, self._mappings.views(slot, layout))
-            write_seq(header, slot.seq)
-            return SharedMemoryPayload(slot)
+        deadline = time.monotonic() + SLOT_WAIT_S
+        while True:
+            slot = self._slot(layout.nbytes, max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                if self._superseded(slot):
+                    self._give_back(slot)
+                    continue
+                buffer = self._mappings.buffer(slot)
+                self._began(slot)
+                header = buffer.numpy()
+                write_seq(header, 0)
+                write_model(header, model)
+                layout.pack(tensors, buffer, self._mappings.views(slot, layout))
+                write_seq(header, slot.seq)
+                return SharedMemoryPayload(slot)
+
+    def _superseded(self, slot: Slot) -> bool:
+        """(Lock held, by :meth:`send`.) Whether another send began writing a newer slot
+        of ``slot``'s owner while this one waited for ``slot``. The owner frees a
+        learner's older slots never written whole once the hub plans a newer version
+        (a learner writes one at a time: see ``ShmOwner.deliver``), so ``slot`` may be
+        freed, and given again, while it is written."""
+        return slot.seq < self._newest.get(slot.pid, 0)
+
+    def _give_back(self, slot: Slot) -> None:
+        """(Called by :meth:`send`.) Let the owner free ``slot``, skipped: held
+        ``PENDING`` until the hub planned a newer version of this learner, it would
+        count against its pool meanwhile. Not waited for: unnumbered, it takes no turn
+        among the hub's calls, and the owner looks the slot up by sequence, so it does
+        nothing to a slot freed and given again meanwhile (under a new sequence) or to
+        one of a former owner (another pid); an ``acquire`` that runs before it waits
+        for the pool and is woken when it lands."""
+        self._owner.abandon.remote(slot.pid, slot.seq)
+
+    def _began(self, slot: Slot) -> None:
+        """(Lock held, by :meth:`send`, once ``slot`` is mapped: a slot of an owner gone
+        may not be.) ``slot`` is the newest of its owner this sender writes; an owner
+        seen for the first time drops those whose process is gone (replaced)."""
+        if slot.pid not in self._newest:
+            self._newest = {
+                pid: seq for pid, seq in self._newest.items() if os.path.exists(f"/proc/{pid}")
+            }
+        self._newest[slot.pid] = slot.seq
 
     def send_buckets(
         self,
