@@ -48,6 +48,9 @@ class _Waiting:
 
     version: int
     turn: asyncio.Future[Turn[Any]]
+    #: called once a newer version waits too (this one then goes only if that one's
+    #: call fails), so that it lets go of what its plan holds
+    passed: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,6 +68,8 @@ class Lane(Generic[OutcomeT]):
     #: set once a delivery gave up on ``call``: run with it and ``version`` when it
     #: returns, if no delivery waits for it (see :meth:`DeliveryLanes.gave_up`)
     then: Callable[[asyncio.Future[Any], int], None] | None = None
+    #: ``call`` stands for a delivery getting ready to call (:meth:`DeliveryLanes.getting_ready`)
+    getting_ready: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,11 +111,36 @@ class DeliveryLanes(Generic[OutcomeT]):
         lane's call until it returns. One made while another runs (a learner's own, a
         process other than the hub) takes over the deliveries waiting: they wait for
         the newest call."""
+        self._run(token, model, version, call, then=self._handed_on.pop((token, model), None))
+
+    def getting_ready(self, token: str, model: str, version: int) -> asyncio.Future[Any]:
+        """A delivery whose turn came gets ready to call registration ``token`` (plans
+        its read again, see ``ReceiverDelivery``): its turn is held meanwhile, by the
+        future returned, as by a call (the deliveries that come wait for it). Its call
+        takes over (:meth:`calling`); the delivery ends the future, with an error if
+        it made no call (the deliveries waiting then take turns)."""
+        ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._run(token, model, version, ready, then=None, getting_ready=True)
+        return ready
+
+    def _run(
+        self,
+        token: str,
+        model: str,
+        version: int,
+        call: asyncio.Future[Any],
+        then: Callable[[asyncio.Future[Any], int], None] | None,
+        getting_ready: bool = False,
+    ) -> None:
+        """:meth:`calling` of ``call``, which says ``then`` when it returns (a call made
+        once its delivery got ready takes the word given meanwhile, and any handed on)."""
         key = (token, model)
-        lane: Lane[OutcomeT] = Lane(call, version, then=self._handed_on.pop(key, None))
+        lane: Lane[OutcomeT] = Lane(call, version, then=then, getting_ready=getting_ready)
         former = self._lanes.get(key)
         if former is not None:
             lane.waiting, former.waiting = former.waiting, []
+            if former.getting_ready and lane.then is None:
+                lane.then, former.then = former.then, None
         self._lanes[key] = lane
 
         def returned(_: asyncio.Future[Any]) -> None:
@@ -145,16 +175,29 @@ class DeliveryLanes(Generic[OutcomeT]):
         if lane is not None and not lane.call.done():
             lane.then = then
 
-    async def turn(self, token: str, model: str, version: int, deadline: float) -> Turn[OutcomeT]:
+    async def turn(
+        self,
+        token: str,
+        model: str,
+        version: int,
+        deadline: float,
+        passed: Callable[[], None] | None = None,
+    ) -> Turn[OutcomeT]:
         """Before a delivery of ``version`` calls registration ``token``: return at once
         if no call to it of ``model`` runs; else once that call returned, as the leader
         (the newest version waiting) or a follower. Raises ``asyncio.TimeoutError`` if
-        the call is still running at ``deadline`` (``time.monotonic()``)."""
+        the call is still running at ``deadline`` (``time.monotonic()``). ``passed`` is
+        called (once) if a newer version waits too, meanwhile or already."""
         lane = self._lanes.get((token, model))
         if lane is None or lane.call.done():
             return Turn()
-        waiting = _Waiting(version, asyncio.get_running_loop().create_future())
+        waiting = _Waiting(version, asyncio.get_running_loop().create_future(), passed)
         lane.waiting.append(waiting)
+        newest = max(w.version for w in lane.waiting)
+        for each in lane.waiting:
+            if each.version < newest and each.passed is not None:
+                each.passed()
+                each.passed = None
         try:
             done, _ = await asyncio.wait({waiting.turn}, timeout=_left(deadline))
         finally:

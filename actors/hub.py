@@ -264,7 +264,14 @@ class WeightHubActor:
             logger.warning("hub restarted; model versions restored: %s", self._restored)
         self._reports: dict[str, OrderedDict[int, asyncio.Task[BroadcastReport]]] = {}
         self._acks = AckBook()  #: acks sent apart from their delivery call (``ack``)
-        self._deliveries = ReceiverDelivery(self._state, self._acks, self._drop, self._catch_up)
+        self._deliveries = ReceiverDelivery(
+            self._state,
+            self._acks,
+            self._drop,
+            self._catch_up,
+            set_aside=self._set_aside,
+            plan_again=self._planned_pull,
+        )
         self._channel_replies = ChannelReplies()  #: learners' channels (direct path)
         self._refused: dict[str, RefusedRegistration] = {}  #: worker -> last refusal
         #: Tokens of registrations left before they registered (see :meth:`leave`).
@@ -1124,6 +1131,12 @@ class WeightHubActor:
         if update is None:
             return None  # sent before anyone read by this transport: the next one will be
         return await self._planned_pull(update, entry)
+
+    def _set_aside(self, entry: ReceiverEntry, update: Update) -> bool:
+        """``update``'s delivery to ``entry`` waits for the receiver's running call: its
+        transport's planner lets go of what it holds for it (True if anything: the
+        delivery plans it again with :meth:`_planned_pull` if it goes)."""
+        return self._planners[entry.transport].set_aside(update.payload, entry.worker)
 
     async def _planned_pull(self, update: Update, entry: ReceiverEntry) -> Update:
         """``update`` as ``entry`` reads it outside a broadcast (a pull, joining): its

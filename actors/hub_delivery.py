@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -37,7 +37,7 @@ from raysync.hub_state import HubState, ReceiverEntry
 from raysync.messages import Ack, AckStatus, ChannelLost, ReceiverTimings, Registration, Update
 from raysync.metrics import FailureCause
 from raysync.receiver_delivery import delivery_call
-from raysync.transports import get_transport
+from raysync.transports import TransportError, get_transport
 from raysync.transports.object_store.bucket_stream import is_bucketed
 
 from .delivery_lanes import DeliveryLanes, Turn, leader_outcome
@@ -131,6 +131,10 @@ class ReceiverDelivery:
     ``drop(worker, token)`` forgets a receiver that is gone for good;
     ``catch_up(entry, model)`` delivers the latest version of ``model`` to a receiver
     that answered at last a call it had timed out on, if it lacks it.
+    ``set_aside(entry, update)``: a delivery that waits for its receiver's running call
+    lets go of what its plan holds for it, if its transport's plan holds anything
+    (True: :meth:`TransportPlanner.set_aside`); ``plan_again(update, entry)`` plans it
+    anew if it goes after all (both given by the hub, or neither).
     """
 
     def __init__(
@@ -139,11 +143,16 @@ class ReceiverDelivery:
         acks: AckBook,
         drop: Callable[[str, str], None],
         catch_up: Callable[[ReceiverEntry, str], None],
+        *,
+        set_aside: Callable[[ReceiverEntry, Update], bool] | None = None,
+        plan_again: Callable[[Update, ReceiverEntry], Awaitable[Update]] | None = None,
     ) -> None:
         self._state = state
         self._acks = acks
         self._drop = drop
         self._catch_up = catch_up
+        self._set_aside = set_aside
+        self._plan_again = plan_again
         self._lanes: DeliveryLanes[Outcome] = DeliveryLanes(holds=_holds)
 
     def called_by_learner(
@@ -184,41 +193,37 @@ class ReceiverDelivery:
         registration = entry.registration
         turns = takes_turns(update)
         turn: Turn[Outcome] = Turn()
-        while first_call is None and turns:
-            running = self._lanes.running(registration.token, update.model)
-            try:
-                turn = await self._lanes.turn(
-                    registration.token, update.model, update.version, deadline
-                )
-            except asyncio.TimeoutError:
-                self._gave_up(registration, update.model)
-                return self._timed_out(
-                    registration,
-                    update,
-                    timeout_s,
-                    f"it takes one call at a time, and the call that delivered version "
-                    f"{running} to it had not returned",
-                )
-            if turn.held is not None:  # the call waited for left it holding a newer one
-                self._record(registration, update.model, turn.held)
-                return Outcome(registration.worker, None)
-            if turn.follow is None:
-                break
-            try:
-                led = await leader_outcome(turn.follow, deadline)
-            except asyncio.TimeoutError:
-                return self._timed_out(
-                    registration,
-                    update,
-                    timeout_s,
-                    f"it was busy, and version {turn.follow.leader}, delivered in its place "
-                    f"once it was free, had not been applied by this version's deadline",
-                )
-            if led.error is None:  # it holds a newer version: acked, as superseded
-                return Outcome(registration.worker, None, led.delivered_s)
-            turn = Turn()  # that one failed: this version tries on its own
+        set_aside = False  # what its plan held for the receiver was let go: plan again
+
+        def set_plan_aside() -> None:
+            """Let go of what this delivery's plan holds for the receiver (a shared-memory
+            slot), once it may never call it: a newer version waits too (this one goes
+            only if that one fails), or it ends without a call. A receiver busy for many
+            versions held one slot for each."""
+            nonlocal set_aside
+            if self._set_aside is not None and not set_aside:
+                set_aside = self._set_aside(entry, update)
+
+        if first_call is None and turns:
+            waited = await self._turn_of(registration, update, deadline, timeout_s, set_plan_aside)
+            if isinstance(waited, Outcome):  # ended without a call of its own
+                set_plan_aside()
+                return waited
+            turn = waited
         called_again: list[bool] = []  # set by _deliver if the hub called it itself
+        # Its turn held while it plans again (others that come wait), until its call.
+        ready = (
+            self._lanes.getting_ready(registration.token, update.model, update.version)
+            if set_aside
+            else None
+        )
         try:
+            if set_aside:
+                planned = await self._planned_again(entry, update, deadline, timeout_s)
+                if isinstance(planned, Outcome):
+                    turn.led(planned)
+                    return planned
+                update = planned
             outcome = await self._deliver(
                 entry, update, deadline, timeout_s, first_call, update_sent_at, turns, called_again
             )
@@ -233,8 +238,86 @@ class ReceiverDelivery:
                 )
             )
             raise
+        finally:
+            if ready is not None:  # its call took its turn over, or none was made
+                retrieve_outcome(ready)
+                ready.set_exception(TransportError("no call was made"))
         turn.led(outcome)
         return outcome
+
+    async def _turn_of(
+        self,
+        registration: Registration,
+        update: Update,
+        deadline: float,
+        timeout_s: float,
+        passed: Callable[[], None],
+    ) -> Turn[Outcome] | Outcome:
+        """Wait for ``registration``'s turn (see :meth:`deliver`; ``passed`` when a newer
+        version waits too): the turn to call it, or the outcome of a delivery that ends
+        without a call of its own."""
+        while True:
+            running = self._lanes.running(registration.token, update.model)
+            try:
+                turn: Turn[Outcome] = await self._lanes.turn(
+                    registration.token, update.model, update.version, deadline, passed
+                )
+            except asyncio.TimeoutError:
+                self._gave_up(registration, update.model)
+                return self._timed_out(
+                    registration,
+                    update,
+                    timeout_s,
+                    f"it takes one call at a time, and the call that delivered version "
+                    f"{running} to it had not returned",
+                )
+            if turn.held is not None:  # the call waited for left it holding a newer one
+                self._record(registration, update.model, turn.held)
+                return Outcome(registration.worker, None)
+            if turn.follow is None:
+                return turn
+            try:
+                led = await leader_outcome(turn.follow, deadline)
+            except asyncio.TimeoutError:
+                return self._timed_out(
+                    registration,
+                    update,
+                    timeout_s,
+                    f"it was busy, and version {turn.follow.leader}, delivered in its place "
+                    f"once it was free, had not been applied by this version's deadline",
+                )
+            if led.error is None:  # it holds a newer version: acked, as superseded
+                return Outcome(registration.worker, None, led.delivered_s)
+            # that one failed: this version tries on its own
+
+    async def _planned_again(
+        self, entry: ReceiverEntry, update: Update, deadline: float, timeout_s: float
+    ) -> Update | Outcome:
+        """``update`` planned anew for ``entry``, whose delivery let go of its plan's hold
+        while it waited and goes now (by ``deadline``), or the outcome saying why not
+        (the version may no longer be readable: a newer one that does not target the
+        receiver took its place). A receiver that gets no call then is free, and may
+        lack the latest version: it is caught up (``catch_up``), as after a call."""
+        assert self._plan_again is not None  # given with set_aside
+        registration = entry.registration
+        try:
+            return await asyncio.wait_for(
+                self._plan_again(update, entry), max(0.0, deadline - time.monotonic())
+            )
+        except asyncio.TimeoutError:
+            failed = self._timed_out(
+                registration, update, timeout_s, "its read could not be planned again in time"
+            )
+        except Exception as err:
+            failed = Outcome(
+                registration.worker,
+                f"version {update.version} of model {update.model!r} could not be planned "
+                f"again for {registration.actor} once its running call returned: {err}",
+                cause=FailureCause.NOT_PLANNED,
+            )
+        if self._still_registered(registration) is not None:
+            self._catch_up(entry, update.model)
+        return failed
 
     def _timed_out(
         self, registration: Registration, update: Update, timeout_s: float, why: str = ""

@@ -443,14 +443,19 @@ class ShmOwner:
             else:
                 segment.released.add(worker)
 
-    def withdraw(self, pid: int, seq: int, workers: tuple[str, ...], placement: int) -> None:
+    def withdraw(
+        self, pid: int, seq: int, workers: tuple[str, ...], placement: int, order: int = 0
+    ) -> None:
         """The hub's delivery ``placement`` of version ``seq`` never reaches ``workers``
-        (its plan was cut short, or its relay given up): the holds it took for them go,
+        (its plan was cut short, its relay given up, or it waits for a busy receiver's
+        running call): the holds it took for them go,
         but a worker's hold that another delivery of the same version took too stays
         (that one reached it, and it reads the slot yet, or a zero-copy model lives
         there). Unlike :meth:`release`, nothing is remembered for a hold not found: the
-        worker has not read the version, and a later delivery of it must hold it."""
-        with self._lock:
+        worker has not read the version, and a later delivery of it must hold it.
+        ``order``: its number among the hub's calls (see :meth:`deliver`; 0: none, for
+        a withdrawal sent once the hold's call answered), after the hold's."""
+        with self._in_order.turn("hub", order):
             segment = self._by_seq.get(seq) if pid == self._pid else None
             if segment is None:
                 return

@@ -271,7 +271,7 @@ class _Broadcast:
                             side.submitter,
                             handle._learner_node(),
                             reached=calls,
-                            busy=side.direct_calls.busy(route.model),
+                            running=side.direct_calls.running(route.model),
                         )
                         side.direct_calls.add(route.model, called)
                         calls |= called

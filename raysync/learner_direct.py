@@ -8,7 +8,7 @@ its first delivery (:mod:`raysync.actors.hub_delivery`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -72,12 +72,13 @@ def deliver_directly(
     origin: str,
     node_id: str,
     reached: Collection[str] = (),
-    busy: Collection[str] = (),
+    running: Mapping[str, int] | None = None,
 ) -> dict[str, tuple[str, Any]]:
     """The direct path, in the learner (on node ``node_id``): call each of ``route``'s
     receivers (those of ``workers`` only, if given; none ``reached`` already through the
-    learner's channel; where deliveries take turns, none whose registration is ``busy``
-    with this process's earlier calls; and, of a transport whose payload is read on the
+    learner's channel; where deliveries take turns, none with as many of this
+    process's earlier calls ``running`` (per registration) as its transport lets run,
+    ``Transport.direct_calls_running_most``; and, of a transport whose payload is read on the
     learner's node only, those on it) with this broadcast as ``version``; per worker,
     its registration and the call's ref (the hub awaits them as its first delivery, so
     deaths, restarts and deferred acks are handled as for its own calls; it delivers to
@@ -88,7 +89,11 @@ def deliver_directly(
         if (chosen is not None and target.worker not in chosen) or target.worker in reached:
             continue
         transport = get_transport(target.transport)
-        if target.token in busy and transport.one_call_at_a_time:
+        if (
+            transport.one_call_at_a_time
+            and running is not None
+            and running.get(target.token, 0) >= transport.direct_calls_running_most
+        ):
             continue  # the hub delivers it, the newest version once a call returned
         if transport.learner_delivers_on_its_node and target.node_id != node_id:
             continue

@@ -56,18 +56,10 @@ class InFlight:
         return min(self._calls, default=sequence)
 
 
-#: How many of this process's delivery calls to one receiver (and model) may run at
-#: once on the direct path: the last one, whose reply may still be on its way when the
-#: next broadcast leaves (the receiver acks to the hub first), and one queued behind
-#: it. A receiver with that many is busy in a long method (a default actor runs one
-#: call at a time; a queued call keeps its version's payload in the object store): the
-#: hub delivers it instead, once one returns, the newest version waiting.
-DIRECT_CALLS_RUNNING_MOST = 2
-
-
 class DirectCalls:
     """This process's direct delivery calls that may still run, per receiver
-    registration and model (see :data:`DIRECT_CALLS_RUNNING_MOST`)."""
+    registration and model: a receiver with ``Transport.direct_calls_running_most`` of
+    them running is busy in a long method, and the hub delivers it instead."""
 
     def __init__(self) -> None:
         self._calls: dict[tuple[str, str], list[ray.ObjectRef]] = {}
@@ -79,25 +71,24 @@ class DirectCalls:
             if isinstance(call, ray.ObjectRef):
                 self._calls.setdefault((token, model), []).append(call)
 
-    def busy(self, model: str) -> set[str]:
-        """The registrations that :data:`DIRECT_CALLS_RUNNING_MOST` calls of ``model``
-        from this process have not returned from (those returned are let go)."""
+    def running(self, model: str) -> dict[str, int]:
+        """Per registration, how many of this process's calls of ``model`` to it have not
+        returned (those returned are let go)."""
         keys = [key for key in self._calls if key[1] == model]
         refs = [ref for key in keys for ref in self._calls[key]]
         if not refs:
-            return set()
+            return {}
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         returned = set(done)
-        busy = set()
+        counts: dict[str, int] = {}
         for key in keys:
             running = [ref for ref in self._calls[key] if ref not in returned]
             if not running:
                 del self._calls[key]
                 continue
             self._calls[key] = running
-            if len(running) >= DIRECT_CALLS_RUNNING_MOST:
-                busy.add(key[0])
-        return busy
+            counts[key[0]] = len(running)
+        return counts
 
 
 class SendOrder:

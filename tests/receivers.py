@@ -206,6 +206,10 @@ class Collector(WeightReceiver, _Inspect):
     def pull(self) -> dict[str, int]:
         return self.pull_weights()
 
+    def hold(self, gate, entered=None) -> None:
+        """See :func:`hold_until`."""
+        hold_until(gate, entered)
+
 
 class _Env:
     def __init__(self) -> None:
@@ -531,6 +535,15 @@ def start_victim(hub, name: str, stall_dir: str, *, restarts: bool):
     return ray.remote(Victim).options(**options).remote(hub, name, stall_dir)
 
 
+def hold_until(gate, entered=None) -> None:
+    """Hold the calling actor's only method slot (a long rollout step) until the test
+    opens ``gate`` (``tests.helpers.Gate``); ``entered`` (a Gate too) is opened on the
+    way in."""
+    if entered is not None:
+        ray.get(entered.open.remote())
+    ray.get(gate.wait.remote())
+
+
 @ray.remote(num_cpus=0)
 class Holder(WeightReceiver):
     """A receiver of an arbitrary state_dict, with a method that blocks deliveries."""
@@ -564,9 +577,7 @@ class Holder(WeightReceiver):
         """Hold the actor's only method slot (a long rollout step) until the test opens
         ``gate`` (``tests.helpers.Gate``): no delivery gets in meanwhile. ``entered``
         (a Gate too) is opened on the way in."""
-        if entered is not None:
-            ray.get(entered.open.remote())
-        ray.get(gate.wait.remote())
+        hold_until(gate, entered)
 
     def parts_kept(self) -> int:
         """Versions sent in parts that the ``distributed`` receiver read from the

@@ -167,8 +167,9 @@ def test_the_segment_owner_never_imports_torch(actors):
 def test_back_to_back_broadcasts_never_tear_a_lagging_reader(actors):
     """wait=False broadcasts faster than one receiver applies them: every version each
     receiver applies is exactly that version's bytes, although the learner writes far
-    more versions than there are slots. The lagging receiver holds the slots it was
-    sent, so the learner waits for a slot instead of overwriting one being read."""
+    more versions than there are slots. The lagging receiver holds the slots of the
+    calls made to it, so the learner waits for a slot instead of overwriting one being
+    read; versions sent while its call runs wait, and the newest of them goes."""
     hub = start_hub(actors, TRANSPORT)
     template = make_probe_model(width=64, layers=4)
     fast = start(actors, Recorder, hub, "fast")
@@ -182,7 +183,8 @@ def test_back_to_back_broadcasts_never_tear_a_lagging_reader(actors):
     assert all(r.acked == ("fast", "lagging") for r in reports), reports
     for receiver in (fast, lagging):
         seen = ray.get(receiver.record.remote())
-        assert [v for v, _, _ in seen] == list(versions)
+        applied = [v for v, _, _ in seen]
+        assert applied == sorted(set(applied)) and applied[-1] == versions[-1], applied
         torn = [(v, lo, hi) for v, lo, hi in seen if not lo == hi == float(v)]
         assert torn == [], f"versions applied with another version's bytes: {torn}"
     assert ray.get(_owner(hub).stats.remote()).segments <= MAX_SLOTS
@@ -651,10 +653,11 @@ def test_the_hub_and_the_owner_keep_their_start_up_heap_out_of_garbage_collectio
 
 
 def test_a_learner_whose_slots_stay_held_fails_after_one_slot_wait(actors, monkeypatch):
-    """A receiver stuck in a method holds the slot of every version queued for it. Once
-    every slot is held, the owner waits ``SLOT_WAIT_S`` for one, then the learner
-    fails naming the holder: after that one wait (the slot asked for ahead counts it),
-    not a second one asked anew."""
+    """A receiver stuck in a method holds the slot of the learner's call queued for it
+    (later versions wait in the hub, holding nothing). Three stuck from different
+    versions on hold every slot beside the latest: the owner waits ``SLOT_WAIT_S`` for
+    one, then the learner fails naming the holders: after that one wait (the slot
+    asked for ahead counts it), not a second one asked anew."""
     wait_s = 4.0
     monkeypatch.setattr(shm_learner, "SLOT_WAIT_S", wait_s)  # the learner is this process
     asked: list[float] = []  # what each slot asked for in the broadcast's call may wait
@@ -667,19 +670,26 @@ def test_a_learner_whose_slots_stay_held_fails_after_one_slot_wait(actors, monke
     monkeypatch.setattr(shm_learner.SharedMemorySender, "_acquire", recorded)
     hub = start_hub(actors, TRANSPORT)
     template = state_of(make_policy())
-    quick, stuck = (start(actors, Holder, hub, template, w) for w in ("quick", "stuck"))
-    ready([quick, stuck])
+    names = ("quick", "stuck", "stuck later", "stuck last")
+    quick, stuck, later, last = (start(actors, Holder, hub, template, w) for w in names)
+    ready([quick, stuck, later, last])
     ray.get(hub.broadcast.remote(template, model="m"))
     gate = start(actors, Gate)
-    blocked = hold_until_opened(actors, stuck, gate)
+
+    def send() -> tuple[str, ...]:
+        asked.clear()
+        sent = hub.broadcast.remote(template, model="m", timeout_s=2.0, raise_on_failure=False)
+        return ray.get(sent, timeout=60).acked
+
+    blocked = [hold_until_opened(actors, stuck, gate)]
     try:
+        assert send() == ("quick", "stuck last", "stuck later")  # one queued for "stuck"
+        blocked.append(hold_until_opened(actors, later, gate))
+        assert send() == ("quick", "stuck last")
+        blocked.append(hold_until_opened(actors, last, gate))
         with pytest.raises(TransportError, match="stuck") as caught:
-            for _ in range(2 * MAX_SLOTS):
-                asked.clear()
-                sent = hub.broadcast.remote(
-                    template, model="m", timeout_s=2.0, raise_on_failure=False
-                )
-                assert ray.get(sent, timeout=60).acked == ("quick",)
+            for _ in range(MAX_SLOTS):
+                assert send() == ("quick",)
         assert "stayed held" in str(caught.value)
         # The slot asked for ahead waited the whole time: asked again, none is left.
         assert asked == [0.0]
@@ -731,6 +741,75 @@ def test_parts_the_hub_refuses_let_their_slots_go(actors, monkeypatch):
             ray.get(refused, timeout=60)
     assert {r.version for r in ray.get(send(11, 3.0), timeout=60)} == {11}
     assert_same(ray.get(receiver.state.remote()), weights(3.0))
+
+
+def test_a_receiver_busy_in_a_long_method_holds_no_slot_per_version_broadcast(actors):
+    """A default actor on the learner's node, busy in a long method: the learner calls
+    it while one of its calls runs; the hub's deliveries of the later versions wait for
+    it to return, and each one's plan held its version's slot for it meanwhile.
+    After a few versions the learner's slots ran out: every broadcast, to every
+    receiver, waited for a slot and failed. Now a delivery that waits holds nothing,
+    the newest goes once the receiver is free, and every version is acked by both."""
+    hub = start_hub(actors, TRANSPORT)
+    holder = start(actors, Holder, hub, special_weights(0.0), "busy")
+    other = start(actors, Holder, hub, special_weights(0.0), "other")
+    ready([holder, other])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model="m"))  # its route comes back
+    gate = start(actors, Gate)
+    busy = hold_until_opened(actors, holder, gate)
+    weights = [special_weights(float(v)) for v in range(2, 4 + 2 * MAX_SLOTS)]
+    tickets = []
+    for w in weights:  # each waits for the one before: the other receiver applied it
+        tickets.append(ray.get(hub.broadcast.remote(w, model="m", wait=False)))
+        wait_until(
+            lambda v=tickets[-1].version: ray.get(other.version.remote()) == v,
+            what=f"the free receiver applies version {tickets[-1].version}",
+        )
+    waiting = [hub.wait_for.remote(t) for t in tickets]
+    ray.get(gate.open.remote())
+    ray.get(busy)
+    reports = ray.get(waiting, timeout=60)
+    assert [r.version for r in reports] == list(range(2, 4 + 2 * MAX_SLOTS))
+    assert all(r.failed == {} and r.acked == ("busy", "other") for r in reports)
+    assert ray.get(holder.applied_versions.remote()) == [1, 2, reports[-1].version]
+    assert_bitwise(ray.get(holder.state.remote()), weights[-1])
+    wait_until(
+        lambda: "worker/busy" not in _holds(hub), what="no slot held for the receiver once free"
+    )
+
+
+def test_a_zero_copy_receiver_busy_in_a_long_method_leaves_the_learner_a_slot(actors):
+    """A zero-copy receiver on the learner's node lives in one slot; busy in a long
+    method, each call queued for it holds another. With two of the learner's calls
+    queued and the latest, every slot of four was held: the next broadcast, to every
+    receiver, waited 60 s for a slot and failed. The learner calls it while one of its
+    calls runs; the rest wait in the hub holding nothing."""
+    hub = start_hub(actors, TRANSPORT)
+    busy = start(actors, Collector, hub, worker_id="busy", zero_copy=True)
+    other = start(actors, Collector, hub, worker_id="other")
+    ready([busy, other])
+    learner = make_policy()
+    ray.get(hub.broadcast.remote(learner, model="policy"))  # its route comes back
+    gate = start(actors, Gate)
+    held = hold_until_opened(actors, busy, gate)
+    tickets, sent = [], []
+    for value in range(2, 4 + 2 * MAX_SLOTS):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.fill_(float(value))
+        sent.append(state_of(learner))
+        tickets.append(ray.get(hub.broadcast.remote(learner, model="policy", wait=False)))
+        wait_until(
+            lambda v=tickets[-1].version: ray.get(other.version.remote()) == v,
+            what=f"the free receiver applies version {tickets[-1].version}",
+        )
+    waiting = [hub.wait_for.remote(t) for t in tickets]
+    ray.get(gate.open.remote())
+    ray.get(held)
+    reports = ray.get(waiting, timeout=60)
+    assert all(r.failed == {} and r.acked == ("busy", "other") for r in reports)
+    assert ray.get(busy.version.remote()) == reports[-1].version
+    assert_bitwise(ray.get(busy.state.remote()), sent[-1])
 
 
 def test_a_host_busy_past_its_catch_up_call_pins_no_slot_per_beat(actors):

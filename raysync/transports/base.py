@@ -283,6 +283,15 @@ class TransportPlanner:
         whatever its hand-off, in the same step as the refusal: a planner ignores those
         not its own. Default: nothing."""
 
+    def set_aside(self, payload: Any, worker: str) -> bool:
+        """A delivery of ``payload``, planned for ``worker``, waits for the receiver's
+        running call (a transport whose deliveries take turns:
+        :attr:`Transport.one_call_at_a_time`) and may never make its own. A planner
+        whose plan holds something per receiver lets go of it now and returns True:
+        the delivery plans the read again (:meth:`plan_pull`) if it goes after all.
+        Default: a plan holds nothing (False). Called in the hub process."""
+        return False
+
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """The payload ``receiver`` reads when it pulls ``update`` outside a broadcast.
         Default: the learner's payload, read directly (transports whose sender leaves a
@@ -378,8 +387,14 @@ class Transport(ABC):
     #: Whether the hub sends a busy receiver one call at a time per model, the newest
     #: version waiting once its last call returned (``actors/delivery_lanes.py``): a
     #: call queued behind a long method keeps its update, which pins the version's
-    #: bytes, and a version planned for a receiver but never delivered holds nothing.
+    #: bytes, and a version planned for a receiver but never delivered holds nothing
+    #: (or its planner lets go of it: :meth:`TransportPlanner.set_aside`).
     one_call_at_a_time: ClassVar[bool] = False
+    #: Where deliveries take turns, how many of a learner's own calls to one receiver
+    #: (and model) may run at once on the direct path before the hub delivers it
+    #: instead: the last one, whose reply may still be on its way when the next
+    #: broadcast leaves (the receiver acks to the hub first), and one queued behind it.
+    direct_calls_running_most: ClassVar[int] = 2
     #: Whether its sender's whole versions must reach the hub in the order its ``send``
     #: made them: a learner's thread then holds off its model's other broadcasts from
     #: its send to its submit call (``shared_memory``: planning a version frees the

@@ -6,6 +6,7 @@ returned with nobody waiting."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -158,11 +159,18 @@ def test_a_delivery_that_gave_up_waiting_hears_when_the_call_returned():
 
 
 def _deliveries_behind_a_running_call(
-    monkeypatch, answers: dict[int, str], versions=(2, 3), running=(1, None)
+    monkeypatch,
+    answers: dict[int, str],
+    versions=(2, 3),
+    running=(1, None),
+    sent: list | None = None,
+    **hub_plans,
 ):
     """Deliveries of ``versions`` to a receiver whose call with version ``running[0]``
     runs, replying ``running[1]`` once they wait; each call they make answers
-    ``answers[version]`` (an AckStatus value): the calls made, and their outcomes."""
+    ``answers[version]`` (an AckStatus value): the calls made, and their outcomes.
+    ``sent`` collects the payload of each call; ``hub_plans``: the hub's ``set_aside``
+    and ``plan_again``."""
     from raysync.actors import hub_delivery
     from raysync.hub_state import HubState, ReceiverEntry
     from raysync.messages import Ack, AckStatus, DeliveryMode, Entry, Registration, Update
@@ -174,6 +182,8 @@ def _deliveries_behind_a_running_call(
 
     def delivery_call(handle, entry, attachment, update):
         calls.append(update.version)
+        if sent is not None:
+            sent.append(update.payload)
         status = AckStatus(answers[update.version])
 
         async def answer() -> Ack:
@@ -185,7 +195,7 @@ def _deliveries_behind_a_running_call(
 
     async def run():
         delivery = hub_delivery.ReceiverDelivery(
-            HubState(), hub_delivery.AckBook(), lambda *_: None, lambda *_: None
+            HubState(), hub_delivery.AckBook(), lambda *_: None, lambda *_: None, **hub_plans
         )
         call = asyncio.get_running_loop().create_future()
         delivery.called_by_learner("t1", "m", running[0], call)
@@ -232,6 +242,171 @@ def test_an_older_version_waiting_behind_a_call_that_applied_a_newer_one_makes_n
     )
     assert calls == []  # versions 1 and 2 are held once version 3 applied
     assert (one.error, two.error) == (None, None)
+
+
+def test_a_delivery_a_newer_one_waits_beside_lets_go_of_its_plan_and_the_newest_keeps_its(
+    monkeypatch,
+):
+    """A delivery waiting for its receiver's running call, a newer one waiting too, goes
+    only if that one fails: what its plan holds for the receiver (a shared-memory slot)
+    goes at once, else a receiver busy for many versions held one per version. The
+    newest keeps its own, and goes with it."""
+    set_aside: list[int] = []
+    planned_again: list[int] = []
+    sent: list = []
+
+    def let_go(entry, update) -> bool:
+        set_aside.append(update.version)
+        return True
+
+    async def plan_again(update, entry):
+        planned_again.append(update.version)
+        return dataclasses.replace(update, payload=f"version {update.version} held again")
+
+    calls, two, three = _deliveries_behind_a_running_call(
+        monkeypatch, {3: "applied"}, sent=sent, set_aside=let_go, plan_again=plan_again
+    )
+    assert (set_aside, planned_again) == ([2], [])
+    assert (calls, sent) == ([3], [None])
+    assert (two.error, three.error) == (None, None)
+
+
+def test_a_delivery_that_ends_without_a_call_lets_go_of_its_plan(monkeypatch):
+    """Versions 1 and 2 wait behind a call that applied version 3: both end held, with
+    no call, and what their plans held for the receiver goes (the newest waiting keeps
+    its own only while it may go)."""
+    from raysync.messages import Ack, AckStatus
+
+    set_aside: list[int] = []
+
+    def let_go(entry, update) -> bool:
+        set_aside.append(update.version)
+        return True
+
+    calls, one, two = _deliveries_behind_a_running_call(
+        monkeypatch,
+        {},
+        versions=(1, 2),
+        running=(3, Ack("w", "m", 3, AckStatus.APPLIED)),
+        set_aside=let_go,
+        plan_again=None,
+    )
+    assert calls == []
+    assert (one.error, two.error) == (None, None)
+    assert sorted(set_aside) == [1, 2]
+
+
+def test_a_delivery_set_aside_that_goes_after_all_is_planned_again(monkeypatch):
+    """The newer version's call failed: the older one, set aside, tries on its own and
+    reads what it is planned anew."""
+    sent: list = []
+
+    async def plan_again(update, entry):
+        return dataclasses.replace(update, payload=f"version {update.version} held again")
+
+    calls, two, three = _deliveries_behind_a_running_call(
+        monkeypatch,
+        {2: "applied", 3: "failed"},
+        sent=sent,
+        set_aside=lambda entry, update: True,
+        plan_again=plan_again,
+    )
+    assert (calls, sent) == ([3, 2], [None, "version 2 held again"])
+    assert two.error is None
+    assert "failed to apply: version 3 refused" in three.error
+
+
+def _planning_again(monkeypatch, fails: bool):
+    """Versions 2 and 3 wait for the learner's running call of version 1; 3 goes and
+    its call fails, so 2 (its plan set aside) goes on its own and plans again, which
+    waits until version 4's delivery came (and fails if ``fails``). The calls made,
+    those made by the time version 4 came, the receivers caught up, and the outcomes
+    of versions 2 and 4."""
+    from raysync.actors import hub_delivery
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import Ack, AckStatus, DeliveryMode, Entry, Registration, Update
+    from raysync.transports import TransportError
+
+    registration = Registration(
+        "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, "t1"
+    )
+    calls: list[int] = []
+    caught_up: list[str] = []
+
+    def delivery_call(handle, entry, attachment, update):
+        calls.append(update.version)
+        status = AckStatus.FAILED if update.version == 3 else AckStatus.APPLIED
+
+        async def answer() -> Ack:
+            return Ack("w", "m", update.version, status, "refused")
+
+        return answer()
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", delivery_call)
+
+    async def run():
+        fourth_came = asyncio.Event()
+
+        async def plan_again(update, entry):
+            await fourth_came.wait()
+            if fails:
+                raise TransportError("its slot was reused")
+            return update
+
+        state = HubState()
+        entry = state.receivers["w"] = ReceiverEntry(registration)
+        delivery = hub_delivery.ReceiverDelivery(
+            state,
+            hub_delivery.AckBook(),
+            lambda *_: None,
+            lambda entry, model: caught_up.append(model),
+            set_aside=lambda entry, update: True,
+            plan_again=plan_again,
+        )
+        running = asyncio.get_running_loop().create_future()
+        delivery.called_by_learner("t1", "m", 1, running)
+
+        def deliver(version: int) -> asyncio.Future:
+            update = Update("m", version, "digest", "shared_memory", None)
+            return asyncio.ensure_future(delivery.deliver(entry, update, _later(10), 10))
+
+        second, third = deliver(2), deliver(3)
+        await asyncio.sleep(0)
+        running.set_result(None)  # it returns: 3 goes, fails, and 2 plans again
+        for _ in range(10):
+            await asyncio.sleep(0)
+        fourth = deliver(4)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        made_by_then = list(calls)
+        fourth_came.set()
+        await third
+        return calls, made_by_then, caught_up, await second, await fourth
+
+    return asyncio.run(run())
+
+
+def test_a_delivery_planning_again_holds_its_receivers_turn(monkeypatch):
+    """While a version set aside plans its read again, a delivery that comes waits for
+    it, as for a running call: no second call reaches the busy receiver."""
+    calls, made_by_then, caught_up, second, fourth = _planning_again(monkeypatch, fails=False)
+    assert made_by_then == [3]
+    assert calls == [3, 2, 4]
+    assert (second.error, fourth.error, caught_up) == (None, None, [])
+
+
+def test_a_delivery_that_cannot_plan_again_catches_its_free_receiver_up(monkeypatch):
+    """A version set aside cannot be planned again (a newer one took its slot): it
+    makes no call and says why; the receiver is free and may lack the latest version,
+    so the hub catches it up, and the delivery that waited meanwhile goes."""
+    calls, made_by_then, caught_up, second, fourth = _planning_again(monkeypatch, fails=True)
+    assert made_by_then == [3]
+    assert calls == [3, 4]
+    assert second.error == (
+        "version 2 of model 'm' could not be planned again for A(1) once its running call "
+        "returned: its slot was reused"
+    )
+    assert (fourth.error, caught_up) == (None, ["m"])
 
 
 def test_a_call_given_up_on_says_when_it_returned_if_the_deliveries_waiting_were_held():

@@ -264,7 +264,7 @@ def _registration(token: str = "t1", process: str = "p1", handle: object = None)
 def test_a_call_that_times_out_and_applies_later_is_booked_where_calls_do_not_take_turns(
     monkeypatch,
 ):
-    """``shared_memory``, ``rpc`` and bucketed versions do not take turns: a delivery
+    """``rpc``, ``distributed`` and bucketed versions do not take turns: a delivery
     that timed out while its call still ran, and the call then applied the version, left
     the receiver booked as behind on the version before for good (the status said so,
     and the lag gauges grew, while it held the latest)."""
@@ -276,7 +276,7 @@ def test_a_call_that_times_out_and_applies_later_is_booked_where_calls_do_not_ta
     state = HubState()
     state.receivers["w"] = ReceiverEntry(registration)
     state.record("w", "m", 4)
-    update = Update("m", 5, "digest", "shared_memory", payload=None, origin="learner")
+    update = Update("m", 5, "digest", "rpc", payload=None, origin="learner")
     assert not hub_delivery.takes_turns(update)
 
     async def run():

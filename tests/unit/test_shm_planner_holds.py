@@ -266,3 +266,40 @@ def test_a_departure_held_up_by_one_node_drops_no_hold_of_the_next_registration(
         assert "worker/w" in owner.stats().holds
     finally:
         owner.close()
+
+
+def test_a_delivery_set_aside_lets_go_of_its_own_hold_and_is_held_again_if_it_goes():
+    """A delivery waits for its busy receiver's running call: the hold its plan took
+    for that receiver goes (each version broadcast meanwhile held its slot for it,
+    until the learner's slots ran out and every broadcast failed), but the other
+    receivers' stay, and so does the receiver's hold another delivery of the version
+    took. Planned again, once it goes, the slot is held for it again."""
+    owner = ShmOwner(HERE, max_slots=2)
+    try:
+        slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+        planner = _planner({HERE: _Actor(owner)})
+        update = SimpleNamespace(model="m", version=3, payload=SharedMemoryPayload(slot))
+        busy, other = _receiver("busy", HERE), _receiver("other", HERE)
+
+        async def run() -> list[tuple[str, ...]]:
+            holds = []
+            planned = await planner.plan(update, None, [busy, other])
+            holds.append(owner.stats().holds)
+            assert planner.set_aside(planned["busy"], "busy")
+            await asyncio.gather(*planner._background._tasks)
+            holds.append(owner.stats().holds)
+            await planner.plan_pull(update, None, busy)  # it goes: planned again
+            holds.append(owner.stats().holds)
+            # Set aside again, another delivery's hold (this pull's) stays.
+            again = await planner.plan(update, None, [busy])
+            assert planner.set_aside(again["busy"], "busy")
+            await asyncio.gather(*planner._background._tasks)
+            holds.append(owner.stats().holds)
+            return holds
+
+        both = ("latest/m", "worker/busy", "worker/other")
+        assert asyncio.run(run()) == [both, ("latest/m", "worker/other"), both, both]
+        # The learner's own payload (the direct path) was held by no plan of the hub's.
+        assert not planner.set_aside(SharedMemoryPayload(slot), "busy")
+    finally:
+        owner.close()

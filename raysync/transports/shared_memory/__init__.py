@@ -139,6 +139,13 @@ class SharedMemoryTransport(Transport):
     plans_learner_deliveries = True
     #: The owner frees a learner's unplanned slots older than the one the hub plans.
     submits_in_send_order = True
+    #: A busy receiver is called once per model at a time (a queued call's update
+    #: names a slot): a delivery that waits lets go of its hold, and plans it again.
+    one_call_at_a_time = True
+    #: Each call queued at a busy receiver holds its slot: one, so that what a busy
+    #: receiver holds (its zero-copy model's slot, its queued call's, the hub's call's
+    #: once it is free) and the latest leave a slot of four for the learner's next write.
+    direct_calls_running_most = 1
 
     @classmethod
     def availability(cls) -> Availability:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -26,6 +27,7 @@ from raysync.transports.base import (
 )
 from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.planner import ObjectStorePlanner
+from raysync.transports.parts import payloads_in
 from raysync.transports.shared_memory.wire import (
     MAX_SLOTS,
     OWNER_NAMESPACE,
@@ -215,11 +217,35 @@ class SharedMemoryPlanner(TransportPlanner):
             )
             self._background.spawn(_answered(let_go), f"slot {slot.seq} of a refused version")
 
+    def set_aside(self, payload: Any, worker: str) -> bool:
+        """A delivery of ``payload`` waits for its receiver's running call (busy in a long
+        method) and may never make its own: the holds its plan took for ``worker`` go
+        (withdrawn, numbered after them: one that another delivery of the version took
+        stays). Each version broadcast while a receiver was busy held its slot for it,
+        until the learner's slots ran out and every broadcast, to every receiver, failed.
+        The delivery plans its read again if it goes (:meth:`plan_pull`)."""
+        set_aside = False
+        for part in payloads_in((payload,)):
+            if not isinstance(part, SharedMemoryPayload) or not part.placement:
+                continue  # a bucket stream holds no slot; a learner's own payload no hold
+            slot = part.slot
+            owner = self._owners.get(slot.node_id)
+            if owner is None:
+                continue  # lost with its owner: the restarted one holds none of its slots
+            withdrawn = owner.withdraw.remote(
+                slot.pid, slot.seq, (worker,), part.placement, self._next_order(slot.node_id)
+            )
+            self._background.spawn(_answered(withdrawn), f"slot {slot.seq} set aside for {worker}")
+            set_aside = True
+        return set_aside
+
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
         """A puller reads its own node's copy, held for it like a broadcast's target (a
         bucketed version: from a receiver that holds it, through the bucket broker)."""
         if isinstance(update.payload, BucketStream):
             return await self._streams.plan_pull(update, spec, receiver)
+        if isinstance(update.payload, Unplanned):  # a part a delivery planned again
+            raise TransportError(update.payload.reason)
         payload = (await self._plan(update, spec, [receiver], confirmed=True))[receiver.worker]
         if isinstance(payload, Unplanned):
             raise TransportError(payload.reason)
@@ -279,7 +305,8 @@ class SharedMemoryPlanner(TransportPlanner):
                         f"version {update.version} of model {update.model!r} could not be "
                         f"held for {', '.join(local)}: {err}"
                     ) from err
-            return await self._relay(update, source, owner, local, by_node, placed)
+            held_here = dataclasses.replace(source, placement=placement)
+            return await self._relay(update, held_here, owner, local, by_node, placed)
         except BaseException:
             # Cut short (by its timeout, or an error): the holds it placed for workers
             # the hub was to deliver to will never be read; left, they would fill the
@@ -299,7 +326,8 @@ class SharedMemoryPlanner(TransportPlanner):
         placed: list[_Placed],
     ) -> dict[str, SharedMemoryPayload | Unplanned]:
         """The payloads of a version held on the learner's node: its receivers
-        (``local``) read the learner's slot, those of ``by_node`` (the other nodes) their
+        (``local``) read the learner's slot (``source``, naming the placement of their
+        hold), those of ``by_node`` (the other nodes) their
         node's relay of it, exported once by ``owner`` (the learner's node's). Each call
         that holds a slot is added to ``placed`` as it is made (and taken out when given
         up: its holds are let go then). A node whose owner does not answer within half
@@ -361,7 +389,7 @@ class SharedMemoryPlanner(TransportPlanner):
                 self._background.spawn(self._let_go(call), "holds of a relay given up")
                 raise
             relayed[node_id] = SharedMemoryPayload(held)
-            payloads.update({w: relayed[node_id] for w in workers})
+            payloads.update(dict.fromkeys(workers, SharedMemoryPayload(held, placement)))
 
         relays = await asyncio.gather(
             *(to_node(n, tuple(ws)) for n, ws in by_node.items()), return_exceptions=True

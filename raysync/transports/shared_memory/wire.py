@@ -7,7 +7,7 @@ MB on each node's owner); it and these helpers see a segment as a NumPy uint8 ar
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,6 +68,10 @@ class SharedMemoryPayload:
     """A version in a slot (plain data: no actor handle to pass per update)."""
 
     slot: Slot
+    #: The hub's number of the delivery that held the slot for its receiver (0: a
+    #: learner's own payload, held by nobody's plan): a delivery set aside names it to
+    #: take that hold back (``ShmOwner.withdraw``). Not compared: the same version.
+    placement: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
