@@ -22,6 +22,7 @@ Everything here runs in the host process. Who calls what:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -544,10 +545,12 @@ class ReceiverCore:
     def decline(self, update: Update) -> None:
         """Hand back an update the hub planned for this receiver and that it will not
         read (a pull receiver's welcome on registering again: it takes versions when it
-        pulls): its transport lets go of what it holds for it (a shared-memory slot's
-        hold, which would otherwise keep the learner from reusing that slot)."""
+        pulls; a pull's answer that came after it stopped waiting): its transport lets
+        go of what that plan holds for it (a shared-memory slot's hold, which would
+        otherwise keep the learner from reusing that slot), and of nothing another
+        delivery of the same version holds. Any thread, also once closed."""
         try:
-            self.transport.release(update.payload, None)
+            self.transport.decline(update.payload)
         except Exception:
             logger.exception(
                 "%s could not hand back version %d of model %r",
@@ -563,7 +566,9 @@ class ReceiverCore:
         heartbeats stopped) is registered with again, once, and asked again: a pull
         receiver without a hub watch would otherwise never be known again. What the
         hub's welcome offers is declined (read by this pull, or, for a push receiver,
-        caught up by its hub watch)."""
+        caught up by its hub watch); so is what the hub answers a call this pull
+        stopped waiting for (timed out, interrupted): planned for this receiver, it
+        holds the version's payload for it."""
         try:
             return self._latest(model, timeout_s)
         except UnknownWorkerError:
@@ -578,12 +583,37 @@ class ReceiverCore:
 
     def _latest(self, model: str, timeout_s: float) -> Update | None:
         held = self.models[model]
-        return ray.get(
-            self.hub.actor.latest.remote(
-                model, held.version, worker=self.worker, have_origin=held.origin
-            ),
-            timeout=timeout_s,
+        call = self.hub.actor.latest.remote(
+            model, held.version, worker=self.worker, have_origin=held.origin
         )
+        try:
+            return ray.get(call, timeout=timeout_s)
+        except BaseException as err:
+            if not isinstance(err, ray.exceptions.RayTaskError):
+                # Not answered (timed out, interrupted): the hub may still plan the
+                # version for this receiver, holding its payload for it (a shared-memory
+                # slot its learner cannot reuse); nobody here reads it.
+                self._decline_when_answered(call)
+            raise
+
+    def _decline_when_answered(self, call: ray.ObjectRef) -> None:
+        """:meth:`decline` the update the hub answers the pull ``call`` with, once it
+        does (this core may have closed by then), on a thread of its own: Ray runs a
+        future's callbacks on its core worker's event thread, which a call waiting on
+        Ray there blocks for good (ray-project/ray#50980), and a transport's decline may
+        wait to look up its owner's actor. The hub answers once its plan's holds are
+        taken (a shared-memory pull's is awaited), so the decline comes after them."""
+
+        def answered(reply: concurrent.futures.Future[Any]) -> None:
+            if reply.cancelled() or reply.exception() is not None:
+                return  # the hub failed the pull: nothing was planned
+            update = reply.result()
+            if isinstance(update, Update) and update.payload is not None:
+                threading.Thread(
+                    target=self.decline, args=(update,), name="raysync-decline", daemon=True
+                ).start()
+
+        call.future().add_done_callback(answered)
 
     def hubs_to_ack_later(self) -> dict[str, HubHandle]:
         """For the core that replaces this one (and takes over its gate): where acks

@@ -956,3 +956,14 @@ def beat_now(host) -> None:
     registers again when told). Returns at once: the versions the beat applies wait
     for a safe point, behind this call in the host's queue."""
     threading.Thread(target=host._raysync_receiver._watch.beat, daemon=True).start()
+
+
+def pull_giving_up_at_once(collector) -> str:
+    """``collector`` (the actor, through ``__ray_call__``) pulls, waiting for its hub no
+    time at all: the hub cannot have answered (it answers once the version's owner
+    held the slot for it). The name of what the pull raised."""
+    try:
+        collector.pull_weights(timeout_s=1e-9)
+    except ray.exceptions.GetTimeoutError as err:
+        return type(err).__name__
+    return "answered"

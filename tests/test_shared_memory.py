@@ -42,6 +42,7 @@ from tests.receivers import (
     filled,
     make_policy,
     make_probe_model,
+    pull_giving_up_at_once,
     state_of,
 )
 
@@ -743,6 +744,23 @@ def test_parts_the_hub_refuses_let_their_slots_go(actors, monkeypatch):
     assert_same(ray.get(receiver.state.remote()), weights(3.0))
 
 
+def _sent_while_held(hub, sends, other, gate, held) -> list:
+    """Each of ``sends`` (a broadcast with ``wait=False``), after ``other`` applied the
+    one before, while a receiver is held in a method (``held``, until ``gate`` opens);
+    then the receiver let go, every broadcast's report."""
+    tickets = []
+    for send in sends:
+        tickets.append(ray.get(send()))
+        wait_until(
+            lambda v=tickets[-1].version: ray.get(other.version.remote()) == v,
+            what=f"the free receiver applies version {tickets[-1].version}",
+        )
+    waiting = [hub.wait_for.remote(t) for t in tickets]
+    ray.get(gate.open.remote())
+    ray.get(held)
+    return ray.get(waiting, timeout=60)
+
+
 def test_a_receiver_busy_in_a_long_method_holds_no_slot_per_version_broadcast(actors):
     """A default actor on the learner's node, busy in a long method: the learner calls
     it while one of its calls runs; the hub's deliveries of the later versions wait for
@@ -758,17 +776,8 @@ def test_a_receiver_busy_in_a_long_method_holds_no_slot_per_version_broadcast(ac
     gate = start(actors, Gate)
     busy = hold_until_opened(actors, holder, gate)
     weights = [special_weights(float(v)) for v in range(2, 4 + 2 * MAX_SLOTS)]
-    tickets = []
-    for w in weights:  # each waits for the one before: the other receiver applied it
-        tickets.append(ray.get(hub.broadcast.remote(w, model="m", wait=False)))
-        wait_until(
-            lambda v=tickets[-1].version: ray.get(other.version.remote()) == v,
-            what=f"the free receiver applies version {tickets[-1].version}",
-        )
-    waiting = [hub.wait_for.remote(t) for t in tickets]
-    ray.get(gate.open.remote())
-    ray.get(busy)
-    reports = ray.get(waiting, timeout=60)
+    sends = [lambda w=w: hub.broadcast.remote(w, model="m", wait=False) for w in weights]
+    reports = _sent_while_held(hub, sends, other, gate, busy)
     assert [r.version for r in reports] == list(range(2, 4 + 2 * MAX_SLOTS))
     assert all(r.failed == {} and r.acked == ("busy", "other") for r in reports)
     assert ray.get(holder.applied_versions.remote()) == [1, 2, reports[-1].version]
@@ -792,21 +801,17 @@ def test_a_zero_copy_receiver_busy_in_a_long_method_leaves_the_learner_a_slot(ac
     ray.get(hub.broadcast.remote(learner, model="policy"))  # its route comes back
     gate = start(actors, Gate)
     held = hold_until_opened(actors, busy, gate)
-    tickets, sent = [], []
-    for value in range(2, 4 + 2 * MAX_SLOTS):
+    sent = []
+
+    def send(value: float) -> ray.ObjectRef:
         with torch.no_grad():
             for p in learner.parameters():
-                p.fill_(float(value))
+                p.fill_(value)
         sent.append(state_of(learner))
-        tickets.append(ray.get(hub.broadcast.remote(learner, model="policy", wait=False)))
-        wait_until(
-            lambda v=tickets[-1].version: ray.get(other.version.remote()) == v,
-            what=f"the free receiver applies version {tickets[-1].version}",
-        )
-    waiting = [hub.wait_for.remote(t) for t in tickets]
-    ray.get(gate.open.remote())
-    ray.get(held)
-    reports = ray.get(waiting, timeout=60)
+        return hub.broadcast.remote(learner, model="policy", wait=False)
+
+    sends = [lambda v=v: send(float(v)) for v in range(2, 4 + 2 * MAX_SLOTS)]
+    reports = _sent_while_held(hub, sends, other, gate, held)
     assert all(r.failed == {} and r.acked == ("busy", "other") for r in reports)
     assert ray.get(busy.version.remote()) == reports[-1].version
     assert_bitwise(ray.get(busy.state.remote()), sent[-1])
@@ -1002,3 +1007,21 @@ def test_a_driver_zero_copy_receiver_that_stops_beating_keeps_the_slot_its_model
         assert_same(state_of(mine), filled(mine, 1.0))
     finally:
         receiver.close()
+
+
+def test_pulls_that_gave_up_on_the_hub_leave_the_learner_its_slots(actors):
+    """A pull receiver stops waiting for its hub (the pull timed out); the hub answers
+    all the same, the version's slot held for it. Nothing read that answer: each such
+    pull kept one of the learner's slots, and once they all were, the learner's next
+    broadcast waited out its slot wait and failed. Each late answer is declined as it
+    comes, and the puller's next pull reads the latest version."""
+    hub = start_hub(actors, TRANSPORT)
+    puller = start(actors, Collector, hub, worker_id="puller", mode="pull")
+    ready([puller])
+    for _ in range(2 * MAX_SLOTS):
+        learner = make_policy()
+        assert ray.get(hub.broadcast.remote(learner), timeout=60).acked == ()
+        assert ray.get(puller.__ray_call__.remote(pull_giving_up_at_once)) == "GetTimeoutError"
+    wait_until(lambda: "worker/puller" not in _holds(hub), what="every late answer declined")
+    assert ray.get(puller.pull.remote()) == {"policy": 2 * MAX_SLOTS}
+    assert_same(ray.get(puller.state.remote()), state_of(learner))

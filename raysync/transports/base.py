@@ -57,6 +57,9 @@ process that calls each method:
    skipped as stale or its fetch failed; for a version a zero-copy model took over,
    when the model moves on to a newer one. Until then ``staged`` must stay unchanged.
    A transport that reuses buffers (shared-memory slots, NIXL staging) frees them here.
+   A payload the receiver never takes in (a pull's answer that came after the pull
+   stopped waiting, a welcome's catch-up a pull receiver turns down) goes back by
+   ``receiver.decline(payload)`` instead, from any thread, also once it closed.
 
 Acknowledgement: the receiver's delivery call resolves to an :class:`~raysync.messages.Ack`
 once the copy is done, so a transport whose ``fetch`` returns when the data is local
@@ -312,6 +315,15 @@ class TransportReceiver(ABC):
     def release(self, payload: Any, staged: Sequence[torch.Tensor] | None) -> None:
         """Nothing reads ``staged`` (of ``payload``; None if never fetched) any more.
         Default: nothing to free."""
+
+    def decline(self, payload: Any) -> None:
+        """Hand back ``payload``, planned for this receiver and never fetched, nor to be
+        (step 9). Called in the receiver process, from any thread, also once closed.
+        Default: ``release(payload, None)``. A transport whose planner may hand one
+        receiver the same version twice, holding something once for both (a
+        shared-memory slot), lets go of what this delivery alone held: the other may be
+        read yet."""
+        self.release(payload, None)
 
     def check_intact(self, payload: Any) -> None:
         """Raise :class:`TransportError` if the tensors fetched for ``payload`` no longer

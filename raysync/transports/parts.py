@@ -238,7 +238,7 @@ class PartedReceiver(TransportReceiver):
     receiver's core releases what a failed fetch held) releases none again: a part
     released twice freed a shared-memory slot that another fetch of it still read.
     Each part is released with the very sequence its fetch returned (a transport may
-    know its leases by it).
+    know its leases by it), and a version declined unread is declined part by part.
     """
 
     def __init__(self, inner: TransportReceiver) -> None:
@@ -303,6 +303,14 @@ class PartedReceiver(TransportReceiver):
         for index, part in enumerate(payload.parts):
             if not isinstance(part.payload, Unplanned):  # nothing was planned to let go
                 self.inner.release(part.payload, None if fetched is None else fetched[index])
+
+    def decline(self, payload: Any) -> None:
+        if not isinstance(payload, Parts):
+            self.inner.decline(payload)
+            return
+        for part in payload.parts:
+            if not isinstance(part.payload, Unplanned):  # nothing was planned to let go
+                self.inner.decline(part.payload)
 
     def serve(self, payload: Any, tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> None:
         self.inner.serve(payload, tensors, spec)

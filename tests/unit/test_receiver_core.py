@@ -12,6 +12,7 @@ that records the acks sent to it; the transport one that serves tensors by versi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import gc
 import threading
@@ -831,6 +832,52 @@ def test_registering_again_withdraws_a_registration_the_hub_did_not_answer_in_ti
         receiver.core.register_again(5.0)
     assert left == [(receiver.core.worker, "late")]
     assert receiver.core.token == "token" and receiver.core.transport is receiver.transport
+
+
+class _Declining(_Transport):
+    """:class:`_Transport` that also records each payload declined (handed back unread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.declined: list[int] = []
+        self.handed_back = threading.Event()
+
+    def decline(self, payload: int) -> None:
+        self.declined.append(payload)
+        self.handed_back.set()
+
+
+@pytest.mark.parametrize("closed_first", [False, True])
+@pytest.mark.parametrize(
+    "gave_up", [ray.exceptions.GetTimeoutError("the hub did not answer"), KeyboardInterrupt()]
+)
+def test_a_pull_that_stopped_waiting_declines_what_the_hub_answers_later(
+    monkeypatch, gave_up, closed_first
+):
+    """A pull gives up on the hub (timed out, interrupted) and the hub answers later
+    all the same: the latest version, planned for this receiver with a hold on its
+    payload (a shared-memory slot its learner cannot reuse). Nothing handed that hold
+    back: a few such pulls took every slot of the learner's, and each broadcast then
+    failed. It is declined once when the answer comes, also by a receiver closed by
+    then: declined, not released, so its transport lets go of that plan's hold alone."""
+    bound_s = 30.0  # a failure, not a hang: the decline follows the answer at once
+    receiver = _Receiver()
+    answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    call = SimpleNamespace(future=lambda: answer)  # the hub's ``latest`` call, unanswered
+    receiver.hub.actor.latest = SimpleNamespace(remote=lambda *args, **kwargs: call)
+
+    def not_answered(ref: Any, timeout: float | None = None) -> Any:
+        raise gave_up
+
+    monkeypatch.setattr(receiver_core.ray, "get", not_answered)
+    transport = receiver.core.transport = _Declining()
+    with pytest.raises(type(gave_up)):
+        receiver.core.latest("policy", 5.0)
+    if closed_first:
+        receiver.core.close()
+    answer.set_result(Update("policy", 3, receiver.spec.digest, "shared_memory", 3))
+    assert transport.handed_back.wait(bound_s), "the version planned for the pull stays held"
+    assert transport.declined == [3] and transport.released == []
 
 
 class _RegisteringHub(_Hub):

@@ -39,7 +39,8 @@ _LEASES_LOCK = threading.Lock()
 
 
 class SharedMemoryReceiver(TransportReceiver):
-    """Receiver side: views of this node's slot; release it after the copy."""
+    """Receiver side: views of this node's slot; release it after the copy (or decline
+    it, never read)."""
 
     def __init__(self, info: SharedMemoryReceiverInfo) -> None:
         self._worker = info.worker
@@ -122,14 +123,42 @@ class SharedMemoryReceiver(TransportReceiver):
                     return
         if self._released_on_board(slot):
             return
+        owner = self._owner_of(slot)
+        if owner is not None:  # else it died, and its holds with it
+            # The owner ignores it if it is not the slot's owner (restarted meanwhile).
+            owner.release.remote(slot.pid, slot.seq, self._worker)
+
+    def decline(self, payload: SharedMemoryPayload | BucketStream) -> None:
+        """Take back the hold the hub's delivery of ``payload`` (its ``placement``) took
+        for this worker, unread, and that one alone: the owner holds a slot once per
+        worker, and another delivery of the same version (a pull tried again, the hub's
+        delivery of it) held it for this worker too, and may be read yet (a release
+        let go of that one hold). No fetch of it counts in ``_LEASES``. A payload no
+        delivery held (a learner's own) is released unread; a bucketed version is let
+        go of as :meth:`release` does."""
+        if isinstance(payload, BucketStream):
+            self._streams.decline(payload)
+            return
+        if not payload.placement:
+            self.release(payload, None)
+            return
+        slot = payload.slot
+        owner = self._owner_of(slot)
+        if owner is not None:  # else it died, and its holds with it
+            # Sent after the hub's answer, which came once the hold was taken: the
+            # owner finds it (a restarted owner ignores a slot not its own).
+            owner.withdraw.remote(slot.pid, slot.seq, (self._worker,), payload.placement)
+
+    def _owner_of(self, slot: Slot) -> Any | None:
+        """The handle of the owner that gave out ``slot`` (looked up by name again once
+        another process holds that name); None if no owner runs under it."""
         if self._owner is None or self._owner[0] != slot.pid:
             try:
                 handle = ray.get_actor(self._owner_name, namespace=OWNER_NAMESPACE)
             except ValueError:
-                return  # the owner died, and its holds with it
+                return None
             self._owner = (slot.pid, handle)
-        # The owner ignores it if it is not the slot's owner (it was restarted meanwhile).
-        self._owner[1].release.remote(slot.pid, slot.seq, self._worker)
+        return self._owner[1]
 
     def _released_on_board(self, slot: Slot) -> bool:
         """Release ``slot`` on this receiver's row of its owner's board; False if it
