@@ -287,9 +287,10 @@ class TransportPlanner:
         not its own. Default: nothing."""
 
     def set_aside(self, payload: Any, worker: str) -> bool:
-        """A delivery of ``payload``, planned for ``worker``, waits for the receiver's
-        running call (a transport whose deliveries take turns:
-        :attr:`Transport.one_call_at_a_time`) and may never make its own. A planner
+        """A delivery of ``payload``, planned for ``worker``, may never make its own call
+        (a transport whose deliveries take turns, :attr:`Transport.one_call_at_a_time`:
+        it waits for the receiver's running call while a newer version waits too, or
+        it ended without a call). A planner
         whose plan holds something per receiver lets go of it now and returns True:
         the delivery plans the read again (:meth:`plan_pull`) if it goes after all.
         Default: a plan holds nothing (False). Called in the hub process."""

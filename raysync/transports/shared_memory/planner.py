@@ -218,8 +218,9 @@ class SharedMemoryPlanner(TransportPlanner):
             self._background.spawn(_answered(let_go), f"slot {slot.seq} of a refused version")
 
     def set_aside(self, payload: Any, worker: str) -> bool:
-        """A delivery of ``payload`` waits for its receiver's running call (busy in a long
-        method) and may never make its own: the holds its plan took for ``worker`` go
+        """A delivery of ``payload`` may never make its own call (it waits for its busy
+        receiver's running call while a newer version waits too, or it ended without
+        a call): the holds its plan took for ``worker`` go
         (withdrawn, numbered after them: one that another delivery of the version took
         stays). Each version broadcast while a receiver was busy held its slot for it,
         until the learner's slots ran out and every broadcast, to every receiver, failed.
