@@ -1133,9 +1133,10 @@ class WeightHubActor:
         return await self._planned_pull(update, entry)
 
     def _set_aside(self, entry: ReceiverEntry, update: Update) -> bool:
-        """``update``'s delivery to ``entry`` waits for the receiver's running call: its
-        transport's planner lets go of what it holds for it (True if anything: the
-        delivery plans it again with :meth:`_planned_pull` if it goes)."""
+        """``update``'s delivery to ``entry`` may never make its own call (a newer version
+        waits for the busy receiver too, or it ended without one): its transport's
+        planner lets go of what it holds for it (True if anything: the delivery plans
+        it again with :meth:`_planned_pull` if it goes)."""
         return self._planners[entry.transport].set_aside(update.payload, entry.worker)
 
     async def _planned_pull(self, update: Update, entry: ReceiverEntry) -> Update:

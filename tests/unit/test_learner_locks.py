@@ -12,6 +12,7 @@ model or leaves it out before any route named it."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -224,6 +225,29 @@ def _broadcast(pool: ThreadPoolExecutor, handle: HubHandle, model: str, value: f
     return pool.submit(handle.broadcast.remote, _weights(value), model=model)
 
 
+def _b_goes_while_a_waits(
+    handle: HubHandle,
+    hub: Any,
+    nixl: Any,
+    slow_receiver: threading.Event,
+    while_a_waits: Callable[[], None] = lambda: None,
+) -> None:
+    """Model a's broadcast waits in NIXL's send until ``slow_receiver`` is set; meanwhile
+    (after ``while_a_waits``) model b's is submitted and answered first, then a's."""
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            a = _broadcast(pool, handle, "a", 1.0)
+            assert nixl.waiting["a"].wait(WAIT_S)
+            while_a_waits()
+            b = _broadcast(pool, handle, "b", 2.0)
+            assert hub.submitted("b").wait(WAIT_S), "model b waited for model a's hand-off"
+            assert b.result(WAIT_S) == "result 1"
+            assert not hub.submitted("a").is_set()
+        finally:
+            slow_receiver.set()
+        assert a.result(WAIT_S) == "result 2"
+
+
 def test_one_models_wait_in_its_hand_off_holds_up_no_other_models_broadcast(learner):
     """Every broadcast carries a shared-memory payload, whose versions are submitted
     in the order they were sent: model a's, waiting in NIXL's send for a slow receiver,
@@ -234,17 +258,7 @@ def test_one_models_wait_in_its_hand_off_holds_up_no_other_models_broadcast(lear
     shm = _Sender("shared_memory")
     routes = {"a": Route(SHM_AND_NIXL), "b": Route(SHM_AND_NIXL)}
     handle, hub = learner(routes, {"nixl": nixl, "shared_memory": shm})
-    with ThreadPoolExecutor(2) as pool:
-        try:
-            a = _broadcast(pool, handle, "a", 1.0)
-            assert nixl.waiting["a"].wait(WAIT_S)
-            b = _broadcast(pool, handle, "b", 2.0)
-            assert hub.submitted("b").wait(WAIT_S), "model b waited for model a's hand-off"
-            assert b.result(WAIT_S) == "result 1"
-            assert not hub.submitted("a").is_set()
-        finally:
-            slow_receiver.set()
-        assert a.result(WAIT_S) == "result 2"
+    _b_goes_while_a_waits(handle, hub, nixl, slow_receiver)
     assert hub.sent() == [(1, "b", _payloads("b", 2)), (2, "a", _payloads("a", 1))]
 
 
@@ -260,18 +274,11 @@ def test_one_models_wait_after_its_channel_write_holds_up_no_other_models_broadc
     senders = {"object_store": _Sender("object_store"), "nixl": nixl}
     handle, hub = learner(routes, senders, channels=True)
     handle._side.channels.update(channels)
-    with ThreadPoolExecutor(2) as pool:
-        try:
-            a = _broadcast(pool, handle, "a", 1.0)
-            assert nixl.waiting["a"].wait(WAIT_S)
-            assert channels["a"].written == [("a", 1)]  # its receivers apply it meanwhile
-            b = _broadcast(pool, handle, "b", 2.0)
-            assert hub.submitted("b").wait(WAIT_S), "model b waited for model a's hand-off"
-            assert b.result(WAIT_S) == "result 1"
-            assert not hub.submitted("a").is_set()
-        finally:
-            slow_receiver.set()
-        assert a.result(WAIT_S) == "result 2"
+
+    def a_written() -> None:
+        assert channels["a"].written == [("a", 1)]  # its receivers apply it meanwhile
+
+    _b_goes_while_a_waits(handle, hub, nixl, slow_receiver, while_a_waits=a_written)
     assert channels["b"].written == [("b", 1)]
     booked = [(r.sequence, r.model, r.direct_version, r.direct_calls) for r in hub.requests]
     assert booked == [
