@@ -40,14 +40,18 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
 
 from raysync.errors import RaySyncError
 from raysync.hub_handle import HubHandle, check_seconds
 from raysync.hub_launch import get_hub
 from raysync.hub_state import DEFAULT_MODEL
 from raysync.messages import DeliveryMode, Entry
-from raysync.receiver_core import HUB_CALL_TIMEOUT_S, ReceiverCore, ReceiverIdentity
+from raysync.receiver_core import (
+    HUB_CALL_TIMEOUT_S,
+    HUB_UNANSWERED,
+    ReceiverCore,
+    ReceiverIdentity,
+)
 from raysync.receiver_hub_watch import HEARTBEAT_S, UNWATCHED, HubConnection, HubWatch
 from raysync.weights import is_tensordict
 
@@ -110,7 +114,7 @@ class AttachedReceiver:
         for model_id in chosen:
             try:
                 self._pull_one(model_id, timeout_s)
-            except (RayActorError, GetTimeoutError):
+            except HUB_UNANSWERED:
                 raise  # the hub is gone or does not answer: the others would wait as long
             except Exception as err:  # the models after it are still pulled
                 failures[model_id] = err

@@ -73,6 +73,12 @@ _EARLIER_HUBS_KEPT = 8
 
 #: Default seconds a receiver waits for its hub when it registers or pulls.
 HUB_CALL_TIMEOUT_S = 60.0
+#: What a call to the hub raises when the hub is gone, restarting, or does not answer
+#: in time: a pull of several models ends at once on it (the others would wait as long).
+HUB_UNANSWERED: tuple[type[Exception], ...] = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.GetTimeoutError,
+)
 
 
 @dataclass(frozen=True)

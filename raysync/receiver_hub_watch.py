@@ -29,11 +29,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayError
 
 from raysync.errors import RaySyncError
 from raysync.messages import AckStatus, DeliveryMode, Update
-from raysync.receiver_core import ReceiverCore
+from raysync.receiver_core import HUB_UNANSWERED, ReceiverCore
 from raysync.receiver_receipt import AckNow
 
 logger = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class HubWatch(threading.Thread):
                 continue
             try:
                 caught_up = self._pull_again(model)
-            except (RayActorError, GetTimeoutError):
+            except HUB_UNANSWERED:
                 raise  # the hub is gone, restarting or slow: the others would wait as long
             except Exception as err:
                 logger.warning(
