@@ -45,8 +45,10 @@ class _Owner:
     """A node's owner stand-in: each slot a new memfd segment numbered when answered,
     as the owner numbers it. An answer for a size in ``held`` is numbered, then waits
     until that size's event is set (``asked`` is set when it starts waiting). An answer
-    for a size in ``from_dead_owner`` names an owner process that is gone. Records the
-    slots given back (``abandoned``: (pid, sequence))."""
+    for a size in ``from_dead_owner`` names an owner process that is gone; once
+    ``closing_next`` is set, the next answer's descriptor is closed as it is given (an
+    owner killed after answering: its descriptors closed, its pid not yet reaped).
+    Records the slots given back (``abandoned``: (pid, sequence))."""
 
     def __init__(self) -> None:
         self.acquire = SimpleNamespace(remote=self._acquire)
@@ -55,6 +57,7 @@ class _Owner:
         self.held: dict[int, threading.Event] = {}
         self.from_dead_owner: set[int] = set()
         self.abandoned: list[tuple[int, int]] = []
+        self.closing_next = False
         self.asked = threading.Event()
         self.segments: dict[int, torch.Tensor] = {}  #: by sequence
         self._fds: list[int] = []
@@ -84,6 +87,10 @@ class _Owner:
         segment[:TOKEN_BYTES] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
         self.segments[seq] = segment
         pid = _no_process() if nbytes in self.from_dead_owner else os.getpid()
+        if self.closing_next:
+            self.closing_next = False
+            self._fds.remove(fd)
+            os.close(fd)  # the segment stays mapped here, for the test to look at
         return Slot(node_id="node", pid=pid, fd=fd, token=token, nbytes=nbytes, seq=seq)
 
     def close(self) -> None:
@@ -304,3 +311,19 @@ def test_a_failed_write_into_a_dead_owners_slot_keeps_the_order_of_the_live_ones
     assert _written(owner.segments[big_slot.seq], big_slot, big, "big")
     assert read_seq(owner.segments[1].numpy()) == 0
     assert owner.abandoned == [(os.getpid(), 1)]
+
+
+def test_a_slot_asked_for_ahead_whose_owner_died_after_answering_is_not_written(owner, sender):
+    """The slot asked for ahead once version 1 left was answered, then its owner was
+    killed: its descriptors are closed while its pid is still there (not yet reaped).
+    The next send asks the owner the hub restarts (here the stand-in again) and writes
+    a slot of its own, bitwise, instead of failing to open the dead one's."""
+    weights = _weights(256, seed=10)
+    first = sender.send(weights, WeightSpec.of(weights), "m")
+    owner.closing_next = True
+    sender.submitted(first, None)  # asks for sequence 2 ahead; answered in the next send
+    newer = _weights(256, seed=11)
+    slot = sender.send(newer, WeightSpec.of(newer), "m").slot
+    assert slot.seq == 3
+    assert _written(owner.segments[3], slot, newer, "m")
+    assert read_seq(owner.segments[2].numpy()) == 0  # the dead owner's slot, untouched

@@ -91,10 +91,13 @@ class SharedMemorySender(TransportSender):
         if ahead is not None and ahead[0] == nbytes:
             try:
                 slot = ray.get(ahead[1])
-                if os.path.exists(f"/proc/{slot.pid}"):
+                if os.path.exists(f"/proc/{slot.pid}/fd/{slot.fd}"):
                     return slot
                 # Its owner died after answering (it goes with a restarting hub): the
-                # slot is gone with it; ask the owner the hub starts next.
+                # slot is gone with it; ask the owner the hub starts next. Its
+                # descriptor, not its process, says so: a killed process closes its
+                # descriptors before its parent reaps it, and /proc/<pid> stays
+                # meanwhile (the slot could not be opened).
                 self._owner = self._find_owner()
             except RayActorError:
                 pass  # the owner died before answering: ask the one the hub restarts
