@@ -1491,9 +1491,9 @@ class WeightHubActor:
             self._drop(registration.worker, registration.token)
 
     def _record(self, report: BroadcastReport, causes: list[FailureCause]) -> None:
-        """Ray metrics of one broadcast, and every receiver's lag after it."""
+        """Ray metrics of one broadcast, and the receivers' lags it changed."""
         self._metrics.broadcast(report, causes)
-        self._metrics.lags(self._state.statuses())
+        self._metrics.changed_lags(self._state.lags())
 
     async def _tell_published(
         self,

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from raysync.errors import StaleVersionError, UnknownModelError, UnknownWorkerError
 from raysync.messages import (
@@ -96,6 +97,15 @@ class ModelState:
     def _unrecorded_below(self) -> int:
         """The newest version published that the record does not hold (0: none)."""
         return self.dropped_to if self.dropped else self.record_from
+
+
+class Lag(NamedTuple):
+    """How far one receiver is behind the latest version of one model."""
+
+    versions: int  #: versions published that it lacks
+    #: seconds since the first of them was published (0.0: up to date); None when not
+    #: known: that version came before the hub restarted
+    seconds: float | None
 
 
 @dataclass
@@ -457,13 +467,12 @@ class HubState:
         now = time.time() if now is None else now
         entry = self.receivers[worker]
         versions = {m: entry.versions.get(m, 0) for m in sorted(entry.registration.specs)}
-        lag = {m: self.models[m].versions_behind(v) for m, v in versions.items()}
+        lag: dict[str, int] = {}
         lag_s: dict[str, float] = {}
         for m, v in versions.items():
-            if lag[m] == 0:
-                lag_s[m] = 0.0
-            elif (since := self.models[m].behind_since(v)) is not None:
-                lag_s[m] = max(0.0, now - since)  # None: published before a restart
+            lag[m], seconds = self._lag(m, v, now)
+            if seconds is not None:
+                lag_s[m] = seconds
         return ReceiverStatus(
             worker=worker,
             actor=entry.registration.actor,
@@ -479,6 +488,26 @@ class HubState:
                 else max(0.0, time.monotonic() - entry.heard)
             ),
         )
+
+    def lags(self, now: float | None = None) -> dict[tuple[str, str], Lag]:
+        """(worker, model) -> the lag of each receiver in each model it holds, at ``now``
+        (``time.time()`` by default): what :meth:`statuses` says of their lag, without
+        building the rest of each status (the hub's metrics after every broadcast)."""
+        now = time.time() if now is None else now
+        return {
+            (worker, model): self._lag(model, entry.versions.get(model, 0), now)
+            for worker, entry in self.receivers.items()
+            for model in entry.registration.specs
+        }
+
+    def _lag(self, model: str, held: int, now: float) -> Lag:
+        """The lag at ``now`` of a receiver holding version ``held`` of ``model``."""
+        state = self.models[model]
+        behind = state.versions_behind(held)
+        if behind == 0:
+            return Lag(0, 0.0)
+        since = state.behind_since(held)
+        return Lag(behind, None if since is None else max(0.0, now - since))
 
 
 def lacks(held: int, origin: str, latest: HandedOver) -> bool:

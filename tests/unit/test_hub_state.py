@@ -21,7 +21,7 @@ from raysync.errors import (
     UnknownWorkerError,
 )
 from raysync.hub_state import _PUBLISHED_KEPT as KEPT
-from raysync.hub_state import DEFAULT_MODEL, LEASE_BEATS, HubState
+from raysync.hub_state import DEFAULT_MODEL, LEASE_BEATS, HubState, Lag
 from raysync.messages import (
     DeliveryMode,
     Entry,
@@ -789,6 +789,31 @@ def test_a_version_brought_above_published_ones_counts_in_the_lag_of_those_behin
     behind, brought = state.statuses(now=5.0)
     assert (behind.lag, behind.lag_s) == ({"policy": 4}, {})
     assert (brought.lag, brought.lag_s) == ({"policy": 1}, {"policy": 1.0})
+
+
+def test_the_lags_alone_are_those_the_statuses_show():
+    """What the hub's metrics read after each broadcast, without a status per receiver:
+    up to date, behind with a known time, and behind a version brought from before a
+    restart (no known time), per model each receiver holds."""
+    state = HubState()
+    state.register(_registration("w1", {"policy": POLICY, "critic": CRITIC}))
+    _publish(state, at=1.0)
+    _publish(state, model="critic", spec=CRITIC, at=2.0)
+    state.record("w1", "critic", 1)
+    state.register(_registration("w2", {"policy": POLICY}, versions={"policy": 5}))
+    _publish(state, at=4.0)
+    state.register(_registration("w3", {"policy": POLICY}, versions={"policy": 6}))
+    assert state.lags(now=10.0) == {
+        ("w1", "critic"): Lag(0, 0.0),
+        ("w1", "policy"): Lag(6, None),
+        ("w2", "policy"): Lag(1, 6.0),
+        ("w3", "policy"): Lag(0, 0.0),
+    }
+    assert state.lags(now=10.0) == {
+        (status.worker, model): Lag(versions, status.lag_s.get(model))
+        for status in state.statuses(now=10.0)
+        for model, versions in status.lag.items()
+    }
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 2.5, True])
