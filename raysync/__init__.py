@@ -49,9 +49,11 @@ if TYPE_CHECKING:
         available_transports,
         known_transports,
     )
+    from raysync.wire_dtype import AS_IS
 
 #: Each public name and the module that defines it.
 _HOMES = {
+    "AS_IS": "raysync.wire_dtype",
     "AttachedReceiver": "raysync.attached",
     "BroadcastError": "raysync.errors",
     "BroadcastPhases": "raysync.messages",
@@ -92,6 +94,7 @@ _HOMES = {
 }
 
 __all__ = [
+    "AS_IS",
     "AttachedReceiver",
     "BroadcastError",
     "BroadcastPhases",

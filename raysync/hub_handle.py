@@ -47,7 +47,13 @@ from raysync.transports import (
 )
 from raysync.transports.buckets import bucket_bytes_of
 from raysync.transports.parts import part_stream
-from raysync.wire_dtype import cast_to_wire, check_finite_on_wire, wire_spec_of
+from raysync.wire_dtype import (
+    AsIs,
+    cast_to_wire,
+    check_finite_on_wire,
+    resolve_wire_dtype,
+    wire_spec_of,
+)
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
@@ -71,7 +77,7 @@ class _Broadcast:
         timeout_s: float | None = None,
         wait: bool = True,
         raise_on_failure: bool = True,
-        wire_dtype: torch.dtype | None = None,
+        wire_dtype: torch.dtype | AsIs | None = None,
         part: int | None = None,
         parts: int | None = None,
         bucket_mb: float | None = None,
@@ -87,7 +93,11 @@ class _Broadcast:
         acks (default: the hub's). ``wire_dtype`` (default: the hub's, if it has one)
         sends floating tensors in that dtype (``torch.bfloat16``): they are cast here,
         travel at that size, and each receiver casts them into its own tensors (see
-        :mod:`raysync.wire_dtype`; zero-copy receivers copy those versions).
+        :mod:`raysync.wire_dtype`; zero-copy receivers copy those versions);
+        ``wire_dtype=raysync.AS_IS`` sends this version in its own dtypes whatever the
+        hub's default (None means that default): an exact sync, or a model with a
+        floating tensor narrower than the default (each part of a version sent in
+        parts passes its own ``wire_dtype``).
         ``bucket_mb`` (default: the hub's, if it has one): a version that travels larger
         than this many MiB moves in buckets of that size, a few at a time, so neither
         the learner nor the object store holds it whole (each piece is cast to
@@ -134,10 +144,10 @@ class _Broadcast:
         weights that are not contiguous tensors with data (or that hold NaN/Inf when
         the hub was started with ``reject_nonfinite=True``, values ``wire_dtype``
         cannot hold then, or floating tensors narrower than ``wire_dtype``);
-        ``ValueError`` for a ``wire_dtype`` that is not a floating dtype, or a
-        ``timeout_s`` that is not a positive number. A spec mismatch, a stale version,
-        an unknown model or an unknown worker raise from ``ray.get`` of the result, also
-        before any receiver is touched.
+        ``ValueError`` for a ``wire_dtype`` that is neither a floating dtype nor
+        ``raysync.AS_IS``, or a ``timeout_s`` that is not a positive number. A spec
+        mismatch, a stale version, an unknown model or an unknown worker raise from
+        ``ray.get`` of the result, also before any receiver is touched.
         """
         started = time.perf_counter()
         if version is not None:  # NaN or inf: every receiver took it as held, for good
@@ -156,8 +166,7 @@ class _Broadcast:
             weights, what="broadcast weights", reject_nonfinite=config.reject_nonfinite
         )
         spec = WeightSpec.of(tensors)
-        wire_dtype = config.wire_dtype if wire_dtype is None else wire_dtype
-        wire_spec = wire_spec_of(spec, wire_dtype)
+        wire_spec = wire_spec_of(spec, resolve_wire_dtype(wire_dtype, config.wire_dtype))
         travels = wire_spec or spec
         bucket_bytes = _bucket_bytes(config.bucket_mb if bucket_mb is None else bucket_mb, travels)
         handle = self._handle

@@ -27,7 +27,7 @@ from raysync.transports import (
     registered_transports,
 )
 from raysync.transports.buckets import bucket_bytes_of
-from raysync.wire_dtype import check_wire_dtype
+from raysync.wire_dtype import AsIs, resolve_wire_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class HubLauncher:
         reject_nonfinite: bool = False,
         models: Sequence[str] = (),
         options: object | Sequence[object] = (),
-        wire_dtype: torch.dtype | None = None,
+        wire_dtype: torch.dtype | AsIs | None = None,
         bucket_mb: float | None = None,
         channels: bool = False,
     ) -> HubHandle:
@@ -71,7 +71,9 @@ class HubLauncher:
         an unknown transport, ``TypeError`` for options that belong to no transport or
         twice the same, and :class:`~raysync.TransportUnavailableError` if the transport
         cannot run here. ``wire_dtype`` is every broadcast's default (see
-        ``broadcast.remote``); ``ValueError`` if it is not a floating dtype.
+        ``broadcast.remote``); ``ValueError`` if it is not a floating dtype;
+        ``raysync.AS_IS`` is the same as None: no default, a broadcast that names no
+        dtype travels as it is.
         ``bucket_mb`` is every broadcast's default bucket size (see
         ``broadcast.remote``); ``ValueError`` unless positive, or if ``transport``
         moves whole versions only. ``channels=True``: each learner writes versions of
@@ -81,8 +83,7 @@ class HubLauncher:
         receivers' compiled-graph thread, so leave it off for actors that run a compiled
         graph of their own (vLLM's workers) or use ``rdt``.
         """
-        if wire_dtype is not None:
-            check_wire_dtype(wire_dtype)
+        wire_dtype = resolve_wire_dtype(wire_dtype, None)
         if bucket_mb is not None:
             bucket_bytes_of(bucket_mb)
             if not get_transport(transport).buckets:

@@ -1,8 +1,10 @@
 """A narrower dtype on the wire: floating tensors travel cast, receivers cast back.
 
-Called in the learner process by ``HubHandle.broadcast`` (:func:`check_wire_dtype`,
+Called in the learner process by ``HubHandle.broadcast`` (:func:`resolve_wire_dtype`,
 :func:`wire_spec_of`, then :func:`cast_to_wire` for a version sent whole; a bucketed
-one is cast piece by piece as it is packed). The model's spec (its own dtypes) is what
+one is cast piece by piece as it is packed) and by ``WeightHub.remote`` (the hub's
+default, :func:`resolve_wire_dtype` too). One broadcast passes :data:`AS_IS` to travel
+in its own dtypes whatever the hub's default. The model's spec (its own dtypes) is what
 the hub checks against the receivers'; the *wire spec* is what the transport carries.
 A receiver fetches by the wire spec (``Update.wire_spec``) and copies into its own
 tensors, which casts: the model ends equal to ``w.to(wire_dtype).to(its_dtype)``, bit
@@ -13,6 +15,7 @@ byte and change values (float16's 65504 travels as bfloat16's 65536, and arrives
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 
 import torch
@@ -27,12 +30,39 @@ from raysync.weights import nonfinite_count
 WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
+class AsIs(enum.Enum):
+    """The type of :data:`AS_IS`, its only value."""
+
+    AS_IS = "as it is"
+
+
+#: ``hub.broadcast.remote(w, wire_dtype=raysync.AS_IS)``: this broadcast's tensors travel
+#: in their own dtypes, whatever the hub's default wire dtype (``None`` means that
+#: default). Given to ``WeightHub.remote`` it is the same as ``None``: no default.
+AS_IS = AsIs.AS_IS
+
+
+def resolve_wire_dtype(
+    asked: torch.dtype | AsIs | None, hub_default: torch.dtype | None
+) -> torch.dtype | None:
+    """The dtype floating tensors travel in, checked (:func:`check_wire_dtype`), or None
+    for their own: ``asked`` if it is a dtype, none for :data:`AS_IS`, ``hub_default``
+    for None. Called in the learner process by ``HubHandle.broadcast`` (per broadcast,
+    or per part) and by ``WeightHub.remote`` (the hub's default, with no default above
+    it)."""
+    if asked is None:
+        return hub_default
+    if asked is AS_IS:
+        return None
+    return check_wire_dtype(asked)
+
+
 def check_wire_dtype(wire_dtype: object) -> torch.dtype:
     """``wire_dtype`` if weights may travel in it (:data:`WIRE_DTYPES`); else ValueError."""
     if not isinstance(wire_dtype, torch.dtype) or not wire_dtype.is_floating_point:
         raise ValueError(
-            f"wire_dtype must be a floating torch dtype (torch.bfloat16, torch.float16), "
-            f"got {wire_dtype!r}"
+            f"wire_dtype must be a floating torch dtype (torch.bfloat16, torch.float16) "
+            f"or raysync.AS_IS, got {wire_dtype!r}"
         )
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(

@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from raysync import DistributedOptions, RpcOptions, WeightHub, WeightReceiver, hub_handle
+from raysync import AS_IS, DistributedOptions, RpcOptions, WeightHub, WeightReceiver, hub_handle
 from raysync.testing import (
     MODEL,
     ConformanceReceiver,
@@ -195,6 +195,30 @@ def test_bucketed_with_a_wire_dtype_casts_each_piece(crew):
         t.numel() * (2 if t.dtype.is_floating_point else t.element_size()) for t in weights.values()
     )
     assert report.bytes == wire_bytes
+
+
+def test_as_is_sends_one_version_in_its_own_dtypes_on_a_hub_with_a_wire_dtype(actors):
+    """``wire_dtype=AS_IS`` on a hub whose default is bfloat16: the version travels in its
+    own dtypes, whole or in buckets, and lands bit for bit; the next one without it is
+    cast again."""
+    hub = start_hub(actors, "object_store", models=[MODEL], wire_dtype=torch.bfloat16)
+    receiver = start(actors, Receiver, hub, "r0")
+    ready([receiver])
+    own_bytes = sum(t.nbytes for t in special_weights().values())
+    for seed, bucket_mb in ((1.0, None), (2.0, TINY_MB)):
+        weights = special_weights(seed)
+        report = ray.get(
+            hub.broadcast.remote(weights, model=MODEL, wire_dtype=AS_IS, bucket_mb=bucket_mb),
+            timeout=60,
+        )
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
+        assert report.bytes == own_bytes
+    weights = special_weights(3.0)
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
+    assert_bitwise(
+        ray.get(receiver.state.remote()), {k: through_bfloat16(v) for k, v in weights.items()}
+    )
+    assert report.bytes < own_bytes
 
 
 def test_no_reader_sees_bucket_k_of_one_version_beside_another_versions(crew):

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import pickle
+import re
+
 import pytest
 import torch
 
+import raysync
 from raysync import weights as weights_module
 from raysync.errors import InvalidWeightsError
 from raysync.spec import WeightSpec
 from raysync.wire_dtype import (
+    AS_IS,
+    AsIs,
     cast_to_wire,
     check_finite_on_wire,
     check_wire_dtype,
+    resolve_wire_dtype,
     wire_spec_of,
 )
 
@@ -109,3 +116,58 @@ def test_values_the_wire_dtype_cannot_hold_are_refused_naming_the_key(monkeypatc
     check_finite_on_wire(weights, wire_spec_of(spec, torch.bfloat16), what="broadcast")
     weights["w"][[3, 11]] = torch.tensor([65504.0, -65519.0])  # round to float16's largest
     check_finite_on_wire(weights, wire_spec_of(spec, torch.float16), what="broadcast")
+
+
+def test_as_is_bypasses_the_hubs_wire_dtype_and_none_keeps_it():
+    """``broadcast.remote(w, wire_dtype=raysync.AS_IS)`` on a hub whose default is
+    bfloat16: no wire spec, so the learner sends the tensors themselves, in their own
+    dtypes. None is the hub's default; a dtype is that dtype."""
+    assert raysync.AS_IS is AS_IS
+    assert pickle.loads(pickle.dumps(AS_IS)) is AS_IS  # a learner actor handed it by Ray
+    assert resolve_wire_dtype(None, torch.bfloat16) is torch.bfloat16
+    assert resolve_wire_dtype(torch.float16, torch.bfloat16) is torch.float16
+    assert resolve_wire_dtype(AS_IS, torch.bfloat16) is None
+    weights = _weights()
+    spec = WeightSpec.of(weights)
+    assert wire_spec_of(spec, resolve_wire_dtype(None, torch.bfloat16)) is not None
+    assert wire_spec_of(spec, resolve_wire_dtype(AS_IS, torch.bfloat16)) is None
+    sent = cast_to_wire(weights, spec)  # what travels without a wire spec
+    assert all(sent[name] is tensor for name, tensor in weights.items())
+
+
+@pytest.mark.parametrize(
+    "narrow, hub_default",
+    [
+        (torch.float8_e4m3fn, torch.bfloat16),
+        (torch.float8_e5m2, torch.float16),
+        (torch.float16, torch.float32),
+    ],
+)
+def test_a_model_narrower_than_the_hubs_wire_dtype_goes_through_as_it_is(narrow, hub_default):
+    """A floating tensor narrower than the hub's default failed every broadcast of its
+    model; AS_IS sends that model in its own dtypes."""
+    weights = {"w": torch.randn(4), "q": torch.randn(3).to(narrow)}
+    spec = WeightSpec.of(weights)
+    with pytest.raises(InvalidWeightsError, match=rf"{hub_default} is wider .*q \({narrow}\)"):
+        wire_spec_of(spec, resolve_wire_dtype(None, hub_default))
+    assert wire_spec_of(spec, resolve_wire_dtype(AS_IS, hub_default)) is None
+
+
+def test_as_is_for_the_hubs_default_is_no_default():
+    """``WeightHub.remote(wire_dtype=raysync.AS_IS)``: the same as None (the hub's
+    config holds a dtype or None)."""
+    assert resolve_wire_dtype(AS_IS, None) is None
+    assert resolve_wire_dtype(None, None) is None
+    assert resolve_wire_dtype(torch.bfloat16, None) is torch.bfloat16
+
+
+@pytest.mark.parametrize("hub_default", [None, torch.bfloat16])
+@pytest.mark.parametrize("bad", ["bfloat16", "AS_IS", AsIs, torch.int8, 16])
+def test_a_wire_dtype_neither_a_dtype_nor_as_is_is_refused_naming_it(bad, hub_default):
+    with pytest.raises(ValueError, match=rf"or raysync.AS_IS, got {re.escape(repr(bad))}$"):
+        resolve_wire_dtype(bad, hub_default)
+
+
+def test_a_float8_wire_dtype_is_refused_over_the_hubs_default():
+    with pytest.raises(ValueError, match=r"wire_dtype torch.float8_e4m3fn is not one"):
+        resolve_wire_dtype(torch.float8_e4m3fn, torch.bfloat16)
