@@ -233,6 +233,10 @@ class ReceiverCore:
         #: leaves or is replaced waits for one in flight, then never registers again.
         self._registering = threading.RLock()
         self._registering_ended = False
+        #: The token the hub watch's last heartbeat found the hub no longer knows (see
+        #: :meth:`hub_knows_me`): the registration its :meth:`register_again` replaces.
+        #: None until one did. Only the watch thread uses it.
+        self._unknown_to_heartbeat: str | None = None
         #: Set under ``_registering`` to the core of the registration that replaced this
         #: one: no other may replace it again (its gate, versions and memory went to
         #: that one), unless that one closed before it was welcomed (see
@@ -487,27 +491,44 @@ class ReceiverCore:
 
     # -- the hub -------------------------------------------------------------------------
     def hub_knows_me(self, timeout_s: float) -> bool:
-        """Whether the hub still knows this registration (False: register again)."""
-        return ray.get(self.hub.actor.heartbeat.remote(self.worker, self.token), timeout=timeout_s)
+        """Whether the hub still knows this registration (False: register again; the
+        registration the hub watch's :meth:`register_again` then replaces is this one,
+        not one a pull registered meanwhile)."""
+        token = self.token
+        known = ray.get(self.hub.actor.heartbeat.remote(self.worker, token), timeout=timeout_s)
+        if not known:
+            self._unknown_to_heartbeat = token
+        return known
 
     def _end_registering(self) -> None:
         """No re-registration of this core from now on; waits for one in flight."""
         with self._registering:
             self._registering_ended = True
 
-    def register_again(self, timeout_s: float) -> Welcome | None:
+    def register_again(self, timeout_s: float, unknown: str | None = None) -> Welcome | None:
         """Register with the same hub again, as this core is now (the hub restarted or
-        dropped it): a new token and transport receiver. The Welcome's updates are for
-        the caller to deliver through :meth:`deliver_through_host`. If the new transport
-        receiver cannot be opened, the new registration is taken back from the hub (no
-        broadcast targets one nobody here holds), this core keeps its token and
-        transport (so the hub watch's next beat finds it unknown and tries again) and
-        the error is raised; so too if the hub did not answer in time (the registration
-        is withdrawn: the hub refuses it should it come). None, and no call to the hub,
-        once this core left the hub, closed or was replaced."""
+        dropped it): a new token and transport receiver, in place of registration
+        ``unknown``, the token the caller found the hub no longer knows (by default, the
+        one the hub watch's last heartbeat found so; none found: this core's own). The
+        Welcome's updates are for the caller to deliver through
+        :meth:`deliver_through_host`. A registration replaced already (a pull and the hub
+        watch both found it unknown, and the other one registered again while this one
+        waited) is not replaced again: the hub knows this core, and the Welcome offers
+        nothing (the other caller took what the hub offered: the hub watch delivers it,
+        a pull declines it and lists a push receiver's models in :attr:`behind`, which
+        the hub watch pulls). If the new transport receiver cannot be opened, the new
+        registration is taken back from the hub (no broadcast targets one nobody here
+        holds), this core keeps its token and transport (so the hub watch's next beat
+        finds it unknown and tries again) and the error is raised; so too if the hub
+        did not answer in time (the registration is withdrawn: the hub refuses it
+        should it come). None, and no call to the hub, once this core left the hub,
+        closed or was replaced."""
         with self._registering:
             if self._registering_ended:
                 return None
+            if self._replaced_since(unknown):
+                # Nothing to open: the transport receiver is the new registration's.
+                return Welcome(self.transport_name, None, {})
             registration = _registration(
                 self.owner, self.models, self.identity, staged=self._staging.payloads()
             )
@@ -537,6 +558,12 @@ class ReceiverCore:
         logger.info("%s re-registered with its hub", self.actor_name)
         return welcome
 
+    def _replaced_since(self, unknown: str | None) -> bool:
+        """Whether registration ``unknown`` (see :meth:`register_again`) is no longer
+        this core's: another caller registered again since it was found unknown."""
+        found = self._unknown_to_heartbeat if unknown is None else unknown
+        return found is not None and found != self.token
+
     def _take_back(self, token: str, timeout_s: float) -> None:
         """Unregister the registration ``token`` (one this core will not hold), waiting
         for the hub so that the next beat's check sees it gone; a hub that does not
@@ -553,8 +580,10 @@ class ReceiverCore:
         read (a pull receiver's welcome on registering again: it takes versions when it
         pulls; a pull's answer that came after it stopped waiting): its transport lets
         go of what that plan holds for it (a shared-memory slot's hold, which would
-        otherwise keep the learner from reusing that slot), and of nothing another
-        delivery of the same version holds. Any thread, also once closed."""
+        otherwise keep the learner from reusing that slot, a bucket stream served for
+        that read alone), and of nothing another delivery of the same version holds or
+        reads (the version's own bucket stream, which a broadcast may be delivering to
+        this receiver). Any thread, also once closed."""
         try:
             self.transport.decline(update.payload)
         except Exception:
@@ -569,16 +598,17 @@ class ReceiverCore:
         """The hub's latest update of ``model`` if newer than the version held here.
 
         A hub that knows this receiver no longer (it restarted, or dropped it when its
-        heartbeats stopped) is registered with again, once, and asked again: a pull
-        receiver without a hub watch would otherwise never be known again. What the
-        hub's welcome offers is declined (read by this pull, or, for a push receiver,
-        caught up by its hub watch); so is what the hub answers a call this pull
-        stopped waiting for (timed out, interrupted): planned for this receiver, it
-        holds the version's payload for it."""
+        heartbeats stopped) is registered with again, once (unless the hub watch did so
+        meanwhile), and asked again: a pull receiver without a hub watch would otherwise
+        never be known again. What the hub's welcome offers is declined (read by this
+        pull, or, for a push receiver, caught up by its hub watch); so is what the hub
+        answers a call this pull stopped waiting for (timed out, interrupted): planned
+        for this receiver, it holds the version's payload for it."""
+        token = self.token  # the registration the hub no longer knows, if it says so
         try:
             return self._latest(model, timeout_s)
         except UnknownWorkerError:
-            welcome = self.register_again(timeout_s)
+            welcome = self.register_again(timeout_s, unknown=token)
             if welcome is None:  # left the hub, closed or replaced meanwhile
                 raise
         for offered in welcome.latest.values():

@@ -144,8 +144,11 @@ class HubWatch(threading.Thread):
         return self._interval_s
 
     def _register_again(self) -> bool:
-        """Register again and deliver the versions the hub answers with; False if
-        registering failed (tried again with backoff; a hub that does not answer raises)."""
+        """Register again and deliver the versions the hub answers with (none if a pull
+        that found the hub not knowing this receiver either registered again first: the
+        core does not register over it, and a push receiver's pull left what its welcome
+        offered in ``core.behind``, caught up after); False if registering failed (tried
+        again with backoff; a hub that does not answer raises)."""
         core = self._core
         since = self._connection.reregistering_since
         if since is None:

@@ -323,7 +323,9 @@ class TransportReceiver(ABC):
         Default: ``release(payload, None)``. A transport whose planner may hand one
         receiver the same version twice, holding something once for both (a
         shared-memory slot), lets go of what this delivery alone held: the other may be
-        read yet."""
+        read yet. So does one whose planner may answer a pull with the very payload a
+        broadcast delivers to this receiver (a bucketed version's own stream, while
+        nobody can serve it yet): declining it leaves this receiver's place in it."""
         self.release(payload, None)
 
     def check_intact(self, payload: Any) -> None:

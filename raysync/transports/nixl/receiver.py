@@ -175,6 +175,18 @@ class NixlReceiver(TransportReceiver):
         else:
             self._pool.release(staged)
 
+    def decline(self, payload: NixlPayload | NixlBucketStream | BucketStream) -> None:
+        """A bucketed version (its own stream or one served through the object store) is
+        let go of as the object store's receiver declines it
+        (:meth:`~raysync.transports.object_store.receiver.ObjectStoreReceiver.decline`:
+        a stream served for this read alone is given up, the version's own is not: a
+        broadcast may be delivering it to this receiver); a whole version as
+        :meth:`release` lets go of one never fetched."""
+        if isinstance(payload, BucketStream):
+            self._served.decline(payload)
+        else:
+            self.release(payload, None)
+
     def serve(
         self, payload: BucketStream, tensors: Mapping[str, torch.Tensor], spec: WeightSpec
     ) -> None:

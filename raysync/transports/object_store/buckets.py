@@ -242,6 +242,19 @@ def give_up(payload: BucketStream, worker: str) -> None:
     payload.broker.leave.remote(payload.key, worker)
 
 
+def decline_stream(payload: BucketStream, worker: str) -> None:
+    """Receiver ``worker``: it will not read ``payload``, the stream the hub planned a
+    pull or a welcome's catch-up of a bucketed version with (the pull stopped waiting
+    for it, or the receiver turns the catch-up down). A stream served for that read
+    alone (``key.served``) is given up (:func:`give_up`): its broker and the receiver
+    serving it stop waiting for this one. The version's own stream (the hub's answer
+    while nobody who read it whole can serve it) is left alone: that answer named no
+    reader, and the broadcast of the version may be delivering that very stream to
+    ``worker`` (given up, the broker drops ``worker`` from it, and that read fails)."""
+    if payload.key.served:
+        give_up(payload, worker)
+
+
 def closed_before_sent(payload: BucketStream, sender: str) -> TransportError:
     """Learner: ``payload`` was handed to the hub, and then its sender (``sender``: the
     transport's name) closed before streaming it (another thread released the handle,

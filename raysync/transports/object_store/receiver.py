@@ -17,6 +17,7 @@ from raysync.spec import WeightSpec
 from raysync.transports.base import TransportError, TransportReceiver
 from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.buckets import (
+    decline_stream,
     fetch_stream,
     give_up,
     serve_stream,
@@ -66,6 +67,14 @@ class ObjectStoreReceiver(TransportReceiver):
         if staged is None and isinstance(payload, BucketStream) and self._worker is not None:
             give_up(payload, self._worker)  # refused, or not read whole
         self._staging.release(staged)
+
+    def decline(self, payload: ObjectStorePayload | InlinePayload | BucketStream) -> None:
+        """A whole version holds nothing for this receiver; a bucketed one is let go of
+        as :func:`~raysync.transports.object_store.buckets.decline_stream` says: a
+        stream served for this read alone is given up, the version's own is not (a
+        broadcast may be delivering it to this receiver)."""
+        if isinstance(payload, BucketStream) and self._worker is not None:
+            decline_stream(payload, self._worker)
 
     def serve(
         self, payload: BucketStream, tensors: Mapping[str, torch.Tensor], spec: WeightSpec

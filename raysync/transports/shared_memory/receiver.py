@@ -135,7 +135,9 @@ class SharedMemoryReceiver(TransportReceiver):
         delivery of it) held it for this worker too, and may be read yet (a release
         let go of that one hold). No fetch of it counts in ``_LEASES``. A payload no
         delivery held (a learner's own) is released unread; a bucketed version is let
-        go of as :meth:`release` does."""
+        go of as the object store's receiver declines it
+        (:meth:`~raysync.transports.object_store.receiver.ObjectStoreReceiver.decline`:
+        a stream served for this read alone is given up, the version's own is not)."""
         if isinstance(payload, BucketStream):
             self._streams.decline(payload)
             return
