@@ -17,12 +17,22 @@ rewritten:
 * ``Hold.exporting(n)``: the owner is putting the version into the object store for
   other nodes (export ``n``), which it does outside its lock.
 
-A slot with no hold may be given out again. The actor runs its calls in a pool of
-threads (``OWNER_THREADS``); every method touches the holds holding one lock, so each
-sees and leaves them consistent, and the waits (a free slot, a call's turn) let the
-others run. ``close`` (the planner calls it when the hub closes) closes every segment;
-if the actor dies instead, its process's descriptors close with it and the kernel frees
-the memory once receivers unmap it.
+A slot with no hold may be given out again. Each pool (a learner's slots of one size,
+or a model's relays) has at most ``max_slots`` slots, one more for the latest of each
+model in it beyond the first (one sender serves every model of its process: models of
+one size share its pool), and one more for each slot held only for receivers, counting
+at most ``KEPT_PER_RECEIVER`` per receiver and model, as the hub keeps a call per
+receiver and model (see :meth:`ShmOwner._room`): receivers busy from different
+versions each keep an old one of each model without filling the pool, while one that
+holds more (it never releases) still fills it and the learner's wait fails naming it.
+A free slot beyond that room is freed, not kept, as the owner next looks at the pool
+(the learner's next slot, or :meth:`ShmOwner.stats`), not at its release.
+
+The actor runs its calls in a pool of threads (``OWNER_THREADS``); every method
+touches the holds holding one lock, so each sees and leaves them consistent, and the
+waits (a free slot, a call's turn) let the others run. ``close`` (the planner calls it
+when the hub closes) closes every segment; if the actor dies instead, its process's
+descriptors close with it and the kernel frees the memory once receivers unmap it.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ from raysync.transports.shared_memory.wire import (
     BOARD_POLL_S,
     BOARD_ROWS,
     HEADER_BYTES,
+    KEPT_PER_RECEIVER,
     ORDER_WAIT_S,
     RETIRED_SEQ,
     SLOT_WAIT_S,
@@ -119,6 +130,9 @@ class _Segment:
     seq: int = 0  #: the version written into it (0: none yet)
     #: whose slots it is among: a learner's sender (``acquire``), or the relays of a model
     stream: str = ""
+    #: the model of the version in it, as the hub planned it (``deliver``; a relay copies
+    #: the payload, not the header's tag), "" until it is planned (or the hub refused it)
+    model: str = ""
     holds: set[Hold] = field(default_factory=set)
     #: workers whose release of ``seq`` came before the hub's hold for them (by call;
     #: each forestalls one hold)
@@ -158,8 +172,9 @@ class ShmOwner:
         self._pid = os.getpid()
         self._max_slots = max_slots
         #: by (stream, segment size): each learner, and each model's relays, has its own
-        #: pool of at most ``max_slots``, so learners of a sharded model on one node (one
-        #: part each) never wait for each other's slots
+        #: pool of at most ``max_slots`` (and each model's latest beyond the first, and
+        #: the slots held only for receivers: :meth:`_room`), so learners of a sharded
+        #: model on one node (one part each) never wait for each other's slots
         self._pools: dict[tuple[str, int], list[_Segment]] = {}
         self._by_seq: dict[int, _Segment] = {}
         #: model -> (version, seq) of its latest version here: the hub's version orders
@@ -295,6 +310,7 @@ class ShmOwner:
             if other.seq < seq and other.stream == segment.stream and _dead(other, model):
                 other.holds.discard(PENDING)
         segment.holds.discard(PENDING)
+        segment.model = model
         for worker in workers:
             if worker not in self._gone:  # else nobody would ever release it
                 self._hold_unless_released(segment, worker, placement)
@@ -588,10 +604,12 @@ class ShmOwner:
         return dropped
 
     def stats(self) -> OwnerStats:
+        """What the owner did and holds now, once it read the board (and freed the
+        segments beyond a pool's room that its releases left free)."""
         with self._lock:
+            for pool in self._pools.values():
+                self._free_beyond_room(pool, self._unheld(pool))
             segments = [s for pool in self._pools.values() for s in pool]
-            for segment in segments:
-                self._read_board(segment)
             return OwnerStats(
                 node_id=self._node_id,
                 segments=len(segments),
@@ -622,8 +640,10 @@ class ShmOwner:
     # -- slots (lock held) -----------------------------------------------------------------
     def _free_left(self, asking: str = "") -> None:
         """Free the slots of learners gone (left, or their process died) that nothing
-        holds any more; forget such a learner once it has none. ``asking``: the stream
-        a slot is being found for (alive: it asks)."""
+        holds any more, and those beyond any pool's room (one that grew for busy
+        receivers, and is asked for no more: a model sent only now and then); forget
+        such a learner once it has none. ``asking``: the stream a slot is being found
+        for (alive: it asks)."""
         for learner, (pid, started) in self._learner_pids.items():
             if learner in self._left or learner == asking:
                 continue
@@ -649,6 +669,8 @@ class ShmOwner:
             if not pool:
                 del self._pools[key]
                 self._retired_pools.discard(key)
+        for pool in self._pools.values():
+            self._free_beyond_room(pool, self._unheld(pool))
         streams = {stream for stream, _ in self._pools}
         for learner in self._left.keys() - streams:
             del self._left[learner]
@@ -671,11 +693,11 @@ class ShmOwner:
             self._forget_lapsed_dead()
             # Looked up again after each wait: a pool of a learner gone may be dropped.
             pool = self._pools.setdefault((stream, nbytes), [])
-            for segment in pool:
-                self._read_board(segment)
-                if not segment.holds:
-                    return segment
-            if len(pool) < self._max_slots:
+            free = self._unheld(pool)
+            if free:
+                self._free_beyond_room(pool, free[1:])
+                return free[0]
+            if len(pool) < self._room(pool):
                 segment = self._new_segment(nbytes, stream)
                 pool.append(segment)
                 return segment
@@ -690,6 +712,33 @@ class ShmOwner:
                 )
             # Releases on the board notify nobody: read it again soon.
             self._lock.wait(min(remaining, BOARD_POLL_S))
+
+    def _unheld(self, pool: list[_Segment]) -> list[_Segment]:
+        """The segments of ``pool`` that nothing holds, once the board's releases of
+        them are read."""
+        for segment in pool:
+            self._read_board(segment)
+        return [segment for segment in pool if not segment.holds]
+
+    def _room(self, pool: list[_Segment]) -> int:
+        """How many segments ``pool`` may have: ``max_slots``, one more for the latest
+        of each model in it beyond the first, and the segments kept for receivers
+        (:func:`_kept_for_receivers`). Models of one size share a learner's pool, and
+        each keeps its latest for late joiners: within ``max_slots`` they would fill it
+        with those alone. Receivers busy from different versions (collectors in their
+        rollouts) each hold an old version's slot of each model: within ``max_slots``
+        they would fill the pool and fail every receiver's broadcast, not just theirs."""
+        models = len(_latest_models(pool))
+        return self._max_slots + max(0, models - 1) + _kept_for_receivers(pool)
+
+    def _free_beyond_room(self, pool: list[_Segment], spare: list[_Segment]) -> None:
+        """Free the ``spare`` segments of ``pool`` (nothing holds them) that it has
+        beyond its room: a pool that grew for busy receivers shrinks back once they
+        let go, as the owner next looks at it (any learner's next slot, or
+        :meth:`stats`), rather than keep their slots for good."""
+        for segment in spare[: max(0, len(pool) - self._room(pool))]:
+            pool.remove(segment)
+            self._free(segment)
 
     def _use_board_release(self, segment: _Segment, worker: str) -> bool:
         """Whether ``worker`` wrote on the board that it is done with ``segment``'s
@@ -760,6 +809,7 @@ class ShmOwner:
         self._by_seq.pop(segment.seq, None)
         segment.released.clear()
         segment.placements.clear()
+        segment.model = ""
         segment.seq = self._next_seq
         self._next_seq += 1
         self._by_seq[segment.seq] = segment
@@ -792,6 +842,38 @@ def _hold_for(segment: _Segment, worker: str, placement: int) -> None:
     else:
         segment.holds.add(hold)
         segment.placements[worker] = {placement}
+
+
+def _held_only_for(segment: _Segment) -> list[str]:
+    """The receivers holding ``segment``, by name, if nothing else holds it (no
+    learner's, latest, relay or export hold); none otherwise."""
+    if any(hold.kind is not HoldKind.WORKER for hold in segment.holds):
+        return []
+    return sorted(hold.name for hold in segment.holds)
+
+
+def _kept_for_receivers(pool: list[_Segment]) -> int:
+    """How many segments of ``pool`` are held only for receivers, counting at most
+    ``KEPT_PER_RECEIVER`` per receiver and model (each segment once, for one of its
+    holders with room left): a busy receiver holds its queued call's slot, and its
+    zero-copy model's, of each model (the hub keeps a call per receiver and model). A
+    receiver that holds more (it never releases) still fills the pool, and memory stays
+    bounded per receiver and model."""
+    counted: dict[tuple[str, str], int] = {}
+    for segment in pool:
+        with_room = [
+            (worker, segment.model)
+            for worker in _held_only_for(segment)
+            if counted.get((worker, segment.model), 0) < KEPT_PER_RECEIVER
+        ]
+        if with_room:
+            counted[with_room[0]] = counted.get(with_room[0], 0) + 1
+    return sum(counted.values())
+
+
+def _latest_models(pool: list[_Segment]) -> set[str]:
+    """The models whose latest version is in a segment of ``pool``."""
+    return {hold.name for segment in pool for hold in segment.holds if hold.kind is HoldKind.LATEST}
 
 
 def _dead(segment: _Segment, model: str) -> bool:

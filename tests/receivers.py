@@ -960,8 +960,9 @@ def beat_now(host) -> None:
 
 def pull_giving_up_at_once(collector) -> str:
     """``collector`` (the actor, through ``__ray_call__``) pulls, waiting for its hub no
-    time at all: the hub cannot have answered (it answers once the version's owner
-    held the slot for it). The name of what the pull raised."""
+    time at all: the hub has not answered yet (it answers once the version's owner held
+    the slot for it), unless this thread was descheduled between the call and the wait.
+    The name of what the pull raised, or "answered"."""
     try:
         collector.pull_weights(timeout_s=1e-9)
     except ray.exceptions.GetTimeoutError as err:

@@ -25,6 +25,7 @@ from raysync.transports.shared_memory import learner as shm_learner
 from raysync.transports.shared_memory.segments import Mappings
 from raysync.transports.shared_memory.wire import (
     HEADER_BYTES,
+    KEPT_PER_RECEIVER,
     TOKEN_BYTES,
     Slot,
     holds_model,
@@ -106,9 +107,11 @@ def _no_process() -> int:
 
 class _Actor:
     """A real :class:`ShmOwner` in this process, called as the sender calls its actor:
-    each call runs at once, and ``ray.get`` (stood in) returns its answer. The answer of
-    the next ``acquire`` once ``hold_next`` is set waits for that event (``asked`` is
-    set when it starts waiting); ``waits`` records the slot wait each acquire was given."""
+    each call runs at once, but ``acquire``, which runs when its answer is asked for (as
+    Ray may: the actor got to it just then), and ``ray.get`` (stood in) returns its
+    answer, or raises what it raised. The answer of the next ``acquire`` once
+    ``hold_next`` is set waits for that event (``asked`` is set when it starts
+    waiting); ``waits`` records the slot wait each acquire was given."""
 
     def __init__(self, owner: ShmOwner) -> None:
         self.owner = owner
@@ -121,10 +124,10 @@ class _Actor:
 
     def _acquire(self, nbytes: int, wait_s: float, learner: str, pid: int) -> Callable[[], Slot]:
         self.waits.append(wait_s)
-        slot = self.owner.acquire(nbytes, wait_s, learner, pid)
         held, self.hold_next = self.hold_next, None
 
         def answer() -> Slot:
+            slot = self.owner.acquire(nbytes, wait_s, learner, pid)
             if held is not None:
                 self.asked.set()
                 assert held.wait(HELD_MOST_S), "the test never let the held answer go"
@@ -327,3 +330,25 @@ def test_a_slot_asked_for_ahead_whose_owner_died_after_answering_is_not_written(
     assert slot.seq == 3
     assert _written(owner.segments[3], slot, newer, "m")
     assert read_seq(owner.segments[2].numpy()) == 0  # the dead owner's slot, untouched
+
+
+def test_a_slot_asked_for_ahead_and_refused_is_not_waited_for_again(monkeypatch, actor):
+    """A receiver holds every version of ``m`` it is sent, past its room in the
+    learner's pool at a real owner. The slot asked for ahead once the last version
+    left is refused after the whole slot wait: the next send asks again with none of
+    it left, and fails with that first refusal, not after a second wait."""
+    monkeypatch.setattr(shm_learner, "SLOT_WAIT_S", TEST_SLOT_WAIT_S)
+    sender = _sender_of(monkeypatch, actor)
+    for version in range(1, 2 + KEPT_PER_RECEIVER + 1):  # the pool's room: 2 + kept
+        weights = _weights(256, seed=20 + version)
+        payload = sender.send(weights, WeightSpec.of(weights), "m")
+        actor.owner.deliver(os.getpid(), payload.slot.seq, "m", ("stuck",), version=version)
+        sender.submitted(payload, None)  # asks for the next version's slot ahead
+
+    newer = _weights(256, seed=30)
+    with pytest.raises(
+        TransportError,
+        match=rf"stayed held for {TEST_SLOT_WAIT_S:g} s by: latest/m, worker/stuck;",
+    ):
+        sender.send(newer, WeightSpec.of(newer), "m")
+    assert actor.waits[-2:] == [TEST_SLOT_WAIT_S, 0.0]  # ahead, then what was left

@@ -40,15 +40,25 @@ planned for until that receiver releases it (after its copy, or when it skips th
 version) or leaves the hub, and for the latest version of each model so that late
 joiners and pull receivers can still read it. A version is therefore never overwritten
 while a receiver may still copy it, however far behind that receiver is; the price is
-at most ``MAX_SLOTS`` slots per learner and size per node, after which the learner waits for
-a release (``SLOT_WAIT_S``) and then fails naming the receivers that hold them. Each
-slot's header also carries the sequence number written into it; a receiver checks it
-and raises :class:`TransportError` rather than read a slot that holds anything else.
+at most ``MAX_SLOTS`` slots per learner and size per node (one sender serves every
+model of its process: models of one size share them), one more for the latest of each
+of those models beyond the first, and one more for each slot held only for receivers,
+at most ``wire.KEPT_PER_RECEIVER`` per receiver and model, as the hub keeps a call per
+receiver and model (a busy receiver's queued call's, and the one its zero-copy model
+lives in): receivers busy from different versions do not fill the pool. Past that the
+learner waits for a release (``SLOT_WAIT_S``) and then fails naming the receivers that
+hold them. Each slot's header also carries the sequence number written into it; a
+receiver checks it and raises :class:`TransportError` rather than read a slot that
+holds anything else.
 
 Memory: the learner asks for its next slot once each version has left for the hub
 (:meth:`SharedMemorySender.submitted`), so at steady state an owner keeps three slots
-per model size (latest, in flight, next), up to ``MAX_SLOTS`` while receivers lag.
-Segments are allocated when created, off the path of a broadcast.
+per model size (latest, in flight, next; one more latest for each other model of that
+size), up to ``MAX_SLOTS`` while receivers lag, and up to ``wire.KEPT_PER_RECEIVER``
+more per receiver and model holding old versions. Those are not freed as they are
+released but at the next slot request of any learner on the node (or the owner's
+``stats``), which frees the free slots beyond each pool's room. Segments are allocated
+when created, off the path of a broadcast.
 
 A version larger than ``bucket_mb`` does not take a slot: it travels as the object
 store's bucket stream (:mod:`raysync.transports.object_store.buckets`; Ray's object

@@ -13,8 +13,15 @@ import numpy as np
 
 #: Namespace of the owner actors (named per hub and node, looked up by the learner).
 OWNER_NAMESPACE = "raysync"
-#: Most slots an owner keeps per segment size; a learner waits once all are held.
+#: Most slots an owner keeps per learner and segment size, beside the latest of each
+#: model of that size beyond the first and those held only for receivers
+#: (``KEPT_PER_RECEIVER``); a learner waits once all are held.
 MAX_SLOTS = 4
+#: Slots held only for one receiver, of one model, that its owner's pool may hold beyond
+#: ``MAX_SLOTS`` (the hub keeps a call per receiver and model, and models of one size
+#: share the pool): a busy receiver's queued call's and, in zero-copy mode, the one its
+#: model lives in.
+KEPT_PER_RECEIVER = 2
 #: How long the learner (or a relaying owner) waits for a slot to be released.
 SLOT_WAIT_S = 60.0
 #: How long the learner waits for its node's owner to be (re)started by the hub.
