@@ -194,9 +194,15 @@ class ShmOwner:
         #: [row, column]: the last sequence that row's receiver released in the segment
         #: of that column (receivers write it; only the owner reads it)
         self._cells = Board.cells(self._board.buffer)
-        #: worker -> its row; never given to another worker (a former holder of a row
-        #: may still write there)
+        #: worker -> its row; given to another worker only once every process it was
+        #: handed to is gone for good (a former holder of a row may still write there:
+        #: see :meth:`_reclaim_rows`)
         self._rows: dict[str, int] = {}
+        #: worker -> the processes its row was handed to, (pid, its start; None: not
+        #: known), as it joined
+        self._row_writers: dict[str, set[tuple[int, int | None]]] = {}
+        self._next_row = 0
+        self._free_rows: list[int] = []  #: rows reclaimed (zeroed), for new workers
         #: workers that died, left or moved to another node: a hold for one of them that
         #: lands after (a relay's, or a plan's made before the hub heard) is not taken
         self._gone: set[str] = set()
@@ -491,10 +497,11 @@ class ShmOwner:
         """``worker`` (re)joined on this node, from process ``pid`` (0: not known): it
         holds nothing but ``keep`` (see :meth:`drop_worker`; held again if only a drop
         let go of them: :meth:`_hold_again`), and gets its row of the
-        release board (the same one again if it had one; None once every row is taken:
-        it then releases by call). ``order``: its number among the hub's calls (see
-        :meth:`deliver`), taken as the hub booked the registration: the holds of plans
-        that target the new registration come after it and are kept."""
+        release board (the same one again if it still has one; None once every row is
+        taken by a process that may still write there: it then releases by call).
+        ``order``: its number among the hub's calls (see :meth:`deliver`), taken as the
+        hub booked the registration: the holds of plans that target the new
+        registration come after it and are kept."""
         with self._in_order.turn("hub", order):
             self._forget(worker, keep)
             self._hold_again(worker, keep)
@@ -504,10 +511,53 @@ class ShmOwner:
                 self._receiver_pids[worker] = (pid, _started_at(pid))
             else:
                 self._receiver_pids.pop(worker, None)
-            row = self._rows.get(worker)
-            if row is None and len(self._rows) < BOARD_ROWS:
-                row = self._rows[worker] = len(self._rows)
+            row = self._row_of(worker)
             return None if row is None else Board(self._slot(self._board), row)
+
+    def _row_of(self, worker: str) -> int | None:
+        """(Lock held.) ``worker``'s row of the release board as it joins, from its
+        process in ``_receiver_pids`` (none there: not known): the one it has, else a
+        new one (:meth:`_new_row`). That process is one of the row's writers from now
+        on; those seen gone are forgotten."""
+        row = self._rows.get(worker)
+        if row is None:
+            row = self._new_row()
+            if row is None:
+                return None
+            self._rows[worker] = row
+        writers = {w for w in self._row_writers.get(worker, ()) if not _gone_for_good(w)}
+        writers.add(self._receiver_pids.get(worker, (0, None)))
+        self._row_writers[worker] = writers
+        return row
+
+    def _new_row(self) -> int | None:
+        """(Lock held.) A row of the release board for a worker that has none: one
+        never given out, else one reclaimed from workers whose processes are gone
+        (:meth:`_reclaim_rows`); None once every row may still be written."""
+        if self._next_row < BOARD_ROWS:
+            self._next_row += 1
+            return self._next_row - 1
+        if not self._free_rows:
+            self._reclaim_rows()
+        return self._free_rows.pop() if self._free_rows else None
+
+    def _reclaim_rows(self) -> None:
+        """(Lock held.) Take back the row of each worker every process of which it was
+        handed to is gone for good (its pid is dead, or another process's now): nothing
+        writes there any more. The row is zeroed, so no release its former worker wrote
+        there is read as the next one's; that worker keeps the holds it has until it is
+        dropped (a dead process releases nothing), and, should it join again, gets
+        another row. A row handed to a live process (a receiver that left may still
+        release there late), or to one not known, is kept. Run only once every row was
+        given out: it reads each writer's ``/proc`` entry."""
+        processes = set().union(*self._row_writers.values())
+        gone = {process for process in processes if _gone_for_good(process)}
+        for worker, writers in list(self._row_writers.items()):
+            if writers <= gone:
+                row = self._rows.pop(worker)
+                del self._row_writers[worker]
+                self._cells[row, :] = 0
+                self._free_rows.append(row)
 
     def drop_worker(
         self, worker: str, keep: tuple[tuple[int, int], ...] = (), order: int = 0
@@ -886,6 +936,13 @@ def _written_whole(segment: _Segment) -> bool:
     """Whether the learner finished writing the version ``segment`` was given out for
     (it writes the sequence into the header last)."""
     return read_seq(segment.buffer) == segment.seq
+
+
+def _gone_for_good(process: tuple[int, int | None]) -> bool:
+    """Whether ``process`` (pid, its start as :func:`_started_at` read it; None: not
+    known) has ended: its pid names no process, or another one."""
+    pid, started = process
+    return started is not None and _started_at(pid) != started
 
 
 def _started_at(pid: int) -> int | None:
