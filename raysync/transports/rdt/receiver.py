@@ -74,12 +74,10 @@ class RdtReceiver(TransportReceiver):
         self._pool.release(staged)
 
     def decline(self, payload: RdtPayload | RdtBucketStream | BucketStream) -> None:
-        """A bucketed version (its own stream or one served through the object store) is
-        let go of as the object store's receiver declines it
-        (:meth:`~raysync.transports.object_store.receiver.ObjectStoreReceiver.decline`:
-        a stream served for this read alone is given up, the version's own is not: a
-        broadcast may be delivering it to this receiver); a whole version as
-        :meth:`release` lets go of one never fetched."""
+        """As NIXL's receiver declines (a bucket stream through
+        :meth:`~raysync.transports.object_store.receiver.ObjectStoreReceiver.decline`,
+        which leaves the version's own stream to the broadcast that may deliver it
+        here), and a whole version as :meth:`release` lets go of one never fetched."""
         if isinstance(payload, BucketStream):
             self._served.decline(payload)
         else:
