@@ -25,8 +25,8 @@ at most ``KEPT_PER_RECEIVER`` per receiver and model, as the hub keeps a call pe
 receiver and model (see :meth:`ShmOwner._room`): receivers busy from different
 versions each keep an old one of each model without filling the pool, while one that
 holds more (it never releases) still fills it and the learner's wait fails naming it.
-A free slot beyond that room is freed, not kept, as the owner next looks at the pool
-(the learner's next slot, or :meth:`ShmOwner.stats`), not at its release.
+A free slot beyond that room is freed, not kept, as the owner next looks at the pools
+(any learner's next slot on the node, or :meth:`ShmOwner.stats`), not at its release.
 
 The actor runs its calls in a pool of threads (``OWNER_THREADS``); every method
 touches the holds holding one lock, so each sees and leaves them consistent, and the
