@@ -743,9 +743,8 @@ class ShmOwner:
             self._forget_lapsed_dead()
             # Looked up again after each wait: a pool of a learner gone may be dropped.
             pool = self._pools.setdefault((stream, nbytes), [])
-            free = self._unheld(pool)
+            free = self._unheld(pool)  # beyond its room, one at most (``_free_left``)
             if free:
-                self._free_beyond_room(pool, free[1:])
                 return free[0]
             if len(pool) < self._room(pool):
                 segment = self._new_segment(nbytes, stream)
@@ -783,10 +782,12 @@ class ShmOwner:
 
     def _free_beyond_room(self, pool: list[_Segment], spare: list[_Segment]) -> None:
         """Free the ``spare`` segments of ``pool`` (nothing holds them) that it has
-        beyond its room: a pool that grew for busy receivers shrinks back once they
-        let go, as the owner next looks at it (any learner's next slot, or
-        :meth:`stats`), rather than keep their slots for good."""
-        for segment in spare[: max(0, len(pool) - self._room(pool))]:
+        beyond its room, but one: a pool that grew for busy receivers shrinks back once
+        they let go, as the owner next looks at it (any learner's next slot, or
+        :meth:`stats`), rather than keep their slots for good; and the learner still
+        finds a free slot where the holds it cannot count (its own pending versions,
+        the latest, exports) alone fill the room."""
+        for segment in spare[: min(len(spare) - 1, len(pool) - self._room(pool))]:
             pool.remove(segment)
             self._free(segment)
 

@@ -259,3 +259,22 @@ def test_each_same_size_models_latest_leaves_the_learner_its_slots(owner):
     assert stats.holds == tuple(f"latest/{model}" for model in models)
     assert stats.segments == len(models) + 1  # each model's latest, and the next
     assert learner.version == 2 * len(models)
+
+
+def test_a_pool_that_shrinks_keeps_a_free_slot_its_pending_versions_need(owner):
+    """Three busy receivers grew the pool; the learner has three versions pending
+    (written, not planned yet) beside the latest when they let go: those four holds
+    alone fill the room, and shrinking freed every free slot, so the learner's next
+    version waited the slot wait for one it had just had."""
+    learner = _Learner(owner)
+    for busy in ("a", "b", "c"):
+        learner.send(busy)
+    learner.send()  # the latest, held for nobody else
+    for _ in range(3):
+        owner.acquire(NBYTES, timeout_s=SHORT_WAIT_S, learner=LEARNER)  # pending
+    for version, busy in enumerate(("a", "b", "c"), start=1):
+        learner.release(busy, version)
+
+    owner.acquire(NBYTES, timeout_s=SHORT_WAIT_S, learner=LEARNER)
+
+    assert owner.stats().holds == ("latest/m", *["pending"] * 4)
