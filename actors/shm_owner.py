@@ -37,12 +37,14 @@ descriptors close with it and the kernel frees the memory once receivers unmap i
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import mmap
 import os
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,6 +121,22 @@ PENDING_KEPT_S = 2 * SLOT_WAIT_S
 CLOSED_SENDERS_KEPT = 1024
 #: How many dropped workers' former holds the owner remembers (see ``_hold_again``).
 DROPPED_KEPT = 1024
+#: How long the owner remembers a worker gone (``drop_worker``, ``lapse``) to turn away
+#: the holds for it that land after (departures reach every node's owner: kept for good,
+#: a long job whose collectors come and go grew them without bound). Such a hold comes
+#: from a plan the hub began while the worker was registered. The hub numbers its
+#: ordered calls (``deliver``, ``abandon``) as it sends them: one sent before the drop
+#: runs before it (and the drop forgets its hold); one sent after left the hub as the
+#: plan began (``_hold``, a direct-path booking's too), as the version's export for
+#: other nodes answered (a relayed node's ``deliver``) or as the hub refused the version
+#: (``abandon``), moments after the departure, and runs in its turn. A ``relay`` is not
+#: numbered: sent as the export answered, it starts moments after, then waits up to
+#: ``SLOT_WAIT_S`` for a slot and copies the version in for as long as the fetch takes
+#: (it has no timeout) before it takes its receivers' holds: a departure is kept this
+#: long counted from now or, if earlier, from the start of the oldest relay still in
+#: flight (see ``_went``). A hold taken for a worker forgotten too soon keeps its slot
+#: for good (nobody releases it).
+GONE_KEPT_S = 2 * (PENDING_KEPT_S + SLOT_WAIT_S)
 
 
 @dataclass
@@ -142,7 +160,7 @@ class _Segment:
     #: beside a broadcast of it), and a delivery that never reaches the worker takes
     #: back its own part (:meth:`ShmOwner.withdraw`), not the others'
     placements: dict[str, set[int]] = field(default_factory=dict)
-    pending_since: float = 0.0  #: ``time.monotonic()`` when last held ``PENDING``
+    pending_since: float = 0.0  #: the owner's clock when last held ``PENDING``
 
 
 @dataclass(frozen=True)
@@ -165,10 +183,17 @@ class ShmOwner:
     """See module docstring."""
 
     def __init__(
-        self, node_id: str, max_slots: int, pending_kept_s: float = PENDING_KEPT_S
+        self,
+        node_id: str,
+        max_slots: int,
+        pending_kept_s: float = PENDING_KEPT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._node_id = node_id
         self._pending_kept_s = pending_kept_s
+        #: tells how long a slot, a learner or a worker has been in a state (its waits
+        #: are real time)
+        self._clock = clock
         self._pid = os.getpid()
         self._max_slots = max_slots
         #: by (stream, segment size): each learner, and each model's relays, has its own
@@ -203,15 +228,19 @@ class ShmOwner:
         self._row_writers: dict[str, set[tuple[int, int | None]]] = {}
         self._next_row = 0
         self._free_rows: list[int] = []  #: rows reclaimed (zeroed), for new workers
-        #: workers that died, left or moved to another node: a hold for one of them that
-        #: lands after (a relay's, or a plan's made before the hub heard) is not taken
-        self._gone: set[str] = set()
+        #: workers that died, left or moved to another node, oldest first, with the
+        #: owner's clock then: a hold for one of them that lands after (a relay's, or a
+        #: plan's made before the hub heard) is not taken, for ``GONE_KEPT_S``
+        self._gone: dict[str, float] = {}
+        #: the owner's clock as each relay in flight began (:meth:`relay`): the
+        #: departures from ``GONE_KEPT_S`` before then on are kept until it ends
+        self._relays_began: list[float] = []
         self._next_column = 0
         self._free_columns: list[int] = []  #: columns of freed segments
         #: learner (sender id) -> its process, and the learners gone, with when they
         #: were found gone (their slots are freed as their holds go)
         self._learner_pids: dict[str, tuple[int, int | None]] = {}  #: (pid, its start)
-        self._left: dict[str, float] = {}  #: learner -> ``time.monotonic()``
+        self._left: dict[str, float] = {}  #: learner -> the owner's clock then
         #: receiver (worker) -> its process on this node as it joined (pid, its start),
         #: and the receivers that lapsed (see :meth:`lapse`)
         self._receiver_pids: dict[str, tuple[int, int | None]] = {}
@@ -238,7 +267,7 @@ class ShmOwner:
             segment = self._free_segment(learner, nbytes, timeout_s)
             self._check_not_closed(learner)  # it may have while this call waited
             segment.holds.add(PENDING)
-            segment.pending_since = time.monotonic()
+            segment.pending_since = self._clock()
             return self._assign(segment)
 
     def leave(self, learner: str) -> None:
@@ -248,7 +277,7 @@ class ShmOwner:
         ``pending_kept_s`` at most); those never written whole (the one it asked for
         ahead, answered or not yet) at once, and it is given no slot after."""
         with self._lock:
-            self._left.setdefault(learner, time.monotonic())
+            self._left.setdefault(learner, self._clock())
             self._closed_senders[learner] = None
             keep_newest(self._closed_senders, CLOSED_SENDERS_KEPT)
             for pool_key, pool in self._pools.items():
@@ -425,30 +454,46 @@ class ShmOwner:
         the hub's calls numbered up to ``after`` (those sent before it: a worker's join
         among them, which would forget a hold taken before it) have run. Not numbered
         itself: the holds sent after it do not wait for its copy."""
-        with self._lock:
-            segment = self._free_segment(_relays_of(model), nbytes, timeout_s)
-            segment.holds.add(RELAYING)
-            # Numbered now, not once the bytes are here: a late hold of the version it
-            # held before (a plan reusing that relay) is refused from here on.
-            slot = self._assign(segment)
-            write_seq(segment.buffer, 0)
-        try:
-            data = ray.get(refs[0])
-            np.copyto(segment.buffer[HEADER_BYTES:], data)
-            write_seq(segment.buffer, slot.seq)
-        except BaseException:
+        with self._relay_in_flight():
             with self._lock:
-                segment.holds.discard(RELAYING)
-                self._lock.notify_all()
-            raise
-        with self._lock:  # its receivers' holds are taken before its own goes
-            self._in_order.wait_passed("hub", after)
+                segment = self._free_segment(_relays_of(model), nbytes, timeout_s)
+                segment.holds.add(RELAYING)
+                # Numbered now, not once the bytes are here: a late hold of the version
+                # it held before (a plan reusing that relay) is refused from here on.
+                slot = self._assign(segment)
+                write_seq(segment.buffer, 0)
             try:
-                self._relays += 1
-                return self._deliver(self._pid, slot.seq, model, workers, version, placement)
-            finally:
-                segment.holds.discard(RELAYING)
-                self._lock.notify_all()
+                data = ray.get(refs[0])
+                np.copyto(segment.buffer[HEADER_BYTES:], data)
+                write_seq(segment.buffer, slot.seq)
+            except BaseException:
+                with self._lock:
+                    segment.holds.discard(RELAYING)
+                    self._lock.notify_all()
+                raise
+            with self._lock:  # its receivers' holds are taken before its own goes
+                self._in_order.wait_passed("hub", after)
+                try:
+                    self._relays += 1
+                    return self._deliver(self._pid, slot.seq, model, workers, version, placement)
+                finally:
+                    segment.holds.discard(RELAYING)
+                    self._lock.notify_all()
+
+    @contextlib.contextmanager
+    def _relay_in_flight(self) -> Iterator[None]:
+        """(Lock not held.) A :meth:`relay` from its start to its end: the departures
+        from ``GONE_KEPT_S`` before its start on are not forgotten meanwhile (see
+        :meth:`_went`), however long its copy takes, so its receivers' holds for them
+        are turned away."""
+        with self._lock:
+            began = self._clock()
+            self._relays_began.append(began)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._relays_began.remove(began)
 
     def release(self, pid: int, seq: int, worker: str) -> None:
         """``worker`` is done with version ``seq`` (copied or skipped it). It may come
@@ -505,7 +550,7 @@ class ShmOwner:
         with self._in_order.turn("hub", order):
             self._forget(worker, keep)
             self._hold_again(worker, keep)
-            self._gone.discard(worker)
+            self._gone.pop(worker, None)
             self._lapsed.discard(worker)
             if pid:
                 self._receiver_pids[worker] = (pid, _started_at(pid))
@@ -566,17 +611,34 @@ class ShmOwner:
         but the slots in ``keep`` ((owner pid, seq) pairs: its zero-copy models live
         there), and a hold for it that lands later (the hub does not wait for its holds
         to land; a relay takes its receivers' after its copy) is not taken, until it
-        joins here again. ``order``: its number among the hub's calls (see
-        :meth:`deliver`): a join of the worker's next registration comes after it."""
+        joins here again (or ``GONE_KEPT_S`` passed, counted up to the start of the
+        oldest relay in flight: none lands that late; see :meth:`_went`). ``order``: its
+        number among the hub's calls (see :meth:`deliver`): a join of the worker's next
+        registration comes after it."""
         with self._in_order.turn("hub", order):
             dropped = self._forget(worker, keep)
             self._dropped.pop(worker, None)
             if dropped:
                 self._dropped[worker] = dropped
                 keep_newest(self._dropped, DROPPED_KEPT)
-            self._gone.add(worker)
+            self._went(worker)
             self._lapsed.discard(worker)
             self._receiver_pids.pop(worker, None)
+
+    def _went(self, worker: str) -> None:
+        """(Lock held.) ``worker`` is gone as of now (:meth:`drop_worker`, :meth:`lapse`);
+        the departures no hold can follow any more are forgotten: those ``GONE_KEPT_S``
+        older than now and than the start of every relay in flight (see ``GONE_KEPT_S``)."""
+        now = self._clock()
+        self._gone.pop(worker, None)  # its latest departure goes last: oldest first
+        self._gone[worker] = now
+        # A relay takes its receivers' holds once its copy is in, however late: one
+        # that started a moment after a departure may carry a hold for that worker.
+        since = min([now, *self._relays_began])
+        oldest = next(iter(self._gone))
+        while since - self._gone[oldest] > GONE_KEPT_S:
+            del self._gone[oldest]
+            oldest = next(iter(self._gone))
 
     def _hold_again(self, worker: str, keep: tuple[tuple[int, int], ...]) -> None:
         """(Lock held.) A join: hold again the slots of ``keep`` that :meth:`drop_worker`
@@ -620,7 +682,7 @@ class ShmOwner:
         until the owner closes: a slot or two, where letting go could rewrite a live
         model under it. ``order``: as :meth:`drop_worker`'s."""
         with self._in_order.turn("hub", order):
-            self._gone.add(worker)
+            self._went(worker)
             self._lapsed.add(worker)
             self._forget_lapsed_dead()
 
@@ -698,7 +760,7 @@ class ShmOwner:
             if learner in self._left or learner == asking:
                 continue
             if started is None or _started_at(pid) != started:  # its pid may be reused
-                self._left[learner] = time.monotonic()
+                self._left[learner] = self._clock()
         for key, pool in list(self._pools.items()):
             left_at = self._left.get(key[0])
             if left_at is None and key not in self._retired_pools:
@@ -708,8 +770,7 @@ class ShmOwner:
                 # asked for ahead was asked a whole step before it was written.
                 if (
                     left_at is not None
-                    and time.monotonic() - max(segment.pending_since, left_at)
-                    > self._pending_kept_s
+                    and self._clock() - max(segment.pending_since, left_at) > self._pending_kept_s
                 ):
                     segment.holds.discard(PENDING)  # its version was never planned
                 self._read_board(segment)
@@ -787,7 +848,10 @@ class ShmOwner:
         :meth:`stats`), rather than keep their slots for good; and the learner still
         finds a free slot where the holds it cannot count (its own pending versions,
         the latest, exports) alone fill the room."""
-        for segment in spare[: min(len(spare) - 1, len(pool) - self._room(pool))]:
+        # Not below 0: a pool within its room has nothing beyond it, and a negative
+        # count would slice the free slots from their end and free all but that many.
+        beyond = max(0, min(len(spare) - 1, len(pool) - self._room(pool)))
+        for segment in spare[:beyond]:
             pool.remove(segment)
             self._free(segment)
 

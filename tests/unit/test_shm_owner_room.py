@@ -278,3 +278,24 @@ def test_a_pool_that_shrinks_keeps_a_free_slot_its_pending_versions_need(owner):
     owner.acquire(NBYTES, timeout_s=SHORT_WAIT_S, learner=LEARNER)
 
     assert owner.stats().holds == ("latest/m", *["pending"] * 4)
+
+
+def test_a_pool_within_its_room_keeps_its_free_slots(owner):
+    """A receiver copies the three versions it was sent only once the third came, then
+    lets go of all three: the pool's three slots are within ``MAX_SLOTS``, and its two
+    free ones serve the learner's next versions. Its room less its size went below
+    zero: the owner's look at it cut the free slots from their end and freed one, and
+    the learner's next version made a new segment (a whole version's memory, allocated
+    holding the owner's lock)."""
+    learner = _Learner(owner)
+    for _ in range(3):
+        learner.send("late")
+    for version in (1, 2, 3):
+        learner.release("late", version)
+
+    for _ in range(2):
+        learner.send("free")
+        learner.release("free", learner.version)
+
+    assert learner.retired() == []
+    assert owner.stats().segments == 3
