@@ -17,17 +17,18 @@ model that mixes two versions. This covers every way Ray runs actor methods:
   for those a running user method started itself (``asyncio.gather`` of other user
   methods), which go at once: their caller waits for them. A write from another thread
   of an async host (a pull in ``asyncio.to_thread``) waits for the coroutines as for
-  threads, and coroutines that start meanwhile wait for it likewise. A synchronous
-  user method, which Ray runs on the loop, cannot wait for a write that waits (the
-  coroutines it waits for are parked on that loop): it goes at once and is counted,
-  so a write from another thread waits for it; only one already running ends first.
-  One a coroutine runs through ``to_thread`` while it reads goes at once too (its
-  starter holds the model), and is counted: it holds the model if its starter returns
-  first (it was not awaited). A delivery that arrives off the loop while a synchronous
-  user method holds its thread (a concurrency group's, looping for good with safe
-  points) is not left waiting there: its own thread stands in for the loop
-  (:mod:`raysync.host_loop`) and defers the write as the loop would, for that
-  method's next safe point.
+  threads (or for a safe point of the only one left: it waits for the write, which
+  applies without the loop), and coroutines that start meanwhile wait for it likewise.
+  A synchronous user method, which Ray runs on the loop, cannot wait for a write that
+  waits (the coroutines it waits for are parked on that loop): it goes at once and is
+  counted, so a write from another thread waits for it, or for its next safe point if
+  it is the only reader left; only one already running ends first. One a coroutine
+  runs through ``to_thread`` while it reads goes at once too (its starter holds the
+  model), and is counted: it holds the model if its starter returns first (it was not
+  awaited). A delivery that arrives off the loop while a synchronous user method
+  holds its thread (a concurrency group's, looping for good with safe points) is not
+  left waiting there: its own thread stands in for the loop (:mod:`raysync.host_loop`)
+  and defers the write as the loop would, for that method's next safe point.
 
 Each gate (a receiver's) holds its own reads: a user method reading the models of two
 receivers in one process holds each of them, and a write or safe point of one gate
@@ -466,11 +467,14 @@ class ApplyGate:
         since its last safe point holds the others that long at most, as a write's
         first turn does. Inside a write on its own thread (``on_weights_applied``
         calling a method with safe points) it returns at once: it waited for that write.
+        On an event loop it applies the deferred writes, and lets in a thread write
+        that waits for it alone (:meth:`_let_in_thread_writes`).
         """
         if self._writes_here():
             return
         if on_event_loop():
             self._run_deferred_if_idle(own=self._own_reads())
+            self._let_in_thread_writes(self._own_read())
             return
         read = self._own_read()
         with self._cond:
@@ -498,6 +502,21 @@ class ApplyGate:
                     self._cond.wait(max(0.0, until - time.monotonic()))
                 else:
                     break
+            self._take_back(read)
+
+    def _let_in_thread_writes(self, read: _Read | None) -> None:
+        """At a safe point on the loop of ``read`` (the caller's): let in the writes of
+        other threads that wait for it alone, and wait until they ran. Else they waited
+        for as long as it ran (a sync method looping for good, and a receiver retired
+        from a thread as it closes). It never waits for one that other readers hold
+        back: coroutines parked on this loop may be among them, and it holds the loop."""
+        with self._cond:
+            if read is None or not self._writers_blocked:
+                return
+            self._lend(read)
+            self._cond.notify_all()
+            while self._writing or (self._writers_blocked and not self._readers):
+                self._cond.wait()
             self._take_back(read)
 
     def _others_looping(self, read: _Read | None) -> float | None:

@@ -788,6 +788,28 @@ def test_an_async_safe_point_applies_deferred_writes_when_its_reader_is_alone():
     assert finished == ["ack-1"]
 
 
+def test_an_async_safe_point_lets_in_a_thread_write_waiting_for_its_reader_alone():
+    """A coroutine reading, with safe points (``while True: await collect();
+    safe_point()``): a write from a thread (a pull of a user's thread, a receiver
+    retired from one) waited for it to return, for good. Its safe point lets the write
+    in, and waits for it (a write applies without the loop)."""
+    gate, cond = _watched_gate([])
+    model = {"v": 0}
+
+    async def main() -> list[int]:
+        seen = []
+        async with gate.reading_async():
+            pulling = _started("pull", lambda: gate.write(_setter(model, 1)))
+            await asyncio.to_thread(_wait, cond.blocked("pull"), "the pull waits")
+            seen.append(model["v"])
+            gate.safe_point()
+            seen.append(model["v"])
+        assert await asyncio.to_thread(pulling.finish) == "ack-1"
+        return seen
+
+    assert _run(main()) == [0, 1]
+
+
 def test_an_async_safe_point_applies_nothing_while_another_reader_is_parked():
     finished: list[Any] = []
     gate = ApplyGate(finish_deferred=finished.append)
@@ -2047,3 +2069,42 @@ def test_a_write_for_a_loop_a_sync_looper_of_another_gate_holds_applies_at_once(
     finally:
         stop.set()
     looped.result(TIMEOUT)
+
+
+def test_a_thread_write_goes_at_a_safe_point_of_a_sync_looper_on_the_loop(loops):
+    """A sync method loops for good on its group's loop, reading, with safe points
+    (``while True: collect(); safe_point()``). A write made straight from a thread (a
+    receiver retired as it closes from a thread, a pull of a user's thread) waited
+    behind it for good, past its first turn too: the looper's safe points, on the loop,
+    let in only writes deferred to them. The looper's next safe point lets it in, and
+    waits for it to end: the looper never sees half of it."""
+    gate = ApplyGate(finish_deferred=lambda _: None)
+    model = {"a": 0, "b": 0}
+    looping, stop = threading.Event(), threading.Event()
+    seen: list[tuple[int, int]] = []
+
+    def retire() -> str:
+        model["a"] = 1
+        threading.Event().wait(0.01)  # a looper running now would see it halfway
+        model["b"] = 1
+        return "retired"
+
+    async def looper() -> None:  # a sync method, run on its group's loop
+        with gate.reading():
+            looping.set()
+            while not stop.is_set():
+                seen.append((model["a"], model["b"]))
+                gate.safe_point()
+                threading.Event().wait(0.001)
+
+    looped = loops.run(1, looper())
+    try:
+        _wait(looping, "the looper reads")
+        assert _started("closing", lambda: gate.write(retire)).finish() == "retired"
+        _poll(gate, lambda: bool(seen) and seen[-1] == (1, 1), "the looper sees it")
+    finally:
+        stop.set()
+    looped.result(TIMEOUT)
+    assert set(seen) <= {(0, 0), (1, 1)} and seen == sorted(seen)
+    assert gate._readers == 0
+
