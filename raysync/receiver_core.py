@@ -33,7 +33,7 @@ import time
 import traceback
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,6 +242,12 @@ class ReceiverCore:
         #: that one), unless that one closed before it was welcomed (see
         #: :func:`_check_not_replaced`).
         self._successor: ReceiverCore | None = None
+        #: The registration (its identity) that retired this core to replace it, from
+        #: its :meth:`retire` until it replaced it or failed to: no other registration
+        #: retires it meanwhile (it would move a zero-copy model out of the memory that
+        #: one carries over, and hand that memory back). Under ``_replacing_changed``.
+        self._replacing: ReceiverIdentity | None = None
+        self._replacing_changed = threading.Condition()
         #: Set once :meth:`apply_welcome` applied what the hub offered: ``attach``
         #: returns this core's receiver only then.
         self._welcomed = False
@@ -285,10 +291,11 @@ class ReceiverCore:
         for it. Call :meth:`apply_welcome` next.
 
         Raises ValueError for no paths, an unknown transport name, zero copy asked
-        of a transport that cannot give it, or a worker id this process is attached to
-        the hub as already (other than ``previous``); errors of the model paths and of
-        the hub's checks (``SpecMismatchError``, ``TransportUnavailableError``) pass
-        through.
+        of a transport that cannot give it, a worker id this process is attached to
+        the hub as already (other than ``previous``), or a ``previous`` that another
+        registration replaced, or retired first to replace it (another thread's: see
+        :meth:`retire`); errors of the model paths and of the hub's checks
+        (``SpecMismatchError``, ``TransportUnavailableError``) pass through.
         """
         if not paths:
             raise ValueError("connect_hub needs at least one model path")
@@ -297,22 +304,32 @@ class ReceiverCore:
         _reserve_attachment(hub, identity, previous)
         # Versions are a hub's own numbers: another hub's would hide its latest.
         carried = previous if _same_hub(previous, hub) else None
-        try:  # a model that cannot take its own copy, a path that does not resolve...
+        # The previous core's hub watch must not register it again over this one: its
+        # _registering, held from the end of the block below to the hand-over.
+        registering = contextlib.ExitStack()
+        try:  # a model that cannot take its own copy, a path that does not resolve, a wait
+            # for the previous core that timed out or was interrupted...
             if previous is not None:
                 adoptions_carry = carried is not None and _adoptions_carry_over(
                     previous, identity, hub
                 )
+                # Not retired by this registration if another thread's did first: this
+                # one is refused below, once that one is done with it.
                 previous.retire(
                     carried_over=_models_carried_over(previous, paths, owner)
                     if adoptions_carry
-                    else ()
+                    else (),
+                    replacing=identity,
                 )
             held = {m: _carried_over(carried, m, path, owner) for m, path in paths.items()}
             registration = _registration(owner, held, identity)
+            if previous is not None:
+                registering.enter_context(previous._held_for(identity, timeout_s))
         except BaseException:  # ...: the previous registration stays this process's
+            registering.close()  # _registering, if the wait for it just returned
             _give_attachment_back(identity, previous)
             if previous is not None:
-                previous._retired = False
+                previous._not_replaced_by(identity)
             raise
 
         def undo() -> None:
@@ -322,14 +339,13 @@ class ReceiverCore:
             it), and a zero-copy model carried over lives in memory it held."""
             _give_attachment_back(identity, previous)
             if previous is not None:
-                previous._retired = False
+                previous._not_replaced_by(identity)
                 previous.wake_watch()
 
-        # The previous core's hub watch must not register it again over this one.
-        with contextlib.nullcontext() if previous is None else previous._registering:
+        with registering:
             try:  # another thread's registration may have replaced it while this waited
-                _check_not_replaced(previous, identity)
-            except ValueError:  # retired and closed by that one: left as it is
+                _check_replacing(previous, identity)
+            except ValueError:  # retired (and closed) by that one: left as it is
                 _give_attachment_back(identity, None)
                 raise
             try:
@@ -342,8 +358,20 @@ class ReceiverCore:
                     # fails on. Withdrawn; the hub refuses it if it comes later.
                     hub.actor.leave.remote(identity.worker, registration.token)
                 raise
-            try:  # before the previous core closes: if it cannot open, that one stays
+            try:  # before the previous core closes: if this fails, that one stays
                 transport = _open_transport(welcome)
+                core = cls(
+                    owner,
+                    hub,
+                    held,
+                    identity,
+                    welcome,
+                    registration.token,
+                    on_applied,
+                    gate=None if previous is None else previous.gate,
+                    earlier_hubs=None if previous is None else previous.hubs_to_ack_later(),
+                    transport=transport,
+                )
             except BaseException:
                 undo()
                 # The hub forgets this registration; under the previous one's worker id,
@@ -353,21 +381,9 @@ class ReceiverCore:
                         hub.actor.leave.remote(identity.worker, registration.token),
                         timeout=timeout_s,
                     )
-                except Exception:  # what is raised is why the transport did not open
+                except Exception:  # what is raised is why the new core did not open
                     logger.exception("could not withdraw %s's registration", identity.worker)
                 raise
-            core = cls(
-                owner,
-                hub,
-                held,
-                identity,
-                welcome,
-                registration.token,
-                on_applied,
-                gate=None if previous is None else previous.gate,
-                earlier_hubs=None if previous is None else previous.hubs_to_ack_later(),
-                transport=transport,
-            )
             if previous is not None:
                 previous._hand_over_to(core)  # under its _registering: see _check_not_replaced
                 if not carried or previous.worker != identity.worker:
@@ -413,12 +429,16 @@ class ReceiverCore:
         out): this core forgets them, so that a registration replacing it again (once
         ``successor`` failed to connect) neither keeps nor hands them back a second
         time."""
-        self._successor = successor
+        with self._replacing_changed:
+            self._successor, self._replacing = successor, None
+            self._replacing_changed.notify_all()
         for held in self.models.values():
             held.adoption.current = None
         self.close()
 
-    def retire(self, carried_over: Collection[str] = ()) -> None:
+    def retire(
+        self, carried_over: Collection[str] = (), replacing: ReceiverIdentity | None = None
+    ) -> None:
         """Apply no more versions: called before this receiver leaves the hub or a new
         registration of this process replaces it. A version this core staged that
         reaches the safe point after is acked ``NOT_ATTACHED`` instead (applied, a
@@ -432,9 +452,16 @@ class ReceiverCore:
         host's loop, where applies run, at once (values do not change, so coroutines
         parked in a read see the same version), once no other thread applies one (a
         pull through ``asyncio.to_thread``: one that rebound a model after would leave
-        it living in memory nobody holds); a later one applies nothing."""
+        it living in memory nobody holds); a later one applies nothing.
+
+        ``replacing``: the registration that retires this core to replace it (from
+        :meth:`register`). Exactly one does: the first, until it replaced this core or
+        failed to (:meth:`_not_replaced_by`). For any other, nothing is done (moving
+        models out, it would hand back the memory the first one carries over)."""
 
         def retire() -> None:
+            if replacing is not None and not self._claim(replacing):
+                return
             self._retired = True
             for held in self.models.values():
                 # Not living in a transport's memory, or taken over there as it is.
@@ -459,6 +486,52 @@ class ReceiverCore:
             retire()
         else:
             self.gate.write(retire)
+
+    def _claim(self, replacing: ReceiverIdentity) -> bool:
+        """Whether registration ``replacing`` may retire this core to replace it, taking
+        it for itself: no other one did so and is still connecting, nor replaced it."""
+        with self._replacing_changed:
+            if self._replacing is not None or self._replaced_already():
+                return False
+            self._replacing = replacing
+            return True
+
+    @contextlib.contextmanager
+    def _held_for(self, registration: ReceiverIdentity, timeout_s: float) -> Iterator[None]:
+        """Hold ``_registering`` for ``registration`` (see :meth:`register`), once no
+        other registration that retired this core first is on its way to replace it:
+        this one waits for that one to replace it or fail (and is refused then), up to
+        ``timeout_s`` (ValueError after). Entered after ``registration``'s own
+        :meth:`retire`, which came after that one's at the safe point: this thread, which
+        may hold a read of the gate, never waits for a retire that waits for that read to
+        end."""
+
+        def none_other_on_its_way() -> bool:
+            return self._replacing is None or self._replacing is registration
+
+        with self._replacing_changed:
+            if not self._replacing_changed.wait_for(none_other_on_its_way, timeout_s):
+                raise ValueError(
+                    f"{registration.actor}'s receiver (worker {self.worker!r}) is being "
+                    "replaced by another connect_hub/attach, from another thread, still "
+                    f"connecting after {timeout_s:g} s: replace the receiver that one returns"
+                )
+        with self._registering:
+            yield
+
+    def _not_replaced_by(self, replacing: ReceiverIdentity) -> None:
+        """Registration ``replacing`` failed before it replaced this core: if it retired
+        it, this core applies versions again, and may be retired and replaced anew."""
+        with self._replacing_changed:
+            if self._replacing is replacing:
+                self._replacing, self._retired = None, False
+                self._replacing_changed.notify_all()
+
+    def _replaced_already(self) -> bool:
+        """Whether a registration replaced this core and lives on: welcomed, or still
+        connecting (one closed before it was welcomed replaced it for nothing)."""
+        successor = self._successor
+        return successor is not None and (successor._welcomed or not successor.closed.is_set())
 
     def forget_me(self) -> None:
         """Ask the hub to forget this registration, without waiting: a receiver that
@@ -1257,13 +1330,24 @@ def _check_not_replaced(previous: ReceiverCore | None, identity: ReceiverIdentit
     take over a gate, versions and memory that are that one's now. One that closed
     before it was welcomed (its ``attach`` failed, and returned no receiver to replace)
     replaced it for nothing: ``previous`` is replaced again, from what it held."""
-    if previous is None:
-        return
-    successor = previous._successor
-    if successor is not None and (successor._welcomed or not successor.closed.is_set()):
+    if previous is not None and previous._replaced_already():
         raise ValueError(
             f"{identity.actor}'s receiver (worker {previous.worker!r}) was replaced by "
             "another connect_hub/attach already: replace the receiver that one returned"
+        )
+
+
+def _check_replacing(previous: ReceiverCore | None, identity: ReceiverIdentity) -> None:
+    """:func:`_check_not_replaced`, and ValueError unless it is the registration
+    ``identity`` that retired ``previous`` to replace it (see :meth:`ReceiverCore.retire`):
+    another thread's did first, then failed (this one would replace a core it did not
+    retire: its zero-copy models may live in memory that this one keeps no hold on)."""
+    _check_not_replaced(previous, identity)
+    if previous is not None and previous._replacing is not identity:
+        raise ValueError(
+            f"{identity.actor}'s receiver (worker {previous.worker!r}) was retired by "
+            "another connect_hub/attach, from another thread, that failed to replace it: "
+            "replace it again"
         )
 
 

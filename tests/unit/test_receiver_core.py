@@ -41,6 +41,7 @@ from raysync.receiver_delivery import attached, deliver
 from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, receipt_of_reply, reply_to_hub
 from raysync.spec import WeightSpec
 from raysync.transports import TransportError, TransportReceiver
+from tests.unit.threads import SaysWhenWaitedFor
 
 WORKER = "collector-1"
 
@@ -1497,23 +1498,6 @@ def test_two_threads_attaching_as_one_worker_at_once_leave_one_registration(monk
                 outcome.close()
 
 
-class _SaysWhenWaitedFor:
-    """A core's ``_registering`` lock that sets ``waited`` once a thread has to wait
-    for it (another thread registers in its place meanwhile)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self.waited = threading.Event()
-
-    def __enter__(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            self.waited.set()
-            self._lock.acquire()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._lock.release()
-
-
 def test_a_receiver_replaced_already_is_not_replaced_again(monkeypatch):
     """Two threads connect again at once, each replacing the receiver they found (the
     mixin's ``connect_hub``), as other workers: the second waited for the first to
@@ -1532,7 +1516,7 @@ def test_a_receiver_replaced_already_is_not_replaced_again(monkeypatch):
         owner, hub, models, first, welcome, "token", None, transport=_Transport()
     )
     attached.fill(first.attachment, previous)
-    registering = previous._registering = _SaysWhenWaitedFor()  # type: ignore[assignment]
+    registering = previous._registering = SaysWhenWaitedFor()  # type: ignore[assignment]
     # The first registration is answered once the other thread waits to replace too.
     hub.actor.register = SimpleNamespace(remote=lambda r: registering.waited.wait(bound_s))
     outcomes: list[Any] = []

@@ -1,4 +1,5 @@
-"""Unit tests' helper: a call run on a thread of its own, its outcome a future."""
+"""Unit tests' helpers: a call run on a thread of its own, its outcome a future; a lock
+that says when a thread had to wait for it."""
 
 from __future__ import annotations
 
@@ -22,3 +23,20 @@ def on_a_thread(target: Callable[[], Any]) -> concurrent.futures.Future[Any]:
 
     threading.Thread(target=run, daemon=True).start()
     return outcome
+
+
+class SaysWhenWaitedFor:
+    """A re-entrant lock (a receiver core's ``_registering``) that sets ``waited`` once a
+    thread has to wait for it (another thread registers in its place meanwhile)."""
+
+    def __init__(self, waited: threading.Event | None = None) -> None:
+        self._lock = threading.RLock()
+        self.waited = threading.Event() if waited is None else waited
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self.waited.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
