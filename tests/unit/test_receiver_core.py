@@ -41,7 +41,7 @@ from raysync.receiver_delivery import attached, deliver
 from raysync.receiver_receipt import ACK_LATER, AckLater, AckNow, receipt_of_reply, reply_to_hub
 from raysync.spec import WeightSpec
 from raysync.transports import TransportError, TransportReceiver
-from tests.unit.threads import SaysWhenWaitedFor
+from tests.unit.threads import SaysWhenWaitedFor, SaysWhenWaitedOn
 
 WORKER = "collector-1"
 
@@ -1516,9 +1516,12 @@ def test_a_receiver_replaced_already_is_not_replaced_again(monkeypatch):
         owner, hub, models, first, welcome, "token", None, transport=_Transport()
     )
     attached.fill(first.attachment, previous)
-    registering = previous._registering = SaysWhenWaitedFor()  # type: ignore[assignment]
-    # The first registration is answered once the other thread waits to replace too.
-    hub.actor.register = SimpleNamespace(remote=lambda r: registering.waited.wait(bound_s))
+    # The first registration is answered once the other thread waits to replace too: for
+    # the core the first one took (it retired it first), or for its _registering.
+    waited = threading.Event()
+    previous._registering = SaysWhenWaitedFor(waited)  # type: ignore[assignment]
+    previous._replacing_changed = SaysWhenWaitedOn(waited)
+    hub.actor.register = SimpleNamespace(remote=lambda r: waited.wait(bound_s))
     outcomes: list[Any] = []
 
     def connect(worker: str) -> ReceiverCore:

@@ -37,7 +37,7 @@ from raysync.receiver_core import HeldModel, ReceiverCore, ReceiverIdentity, Sam
 from raysync.receiver_delivery import attached
 from raysync.spec import WeightSpec
 from raysync.transports import TransportReceiver
-from tests.unit.threads import SaysWhenWaitedFor, on_a_thread
+from tests.unit.threads import SaysWhenWaitedFor, SaysWhenWaitedOn, on_a_thread
 
 WORKER = "collector-1"
 TRANSPORT = "shared_memory"  #: one whose staged versions a model may live in
@@ -67,19 +67,6 @@ class _Transport(TransportReceiver):
 
     def release(self, payload: int, staged: Sequence[torch.Tensor] | None) -> None:
         self.released.append((payload, staged is not None))
-
-
-class _SaysWhenWaitedOn(threading.Condition):
-    """A core's ``_replacing_changed`` that sets ``waited`` once a thread waits on it (a
-    registration waits for another one that retired the core first)."""
-
-    def __init__(self, waited: threading.Event) -> None:
-        super().__init__()
-        self.waited = waited
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self.waited.set()
-        return super().wait(timeout)
 
 
 class _InterruptedOnce:
@@ -164,7 +151,7 @@ class _ZeroCopyReceiver:
         attached.fill(self.identity.attachment, self.core)
         assert self.core.receive(self.staged(1)).ack.status is AckStatus.APPLIED
         self.core._registering = SaysWhenWaitedFor(self.hubs_answer)  # type: ignore[assignment]
-        self.core._replacing_changed = _SaysWhenWaitedOn(self.hubs_answer)
+        self.core._replacing_changed = SaysWhenWaitedOn(self.hubs_answer)
 
     def staged(self, version: int) -> Update:
         """Version ``version``, every value ``float(version)``, staged in the transport."""

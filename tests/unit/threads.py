@@ -1,5 +1,5 @@
 """Unit tests' helpers: a call run on a thread of its own, its outcome a future; a lock
-that says when a thread had to wait for it."""
+and a condition that say when a thread had to wait for them."""
 
 from __future__ import annotations
 
@@ -40,3 +40,17 @@ class SaysWhenWaitedFor:
 
     def __exit__(self, *exc_info: object) -> None:
         self._lock.release()
+
+
+class SaysWhenWaitedOn(threading.Condition):
+    """A condition (a receiver core's ``_replacing_changed``) that sets ``waited`` once a
+    thread waits on it (a registration waits for another one that retired the core
+    first)."""
+
+    def __init__(self, waited: threading.Event | None = None) -> None:
+        super().__init__()
+        self.waited = threading.Event() if waited is None else waited
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited.set()
+        return super().wait(timeout)
