@@ -221,6 +221,15 @@ class _ZeroCopyReceiver:
         finally:
             again.close()
 
+    def check_carried_over_by(self, winner: ReceiverCore) -> None:
+        """``winner``, the pull's registration as the same worker with the same hub (the
+        only one that reached a hub), carried the model over: it lives on in version 1,
+        which nothing handed back."""
+        assert [r.kept for r in self.hubs["hub"].registrations] == [(1,), (1,)]
+        assert self.hubs["another hub"].registrations == []
+        assert self.lives_in(1) and self.transport.released == []
+        assert attached.receivers() == [winner]
+
     def lives_in(self, version: int) -> bool:
         """Whether the model's tensors are those staged of ``version`` (zero copy)."""
         staged = {t.data_ptr() for t in self.transport.staged[version]}
@@ -304,10 +313,7 @@ def test_a_replacement_started_while_the_first_waits_for_a_pull_waits_for_that_o
     try:
         with pytest.raises(ValueError, match="replaced by another connect_hub/attach"):
             moving_out.result(BOUND_S)
-        assert [r.kept for r in receiver.hubs["hub"].registrations] == [(1,), (1,)]
-        assert receiver.hubs["another hub"].registrations == []
-        assert receiver.lives_in(1) and receiver.transport.released == []
-        assert attached.receivers() == [winner]
+        receiver.check_carried_over_by(winner)
     finally:
         winner.close()
 
@@ -326,10 +332,7 @@ def test_a_replacement_waits_for_the_first_up_to_its_timeout(receiver, worker, h
     assert pulling.result(BOUND_S) is not None
     winner = carrying_over.result(BOUND_S)
     try:
-        assert [r.kept for r in receiver.hubs["hub"].registrations] == [(1,), (1,)]
-        assert receiver.hubs["another hub"].registrations == []
-        assert receiver.lives_in(1) and receiver.transport.released == []
-        assert attached.receivers() == [winner]
+        receiver.check_carried_over_by(winner)
     finally:
         winner.close()
 
