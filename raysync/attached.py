@@ -34,12 +34,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import reprlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
+from ray.actor import ActorHandle
 
 from raysync.errors import RaySyncError
 from raysync.hub_handle import HubHandle, check_seconds
@@ -197,7 +199,8 @@ def attach(
     """Register models of this process with ``hub``, apply their latest versions now, and
     keep them fresh; call it inside the host process (see the module doc).
 
-    ``hub`` is a HubHandle or a named hub's name (looked up in ``namespace``).
+    ``hub`` is a HubHandle or a named hub's name (looked up in ``namespace``); the hub
+    actor's own Ray ActorHandle (``ray.get_actor(name)``) will not do.
     ``models`` is one model (an ``nn.Module``, a TensorDict, an object with
     ``state_dict()``/``load_state_dict()``; model id ``"default"``) or a mapping of model
     ids to models — each a model object, or an attribute path on ``owner``
@@ -218,7 +221,8 @@ def attach(
     daemon thread checks that the hub still knows this receiver and registers again if
     not (``None``: never). ``timeout_s`` bounds every wait on the hub here.
 
-    Raises :class:`~raysync.SpecMismatchError` if a model disagrees with the hub's spec,
+    Raises ``TypeError`` at once, before anything is registered, if ``hub`` is neither,
+    :class:`~raysync.SpecMismatchError` if a model disagrees with the hub's spec,
     :class:`~raysync.ModelPathError` if a path does not resolve, ``ValueError`` for
     push mode outside an actor, a path without ``owner`` or an unknown transport, and
     :class:`~raysync.TransportUnavailableError` if the transport cannot run here,
@@ -227,6 +231,7 @@ def attach(
     with fails to apply (its ``on_applied`` raised): the receiver then leaves the hub
     again; ``replaces``, closed by then, may be passed as ``replaces`` again.
     """
+    hub = _hub_argument(hub)
     delivery = DeliveryMode(mode)
     if heartbeat_s is not None:
         check_seconds("heartbeat_s", heartbeat_s)
@@ -272,6 +277,29 @@ def attach(
     if watch is not None:
         watch.start()
     return receiver
+
+
+def _hub_argument(hub: object) -> HubHandle | str:
+    """``hub`` as :func:`attach` was given it, checked in the host process before anything
+    is registered: a HubHandle or a hub's name, or a TypeError saying what to pass. An
+    object with a HubHandle's ``actor`` and ``config`` (a test's stand-in) passes too."""
+    if isinstance(hub, HubHandle | str):
+        return hub
+    if not isinstance(hub, ActorHandle) and hasattr(hub, "actor") and hasattr(hub, "config"):
+        return cast(HubHandle, hub)
+    instead = (
+        "pass the HubHandle that WeightHub.remote(...) or raysync.get_hub(name) returns, "
+        "or the hub's name"
+    )
+    if isinstance(hub, ActorHandle):
+        raise TypeError(
+            "hub is a Ray ActorHandle (from ray.get_actor(...), say), not a raysync "
+            f"HubHandle: {instead}"
+        )
+    raise TypeError(
+        f"hub must be a raysync HubHandle or a hub's name, not {reprlib.repr(hub)} "
+        f"({type(hub).__qualname__}): {instead}"
+    )
 
 
 def _raise_pull_failure(

@@ -157,7 +157,15 @@ class WeightReceiver:
         return self._raysync_connected().pull(model, timeout_s=timeout_s)
 
     def weights_safe_point(self) -> None:
-        """Apply updates waiting for this method to finish, now. For long-running methods."""
+        """Apply updates waiting for this method to finish, now. For long-running methods.
+
+        Called from the running method, in this actor. It lets in only a delivery Ray has
+        already started beside this method: on a default actor (one call at a time) the
+        hub's call waits in the queue behind it, so nothing comes in and each broadcast
+        fails at its timeout. Give the actor ``max_concurrency=2`` or more, or give the
+        method a concurrency group of its own, or make it a coroutine that awaits
+        between steps (an async actor).
+        """
         self._raysync_connected().safe_point()
 
     def weights_connection(self) -> HubConnection:
