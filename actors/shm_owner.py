@@ -160,6 +160,14 @@ class _Segment:
     #: beside a broadcast of it), and a delivery that never reaches the worker takes
     #: back its own part (:meth:`ShmOwner.withdraw`), not the others'
     placements: dict[str, set[int]] = field(default_factory=dict)
+    #: worker -> the placement of the hold taken for its learner's own call (the direct
+    #: path: the receiver reads the learner's slot before the hub books the version),
+    #: which that call's turn-down unread (:meth:`ShmOwner.release_unread`) takes back
+    learners_calls: dict[str, int] = field(default_factory=dict)
+    #: workers that turned their learner's own call of ``seq`` down unread before a hold
+    #: for that call came, or with none to come (the hub numbered the version anew and
+    #: delivers it itself, under a hold of its own): each forestalls one such hold only
+    turned_down: set[str] = field(default_factory=set)
     pending_since: float = 0.0  #: the owner's clock when last held ``PENDING``
 
 
@@ -305,11 +313,15 @@ class ShmOwner:
         order: int = 0,
         version: int = 0,
         placement: int = 0,
+        called: tuple[str, ...] = (),
     ) -> Slot:
         """Hold version ``seq`` of ``model`` for ``workers`` and, if ``version`` is the
         newest here, as the latest of ``model`` (late joiners and pulls are planned to
         read it, so it must not be written again). ``placement``: the hub's number of
         this delivery, which :meth:`withdraw` names if it never reaches ``workers``.
+        ``called``: those of ``workers`` the learner delivered the version to itself
+        (the direct path), whose turn-down unread takes their hold back
+        (:meth:`release_unread`).
 
         The hub plans each model's versions in the order the learner submitted them
         and numbers its calls here (``order``, run in that order: Ray may start them out
@@ -322,7 +334,7 @@ class ShmOwner:
         none of its slots.
         """
         with self._in_order.turn("hub", order):
-            return self._deliver(pid, seq, model, workers, version, placement)
+            return self._deliver(pid, seq, model, workers, version, placement, called)
 
     def _deliver(
         self,
@@ -332,6 +344,7 @@ class ShmOwner:
         workers: tuple[str, ...],
         version: int,
         placement: int,
+        called: tuple[str, ...] = (),
     ) -> Slot:
         """(Lock held.)"""
         self._check_mine(pid, seq)
@@ -347,7 +360,11 @@ class ShmOwner:
         segment.holds.discard(PENDING)
         segment.model = model
         for worker in workers:
-            if worker not in self._gone:  # else nobody would ever release it
+            if worker in self._gone:  # nobody would ever release it
+                continue
+            if worker in called:
+                self._hold_for_learners_call(segment, worker, placement)
+            else:
                 self._hold_unless_released(segment, worker, placement)
         latest = self._latest.get(model, (0, 0))
         if (version, seq) > latest:
@@ -411,7 +428,7 @@ class ShmOwner:
             segment.holds.discard(PENDING)
             for worker in read_by:
                 if worker not in self._gone:  # else nobody would ever release it
-                    self._hold_unless_released(segment, worker)
+                    self._hold_for_learners_call(segment, worker)
             self._lock.notify_all()
 
     def export(self, pid: int, seq: int, order: int = 0) -> list[ray.ObjectRef]:
@@ -509,6 +526,31 @@ class ShmOwner:
                 self._lock.notify_all()
             else:
                 segment.released.add(worker)
+
+    def release_unread(self, pid: int, seq: int, worker: str) -> None:
+        """``worker`` turned its learner's own call of version ``seq`` down without
+        reading it (it holds a newer version, or another learner's of that number). The
+        hold taken for that call goes; one that came for another delivery stays: the
+        hub numbers a version anew when another learner's took its number first, and
+        delivers this very slot itself, where a zero-copy model then lives (taken for
+        that delivery's hold, this release left the slot held by nobody). One that
+        comes before the call's hold forestalls it (the hub books the direct path's
+        holds after the call)."""
+        with self._lock:
+            segment = self._by_seq.get(seq) if pid == self._pid else None
+            if segment is None:
+                return
+            self._release_calls += 1
+            placement = segment.learners_calls.pop(worker, None)
+            if placement is None:
+                segment.turned_down.add(worker)
+                return
+            placements = segment.placements.get(worker, set())
+            placements.discard(placement)
+            if not placements:
+                segment.placements.pop(worker, None)
+                segment.holds.discard(Hold.of_worker(worker))
+                self._lock.notify_all()
 
     def withdraw(
         self, pid: int, seq: int, workers: tuple[str, ...], placement: int, order: int = 0
@@ -672,6 +714,17 @@ class ShmOwner:
             return
         _hold_for(segment, worker, placement)
 
+    def _hold_for_learners_call(self, segment: _Segment, worker: str, placement: int = 0) -> None:
+        """(Lock held.) Hold ``segment`` for ``worker``, which its learner delivered it
+        to itself, unless it turned that call down (:meth:`release_unread`) or released
+        what it read (:meth:`_hold_unless_released`) first."""
+        if worker in segment.turned_down:
+            segment.turned_down.discard(worker)
+            return
+        self._hold_unless_released(segment, worker, placement)
+        if Hold.of_worker(worker) in segment.holds:
+            segment.learners_calls[worker] = placement
+
     def lapse(self, worker: str, order: int = 0) -> None:
         """``worker`` stopped beating and may be alive (a driver or a task: Ray cannot
         tell): a hold for it that lands later is not taken, but those it has stay (a
@@ -710,6 +763,8 @@ class ShmOwner:
                 segment.holds.discard(Hold.of_worker(worker))
                 dropped.add(segment.seq)
             segment.released.discard(worker)
+            segment.turned_down.discard(worker)
+            segment.learners_calls.pop(worker, None)
             if row is not None and segment.column >= 0:
                 self._cells[row, segment.column] = 0
         self._lock.notify_all()
@@ -924,6 +979,8 @@ class ShmOwner:
         self._by_seq.pop(segment.seq, None)
         segment.released.clear()
         segment.placements.clear()
+        segment.learners_calls.clear()
+        segment.turned_down.clear()
         segment.model = ""
         segment.seq = self._next_seq
         self._next_seq += 1

@@ -186,6 +186,32 @@ def test_two_learners_guessing_one_number_leave_zero_copy_models_in_slots_held(a
     assert {"worker/c0", "worker/c1"} <= set(ray.get(owner.stats.remote()).holds)
 
 
+def test_a_version_overtaken_twice_leaves_zero_copy_models_in_slots_held(actors):
+    """The second learner's broadcasts took the number the first one's route named and
+    the one after: each receiver turned the first learner's own delivery down as older
+    than what it held and handed the slot back unread, and the hub, which had versioned
+    that broadcast anew and delivered this very slot itself, booked no hold for the
+    learner's call. The owner took the hand-back for the hold of the hub's delivery:
+    the zero-copy models then lived in a slot held by nobody but ``latest``, which
+    the next version moves off."""
+    first = start_hub(actors, "shared_memory")
+    second = start(actors, OtherLearner, first)
+    collectors = [
+        start(actors, Collector, first, worker_id=f"c{i}", zero_copy=True) for i in range(2)
+    ]
+    ready(collectors)
+    ray.get(first.broadcast.remote(make_policy()))  # routes the first learner 2
+    assert ray.get(second.broadcast.remote(make_policy())).version == 2
+    assert ray.get(second.broadcast.remote(make_policy())).version == 3
+    learner = make_policy()
+    report = ray.get(first.broadcast.remote(learner))  # delivered by it as 2
+    assert (report.version, report.direct, report.acked) == (4, (), ("c0", "c1"))
+    _hold(collectors, learner, 4)
+    node_id = ray.get_runtime_context().get_node_id()
+    owner = ray.get_actor(owner_name(first.config.hub_id, node_id), namespace=OWNER_NAMESPACE)
+    assert {"worker/c0", "worker/c1"} <= set(ray.get(owner.stats.remote()).holds)
+
+
 def test_a_taken_version_whose_named_receiver_left_is_versioned_anew_and_fails_it(actors):
     """The first learner delivered its broadcast to the workers it named under a number
     the second learner's took, and one of them left meanwhile: the hub versions it anew

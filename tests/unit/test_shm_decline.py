@@ -175,3 +175,62 @@ def test_a_version_in_parts_is_declined_part_by_part_but_parts_never_planned(own
 
     receiver.decline(answer)
     assert owner.stats().holds == ("latest/m",)
+
+
+def _planned(planner: SharedMemoryPlanner, update: SimpleNamespace, called: bool) -> Any:
+    """The payload the hub's broadcast plan of ``update`` gives worker ``w`` (which
+    the learner called itself, if ``called``: the plan books its hold only)."""
+    info = ReceiverInfo("w", "R(w)", NODE, "p", None, called_by_learner=called)
+    return asyncio.run(_settled(planner, planner.plan(update, SPEC, [info])))["w"]
+
+
+def _written_by_learner(owner: ShmOwner) -> SimpleNamespace:
+    """A version the learner wrote and delivers to its receivers itself (pending)."""
+    slot = owner.acquire(NBYTES, timeout_s=5.0, learner="learner", pid=PID)
+    learner = Mappings(writable=True)
+    learner.views(slot, PackedLayout.of(SPEC, HEADER_BYTES))[0].fill_(3.0)
+    write_seq(learner.buffer(slot).numpy(), slot.seq)
+    learner.clear()
+    return SimpleNamespace(model="m", version=4, payload=SharedMemoryPayload(slot))
+
+
+@pytest.mark.parametrize("turned_down_first", [True, False])
+def test_a_learners_own_call_turned_down_leaves_the_hub_delivering_that_slot_held(
+    owner, turned_down_first
+):
+    """Another learner's version took the number this learner's own call carried: the
+    receiver turned the call down unread and handed the slot back, and the hub
+    numbered the version anew and delivered this very slot itself (no hold booked for
+    the call). The owner took the hand-back for that delivery's hold: the zero-copy
+    model then living in the slot was held by nobody, free to be written again."""
+    planner = _planner(owner)
+    receiver = _receiver(owner, "w")
+    own = _written_by_learner(owner)
+    if turned_down_first:
+        receiver.release(own.payload, None)  # the learner's call, turned down unread
+    hubs = _planned(planner, own, called=False)  # the hub's own delivery of the slot
+    if not turned_down_first:
+        receiver.release(own.payload, None)
+    staged = receiver.fetch(hubs, SPEC)  # a zero-copy model lives here now
+    assert torch.equal(staged[0], torch.full((256,), 3.0))
+    assert owner.stats().holds == ("latest/m", "worker/w")
+    receiver.release(hubs, staged)  # it moved on
+    assert owner.stats().holds == ("latest/m",)
+
+
+@pytest.mark.parametrize("turned_down_first", [True, False])
+def test_a_learners_own_call_turned_down_lets_go_of_the_hold_booked_for_it(
+    owner, turned_down_first
+):
+    """The hub booked the version as the learner delivered it, holding its slot for
+    the receiver the learner called; that receiver turned the call down unread (it
+    holds a newer version), before or after the hold landed: the hold goes."""
+    planner = _planner(owner)
+    receiver = _receiver(owner, "w")
+    own = _written_by_learner(owner)
+    if turned_down_first:
+        receiver.release(own.payload, None)
+    _planned(planner, own, called=True)
+    if not turned_down_first:
+        receiver.release(own.payload, None)
+    assert owner.stats().holds == ("latest/m",)

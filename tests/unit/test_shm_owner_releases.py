@@ -371,6 +371,48 @@ def test_a_release_that_came_before_its_hold_forestalls_that_hold_alone(owner, b
     assert owner.stats().holds == ("latest/m", "worker/w")
 
 
+@pytest.mark.parametrize("turned_down_first", [True, False])
+def test_a_learners_call_turned_down_unread_leaves_the_hold_of_the_hubs_own_delivery(
+    owner, turned_down_first
+):
+    """Another learner's version took the number the learner delivered s as: the worker
+    turned the learner's own call of s down unread (it held a newer version), and the
+    hub numbered s anew and delivered this very slot itself, booking no hold for the
+    call. The turn-down, before or after that delivery's hold landed, was taken for its
+    release: the zero-copy model then living in s was held by nobody but ``latest``."""
+    board = owner.join("w")
+    assert board is not None
+    slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    if turned_down_first:
+        owner.release_unread(PID, slot.seq, "w")
+    owner.deliver(PID, slot.seq, "m", ("w",), order=1)  # the hub's own delivery of s
+    if not turned_down_first:
+        owner.release_unread(PID, slot.seq, "w")
+    assert owner.stats().holds == ("latest/m", "worker/w")
+    owner._cells[board.row, slot.column] = slot.seq  # its model moved on
+    assert owner.stats().holds == ("latest/m",)
+
+
+@pytest.mark.parametrize("turned_down_first", [True, False])
+def test_a_learners_call_turned_down_unread_takes_back_the_hold_booked_for_that_call(
+    owner, turned_down_first
+):
+    """The hub booked s as the learner delivered it and held it for the workers the
+    learner called; one turned the call down unread, before or after that hold landed:
+    the hold goes (the worker never reads s), the other's stays until it lets go."""
+    for worker in ("w", "reader"):
+        assert owner.join(worker) is not None
+    slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
+    if turned_down_first:
+        owner.release_unread(PID, slot.seq, "w")
+    owner.deliver(PID, slot.seq, "m", ("w", "reader"), order=1, called=("w", "reader"))
+    if not turned_down_first:
+        owner.release_unread(PID, slot.seq, "w")
+    assert owner.stats().holds == ("latest/m", "worker/reader")
+    owner.release(PID, slot.seq, "reader")
+    assert owner.stats().holds == ("latest/m",)
+
+
 def test_a_hold_for_a_worker_gone_that_lands_after_is_not_taken(owner):
     """The hub's hold for a receiver (not awaited) lands after the owner heard it died:
     nothing would ever release it. Once it joins again, its holds count again."""

@@ -31,15 +31,17 @@ class _Owner:
 
     def __init__(self) -> None:
         self.held: list[tuple[str, ...]] = []
+        self.called: list[tuple[str, ...]] = []
         self.released: list[str] = []
         self.deliver = SimpleNamespace(remote=self._deliver)
         self.withdraw = SimpleNamespace(remote=self._withdraw)
         self.export = SimpleNamespace(remote=lambda *args: asyncio.Future())
 
     def _deliver(
-        self, pid, seq, model, workers, order, version, placement=0
+        self, pid, seq, model, workers, order, version, placement=0, called=()
     ) -> asyncio.Future[Slot]:
         self.held.append(workers)
+        self.called.append(called)
         answer: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         answer.set_result(SLOT)
         return answer
@@ -103,6 +105,7 @@ def test_a_plan_cut_short_lets_go_only_of_the_holds_of_receivers_the_hub_was_to_
 
     here = asyncio.run(run())
     assert here.held == [("called", "uncalled")]  # held for both as the plan began
+    assert here.called == [("called",)]  # its turn-down unread takes its hold back
     assert here.released == ["uncalled"]  # the learner's receiver keeps its hold
 
 

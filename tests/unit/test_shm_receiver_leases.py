@@ -41,14 +41,15 @@ def owner(monkeypatch):
 
 
 def _written(owner: ShmOwner, workers: tuple[str, ...]) -> SharedMemoryPayload:
-    """A version as the learner writes it and the hub plans it for ``workers``."""
+    """A version as the learner writes it and the hub plans it for ``workers``: the
+    payload of the hub's delivery (its placement: not the learner's own call)."""
     nbytes = PackedLayout.of(SPEC, HEADER_BYTES).nbytes
     slot = owner.acquire(nbytes, timeout_s=5.0, learner="learner", pid=PID)
     learner = Mappings(writable=True)
     write_seq(learner.buffer(slot).numpy(), slot.seq)
     learner.clear()
-    owner.deliver(PID, slot.seq, "m", workers, version=1)
-    return SharedMemoryPayload(slot)
+    owner.deliver(PID, slot.seq, "m", workers, version=1, placement=1)
+    return SharedMemoryPayload(slot, placement=1)
 
 
 def _receiver(owner: ShmOwner, worker: str) -> shm_receiver.SharedMemoryReceiver:

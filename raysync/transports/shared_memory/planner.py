@@ -291,10 +291,11 @@ class SharedMemoryPlanner(TransportPlanner):
         # arrives first is remembered. Numbered, so the owner takes the holds in the
         # hub's planning order (which frees slots of versions the hub refused).
         local = tuple(by_node.pop(slot.node_id, ()))
-        held, placement = self._hold(owner, update, local)
         # The learner called these itself: they read the slot whatever becomes of this
-        # plan, and each lets go of its own hold once it copied the version.
+        # plan, and each lets go of its own hold once it copied the version (or turned
+        # the call down unread).
         called = {r.worker for r in targets if r.called_by_learner}
+        held, placement = self._hold(owner, update, local, tuple(w for w in local if w in called))
         uncalled = tuple(w for w in local if w not in called)
         placed: list[_Placed] = [_Placed(owner, held, uncalled, placement)]
         try:
@@ -419,12 +420,13 @@ class SharedMemoryPlanner(TransportPlanner):
             pass  # its watch restarts it (a new owner holds nothing), or its node died
 
     def _hold(
-        self, owner: Any, update: Any, workers: tuple[str, ...]
+        self, owner: Any, update: Any, workers: tuple[str, ...], called: tuple[str, ...] = ()
     ) -> tuple[ray.ObjectRef, int]:
         """Have ``owner`` (the learner's node's) hold ``update``'s slot for ``workers`` and
         as the latest of its model, numbered in the hub's planning order; not awaited
-        (a refusal is logged). The owner's answer (the slot), and the call's placement
-        number (see :meth:`_let_go`)."""
+        (a refusal is logged). ``called``: those the learner delivered it to itself.
+        The owner's answer (the slot), and the call's placement number (see
+        :meth:`_let_go`)."""
         slot = update.payload.slot
         placement = next(self._placements)
         held = owner.deliver.remote(
@@ -435,6 +437,7 @@ class SharedMemoryPlanner(TransportPlanner):
             self._next_order(slot.node_id),
             update.version,
             placement,
+            called,
         )
         self._background.spawn(self._confirm(held, update), f"hold of {update.model!r}")
         return held, placement

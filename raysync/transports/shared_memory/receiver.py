@@ -121,6 +121,15 @@ class SharedMemoryReceiver(TransportReceiver):
                 if left > 0:
                     _LEASES[key] = left
                     return
+        if staged is None and not payload.placement:
+            # Its learner's own call, turned down unread: the hub may deliver this very
+            # slot itself next, under a number of its own (another learner's took this
+            # one's), and that hold must stay. By call: a cell on the board says only
+            # that the version was released, not which delivery of it.
+            owner = self._owner_of(slot)
+            if owner is not None:
+                owner.release_unread.remote(slot.pid, slot.seq, self._worker)
+            return
         if self._released_on_board(slot):
             return
         owner = self._owner_of(slot)
