@@ -481,6 +481,8 @@ class ReceiverDelivery:
         if ack.status is AckStatus.NOT_ATTACHED:
             return await self._not_attached(registration, update, ack, deadline)
         if ack.status is AckStatus.FAILED:
+            if ack.timings is not None:  # applied, and then its on_weights_applied raised
+                self._record(registration, update.model, update.version, ack.timings)
             return Outcome(
                 registration.worker,
                 f"{registration.actor} failed to apply: {ack.error}",
@@ -612,9 +614,13 @@ class ReceiverDelivery:
         will not): the registration is dropped (a new process registers itself; one
         that never does was failed at every broadcast, its planner's holds kept)."""
         self._drop(registration.worker, registration.token)
-        return _died(
-            registration, update, f"{how}; dropped from the registry until it registers again"
-        )
+        current = self._state.receivers.get(registration.worker)
+        if current is not None and current.registration.process != registration.process:
+            # The new process is in the registry: not dropped until it registers again.
+            after = "its new process registered, and a registration gets the latest version"
+        else:
+            after = "dropped from the registry until it registers again"
+        return _died(registration, update, f"{how}; {after}")
 
     async def _restarted(self, registration: Registration, deadline: float) -> str | None:
         """After ``ActorUnavailableError``: find out, by ``deadline``, which process the
@@ -631,6 +637,9 @@ class ReceiverDelivery:
                 asked = asyncio.wrap_future(
                     registration.handle.__ray_call__.remote(process_of).future()
                 )
+                # Not awaited any more once the new process registers (or the delivery
+                # is cancelled) while it runs: it may fail later (the actor restarting).
+                retrieve_outcome(asked)
             done, _ = await asyncio.wait({asked}, timeout=UNAVAILABLE_RETRY_S)
             if asked in done:
                 try:

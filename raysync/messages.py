@@ -251,8 +251,10 @@ class Ack:
     version: int
     status: AckStatus
     error: str | None = None
-    #: Where this receiver's time went, for a version it applied (None otherwise). A
-    #: measurement, not part of the outcome: acks compare equal without it.
+    #: Where this receiver's time went, for a version it applied (None otherwise; a
+    #: FAILED ack carries them when the version was applied and the receiver's
+    #: ``on_weights_applied`` raised after). A measurement, not part of the outcome:
+    #: acks compare equal without it.
     timings: ReceiverTimings | None = field(default=None, compare=False)
     #: The update's origin (see :attr:`Update.origin`): which learner's version this is.
     origin: str = ""

@@ -1103,18 +1103,16 @@ class ReceiverCore:
             try:
                 self._on_applied(update.model, update.version)
             except Exception:
+                # Failed, with timings: the model holds this version (the hub's status
+                # says so), and the broadcast names the hook's error.
                 return self._ack(
                     update,
                     AckStatus.FAILED,
                     f"version {update.version} was applied, but on_weights_applied raised:\n"
                     + traceback.format_exc(),
+                    timings=_timings(fetched, apply_started),
                 )
-        timings = ReceiverTimings(
-            fetch_s=fetched.ended - fetched.started,
-            wait_s=apply_started - fetched.ended,
-            apply_s=time.perf_counter() - apply_started,
-        )
-        return self._ack(update, AckStatus.APPLIED, timings=timings)
+        return self._ack(update, AckStatus.APPLIED, timings=_timings(fetched, apply_started))
 
     def _version_to_adopt(self, update: Update, staged: _Staged) -> AdoptedVersion:
         """What a zero-copy model takes as its memory: the staged version itself (handed
@@ -1142,6 +1140,15 @@ class ReceiverCore:
             origin=update.origin,
             token=update.token or self.token,
         )
+
+
+def _timings(fetched: _Fetched, apply_started: float) -> ReceiverTimings:
+    """Where a version's time went in this receiver, from its fetch to now (applied)."""
+    return ReceiverTimings(
+        fetch_s=fetched.ended - fetched.started,
+        wait_s=apply_started - fetched.ended,
+        apply_s=time.perf_counter() - apply_started,
+    )
 
 
 def _refusal(held: HeldModel, update: Update) -> AckStatus | None:

@@ -195,6 +195,43 @@ def test_an_ack_of_a_registration_replaced_meanwhile_is_not_booked_for_its_succe
     assert state.receivers["w"].versions.get("m", 0) == 0
 
 
+def test_a_version_applied_whose_hook_raised_fails_and_is_booked_as_held(monkeypatch):
+    """The receiver applied version 3 and its ``on_weights_applied`` raised: the
+    broadcast fails for it, naming the hook's error, and the hub's status says it holds
+    3 (it said 2 until the next version, while the model held 3)."""
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import DeliveryMode, Entry, ReceiverTimings, Registration, Update
+
+    registration = Registration(
+        "w", None, "key", Entry.RAY_CALL, "A(1)", "node", "p1", {}, {}, DeliveryMode.PUSH, "t1"
+    )
+    update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
+    state = HubState()
+    state.receivers["w"] = ReceiverEntry(registration)
+    timings = ReceiverTimings(0.001, 0.0, 0.002)
+    hook_failed = dataclasses.replace(
+        ack(3),
+        status=AckStatus.FAILED,
+        error="version 3 was applied, but on_weights_applied raised: boom",
+        timings=timings,
+    )
+
+    async def replied() -> Ack:
+        return hook_failed
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", lambda *_: replied())
+
+    async def run():
+        delivery = hub_delivery.ReceiverDelivery(state, AckBook(), lambda *_: None, lambda *_: None)
+        return await delivery.deliver(
+            state.receivers["w"], update, time.monotonic() + 10, 10
+        )
+
+    outcome = asyncio.run(run())
+    assert outcome.error is not None and "on_weights_applied raised: boom" in outcome.error
+    assert state.receivers["w"].versions["m"] == 3
+
+
 def test_a_deferred_ack_answers_the_registration_the_hub_delivered_to(monkeypatch):
     """The receiver applies later (a busy actor) and acks apart from the call, under the
     token its update names: the hub's registration, which the receiver may not have
@@ -359,6 +396,9 @@ def test_a_receiver_restarted_while_its_version_waits_for_a_safe_point_fails_as_
     outcome, took_s = _deferred_delivery(monkeypatch, state, registration, restarted)
     assert outcome.cause is FailureCause.DIED and took_s < 5
     assert "new process registered again" in outcome.error
+    # The new process is registered: the error must not say it is out of the registry.
+    assert "dropped from the registry" not in outcome.error, outcome.error
+    assert "a registration gets the latest version" in outcome.error
 
 
 def test_a_receiver_that_dies_while_its_version_waits_for_a_safe_point_fails_as_died(
@@ -448,3 +488,62 @@ def test_a_delivery_reaching_a_receiver_that_left_fails_as_left_at_once(monkeypa
 
     outcome = asyncio.run(run())
     assert outcome.cause is FailureCause.LEFT and "A(1) left the hub" in outcome.error
+
+
+def test_a_restarted_receivers_process_question_failing_late_is_retrieved(monkeypatch):
+    """Ray restarts a receiver killed while its version was delivered: the call raised
+    ActorUnavailableError, the hub asked the actor which process it is, and the new
+    process registered before that question came back. The delivery ended (the process
+    died), and the question, failing later ("the actor is restarting"), had nobody to
+    retrieve its error: asyncio logged "Future exception was never retrieved"."""
+    import concurrent.futures
+    import gc
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorUnavailableError
+
+    from raysync.hub_state import HubState, ReceiverEntry
+    from raysync.messages import Update
+    from raysync.metrics import FailureCause
+
+    asked: list[concurrent.futures.Future] = []
+
+    def ask(function):
+        asked.append(concurrent.futures.Future())
+        return SimpleNamespace(future=lambda: asked[-1])
+
+    handle = SimpleNamespace(__ray_call__=SimpleNamespace(remote=ask))
+    registration = _registration(handle=handle)
+    state = HubState()
+    state.receivers["w"] = ReceiverEntry(registration)
+    update = Update("m", 3, "digest", "object_store", payload=None, origin="learner")
+
+    async def killed() -> Ack:
+        raise ActorUnavailableError("The actor was restarted", None)
+
+    monkeypatch.setattr(hub_delivery, "delivery_call", lambda *_: killed())
+    monkeypatch.setattr(hub_delivery, "UNAVAILABLE_RETRY_S", 0.01)
+    unretrieved: list[dict] = []
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+        delivery = hub_delivery.ReceiverDelivery(state, AckBook(), lambda *_: None, lambda *_: None)
+        delivering = asyncio.ensure_future(
+            delivery.deliver(ReceiverEntry(registration), update, time.monotonic() + 30, 30)
+        )
+        while not asked:  # the hub asks which process answers now
+            await asyncio.sleep(0.005)
+        state.receivers["w"] = ReceiverEntry(_registration("t2", process="p2"))
+        outcome = await asyncio.wait_for(delivering, 5)
+        assert len(asked) == 1 and not asked[0].done()
+        asked.pop().set_exception(ActorUnavailableError("The actor is restarting", None))
+        for _ in range(5):  # Ray lets go of its future once done: so does the test
+            await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+        return outcome
+
+    outcome = asyncio.run(run())
+    assert outcome.cause is FailureCause.DIED and "new process registered again" in outcome.error
+    assert not unretrieved, [c.get("message") for c in unretrieved]

@@ -392,6 +392,7 @@ def test_on_applied_runs_after_each_version_and_what_it_raises_fails_the_ack():
     assert isinstance(receipt, AckNow) and receipt.ack.status is AckStatus.FAILED
     assert "version 2 was applied, but on_weights_applied raised" in receipt.ack.error
     assert "hook broke" in receipt.ack.error
+    assert receipt.ack.timings is not None  # applied: the hub books it as held
     assert seen == [("policy", 1), ("policy", 2)]
     assert receiver.core.models["policy"].version == 2
 
