@@ -6,18 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from raysync.actors.process_group import ProcessGroupActor
 from raysync.spec import WeightSpec
-from raysync.transports.base import HubContext, ReceiverInfo, Unplanned
+from raysync.transports.base import PLAN_DEADLINE, HubContext, ReceiverInfo, Unplanned
+from raysync.transports.distributed import GroupPayload, join_group
+from raysync.transports.distributed.group import _everyone_here
 from raysync.transports.distributed.planner import DistributedPlanner
 from raysync.transports.distributed.wire import StoreAddress
 from raysync.transports.object_store.bucket_stream import BucketStream, StreamId
 from raysync.transports.object_store.wire import ObjectStorePayload
+from raysync.transports.options import DistributedOptions
 
 SPEC = WeightSpec.of({"w": torch.zeros(4)})
 
@@ -360,3 +371,198 @@ def test_a_process_with_two_receivers_takes_part_in_the_group_once():
 
     unplanned = asyncio.run(plan_bucketed())["c1b"]
     assert isinstance(unplanned, Unplanned) and "takes part in it once" in unplanned.reason
+
+
+# -- A member that dies as its generation forms ----------------------------------------
+# A member that dies right after it arrived at its generation's rendezvous (killed
+# 40 ms after ``broadcast.remote``): the hub can no longer call that generation off, and
+# every other rank, rank 0 too, waited in gloo's own wait for it, the group's whole
+# timeout (30 s, longer than the broadcast's 20 s). The survivors' fallback read came
+# too late, and the next version's plan, waiting for rank 0's collective, failed every
+# target ("could not plan the delivery within the 20 s timeout", no word of what it
+# waited for). Without Ray: the planner with a stand-in for rank 0's actor, and real
+# gloo groups in threads.
+
+
+#: The group's timeout: what the ranks waited for a member that died as it joined.
+GROUP_TIMEOUT_S = 30.0
+#: What is left of the broadcast's time when the hub asks for the plan.
+PLAN_S = 4.0
+
+
+def _plan_within(planner: Any, version: int, targets: list, plan_s: float) -> dict:
+    """``planner``'s plan of ``version`` as the hub asks for it: within ``plan_s``
+    (``PLAN_DEADLINE``); a plan that waits longer fails here, after twice that."""
+
+    async def planned() -> dict:
+        PLAN_DEADLINE.set(time.monotonic() + plan_s)
+        return await planner.plan(_Update(version), SPEC, targets)
+
+    async def run() -> dict:
+        return await asyncio.wait_for(planned(), 2 * plan_s)
+
+    return asyncio.run(run())
+
+
+def test_a_member_dead_right_after_the_rendezvous_holds_the_others_a_share_of_the_plan():
+    settings = DistributedOptions(backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+    actor = ProcessGroupActor(settings)  # rank 0, in this process
+    rank0 = _Rank0()
+    rank0.store_address.answer = asyncio.run(actor.store_address())
+    planner = _planner(rank0)
+    planner._settings = settings
+    targets = [_info("a"), _info("dies")]
+
+    async def joined() -> None:
+        for target in targets:
+            await planner.receiver_joined(target)
+
+    asyncio.run(joined())
+    planned = _plan_within(planner, 1, targets, PLAN_S)
+    assert all(isinstance(p, GroupPayload) for p in planned.values()), planned
+    generation = planned["a"].generation
+    job = next(args[0] for name, args in rank0.calls if name == "broadcast")
+    outcomes: dict[str, Any] = {}
+
+    def rank_0() -> None:  # the job's join, as rank 0's actor runs it
+        outcomes["rank 0"] = actor._collective(job, "its rendezvous", None)
+
+    def member_a() -> None:
+        try:
+            outcomes["a"] = join_group(generation, planned["a"].rank)
+        except Exception as err:  # what the member's fetch falls back on
+            outcomes["a"] = err
+
+    def member_that_dies() -> None:
+        # Arrives (counted: the rendezvous completes, nobody can call it off), then its
+        # process is gone before it makes its part of the group.
+        store = dist.TCPStore(
+            generation.store.host, generation.store.port, is_master=False, timeout=settings.timeout
+        )
+        _everyone_here(dist.PrefixStore(generation.prefix, store), generation, 2)
+        outcomes["dies"] = "arrived"
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=f, daemon=True) for f in (rank_0, member_a)]
+    for thread in threads:
+        thread.start()
+    member_that_dies()
+    for thread in threads:
+        thread.join(GROUP_TIMEOUT_S + 10)
+    waited_s = time.monotonic() - started
+    try:
+        assert set(outcomes) == {"rank 0", "a", "dies"}, outcomes
+        # The others gave the group up within the plan's share (half of what was left
+        # of the broadcast's time), not the group's 30 s: a reads the learner's copy in
+        # time, and rank 0 is free for the next version.
+        assert waited_s < GROUP_TIMEOUT_S / 2, waited_s
+        assert isinstance(outcomes["a"], RuntimeError), outcomes["a"]
+        for outcome in (str(outcomes["a"]), outcomes["rank 0"]):
+            assert f"generation {generation.number} did not form within" in outcome, outcome
+    finally:
+        asyncio.run(actor.close())
+
+
+#: A member's process (``sys.argv``: the generation's store host, port, prefix,
+#: members and form_s; its rank): it joins the generation, and is stopped as it forms.
+_MEMBER = f"""
+import sys
+from raysync.transports.distributed import Generation, StoreAddress, join_group
+from raysync.transports.options import DistributedOptions
+host, port, prefix, members, form_s, rank = sys.argv[1:]
+generation = Generation(
+    1, tuple(members.split(",")), prefix, StoreAddress(host, int(port)),
+    DistributedOptions(backend="gloo", timeout_s={GROUP_TIMEOUT_S!r}), form_s=float(form_s),
+)
+join_group(generation, int(rank))
+"""
+
+
+def test_a_member_stopped_once_it_published_its_address_holds_no_one_past_formation():
+    """The member made its part of the group (its address is in the store) and stopped
+    there (killed a moment later: its listening socket refuses the others, or the
+    process hangs): gloo waited five times its timeout for each connection to it, and
+    rank 0 and the other member sat in gloo's constructor for 150 s."""
+    import torch.distributed as dist
+
+    from raysync.transports.distributed import Generation, StoreAddress
+
+    settings = DistributedOptions(backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    form_s = PLAN_S / 2  # what the planner gives a generation with PLAN_S left
+    generation = Generation(
+        1,
+        ("a", "stops"),
+        "raysync/g1/",
+        StoreAddress("127.0.0.1", master.port),
+        settings,
+        form_s=form_s,
+    )
+    args = [master.host, str(master.port), generation.prefix, "a,stops", str(form_s), "2"]
+    member = subprocess.Popen([sys.executable, "-c", _MEMBER, *args])
+    outcomes: dict[str, Any] = {}
+    try:
+        published = f"{generation.prefix}/0/2"  # gloo's key of rank 2's address
+        by = time.monotonic() + GROUP_TIMEOUT_S
+
+        def join(rank: int) -> None:
+            try:
+                outcomes[str(rank)] = join_group(generation, rank, master if rank == 0 else None)
+            except Exception as err:  # what rank 0 reports, and a member falls back on
+                outcomes[str(rank)] = err
+
+        threads = [threading.Thread(target=join, args=(rank,), daemon=True) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        while not master.check([published]):  # it arrived and made its part
+            assert member.poll() is None and time.monotonic() < by, "rank 2 never formed"
+            time.sleep(0.001)
+        member.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        for thread in threads:
+            thread.join(GROUP_TIMEOUT_S + 10)
+        waited_s = time.monotonic() - started
+        assert set(outcomes) == {"0", "1"}, outcomes
+        for outcome in outcomes.values():
+            assert isinstance(outcome, RuntimeError), outcome
+            assert "generation 1 did not form within 2 s" in str(outcome), outcome
+        assert waited_s < GROUP_TIMEOUT_S / 2, waited_s
+    finally:
+        member.kill()
+        member.wait()
+
+
+def test_a_plan_whose_last_collective_rank_0_has_not_ended_reads_the_copy_alone(caplog):
+    """Rank 0 is still in the last version's collective (its group forming with a
+    member that died). The next plan waited for it until the hub gave the plan up, and
+    every target failed. It waits half of what is left, says so, and its targets read
+    the learner's copy alone; once rank 0 answers, the generation goes on."""
+    rank0 = _Rank0()
+    answers = _AnswersWhenLet(rank0.broadcast)  # its collectives answer once let
+    rank0.broadcast = answers  # type: ignore[assignment]
+    planner = _planner(rank0)
+    targets = [_info("c0"), _info("c1")]
+    updates = [_Update(version) for version in (1, 2, 3)]
+
+    async def run() -> list[Any]:
+        for target in targets:
+            await planner.receiver_joined(target)
+        planned: list[Any] = [await planner.plan(updates[0], SPEC, targets)]
+        PLAN_DEADLINE.set(time.monotonic() + 1.0)
+        planned.append(await asyncio.wait_for(planner.plan(updates[1], SPEC, targets), 5.0))
+        PLAN_DEADLINE.set(None)
+        answers.let.set()  # rank 0 ends the first collective: it went well
+        planned.append(await planner.plan(updates[2], SPEC, targets))
+        return planned
+
+    with caplog.at_level(logging.WARNING, logger="raysync.transports.distributed.planner"):
+        first, second, third = asyncio.run(run())
+    assert first["c0"].generation.number == 1
+    assert second == {"c0": updates[1].payload, "c1": updates[1].payload}
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "has not ended collective 0 of process-group generation 1 (version 1 of model "
+        "'m' to c0, c1)" in message
+        for message in warned
+    ), warned
+    assert (third["c0"].generation.number, third["c0"].seq) == (1, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any, cast
 
 import torch
@@ -22,6 +23,10 @@ from raysync.transports.staging import staging_device as process_staging_device
 #: members that never came.
 _ARRIVED, _GO, _HERE = "raysync/arrived", "raysync/go", "raysync/here/"
 _EVERYONE = b"everyone"
+#: gloo waits this many times its timeout for a pair's first connection ("a longer
+#: timeout when waiting for initial connect", ``gloo/transport/tcp/pair.h``): a member
+#: that died after it published its address held each peer 5 times the timeout.
+_GLOO_CONNECT_WAITS = 5
 
 
 def join_group(
@@ -36,7 +41,10 @@ def join_group(
     address. Returns once every member has joined, so the rendezvous keys are no
     longer needed; raises on timeout (the group's, or ``rendezvous_s`` for the
     rendezvous if given), or as soon as the hub calls the generation off
-    (:func:`call_off`: a member it knows is dead will never join).
+    (:func:`call_off`: a member it knows is dead will never join). Once every member
+    has arrived, the group forms (gloo's connections, the barrier) within
+    :func:`formation_s`: a member that died right after it arrived can no longer be
+    called off, and gloo waited for it the group's whole timeout, on every rank.
     """
     import torch.distributed as dist
 
@@ -50,25 +58,61 @@ def join_group(
         )
     prefixed = dist.PrefixStore(generation.prefix, store)
     _everyone_here(prefixed, generation, rank, rendezvous_s)
-    group: Any  # torch's stubs give these backends no barrier(); both have one
-    if settings.backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch private
-        options._timeout = settings.timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
-        group = dist.ProcessGroupGloo(prefixed, rank, generation.world_size, options)
-    else:
-        # NCCL's watchdog, on a member's death or a timed-out collective, by default
-        # tears this whole process down (mode 3), receiver actor and all: one death
-        # would end every member. Mode 2 aborts the communicator only; the collective
-        # then raises here and the member falls back as over gloo. Read when the group
-        # is made; a setting of the user's own stands.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = settings.timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, generation.world_size, options)
-    barrier = group.barrier()
-    barrier.wait(settings.timeout)
+    form_s = formation_s(generation, rendezvous_s)
+    forming = datetime.timedelta(seconds=form_s)
+    formed_by = time.monotonic() + form_s
+    group: Any = None  # torch's stubs give these backends no barrier(); both have one
+    try:
+        if settings.backend == "gloo":
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch private
+            # gloo's wait for each rank's address, and (times _GLOO_CONNECT_WAITS) for
+            # each connection
+            options._timeout = datetime.timedelta(
+                seconds=max(MIN_TIMEOUT_S, form_s / _GLOO_CONNECT_WAITS)
+            )
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
+            group = dist.ProcessGroupGloo(prefixed, rank, generation.world_size, options)
+        else:
+            # NCCL's watchdog, on a member's death or a timed-out collective, by default
+            # tears this whole process down (mode 3), receiver actor and all: one death
+            # would end every member. Mode 2 aborts the communicator only; the collective
+            # then raises here and the member falls back as over gloo. Read when the group
+            # is made; a setting of the user's own stands.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = forming
+            group = dist.ProcessGroupNCCL(prefixed, rank, generation.world_size, options)
+        left = datetime.timedelta(seconds=max(MIN_TIMEOUT_S, formed_by - time.monotonic()))
+        _default_timeout(group, left)  # the barrier's own, not gloo's connection wait
+        barrier = group.barrier()
+        barrier.wait(left)
+    except Exception as err:
+        if group is not None:  # its connections closed now: the others fail at once
+            group.shutdown()
+        raise RuntimeError(
+            f"process-group generation {generation.number} did not form within {form_s:g} s "
+            f"of every rank's arrival at its rendezvous (a member may have died as it "
+            f"joined): {err}"
+        ) from None
+    _default_timeout(group, settings.timeout)  # collectives: the group's own
     return group
+
+
+def _default_timeout(group: Any, timeout: datetime.timedelta) -> None:
+    """The timeout of ``group``'s operations that name none (every collective of
+    :func:`run_broadcast` names its own), where the backend lets it be changed."""
+    if hasattr(group, "_set_default_timeout"):
+        group._set_default_timeout(timeout)
+
+
+def formation_s(generation: Generation, rendezvous_s: float | None = None) -> float:
+    """How long a rank of ``generation`` waits for its group to form once every member
+    arrived at its rendezvous: the generation's ``form_s`` (a share of the broadcast's
+    time, from the planner), or ``rendezvous_s`` if shorter, never more than the
+    group's timeout nor less than
+    :data:`~raysync.transports.options.MIN_TIMEOUT_S`."""
+    limits = [generation.settings.timeout_s, generation.form_s, rendezvous_s]
+    return max(MIN_TIMEOUT_S, min(limit for limit in limits if limit is not None))
 
 
 def forget_rendezvous(store: Any, generation: Generation) -> None:

@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raysync.actor_classes import PROCESS_GROUP, actor_class
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
+    PLAN_DEADLINE,
     HubContext,
     ReceiverInfo,
     TransportError,
@@ -34,13 +35,23 @@ from raysync.transports.distributed.wire import (
 )
 from raysync.transports.object_store.bucket_stream import is_bucketed, streams_of
 from raysync.transports.object_store.planner import BucketServing, tell_broker
-from raysync.transports.options import DistributedOptions
+from raysync.transports.options import MIN_TIMEOUT_S, DistributedOptions
 from raysync.transports.parts import plan_pull_parts
 
 logger = logging.getLogger(__name__)
 
 #: How often the hub asks a restarting process-group actor whether it is back.
 _RESTART_POLL_S = 0.1
+#: The share of what is left of a plan's time (``PLAN_DEADLINE``) it waits for rank 0
+#: to finish the last collective (a version whose learner's copy its targets can read
+#: instead): past it, they read that copy alone, and the plan still ends in time. It
+#: waited until the hub gave the plan up, and every target failed, none reading.
+LAST_COLLECTIVE_SHARE = 0.5
+#: The share of what is left of a plan's time the members of a generation it forms
+#: have to form the group once all arrived at its rendezvous (``Generation.form_s``):
+#: a member that died then held every other rank (rank 0 too) for the group's timeout,
+#: and the fallback reads came after the broadcast's timeout.
+FORMATION_SHARE = 0.5
 
 
 class DistributedPlanner(TransportPlanner):
@@ -56,9 +67,9 @@ class DistributedPlanner(TransportPlanner):
         self._generation: Generation | None = None
         self._generations = 0  #: generations formed so far; numbers only grow
         self._next_seq = 0
-        #: rank 0's result of the last collective planned (None, or why it failed),
-        #: and the generation it was planned in
-        self._last_job: tuple[Any, int] | None = None
+        #: the last collective planned: whether it failed (a task that awaits rank 0's
+        #: answer), the generation it was planned in, and what it is, for the log
+        self._last_job: tuple[asyncio.Future[bool], int, str] | None = None
         #: worker -> until when (``time.monotonic()``) it reads the learner's copy alone:
         #: it never came to the rendezvous of a collective that failed for it (busy, its
         #: delivery queued; the hub marks it behind only once that delivery timed out)
@@ -113,7 +124,9 @@ class DistributedPlanner(TransportPlanner):
             # from, and no sequence number taken.
             last = self._last_job
             if last is not None:
-                failed = await self._collective_failed(last[0])
+                failed = await self._outcome(last, is_bucketed(update.payload))
+                if failed is None:  # rank 0 still runs it: no collective this time
+                    return self._alone_all(update, targets)
                 self._last_job = None
                 if failed:
                     self._generation = None  # form a new one
@@ -138,6 +151,7 @@ class DistributedPlanner(TransportPlanner):
                     f"raysync/{uuid.uuid4().hex}/",
                     self._store,
                     self._settings,
+                    form_s=_share_left(FORMATION_SHARE),
                 )
                 self._generation = generation
                 self._next_seq = 0
@@ -149,7 +163,14 @@ class DistributedPlanner(TransportPlanner):
             buckets = bucket_count(update.payload) if is_bucketed(update.payload) else 0
             nbytes = collective_bytes(update.payload, spec)
             job = BroadcastJob(generation, seq, update.model, update.version, spec, update.payload)
-            self._last_job = (self._actor.broadcast.remote(job, self._reader), generation.number)
+            outcome = asyncio.ensure_future(
+                self._collective_failed(self._actor.broadcast.remote(job, self._reader))
+            )
+            what = (
+                f"collective {seq} of process-group generation {generation.number} (version "
+                f"{update.version} of model {update.model!r} to {', '.join(members)})"
+            )
+            self._last_job = (outcome, generation.number, what)
             return alone | {
                 worker: GroupPayload(
                     generation, generation.rank_of(worker), seq, update.payload, nbytes, buckets
@@ -199,6 +220,44 @@ class DistributedPlanner(TransportPlanner):
             else:
                 alone[target.worker] = update.payload
         return alone, tuple(sorted(t.worker for t in here if t.worker not in alone))
+
+    async def _outcome(
+        self, last: tuple[asyncio.Future[bool], int, str], bucketed: bool
+    ) -> bool | None:
+        """Whether rank 0's ``last`` collective failed, or None if it did not end within
+        :data:`LAST_COLLECTIVE_SHARE` of what is left of this plan's time (rank 0 waits
+        in it still: a member that died as the group formed, say). A bucketed version
+        (no copy of the learner's to read alone) waits until the hub gives the plan up.
+        Either way, giving up is logged with what it waited for."""
+        outcome, _, what = last
+        limit_s = None if bucketed else _share_left(LAST_COLLECTIVE_SHARE, at_least=0.0)
+        started = time.monotonic()
+        try:
+            done, _ = await asyncio.wait({outcome}, timeout=limit_s)
+        except asyncio.CancelledError:
+            logger.warning(
+                "the hub gave this plan up after %.3g s waiting for rank 0 (%s) to end %s",
+                time.monotonic() - started,
+                self._name,
+                what,
+            )
+            raise
+        if done:
+            return outcome.result()
+        logger.warning(
+            "rank 0 (%s) has not ended %s after %.3g s of this plan's wait (a member may "
+            "have died as the group formed); this version's targets read the learner's "
+            "copy alone",
+            self._name,
+            what,
+            time.monotonic() - started,
+        )
+        return None
+
+    def _alone_all(self, update: Any, targets: Sequence[ReceiverInfo]) -> dict[str, Any]:
+        """Every target still registered reads the learner's copy alone (``update`` is a
+        whole version: :meth:`_outcome` gives up on none other)."""
+        return {t.worker: update.payload for t in targets if self._registered(t)}
 
     def _registered(self, target: ReceiverInfo) -> bool:
         """Whether ``target`` is its worker's registration now: the same process, and
@@ -261,12 +320,23 @@ class DistributedPlanner(TransportPlanner):
 
     async def close(self) -> None:
         self._serving.close()
+        if self._last_job is not None:  # no plan hears it any more
+            self._last_job[0].cancel()
         try:
             await self._actor.close.remote()
         except ray.exceptions.RayActorError:
             pass  # already gone: nothing of it to close
         finally:
             ray.kill(self._actor)
+
+
+def _share_left(share: float, at_least: float = MIN_TIMEOUT_S) -> float | None:
+    """``share`` of what is left of the plan's time (``PLAN_DEADLINE``), in seconds (at
+    least ``at_least``); None outside a hub's plan (no deadline)."""
+    deadline = PLAN_DEADLINE.get()
+    if deadline is None:
+        return None
+    return max(at_least, share * (deadline - time.monotonic()))
 
 
 def _alone(targets: Sequence[ReceiverInfo], copy: Any, sitting_out: set[str]) -> dict[str, Any]:

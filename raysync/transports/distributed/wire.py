@@ -39,6 +39,13 @@ class Generation:
     prefix: str
     store: StoreAddress
     settings: DistributedOptions
+    #: How long its ranks, once every one arrived at its rendezvous, wait for the group
+    #: to form (gloo's connections, then a barrier); None: the group's timeout. The
+    #: planner sets a share of what is left of the broadcast's time: a member that died
+    #: after it arrived there (the hub cannot call the rendezvous off any more) held
+    #: every other rank in gloo's own wait for the group's timeout, longer than the
+    #: broadcast's (see :func:`~raysync.transports.distributed.group.join_group`).
+    form_s: float | None = None
 
     @property
     def world_size(self) -> int:
