@@ -40,6 +40,7 @@ from ray.exceptions import ActorDiedError, RayError
 from raysync.background import BackgroundTasks
 from raysync.bounded import keep_newest
 from raysync.channel_replies import ChannelReplies, reply_unless_learner_died
+from raysync.direct_routes import DirectRoutes
 from raysync.errors import (
     BroadcastError,
     HubClosedError,
@@ -283,6 +284,9 @@ class WeightHubActor:
         #: (learner, model) -> the highest number of that learner's calls that versioned
         #: the model (see :meth:`_superseded`), for the learners used last
         self._versioned_calls: OrderedDict[tuple[str, str], int] = OrderedDict()
+        #: The version numbers routes handed to learners (the direct path): none names
+        #: two broadcasts' weights.
+        self._direct_routes = DirectRoutes()
         #: worker -> its planner's ``receiver_left`` still running (see :meth:`_drop`)
         self._leaving: dict[str, asyncio.Task[Any]] = {}
         self._closed = False
@@ -321,7 +325,9 @@ class WeightHubActor:
         self._note_versioned(request, begun.model)
         if not request.wait:
             return BroadcastTicket(
-                begun.model, begun.version, route=self._route(request.model, request.known)
+                begun.model,
+                begun.version,
+                route=self._report_route(request),
             )
         # Shielded: a learner that cancels its call (``ray.cancel``) gives up its wait,
         # not the version, which other parts' calls, ``wait_for`` and ``close`` await.
@@ -329,13 +335,15 @@ class WeightHubActor:
         if report.failed and request.raise_on_failure:
             raise BroadcastError(report)
         # The learner's next broadcast reads its route here instead of asking for it.
-        return dataclasses.replace(report, route=self._route(request.model, request.known))
+        return dataclasses.replace(report, route=self._report_route(request))
 
     async def _begin(self, request: BroadcastRequest, timeout_s: float, started: float) -> _Started:
         """Wait for ``request``'s turn among its learner's, then book, assemble or
         version it and start its delivery; raise if it is refused."""
         late = await self._in_order.wait_turn(request.submitter, request.sequence, request.floor)
         self._check_open()  # close() may have begun while it waited its turn
+        if not late:  # in its turn (Ray may start a learner's calls out of order); a late
+            self._note_submitted(request)  # one is older than what its learner did since
         if late and self._superseded(request):
             self._refuse_late(request)
         if request.direct_calls is not None:
@@ -373,6 +381,19 @@ class WeightHubActor:
             if entry is not None and entry.registration.token == token:
                 called.setdefault(entry.transport, []).append(worker)
         return {transport: tuple(workers) for transport, workers in called.items()}
+
+    def _note_submitted(self, request: BroadcastRequest) -> None:
+        """``request`` had its turn: its learner goes through the hub, or delivers itself
+        (:meth:`DirectRoutes.submitted`), from now on as far as the hub knows. Parts of
+        a version are numbered once every part had its turn."""
+        try:
+            model = self._state.resolve_model(request.model)
+        except (UnknownModelError, ValueError):
+            return  # no model yet, or the hub says which to name: no route named it
+        if model not in self._state.models:
+            return  # refused in its turn: no route named it
+        direct = request.direct_calls is not None
+        self._direct_routes.submitted(model, request.submitter, direct=direct)
 
     def _superseded(self, request: BroadcastRequest) -> bool:
         """Whether a later broadcast of ``request``'s learner already versioned its model
@@ -425,7 +446,11 @@ class WeightHubActor:
         version = request.direct_version
         model = self._state.resolve_model(request.model)
         published = self._state.version_of(model)
-        if version <= published:
+        # A number routed to another learner is that one's to deliver (this learner's
+        # route came from a hub before a restart).
+        if version <= published or self._direct_routes.routed_to_another(
+            model, request.submitter, version
+        ):
             logger.info(
                 "version %d of model %r, delivered by its learner, was taken by another "
                 "broadcast first: versioned anew and delivered by the hub",
@@ -577,10 +602,27 @@ class WeightHubActor:
         number that broadcast then takes, other weights under it, both its own."""
         if not await self._in_order.wait_passed(submitter, after):
             return Route(self.transports())
-        return self._route(model, known)
+        return self._route(model, known, submitter)
 
-    def _route(self, model: str | None, known: frozenset[str]) -> Route:
-        """The route of ``model``'s next broadcast, as of now (see :meth:`route`)."""
+    def _report_route(self, request: BroadcastRequest) -> Route:
+        """The route in ``request``'s result, for its learner's next broadcast. One after
+        a bucketed version names no number: that learner's next is likely bucketed too
+        (not delivered by the learner), and a number held for it would make another
+        learner's versions skip it; one that is not goes through the hub, and its
+        result routes a number again."""
+        return self._route(
+            request.model,
+            request.known,
+            request.submitter,
+            numbered=request.bucket_bytes is None,
+        )
+
+    def _route(
+        self, model: str | None, known: frozenset[str], submitter: str, numbered: bool = True
+    ) -> Route:
+        """The route of ``model``'s next broadcast by learner ``submitter``, as of now
+        (see :meth:`route`): its next version, if ``numbered``, is handed to that learner
+        only (:mod:`raysync.direct_routes`)."""
         hand_offs = self.transports()
         if self._closed or not self._state.models:
             return Route(hand_offs)
@@ -606,9 +648,21 @@ class WeightHubActor:
         )
         if not targets:
             return Route(hand_offs)
-        next_version = self._state.models[resolved].version + 1
+        next_version = 0  # the receivers and their handles still, for the broadcast after
+        if numbered:
+            next_version = self._direct_routes.route(
+                resolved, submitter, self._state.version_of(resolved)
+            )
         sole = len(self._state.models) == 1
         return Route(hand_offs, resolved, next_version, spec, targets, sole)
+
+    async def forget_learner(self, submitter: str, after: int) -> None:
+        """Learner process, as it lets its side of this hub go (``HubHandle.release``):
+        the numbers routed to learner ``submitter`` hold no broadcast up any more, once
+        its last broadcast (its call ``after``) had its turn; if that one never comes
+        within the turns' wait, its number stays held (a gap at worst)."""
+        if await self._in_order.wait_passed(submitter, after):
+            self._direct_routes.forget_learner(submitter)
 
     async def _start_assembled(
         self, request: BroadcastRequest, timeout_s: float, first_arrived: float
@@ -639,8 +693,16 @@ class WeightHubActor:
         self._state.check_version(model, request.version)
         _check_above_direct(model, request)
         version = request.version
-        if version is None and request.above > self._state.version_of(model):
-            version = request.above + 1  # its learner delivered one the hub never booked
+        if version is None:
+            # Above a number routed to another learner and not booked yet (it may be
+            # delivering it now), and above one its own learner delivered that the hub
+            # never booked.
+            version = max(
+                self._direct_routes.next_version(
+                    model, request.submitter, self._state.version_of(model)
+                ),
+                request.above + 1,
+            )
         workers, gone = request.workers, dict[str, str]()
         if gone_ok and workers:
             workers, gone = self._gone_since(workers, f"this version of model {model!r}")
@@ -1002,6 +1064,7 @@ class WeightHubActor:
         again."""
         assembling = {model for model, _ in self._assemblies.arrived()}
         self._state.forget_unclaimed(models, kept=assembling)
+        self._direct_routes.forget(self._state.models)
         if not self._state.models:
             self._model_known.clear()
         if self._snapshot is None:

@@ -88,7 +88,10 @@ class _Broadcast:
         (nested) state_dict. ``model`` defaults to the only model the hub knows (a
         hub that knows none waits, within the timeout, for the first receiver to
         register one). ``version`` sets the version explicitly (for
-        example the training step); it must be above the current one. ``workers``
+        example the training step); it must be above the current one, and it is this
+        learner's to choose: the hub does not check it against a number another
+        learner of the model delivers itself (:mod:`raysync.direct_routes`), so
+        explicit versions and a second learner of the same model do not mix. ``workers``
         restricts the broadcast to those worker ids. ``timeout_s`` bounds the wait for
         acks (default: the hub's). ``wire_dtype`` (default: the hub's, if it has one)
         sends floating tensors in that dtype (``torch.bfloat16``): they are cast here,
@@ -212,6 +215,8 @@ class _Broadcast:
                     else:
                         above = _above(side, direct_key)
                         direct_version = handle._next_direct_version(route)
+                        if not direct_version:
+                            channel = None
             if channel is not None:
                 assert wire is not None  # direct: a whole version, not buckets
                 written = write_channel(
@@ -263,13 +268,14 @@ class _Broadcast:
                         above = _above(side, direct_key)
                     if direct and written is None and _stale(side, route_key, basis):
                         direct = False  # the hub numbers it: its route's number may be taken
+                    if direct and not direct_version:
+                        direct_version = handle._next_direct_version(route)
+                        direct = direct_version > 0  # else the hub numbers it, above
                     if direct:
                         calls = {}
                         if written is not None:
                             assert channel is not None  # written: into the channel
                             calls = channel.collect(written, COLLECT_WAIT_S)
-                        if not direct_version:
-                            direct_version = handle._next_direct_version(route)
                         called = deliver_directly(
                             route,
                             direct_version,
@@ -715,12 +721,16 @@ class HubHandle:
         return dataclasses.replace(route, targets=tuple(targets)) if targets else route
 
     def _next_direct_version(self, route: Route) -> int:
-        """The version to deliver a direct broadcast as: the route's next one, or above
-        this handle's last direct one (the route may have been made before the hub
-        booked it). Called under ``_submitting``."""
-        version = max(route.next_version, self._side.last_direct.get(route.model, 0) + 1)
-        self._side.last_direct[route.model] = version
-        return version
+        """The version to deliver a direct broadcast as: the route's next one, handed
+        to this learner only; 0 if it is not above this learner's last direct one (the
+        route was made before the hub booked that, or by a hub that restarted since):
+        then the broadcast goes through the hub, which numbers it above that one (a
+        number above the route's may be another learner's). Called under
+        ``_submitting``."""
+        if route.next_version <= self._side.last_direct.get(route.model, 0):
+            return 0
+        self._side.last_direct[route.model] = route.next_version
+        return route.next_version
 
     def wait_channel(self, model: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[str, ...]:
         """With ``channels=True``: wait until this learner's channel to ``model``'s

@@ -296,7 +296,7 @@ def _end_sides_of_gone_hubs(hubs: dict[str, Any]) -> None:
             continue  # restarting: its learners broadcast to it again
         if gone:
             logger.info("hub %s closed: ending this learner's side of it", hub_id)
-            end_learner_side(hub_id)
+            end_learner_side(hub_id, tell_hub=False)
 
 
 def _close_channels() -> None:
@@ -308,13 +308,25 @@ def _close_channels() -> None:
         channel.close()
 
 
-def end_learner_side(hub_id: str) -> None:
+def end_learner_side(hub_id: str, *, tell_hub: bool = True) -> None:
     """End this process's side of hub ``hub_id``: close its senders and channels (a
-    later broadcast begins a new side)."""
+    later broadcast begins a new side), and tell the hub (not one found closed or dead:
+    a call to a dead actor ends in an error nobody reads, which Ray logs) that the
+    numbers routed to this side hold nothing up any more."""
     with _lock:
         side = _sides.pop(hub_id, None)
     if side is None:
         return
+    if tell_hub:
+        # After a broadcast delivered directly and being submitted (under the lock): its
+        # call. (One written into a channel before the lock is missed: release() is for
+        # a learner whose broadcasts are acked.)
+        with side.submitting:
+            last_call = side.next_sequence - 1
+        try:  # the answer is not awaited
+            side.hub.forget_learner.remote(side.submitter, last_call)
+        except Exception as err:  # Ray shut down already
+            logger.debug("could not tell hub %s its learner side ended: %r", hub_id, err)
     for sender in side.senders.values():
         sender.close()
     for channel in side.channels.values():

@@ -175,8 +175,9 @@ class Route:
     broadcast, or asked for): what the next broadcast of a model carries, and whether
     the learner may deliver it itself (the direct path).
 
-    ``hand_offs`` are the payloads to produce (always). With ``next_version`` > 0 (the
-    model's version after the latest published when the route was made), a broadcast
+    ``hand_offs`` are the payloads to produce (always). With ``next_version`` > 0 (a
+    number above the model's latest version when the route was made, handed to this
+    learner only: :mod:`raysync.direct_routes`), a broadcast
     whose spec equals ``spec``, with no explicit version and no parts, whose workers
     (if named) are all in ``targets``, calls them itself as the next version and books
     it with the hub in parallel; the hub delivers every other receiver (another
@@ -212,10 +213,12 @@ class Update:
     #: receiver fetches by it and casts into its own tensors); None: the model's.
     wire_spec: WeightSpec | None = None
     #: The learner handle that broadcast it. Versions are the hub's order; a learner
-    #: delivering itself (``from_learner``) guesses the next one, and two learners may
-    #: guess the same: a receiver holding a version from one learner's own delivery
-    #: takes the hub's update of the same number from another (the hub's is the one
-    #: that counts), and answers another learner's own delivery of it with CONFLICT.
+    #: delivering itself (``from_learner``) delivers the number its route named, which
+    #: no other learner's route names; should two still deliver one (a number a route
+    #: did not name, after a hub restart), a receiver holding a version from one
+    #: learner's own delivery takes the hub's update of the same number from another
+    #: (the hub's is the one that counts), and answers another learner's own delivery
+    #: of it with CONFLICT.
     origin: str = ""
     #: The learner delivered it itself (the direct path; the hub awaits that call's reply).
     from_learner: bool = False

@@ -222,6 +222,23 @@ class _Nets:
 
 
 @ray.remote(num_cpus=0)
+class Labeller(WeightReceiver):
+    """Notes, at each version it applies, the value its policy's first weight holds then
+    (learners that fill every weight with one value per broadcast: ``broadcast_filled``)."""
+
+    def __init__(self, hub, worker_id):
+        self.policy = make_policy()
+        self.labels: list[tuple[int, float]] = []
+        self.connect_hub(hub, models={"policy": "policy"}, worker_id=worker_id)
+
+    def on_weights_applied(self, model: str, version: int) -> None:
+        self.labels.append((version, self.policy[0].weight[0, 0].item()))
+
+    def applied_labels(self) -> list[tuple[int, float]]:
+        return list(self.labels)
+
+
+@ray.remote(num_cpus=0)
 class MultiModel(WeightReceiver, _Inspect):
     """Several models behind attribute paths, items and non-Module containers."""
 
@@ -808,6 +825,23 @@ class OtherLearner:
 
     def wait_channel(self, model: str) -> tuple[str, ...]:
         return self.hub.wait_channel(model)
+
+    def broadcast_filled(self, values: list[float]) -> list[tuple[int, float]]:
+        """Broadcast ``make_policy()`` with every weight filled with each of ``values``
+        in turn, without waiting for a report before the next; each one's version and
+        value, once all are acked."""
+        return broadcast_filled(self.hub, values)
+
+
+def broadcast_filled(hub, values: list[float]) -> list[tuple[int, float]]:
+    """See :meth:`OtherLearner.broadcast_filled`; in the calling process."""
+    policy, results = make_policy(), []
+    for value in values:
+        with torch.no_grad():
+            for parameter in policy.parameters():
+                parameter.fill_(value)
+        results.append(hub.broadcast.remote(policy))  # copied out before it returns
+    return [(report.version, value) for report, value in zip(ray.get(results), values, strict=True)]
 
 
 class _NotesBlocked:

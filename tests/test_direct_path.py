@@ -1,7 +1,7 @@
 """The direct path: the learner calls the receivers itself and the hub books the version
 in parallel (see ``raysync.messages.Route``). Every guarantee of a broadcast through the
 hub holds: versions 1, 2, 3 in the hub's order, acks per worker, late joiners, failures
-named, and two learners guessing the same next version end in the hub's order."""
+named, and two learners are routed numbers of their own, in the hub's order."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from tests.receivers import (
     Collector,
     Holder,
     HookCaller,
+    Labeller,
     OtherLearner,
     connect_policy_again,
     make_policy,
@@ -145,29 +146,57 @@ def test_each_result_brings_the_next_route_and_a_handle_travels_once(actors):
     assert len(asked) == 1
 
 
-def test_two_learners_guessing_the_same_version_stay_in_the_hubs_order(actors):
+def test_two_learners_are_routed_numbers_of_their_own_in_the_hubs_order(actors):
     first = start_hub(actors, "object_store")
     second = start(actors, OtherLearner, first)  # another learner of the same hub
     collectors = [start(actors, Collector, first, worker_id=f"c{i}") for i in range(2)]
     ready(collectors)
     one = ray.get(first.broadcast.remote(make_policy()))
     two = ray.get(second.broadcast.remote(make_policy()))
+    # The first learner's report routed it 2: the second's route names 3, its own.
     assert (one.version, one.direct) == (1, ("c0", "c1"))
-    assert (two.version, two.direct) == (2, ("c0", "c1"))
+    assert (two.version, two.direct) == (3, ("c0", "c1"))
     learner = make_policy()
     three = ray.get(first.broadcast.remote(learner))
-    # The first learner delivered it as version 2 (its guess), which the second's took:
-    # the receivers answer CONFLICT, and the hub versions it 3 and delivers it itself.
-    assert (three.version, three.direct, three.acked) == (3, (), ("c0", "c1"))
-    _hold(collectors, learner, 3)
-    assert ray.get(first.status.remote()).versions == {"policy": 3}
+    # The first learner delivered it as 2, its route's, overtaken by the second's 3:
+    # the receivers answer SUPERSEDED, and the hub versions it anew above the number
+    # the second's report routed it (4) and delivers it itself. 2 is nobody's.
+    assert (three.version, three.direct, three.acked) == (5, (), ("c0", "c1"))
+    _hold(collectors, learner, 5)
+    assert ray.get(first.status.remote()).versions == {"policy": 5}
+
+
+def test_two_learners_at_once_never_label_two_weights_with_one_version(actors):
+    """Two learner processes broadcast one model at once, neither waiting for a report
+    before its next broadcast, each filling the weights with a value of its own. Each
+    learner's route names a version number of its own, and the hub numbers a broadcast
+    above the numbers routed to the other: no receiver ever applies one learner's
+    weights under a number the hub booked for the other's (before, the two guessed the
+    same numbers, and a receiver reached by one learner's own delivery first held its
+    weights under the other's number until the hub's delivery of it came)."""
+    hub = start_hub(actors, "object_store")
+    receivers = [start(actors, Labeller, hub, worker_id=f"r{i}") for i in range(2)]
+    learners = [start(actors, OtherLearner, hub) for _ in range(2)]
+    ready(receivers + learners)
+    values = [[1000.0 * (k + 1) + i for i in range(15)] for k in range(2)]
+    sent = ray.get([x.broadcast_filled.remote(v) for x, v in zip(learners, values, strict=True)])
+    labels: dict[int, set[float]] = {}
+    for version, value in sent[0] + sent[1]:
+        labels.setdefault(version, set()).add(value)
+    assert len(labels) == 30  # a number each
+    for receiver in receivers:
+        applied = ray.get(receiver.applied_labels.remote())
+        assert applied, "nothing applied"
+        for version, value in applied:
+            labels.setdefault(version, set()).add(value)
+    assert {v: sorted(x) for v, x in labels.items() if len(x) > 1} == {}
 
 
 def test_two_learners_guessing_one_number_leave_zero_copy_models_in_slots_held(actors):
     """The same on ``shared_memory``, the receivers' models living in the slots: each
-    answered the first learner's own delivery of its guess CONFLICT and handed the
-    slot back, which the owner took for the hold of the hub's own delivery of it, as
-    version 3, and skipped that hold: the slot the models then lived in was held by
+    turned the first learner's own delivery of its overtaken number down and handed the
+    slot back, which the owner once took for the hold of the hub's own delivery of that
+    broadcast, and skipped that hold: the slot the models then lived in was held by
     nobody, free to be written again under them."""
     first = start_hub(actors, "shared_memory")
     second = start(actors, OtherLearner, first)
@@ -176,20 +205,20 @@ def test_two_learners_guessing_one_number_leave_zero_copy_models_in_slots_held(a
     ]
     ready(collectors)
     ray.get(first.broadcast.remote(make_policy()))
-    assert ray.get(second.broadcast.remote(make_policy())).version == 2
+    assert ray.get(second.broadcast.remote(make_policy())).version == 3
     learner = make_policy()
     three = ray.get(first.broadcast.remote(learner))
-    assert (three.version, three.direct, three.acked) == (3, (), ("c0", "c1"))
-    _hold(collectors, learner, 3)
+    assert (three.version, three.direct, three.acked) == (5, (), ("c0", "c1"))
+    _hold(collectors, learner, 5)
     node_id = ray.get_runtime_context().get_node_id()
     owner = ray.get_actor(owner_name(first.config.hub_id, node_id), namespace=OWNER_NAMESPACE)
     assert {"worker/c0", "worker/c1"} <= set(ray.get(owner.stats.remote()).holds)
 
 
 def test_a_version_overtaken_twice_leaves_zero_copy_models_in_slots_held(actors):
-    """The second learner's broadcasts took the number the first one's route named and
-    the one after: each receiver turned the first learner's own delivery down as older
-    than what it held and handed the slot back unread, and the hub, which had versioned
+    """The second learner's broadcasts took numbers above the one the first learner's
+    route named: each receiver turned the first learner's own delivery down as older
+    than what it held and handed the slot back unread, and the hub, which versioned
     that broadcast anew and delivered this very slot itself, booked no hold for the
     learner's call. The owner took the hand-back for the hold of the hub's delivery:
     the zero-copy models then lived in a slot held by nobody but ``latest``, which
@@ -201,12 +230,13 @@ def test_a_version_overtaken_twice_leaves_zero_copy_models_in_slots_held(actors)
     ]
     ready(collectors)
     ray.get(first.broadcast.remote(make_policy()))  # routes the first learner 2
-    assert ray.get(second.broadcast.remote(make_policy())).version == 2
-    assert ray.get(second.broadcast.remote(make_policy())).version == 3
+    assert ray.get(second.broadcast.remote(make_policy())).version == 3  # above 2
+    assert ray.get(second.broadcast.remote(make_policy())).version == 4
     learner = make_policy()
     report = ray.get(first.broadcast.remote(learner))  # delivered by it as 2
-    assert (report.version, report.direct, report.acked) == (4, (), ("c0", "c1"))
-    _hold(collectors, learner, 4)
+    # Versioned anew above the number the second's last report routed it (5).
+    assert (report.version, report.direct, report.acked) == (6, (), ("c0", "c1"))
+    _hold(collectors, learner, 6)
     node_id = ray.get_runtime_context().get_node_id()
     owner = ray.get_actor(owner_name(first.config.hub_id, node_id), namespace=OWNER_NAMESPACE)
     assert {"worker/c0", "worker/c1"} <= set(ray.get(owner.stats.remote()).holds)
@@ -214,7 +244,7 @@ def test_a_version_overtaken_twice_leaves_zero_copy_models_in_slots_held(actors)
 
 def test_a_taken_version_whose_named_receiver_left_is_versioned_anew_and_fails_it(actors):
     """The first learner delivered its broadcast to the workers it named under a number
-    the second learner's took, and one of them left meanwhile: the hub versions it anew
+    the second learner's overtook, and one of them left meanwhile: the hub versions it anew
     and delivers it to the one still there, failing the other (it raised
     UnknownWorkerError though a receiver had the learner's call)."""
     first = start_hub(actors, "object_store")
@@ -222,15 +252,15 @@ def test_a_taken_version_whose_named_receiver_left_is_versioned_anew_and_fails_i
     stays, other = (start(actors, Collector, first, worker_id=w) for w in ("stays", "other"))
     ready([stays, other])
     ray.get(first.broadcast.remote(make_policy()))  # version 1; the route lists both
-    assert ray.get(second.broadcast.remote(make_policy())).version == 2
+    assert ray.get(second.broadcast.remote(make_policy())).version == 3  # above 2, routed
     ray.get(other.__ray_call__.remote(lambda c: c._raysync_connected().close()))
     learner = make_policy()
     report = ray.get(
         first.broadcast.remote(learner, workers=["stays", "other"], raise_on_failure=False)
     )
-    assert (report.version, report.direct, report.acked) == (3, (), ("stays",))
+    assert (report.version, report.direct, report.acked) == (5, (), ("stays",))
     assert "left the hub" in report.failed["other"], report.failed
-    _hold([stays], learner, 3)
+    _hold([stays], learner, 5)
 
 
 def test_a_receiver_killed_after_the_route_is_reported_dead(actors):

@@ -16,7 +16,7 @@ from ray.experimental import internal_kv
 import raysync
 from raysync import BroadcastError, HubNotFoundError, HubSnapshotError, WeightReceiver
 from raysync.hub_snapshot import KV_NAMESPACE
-from raysync.transports import DEFAULT_TRANSPORT
+from raysync.transports import DEFAULT_TRANSPORT, get_transport
 from tests.helpers import (
     assert_same,
     fail_snapshot_writes,
@@ -209,11 +209,13 @@ def test_learner_dies_receivers_keep_last_good_version(actors, transport):
         assert_same(ray.get(late.state.remote()), expected)
     else:
         assert ray.get(late.version.remote()) == 0
-    # A new learner takes over; versions continue.
+    # A new learner takes over; versions continue, above the number the dead learner's
+    # last report routed it where it delivers itself (it may have delivered it).
     successor = start(actors, Learner, hub)
-    assert ray.get(successor.step.remote(2)) == 2
+    after_routed = 3 if get_transport(transport).learner_delivers else 2
+    assert ray.get(successor.step.remote(2)) == after_routed
     for receiver in (collector, late):
-        assert ray.get(receiver.version.remote()) == 2
+        assert ray.get(receiver.version.remote()) == after_routed
         assert_same(ray.get(receiver.state.remote()), ray.get(successor.weights.remote()))
 
 
@@ -225,11 +227,14 @@ def test_two_learners_at_once_versions_totally_ordered(actors, transport):
     learners = [start(actors, Learner, hub) for _ in range(2)]
     ready(learners)
     versions = ray.get([learner.many.remote(10, seed) for seed, learner in enumerate(learners)])
-    assert sorted(versions[0] + versions[1]) == list(range(1, 21))
+    # A number each; a number one learner was routed and the other's overtook is skipped
+    # (tests/test_direct_path.py checks no number ever names two weights).
+    assert all(v == sorted(set(v)) for v in versions)
+    assert len(set(versions[0] + versions[1])) == 20
     last = ray.get(hub.wait_for.remote(ray.get(hub.broadcast.remote(make_policy(), wait=False))))
-    assert last.version == 21
+    assert last.version > max(versions[0] + versions[1])
     for c in collectors:
-        assert ray.get(c.version.remote()) == 21
+        assert ray.get(c.version.remote()) == last.version
 
 
 def test_connect_to_missing_hub_fails_within_its_timeout(ray_cluster, actors):

@@ -38,7 +38,7 @@ def _hub() -> SimpleNamespace:
     return SimpleNamespace(
         _in_order=InOrder(0.05),
         transports=lambda: ("object_store",),
-        _route=lambda model, known: DIRECT,
+        _route=lambda model, known, submitter: DIRECT,
     )
 
 
@@ -192,3 +192,19 @@ def test_a_bucketed_version_for_a_whole_version_hand_off_is_refused_saying_how_t
     assert message.startswith("bucket_mb: transport 'packed_object' moves whole versions only")
     assert message.endswith(advice)
     assert handle._side.last_results == {}  # nothing was submitted
+
+
+def test_a_released_learner_is_forgotten_once_its_last_broadcast_had_its_turn():
+    """``forget_learner`` (sent by ``HubHandle.release``) may start before the learner's
+    last broadcast, which delivered its routed number itself: that number stays held
+    until the broadcast had its turn, and for good if it never comes (a gap at worst)."""
+    from raysync.direct_routes import DirectRoutes
+
+    def held(after: int) -> bool:
+        hub = SimpleNamespace(_in_order=InOrder(0.05), _direct_routes=DirectRoutes())
+        hub._direct_routes.route("policy", "released", published=4)  # 5: its own
+        asyncio.run(WeightHubActor.forget_learner(hub, "released", after=after))
+        return hub._direct_routes.next_version("policy", "other", published=4) == 6
+
+    assert held(after=2)  # its call 2 never had its turn here
+    assert not held(after=0)  # it sent none

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raysync.direct_routes import DirectRoutes
 from raysync.errors import (
     SpecMismatchError,
     StaleVersionError,
@@ -603,6 +604,7 @@ def test_the_hub_saves_its_snapshot_without_the_models_a_dropped_receiver_forgot
         _state=state,
         _snapshot=snapshot,
         _assemblies=SimpleNamespace(arrived=dict),  # no version sent in parts
+        _direct_routes=DirectRoutes(),
         _model_known=asyncio.Event(),
         _forget_in=lambda transport, worker, why, lapsed: None,
     )
@@ -640,6 +642,7 @@ def test_a_receiver_that_died_keeps_its_unpublished_model_known(lapsed):
         _state=state,
         _snapshot=None,
         _assemblies=SimpleNamespace(arrived=dict),
+        _direct_routes=DirectRoutes(),
         _forget_in=lambda transport, worker, why, lapsed: None,
     )
     for method in ("_forget_models_of",):
