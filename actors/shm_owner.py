@@ -700,10 +700,10 @@ class ShmOwner:
         """(Lock held.) Hold ``segment`` for ``worker`` (on behalf of the hub's delivery
         ``placement``; 0: outside any), unless a release of it came first. A release
         counts once (the same version may reach a worker again: a pull after it
-        declined a catch-up, the hub's retry after it turned the learner's own call
-        down): it is of the hold the worker has of this version, if any (an earlier
-        delivery's: that one goes, this one is taken), else of this one (done with it
-        before its hold came)."""
+        declined a catch-up; a learner's own call turned down unread is handed back
+        apart, :meth:`release_unread`): it is of the hold the worker has of this
+        version, if any (an earlier delivery's: that one goes, this one is taken),
+        else of this one (done with it before its hold came)."""
         if self._use_board_release(segment, worker):
             self._board_releases += 1
             if Hold.of_worker(worker) not in segment.holds:

@@ -353,11 +353,11 @@ def test_a_version_handed_to_a_worker_again_after_it_released_it_is_held_again(o
 
 @pytest.mark.parametrize("by_call", [False, True])
 def test_a_release_that_came_before_its_hold_forestalls_that_hold_alone(owner, by_call):
-    """The worker turned the learner's own call of version s down (another learner's
-    call of that number came first) and let it go before the hub's hold for that call
-    came; the hub then delivered s to it itself (its retry, or s versioned anew). The
-    early release forestalled the first hold and then the second, and the worker read
-    s, or lived in it, unheld."""
+    """The worker let version s go before the hold of the delivery it read came (it
+    declined a catch-up of s, say); the hub then delivered s to it again (its pull).
+    The early release forestalled the first hold and then the second, and the worker
+    read s, or lived in it, unheld. (A learner's own call turned down unread is handed
+    back apart: ``release_unread``.)"""
     board = owner.join("w")
     assert board is not None
     slot = owner.acquire(4096, timeout_s=5.0, learner="learner")
