@@ -571,7 +571,7 @@ class ReceiverDelivery:
         current = self._state.receivers.get(registration.worker)
         if current is not None and current.registration.token == registration.token:
             return None
-        if current is not None and current.registration.process != registration.process:
+        if self._registered_anew(registration):
             return self._process_died(
                 registration, update, "(Ray restarted it and the new process registered again)"
             )
@@ -609,13 +609,18 @@ class ReceiverDelivery:
             )
         return self._process_died(registration, update, f"({restarted})")
 
+    def _registered_anew(self, registration: Registration) -> bool:
+        """Whether ``registration``'s worker id is registered from another process now
+        (Ray restarted the actor, and the new process registered)."""
+        current = self._state.receivers.get(registration.worker)
+        return current is not None and current.registration.process != registration.process
+
     def _process_died(self, registration: Registration, update: Update, how: str) -> Outcome:
         """The process ``registration`` was made in is gone (Ray restarted the actor, or
         will not): the registration is dropped (a new process registers itself; one
         that never does was failed at every broadcast, its planner's holds kept)."""
         self._drop(registration.worker, registration.token)
-        current = self._state.receivers.get(registration.worker)
-        if current is not None and current.registration.process != registration.process:
+        if self._registered_anew(registration):
             # The new process is in the registry: not dropped until it registers again.
             after = "its new process registered, and a registration gets the latest version"
         else:
@@ -630,8 +635,7 @@ class ReceiverDelivery:
         deadline."""
         asked: asyncio.Future[str] | None = None
         while True:
-            current = self._state.receivers.get(registration.worker)
-            if current is not None and current.registration.process != registration.process:
+            if self._registered_anew(registration):
                 return "Ray restarted it and the new process registered again"
             if asked is None:
                 asked = asyncio.wrap_future(

@@ -545,12 +545,8 @@ class ShmOwner:
             if placement is None:
                 segment.turned_down.add(worker)
                 return
-            placements = segment.placements.get(worker, set())
-            placements.discard(placement)
-            if not placements:
-                segment.placements.pop(worker, None)
-                segment.holds.discard(Hold.of_worker(worker))
-                self._lock.notify_all()
+            _take_back(segment, worker, placement)
+            self._lock.notify_all()
 
     def withdraw(
         self, pid: int, seq: int, workers: tuple[str, ...], placement: int, order: int = 0
@@ -569,13 +565,7 @@ class ShmOwner:
             if segment is None:
                 return
             for worker in workers:
-                placements = segment.placements.get(worker)
-                if placements is None or placement not in placements:
-                    continue  # never taken (gone, or done with it), or released since
-                placements.discard(placement)
-                if not placements:
-                    del segment.placements[worker]
-                    segment.holds.discard(Hold.of_worker(worker))
+                _take_back(segment, worker, placement)
             self._lock.notify_all()
 
     def join(
@@ -1014,6 +1004,19 @@ def _hold_for(segment: _Segment, worker: str, placement: int) -> None:
     else:
         segment.holds.add(hold)
         segment.placements[worker] = {placement}
+
+
+def _take_back(segment: _Segment, worker: str, placement: int) -> None:
+    """(Lock held.) The hub's delivery ``placement`` no longer holds ``segment`` for
+    ``worker``; the worker's hold goes with the last delivery it was for. Nothing if that
+    delivery held nothing (never taken: gone, or done with it; or released since)."""
+    placements = segment.placements.get(worker)
+    if placements is None or placement not in placements:
+        return
+    placements.discard(placement)
+    if not placements:
+        del segment.placements[worker]
+        segment.holds.discard(Hold.of_worker(worker))
 
 
 def _held_only_for(segment: _Segment) -> list[str]:

@@ -72,6 +72,7 @@ Capabilities are declared as class attributes and never probed with ``hasattr``.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
@@ -229,6 +230,16 @@ class ReceiverInfo:
 #: that waits on several resources gives up on one in time for the others to be planned
 #: (mapping its workers to :class:`Unplanned`). None outside a plan.
 PLAN_DEADLINE: ContextVar[float | None] = ContextVar("PLAN_DEADLINE", default=None)
+
+
+def plan_share_left(share: float, at_least: float = 0.0) -> float | None:
+    """``share`` of what is left of the hub's plan deadline (:data:`PLAN_DEADLINE`), in
+    seconds, at least ``at_least``; None outside a plan (no deadline). Called by a
+    planner, in the hub process, to give one resource part of the plan's time."""
+    deadline = PLAN_DEADLINE.get()
+    if deadline is None:
+        return None
+    return max(at_least, share * (deadline - time.monotonic()))
 
 
 @dataclass(frozen=True)

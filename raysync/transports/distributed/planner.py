@@ -15,12 +15,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raysync.actor_classes import PROCESS_GROUP, actor_class
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
-    PLAN_DEADLINE,
     HubContext,
     ReceiverInfo,
     TransportError,
     TransportPlanner,
     Unplanned,
+    plan_share_left,
 )
 from raysync.transports.bucket_relay import bucket_count
 from raysync.transports.distributed.wire import (
@@ -151,7 +151,7 @@ class DistributedPlanner(TransportPlanner):
                     f"raysync/{uuid.uuid4().hex}/",
                     self._store,
                     self._settings,
-                    form_s=_share_left(FORMATION_SHARE),
+                    form_s=plan_share_left(FORMATION_SHARE, at_least=MIN_TIMEOUT_S),
                 )
                 self._generation = generation
                 self._next_seq = 0
@@ -230,7 +230,7 @@ class DistributedPlanner(TransportPlanner):
         (no copy of the learner's to read alone) waits until the hub gives the plan up.
         Either way, giving up is logged with what it waited for."""
         outcome, _, what = last
-        limit_s = None if bucketed else _share_left(LAST_COLLECTIVE_SHARE, at_least=0.0)
+        limit_s = None if bucketed else plan_share_left(LAST_COLLECTIVE_SHARE)
         started = time.monotonic()
         try:
             done, _ = await asyncio.wait({outcome}, timeout=limit_s)
@@ -328,15 +328,6 @@ class DistributedPlanner(TransportPlanner):
             pass  # already gone: nothing of it to close
         finally:
             ray.kill(self._actor)
-
-
-def _share_left(share: float, at_least: float = MIN_TIMEOUT_S) -> float | None:
-    """``share`` of what is left of the plan's time (``PLAN_DEADLINE``), in seconds (at
-    least ``at_least``); None outside a hub's plan (no deadline)."""
-    deadline = PLAN_DEADLINE.get()
-    if deadline is None:
-        return None
-    return max(at_least, share * (deadline - time.monotonic()))
 
 
 def _alone(targets: Sequence[ReceiverInfo], copy: Any, sitting_out: set[str]) -> dict[str, Any]:

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,12 +17,12 @@ from raysync.actor_classes import SHM_OWNER, actor_class
 from raysync.background import BackgroundTasks
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
-    PLAN_DEADLINE,
     HubContext,
     ReceiverInfo,
     TransportError,
     TransportPlanner,
     Unplanned,
+    plan_share_left,
 )
 from raysync.transports.object_store.bucket_stream import BucketStream
 from raysync.transports.object_store.planner import ObjectStorePlanner
@@ -486,20 +485,12 @@ async def _answered(answer: ray.ObjectRef) -> None:
         pass  # its watch restarts it (a new owner holds nothing), or its node died
 
 
-def _half_of_plan_left() -> float | None:
-    """Half of what is left of the hub's plan deadline (None outside a plan): what one
-    node's owner is given, so that a node that hangs fails alone and the others keep
-    the rest of the time to read."""
-    deadline = PLAN_DEADLINE.get()
-    return None if deadline is None else max(0.0, (deadline - time.monotonic()) / 2)
-
-
 def _slot_wait_s() -> float:
     """How long a relay waits for a free slot on its node: ``SLOT_WAIT_S``, or half of
     what is left of the hub's plan deadline (a node whose slots stay held, by a
     receiver stuck there, then fails alone: the other nodes' receivers get their
     payloads and the rest of the time to read them)."""
-    half = _half_of_plan_left()
+    half = plan_share_left(0.5)  # a node that hangs fails alone, the others read
     return SLOT_WAIT_S if half is None else min(SLOT_WAIT_S, half)
 
 
@@ -507,7 +498,7 @@ async def _within_plan(answer: ray.ObjectRef, who: str) -> Any:
     """``answer`` once it comes, or TransportError once half of what is left of the
     hub's plan deadline has passed (a node whose owner hangs then fails alone: the
     others get their payloads and the rest of the time to read them)."""
-    wait_s = _half_of_plan_left()
+    wait_s = plan_share_left(0.5)
     if wait_s is None:
         return await answer
     try:
