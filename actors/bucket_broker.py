@@ -403,6 +403,35 @@ class BucketBroker:
             return list(state.finished)
         return list(self._ended.get(key.id, ("", {}, []))[2])
 
+    async def holders(self, key: StreamId, worker: str) -> list[str] | None:
+        """Hub's planner, for ``worker`` reading ``key``'s version outside its broadcast
+        (joining, restarted): the readers that took every bucket (they may serve it),
+        once one has. While the stream runs and none has, this waits for the first, up to
+        ``key.wait_s``: a version streamed back to back with the next one always runs
+        when a receiver joins, and its buckets are no one else's to take. None if
+        ``worker`` is one of its readers still (a restarted process taken in again): it
+        reads the stream itself."""
+        state = self._streams.get(key.id)
+        if state is None:
+            return self.finished(key)
+
+        def settled() -> bool:
+            return (
+                worker in (state.readers or ())
+                or bool(state.finished)
+                or state.ended is not None
+                or self._streams.get(key.id) is not state
+            )
+
+        async with state.changed:
+            try:
+                await asyncio.wait_for(state.changed.wait_for(settled), key.wait_s)
+            except asyncio.TimeoutError:  # the caller serves nobody's copy: its read says why
+                pass
+        if worker in (state.readers or ()):
+            return None
+        return list(state.finished)
+
     # -- tests and benchmarks ----------------------------------------------------------
     def stats(self) -> BrokerStats:
         return BrokerStats(streams=len(self._streams), peak_buckets=self._peak)

@@ -536,6 +536,63 @@ def test_a_late_joiner_whose_only_holder_died_waits_for_the_next_version(actors)
     assert_bitwise(ray.get(late.state.remote()), newest)
 
 
+@ray.remote(num_cpus=0)
+class Joiner(ConformanceReceiver):
+    """A receiver that notes the version it holds once connected, before any call."""
+
+    def __init__(self, hub, worker_id: str) -> None:
+        super().__init__(hub, worker_id)
+        self.connected_on = self.version()
+
+    def version_once_connected(self) -> int:
+        return self.connected_on
+
+
+@ray.remote(num_cpus=0)
+class MidStreamStaller(ConformanceReceiver):
+    def stall_after_bucket(self, index: int, gate, entered) -> None:
+        """The next bucketed version it reads stops after bucket ``index`` (the buckets
+        below it freed) until the test opens ``gate``; ``entered`` is opened then."""
+        from raysync.transports.object_store import buckets
+
+        every = buckets.buckets_of
+
+        def stalling(payload, count, worker):
+            for bucket in every(payload, count, worker):
+                yield bucket
+                if bucket[0] == index:
+                    buckets.buckets_of = every
+                    ray.get(entered.open.remote())
+                    ray.get(gate.wait.remote())
+
+        buckets.buckets_of = stalling
+
+
+def test_a_receiver_joining_while_a_version_streams_starts_on_it(actors):
+    """Versions streamed back to back: a receiver always joins while one streams, whose
+    first buckets its readers took and freed already. The joiner waits for a reader to
+    take it whole and is served that one's copy inside its connect (it started on
+    nothing: its read of the stream found bucket 0 gone)."""
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    holder = start(actors, MidStreamStaller, hub, "holder")
+    ready([holder])
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    gate, entered = start(actors, Gate), start(actors, Gate)
+    ray.get(holder.stall_after_bucket.remote(4, gate, entered))
+    newest = special_weights(2.0)
+    reported = start(actors, Learner, hub).report.remote(newest)
+    ray.get(entered.wait.remote(), timeout=60)  # version 2 is half read
+    late = start(actors, Joiner, hub, "late")
+    wait_until(
+        lambda: "late" in {r.worker for r in ray.get(hub.status.remote()).receivers},
+        what="the joiner registered",
+    )
+    ray.get(gate.open.remote())
+    assert ray.get(reported, timeout=60).acked == ("holder",)
+    assert ray.get(late.version_once_connected.remote(), timeout=60) == 2
+    assert_bitwise(ray.get(late.state.remote()), newest)
+
+
 @pytest.mark.parametrize("models", [("a", "b"), ("a", "a")], ids=["two models", "one model"])
 @RINGS
 def test_versions_streamed_at_once_never_wait_for_each_other(actors, transport, models):

@@ -802,3 +802,53 @@ def test_who_read_a_models_latest_version_is_remembered_however_many_streams_end
     finished, remembered = run(main())
     assert finished == ["a"]
     assert remembered <= bucket_broker._ENDED_KEPT + 1  # the others are still forgotten
+
+
+def test_a_joiner_waits_for_the_first_reader_to_take_a_running_version_whole():
+    """A receiver that joins while a version streams is none of its readers: its
+    buckets are theirs. The planner asks who can serve it, and hears once the first
+    reader took every bucket (a version streamed back to back with the next one always
+    runs when a receiver joins: answered at once, nobody held it yet)."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=3), []
+        await broker.readers(k, ["a"])
+        await broker.offer(k, 0, ["ref0"])  # the stream runs, nobody read it whole
+        asked = asyncio.ensure_future(broker.holders(k, "late"))
+        await asyncio.sleep(0)
+        waited = not asked.done()
+        await asyncio.gather(reader(broker, k, "a", log), learner_from(broker, k, 1, log))
+        return waited, await asked
+
+    assert run(main()) == (True, ["a"])
+
+
+def test_a_reader_reads_the_running_stream_and_a_joiner_of_an_ended_one_hears_who_read_it():
+    """A restarted process taken in again as a reader (its worker id is named) reads the
+    version's own stream: ``None``, at once. Once the stream ended, its readers that
+    took it whole are named at once; a stream that ended with nobody holding it names
+    nobody (the joiner's read says the buckets are gone)."""
+
+    async def main():
+        broker, k, log = BucketBroker(_NO_HUB), key(count=2), []
+        await broker.readers(k, ["a", "b"])
+        as_reader = await broker.holders(k, "b")
+        await asyncio.gather(
+            reader(broker, k, "a", log), reader(broker, k, "b", log), learner(broker, k, log)
+        )
+        after = await broker.holders(k, "late")
+        cut = StreamId("cut", 2, 5.0)
+        await broker.readers(cut, ["a"])
+        await broker.end(cut, "the learner died")
+        return as_reader, after, await broker.holders(cut, "late")
+
+    assert run(main()) == (None, ["a", "b"], [])
+
+
+def test_a_joiner_of_a_stream_nobody_finishes_hears_nobody_after_its_wait():
+    async def main():
+        broker, k = BucketBroker(_NO_HUB), key(count=3, wait_s=0.05)
+        await broker.readers(k, ["a"])
+        return await broker.holders(k, "late")
+
+    assert run(main()) == []

@@ -83,16 +83,20 @@ class BucketServing:
         self._serving: set[asyncio.Task] = set()
 
     async def plan_pull(self, update: Any, spec: WeightSpec, receiver: ReceiverInfo) -> Any:
-        """The payload ``receiver`` reads: a new stream for a bucketed version (the
-        version's own when nobody can serve it: its fetch says the buckets are gone, and
-        the next version comes), the learner's payload otherwise."""
+        """The payload ``receiver`` reads: a new stream for a bucketed version, served by
+        one of its readers once one took it whole (awaited while it streams; the
+        version's own stream for one of its readers, and when nobody can serve it: its
+        fetch says the buckets are gone, and the next version comes), the learner's
+        payload otherwise."""
         payload = update.payload
         if not isinstance(payload, BucketStream):
             return payload
         try:
-            finished = await payload.broker.finished.remote(payload.key)
+            finished = await payload.broker.holders.remote(payload.key, receiver.worker)
         except ray.exceptions.RayActorError:
             return payload  # the broker is gone: its fetch says so; the next version comes
+        if finished is None:
+            return payload  # one of its readers: it reads the version's own stream
         holders = [
             self._receivers[w] for w in finished if w in self._receivers and w != receiver.worker
         ]
