@@ -528,6 +528,7 @@ class WeightHubActor:
         """Start delivering a version and keep its report for ``wait_for``."""
         handed = delivery.handed
         task: asyncio.Task[BroadcastReport] = asyncio.create_task(self._deliver_all(delivery))
+        task.add_done_callback(self._note_failed_everywhere)
         reports = self._reports.setdefault(handed.model, OrderedDict())
         reports[handed.version] = task
         if len(reports) > _REPORTS_KEPT:  # the oldest ended ones go; running ones stay
@@ -535,6 +536,16 @@ class WeightHubActor:
             for version in list(itertools.islice(ended, len(reports) - _REPORTS_KEPT)):
                 del reports[version]
         return _Started(handed.model, handed.version, task)
+
+    def _note_failed_everywhere(self, task: asyncio.Task[BroadcastReport]) -> None:
+        """A version every receiver it went to failed (none acked it): no receiver holds
+        its number, which its learners may send again (a version in parts whose part
+        could not be read, say)."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        report = task.result()
+        if report.failed and not report.acked:
+            self._state.failed_everywhere(report.model, report.version)
 
     def _save_snapshot(self, model: str, spec: WeightSpec, version: int | None) -> None:
         """Before ``version`` of ``model`` (None: its next) is published: what a restarted

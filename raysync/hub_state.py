@@ -42,6 +42,10 @@ class ModelState:
     spec: WeightSpec | None = None
     version: int = 0
     latest: HandedOver | None = None  #: the latest version, as the learner handed it over
+    #: The latest version reached no receiver (every one it went to failed it, none acked
+    #: it since): an explicit version may take its number again (its learners send it
+    #: again, as after a version in parts that never started).
+    unheld: bool = False
     #: (version, time.time() it was published) of the last ``_PUBLISHED_KEPT`` versions
     published: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=_PUBLISHED_KEPT)
@@ -224,6 +228,9 @@ class HubState:
             )
         current = self.version_of(model)
         if version is not None and version <= current:
+            known = self.models.get(model)
+            if version == current and known is not None and known.unheld:
+                return  # sent again: no receiver holds it
             raise StaleVersionError(
                 f"version {version} of model {model!r} is not above the current version "
                 f"{current}; versions only go up"
@@ -247,11 +254,22 @@ class HubState:
         state = self.models.setdefault(model, ModelState())
         state.spec = spec
         state.version = state.version + 1 if version is None else version
+        state.unheld = False
         state.latest = HandedOver(
             model, state.version, spec.digest, dict(payloads), wire_spec, origin
         )
         state.note_published(state.version, time.time() if at is None else at)
         return state.latest
+
+    def failed_everywhere(self, model: str, version: int) -> None:
+        """Version ``version`` of ``model`` failed at every receiver it went to, and none
+        acked it: if it is still the latest and no receiver holds it, its number may be
+        sent again (:meth:`check_version`)."""
+        state = self.models.get(model)
+        if state is None or state.version != version:
+            return
+        if not any(entry.versions.get(model, 0) >= version for entry in self.receivers.values()):
+            state.unheld = True
 
     def holds_any(self, payloads: Mapping[str, object]) -> bool:
         """Whether one of ``payloads`` is in a model's latest version (published: late
@@ -302,6 +320,8 @@ class HubState:
             # A receiver may hold a version this hub never saw (the hub restarted and
             # lost its counters): the next broadcast must still go above it.
             brought = registration.versions.get(model, 0)
+            if brought >= state.version:
+                state.unheld = False  # a receiver holds it
             if brought > state.version:
                 # The record starts after it: the versions between the newest published
                 # and it went by unseen, so a receiver below it lags by number, with no
@@ -443,6 +463,9 @@ class HubState:
         if entry is None:
             return
         entry.behind = False
+        state = self.models.get(model)
+        if state is not None and version >= state.version:
+            state.unheld = False  # held by a receiver: its number is taken
         if version > entry.versions.get(model, 0):
             entry.versions[model] = version
             if timings is not None:

@@ -228,7 +228,7 @@ class LosingLearner(PartLearner):
 
 def test_a_part_whose_bytes_are_lost_leaves_the_model_untouched(actors, hub_and_receiver):
     """Part 1's bytes cannot be read: every receiver fails the version (the error says
-    so) after reading part 0, and applies nothing of it."""
+    so) after reading part 0, and applies nothing of it; sent again, it lands."""
     hub, receiver, v = hub_and_receiver
     first, second = split_in_parts(special_weights(2.0), 2)
     losing = start(actors, LosingLearner, hub)
@@ -243,6 +243,11 @@ def test_a_part_whose_bytes_are_lost_leaves_the_model_untouched(actors, hub_and_
         ray.get(lost, timeout=60)
     assert_untouched(receiver, v)
     assert ray.get(hub.status.remote()).assembling == {}
+    # No receiver holds it: its number is not used up, and the version sent again lands.
+    weights = special_weights(3.0)
+    reports = ray.get(send_parts(hub, split_in_parts(weights, 2), version=v + 1), timeout=60)
+    assert {r.version for r in reports} == {v + 1} and reports[0].acked == ("r0",)
+    assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 
 def test_a_part_whose_learner_cancels_its_call_does_not_fail_the_others(actors):

@@ -320,6 +320,39 @@ def test_a_version_not_above_the_current_one_is_refused_and_changes_nothing(vers
     )
 
 
+def test_a_version_every_receiver_failed_may_be_sent_again_under_its_number():
+    """Failed at every receiver it went to (a version in parts whose part could not be
+    read), no receiver holds it: its learners send it again under the same number. Once
+    a receiver holds it (a late ack), or a newer version came, the number is taken."""
+    state = HubState()
+    state.register(_registration("w1", {"policy": POLICY}))
+    _publish(state, version=10)
+    state.record("w1", "policy", 10)
+    _publish(state, version=11, payload="lost")
+    state.failed_everywhere("policy", 10)  # not the latest: nothing changes
+    with pytest.raises(StaleVersionError):
+        state.check_version("policy", 11)
+    state.failed_everywhere("policy", 11)
+    assert _publish(state, version=11, payload="again").version == 11
+    assert state.latest("policy").payloads == {"object_store": "again"}
+    with pytest.raises(StaleVersionError):  # published again: its number is taken anew
+        state.check_version("policy", 11)
+    state.failed_everywhere("policy", 11)
+    state.record("w1", "policy", 11)  # an ack after all
+    with pytest.raises(StaleVersionError):
+        state.check_version("policy", 11)
+
+
+def test_a_version_a_receiver_holds_is_not_sent_again_though_the_others_failed_it():
+    state = HubState()
+    state.register(_registration("w1", {"policy": POLICY}))
+    _publish(state, version=11)
+    state.record("w1", "policy", 11)
+    state.failed_everywhere("policy", 11)
+    with pytest.raises(StaleVersionError):
+        state.check_version("policy", 11)
+
+
 def test_check_version_of_a_model_never_seen_starts_from_zero():
     state = HubState()
     state.check_version("policy", None)
