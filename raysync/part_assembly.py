@@ -118,7 +118,7 @@ class PartAssembly:
                 missing = sorted(set(hub_spec.names) - set(spec.names))
                 raise SpecMismatchError(
                     f"the {self.parts} parts of {self.what} do not add up to the model: "
-                    f"missing key(s) {keys_listed(missing)}; nothing was applied"
+                    f"missing key(s) {keys_listed(missing)}"
                 )
         hand_offs = self._common_hand_offs()
         payloads = {

@@ -66,9 +66,9 @@ def check_wire_dtype(wire_dtype: object) -> torch.dtype:
         )
     if wire_dtype not in WIRE_DTYPES:
         raise ValueError(
-            f"wire_dtype {wire_dtype} is not one weights travel in: values out of its range "
-            f"would arrive clipped, not as Inf; use one of "
-            f"{', '.join(str(d) for d in WIRE_DTYPES)}"
+            f"wire_dtype {wire_dtype} is not one weights travel in (float8_e4m3fn saturates, "
+            f"1e6 arriving as 448 with no isfinite in torch to tell; float8_e5m2 keeps two "
+            f"bits of mantissa); use one of {', '.join(str(d) for d in WIRE_DTYPES)}"
         )
     return wire_dtype
 
