@@ -75,7 +75,11 @@ class ModelState:
         return behind + unrecorded
 
     def note_published(self, version: int, at: float) -> None:
-        """Add ``version``, published at ``at``, to the record (the oldest may drop out)."""
+        """Add ``version``, published at ``at``, to the record (the oldest may drop out);
+        a version published again (sent again after it failed everywhere) replaces its
+        first publication: one version, counted once in a receiver's lag."""
+        if self.published and self.published[-1][0] == version:
+            self.published.pop()
         if len(self.published) == self.published.maxlen:
             self.dropped += 1
             self.dropped_to = self.published[0][0]

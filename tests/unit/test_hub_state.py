@@ -335,6 +335,7 @@ def test_a_version_every_receiver_failed_may_be_sent_again_under_its_number():
     state.failed_everywhere("policy", 11)
     assert _publish(state, version=11, payload="again").version == 11
     assert state.latest("policy").payloads == {"object_store": "again"}
+    assert state.models["policy"].versions_behind(10) == 1  # one version, not two
     with pytest.raises(StaleVersionError):  # published again: its number is taken anew
         state.check_version("policy", 11)
     state.failed_everywhere("policy", 11)
