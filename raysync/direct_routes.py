@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
+from raysync.bounded import keep_newest
+
 #: Learners with a routed number remembered per model (the oldest forgotten first): a
 #: number routed long ago to a learner that never used it is the only kind kept.
 LEARNERS_KEPT = 64
@@ -51,8 +53,7 @@ class DirectRoutes:
         through_hub.pop(learner, None)
         if not direct:
             through_hub[learner] = None
-            while len(through_hub) > LEARNERS_KEPT:
-                through_hub.popitem(last=False)
+            keep_newest(through_hub, LEARNERS_KEPT)
 
     def route(self, model: str, learner: str, published: int) -> int:
         """The number ``learner`` may deliver its next broadcast of ``model`` as
@@ -66,8 +67,7 @@ class DirectRoutes:
         number = max([published, *(n for o, n in routed.items() if o != learner)]) + 1
         routed[learner] = number
         routed.move_to_end(learner)
-        while len(routed) > LEARNERS_KEPT:
-            routed.popitem(last=False)
+        keep_newest(routed, LEARNERS_KEPT)
         return number
 
     def next_version(self, model: str, learner: str, published: int) -> int:
