@@ -42,10 +42,10 @@ class ModelState:
     spec: WeightSpec | None = None
     version: int = 0
     latest: HandedOver | None = None  #: the latest version, as the learner handed it over
-    #: The latest version reached no receiver (every one it went to failed it, none acked
-    #: it since): an explicit version may take its number again (its learners send it
-    #: again, as after a version in parts that never started).
-    unheld: bool = False
+    #: The number of the latest version if it failed at every receiver it went to (0:
+    #: not so): while no receiver holds it, an explicit version may take it again (its
+    #: learners send it again, as after a version in parts that never started).
+    failed_everywhere: int = 0
     #: (version, time.time() it was published) of the last ``_PUBLISHED_KEPT`` versions
     published: deque[tuple[int, float]] = field(
         default_factory=lambda: deque(maxlen=_PUBLISHED_KEPT)
@@ -233,8 +233,9 @@ class HubState:
         current = self.version_of(model)
         if version is not None and version <= current:
             known = self.models.get(model)
-            if version == current and known is not None and known.unheld:
-                return  # sent again: no receiver holds it
+            sent_again = known is not None and known.failed_everywhere == version == current
+            if sent_again and not self._held(model, version):
+                return  # no receiver holds it
             raise StaleVersionError(
                 f"version {version} of model {model!r} is not above the current version "
                 f"{current}; versions only go up"
@@ -258,7 +259,7 @@ class HubState:
         state = self.models.setdefault(model, ModelState())
         state.spec = spec
         state.version = state.version + 1 if version is None else version
-        state.unheld = False
+        state.failed_everywhere = 0
         state.latest = HandedOver(
             model, state.version, spec.digest, dict(payloads), wire_spec, origin
         )
@@ -267,13 +268,16 @@ class HubState:
 
     def failed_everywhere(self, model: str, version: int) -> None:
         """Version ``version`` of ``model`` failed at every receiver it went to, and none
-        acked it: if it is still the latest and no receiver holds it, its number may be
-        sent again (:meth:`check_version`)."""
+        acked it: if it is still the latest, its number may be sent again while no
+        receiver holds it (:meth:`check_version`)."""
         state = self.models.get(model)
-        if state is None or state.version != version:
-            return
-        if not any(entry.versions.get(model, 0) >= version for entry in self.receivers.values()):
-            state.unheld = True
+        if state is not None and state.version == version:
+            state.failed_everywhere = version
+
+    def _held(self, model: str, version: int) -> bool:
+        """Whether a registered receiver holds ``version`` of ``model`` or a newer one
+        (acked it, or brought it when it registered)."""
+        return any(entry.versions.get(model, 0) >= version for entry in self.receivers.values())
 
     def holds_any(self, payloads: Mapping[str, object]) -> bool:
         """Whether one of ``payloads`` is in a model's latest version (published: late
@@ -324,8 +328,6 @@ class HubState:
             # A receiver may hold a version this hub never saw (the hub restarted and
             # lost its counters): the next broadcast must still go above it.
             brought = registration.versions.get(model, 0)
-            if brought >= state.version:
-                state.unheld = False  # a receiver holds it
             if brought > state.version:
                 # The record starts after it: the versions between the newest published
                 # and it went by unseen, so a receiver below it lags by number, with no
@@ -467,9 +469,6 @@ class HubState:
         if entry is None:
             return
         entry.behind = False
-        state = self.models.get(model)
-        if state is not None and version >= state.version:
-            state.unheld = False  # held by a receiver: its number is taken
         if version > entry.versions.get(model, 0):
             entry.versions[model] = version
             if timings is not None:
