@@ -17,10 +17,11 @@ Where a version lands, and when, depends on how the host runs code:
   ``with receiver.using():`` around each use (a step, a batch); a version is applied
   only while nobody holds it, and waits for the current holders to let go. A host that
   holds it for long opens safe points with :meth:`AttachedReceiver.safe_point`.
-* an async actor: ``async with receiver.using_async():``; a version that arrives while
-  a holder is parked at an ``await`` is applied when the last holder lets go. Attach
-  from a coroutine of the actor (or use the model through ``using_async`` before the
-  first broadcast), so that deliveries run on its event loop.
+* an async actor, attached from a coroutine or through ``__ray_call__`` (off its loop:
+  the actor's own loop is asked of Ray): a version is written on its event loop, between
+  two steps of its coroutines; one that uses the model across an ``await`` holds it
+  with ``async with receiver.using_async():``, and a version that arrives while a holder
+  is parked there is applied when the last holder lets go.
 * a process that is no actor (the driver, a task): pull mode only.
 
 A host that Ray restarts has no receiver in its new process until it attaches again:
@@ -31,6 +32,7 @@ fails until then; its next registration brings the latest version.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -41,6 +43,8 @@ from typing import Any, cast
 
 import ray
 import torch
+from ray._private.worker import WORKER_MODE
+from ray._raylet import PythonFunctionDescriptor  # type: ignore[attr-defined]
 from ray.actor import ActorHandle
 
 from raysync.errors import RaySyncError
@@ -264,7 +268,10 @@ def attach(
         previous=replaces.core if replaces is not None else None,
         timeout_s=timeout_s,
     )
-    core.gate.note_loop()  # attached from a coroutine: an async host's safe points are there
+    # An async host's safe points are on its event loop: the caller's (attached from a
+    # coroutine), else the actor's own (attached through ``__ray_call__``, which Ray runs
+    # off the loop: a version written there landed in the middle of a running coroutine).
+    core.gate.note_loop(_async_actor_loop())
     watch = HubWatch(core, heartbeat_s) if heartbeat_s is not None else None
     if watch is not None:
         core.wake_watch = watch.wake
@@ -355,6 +362,19 @@ def _model_paths(models: Any, owner: Any) -> tuple[Any, dict[str, str]]:
         for model_id, m in named.items()
     }
     return _Given(owner, given), on_given
+
+
+def _async_actor_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop this process's actor runs its calls on if it is an async actor
+    (the default concurrency group's, where Ray also runs its ``__init__``), else None.
+    Ray has no public accessor for it: its core worker is asked, as Ray's own executor
+    asks it for ``__init__``."""
+    worker: Any = ray._private.worker.global_worker
+    if worker.mode != WORKER_MODE or not worker.core_worker.current_actor_is_asyncio():
+        return None
+    init = PythonFunctionDescriptor("", "__init__", "")
+    loop, _ = worker.core_worker.get_event_loop(init, None)
+    return cast(asyncio.AbstractEventLoop, loop)
 
 
 def _host_name(owner: Any, actor_id: str | None) -> str:

@@ -195,13 +195,16 @@ class ApplyGate:
         again among them) still hold the model, and acks through its new registration."""
         self._finish_deferred = finish_deferred
 
-    def note_loop(self) -> bool:
-        """Remember the event loop the caller runs on, if any (an async host's: a
-        delivery that arrives off it is handed to it); whether there is one."""
+    def note_loop(self, host_loop: asyncio.AbstractEventLoop | None = None) -> bool:
+        """Remember the event loop the caller runs on, else ``host_loop`` if given (an
+        async host's: a delivery that arrives off it is handed to it); whether there is
+        one."""
         try:
             self.loop = asyncio.get_running_loop()
         except RuntimeError:
-            return False
+            if host_loop is None:
+                return False
+            self.loop = host_loop
         return True
 
     def _note_loop_of_sync_reader(self) -> bool:

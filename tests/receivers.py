@@ -778,6 +778,53 @@ class AsyncHost:
 
 
 @ray.remote(num_cpus=0)
+class AsyncPlain:
+    """An async actor that knows nothing of raysync (attached through ``__ray_call__``
+    by :func:`attach_telling_arrivals`): its coroutine reads the model with no await."""
+
+    def __init__(self):
+        self.model = make_probe_model(64, 4)
+        self.model.load_state_dict(filled(self.model, 0.0))
+        self.arrived = threading.Event()  # a delivery reached the receiver
+        self.reading = threading.Event()  # ... and may go on: the coroutine reads
+
+    async def read_across_a_delivery(self, within_s: float):
+        """Await a delivery's arrival (Ray starts ``__ray_call__`` only while the loop is
+        free, and no new call while it runs), then, in one step of the loop (no await),
+        the model's values and again once it changed or ``within_s`` passed: a version
+        written off the loop shows between the two."""
+        await asyncio.get_running_loop().run_in_executor(None, self.arrived.wait, within_s)
+        params = [p.detach() for p in self.model.parameters()]
+        first = [float(p.view(-1)[0]) for p in params]
+        self.reading.set()
+        deadline = time.monotonic() + within_s
+        while float(params[-1].view(-1)[0]) == first[-1] and time.monotonic() < deadline:
+            time.sleep(0.001)  # holds the loop: a write handed to it waits for this step
+        return first, [float(p.view(-1)[0]) for p in params], self.arrived.is_set()
+
+    async def values(self) -> list[float]:
+        return [float(p.detach().view(-1)[0]) for p in self.model.parameters()]
+
+
+def attach_telling_arrivals(host, hub) -> str:
+    """Runs in an :class:`AsyncPlain` through ``__ray_call__`` (off its event loop):
+    attach its model; each delivery then tells ``host.arrived`` as it reaches the
+    receiver and goes on once ``host.reading`` is set. The worker id."""
+    host.receiver = raysync.attach(hub, host.model)
+    core = host.receiver.core
+    receive = core.receive
+
+    def receive_telling(update, **options):
+        host.arrived.set()
+        host.reading.wait(60)
+        return receive(update, **options)
+
+    core.receive = receive_telling
+    host.reading.set()  # until a test reads across a delivery
+    return host.receiver.worker
+
+
+@ray.remote(num_cpus=0)
 class Reader(WeightReceiver, _Inspect):
     """A collector whose method reads its policy twice, at a moment the test chooses."""
 

@@ -32,12 +32,14 @@ from tests.helpers import (
 )
 from tests.receivers import (
     AsyncHost,
+    AsyncPlain,
     Collector,
     Holder,
     LoopingWorker,
     PlainWorker,
     Rebuilder,
     attach_actor_net,
+    attach_telling_arrivals,
     connect_again_failing_transport,
     connect_policy_again,
     filled,
@@ -188,6 +190,27 @@ def test_an_async_actor_attached_from_a_coroutine_applies_between_its_reads(acto
     assert all(len(r.acked) == 1 and r.failed == {} for r in reports), reports
     assert result["torn"] == 0 and result["reads"] > 10, result
     assert result["seen"] == sorted(result["seen"]) and len(result["seen"]) > 1, result
+
+
+def test_an_async_actor_attached_through_ray_call_is_written_on_its_event_loop(actors):
+    """An async actor you did not write is attached through ``__ray_call__``, which Ray
+    runs off the actor's event loop: the receiver found no loop, and a version was
+    written there while a coroutine of the actor was reading the model, no await in
+    between (a torn read). The write goes to the actor's loop, between its steps."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT)
+    host = start(actors, AsyncPlain)
+    worker = ray.get(host.__ray_call__.remote(attach_telling_arrivals, hub))
+    template = make_probe_model(64, 4)
+    ray.get(hub.broadcast.remote(filled(template, 1.0)))
+    ray.get(host.__ray_call__.remote(lambda h: (h.arrived.clear(), h.reading.clear())))
+    reading = host.read_across_a_delivery.remote(3.0)
+    ticket = ray.get(hub.broadcast.remote(filled(template, 2.0), wait=False))
+    first, last, arrived = ray.get(reading)
+    assert arrived, "the delivery never reached the receiver while the coroutine ran"
+    assert first == last == [1.0] * len(first), (first, last)
+    report = ray.get(hub.wait_for.remote(ticket))
+    assert report.acked == (worker,) and report.failed == {}, report
+    assert ray.get(host.values.remote()) == [2.0] * len(first)
 
 
 def test_the_driver_attaches_in_pull_mode(actors):
