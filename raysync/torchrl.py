@@ -83,13 +83,16 @@ class RaySyncScheme(WeightSyncScheme):
     ``ValueError``).
 
     After :meth:`send`, :attr:`last_report` holds that broadcast's
-    :class:`~raysync.BroadcastReport` (its ``version``, who acked, where the time went).
+    :class:`~raysync.BroadcastReport` (its ``version``, who acked, where the time went),
+    a failed one's too (who applied it, why the others did not).
 
     A version lands in a remote collector between two of its calls (``next`` is one
     batch): RayCollector's collectors are default actors, one call at a time. With
     ``remote_configs={"max_concurrency": n}`` (n > 1) a version could land inside a
     batch. Weights move as TorchRL's ``"tensordict"`` strategy has them
-    (``TensorDict.from_module``); a learner module with extra state (TorchRL then adds
+    (``TensorDict.from_module``), but for buffers a module does not save
+    (``persistent=False``), which stay each process's own as everywhere in raysync;
+    a learner module with extra state (TorchRL then adds
     ``__extra_state__`` keys) is refused with a SpecMismatchError naming them.
     """
 
@@ -209,11 +212,13 @@ class RaySyncScheme(WeightSyncScheme):
         collectors = self._targets(worker_ids)
         if worker_ids is not None and not collectors:
             return  # no collector named: nothing to send, as TorchRL's own schemes do
-        prepared = self.prepare_weights(
-            weights=weights if weights is not None else self.model,
-            model_id=self.model_id,
-            strategy=self.strategy,
-            context=self.context,
+        source = weights if weights is not None else self.model
+        prepared = (
+            _synced_weights_of(source)
+            if isinstance(source, torch.nn.Module)
+            else self.prepare_weights(
+                weights=source, model_id=self.model_id, strategy=self.strategy, context=self.context
+            )
         )
         # All of them: every receiver of the model at the hub (an evaluator attached to
         # it too), which must list each of this scheme's collectors.
@@ -237,6 +242,7 @@ class RaySyncScheme(WeightSyncScheme):
                 if not unknown:
                     return
             except BroadcastError as err:
+                self.last_report = err.report  # who applied it, and why the others did not
                 if time.monotonic() > deadline or not self._attach_restarted(
                     err.report.failed, deadline
                 ):
@@ -255,10 +261,17 @@ class RaySyncScheme(WeightSyncScheme):
             if unknown:
                 dead = self._dead(unknown)
                 if dead:
+                    report = self.last_report if error is None else None
+                    sent = (
+                        f"version {report.version} reached the others (scheme.last_report)"
+                        if report is not None
+                        else "nothing was sent"
+                    )
                     raise UnknownWorkerError(
                         f"remote collector(s) {', '.join(dead)} of model "
                         f"{self.hub_model!r} died and the hub dropped them: no update "
-                        "reaches them (pass worker_ids= to update the others)"
+                        f"reaches them ({sent}; pass worker_ids= to update the others "
+                        "without this error)"
                     ) from error
                 if not looked_for_restarted:
                     looked_for_restarted = True
@@ -413,7 +426,7 @@ class RaySyncScheme(WeightSyncScheme):
         self.model = target
         self._receiver = attach(
             self._hub,
-            {self.hub_model: _weights_of(target)},
+            {self.hub_model: _synced_weights_of(target)},
             owner=context,
             worker_id=self._workers[worker_idx],
             transport=self._transport if self._hub_given is not None else None,
@@ -532,6 +545,24 @@ def _collector_model(context: Any, model_id: str) -> Any:
     if model is None:
         raise ValueError(f"the remote collector's {model_id!r} is None")
     return model
+
+
+def _synced_weights_of(model: Any) -> TensorDictBase:
+    """What the hub's receivers of ``model`` hold in sync, written in place: its
+    parameters and buffers (:func:`_weights_of`) but those a module does not save
+    (``register_buffer(..., persistent=False)``: a mask, a cache), which stay each
+    process's own as they do wherever raysync moves a module (its ``state_dict``): an
+    evaluator attached with the module, and an update of the learner's
+    ``policy.state_dict()``, so agree with the collectors."""
+    weights = _weights_of(model)
+    if not isinstance(model, torch.nn.Module):
+        return weights
+    unsaved = [
+        (*filter(None, prefix.split(".")), name)
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for name in module._non_persistent_buffers_set
+    ]
+    return weights.exclude(*unsaved) if unsaved else weights
 
 
 def _weights_of(model: Any) -> TensorDictBase:

@@ -31,6 +31,19 @@ class MismatchedCountingPolicy(CountingPolicy):
         self.unexpected = nn.Parameter(torch.ones(()))
 
 
+class MaskedCountingPolicy(CountingPolicy):
+    """Acts with its weight times a buffer it does not save (``persistent=False``, 1.0
+    in every process): a batch's actions show whether the buffer travelled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tensor(1.0), persistent=False)
+
+    def forward(self, tensordict):
+        tensordict.set("action", (self.weight * self.mask).expand(tensordict.shape).clone())
+        return tensordict
+
+
 def normalized_counting_env():
     """``CountingEnv`` whose observations an ``ObservationNorm`` shifts by its ``loc``:
     a second model of the collector (``"env.transform"``), besides its policy."""
@@ -45,11 +58,14 @@ class Evaluator:
     """A Ray actor of the user's (no TorchRL collector) that evaluates the policy: it
     attaches its own ``CountingPolicy`` to a named hub's ``"policy"`` as it starts."""
 
-    def __init__(self, hub: str, worker_id: str) -> None:
+    def __init__(self, hub: str, worker_id: str, policy: type = CountingPolicy) -> None:
         import raysync
 
-        self.policy = CountingPolicy()
+        self.policy = policy()
         self.receiver = raysync.attach(hub, {"policy": self.policy}, worker_id=worker_id)
 
     def weight(self) -> float:
         return self.policy.weight.item()
+
+    def buffers(self) -> dict[str, float]:
+        return {name: buffer.item() for name, buffer in self.policy.named_buffers()}

@@ -28,6 +28,7 @@ from raysync.torchrl import RaySyncScheme, _collector_model
 from tests.torchrl.policies import (
     CountingPolicy,
     Evaluator,
+    MaskedCountingPolicy,
     MismatchedCountingPolicy,
     normalized_counting_env,
 )
@@ -324,6 +325,36 @@ def test_an_evaluator_attached_to_the_policy_at_the_hub_gets_each_update(ray_clu
         ray.kill(hub.actor)
 
 
+def test_a_buffer_the_policy_does_not_save_stays_each_process_own(ray_cluster):
+    """A policy's buffer registered with ``persistent=False`` moved with the collectors'
+    updates (``TensorDict.from_module``) but not where raysync moves a module (its
+    ``state_dict``): an evaluator attaching the policy was refused ("missing key(s) ...
+    'mask'"), and so was an update of the learner's ``state_dict()``."""
+    hub = WeightHub.options(name="torchrl-masked-hub").remote()
+    scheme = RaySyncScheme("torchrl-masked-hub")
+    policy = MaskedCountingPolicy()
+    collector = ray_collector(1, sync=True, scheme=scheme, policy=policy)
+    evaluator = ray.remote(num_cpus=0)(Evaluator).remote(
+        "torchrl-masked-hub", "evaluator", MaskedCountingPolicy
+    )
+    try:
+        ray.get(evaluator.__ray_ready__.remote())
+        batches = iter(collector)
+        policy.mask.fill_(5.0)  # the learner's own: no process acts with it but the learner
+        collector.update_policy_weights_(policy=set_weight(policy, 2.0))
+        assert sorted(scheme.last_report.acked) == sorted([*scheme.workers, "evaluator"])
+        assert actions(next(batches)) == {2.0}
+        collector.update_policy_weights_(set_weight(policy, 3.0).state_dict())
+        assert sorted(scheme.last_report.acked) == sorted([*scheme.workers, "evaluator"])
+        assert actions(next(batches)) == {3.0}
+        assert ray.get(evaluator.weight.remote()) == 3.0
+        assert ray.get(evaluator.buffers.remote()) == {"mask": 1.0}
+    finally:
+        collector.shutdown()
+        ray.kill(evaluator)
+        ray.kill(hub.actor)
+
+
 def test_a_scheme_handed_to_a_second_ray_collector_updates_it(ray_cluster):
     """A scheme whose first RayCollector was used and shut down, handed to a second one:
     that one's updates reach its collectors (TorchRL refused them, as a second connect
@@ -408,7 +439,9 @@ def test_an_update_after_the_hub_restarted_waits_until_the_collectors_are_back(r
 def test_an_update_after_a_collector_died_for_good_names_it_at_once(ray_cluster, retry_waits):
     """A remote collector killed for good: the update that finds it dead fails naming
     it, and so does the next one, at once (the hub had dropped it, and the scheme
-    waited out its whole timeout as if the hub were restarting)."""
+    waited out its whole timeout as if the hub were restarting). The scheme's report
+    says who applied each (it kept the last one that succeeded), and the second error
+    says the others got it (it said no update reaches them, as if nothing was sent)."""
     policy = set_weight(CountingPolicy(), 2.0)
     scheme = RaySyncScheme(timeout_s=3 * QUICK_S)
     collector = ray_collector(2, sync=True, scheme=scheme, policy=policy)
@@ -417,10 +450,20 @@ def test_an_update_after_a_collector_died_for_good_names_it_at_once(ray_cluster,
         killed_for_good(collector.remote_collectors[1])
         with pytest.raises(BroadcastError, match="died"):
             collector.update_policy_weights_()
+        # The failed update's report: the live collector applied it, the dead one did not.
+        alive, dead = scheme.workers
+        assert scheme.last_report.acked == (alive,) and list(scheme.last_report.failed) == [dead]
+        failed_version = scheme.last_report.version
         retry_waits.clear()
-        with pytest.raises(UnknownWorkerError, match=r"remote collector\(s\) 1 .* died"):
+        with pytest.raises(
+            UnknownWorkerError,
+            match=rf"remote collector\(s\) 1 .* died .*version {failed_version + 1} reached "
+            "the others",
+        ):
             collector.update_policy_weights_()
         assert retry_waits == []  # at once: not waited for as if the hub restarted
+        assert scheme.last_report.version == failed_version + 1
+        assert scheme.last_report.acked == (alive,)
     finally:
         collector.shutdown()
 
