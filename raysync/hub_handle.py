@@ -14,7 +14,7 @@ import math
 import operator
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -57,6 +57,8 @@ from raysync.wire_dtype import (
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
+#: How often a broadcast asks a hub Ray is restarting again for its route.
+_RESTARTING_LOOK_S = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +135,9 @@ class _Broadcast:
         receivers are still reading. What it blocks the calling thread on, in order:
         the hand-off list the hub sent with the previous broadcast's result (the first
         broadcast, and one sent before the previous one's result came back, wait one
-        hub round trip for it, at most the broadcast's timeout: TimeoutError, nothing
-        sent, from a hub that does not answer);
+        hub round trip for it, or for a hub Ray is restarting to be back, at most the
+        broadcast's timeout: TimeoutError, nothing sent, from a hub that does not
+        answer);
         flattening and checking ``weights``; the transport's send — one copy into the
         object store (``object_store``, ``distributed``, ``rpc``), one into the node's
         shared-memory slot (``shared_memory``), or, with ``nixl`` and ``rdt``, for the
@@ -678,7 +681,7 @@ class HubHandle:
         route = _route_in(last) if last is not None else None
         if route is None:
             route = self._answer(
-                self._ask_route(model, sequence, self._known_receivers(key)), timeout_s
+                lambda: self._ask_route(model, sequence, self._known_receivers(key)), timeout_s
             )
         if model is None and route.model:
             with self._side.submitting:
@@ -686,7 +689,7 @@ class HubHandle:
         filled = self._with_handles(key, route)
         if filled is None:  # left out a handle this process let go of: ask with every one
             filled = self._with_handles(
-                key, self._answer(self._ask_route(model, sequence), timeout_s)
+                key, self._answer(lambda: self._ask_route(model, sequence), timeout_s)
             )
         assert filled is not None  # a route with every handle needs none from here
         return filled
@@ -771,17 +774,29 @@ class HubHandle:
         version is above it, even an explicit one), leaving out the ``known`` handles."""
         return self.actor.route.remote(model, self._side.submitter, after, known)
 
-    def _answer(self, asked: ray.ObjectRef, timeout_s: float) -> Route:
-        """The route the hub answers ``asked`` with. TimeoutError after ``timeout_s``: a
-        hub alive but hung (or busy that long) must not hang the learner's broadcast."""
-        try:
-            return ray.get(asked, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as err:
-            raise TimeoutError(
-                f"hub {self.config.hub_id} did not answer within {timeout_s:g} s which "
-                "hand-offs this broadcast takes (it is alive, but busy or hung); nothing "
-                "was sent"
-            ) from err
+    def _answer(self, ask: Callable[[], ray.ObjectRef], timeout_s: float) -> Route:
+        """The route the hub answers ``ask()`` with, asked again while Ray restarts the
+        hub (a broadcast made then waits for the new incarnation instead of raising
+        Ray's ``ActorUnavailableError`` before anything is sent). TimeoutError after
+        ``timeout_s``: a hub alive but hung (or busy, or restarting, that long) must not
+        hang the learner's broadcast."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return ray.get(ask(), timeout=max(deadline - time.monotonic(), 0.0))
+            except ray.exceptions.GetTimeoutError as err:
+                raise TimeoutError(
+                    f"hub {self.config.hub_id} did not answer within {timeout_s:g} s which "
+                    "hand-offs this broadcast takes (it is alive, but busy or hung); "
+                    "nothing was sent"
+                ) from err
+            except ray.exceptions.ActorUnavailableError as err:
+                if time.monotonic() + _RESTARTING_LOOK_S > deadline:
+                    raise TimeoutError(
+                        f"hub {self.config.hub_id} was still restarting after "
+                        f"{timeout_s:g} s (Ray: {err}); nothing was sent"
+                    ) from err
+                time.sleep(_RESTARTING_LOOK_S)  # no Ray call waits for a restart: ask again
 
     def _sender(self, hand_off: str) -> TransportSender:
         """The learner half of transport ``hand_off``: this process's, shared by every

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -313,6 +314,53 @@ def kill_and_wait_for_its_restart(hub) -> None:
             return False  # still restarting
 
     wait_until(restarted, timeout_s=60, what="the hub's restart")
+
+
+@ray.remote(num_cpus=0)
+class _LearnerWhoseHubDies:
+    """A learner process that has not broadcast yet (its first broadcast asks the hub for
+    its route), and whose hub dies as it asks."""
+
+    def broadcast_as_the_hub_dies(self, hub, hub_pid: int, weights) -> object:
+        """Freeze the hub's process, broadcast, and kill the hub once the route is asked
+        (the ask is then in flight: Ray fails it, and restarts the hub). The report."""
+        import signal
+
+        from raysync.hub_handle import HubHandle
+
+        ask = HubHandle._ask_route
+
+        def ask_and_kill_the_hub(handle, *args):
+            asked = ask(handle, *args)
+            HubHandle._ask_route = ask  # once: the restarted hub answers
+            os.kill(hub_pid, signal.SIGKILL)
+            return asked
+
+        os.kill(hub_pid, signal.SIGSTOP)
+        HubHandle._ask_route = ask_and_kill_the_hub
+        return ray.get(hub.broadcast.remote(weights, timeout_s=60))
+
+
+def test_a_broadcast_whose_route_ask_the_hub_dies_with_asks_its_restart(actors):
+    """A learner whose route ask was in flight as the hub died got Ray's
+    ``ActorUnavailableError`` from ``broadcast.remote()`` itself, before anything was
+    sent (a loop that handles failures at ``ray.get`` of the ack crashed). It asks the
+    new incarnation, within the broadcast's timeout, and the version lands."""
+    hub = start_hub(actors, DEFAULT_TRANSPORT, {"max_restarts": 1, "max_task_retries": 0})
+    collector = start(actors, Collector, hub, worker_id="c")
+    learner = start(actors, _LearnerWhoseHubDies)
+    ready([collector, learner])
+    ray.get(hub.broadcast.remote(make_policy()))
+    hub_pid = ray.get(hub.actor.__ray_call__.remote(lambda h: os.getpid()))
+    weights = make_policy()
+    report = ray.get(learner.broadcast_as_the_hub_dies.remote(hub, hub_pid, weights))
+    assert report.version == 2, report
+    # Registered again (a heartbeat), the collector holds it: from the broadcast, or from
+    # its welcome if it registered after the broadcast's targets were taken.
+    wait_until(
+        lambda: ray.get(collector.version.remote()) == 2, timeout_s=60, what="version 2"
+    )
+    assert_same(ray.get(collector.state.remote()), state_of(weights))
 
 
 def test_a_pull_receiver_without_a_watch_is_known_again_after_a_restart_before_any_broadcast(
