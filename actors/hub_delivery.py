@@ -268,8 +268,8 @@ class ReceiverDelivery:
                     registration,
                     update,
                     timeout_s,
-                    f"it takes one call at a time, and the call that delivered version "
-                    f"{running} to it had not returned",
+                    f"the hub makes one delivery call to it at a time, and the call that "
+                    f"delivered version {running} to it had not returned",
                 )
             if turn.held is not None:  # the call waited for left it holding a newer one
                 self._record(registration, update.model, turn.held)

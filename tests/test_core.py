@@ -466,8 +466,8 @@ def test_a_receiver_busy_past_its_timeouts_gets_no_call_per_version_and_then_the
     assert reports[0].failed["busy"].endswith("within the 1 s timeout")
     for report in reports[1:]:
         assert report.failed["busy"].endswith(
-            "within the 1 s timeout (it takes one call at a time, and the call that "
-            "delivered version 2 to it had not returned)"
+            "within the 1 s timeout (the hub makes one delivery call to it at a time, and "
+            "the call that delivered version 2 to it had not returned)"
         )
     ray.get(gate.open.remote())
     ray.get(busy)
