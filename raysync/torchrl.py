@@ -440,7 +440,8 @@ class RaySyncScheme(WeightSyncScheme):
         sub-collectors' workers and bumps the collector's policy version). Only for a
         model the collector can take that way: one its own schemes sync (a
         multi-process collector's), or, with none, its policy (a ``Collector`` raises
-        ``KeyError`` for any other id, and the version, applied, would fail its ack)."""
+        ``KeyError`` for any other id, and the version, applied, would fail its ack). The
+        collector's policy version is then ``version``."""
         context, model_id = self.context, self.model_id
         if context is None:
             return
@@ -449,6 +450,11 @@ class RaySyncScheme(WeightSyncScheme):
             context.update_policy_weights_(
                 model_id=model_id, policy_or_weights=_weights_of(self.model)
             )
+        if model_id == "policy" and hasattr(context, "_set_received_policy_version"):
+            # The collector's policy version (``track_policy_version``) is the version it
+            # applied, as TorchRL's own schemes set the sender's: counted per update, it
+            # ran ahead when an update was sent again (a restarted collector).
+            context._set_received_policy_version(version)
 
     # -- both sides --------------------------------------------------------------------------
     def shutdown(self) -> None:

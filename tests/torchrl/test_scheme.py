@@ -471,15 +471,31 @@ def test_an_update_after_a_collector_died_for_good_names_it_at_once(ray_cluster,
 def test_a_collector_ray_restarted_acts_with_the_next_update(ray_cluster):
     """Ray restarts a remote collector as TorchRL built it, without its receiver (TorchRL
     hands the scheme over once, from RayCollector's constructor): the next update
-    attaches the new incarnation again and reaches it."""
+    attaches the new incarnation again and reaches it. Each collector's policy version
+    (``track_policy_version``) is the version it applied: counted per update, the
+    survivor's ran ahead by the update sent again, the restarted one's behind."""
     policy = set_weight(CountingPolicy(), 2.0)
     scheme = RaySyncScheme()
     restarting = {**REMOTE, "max_restarts": 1}
-    collector = ray_collector(2, sync=True, scheme=scheme, policy=policy, remote_configs=restarting)
+    collector = ray_collector(
+        2,
+        sync=True,
+        scheme=scheme,
+        policy=policy,
+        remote_configs=restarting,
+        collector_kwargs={"track_policy_version": True},
+    )
+
+    def policy_versions() -> list[int]:
+        return ray.get(
+            [c.__ray_call__.remote(lambda c: c.policy_version) for c in collector.remote_collectors]
+        )
+
     try:
         batches = iter(collector)
         collector.update_policy_weights_()
         assert actions(next(batches)) == {2.0}
+        assert policy_versions() == [scheme.last_report.version] * 2
         died = collector.remote_collectors[1]
         ray.kill(died, no_restart=False)
         ready_again(died)
@@ -487,9 +503,11 @@ def test_a_collector_ray_restarted_acts_with_the_next_update(ray_cluster):
         collector.update_policy_weights_()
         assert scheme.last_report.acked == scheme.workers
         assert actions(next(batches)) == {3.0}
+        assert policy_versions() == [scheme.last_report.version] * 2
         set_weight(policy, 4.0)
         collector.update_policy_weights_()
         assert actions(next(batches)) == {4.0}
+        assert policy_versions() == [scheme.last_report.version] * 2
     finally:
         collector.shutdown()
 
