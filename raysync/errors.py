@@ -27,8 +27,8 @@ class InvalidWeightsError(RaySyncError, ValueError):
 class SpecMismatchError(RaySyncError, ValueError):
     """Two weight specs disagree: a broadcast or a receiver's model against the hub's spec.
 
-    Raised before any receiver is touched; the message names the first offending key
-    and both sides' shape and dtype.
+    Raised before any receiver is touched; the message names the offending keys (the
+    first 12) with both sides' shape and dtype.
     """
 
 

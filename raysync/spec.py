@@ -144,7 +144,8 @@ class WeightSpec:
 
         ``expected`` and ``got`` name the two sides in the message (for example
         ``"hub spec of model 'policy'"`` and ``"broadcast"``). The message names the
-        first offending key with both sides' shape and dtype, then both specs.
+        offending keys (the first ``_MESSAGE_ENTRIES``) with both sides' shape and dtype,
+        then both specs.
         """
         if other == self:
             return
