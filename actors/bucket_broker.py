@@ -341,8 +341,9 @@ class BucketBroker:
                 return None, f"this receiver was dropped from the stream: {dropped[worker]}"
             why = why or "every reader took it"
             return None, (
-                f"the version's stream is over ({why}); its buckets are gone. A receiver "
-                "that was not among its readers gets the next version"
+                f"the version's stream is over ({why}); its buckets are gone, and no "
+                "receiver holding it whole served it (a pull receiver needs a push "
+                "receiver of the model beside it; a push receiver gets the next version)"
             )
         if worker in state.dropped:
             return None, f"this receiver was dropped from the stream: {state.dropped[worker]}"
