@@ -788,16 +788,18 @@ class AsyncPlain:
         self.arrived = threading.Event()  # a delivery reached the receiver
         self.reading = threading.Event()  # ... and may go on: the coroutine reads
 
-    async def read_across_a_delivery(self, within_s: float):
-        """Await a delivery's arrival (Ray starts ``__ray_call__`` only while the loop is
+    async def read_across_a_delivery(self, entered, changed_within_s: float):
+        """Open ``entered`` (a ``Gate``: an async actor may start calls out of order),
+        await a delivery's arrival (Ray starts ``__ray_call__`` only while the loop is
         free, and no new call while it runs), then, in one step of the loop (no await),
-        the model's values and again once it changed or ``within_s`` passed: a version
-        written off the loop shows between the two."""
-        await asyncio.get_running_loop().run_in_executor(None, self.arrived.wait, within_s)
+        the model's values and again once it changed or ``changed_within_s`` passed: a
+        version written off the loop shows between the two."""
+        await entered.open.remote()
+        await asyncio.get_running_loop().run_in_executor(None, self.arrived.wait, 60)
         params = [p.detach() for p in self.model.parameters()]
         first = [float(p.view(-1)[0]) for p in params]
         self.reading.set()
-        deadline = time.monotonic() + within_s
+        deadline = time.monotonic() + changed_within_s
         while float(params[-1].view(-1)[0]) == first[-1] and time.monotonic() < deadline:
             time.sleep(0.001)  # holds the loop: a write handed to it waits for this step
         return first, [float(p.view(-1)[0]) for p in params], self.arrived.is_set()

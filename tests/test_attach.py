@@ -203,7 +203,9 @@ def test_an_async_actor_attached_through_ray_call_is_written_on_its_event_loop(a
     template = make_probe_model(64, 4)
     ray.get(hub.broadcast.remote(filled(template, 1.0)))
     ray.get(host.__ray_call__.remote(lambda h: (h.arrived.clear(), h.reading.clear())))
-    reading = host.read_across_a_delivery.remote(3.0)
+    entered = start(actors, Gate)
+    reading = host.read_across_a_delivery.remote(entered, 3.0)
+    ray.get(entered.wait.remote())
     ticket = ray.get(hub.broadcast.remote(filled(template, 2.0), wait=False))
     first, last, arrived = ray.get(reading)
     assert arrived, "the delivery never reached the receiver while the coroutine ran"
