@@ -58,6 +58,7 @@ no reader began within ``wait_s`` of its plan drops its reader too.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,10 +74,14 @@ from raysync.transports.object_store.bucket_stream import BUCKETS_IN_FLIGHT, Sen
 _ENDED_KEPT = 256
 #: Streams whose hand-off clock is kept (:meth:`BucketBroker.hand_off`).
 _CLOCKS_KEPT = 16
+logger = logging.getLogger(__name__)
+
 #: Seconds between the broker's looks at whether its hub still runs.
 _HUB_LOOK_S = 5.0
-#: Seconds between looks at a stream's sender that answers at once (an async actor).
+#: Seconds between the broker's looks at which process runs a stream's sender.
 _SENDER_LOOK_S = 1.0
+#: Seconds the broker waits for Ray's GCS to say which process runs a sender.
+_GCS_ANSWER_S = 10.0
 #: Why a reader the hub dropped (:meth:`BucketBroker.drop_reader`) is out of a stream.
 _DROPPED_BY_HUB = "the hub dropped it (it died or left)"
 
@@ -100,6 +105,7 @@ class _Stream:
     ended: str | None = None  #: why the learner stopped sending it
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     sender: str | None = None  #: the actor id of the process that puts it, if watched
+    sender_process: str | None = None  #: that process's worker id
     clock: HandOffClock = field(default_factory=HandOffClock)
     deadline_set: bool = False  #: whether its readers' deadline to finish runs
     planned_at: float | None = None  #: ``time.monotonic()`` when it was first planned
@@ -137,6 +143,22 @@ class BrokerStats:
 
     streams: int  #: versions being streamed now
     peak_buckets: int  #: the most bucket references one stream held at once, ever
+
+
+async def _process_running(actor_id: str) -> str | None:
+    """The worker id (hex) of the process that runs the actor ``actor_id`` now; None if
+    it is dead or restarting. Asked of Ray's GCS by id, as Ray's dashboard does (Ray's
+    state API needs the dashboard, which a cluster may run without; a handle of the
+    actor would import its class here: see
+    :class:`~raysync.transports.object_store.bucket_stream.SenderActor`)."""
+    worker: Any = ray._private.worker.global_worker
+    gcs = worker.gcs_client
+    key = ray.ActorID.from_hex(actor_id)
+    found = await gcs.async_get_all_actor_info(actor_id=key, timeout=_GCS_ANSWER_S)
+    info = found.get(key)
+    if info is None or info.state != info.ALIVE:
+        return None
+    return info.address.worker_id.hex()
 
 
 class BucketBroker:
@@ -179,21 +201,25 @@ class BucketBroker:
         self,
         key: StreamId,
         index: int,
-        boxed: list[ray.ObjectRef],
+        boxed: list[Any],
         sender: SenderActor | None = None,
     ) -> None:
         """Bucket ``index`` is in the object store (``boxed``: its ref, in a list so that
-        Ray passes the ref, not the bytes). ``sender``: the actor that puts the stream
-        (None: a driver); if it dies, the stream ends at once instead of its readers
-        waiting ``key.wait_s`` for a bucket that never comes."""
+        Ray passes the ref, not the bytes), or in a ring slot (a
+        :class:`~raysync.transports.object_store.bucket_stream.RingBucket`). ``sender``:
+        the actor process that puts the stream (None: a driver); once it is gone, the
+        stream ends within ``_SENDER_LOOK_S`` instead of its readers waiting
+        ``key.wait_s`` for a bucket that never comes."""
         state = self._open(key)
         if state is None:
             return
         if sender is not None and state.sender is None:
-            state.sender = sender.actor_id
+            state.sender, state.sender_process = sender.actor_id, sender.worker_id
             self._sending.setdefault(sender.actor_id, set()).add(key.id)
             if sender.actor_id not in self._watches:
-                watch = asyncio.get_running_loop().create_task(self._watch_sender(sender))
+                watch = asyncio.get_running_loop().create_task(
+                    self._watch_sender(sender.actor_id)
+                )
                 self._watches[sender.actor_id] = watch
         state.clock.offer(index)
         state.buckets[index] = boxed
@@ -512,29 +538,28 @@ class BucketBroker:
                 ray.kill(ray.get_runtime_context().current_actor)
                 return
 
-    async def _watch_sender(self, sender: SenderActor) -> None:
-        """End every stream ``sender`` puts once its actor is dead (or restarting: its
-        new process holds none of them); stop once none of its streams runs. One call
-        at a time: to a sync actor it waits behind the method that sends (a training
-        loop may run for hours) and fails at once if the actor dies; to an async or
-        threaded actor it returns at once, and is made again every ``_SENDER_LOOK_S``."""
-        while self._sending.get(sender.actor_id):
+    async def _watch_sender(self, actor_id: str) -> None:
+        """End each stream the actor ``actor_id`` puts once the process that puts it is
+        gone (the actor died, or Ray restarts it: its new process holds none of them),
+        asking Ray which process runs it every ``_SENDER_LOOK_S`` while any of its
+        streams runs (a training loop's actor may be busy for hours: a call to it would
+        wait behind the method that sends)."""
+        while self._sending.get(actor_id):
             try:
-                await sender.handle.__ray_ready__.remote()
-            except ray.exceptions.RayActorError as err:
-                why = f"the process sending it died ({type(err).__name__}: {err})"
-                for stream in list(self._sending.get(sender.actor_id, ())):
+                running = await _process_running(actor_id)
+            except Exception as err:  # Ray's GCS did not answer: look again
+                logger.warning("could not ask Ray which process runs %s: %r", actor_id, err)
+            else:
+                for stream in list(self._sending.get(actor_id, ())):
                     state = self._streams.get(stream)
-                    if state is not None:
+                    if state is not None and state.sender_process != running:
+                        why = "the process sending it " + (
+                            "died" if running is None else "is gone: Ray restarted its actor"
+                        )
                         await self.end(state.key, why)
-                break
             await asyncio.sleep(_SENDER_LOOK_S)
-        if self._sending.get(sender.actor_id):  # a restarted incarnation's, begun meanwhile
-            loop = asyncio.get_running_loop()
-            self._watches[sender.actor_id] = loop.create_task(self._watch_sender(sender))
-        else:
-            self._sending.pop(sender.actor_id, None)
-            del self._watches[sender.actor_id]
+        self._sending.pop(actor_id, None)
+        del self._watches[actor_id]
 
     def _expire(self, state: _Stream, why: str, unless_planned: bool) -> None:
         """End ``state`` for ``why`` if it still runs (and, ``unless_planned``, was

@@ -744,20 +744,21 @@ def test_a_bucket_broker_that_died_is_replaced_for_the_next_version(actors, tran
     assert broker_of(hub)._actor_id != broker._actor_id
 
 
-def test_the_bucket_broker_never_imports_torch(actors):
+def test_the_bucket_broker_never_imports_torch(crew, actors):
     """The broker hands out buckets and never opens one: its process moves whole and
-    bucketed versions without importing torch (three seconds of CPU and a few hundred
-    MB on each start). The hub's process cannot be as lean: Ray imports a receiver's
-    class, and so torch, to unpickle its actor handle at the receiver's registration."""
-    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
-    receiver = start(actors, Receiver, hub, "r")
-    ready([receiver])
-    bucketed = ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
-    whole = ray.get(
-        hub.broadcast.remote(special_weights(2.0), model=MODEL, bucket_mb=1024), timeout=60
-    )
-    assert (bucketed.acked, whole.acked) == (("r",), ("r",))
-    assert_bitwise(ray.get(receiver.state.remote()), special_weights(2.0))
+    bucketed versions of every transport, from a learner actor, without importing torch
+    (three seconds of CPU and a few hundred MB on each start). It did, unpickling the
+    learner's actor handle (Ray imports an actor's class for that) or a NIXL ring's
+    bucket, and the hub's first bucketed plan waited 1.7-2.5 s for it. The hub's
+    process cannot be as lean: Ray imports a receiver's class, and so torch, to
+    unpickle its actor handle at the receiver's registration."""
+    hub, receivers = crew
+    learner = start(actors, Learner, hub)
+    bucketed = ray.get(learner.report.remote(special_weights(1.0), workers=CREW), timeout=60)
+    whole = to_crew(hub, special_weights(2.0), bucket_mb=1024)
+    assert (bucketed.acked, whole.acked) == (CREW, CREW)
+    for receiver in receivers:
+        assert_bitwise(ray.get(receiver.state.remote()), special_weights(2.0))
     # By value, not a function of this module: the broker must not import this module.
     imported_torch = lambda _: "torch" in __import__("sys").modules  # noqa: E731
     assert ray.get(broker_of(hub).__ray_call__.remote(imported_torch)) is False

@@ -9,7 +9,6 @@ import asyncio
 import tracemalloc
 
 import pytest
-import ray
 
 from raysync.actors import bucket_broker
 from raysync.actors.bucket_broker import BucketBroker
@@ -549,63 +548,93 @@ def test_a_member_that_gave_the_version_up_is_not_named_among_those_that_got_it(
     assert sorted(run(main())) == ["m0", "rank0"]
 
 
-class _Sender:
-    """A sender's actor handle as the broker uses it: each ``__ray_ready__.remote()``
-    is a future the test settles (a sync actor answers it once its sending method
-    returns; a dead one fails it)."""
+class _Processes:
+    """Which process runs each actor, as Ray's GCS would answer the broker (None: dead
+    or restarting); ``looks`` counts the broker's questions."""
 
-    def __init__(self) -> None:
-        self.calls: list[asyncio.Future] = []
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, **running: str | None) -> None:
+        self.running = running
+        self.looks = 0
+        monkeypatch.setattr(bucket_broker, "_process_running", self.look)
+        monkeypatch.setattr(bucket_broker, "_SENDER_LOOK_S", 0.0)
 
-    @property
-    def __ray_ready__(self) -> _Sender:
-        return self
-
-    def remote(self) -> asyncio.Future:
-        self.calls.append(asyncio.get_running_loop().create_future())
-        return self.calls[-1]
+    async def look(self, actor_id: str) -> str | None:
+        self.looks += 1
+        return self.running[actor_id]
 
 
-def test_a_dead_senders_streams_end_at_once_and_one_call_watches_them_all():
+async def _settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_a_dead_senders_streams_end_at_its_next_look_and_one_watch_covers_them_all(
+    monkeypatch,
+):
+    processes = _Processes(monkeypatch, learner="w1")
+
     async def main():
-        broker, handle = BucketBroker(_NO_HUB), _Sender()
-        sender = SenderActor("learner", handle)
+        broker = BucketBroker(_NO_HUB)
+        sender = SenderActor("learner", "w1")
         keys = [StreamId(f"s{i}", 4, 120.0) for i in range(3)]
         for k in keys:
             await broker.readers(k, ["r"])
             await broker.offer(k, 0, ["ref0"], sender)
         waiting = asyncio.ensure_future(broker.take(keys[0], 1, "r"))  # never offered
-        await asyncio.sleep(0)
-        calls = len(handle.calls)
-        handle.calls[0].set_exception(ray.exceptions.ActorDiedError())
-        return calls, await waiting, [await broker.take(k, 1, "r") for k in keys[1:]]
+        await _settle()
+        watches, alive = len(broker._watches), waiting.done()
+        processes.running["learner"] = None
+        return watches, alive, await waiting, [await broker.take(k, 1, "r") for k in keys[1:]]
 
-    calls, (boxed, why), later = run(main())
-    assert calls == 1  # one call, waiting behind the sending method, for all three
+    watches, answered_while_alive, (boxed, why), later = run(main())
+    assert (watches, answered_while_alive) == (1, False)  # one watch for all three
     assert boxed is None
-    assert why.startswith("the learner stopped sending this version: the process sending it died")
+    assert why == "the learner stopped sending this version: the process sending it died"
     for boxed, why in later:
-        assert boxed is None and "the process sending it died (ActorDiedError" in why
+        assert boxed is None and "(the process sending it died)" in why
+
+
+def test_a_restarted_senders_former_streams_end_and_its_new_ones_go_on(monkeypatch):
+    """Ray restarted the learner's actor: the streams its former process put end; the
+    one the new process put (the same actor id) goes on."""
+    processes = _Processes(monkeypatch, learner="w1")
+
+    async def main():
+        broker = BucketBroker(_NO_HUB)
+        former, new = StreamId("a", 2, 120.0), StreamId("b", 2, 120.0)
+        await broker.readers(former, ["r"])
+        await broker.offer(former, 0, ["a0"], SenderActor("learner", "w1"))
+        await _settle()
+        processes.running["learner"] = "w2"
+        await broker.readers(new, ["r"])
+        await broker.offer(new, 0, ["b0"], SenderActor("learner", "w2"))
+        await _settle()
+        return await broker.take(former, 1, "r"), await broker.take(new, 0, "r")
+
+    (boxed, why), (new_bucket, new_why) = run(main())
+    assert boxed is None
+    assert "(the process sending it is gone: Ray restarted its actor)" in why
+    assert (new_bucket, new_why) == (["b0"], None)
 
 
 def test_a_sender_is_watched_no_more_once_its_streams_ended(monkeypatch):
-    monkeypatch.setattr(bucket_broker, "_SENDER_LOOK_S", 0.0)
+    processes = _Processes(monkeypatch, learner="w1")
 
     async def main():
-        broker, handle = BucketBroker(_NO_HUB), _Sender()
-        sender = SenderActor("learner", handle)
-        first, second = StreamId("a", 1, 120.0), StreamId("b", 1, 120.0)
-        for k in (first, second):
+        broker = BucketBroker(_NO_HUB)
+        sender = SenderActor("learner", "w1")
+        for k in (StreamId("a", 1, 120.0), StreamId("b", 1, 120.0)):
             await broker.readers(k, ["r"])
             await broker.offer(k, 0, ["ref0"], sender)
-            await asyncio.sleep(0)  # the watch makes its call
+            await _settle()  # looked at while it runs
             assert await broker.take(k, 1, "r") == (None, None)  # read to the end
-        handle.calls[0].set_result(None)  # the sending method returned
-        for _ in range(5):
-            await asyncio.sleep(0)
-        return len(handle.calls)
+            await _settle()
+        looks = processes.looks
+        await _settle()
+        return looks, processes.looks, broker._watches
 
-    assert run(main()) == 1  # the second stream rode on the first call; none after
+    looks, looks_later, watches = run(main())
+    assert looks >= 1 and looks_later == looks and watches == {}
 
 
 async def _paced_stream(learner_pause_s: float, reader_pause_s: float) -> HandOff | None:

@@ -31,10 +31,9 @@ from raysync.transports.nixl.wire import (
     Frame,
     NixlBucketStream,
     NixlPayload,
-    RingBucket,
     descs,
 )
-from raysync.transports.object_store.bucket_stream import BucketStream
+from raysync.transports.object_store.bucket_stream import BucketStream, RingBucket
 from raysync.transports.object_store.buckets import buckets_of, give_up
 from raysync.transports.object_store.receiver import ObjectStoreReceiver
 from raysync.transports.staging import StagingPool, StillWriting, staging_device

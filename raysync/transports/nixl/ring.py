@@ -5,8 +5,9 @@ buffers. Per bucket size and device the sender registers, once, a ring of
 :data:`~raysync.transports.nixl.wire.RING_SLOTS` slots (an int64 stamp, padding, then
 one bucket), and :meth:`BucketRing.stream_out` packs bucket ``k`` into the next slot —
 casting each piece to the wire dtype as it copies it — and hands the hub's bucket
-broker a :class:`~raysync.transports.nixl.wire.RingBucket` (which slot, which stamp)
-instead of an object-store ref. Receivers READ it straight into their staging buffer.
+broker a :class:`~raysync.transports.object_store.bucket_stream.RingBucket` (which
+slot, which stamp) instead of an object-store ref. Receivers READ it straight into
+their staging buffer.
 
 Flow control is the broker's, as for the object store's buckets: a slot is written
 again only once every reader has taken the bucket after the one it holds (so has read
@@ -41,9 +42,12 @@ from raysync.transports.nixl.wire import (
     SLOT_HEADER,
     NixlBucketStream,
     NixlRegion,
-    RingBucket,
 )
-from raysync.transports.object_store.bucket_stream import BUCKETS_IN_FLIGHT, StreamId
+from raysync.transports.object_store.bucket_stream import (
+    BUCKETS_IN_FLIGHT,
+    RingBucket,
+    StreamId,
+)
 from raysync.transports.object_store.buckets import Outgoing, this_actor, wait_for_room
 
 

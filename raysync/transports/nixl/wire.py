@@ -85,17 +85,9 @@ SLOT_HEADER = 64
 
 
 @dataclass(frozen=True)
-class RingBucket:
-    """Where the broker says bucket ``k`` of a stream is: a slot of the learner's ring,
-    and the stamp that slot holds while it holds that bucket."""
-
-    slot: int
-    stamp: int
-
-
-@dataclass(frozen=True)
 class NixlBucketStream(BucketStream):
-    """A bucketed version through NIXL: the broker hands out :class:`RingBucket` s
+    """A bucketed version through NIXL: the broker hands out
+    :class:`~raysync.transports.object_store.bucket_stream.RingBucket` s
     instead of object-store refs, and receivers READ each from the learner's ring.
     Planners treat it as any bucket stream (readers, late joiners)."""
 

@@ -56,11 +56,27 @@ class StreamId:
 
 @dataclass(frozen=True)
 class SenderActor:
-    """The actor that puts a stream (the learner, or a receiver serving a late joiner):
-    the broker watches it while any stream of it runs."""
+    """The actor process that puts a stream (the learner, or a receiver serving a late
+    joiner): the broker watches it while any stream of it runs. Ids, not an actor
+    handle: Ray imports an actor's class to unpickle a handle of it, and so the
+    sender's own modules and torch in the broker (its event loop stood still 1.7-2.5 s
+    at the first bucketed version of a learner actor)."""
 
-    actor_id: str
-    handle: Any  #: its ActorHandle
+    actor_id: str  #: hex
+    #: The process of the incarnation that puts it (hex): one Ray restarts runs in another.
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class RingBucket:
+    """What a ring's learner (``nixl``) offers the broker for bucket ``k`` of a stream,
+    in place of an object-store ref: the slot of its ring that holds the bucket, and
+    the stamp that slot holds meanwhile. Here, not beside the ring: the broker
+    unpickles it, and importing the ``nixl`` transport would import torch there (its
+    event loop stood still ~2 s at a hub's first NIXL bucketed version)."""
+
+    slot: int
+    stamp: int
 
 
 @dataclass(frozen=True)

@@ -156,7 +156,7 @@ def this_actor() -> SenderActor | None:
     driver."""
     context = ray.get_runtime_context()
     actor_id = context.get_actor_id()
-    return None if actor_id is None else SenderActor(actor_id, context.current_actor)
+    return None if actor_id is None else SenderActor(actor_id, context.get_worker_id())
 
 
 def wait_for_room(
