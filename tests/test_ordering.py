@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from raysync.ordering import InOrder, ThreadsInOrder
 from tests.helpers import wait_until
 
@@ -77,6 +79,22 @@ def test_a_reader_started_before_a_call_sees_what_that_call_changed():
 
     asyncio.run(main())
     assert read == [0, 10]
+
+
+def test_a_reader_of_a_call_that_had_its_turn_goes_on_without_awaiting():
+    # The hub's forget_learner (the reader) must act before a call started after it
+    # runs: with one await in between, the learner's next side was routed a number
+    # past the one the forgotten learner held, and its versions skipped one.
+    gate = InOrder(wait_s=30)
+
+    async def main() -> None:
+        await gate.wait_turn("learner", 1)
+        for reader in (gate.wait_passed("learner", 1), gate.wait_passed("learner", 0)):
+            with pytest.raises(StopIteration) as returned:
+                reader.send(None)  # runs to its end at once, or yields: not StopIteration
+            assert returned.value.value is True
+
+    asyncio.run(main())
 
 
 def test_a_reader_of_a_lost_call_reads_without_it_after_the_wait():
