@@ -1167,9 +1167,9 @@ class WeightHubActor:
     async def ack(self, ack: Ack) -> None:
         """An acknowledgement sent after the delivery call returned (deferred applies):
         booked for the registration that sent it only (its worker id may have gone to
-        a new actor since, which does not hold that version)."""
-        applied = ack.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED)
-        if applied and self._state.knows(ack.worker, ack.token):
+        a new actor since, which does not hold that version), also when it came after
+        its delivery ended (a version applied then still is the receiver's)."""
+        if ack.holds_version and self._state.knows(ack.worker, ack.token):
             self._state.record(ack.worker, ack.model, ack.version, ack.timings)
         self._acks.arrive(ack)
 

@@ -53,7 +53,6 @@ UNAVAILABLE_RETRY_S = 0.1
 DEFERRED_CHECK_S = 1.0
 
 #: The acks of a receiver that holds the version it was delivered (or a newer one).
-_HOLDS = (AckStatus.APPLIED, AckStatus.SUPERSEDED)
 
 #: (registration token, model, version, origin): the delivery an ack answers.
 AckKey = tuple[str, str, int, str]
@@ -663,8 +662,9 @@ class ReceiverDelivery:
 
 def _holds(reply: Any) -> bool:
     """Whether a delivery call's reply says its receiver holds the version it was
-    delivered, or a newer one (None: staged, to be applied at a safe point)."""
-    return isinstance(reply, Ack) and reply.status in _HOLDS
+    delivered, or a newer one (:attr:`Ack.holds_version`; None: staged, to be applied
+    at a safe point)."""
+    return isinstance(reply, Ack) and reply.holds_version
 
 
 def takes_turns(update: Update) -> bool:

@@ -266,6 +266,15 @@ class Ack:
     #: ack goes, not part of the outcome: acks compare equal without it.
     token: str = field(default="", compare=False)
 
+    @property
+    def holds_version(self) -> bool:
+        """Whether the receiver's model holds this version (or a newer one) once it
+        answered: it applied it (also when its ``on_weights_applied`` raised after:
+        FAILED, with timings), or a newer version superseded it."""
+        if self.status is AckStatus.FAILED:
+            return self.timings is not None
+        return self.status in (AckStatus.APPLIED, AckStatus.SUPERSEDED)
+
 
 @dataclass(frozen=True)
 class ReceiverTimings:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from types import SimpleNamespace
 
 from raysync.actors import hub_delivery
+from raysync.actors.hub import WeightHubActor
 from raysync.actors.hub_delivery import AckBook
-from raysync.messages import Ack, AckStatus
+from raysync.messages import Ack, AckStatus, ReceiverTimings
 
 
 def ack(version: int, *, token: str = "t1", origin: str = "learner") -> Ack:
@@ -547,3 +549,28 @@ def test_a_restarted_receivers_process_question_failing_late_is_retrieved(monkey
     outcome = asyncio.run(run())
     assert outcome.cause is FailureCause.DIED and "new process registered again" in outcome.error
     assert not unretrieved, [c.get("message") for c in unretrieved]
+
+
+def test_an_ack_of_a_version_applied_before_its_hook_raised_books_it_when_late_too():
+    """The receiver applied the version, then its ``on_weights_applied`` raised (FAILED,
+    with timings): its model holds the version. An ack that came after its delivery
+    ended (or a delivery call returning late) booked nothing: ``hub.status`` showed the
+    receiver behind, and the hub took the version for one that every target failed."""
+    recorded: list[tuple] = []
+    hub = SimpleNamespace(
+        _state=SimpleNamespace(
+            knows=lambda worker, token: True, record=lambda *a: recorded.append(a)
+        ),
+        _acks=AckBook(),
+    )
+    timings = ReceiverTimings(fetch_s=0.1, wait_s=0.0, apply_s=0.01)
+    hooked = Ack("w", "m", 3, AckStatus.FAILED, "on_weights_applied raised", timings, token="t1")
+    failed = Ack("w", "m", 4, AckStatus.FAILED, "the fetch raised", token="t1")
+
+    async def run():
+        for late in (hooked, failed):
+            await WeightHubActor.ack(hub, late)
+
+    asyncio.run(run())
+    assert recorded == [("w", "m", 3, timings)]
+    assert (hub_delivery._holds(hooked), hub_delivery._holds(failed)) == (True, False)
