@@ -220,11 +220,17 @@ class RaySyncScheme(WeightSyncScheme):
                 weights=source, model_id=self.model_id, strategy=self.strategy, context=self.context
             )
         )
+        learner = None if self._model_ref is None else self._model_ref()
+        if isinstance(prepared, TensorDictBase) and isinstance(learner, torch.nn.Module):
+            # TorchRL's usual update, TensorDict.from_module(policy), holds the buffers
+            # the policy does not save too: they stay each process's own here as well.
+            prepared = _without_unsaved(prepared, learner)
         # All of them: every receiver of the model at the hub (an evaluator attached to
         # it too), which must list each of this scheme's collectors.
         workers = None if worker_ids is None else collectors
         deadline = time.monotonic() + self._timeout_s
         looked_for_restarted = False
+        published = False  # whether a try of this update reached the hub's receivers
         while True:
             error: Exception | None = None
             try:
@@ -237,12 +243,13 @@ class RaySyncScheme(WeightSyncScheme):
                     workers=workers,
                     timeout_s=max(deadline - time.monotonic(), _REGISTERED_AGAIN_LOOK_S),
                 )
-                self.last_report = ray.get(ack)
+                self.last_report, published = ray.get(ack), True
                 unknown = [w for w in collectors if w not in self.last_report.acked]
                 if not unknown:
                     return
             except BroadcastError as err:
-                self.last_report = err.report  # who applied it, and why the others did not
+                # Who applied it, and why the others did not.
+                self.last_report, published = err.report, True
                 if time.monotonic() > deadline or not self._attach_restarted(
                     err.report.failed, deadline
                 ):
@@ -261,7 +268,7 @@ class RaySyncScheme(WeightSyncScheme):
             if unknown:
                 dead = self._dead(unknown)
                 if dead:
-                    report = self.last_report if error is None else None
+                    report = self.last_report if published else None
                     sent = (
                         f"version {report.version} reached the others (scheme.last_report)"
                         if report is not None
@@ -563,10 +570,16 @@ def _synced_weights_of(model: Any) -> TensorDictBase:
     weights = _weights_of(model)
     if not isinstance(model, torch.nn.Module):
         return weights
+    return _without_unsaved(weights, model)
+
+
+def _without_unsaved(weights: TensorDictBase, module: torch.nn.Module) -> TensorDictBase:
+    """``weights`` (``module``'s, as ``TensorDict.from_module`` lays them out) without
+    the buffers ``module`` does not save."""
     unsaved = [
         (*filter(None, prefix.split(".")), name)
-        for prefix, module in model.named_modules(remove_duplicate=False)
-        for name in module._non_persistent_buffers_set
+        for prefix, submodule in module.named_modules(remove_duplicate=False)
+        for name in submodule._non_persistent_buffers_set
     ]
     return weights.exclude(*unsaved) if unsaved else weights
 

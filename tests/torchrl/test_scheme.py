@@ -350,7 +350,11 @@ def test_a_buffer_the_policy_does_not_save_stays_each_process_own(ray_cluster):
         collector.update_policy_weights_(set_weight(policy, 3.0).state_dict())
         assert sorted(scheme.last_report.acked) == sorted([*scheme.workers, "evaluator"])
         assert actions(next(batches)) == {3.0}
-        assert ray.get(evaluator.weight.remote()) == 3.0
+        # TorchRL's usual update, which holds the unsaved buffer too.
+        collector.update_policy_weights_(TensorDict.from_module(set_weight(policy, 4.0)))
+        assert sorted(scheme.last_report.acked) == sorted([*scheme.workers, "evaluator"])
+        assert actions(next(batches)) == {4.0}
+        assert ray.get(evaluator.weight.remote()) == 4.0
         assert ray.get(evaluator.buffers.remote()) == {"mask": 1.0}
     finally:
         collector.shutdown()
