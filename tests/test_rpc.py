@@ -298,14 +298,22 @@ def test_pull_mode_reads_the_learner_copy(actors):
     assert agent_status(hub).sent == 0
 
 
-def test_killed_agent_is_replaced_and_its_members_follow_it(actors):
+@pytest.mark.parametrize("kill", ["ray.kill", "SIGKILL"])
+def test_killed_agent_is_replaced_and_its_members_follow_it(actors, kill):
+    """Killed by Ray, or its process by a signal: Ray then kept the agent's name for the
+    dead one in the hub, which holds a handle of it, and refused the new agent that
+    name at every plan: every broadcast failed every receiver for good."""
     hub = start_rpc_hub(actors)
     collectors = [start(actors, Collector, hub, worker_id=f"c{i}") for i in range(2)]
     ready(collectors)
     ray.get(hub.broadcast.remote(make_policy()))
     before = agent_status(hub)
 
-    ray.kill(ray.get_actor(f"raysync-rpc-agent-{hub.config.hub_id}"))
+    agent = ray.get_actor(f"raysync-rpc-agent-{hub.config.hub_id}")
+    if kill == "ray.kill":
+        ray.kill(agent)
+    else:
+        os.kill(actor_pid(agent), signal.SIGKILL)
     # The hub finds the agent dead at the next plan, starts a new group and re-admits
     # every member at its rank; each receiver moves to the new group on that delivery.
     assert_policy_reaches(hub, collectors, ("c0", "c1"))

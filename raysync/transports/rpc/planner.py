@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raysync.actor_classes import RPC_AGENT, actor_class
 from raysync.bounded import keep_newest
 from raysync.hub_snapshot import KV_NAMESPACE
+from raysync.named_actors import start_again
 from raysync.spec import WeightSpec
 from raysync.transports.base import HubContext, ReceiverInfo, TransportError, TransportPlanner
 from raysync.transports.bucket_relay import bucket_count, relay_reader
@@ -26,6 +27,10 @@ from raysync.transports.parts import plan_pull_parts
 from raysync.transports.rpc.wire import LEFT_KEPT, RpcJob, RpcMember, RpcPayload, agent_name
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a plan waits for Ray to let the hub name a new agent as the dead one was
+#: (:func:`raysync.named_actors.start_again`).
+AGENT_NAME_WAIT_S = 10.0
 
 
 class RpcPlanner(TransportPlanner):
@@ -75,18 +80,30 @@ class RpcPlanner(TransportPlanner):
         Reading the new agent's members waits for its process to start: a plan whose
         timeout cancels it there leaves them unread (``_members_of`` is the old key),
         and the next call reads them before anything is planned with them."""
-        try:
-            await self._actor.ping.remote()
-        except ray.exceptions.ActorUnavailableError as err:  # alive, out of reach a while
-            raise TransportError(
-                f"the RPC agent {self._name} did not answer now ({err}); it is kept, and "
-                "the next version tries it again"
-            ) from err
-        except ray.exceptions.RayActorError as err:
-            logger.warning("the RPC agent %s died (%s); starting a new group", self._name, err)
-            if self._broker is not None:  # no bucketed version waits for the dead agent
-                self._broker.drop_reader.remote(relay_reader(self._key))
-            self._key, self._actor = self._start_agent()
+        if self._actor is not None:
+            try:
+                await self._actor.ping.remote()
+            except ray.exceptions.ActorUnavailableError as err:  # alive, out of reach a while
+                raise TransportError(
+                    f"the RPC agent {self._name} did not answer now ({err}); it is kept, "
+                    "and the next version tries it again"
+                ) from err
+            except ray.exceptions.RayActorError as err:
+                logger.warning(
+                    "the RPC agent %s died (%s); starting a new group", self._name, err
+                )
+                if self._broker is not None:  # no bucketed version waits for the dead agent
+                    self._broker.drop_reader.remote(relay_reader(self._key))
+                self._actor = None  # no handle of the dead agent kept: Ray keeps its name
+        if self._actor is None:
+            try:
+                self._key, self._actor = await start_again(self._start_agent, AGENT_NAME_WAIT_S)
+            except ray.exceptions.ActorAlreadyExistsError as err:
+                raise TransportError(
+                    f"a new RPC agent {self._name} could not start: Ray still gives its "
+                    f"name to the dead one after {AGENT_NAME_WAIT_S:g} s ({err}); the next "
+                    "version tries again"
+                ) from err
         if self._members_of != self._key:
             try:
                 members = await self._actor.members.remote()
@@ -121,6 +138,8 @@ class RpcPlanner(TransportPlanner):
             self._members.pop(worker, None)
             self._receivers.pop(worker, None)
             process = self._ranks.remove(worker)
+            if self._actor is None:  # dead, not replaced yet: the next one lacks it
+                return
             forgetting = asyncio.ensure_future(self._actor.forget.remote(worker))
             self._forgetting[forgetting] = process
         try:
@@ -168,6 +187,8 @@ class RpcPlanner(TransportPlanner):
     async def close(self) -> None:
         self._serving.close()
         self._ranks.delete()  # a closed hub is not restarted: nobody needs them
+        if self._actor is None:  # it died, and no new one started
+            return
         try:
             await self._actor.close.remote()
         except ray.exceptions.RayActorError:

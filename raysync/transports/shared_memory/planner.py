@@ -15,6 +15,7 @@ from ray.exceptions import RayError
 
 from raysync.actor_classes import SHM_OWNER, actor_class
 from raysync.background import BackgroundTasks
+from raysync.named_actors import start_again
 from raysync.spec import WeightSpec
 from raysync.transports.base import (
     HubContext,
@@ -31,6 +32,7 @@ from raysync.transports.shared_memory.wire import (
     MAX_SLOTS,
     OWNER_NAMESPACE,
     OWNER_THREADS,
+    OWNER_WAIT_S,
     SLOT_WAIT_S,
     SharedMemoryPayload,
     SharedMemoryReceiverInfo,
@@ -91,17 +93,26 @@ class SharedMemoryPlanner(TransportPlanner):
 
     async def _watch(self, node_id: str, owner: Any) -> None:
         """Restart ``node_id``'s owner if it dies while the hub is open and the node lives
-        (an owner whose node died cannot be scheduled: Ray says so with a RayError)."""
+        (an owner whose node died cannot be scheduled: Ray says so with a RayError), as
+        soon as Ray lets this process have its name again
+        (:func:`raysync.named_actors.start_again`), within the learner's wait for it."""
         try:
             await owner.closed.remote()
+            return
         except RayError:
             if self._closed or self._owners.get(node_id) is not owner:
                 return
             del self._owners[node_id]
             for _, payloads in self._latest.values():
                 payloads.pop(node_id, None)
-            if _alive(node_id):
-                self._start_owner(node_id)
+        del owner  # no handle of the dead owner kept here: Ray keeps its name for it
+
+        def start() -> Any:
+            if self._closed or node_id in self._owners or not _alive(node_id):
+                return None  # closed, started meanwhile (a join), or its node is gone
+            return self._start_owner(node_id)
+
+        await start_again(start, OWNER_WAIT_S)
 
     def _owner(self, node_id: str) -> Any:
         """``node_id``'s owner, started if it has none; TransportError if the node is gone."""
