@@ -365,9 +365,9 @@ class _Broadcast:
             return senders, payloads
         except TransportError as err:
             # A closed hub has stopped its transport: say that, not what broke below it,
-            # and let go of what this process holds for it.
+            # and let go of what this process holds for it (telling that hub nothing).
             if HubContext(handle.actor, handle.config.hub_id).stopped():
-                handle.release()
+                end_learner_side(handle.config.hub_id, tell_hub=False)
                 raise HubClosedError(
                     "the hub is shutting down or dead and accepts no more broadcasts"
                 ) from err
