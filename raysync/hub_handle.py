@@ -586,6 +586,24 @@ class _BroadcastDone(VersionDone):
         return False
 
 
+def ask_through_restarts(ask: Callable[[], ray.ObjectRef], timeout_s: float) -> Any:
+    """``ray.get(ask())`` (a call to the hub actor), made again every
+    ``_RESTARTING_LOOK_S`` while Ray restarts the hub: a call that reached an
+    incarnation that died, or went out before the new one was up, fails with
+    ``ActorUnavailableError``, and no Ray call waits for a restart. Within ``timeout_s``
+    in all: Ray's ``GetTimeoutError`` if the hub did not answer, its
+    ``ActorUnavailableError`` if it was still restarting then. Callable from any
+    process that holds the hub's handle (a learner, a receiver registering)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(ask(), timeout=max(deadline - time.monotonic(), 0.0))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() + _RESTARTING_LOOK_S > deadline:
+                raise
+            time.sleep(_RESTARTING_LOOK_S)
+
+
 class HubHandle:
     """A picklable handle on a hub actor: the learner's side of the hub.
 
@@ -780,23 +798,19 @@ class HubHandle:
         Ray's ``ActorUnavailableError`` before anything is sent). TimeoutError after
         ``timeout_s``: a hub alive but hung (or busy, or restarting, that long) must not
         hang the learner's broadcast."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return ray.get(ask(), timeout=max(deadline - time.monotonic(), 0.0))
-            except ray.exceptions.GetTimeoutError as err:
-                raise TimeoutError(
-                    f"hub {self.config.hub_id} did not answer within {timeout_s:g} s which "
-                    "hand-offs this broadcast takes (it is alive, but busy or hung); "
-                    "nothing was sent"
-                ) from err
-            except ray.exceptions.ActorUnavailableError as err:
-                if time.monotonic() + _RESTARTING_LOOK_S > deadline:
-                    raise TimeoutError(
-                        f"hub {self.config.hub_id} was still restarting after "
-                        f"{timeout_s:g} s (Ray: {err}); nothing was sent"
-                    ) from err
-                time.sleep(_RESTARTING_LOOK_S)  # no Ray call waits for a restart: ask again
+        try:
+            return ask_through_restarts(ask, timeout_s)
+        except ray.exceptions.GetTimeoutError as err:
+            raise TimeoutError(
+                f"hub {self.config.hub_id} did not answer within {timeout_s:g} s which "
+                "hand-offs this broadcast takes (it is alive, but busy or hung); "
+                "nothing was sent"
+            ) from err
+        except ray.exceptions.ActorUnavailableError as err:
+            raise TimeoutError(
+                f"hub {self.config.hub_id} was still restarting after "
+                f"{timeout_s:g} s (Ray: {err}); nothing was sent"
+            ) from err
 
     def _sender(self, hand_off: str) -> TransportSender:
         """The learner half of transport ``hand_off``: this process's, shared by every

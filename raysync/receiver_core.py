@@ -45,7 +45,7 @@ from raysync.copies import Viewed, copy_all, viewed, wait_for_devices
 from raysync.errors import RaySyncError, SpecMismatchError, UnknownModelError, UnknownWorkerError
 from raysync.gate import DEFERRED, ApplyGate, on_event_loop
 from raysync.host_loop import call_on_host_loop
-from raysync.hub_handle import HubHandle
+from raysync.hub_handle import HubHandle, ask_through_restarts
 from raysync.messages import (
     Ack,
     AckStatus,
@@ -349,7 +349,11 @@ class ReceiverCore:
                 _give_attachment_back(identity, None)
                 raise
             try:
-                welcome = ray.get(hub.actor.register.remote(registration), timeout=timeout_s)
+                # Asked again while Ray restarts the hub: a receiver Ray restarted meanwhile
+                # raised from __init__ and was dead for good.
+                welcome = ask_through_restarts(
+                    lambda: hub.actor.register.remote(registration), timeout_s
+                )
             except BaseException as err:
                 undo()
                 if not isinstance(err, ray.exceptions.RayTaskError):

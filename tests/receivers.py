@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -1051,3 +1053,48 @@ def pull_giving_up_at_once(collector) -> str:
     except ray.exceptions.GetTimeoutError as err:
         return type(err).__name__
     return "answered"
+
+
+class KillsTheHubOnceItIsAskedToRegister:
+    """A hub's actor handle whose first ``register`` call, once sent, kills the hub's
+    (frozen) process: the call is in flight as the hub dies. Anything else is the
+    handle's."""
+
+    def __init__(self, actor, hub_pid: int) -> None:
+        self._actor, self._hub_pid, self._killed = actor, hub_pid, False
+
+    def __getattr__(self, name: str):
+        return getattr(self._actor, name)
+
+    @property
+    def register(self):
+        outer = self
+
+        class Register:
+            def remote(self, *args, **kwargs):
+                sent = outer._actor.register.remote(*args, **kwargs)
+                if not outer._killed:
+                    outer._killed = True
+                    os.kill(outer._hub_pid, signal.SIGKILL)
+                return sent
+
+        return Register()
+
+
+@ray.remote(num_cpus=0)
+class RegistersAsTheHubDies(WeightReceiver):
+    """A receiver whose ``__init__`` registers while the hub dies (a receiver Ray
+    restarts while it restarts the hub too)."""
+
+    def __init__(self, hub, hub_pid: int) -> None:
+        self.policy = make_policy()
+        dying = copy.copy(hub)
+        dying.actor = KillsTheHubOnceItIsAskedToRegister(hub.actor, hub_pid)
+        os.kill(hub_pid, signal.SIGSTOP)
+        self.connect_hub(dying, models={"policy": "policy"}, worker_id="joiner")
+
+    def version(self) -> int:
+        return self.weights_version("policy")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return state_of(self.policy)

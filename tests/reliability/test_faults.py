@@ -29,7 +29,7 @@ from tests.helpers import (
     wait_for_file,
     wait_until,
 )
-from tests.receivers import Collector, beat_now, make_policy, state_of
+from tests.receivers import Collector, RegistersAsTheHubDies, beat_now, make_policy, state_of
 
 HEARTBEAT_S = 0.3
 
@@ -361,6 +361,26 @@ def test_a_broadcast_whose_route_ask_the_hub_dies_with_asks_its_restart(actors):
         lambda: ray.get(collector.version.remote()) == 2, timeout_s=60, what="version 2"
     )
     assert_same(ray.get(collector.state.remote()), state_of(weights))
+
+
+def test_a_receiver_registering_as_the_hub_dies_registers_with_its_restart(actors):
+    """The registration call in flight as the hub died raised Ray's
+    ``ActorUnavailableError`` out of ``connect_hub``, so out of the receiver's
+    ``__init__``: Ray took the actor for dead for good, whatever its ``max_restarts``
+    (a receiver Ray restarted while the hub restarted too, 1 in 5 kills in a soak). It
+    asks the new incarnation, within ``connect_hub``'s timeout."""
+    hub = start_hub(
+        actors, DEFAULT_TRANSPORT, {"max_restarts": 1, "max_task_retries": 0}, models=["policy"]
+    )
+    ray.get(hub.broadcast.remote(make_policy(), model="policy"))
+    hub_pid = ray.get(hub.actor.__ray_call__.remote(lambda h: os.getpid()))
+    joiner = start(actors, RegistersAsTheHubDies, hub, hub_pid)
+    ready([joiner])
+    learner = make_policy()
+    report = ray.get(hub.broadcast.remote(learner), timeout=60)
+    assert (report.version, report.acked) == (2, ("joiner",))
+    assert ray.get(joiner.version.remote()) == 2
+    assert_same(ray.get(joiner.state.remote()), state_of(learner))
 
 
 def test_a_pull_receiver_without_a_watch_is_known_again_after_a_restart_before_any_broadcast(
