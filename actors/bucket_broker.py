@@ -213,14 +213,8 @@ class BucketBroker:
         state = self._open(key)
         if state is None:
             return
-        if sender is not None and state.sender is None:
-            state.sender, state.sender_process = sender.actor_id, sender.worker_id
-            self._sending.setdefault(sender.actor_id, set()).add(key.id)
-            if sender.actor_id not in self._watches:
-                watch = asyncio.get_running_loop().create_task(
-                    self._watch_sender(sender.actor_id)
-                )
-                self._watches[sender.actor_id] = watch
+        if sender is not None:
+            self._watch(state, sender)
         state.clock.offer(index)
         state.buckets[index] = boxed
         state.offered = max(state.offered, index + 1)
@@ -496,7 +490,20 @@ class BucketBroker:
             asyncio.get_running_loop().call_later(
                 2 * key.wait_s, self._expire, state, "the hub never planned this version", True
             )
+            if key.sender is not None:
+                self._watch(state, key.sender)
         return state
+
+    def _watch(self, state: _Stream, sender: SenderActor) -> None:
+        """``state``'s stream is put by ``sender``: it ends once that process is gone
+        (:meth:`_watch_sender`, one task per actor)."""
+        if state.sender is not None:
+            return
+        state.sender, state.sender_process = sender.actor_id, sender.worker_id
+        self._sending.setdefault(sender.actor_id, set()).add(state.key.id)
+        if sender.actor_id not in self._watches:
+            watch = asyncio.get_running_loop().create_task(self._watch_sender(sender.actor_id))
+            self._watches[sender.actor_id] = watch
 
     def _now_planned(self, state: _Stream) -> None:
         """``readers`` or ``seal`` named readers: once every one is named, its clocks run

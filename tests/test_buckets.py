@@ -8,6 +8,7 @@ joiners read the latest version from a holder."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -124,6 +125,21 @@ class Learner:
         """Broadcast and wait for the report (the call returns once every bucket is put,
         which here waits for a busy reader: the test goes on meanwhile)."""
         return ray.get(self.hub.broadcast.remote(weights, model=MODEL, **broadcast))
+
+
+@ray.remote(num_cpus=0)
+class LearnerDyingAtItsFirstBucket:
+    """A learner process that hands a bucketed version to the hub and is killed as it
+    puts bucket 0, before it offers the broker any bucket."""
+
+    def __init__(self, hub) -> None:
+        self.hub = hub
+
+    def send(self, weights: dict[str, torch.Tensor], **broadcast) -> None:
+        from raysync.transports.object_store import buckets
+
+        buckets.put_arrays = lambda arrays: os.kill(os.getpid(), signal.SIGKILL)
+        self.hub.broadcast.remote(weights, model=MODEL, **broadcast)
 
 
 def broker_of(hub):
@@ -391,6 +407,26 @@ def test_a_version_whose_learner_dies_midway_leaves_every_model_untouched(actors
     report = ray.get(hub.broadcast.remote(weights, model=MODEL), timeout=60)
     assert (report.acked, report.version) == (("copier", "stuck"), 3)
     for receiver in (copier, stuck):
+        assert_bitwise(ray.get(receiver.state.remote()), weights)
+
+
+def test_a_learner_dying_before_its_first_bucket_holds_the_next_version_up_no_longer(actors):
+    """The learner's version reached the hub, and the learner died putting bucket 0: the
+    broker never heard from it, so did not watch it, and the receivers waited for
+    bucket 0 the whole stream's wait (here 120 s) while the next learner's version
+    queued behind, and failed at its 30 s timeout. The stream's id names its learner:
+    the broker watches it from the hub's plan on."""
+    hub = start_hub(actors, "object_store", models=[MODEL], bucket_mb=TINY_MB)
+    receivers = [start(actors, Receiver, hub, worker) for worker in CREW]
+    ready(receivers)
+    ray.get(hub.broadcast.remote(special_weights(1.0), model=MODEL), timeout=60)
+    dying = start(actors, LearnerDyingAtItsFirstBucket, hub)
+    dying.send.remote(special_weights(2.0), timeout_s=120.0)
+    wait_dead(dying)
+    weights = special_weights(3.0)
+    report = ray.get(hub.broadcast.remote(weights, model=MODEL, timeout_s=30.0), timeout=90)
+    assert report.acked == CREW
+    for receiver in receivers:
         assert_bitwise(ray.get(receiver.state.remote()), weights)
 
 

@@ -617,6 +617,29 @@ def test_a_restarted_senders_former_streams_end_and_its_new_ones_go_on(monkeypat
     assert (new_bucket, new_why) == (["b0"], None)
 
 
+def test_a_learner_that_dies_before_its_first_bucket_ends_its_stream(monkeypatch):
+    """The learner handed the version to the hub and died before it offered bucket 0:
+    the hub's plan (``readers``) is the first the broker hears of the stream, and the
+    stream's id names its learner. Unwatched, the stream's readers waited its whole
+    ``wait_s`` for bucket 0 (the next version's broadcast behind it timed out)."""
+    processes = _Processes(monkeypatch, learner="w1")
+
+    async def main():
+        broker = BucketBroker(_NO_HUB)
+        k = StreamId("s", 4, 120.0, sender=SenderActor("learner", "w1"))
+        await broker.readers(k, ["r"])
+        waiting = asyncio.ensure_future(broker.take(k, 0, "r"))
+        await _settle()
+        alive = waiting.done()
+        processes.running["learner"] = None
+        return alive, await waiting
+
+    answered_while_alive, (boxed, why) = run(main())
+    assert answered_while_alive is False
+    assert boxed is None
+    assert why == "the learner stopped sending this version: the process sending it died"
+
+
 def test_a_sender_is_watched_no_more_once_its_streams_ended(monkeypatch):
     processes = _Processes(monkeypatch, learner="w1")
 

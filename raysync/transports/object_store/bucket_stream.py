@@ -33,6 +33,19 @@ def broker_name(hub_id: str) -> str:
 
 
 @dataclass(frozen=True)
+class SenderActor:
+    """The actor process that puts a stream (the learner, or a receiver serving a late
+    joiner): the broker watches it while any stream of it runs. Ids, not an actor
+    handle: Ray imports an actor's class to unpickle a handle of it, and so the
+    sender's own modules and torch in the broker (its event loop stood still 1.7-2.5 s
+    at the first bucketed version of a learner actor)."""
+
+    actor_id: str  #: hex
+    #: The process of the incarnation that puts it (hex): one Ray restarts runs in another.
+    worker_id: str
+
+
+@dataclass(frozen=True)
 class StreamId:
     """One bucketed version at the broker: what every call about it carries (any may be
     the first the broker hears of it)."""
@@ -46,25 +59,17 @@ class StreamId:
     #: A version a receiver serves to one late joiner (no broadcast ends it): the broker
     #: drops a reader that has not begun it within ``wait_s`` of its plan.
     served: bool = False
+    #: The learner actor that made it (None: a driver, or a served version, whose offers
+    #: name their sender): the broker watches it from the first call about the stream
+    #: on, the hub's plan included, so that a learner that dies before its first bucket
+    #: ends its stream too.
+    sender: SenderActor | None = None
 
     @property
     def stall_s(self) -> float:
         """How long the others wait for a reader that holds them up before it is
         dropped: half of ``wait_s``, so that it is dropped before they time out."""
         return self.wait_s / 2
-
-
-@dataclass(frozen=True)
-class SenderActor:
-    """The actor process that puts a stream (the learner, or a receiver serving a late
-    joiner): the broker watches it while any stream of it runs. Ids, not an actor
-    handle: Ray imports an actor's class to unpickle a handle of it, and so the
-    sender's own modules and torch in the broker (its event loop stood still 1.7-2.5 s
-    at the first bucketed version of a learner actor)."""
-
-    actor_id: str  #: hex
-    #: The process of the incarnation that puts it (hex): one Ray restarts runs in another.
-    worker_id: str
 
 
 @dataclass(frozen=True)

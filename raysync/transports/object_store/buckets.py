@@ -90,7 +90,7 @@ def start_stream(
     """Learner: the payload of a bucketed version of ``spec`` (the wire's), and what
     :func:`stream_out` needs to send it."""
     plan = BucketPlan.of(spec, bucket_bytes)
-    key = StreamId(uuid.uuid4().hex, plan.count, 2 * stall_s)
+    key = StreamId(uuid.uuid4().hex, plan.count, 2 * stall_s, sender=this_actor())
     payload = BucketStream(broker, key, bucket_bytes)
     return payload, Outgoing([tensors[name] for name in spec.names], plan)
 
