@@ -213,18 +213,17 @@ class RaySyncScheme(WeightSyncScheme):
         if worker_ids is not None and not collectors:
             return  # no collector named: nothing to send, as TorchRL's own schemes do
         source = weights if weights is not None else self.model
-        prepared = (
-            _synced_weights_of(source)
-            if isinstance(source, torch.nn.Module)
-            else self.prepare_weights(
+        if isinstance(source, torch.nn.Module):
+            prepared = _synced_weights_of(source)
+        else:
+            prepared = self.prepare_weights(
                 weights=source, model_id=self.model_id, strategy=self.strategy, context=self.context
             )
-        )
-        learner = None if self._model_ref is None else self._model_ref()
-        if isinstance(prepared, TensorDictBase) and isinstance(learner, torch.nn.Module):
-            # TorchRL's usual update, TensorDict.from_module(policy), holds the buffers
-            # the policy does not save too: they stay each process's own here as well.
-            prepared = _without_unsaved(prepared, learner)
+            learner = None if self._model_ref is None else self._model_ref()
+            if isinstance(prepared, TensorDictBase) and isinstance(learner, torch.nn.Module):
+                # TorchRL's usual update, TensorDict.from_module(policy), holds the buffers
+                # the policy does not save too: they stay each process's own here as well.
+                prepared = _without_unsaved(prepared, learner)
         # All of them: every receiver of the model at the hub (an evaluator attached to
         # it too), which must list each of this scheme's collectors.
         workers = None if worker_ids is None else collectors
