@@ -52,8 +52,6 @@ UNAVAILABLE_RETRY_S = 0.1
 #: the receiver is still there (registered as it was, its process alive).
 DEFERRED_CHECK_S = 1.0
 
-#: The acks of a receiver that holds the version it was delivered (or a newer one).
-
 #: (registration token, model, version, origin): the delivery an ack answers.
 AckKey = tuple[str, str, int, str]
 

@@ -57,7 +57,8 @@ from raysync.wire_dtype import (
 
 #: Default seconds a broadcast waits for every receiver's ack.
 DEFAULT_TIMEOUT_S = 60.0
-#: How often a broadcast asks a hub Ray is restarting again for its route.
+#: How often a call to a hub Ray is restarting is made again (a learner's route ask,
+#: a receiver's registration: :func:`ask_through_restarts`).
 _RESTARTING_LOOK_S = 0.1
 
 logger = logging.getLogger(__name__)
